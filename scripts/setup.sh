@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up the development environment: .venv with snapckpt installed editable, plus test extras.
+#
+# Idempotent and quiet. The `test` extra pins torch==2.13.0 (the CPU wheel); never install plain
+# `torch`, which would resolve a multi-GB CUDA build. A stamp file in .venv, newer than
+# pyproject.toml, makes a repeated run skip pip entirely.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+VENV=.venv
+STAMP="$VENV/.snapckpt-setup-stamp"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV" >&2
+    python3 -m venv "$VENV"
+fi
+
+installed() {
+    # The stamp is fresh and the editable install is still registered in the venv.
+    [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] &&
+        compgen -G "$VENV/lib/python*/site-packages/snapckpt-*.dist-info" > /dev/null
+}
+
+if ! installed; then
+    echo "setup: installing snapckpt (editable) with test extras into $VENV" >&2
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+    touch "$STAMP"
+fi

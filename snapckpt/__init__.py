@@ -1,0 +1,31 @@
+"""snapckpt: near-free checkpoints for large-model training.
+
+At a step boundary each rank's state is copied into host shared memory (a *snapshot*); training goes on
+at once, and one persister process per node writes the snapshot to storage in the framework's own
+format and commits it crash-safely. A restarted job resumes from the freshest tier, memory or disk.
+
+Public names are listed in ``__all__``; everything else may change.
+"""
+from . import rng
+from .checkpointer import Checkpointer, LoadInfo
+from .errors import SnapckptError
+from .events import Event, SaveStats, StorageType
+from .handle import SaveHandle
+from .hooks import HookRegistry, SnapshotPolicy
+from .options import CheckpointOptions
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointOptions",
+    "Event",
+    "HookRegistry",
+    "LoadInfo",
+    "SaveHandle",
+    "SaveStats",
+    "SnapckptError",
+    "SnapshotPolicy",
+    "StorageType",
+    "rng",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,41 @@
+"""Environment knobs: the only module that reads ``os.environ`` (nothing happens at import time).
+
+Knobs:
+- ``SNAPCKPT_SHM_DIR``: default shared-memory directory for the arena (default ``/dev/shm``).
+- ``SNAPCKPT_RUNTIME_DIR``: where sockets, locks and tokens live (default ``$XDG_RUNTIME_DIR`` or ``/tmp``).
+- ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
+"""
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def get_bool(name: str, default: bool) -> bool:
+    """Strictly parse a boolean knob; raise ``ValueError`` on anything but 1/0/true/false/yes/no/on/off."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+def shm_dir() -> str:
+    """Default directory for shared-memory arena files."""
+    return os.environ.get("SNAPCKPT_SHM_DIR") or "/dev/shm"
+
+
+def runtime_dir() -> str:
+    """Default parent directory for the persister's socket, lock and token (short path: AF_UNIX limit)."""
+    return os.environ.get("SNAPCKPT_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+
+
+def log_level() -> str:
+    """Log level name for the persister process."""
+    return os.environ.get("SNAPCKPT_LOG_LEVEL", "INFO").upper()

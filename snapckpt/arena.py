@@ -1,0 +1,161 @@
+"""The shared-memory arena: one file per (local rank, slot) in a tmpfs, mapped by trainer and persister.
+
+The persister owns the arena: it creates, sizes and deletes the slot files and keeps every slot's state
+(:class:`SlotState`) in its own memory. A training process maps the slot files of its rank and copies its
+state into the slot the persister hands it. Files are created owner-only (``0o600``) in an owner-only
+directory (``0o700``).
+
+Slot bytes (all offsets from the slot start)::
+
+    [0, 64)            header: magic b"SNAPCKPT", layout version, step, index offset, index length
+    [64, ...)          span data, each span 64-byte aligned
+    ...                one data.pkl per file, then the index (JSON)
+
+Sizing uses ``posix_fallocate``: on a tmpfs it reserves the pages at once, so a too-small ``/dev/shm``
+fails here with a clear error instead of a SIGBUS on first touch later (case D1).
+"""
+from __future__ import annotations
+
+import enum
+import errno
+import mmap
+import os
+import struct
+from typing import Optional, Tuple
+
+from .errors import InsufficientSharedMemoryError, SnapshotError
+
+__all__ = ["SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
+           "mem_available_bytes"]
+
+MAGIC = b"SNAPCKPT"
+LAYOUT_VERSION = 1
+HEADER_NBYTES = 64
+_HEADER = struct.Struct("<8sIqQQ")  # magic, version, step, index offset, index length
+
+
+class SlotState(str, enum.Enum):
+    """Life cycle of a slot: FREE -> WRITING(N) -> READY(N) -> PERSISTING(N) -> READY(N) -> ... ;
+    INVALID marks a slot whose writer died mid-copy (never trusted, reused like FREE)."""
+
+    FREE = "FREE"
+    WRITING = "WRITING"
+    READY = "READY"
+    PERSISTING = "PERSISTING"
+    INVALID = "INVALID"
+
+
+def write_header(buf, step: int, index_offset: int, index_nbytes: int) -> None:
+    """Write the slot header into ``buf`` (a writable buffer of at least 64 bytes)."""
+    _HEADER.pack_into(buf, 0, MAGIC, LAYOUT_VERSION, step, index_offset, index_nbytes)
+
+
+def read_header(buf) -> Tuple[int, int, int]:
+    """Return ``(step, index_offset, index_nbytes)`` from a slot; ``SnapshotError`` if it is not one."""
+    magic, version, step, off, n = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or version != LAYOUT_VERSION:
+        raise SnapshotError(f"arena slot has no valid snapckpt header (magic {magic!r}, version {version})")
+    return step, off, n
+
+
+def mem_available_bytes() -> Optional[int]:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or ``None`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class SlotFiles:
+    """Persister side: creates and sizes slot files in ``directory``.
+
+    Args:
+        directory: the job's arena directory (created ``0o700``; stale files from a dead persister of the
+            same job are removed, since nothing in them can be trusted).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)
+        for name in os.listdir(directory):
+            if name.startswith("r") and "-s" in name:
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except FileNotFoundError:
+                    pass
+
+    def path(self, rank: int, slot: int) -> str:
+        """Path of the file of ``slot`` of global ``rank``."""
+        return os.path.join(self.directory, f"r{rank:05d}-s{slot}")
+
+    def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int) -> int:
+        """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
+
+        Raises:
+            InsufficientSharedMemoryError: the tmpfs or RAM cannot hold it (names the size and the fix).
+        """
+        if nbytes <= current_nbytes:
+            return current_nbytes
+        grow = nbytes - current_nbytes
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        avail = mem_available_bytes()
+        hint = ("lower slots_per_rank (min 2) or slot_headroom, point shm_dir= at a larger tmpfs, "
+                "or save less state per rank")
+        if grow > free:
+            raise InsufficientSharedMemoryError(
+                f"shared-memory directory {self.directory!r} has {free} bytes free but the snapshot slot "
+                f"of rank {rank} needs {grow} more ({nbytes} bytes in all); {hint}")
+        if avail is not None and grow > avail:
+            raise InsufficientSharedMemoryError(
+                f"the host has {avail} bytes of RAM available but the snapshot slot of rank {rank} needs "
+                f"{grow} more ({nbytes} bytes in all); {hint}")
+        path = self.path(rank, slot)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    os.ftruncate(fd, current_nbytes)
+                    raise InsufficientSharedMemoryError(
+                        f"could not reserve {nbytes} bytes for the snapshot slot of rank {rank} in "
+                        f"{self.directory!r} ({os.strerror(e.errno)}); {hint}") from e
+                raise
+        finally:
+            os.close(fd)
+        return nbytes
+
+    def remove_all(self) -> None:
+        """Delete every slot file and the directory (best effort; files already gone are fine)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self.directory)
+        except OSError:
+            pass
+
+
+def map_slot(path: str, nbytes: int) -> mmap.mmap:
+    """Map ``nbytes`` of a slot file read-write, shared. The file must already be that long."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise SnapshotError(f"slot file {path} is {size} bytes, expected at least {nbytes}")
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)

@@ -1,0 +1,536 @@
+"""Checkpointer: the one object a training loop talks to (save / fence / load / wait / close).
+
+A save of step ``N`` on each rank: plan and pickle the skeleton (:class:`~snapckpt.snapshot.Stager`),
+get a slot from the node persister, copy the state into it, mark it READY; for the DISK tier also ask the
+persister to write and commit it. ``save`` returns once the copy is done: the state may then change
+freely (DESIGN contract 1). Background failures surface on the next call or on ``SaveHandle.wait``.
+
+A load is collective: every rank reports which steps it holds in memory, rank 0 lists the committed
+steps on disk, and every rank picks the same newest step complete on all ranks (memory first when it is
+at least as new as disk); if any rank cannot read it (a torn memory slot, a corrupt file), all ranks move
+to the next candidate together (cases B3, C2, C9).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from . import layout
+from .arena import map_slot
+from .coordination import make_coordinator
+from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
+                     IncompatibleCheckpointError, InsufficientDiskError, PersisterDiedError,
+                     PersisterError, SlotBusyError, SnapckptError)
+from .events import Event, SaveStats, StorageType
+from .handle import SaveHandle
+from .manifest import check_checksums, check_sizes, list_committed, validate_dirname
+from .options import CheckpointOptions
+from .persister.client import PersisterClient, job_dirs, job_key
+from .snapshot import Stager, read_slot
+from .storage.posix import PosixStorage
+from .topology import Topology, host_identity
+
+__all__ = ["Checkpointer", "LoadInfo"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What the last ``load`` restored: ``step``, ``tier`` (``StorageType``) and ``seconds`` it took."""
+
+    step: int
+    tier: StorageType
+    seconds: float
+
+
+class _MappedSlot:
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.path, self.nbytes = path, nbytes
+        self.buf = map_slot(path, nbytes)
+        self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self.buf.close()
+        except BufferError:  # a tensor view is still alive somewhere; the mapping goes with it
+            pass
+
+
+class Checkpointer:
+    """Asynchronous, crash-safe checkpoints of one training job.
+
+    Args:
+        checkpoint_dir: directory of committed checkpoints (created if missing; must be writable).
+        **options: fields of :class:`~snapckpt.options.CheckpointOptions` (``keep_last``, ``shm_dir``,
+            ``job_id``, timeouts...).
+
+    The constructor is collective when ``torch.distributed`` is initialized: every rank must build its
+    Checkpointers in the same order. Rank, world size and the ranks of this node come from
+    ``torch.distributed`` (case C6).
+
+    Raises:
+        CheckpointDirError: ``checkpoint_dir`` cannot be created or written.
+        RankTimeoutError: some ranks did not construct theirs within ``coordination_timeout_secs``.
+        PersisterError: the node persister could not be started or refused this rank.
+    """
+
+    def __init__(self, checkpoint_dir: "str | os.PathLike[str]", **options: Any) -> None:
+        self.options = CheckpointOptions.from_kwargs(**options)
+        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        self.job = job_key(self.checkpoint_dir, self.options.job_id)
+        self._coord = make_coordinator(self.job)
+        self._storage = PosixStorage(fsync=self.options.fsync)
+        self._stager = Stager()
+        self._slots: Dict[int, _MappedSlot] = {}
+        self._slots_generation = 0
+        self._handles: List[SaveHandle] = []
+        self._listeners: List[Callable[[Event], None]] = []
+        self._closed = False
+        self.last_load: Optional[LoadInfo] = None
+        self.last_stats: Optional[SaveStats] = None
+        t = self.options.coordination_timeout_secs
+        me = {"host": host_identity(), "run_id": uuid.uuid4().hex[:12], "pid": os.getpid()}
+        everyone = self._coord.all_gather("init", me, t)
+        self.topology = Topology.from_hosts(self._coord.rank, [p["host"] for p in everyone])
+        self.run_id = everyone[0]["run_id"]
+        self._preflight_dir()
+        rt, arena = job_dirs(self.options.resolved_runtime_dir, self.options.resolved_shm_dir, self.job)
+        self._client = PersisterClient(
+            rt, arena, self.job, startup_timeout_secs=self.options.persister_startup_timeout_secs,
+            request_timeout_secs=self.options.request_timeout_secs,
+            idle_timeout_secs=self.options.persister_idle_timeout_secs)
+        self._connect()
+        self._coord.all_gather("connected", {"ok": True}, t)
+
+    # ---------------------------------------------------------------------------------- properties
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the job."""
+        return self.topology.world_size
+
+    @property
+    def persister_pid(self) -> Optional[int]:
+        """Process id of the node persister this rank talks to."""
+        return self._client.persister_pid
+
+    def add_listener(self, fn: Callable[[Event], None]) -> None:
+        """Call ``fn(event)`` for every :class:`~snapckpt.events.Event` of this rank."""
+        self._listeners.append(fn)
+
+    # ------------------------------------------------------------------------------------ plumbing
+    def _emit(self, event: Event) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(event)
+            except Exception:  # a user callback never breaks checkpointing
+                log.exception("snapckpt event listener failed on %s", event.kind)
+
+    def _context(self, step: int) -> str:
+        return f"rank {self.rank}, step {step}, persister pid {self._client.persister_pid}"
+
+    def _preflight_dir(self) -> None:
+        d = self.checkpoint_dir
+        probe = os.path.join(d, f".snapckpt-probe-{self.run_id}-{self.rank}")
+        try:
+            os.makedirs(d, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"x")
+            os.unlink(probe)
+        except OSError as e:
+            raise CheckpointDirError(f"checkpoint directory {d!r} is not writable by rank {self.rank}: "
+                                     f"{e.strerror or e}; fix its permissions or pick another directory") from e
+
+    def _connect(self) -> None:
+        o = self.options
+        for s in self._slots.values():
+            s.close()
+        self._slots.clear()
+        self._client.connect({
+            "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+            "local_ranks": list(self.topology.local_ranks), "committer": self.rank == 0,
+            "pid": os.getpid(), "checkpoint_dir": self.checkpoint_dir, "slots_per_rank": o.slots_per_rank,
+            "keep_last": -1 if o.keep_last is None else o.keep_last,
+            "commit_timeout_secs": o.commit_timeout_secs, "flush_on_crash": o.flush_on_crash,
+            "fsync": o.fsync})
+
+    def _request(self, op: str, **fields: Any) -> Dict[str, Any]:
+        if self._closed:
+            raise SnapckptError("this Checkpointer is closed")
+        if not self._client.connected:
+            self._connect()
+        return self._client.request(op, **fields)
+
+    def _mapped(self, slot: int, path: str, nbytes: int) -> _MappedSlot:
+        m = self._slots.get(slot)
+        if m is None or m.nbytes != nbytes or m.path != path or self._slots_generation != self._client.generation:
+            if self._slots_generation != self._client.generation:
+                for s in self._slots.values():
+                    s.close()
+                self._slots.clear()
+                self._slots_generation = self._client.generation
+            if m is not None:
+                m.close()
+            m = self._slots[slot] = _MappedSlot(path, nbytes)
+        return m
+
+    def _status(self, step: int) -> Dict[str, Any]:
+        return self._request("status", step=step)
+
+    def _lost_error(self, step: int) -> Exception:
+        return PersisterDiedError(f"the persister no longer knows step {step} (it was restarted); that save is "
+                                  f"lost, committed checkpoints are intact; {self._context(step)}")
+
+    def _on_committed(self, handle: SaveHandle) -> None:
+        log.info("rank %d: step %d committed to %s", self.rank, handle.step, self.checkpoint_dir)
+        self._emit(Event("committed", handle.step, handle.storage_type, self.rank))
+
+    def _on_failed(self, handle: SaveHandle, exc: BaseException) -> None:
+        log.error("rank %d: save of step %d failed: %s", self.rank, handle.step, exc)
+        self._emit(Event("failed", handle.step, handle.storage_type, self.rank, error=exc))
+
+    def _raise_background_errors(self) -> None:
+        """Re-raise, once, the first failure of an earlier save that nobody waited for."""
+        still = []
+        first: Optional[BaseException] = None
+        for h in self._handles:
+            if not h.done():
+                still.append(h)
+            elif h.exception() is not None and not h._reported and first is None:
+                h._reported = True
+                first = h.exception()
+        self._handles = still
+        if first is not None:
+            raise first
+
+    # ---------------------------------------------------------------------------------------- save
+    def save(self, state_dict: Any, step: int, storage_type: StorageType = StorageType.DISK) -> SaveHandle:
+        """Snapshot ``state_dict`` at ``step``; return once it is safe from later mutation.
+
+        Args:
+            state_dict: any picklable object holding CPU (or, later, GPU) tensors: model and optimizer
+                state dicts, scheduler state, RNG states, counters, user objects.
+            step: training step (int >= 0); names the directory ``step_%08d``.
+            storage_type: ``MEMORY`` keeps it in the node's shared memory; ``DISK`` also writes it to
+                ``checkpoint_dir`` and commits it in the background.
+
+        Collective: every rank saves the same step (a rank that does not makes the commit fail with
+        the missing ranks named).
+
+        Raises:
+            SnapshotError: the state holds an unsupported tensor.
+            InsufficientSharedMemoryError / InsufficientDiskError: preflight; nothing was changed.
+            SlotBusyError: ``on_slot_busy="wait"`` and no slot freed in time.
+            PersisterDiedError / PersisterTimeoutError: the persister died or hangs.
+            An earlier save's background failure, once, with its original type.
+        """
+        return self._save_files({layout.rank_filename(self.rank): state_dict}, step, storage_type,
+                                dirname=layout.step_dirname(step), tracker_name=layout.TRACKER,
+                                tracker_content=layout.step_dirname(step))
+
+    def _save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
+                    tracker_name: str, tracker_content: str) -> SaveHandle:
+        """Save several files for this rank (the integrations' entry point); see :meth:`save`."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        storage_type = StorageType(storage_type)
+        validate_dirname(dirname)
+        t0 = time.perf_counter()
+        self._raise_background_errors()
+        prepared = self._stager.prepare(files, step)
+        t1 = time.perf_counter()
+        if storage_type == StorageType.DISK:
+            free = self._storage.free_bytes(self.checkpoint_dir)
+            if free < prepared.total_nbytes:
+                raise InsufficientDiskError(
+                    f"{self.checkpoint_dir!r} has {free} bytes free; rank {self.rank}'s part of step {step} "
+                    f"needs {prepared.total_nbytes}; free space or lower keep_last; nothing was written")
+        reply = self._acquire(step, prepared.total_nbytes)
+        t2 = time.perf_counter()
+        if reply is None:
+            reason = f"no free arena slot for step {step} (on_slot_busy='skip')"
+            log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, reason)
+            handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason)
+            self._emit(Event("skipped", step, storage_type, self.rank, reason=reason))
+            return handle
+        slot = reply["slot"]
+        try:
+            m = self._mapped(slot, reply["path"], reply["nbytes"])
+            Stager.copy_into(prepared, m.tensor, m.buf)
+        except BaseException:
+            try:
+                self._request("abort", slot=slot)
+            except SnapckptError:
+                pass
+            raise
+        t3 = time.perf_counter()
+        self._request("ready", slot=slot, step=step, index_offset=prepared.index_offset,
+                      index_nbytes=prepared.index_nbytes, dirname=dirname, tracker_name=tracker_name,
+                      tracker_content=tracker_content)
+        if storage_type == StorageType.DISK:
+            self._request("persist", step=step)
+        t4 = time.perf_counter()
+        stats = SaveStats(step, storage_type, prepared.tensor_nbytes, prepared.total_nbytes, t1 - t0, t2 - t1,
+                          t3 - t2, t4 - t0)
+        self.last_stats = stats
+        handle = SaveHandle(self, step, storage_type, stats)
+        if storage_type == StorageType.DISK:
+            self._handles.append(handle)
+        log.info("rank %d: snapshot of step %d taken (%s, %d bytes, blocked %.3f s)", self.rank, step,
+                 storage_type.value, prepared.tensor_nbytes, stats.blocking_secs)
+        self._emit(Event("snapshot_taken", step, storage_type, self.rank, stats=stats))
+        return handle
+
+    def _acquire(self, step: int, nbytes: int) -> Optional[Dict[str, Any]]:
+        want = int(nbytes * self.options.slot_headroom)
+        deadline = time.monotonic() + self.options.slot_wait_timeout_secs
+        delay = 0.001
+        logged = False
+        while True:
+            reply = self._request("acquire", step=step, nbytes=max(want, nbytes))
+            if not reply["busy"]:
+                return reply
+            if self.options.on_slot_busy == "skip":
+                return None
+            if not logged:
+                log.warning("rank %d: every arena slot is busy (%s); step %d waits for the persister",
+                            self.rank, reply.get("detail"), step)
+                self._emit(Event("skipped", step, StorageType.MEMORY, self.rank,
+                                 reason=f"waiting for a free slot ({reply.get('detail')})"))
+                logged = True
+            if time.monotonic() > deadline:
+                raise SlotBusyError(
+                    f"rank {self.rank}: no arena slot freed within {self.options.slot_wait_timeout_secs:g} s "
+                    f"for step {step} ({reply.get('detail')}); the persister is slower than the save "
+                    "interval: save less often, add slots_per_rank, or use on_slot_busy='skip'")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def fence(self) -> None:
+        """Wait until the in-flight snapshot copy is done (call before ``optimizer.step()``).
+
+        The CPU copy is synchronous in this version, so this returns at once; integrations call it
+        already, so an overlapped copy (a side CUDA stream or a copy thread) slots in here.
+        """
+        return None
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every DISK save of this rank is committed; raise the first failure."""
+        handles, self._handles = self._handles, []
+        first: Optional[BaseException] = None
+        for h in handles:
+            try:
+                h.wait(timeout)
+            except BaseException as e:
+                if first is None:
+                    first = e
+        if first is not None:
+            raise first
+
+    # ---------------------------------------------------------------------------------------- load
+    def _candidates(self) -> List[Tuple[int, str, Optional[str]]]:
+        """Agree with all ranks on the load candidates: ``[(step, "memory"|"disk", dirname)]``, newest first."""
+        held = self._request("held")["slots"]
+        mem = sorted({(s["step"], s["run_id"]) for s in held if s.get("world_size", self.world_size)
+                      == self.world_size})
+        disk: List[List[Any]] = []
+        problems: List[str] = []
+        if self.rank == 0:
+            for c in list_committed(self._storage, self.checkpoint_dir, problems=problems):
+                disk.append([c.step, c.dirname, c.manifest["world_size"]])
+            for p in problems:
+                log.warning("not a loadable checkpoint: %s", p)
+        everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk},
+                                          self.options.coordination_timeout_secs)
+        common = None
+        for p in everyone:
+            steps = {tuple(x) for x in p["mem"]}
+            common = steps if common is None else common & steps
+        disk_all = everyone[0]["disk"]
+        wrong = [d for d in disk_all if d[2] != self.world_size]
+        disk_ok = [d for d in disk_all if d[2] == self.world_size]
+        cands: List[Tuple[int, str, Optional[str]]] = [(s, "memory", rid) for s, rid in (common or set())]
+        cands += [(d[0], "disk", d[1]) for d in disk_ok]
+        cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
+        if not cands and wrong:
+            raise IncompatibleCheckpointError(
+                f"{self.checkpoint_dir} holds checkpoints written by world size "
+                f"{sorted({d[2] for d in wrong})}, this job has {self.world_size}; the plain layout does not "
+                "reshard: resume with the same number of ranks")
+        return cands
+
+    def latest_step(self) -> Optional[int]:
+        """Newest step complete on every rank, in memory or on disk (quick size check); ``None`` if none.
+
+        Collective."""
+        self.wait()
+        cands = self._candidates()
+        return cands[0][0] if cands else None
+
+    def _read_candidate(self, tier: str, key: Optional[str], step: int) -> Dict[str, Any]:
+        if tier == "memory":
+            held = self._request("held")["slots"]
+            mine = [s for s in held if s["step"] == step and s["run_id"] == key]
+            if not mine:
+                raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {step} in memory")
+            s = max(mine, key=lambda x: x["seq"])
+            m = self._mapped(s["slot"], s["path"], s["nbytes"])
+            got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only)
+            if got_step != step:
+                raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, not {step}")
+            return files
+        path = os.path.join(self.checkpoint_dir, key)
+        from .manifest import MANIFEST, parse_manifest
+
+        m = parse_manifest(self._storage.read_bytes(os.path.join(path, MANIFEST)), key)
+        if self.options.verify_checksums:
+            check_checksums(self._storage, path, m, rank=self.rank)
+        else:
+            check_sizes(self._storage, path, m, rank=self.rank)
+        out = {}
+        for name, rec in sorted(m["files"].items()):
+            if rec["rank"] != self.rank:
+                continue
+            try:
+                out[name] = torch.load(os.path.join(path, name), map_location="cpu",
+                                       weights_only=self.options.weights_only)
+            except Exception as e:
+                if self.options.weights_only and "weights_only" in str(e):
+                    from .errors import UnsafeCheckpointError
+
+                    raise UnsafeCheckpointError(
+                        f"{os.path.join(path, name)} holds objects that weights_only=True refuses; if you "
+                        "trust this checkpoint directory pass weights_only=False to the Checkpointer") from e
+                raise
+        return out
+
+    def _load_files(self, step: Optional[int] = None) -> Tuple[int, StorageType, Dict[str, Any]]:
+        """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
+        self.wait()
+        t0 = time.perf_counter()
+        cands = self._candidates()
+        if step is not None:
+            cands = [c for c in cands if c[0] == step]
+        errors: List[str] = []
+        for cstep, tier, key in cands:
+            try:
+                files = self._read_candidate(tier, key, cstep)
+                mine = {"ok": True, "error": ""}
+            except Exception as e:
+                files, mine = None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                if isinstance(e, SnapckptError) and type(e).__name__ == "UnsafeCheckpointError":
+                    raise
+            everyone = self._coord.all_gather("loaded", mine, self.options.coordination_timeout_secs)
+            bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
+            if not bad:
+                tier_t = StorageType.MEMORY if tier == "memory" else StorageType.DISK
+                self.last_load = LoadInfo(cstep, tier_t, time.perf_counter() - t0)
+                log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, tier_t.value,
+                         self.last_load.seconds)
+                return cstep, tier_t, files
+            msg = f"step {cstep} ({tier}) unreadable on ranks {sorted(bad)}: " + "; ".join(
+                f"rank {r}: {e}" for r, e in sorted(bad.items()))
+            log.warning("%s; trying the next newest checkpoint", msg)
+            errors.append(msg)
+        if errors:
+            raise CheckpointCorruptError("no readable checkpoint: " + " | ".join(errors))
+        what = f"step {step}" if step is not None else "any step"
+        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
+
+    def load(self, state_dict: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> Dict[str, Any]:
+        """Restore the newest step complete on every rank (or ``step``); collective.
+
+        Memory is used when every rank holds the step and it is at least as new as the newest committed
+        disk checkpoint; otherwise disk, with checksums verified. A candidate that any rank cannot read
+        is skipped by all ranks together, with a warning naming the rank and the cause.
+
+        Args:
+            state_dict: if given, tensors are copied into it in place (cast to its dtypes) and other
+                values replaced; it is returned. Otherwise the loaded object is returned (CPU tensors).
+            step: load exactly this step.
+
+        Raises:
+            CheckpointNotFoundError: nothing (or not ``step``) to load.
+            CheckpointCorruptError: every candidate failed; the message lists each failure per rank.
+            IncompatibleCheckpointError: world size differs, or a tensor's shape differs from ``state_dict``.
+            UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
+        """
+        _, _, files = self._load_files(step)
+        loaded = files[layout.rank_filename(self.rank)]
+        if state_dict is None:
+            return loaded
+        copy_into(state_dict, loaded)
+        return state_dict
+
+    # --------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Wait for outstanding commits, then detach from the persister (which exits when the last rank
+        has closed). Idempotent. Raises the first outstanding failure after detaching."""
+        if self._closed:
+            return
+        err: Optional[BaseException] = None
+        try:
+            self.wait()
+        except BaseException as e:
+            err = e
+        finally:
+            self._client.close(bye=True)
+            for s in self._slots.values():
+                s.close()
+            self._slots.clear()
+            self._closed = True
+        if err is not None:
+            raise err
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the original error
+            try:
+                self.close()
+            except Exception:
+                log.exception("error while closing the Checkpointer after another error")
+
+
+def copy_into(dst: Any, src: Any, path: str = "") -> Any:
+    """Copy ``src`` into ``dst`` in place where both hold tensors at the same key; return ``dst``.
+
+    Tensors are copied with ``Tensor.copy_`` (so dtype and device follow ``dst``, as
+    ``load_state_dict`` does); other values replace ``dst``'s.
+
+    Raises:
+        IncompatibleCheckpointError: a tensor's shape differs (names the key path).
+    """
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for k, v in src.items():
+            sub = f"{path}.{k}" if path else str(k)
+            both = (k in dst and ((isinstance(dst[k], dict) and isinstance(v, dict))
+                                  or (isinstance(dst[k], torch.Tensor) and isinstance(v, torch.Tensor))))
+            if both:
+                dst[k] = copy_into(dst[k], v, sub)
+            else:
+                dst[k] = v
+        return dst
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        if dst.shape != src.shape:
+            raise IncompatibleCheckpointError(f"{path or 'tensor'}: checkpoint shape {tuple(src.shape)} != "
+                                              f"live shape {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src)
+        return dst
+    return src

@@ -1,0 +1,104 @@
+"""Checkpoint coordination between ranks, on its own channel (DESIGN contract 6).
+
+snapckpt never runs a collective on the training process group. Ranks agree through the
+``torch.distributed`` key-value store that the process group was created with (a ``PrefixStore`` under
+``snapckpt/``): each rank posts a small JSON record under its own key and bumps a counter; readers poll the
+counter with a deadline, so a rank that never arrives yields :class:`~snapckpt.errors.RankTimeoutError`
+naming exactly the ranks that did not post (case C5), instead of a hang. Only the thread that called the
+collective snapckpt API (``Checkpointer(...)``, ``load``, ``latest_step``) uses it; all ranks make those
+calls in the same order, which numbers the rounds.
+
+Without an initialized process group, :class:`LocalCoordinator` is a world of one.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, List, Optional
+
+from .errors import CoordinationError, RankTimeoutError
+
+__all__ = ["Coordinator", "LocalCoordinator", "StoreCoordinator", "make_coordinator"]
+
+
+class Coordinator:
+    """All-gather of small JSON-able records among the ranks of a job."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def all_gather(self, name: str, payload: Dict[str, Any], timeout_secs: float) -> List[Dict[str, Any]]:
+        """Post ``payload`` and return every rank's payload, indexed by rank.
+
+        Raises:
+            RankTimeoutError: some ranks did not post within ``timeout_secs`` (named in the message).
+        """
+        raise NotImplementedError
+
+
+class LocalCoordinator(Coordinator):
+    """A world of one process."""
+
+    def all_gather(self, name: str, payload: Dict[str, Any], timeout_secs: float) -> List[Dict[str, Any]]:
+        return [json.loads(json.dumps(payload))]
+
+
+class StoreCoordinator(Coordinator):
+    """All-gather through a ``torch.distributed.Store``.
+
+    Args:
+        store: the process group's store (``TCPStore``/``FileStore``, possibly prefixed).
+        rank, world_size: this process's global rank and the world size.
+        prefix: key namespace of this Checkpointer instance (job key and instance number).
+    """
+
+    POLL_SECS = 0.005
+
+    def __init__(self, store, rank: int, world_size: int, prefix: str) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.PrefixStore(prefix, store)
+        self.rank = rank
+        self.world_size = world_size
+        self.round = 0
+
+    def all_gather(self, name: str, payload: Dict[str, Any], timeout_secs: float) -> List[Dict[str, Any]]:
+        self.round += 1
+        base = f"{self.round}/{name}"
+        self.store.set(f"{base}/{self.rank}", json.dumps(payload))
+        self.store.add(f"{base}/count", 1)
+        deadline = time.monotonic() + timeout_secs
+        delay = self.POLL_SECS
+        while self.store.add(f"{base}/count", 0) < self.world_size:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not self.store.check([f"{base}/{r}"])]
+                raise RankTimeoutError(
+                    f"ranks {missing} did not reach snapckpt's {name!r} within {timeout_secs:g} s (this is "
+                    f"rank {self.rank}); the call is collective: every rank must make it, in the same order")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        out = []
+        for r in range(self.world_size):
+            try:
+                out.append(json.loads(self.store.get(f"{base}/{r}")))
+            except Exception as e:
+                raise CoordinationError(f"could not read rank {r}'s record for {name!r}: {e}") from e
+        return out
+
+
+_instances = 0
+
+
+def make_coordinator(job: str) -> Coordinator:
+    """A coordinator for a new Checkpointer of job ``job``: store-based when ``torch.distributed`` is
+    initialized, local otherwise. Every rank must create its Checkpointers in the same order."""
+    global _instances
+    import torch.distributed as dist
+
+    _instances += 1
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return LocalCoordinator()
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return StoreCoordinator(_get_default_store(), dist.get_rank(), dist.get_world_size(),
+                            f"snapckpt/{job}/{_instances}/")

@@ -1,0 +1,107 @@
+"""The snapckpt error hierarchy.
+
+Every error snapckpt raises on purpose derives from :class:`SnapckptError` (an ``Exception``, never a
+``BaseException``). Errors that happen in the persister process are carried back as small JSON records
+(never pickles) and re-raised on the training thread with their original type where that type is a
+builtin ``OSError``/``ValueError``-like class or one of the classes below, chained and annotated with the
+rank, step and persister pid (see :func:`snapckpt.persister.protocol.error_from_record`).
+"""
+from __future__ import annotations
+
+__all__ = [
+    "SnapckptError",
+    "PreflightError",
+    "InsufficientSharedMemoryError",
+    "InsufficientDiskError",
+    "CheckpointDirError",
+    "SnapshotError",
+    "SlotBusyError",
+    "PersisterError",
+    "PersisterDiedError",
+    "PersisterTimeoutError",
+    "PersistError",
+    "CommitError",
+    "CommitTimeoutError",
+    "CoordinationError",
+    "RankTimeoutError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "IncompatibleCheckpointError",
+    "UnsafeCheckpointError",
+]
+
+
+class SnapckptError(Exception):
+    """Base class of every error snapckpt raises on purpose."""
+
+
+class PreflightError(SnapckptError):
+    """A resource check before the first snapshot or write failed; nothing was written."""
+
+
+class InsufficientSharedMemoryError(PreflightError):
+    """The shared-memory directory (or RAM) cannot hold the arena slots the state needs."""
+
+
+class InsufficientDiskError(PreflightError):
+    """The checkpoint directory's filesystem has less free space than the checkpoint needs."""
+
+
+class CheckpointDirError(PreflightError):
+    """The checkpoint directory cannot be created or written."""
+
+
+class SnapshotError(SnapckptError):
+    """The state cannot be snapshotted (an unsupported tensor type, a dtype-aliased storage...)."""
+
+
+class SlotBusyError(SnapckptError):
+    """No arena slot became free in time: the persister still holds every slot of this rank."""
+
+
+class PersisterError(SnapckptError):
+    """The node persister process refused a request or is not usable."""
+
+
+class PersisterDiedError(PersisterError):
+    """The node persister process exited; in-flight snapshots it held are lost, committed ones are not."""
+
+
+class PersisterTimeoutError(PersisterError):
+    """The node persister did not answer within the configured timeout (it may be hung)."""
+
+
+class PersistError(SnapckptError):
+    """Writing a rank's part of a checkpoint failed in the persister (the original error is chained)."""
+
+
+class CommitError(SnapckptError):
+    """The commit of a checkpoint was refused: a part is missing, unexpected or damaged."""
+
+
+class CommitTimeoutError(CommitError):
+    """Not every rank's part arrived before the commit timeout; the message names the missing ranks."""
+
+
+class CoordinationError(SnapckptError):
+    """The checkpoint coordination channel between ranks failed."""
+
+
+class RankTimeoutError(CoordinationError):
+    """Some ranks did not reach a collective snapckpt call in time; the message names them."""
+
+
+class CheckpointNotFoundError(SnapckptError):
+    """No complete checkpoint exists (or not the requested step) in memory or on disk."""
+
+
+class CheckpointCorruptError(SnapckptError):
+    """A committed checkpoint's files do not match its manifest (size or checksum)."""
+
+
+class IncompatibleCheckpointError(SnapckptError):
+    """A checkpoint cannot be loaded into this job (world size, shapes, format version)."""
+
+
+class UnsafeCheckpointError(SnapckptError):
+    """A checkpoint holds objects that ``weights_only=True`` refuses to unpickle."""

@@ -1,0 +1,67 @@
+"""Typed records of what happened to each snapshot: events for callbacks, statistics for logs.
+
+"Snapshot taken" (the state is safe in the arena; training may go on) and "committed" (the checkpoint is
+durable and the tracker names it) are different events (case B6): only the latter moves the tracker.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["StorageType", "Event", "SaveStats"]
+
+
+class StorageType(str, enum.Enum):
+    """Tier of a save: ``MEMORY`` (kept in the node's shared memory) or ``DISK`` (also written and committed)."""
+
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Costs of one snapshot on the training thread.
+
+    Attributes:
+        step: the step saved.
+        tier: ``StorageType``.
+        tensor_nbytes: bytes of tensor data copied (bytes).
+        slot_nbytes: bytes used in the arena slot, pickles and index included (bytes).
+        prepare_secs: walking the state, planning, pickling the skeleton (seconds).
+        wait_slot_secs: waiting for a free slot (seconds).
+        copy_secs: copying into the slot (seconds).
+        blocking_secs: total time ``save`` blocked the caller (seconds).
+    """
+
+    step: int
+    tier: "StorageType"
+    tensor_nbytes: int
+    slot_nbytes: int
+    prepare_secs: float
+    wait_slot_secs: float
+    copy_secs: float
+    blocking_secs: float
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped`` or ``failed``.
+
+    Attributes:
+        kind: what happened.
+        step: the step concerned.
+        tier: the requested ``StorageType``.
+        rank: global rank that observed it.
+        stats: for ``snapshot_taken``.
+        reason: for ``skipped``.
+        error: for ``failed``.
+    """
+
+    kind: str
+    step: int
+    tier: "StorageType"
+    rank: int
+    stats: Optional[SaveStats] = None
+    reason: Optional[str] = None
+    error: Optional[BaseException] = None

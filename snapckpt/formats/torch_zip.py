@@ -1,0 +1,256 @@
+"""The ``torch.save`` file format, produced from a snapshot without re-serializing tensor data.
+
+A ``torch.save`` file is an uncompressed zip archive holding ``data.pkl`` (a protocol-2 pickle of the
+object in which every storage is a persistent id ``("storage", <Dtype>Storage, key, location, numel)``),
+the records ``.format_version``, ``.storage_alignment``, ``byteorder``, one raw record ``data/<key>`` per
+storage, and ``version``/``.data/serialization_id`` written at the end (source:
+``torch/serialization.py::_save`` of PyTorch 2.13). This module splits that in two:
+
+- on the training process, :func:`pickle_skeleton` turns a state into the ``data.pkl`` bytes, with each
+  storage replaced by a *span* of it (only the bytes that tensors actually use, so a view into a large
+  buffer does not drag the buffer along; tensors sharing one storage keep sharing one record);
+- in the persister, :func:`write_torch_file` writes the archive from those bytes and raw records that
+  live in shared memory, through :class:`torch._C.PyTorchFileWriter`, the writer ``torch.save`` uses.
+
+``torch.load(path)`` reads the result; with ``weights_only=True`` when the state holds only tensors and
+plain containers. :func:`unpickle_skeleton` is the reverse for the memory tier.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from ..errors import SnapshotError, UnsafeCheckpointError
+
+__all__ = [
+    "collect_tensors",
+    "pickle_skeleton",
+    "unpickle_skeleton",
+    "write_torch_file",
+    "TensorRef",
+    "STORAGE_ALIGNMENT",
+]
+
+PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+STORAGE_ALIGNMENT = 64  # torch.serialization._get_storage_alignment() default
+
+_SUPPORTED_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's data sits inside a span: ``key`` of the span, element offset, size, stride."""
+
+    key: str
+    storage_offset: int
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dtype: torch.dtype
+    location: str
+    span_numel: int
+
+
+def _check_supported(t: torch.Tensor) -> None:
+    if type(t) not in _SUPPORTED_TYPES:
+        raise SnapshotError(
+            f"cannot snapshot a tensor of type {type(t).__name__} (shape {tuple(t.shape)}): snapckpt "
+            "handles torch.Tensor and nn.Parameter; convert it (e.g. DTensor.to_local()) in the state dict"
+        )
+    if t.layout != torch.strided or t.is_quantized:
+        raise SnapshotError(f"cannot snapshot a {t.layout} / quantized tensor of shape {tuple(t.shape)}")
+    if t.is_conj() or t.is_neg():
+        raise SnapshotError("cannot snapshot a tensor with a lazy conj/neg bit; call .resolve_conj() first")
+    if t.device.type == "meta":
+        raise SnapshotError(f"cannot snapshot a meta tensor of shape {tuple(t.shape)}: it has no data")
+
+
+class _Collector(pickle.Pickler):
+    """Pass 1: walks the object exactly as pickling would and records every tensor met."""
+
+    def __init__(self) -> None:
+        super().__init__(_NullSink(), protocol=PICKLE_PROTOCOL)
+        self.tensors: List[torch.Tensor] = []
+        self._seen: set = set()
+
+    def reducer_override(self, obj: Any):
+        if isinstance(obj, torch.Tensor):
+            _check_supported(obj)
+            if id(obj) not in self._seen:
+                self._seen.add(id(obj))
+                self.tensors.append(obj)
+            return (int, ())
+        return NotImplemented
+
+
+class _NullSink:
+    def write(self, b) -> int:
+        return len(b)
+
+
+def collect_tensors(obj: Any) -> List[torch.Tensor]:
+    """Return every tensor reachable by pickling ``obj``, in pickling order, each once.
+
+    Raises:
+        SnapshotError: a tensor type snapckpt cannot snapshot (sparse, quantized, subclass, meta).
+        pickle.PicklingError / TypeError: ``obj`` holds something that cannot be pickled at all.
+    """
+    c = _Collector()
+    c.dump(obj)
+    return c.tensors
+
+
+_STORAGE_TYPE_CACHE: Dict[torch.dtype, Any] = {}
+
+
+def _storage_type(dtype: torch.dtype):
+    st = _STORAGE_TYPE_CACHE.get(dtype)
+    if st is None:
+        name = torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type()
+        st = _STORAGE_TYPE_CACHE[dtype] = getattr(torch, name)
+    return st
+
+
+class _StorageId:
+    """Stands for one span in the pickle; pickled as torch's persistent storage id."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple) -> None:
+        self.pid = pid
+
+
+class _TensorData:
+    """Stands for a tensor's data inside an ``nn.Parameter`` reduction."""
+
+    __slots__ = ("ref", "requires_grad", "storage")
+
+    def __init__(self, ref: TensorRef, requires_grad: bool, storage: _StorageId) -> None:
+        self.ref, self.requires_grad, self.storage = ref, requires_grad, storage
+
+
+class _SkeletonPickler(pickle.Pickler):
+    """Pass 2: pickles the object with each tensor rebuilt from its span, as torch.save would."""
+
+    def __init__(self, buf: io.BytesIO, refs: Mapping[int, TensorRef]) -> None:
+        super().__init__(buf, protocol=PICKLE_PROTOCOL)
+        self._refs = refs
+        self._storage_ids: Dict[str, _StorageId] = {}
+        self.keys: List[str] = []
+
+    def _storage(self, ref: TensorRef) -> _StorageId:
+        sid = self._storage_ids.get(ref.key)
+        if sid is None:
+            self.keys.append(ref.key)
+            pid = ("storage", _storage_type(ref.dtype), ref.key, ref.location, ref.span_numel)
+            sid = self._storage_ids[ref.key] = _StorageId(pid)
+        return sid
+
+    def _tensor_reduce(self, ref: TensorRef, requires_grad: bool):
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (self._storage(ref), ref.storage_offset, ref.size, ref.stride, requires_grad,
+             collections.OrderedDict()),
+        )
+
+    def reducer_override(self, obj: Any):
+        if isinstance(obj, _TensorData):
+            return self._tensor_reduce(obj.ref, obj.requires_grad)
+        if isinstance(obj, torch.Tensor):
+            ref = self._refs.get(id(obj))
+            if ref is None:  # pragma: no cover - collect_tensors saw every tensor
+                raise SnapshotError("internal: a tensor appeared that the collector did not see")
+            if type(obj) is torch.nn.Parameter:
+                data = _TensorData(ref, False, self._storage(ref))
+                return (torch._utils._rebuild_parameter,
+                        (data, obj.requires_grad, collections.OrderedDict()))
+            return self._tensor_reduce(ref, obj.requires_grad)
+        return NotImplemented
+
+    def persistent_id(self, obj: Any):
+        if isinstance(obj, _StorageId):
+            return obj.pid
+        return None
+
+
+def pickle_skeleton(obj: Any, refs: Mapping[int, TensorRef]) -> Tuple[bytes, List[str]]:
+    """Pickle ``obj`` as ``torch.save``'s ``data.pkl``, each tensor pointing into its span.
+
+    Args:
+        obj: the state to pickle (any picklable object holding tensors).
+        refs: ``id(tensor) -> TensorRef`` for every tensor :func:`collect_tensors` returned.
+
+    Returns:
+        ``(data_pkl_bytes, keys)``: the pickle, and the span keys it references in first-use order.
+    """
+    buf = io.BytesIO()
+    p = _SkeletonPickler(buf, refs)
+    p.dump(obj)
+    return buf.getvalue(), p.keys
+
+
+def unpickle_skeleton(data_pkl: bytes, storages: Mapping[str, torch.UntypedStorage], *,
+                      weights_only: bool) -> Any:
+    """Rebuild the object from ``data.pkl`` bytes and already-loaded span storages (CPU).
+
+    Args:
+        data_pkl: bytes produced by :func:`pickle_skeleton` (or a torch.save file's ``data.pkl``).
+        storages: ``key -> UntypedStorage`` holding each span's bytes.
+        weights_only: use PyTorch's restricted unpickler (tensors and plain containers only).
+
+    Raises:
+        UnsafeCheckpointError: ``weights_only`` and the pickle holds other objects.
+    """
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        up = _weights_only_unpickler.Unpickler(io.BytesIO(data_pkl), encoding="utf-8")
+    else:
+        up = pickle.Unpickler(io.BytesIO(data_pkl))
+    cache: Dict[str, Any] = {}
+
+    def persistent_load(saved_id):
+        _, storage_type, key, _location, _numel = saved_id
+        typed = cache.get(key)
+        if typed is None:
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            typed = torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
+            cache[key] = typed
+        return typed
+
+    up.persistent_load = persistent_load
+    try:
+        return up.load()
+    except pickle.UnpicklingError as e:
+        if weights_only:
+            raise UnsafeCheckpointError(
+                f"the snapshot holds objects that weights_only=True refuses to unpickle ({e}); if you trust "
+                "this checkpoint directory, pass weights_only=False to the Checkpointer"
+            ) from e
+        raise
+
+
+def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, int, int]]) -> None:
+    """Write a ``torch.save``-format archive into ``fileobj``.
+
+    Args:
+        fileobj: binary file object with ``write``; the caller flushes/fsyncs/closes it.
+        data_pkl: the pickle bytes (``data.pkl``).
+        records: ``(key, storage, nbytes)`` per span: ``storage`` is a CPU ``UntypedStorage`` (in the
+            persister, a view of the arena span) whose first ``nbytes`` are written as ``data/<key>``
+            without an intermediate copy.
+    """
+    writer = torch._C.PyTorchFileWriter(fileobj, True, STORAGE_ALIGNMENT)
+    writer.write_record("data.pkl", data_pkl, len(data_pkl))
+    writer.write_record(".format_version", "1", 1)
+    alignment = str(STORAGE_ALIGNMENT)
+    writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for key, storage, nbytes in records:
+        writer.write_record(f"data/{key}", storage, nbytes)
+    writer.write_end_of_file()

@@ -1,0 +1,108 @@
+"""SaveHandle: the result of one ``Checkpointer.save`` (torchsnapshot's ``PendingSnapshot`` idea).
+
+``snapshot_taken`` is true when ``save`` returns (unless the snapshot was skipped); ``done()`` asks, without
+waiting, whether the save reached its end (committed for DISK; held in memory for MEMORY; or failed);
+``wait()`` blocks, bounded, until then and re-raises a background failure on the caller's thread with
+its original type, annotated with rank, step and persister pid.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+from .errors import CommitTimeoutError
+from .events import SaveStats, StorageType
+from .persister import protocol as P
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+__all__ = ["SaveHandle"]
+
+
+class SaveHandle:
+    """Observe one save. Created by :meth:`snapckpt.Checkpointer.save`; not built by users."""
+
+    _POLL_SECS = 0.01
+
+    def __init__(self, owner: "Checkpointer", step: int, tier: StorageType, stats: Optional[SaveStats],
+                 skipped_reason: Optional[str] = None) -> None:
+        self._owner = owner
+        self.step = step
+        self.storage_type = tier
+        self.stats = stats
+        self.skipped_reason = skipped_reason
+        self._state = "pending" if (tier == StorageType.DISK and skipped_reason is None) else "done"
+        self._error: Optional[BaseException] = None
+        self._reported = False
+        self._created = time.monotonic()
+        self.committed_secs: Optional[float] = None  # seconds from snapshot to commit
+
+    @property
+    def snapshot_taken(self) -> bool:
+        """True when the state was copied into the arena (``save`` returned without skipping)."""
+        return self.skipped_reason is None
+
+    @property
+    def skipped(self) -> bool:
+        """True when no snapshot was taken for this step (no free slot with ``on_slot_busy="skip"``)."""
+        return self.skipped_reason is not None
+
+    def _poll(self) -> None:
+        if self._state != "pending":
+            return
+        reply = self._owner._status(self.step)
+        state = reply.get("state")
+        if state == "committed":
+            self._state = "done"
+            self.committed_secs = time.monotonic() - self._created
+            self._owner._on_committed(self)
+        elif state == "failed":
+            rec = reply.get("error") or {"type": "PersistError", "message": "unknown failure"}
+            self._fail(P.error_from_record(rec, context=self._owner._context(self.step)))
+        elif state == "unknown":
+            self._fail(self._owner._lost_error(self.step))
+
+    def _fail(self, exc: BaseException) -> None:
+        self._state = "failed"
+        self._error = exc
+        self._owner._on_failed(self, exc)
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed, held in memory, skipped or failed). Never blocks
+        for long: one status request to the persister at most."""
+        try:
+            self._poll()
+        except Exception as e:  # a dead persister ends the save too
+            self._fail(e)
+        return self._state != "pending"
+
+    def exception(self) -> Optional[BaseException]:
+        """The failure, once known; ``None`` otherwise."""
+        return self._error
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until the save has finished; re-raise its failure.
+
+        Args:
+            timeout: seconds; default: the Checkpointer's ``commit_timeout_secs`` plus a margin.
+
+        Raises:
+            CommitTimeoutError: not finished within the timeout (the save goes on in the background).
+            The save's own failure, with its original type.
+        """
+        limit = timeout if timeout is not None else self._owner.options.commit_timeout_secs + 30.0
+        deadline = time.monotonic() + limit
+        delay = 0.002
+        while not self.done():
+            if time.monotonic() > deadline:
+                raise CommitTimeoutError(f"step {self.step} was not committed within {limit:g} s; "
+                                         f"{self._owner._context(self.step)}")
+            time.sleep(delay)
+            delay = min(delay * 2, self._POLL_SECS * 5)
+        self._reported = True
+        if self._error is not None:
+            raise self._error
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, tier={self.storage_type.value}, state={self._state})"

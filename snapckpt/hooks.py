@@ -1,0 +1,130 @@
+"""HookRegistry: step-boundary events, the snapshot policy and user callbacks.
+
+Integrations (and hand-written loops) call three methods and nothing else::
+
+    hooks.before_optimizer_step()   # fence: the snapshot copy must be done before weights change
+    optimizer.step()
+    hooks.step_end(step)            # the policy decides: memory snapshot, disk snapshot, or nothing
+    ...
+    hooks.train_end()               # wait for every commit
+
+Callbacks registered with :meth:`HookRegistry.on` receive :class:`~snapckpt.events.Event` records for
+``snapshot_taken``, ``committed``, ``skipped`` and ``failed``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from .events import Event, StorageType
+
+__all__ = ["SnapshotPolicy", "HookRegistry"]
+
+log = logging.getLogger(__name__)
+EVENT_KINDS = ("snapshot_taken", "committed", "skipped", "failed")
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    """When to snapshot. A step that is due for both tiers gets one DISK save (it is in memory too).
+
+    Attributes:
+        memory_interval_steps: memory snapshot every N steps (``None``: never by steps).
+        disk_interval_steps: disk snapshot every M steps (``None``: never by steps).
+        memory_interval_secs: memory snapshot when this many seconds passed since the last snapshot.
+        disk_interval_secs: disk snapshot when this many seconds passed since the last disk save.
+        save_on_train_end: a final DISK save at :meth:`HookRegistry.train_end` if the last step is not on disk.
+    """
+
+    memory_interval_steps: Optional[int] = None
+    disk_interval_steps: Optional[int] = None
+    memory_interval_secs: Optional[float] = None
+    disk_interval_secs: Optional[float] = None
+    save_on_train_end: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("memory_interval_steps", "disk_interval_steps"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        for name in ("memory_interval_secs", "disk_interval_secs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{name} must be a positive number of seconds or None, got {v!r}")
+
+    def decide(self, step: int, secs_since_snapshot: float, secs_since_disk: float) -> Optional[StorageType]:
+        """The tier due at ``step`` (``None``: nothing due)."""
+        if (self.disk_interval_steps and step % self.disk_interval_steps == 0) or (
+                self.disk_interval_secs and secs_since_disk >= self.disk_interval_secs):
+            return StorageType.DISK
+        if (self.memory_interval_steps and step % self.memory_interval_steps == 0) or (
+                self.memory_interval_secs and secs_since_snapshot >= self.memory_interval_secs):
+            return StorageType.MEMORY
+        return None
+
+
+class HookRegistry:
+    """Drives a :class:`~snapckpt.Checkpointer` from step-boundary events.
+
+    Args:
+        checkpointer: the Checkpointer to save with.
+        state_fn: returns the state to save (called only when a snapshot is due).
+        policy: a :class:`SnapshotPolicy`.
+    """
+
+    def __init__(self, checkpointer, state_fn: Callable[[], Any], policy: SnapshotPolicy) -> None:
+        self.checkpointer = checkpointer
+        self.state_fn = state_fn
+        self.policy = policy
+        self._callbacks: Dict[str, List[Callable[[Event], None]]] = {k: [] for k in EVENT_KINDS}
+        now = time.monotonic()
+        self._last_snapshot = now
+        self._last_disk = now
+        self._last_step: Optional[int] = None
+        self._last_disk_step: Optional[int] = None
+        self._pending = []
+        checkpointer.add_listener(self._dispatch)
+
+    def on(self, kind: str, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Register ``callback(event)`` for ``kind``; return a function that removes it."""
+        if kind not in self._callbacks:
+            raise ValueError(f"unknown event {kind!r}; one of {EVENT_KINDS}")
+        self._callbacks[kind].append(callback)
+        return lambda: self._callbacks[kind].remove(callback)
+
+    def _dispatch(self, event: Event) -> None:
+        for cb in list(self._callbacks.get(event.kind, ())):
+            cb(event)
+
+    def before_optimizer_step(self) -> None:
+        """Call right before ``optimizer.step()``: waits for an in-flight snapshot copy."""
+        self.checkpointer.fence()
+
+    def step_end(self, step: int) -> None:
+        """Call after step ``step`` completed: snapshots if the policy says so, and reports commits of
+        earlier saves (their ``committed``/``failed`` events fire here, on the training thread)."""
+        self._pending = [h for h in self._pending if not h.done()]
+        now = time.monotonic()
+        tier = self.policy.decide(step, now - self._last_snapshot, now - self._last_disk)
+        self._last_step = step
+        if tier is None:
+            return
+        handle = self.checkpointer.save(self.state_fn(), step, storage_type=tier)
+        if handle.snapshot_taken:
+            self._last_snapshot = now
+            if tier == StorageType.DISK:
+                self._last_disk = now
+                self._last_disk_step = step
+                self._pending.append(handle)
+
+    def train_end(self) -> None:
+        """Call once after the last step: optional final DISK save, then wait for every commit."""
+        if (self.policy.save_on_train_end and self._last_step is not None
+                and self._last_disk_step != self._last_step):
+            self.checkpointer.save(self.state_fn(), self._last_step, storage_type=StorageType.DISK)
+        self.checkpointer.wait()
+        for h in self._pending:
+            h.done()
+        self._pending = []

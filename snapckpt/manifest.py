@@ -1,0 +1,224 @@
+"""The sidecar manifest: what a committed checkpoint holds, and how to tell it is whole.
+
+Layout inside a checkpoint directory (native files beside it are untouched; native loaders ignore it)::
+
+    <checkpoint_dir>/<dirname>/.snapckpt/manifest.json    the commit record (written before the rename)
+    <checkpoint_dir>/.<dirname>.partial-<run_id>/          a save in flight: never read by a loader
+        .snapckpt/part_00001.json                           rank 1's part is complete (sizes, checksums)
+        .snapckpt/fail_00001.json                           rank 1's part failed (error record)
+
+``manifest.json`` (JSON, ``format_version`` 1)::
+
+    {"format": "snapckpt", "format_version": 1, "step": 100, "dirname": "step_00000100",
+     "world_size": 2, "run_id": "...", "created_unix": 1.7e9, "checksum": "crc32",
+     "files": {"rank_00000.pt": {"rank": 0, "nbytes": 123, "crc32": "1a2b3c4d"}, ...}}
+
+A checkpoint is *committed* when its directory has a manifest that parses and names its own step and
+dirname; it is *intact* when every file has the recorded size (quick check) and checksum (full check).
+The checksum is CRC-32 (``zlib.crc32``) of the whole file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional
+
+from .errors import CheckpointCorruptError, CommitError
+from .storage.base import StorageReader
+
+__all__ = ["FORMAT_VERSION", "SIDECAR", "MANIFEST", "Committed", "build_manifest", "parse_manifest",
+           "list_committed", "check_sizes", "check_checksums", "crc32_file", "validate_dirname",
+           "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter"]
+
+FORMAT_VERSION = 1
+SIDECAR = ".snapckpt"
+MANIFEST = f"{SIDECAR}/manifest.json"
+_CHUNK = 8 << 20
+
+
+def validate_dirname(name: str) -> str:
+    """Check a checkpoint directory name (a tag): one path component, not hidden, no control chars.
+
+    Spaces, colons, brackets and non-ASCII are fine. Raises ``ValueError`` naming the problem.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"checkpoint tag must be a non-empty string, got {name!r}")
+    if "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+        raise ValueError(f"checkpoint tag {name!r} must be a single directory name (no '/', not hidden)")
+    if any(ord(c) < 32 for c in name) or len(name.encode()) > 200:
+        raise ValueError(f"checkpoint tag {name!r} has control characters or is over 200 bytes")
+    return name
+
+
+def partial_dirname(dirname: str, run_id: str) -> str:
+    """Name of the in-flight directory of ``dirname`` for run ``run_id`` (hidden: starts with a dot)."""
+    return f".{dirname}.partial-{run_id}"
+
+
+def part_marker_name(rank: int) -> str:
+    """Relative path of rank ``rank``'s completion marker inside a partial directory."""
+    return f"{SIDECAR}/part_{rank:05d}.json"
+
+
+def fail_marker_name(rank: int) -> str:
+    """Relative path of rank ``rank``'s failure marker inside a partial directory."""
+    return f"{SIDECAR}/fail_{rank:05d}.json"
+
+
+class ChecksumWriter:
+    """Wraps a binary file: computes CRC-32 and byte count of everything written through it."""
+
+    def __init__(self, fileobj) -> None:
+        self.fileobj = fileobj
+        self.crc = 0
+        self.nbytes = 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        n = self.fileobj.write(data)
+        self.nbytes += n
+        return n
+
+    def flush(self) -> None:
+        self.fileobj.flush()
+
+    @property
+    def hexdigest(self) -> str:
+        return f"{self.crc & 0xFFFFFFFF:08x}"
+
+
+def crc32_file(reader: StorageReader, path: str, progress=None) -> str:
+    """CRC-32 of a whole file, as 8 hex digits; ``progress(nbytes)`` is called per chunk if given."""
+    crc = 0
+    with reader.open_read(path) as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            if progress is not None:
+                progress(len(chunk))
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
+                   parts: Dict[int, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
+    """Assemble the manifest from every rank's part record ``{rank: {file: {nbytes, crc32}}}``.
+
+    Raises:
+        CommitError: the set of parts is not exactly ranks ``0 .. world_size-1``, or two ranks claim
+            one file.
+    """
+    expected = set(range(world_size))
+    got = set(parts)
+    if got != expected:
+        raise CommitError(f"step {step}: parts from ranks {sorted(got)}, expected exactly "
+                          f"{sorted(expected)} (missing {sorted(expected - got)}, unexpected "
+                          f"{sorted(got - expected)})")
+    files: Dict[str, Dict[str, Any]] = {}
+    for rank in sorted(parts):
+        for name, rec in parts[rank].items():
+            if name in files:
+                raise CommitError(f"step {step}: file {name!r} written by ranks {files[name]['rank']} "
+                                  f"and {rank}")
+            files[name] = {"rank": rank, "nbytes": int(rec["nbytes"]), "crc32": str(rec["crc32"])}
+    return {"format": "snapckpt", "format_version": FORMAT_VERSION, "step": step, "dirname": dirname,
+            "world_size": world_size, "run_id": run_id, "created_unix": time.time(), "checksum": "crc32",
+            "files": files}
+
+
+def parse_manifest(data: bytes, dirname: Optional[str] = None) -> Dict[str, Any]:
+    """Parse and check a manifest's schema; ``CheckpointCorruptError`` when it is not a valid one."""
+    try:
+        m = json.loads(data)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"manifest is not valid JSON ({len(data)} bytes): {e}") from e
+    if not isinstance(m, dict) or m.get("format") != "snapckpt":
+        raise CheckpointCorruptError("manifest is not a snapckpt manifest")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CheckpointCorruptError(f"manifest format_version {m.get('format_version')} is not supported "
+                                     f"(this snapckpt reads {FORMAT_VERSION})")
+    for key, typ in (("step", int), ("dirname", str), ("world_size", int), ("files", dict)):
+        if not isinstance(m.get(key), typ):
+            raise CheckpointCorruptError(f"manifest field {key!r} is missing or not {typ.__name__}")
+    if dirname is not None and m["dirname"] != dirname:
+        raise CheckpointCorruptError(f"manifest names directory {m['dirname']!r}, found in {dirname!r}")
+    return m
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint: its step, directory name, absolute path and manifest."""
+
+    step: int
+    dirname: str
+    path: str
+    manifest: Dict[str, Any]
+
+
+def list_committed(reader: StorageReader, checkpoint_dir: str, *, quick_check: bool = True,
+                   problems: Optional[List[str]] = None) -> List[Committed]:
+    """Committed checkpoints in ``checkpoint_dir``, oldest step first.
+
+    Directories without a parseable manifest are not committed and are skipped; with ``quick_check``
+    so are those whose files are missing or have the wrong size. Each skipped one is described in
+    ``problems`` when a list is given.
+    """
+    out: List[Committed] = []
+    for name in reader.listdir(checkpoint_dir):
+        if name.startswith("."):
+            continue
+        path = os.path.join(checkpoint_dir, name)
+        mpath = os.path.join(path, MANIFEST)
+        try:
+            data = reader.read_bytes(mpath)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as e:
+            if problems is not None:
+                problems.append(f"{name}: cannot read manifest: {e}")
+            continue
+        try:
+            m = parse_manifest(data, name)
+            if quick_check:
+                check_sizes(reader, path, m)
+        except CheckpointCorruptError as e:
+            if problems is not None:
+                problems.append(f"{name}: {e}")
+            continue
+        out.append(Committed(m["step"], name, path, m))
+    out.sort(key=lambda c: (c.step, c.manifest.get("created_unix", 0)))
+    return out
+
+
+def _files(manifest: Dict[str, Any], rank: Optional[int]) -> Iterable[tuple]:
+    for name, rec in sorted(manifest["files"].items()):
+        if rank is None or rec.get("rank") == rank:
+            yield name, rec
+
+
+def check_sizes(reader: StorageReader, path: str, manifest: Dict[str, Any], rank: Optional[int] = None) -> None:
+    """Raise ``CheckpointCorruptError`` if a file (of ``rank``, or all) is missing or has the wrong size."""
+    for name, rec in _files(manifest, rank):
+        try:
+            size = reader.size(os.path.join(path, name))
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{os.path.join(path, name)} is missing (listed in the manifest)")
+        if size != rec["nbytes"]:
+            raise CheckpointCorruptError(f"{os.path.join(path, name)} is {size} bytes, the manifest says "
+                                         f"{rec['nbytes']} (truncated or overwritten)")
+
+
+def check_checksums(reader: StorageReader, path: str, manifest: Dict[str, Any], rank: Optional[int] = None,
+                    progress=None) -> None:
+    """Raise ``CheckpointCorruptError`` if a file (of ``rank``, or all) fails its size or CRC-32."""
+    check_sizes(reader, path, manifest, rank)
+    for name, rec in _files(manifest, rank):
+        got = crc32_file(reader, os.path.join(path, name), progress)
+        if got != rec["crc32"]:
+            raise CheckpointCorruptError(f"{os.path.join(path, name)} has CRC-32 {got}, the manifest says "
+                                         f"{rec['crc32']} (corrupted)")

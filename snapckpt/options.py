@@ -1,0 +1,102 @@
+"""Checkpointer options: one frozen dataclass, units in the names, validated in ``__post_init__``."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from . import _env
+
+__all__ = ["CheckpointOptions"]
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Everything a :class:`snapckpt.Checkpointer` can be told.
+
+    Attributes:
+        keep_last: retention; the newest ``keep_last`` committed checkpoints are kept, older ones are
+            deleted after each commit (``None`` keeps everything). The newest committed checkpoint and
+            every in-flight one are never deleted.
+        shm_dir: directory of a tmpfs that holds the shared-memory arena (default ``/dev/shm`` or
+            ``$SNAPCKPT_SHM_DIR``).
+        runtime_dir: parent directory for the persister's socket, lock and token (default
+            ``$SNAPCKPT_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR`` or ``/tmp``).
+        job_id: optional extra job identity; a job is ``(realpath(checkpoint_dir), job_id)``.
+        slots_per_rank: arena slots per local rank (>= 2: one being written while one is held/persisted).
+        slot_headroom: a slot is allocated ``slot_headroom`` times the bytes the state needs, so that
+            small growth of the state does not reallocate it.
+        on_slot_busy: what ``save`` does when every slot of the rank is held by the persister:
+            ``"wait"`` (up to ``slot_wait_timeout_secs``, then :class:`~snapckpt.errors.SlotBusyError`)
+            or ``"skip"`` (no snapshot for that step; a ``skipped`` event and a warning say so).
+        slot_wait_timeout_secs: bound for ``on_slot_busy="wait"``, seconds.
+        request_timeout_secs: bound on one request to the persister, seconds; past it
+            :class:`~snapckpt.errors.PersisterTimeoutError`.
+        commit_timeout_secs: bound on the wait for every rank's part of a DISK save (and for
+            ``SaveHandle.wait()`` without a timeout), seconds; past it the commit fails with
+            :class:`~snapckpt.errors.CommitTimeoutError` naming the missing ranks.
+        coordination_timeout_secs: bound on the rank agreement of ``load``/``latest_step``/construction.
+        persister_startup_timeout_secs: bound on starting or finding the node persister.
+        persister_idle_timeout_secs: the persister exits after this long with no client (it keeps the
+            memory tier alive that long after training dies).
+        flush_on_crash: when training processes disconnect without ``close()``, the persister writes the
+            newest snapshot held in memory on every local rank to disk (if newer than the last commit).
+        verify_checksums: re-checksum files against the manifest when loading from disk.
+        weights_only: the trust decision for loading: ``True`` refuses arbitrary pickled objects
+            (``torch.load(weights_only=True)``); ``False`` trusts the checkpoint directory fully.
+        fsync: fsync files and directories before commit (turn off only for throwaway tests).
+    """
+
+    keep_last: Optional[int] = None
+    shm_dir: Optional[str] = None
+    runtime_dir: Optional[str] = None
+    job_id: Optional[str] = None
+    slots_per_rank: int = 2
+    slot_headroom: float = 1.25
+    on_slot_busy: Literal["wait", "skip"] = "wait"
+    slot_wait_timeout_secs: float = 600.0
+    request_timeout_secs: float = 60.0
+    commit_timeout_secs: float = 600.0
+    coordination_timeout_secs: float = 300.0
+    persister_startup_timeout_secs: float = 60.0
+    persister_idle_timeout_secs: float = 300.0
+    flush_on_crash: bool = True
+    verify_checksums: bool = True
+    weights_only: bool = True
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
+        if not isinstance(self.slots_per_rank, int) or self.slots_per_rank < 2:
+            raise ValueError(f"slots_per_rank must be an int >= 2, got {self.slots_per_rank!r}")
+        if not (self.slot_headroom >= 1.0):
+            raise ValueError(f"slot_headroom must be >= 1.0, got {self.slot_headroom!r}")
+        if self.on_slot_busy not in ("wait", "skip"):
+            raise ValueError(f"on_slot_busy must be 'wait' or 'skip', got {self.on_slot_busy!r}")
+        for f in dataclasses.fields(self):
+            if f.name.endswith("_secs"):
+                value = getattr(self, f.name)
+                if not isinstance(value, (int, float)) or value <= 0:
+                    raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
+        if self.job_id is not None and (not self.job_id or "/" in self.job_id or "\x00" in self.job_id):
+            raise ValueError(f"job_id must be a non-empty string without '/', got {self.job_id!r}")
+
+    @property
+    def resolved_shm_dir(self) -> str:
+        """The shared-memory directory in force (option, then environment, then ``/dev/shm``)."""
+        return self.shm_dir or _env.shm_dir()
+
+    @property
+    def resolved_runtime_dir(self) -> str:
+        """The runtime directory in force (option, then environment, then ``/tmp``)."""
+        return self.runtime_dir or _env.runtime_dir()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "CheckpointOptions":
+        """Build options from keyword arguments; an unknown name is a ``TypeError`` listing valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown snapckpt option(s) {unknown}; valid options: {sorted(names)}")
+        return cls(**kwargs)

@@ -1,0 +1,219 @@
+"""Training-process side of the persister: find or start it, send requests, detect death and hangs.
+
+Sequence: :meth:`PersisterClient.connect` takes the job's ``spawn.lock`` (``flock``; released by the
+kernel if the holder dies, case C8), tries the socket, and if nobody answers starts
+``python -m snapckpt.persister`` in a new session (so a ``kill -9`` of the training process group does not
+reach it) and waits, bounded, until the socket accepts (case C7). It then sends ``hello`` with the token
+the persister wrote. Each :meth:`request` is one JSON line out and one back, bounded by
+``request_timeout_secs``: end of stream means the persister died (:class:`PersisterDiedError`), no answer
+in time means it is hung (:class:`PersisterTimeoutError`). After either the connection is dropped; the
+next ``connect`` starts a new persister if the old one is gone.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Optional
+
+from ..errors import PersisterDiedError, PersisterError, PersisterTimeoutError
+from . import protocol as P
+
+__all__ = ["PersisterClient", "job_key", "job_dirs"]
+
+
+def job_key(checkpoint_dir: str, job_id: Optional[str]) -> str:
+    """16 hex digits naming a job on a host: ``sha256(uid, realpath(checkpoint_dir), job_id)``."""
+    raw = f"{os.getuid()}\0{os.path.realpath(checkpoint_dir)}\0{job_id or ''}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def job_dirs(runtime_root: str, shm_root: str, key: str) -> tuple:
+    """``(runtime_dir, arena_dir)`` of a job: ``<runtime>/snapckpt-<uid>/<key>``, ``<shm>/snapckpt-<uid>-<key>``."""
+    uid = os.getuid()
+    return (os.path.join(runtime_root, f"snapckpt-{uid}", key),
+            os.path.join(shm_root, f"snapckpt-{uid}-{key}"))
+
+
+def _private_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise PersisterError(f"{path} belongs to uid {st.st_uid}, not to this user; remove it or set "
+                             "runtime_dir=/shm_dir= to a private directory")
+    os.chmod(path, 0o700)
+
+
+class PersisterClient:
+    """One connection from one rank of a training process to its node persister.
+
+    Args:
+        runtime_dir: the job's runtime directory (socket, token, locks, log).
+        arena_dir: the job's arena directory (passed to a persister this client starts).
+        job: the job key (:func:`job_key`).
+        startup_timeout_secs, request_timeout_secs, idle_timeout_secs: bounds in seconds.
+    """
+
+    def __init__(self, runtime_dir: str, arena_dir: str, job: str, *, startup_timeout_secs: float,
+                 request_timeout_secs: float, idle_timeout_secs: float) -> None:
+        self.runtime_dir = runtime_dir
+        self.arena_dir = arena_dir
+        self.job = job
+        self.startup_timeout_secs = startup_timeout_secs
+        self.request_timeout_secs = request_timeout_secs
+        self.idle_timeout_secs = idle_timeout_secs
+        self.sock: Optional[socket.socket] = None
+        self.rfile = None
+        self.persister_pid: Optional[int] = None
+        self.generation = 0  # bumped at each new connection (mappings of old slots are stale)
+        _private_dir(os.path.dirname(runtime_dir))
+        _private_dir(runtime_dir)
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.runtime_dir, "persister.log")
+
+    @property
+    def sock_path(self) -> str:
+        return os.path.join(self.runtime_dir, "persister.sock")
+
+    def _try_connect(self) -> Optional[socket.socket]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.sock_path)
+            return s
+        except (FileNotFoundError, ConnectionRefusedError):
+            s.close()
+            return None
+
+    def _spawn(self) -> subprocess.Popen:
+        import snapckpt
+
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(snapckpt.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+        log = open(self.log_path, "ab")
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "snapckpt.persister", "--runtime-dir", self.runtime_dir,
+                 "--arena-dir", self.arena_dir, "--job", self.job,
+                 "--idle-timeout-secs", str(self.idle_timeout_secs)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
+                close_fds=True)
+        finally:
+            log.close()
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 2000))
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def connect(self, hello: Dict[str, Any]) -> Dict[str, Any]:
+        """Find or start the persister and say hello; return the hello response.
+
+        Raises:
+            PersisterTimeoutError: no persister answered within ``startup_timeout_secs``.
+            PersisterError: the persister refused the hello (another job on this directory...).
+        """
+        self.close()
+        deadline = time.monotonic() + self.startup_timeout_secs
+        lock_fd = os.open(os.path.join(self.runtime_dir, "spawn.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise PersisterTimeoutError(
+                            f"could not take {self.runtime_dir}/spawn.lock within "
+                            f"{self.startup_timeout_secs:g} s (another process of this job holds it)")
+                    time.sleep(0.02)
+            sock = self._try_connect()
+            proc = None
+            while sock is None:
+                if proc is None:
+                    proc = self._spawn()
+                elif proc.poll() is not None and proc.returncode != 0:
+                    raise PersisterError(f"the snapckpt persister exited with code {proc.returncode} at "
+                                         f"startup; its log ({self.log_path}) ends with:\n{self._log_tail()}")
+                if time.monotonic() > deadline:
+                    raise PersisterTimeoutError(
+                        f"the snapckpt persister did not start listening on {self.sock_path} within "
+                        f"{self.startup_timeout_secs:g} s; raise persister_startup_timeout_secs or see "
+                        f"{self.log_path}")
+                time.sleep(0.02)
+                sock = self._try_connect()
+        finally:
+            os.close(lock_fd)
+        self.sock = sock
+        self.sock.settimeout(self.request_timeout_secs)
+        self.rfile = sock.makefile("rb")
+        with open(os.path.join(self.runtime_dir, "token")) as f:
+            token = f.read().strip()
+        self.generation += 1
+        reply = self.request("hello", token=token, job=self.job, **hello)
+        self.persister_pid = reply.get("persister_pid")
+        return reply
+
+    @property
+    def connected(self) -> bool:
+        return self.sock is not None
+
+    def request(self, op: str, **fields: Any) -> Dict[str, Any]:
+        """Send one request and return the ``ok`` response's fields.
+
+        Raises:
+            PersisterDiedError / PersisterTimeoutError: as described in the module docstring.
+            Any error the persister returned, rebuilt with its original type.
+        """
+        if self.sock is None:
+            raise PersisterDiedError("not connected to the snapckpt persister (it died or was closed)")
+        try:
+            self.sock.sendall(P.encode({"op": op, **fields}))
+            line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
+        except socket.timeout as e:
+            self.close()
+            raise PersisterTimeoutError(
+                f"the snapckpt persister (pid {self.persister_pid}) did not answer {op!r} within "
+                f"{self.request_timeout_secs:g} s; it may be hung (log: {self.log_path})") from e
+        except OSError as e:
+            self.close()
+            raise PersisterDiedError(
+                f"lost the snapckpt persister (pid {self.persister_pid}) during {op!r}: {e}; snapshots "
+                f"it held in memory are gone, committed checkpoints are intact (log: {self.log_path})") from e
+        if not line:
+            self.close()
+            raise PersisterDiedError(
+                f"the snapckpt persister (pid {self.persister_pid}) died (connection closed during {op!r}); "
+                "snapshots it held in memory are gone, committed checkpoints are intact; the next call "
+                f"starts a new one (log: {self.log_path})")
+        reply = P.decode(line)
+        if not reply.get("ok"):
+            raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, op {op}")
+        return reply
+
+    def close(self, bye: bool = False) -> None:
+        """Close the connection; with ``bye`` tell the persister it is a clean close."""
+        if self.sock is None:
+            return
+        if bye:
+            try:
+                self.request("bye")
+            except PersisterError:
+                pass
+        if self.sock is not None:
+            try:
+                self.rfile.close()
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None
+        self.rfile = None

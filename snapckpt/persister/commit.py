@@ -1,0 +1,173 @@
+"""The commit protocol: one strategy in one place (DESIGN contract 4).
+
+The committer is the persister that serves global rank 0. For a step ``N`` of run ``R`` it:
+
+1. waits until the partial directory ``.<dirname>.partial-<R>`` holds a part marker from exactly the
+   ranks ``0 .. world_size-1`` (a failure marker ends the wait at once with that rank's error; a marker
+   from an unexpected rank, a missing rank at the deadline, or a file the marker lists that is missing
+   or of the wrong size fails the commit: case B9);
+2. writes ``.snapckpt/manifest.json`` into the partial directory (atomic, fsynced) and fsyncs it;
+3. renames the partial directory to ``<dirname>`` (an older committed directory of the same name is
+   moved aside first and deleted after) and fsyncs the checkpoint directory;
+4. only then replaces the tracker file (``latest``...) atomically;
+5. runs retention.
+
+Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
+to appear. On failure the committer deletes the partial directory: nothing a loader would look at is
+left behind, and the previous checkpoint and tracker are untouched.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, Optional
+
+from ..errors import CommitError, CommitTimeoutError
+from ..manifest import (MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
+                        partial_dirname)
+from ..storage.base import StorageReader, StorageWriter
+from .protocol import error_from_record
+from .retention import apply_retention
+
+__all__ = ["CommitRequest", "commit", "watch_commit", "POLL_SECS"]
+
+log = logging.getLogger(__name__)
+POLL_SECS = 0.02
+
+
+class CommitRequest:
+    """What the committer needs to know about one step (plain attributes, see :func:`commit`)."""
+
+    def __init__(self, *, checkpoint_dir: str, dirname: str, step: int, run_id: str, world_size: int,
+                 timeout_secs: float, keep_last: Optional[int], tracker_name: str, tracker_content: str):
+        self.checkpoint_dir = checkpoint_dir
+        self.dirname = dirname
+        self.step = step
+        self.run_id = run_id
+        self.world_size = world_size
+        self.timeout_secs = timeout_secs
+        self.keep_last = keep_last
+        self.tracker_name = tracker_name
+        self.tracker_content = tracker_content
+
+    @property
+    def partial_dir(self) -> str:
+        return os.path.join(self.checkpoint_dir, partial_dirname(self.dirname, self.run_id))
+
+    @property
+    def final_dir(self) -> str:
+        return os.path.join(self.checkpoint_dir, self.dirname)
+
+
+def _collect_parts(reader: StorageReader, req: CommitRequest) -> Dict[int, Dict[str, Any]]:
+    parts: Dict[int, Dict[str, Any]] = {}
+    side = os.path.join(req.partial_dir, SIDECAR)
+    for name in reader.listdir(side):
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        kind, _, rest = name[:-5].partition("_")
+        if kind not in ("part", "fail") or not rest.isdigit():
+            continue
+        try:
+            rec = json.loads(reader.read_bytes(os.path.join(side, name)))
+        except (OSError, ValueError):
+            continue  # being replaced; read again next poll
+        if rec.get("run_id") != req.run_id or rec.get("step") != req.step:
+            continue
+        rank = int(rest)
+        if kind == "fail":
+            exc = error_from_record(rec.get("error", {}))
+            raise CommitError(f"step {req.step}: rank {rank} failed to write its part: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        parts[rank] = rec["files"]
+    return parts
+
+
+def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
+    """Run the commit sequence for one step; return the manifest.
+
+    Raises:
+        CommitTimeoutError: ranks missing at the deadline (named in the message).
+        CommitError: a rank failed, an unexpected rank wrote a part, or a listed file is damaged.
+        OSError: the filesystem failed while committing.
+    """
+    try:
+        deadline = time.monotonic() + req.timeout_secs
+        while True:
+            parts = _collect_parts(reader, req)
+            unexpected = sorted(r for r in parts if r >= req.world_size)
+            if unexpected:
+                raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
+                                  f"{req.world_size}: more processes wrote than expected")
+            missing = sorted(set(range(req.world_size)) - set(parts))
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise CommitTimeoutError(
+                    f"step {req.step}: ranks {missing} did not write their part within "
+                    f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same "
+                    "step; or those ranks died)")
+            time.sleep(POLL_SECS)
+        manifest = build_manifest(step=req.step, dirname=req.dirname, world_size=req.world_size,
+                                  run_id=req.run_id, parts=parts)
+        check_sizes(reader, req.partial_dir, manifest)
+        storage.write_atomic(os.path.join(req.partial_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+        storage.fsync_dir(req.partial_dir)
+        aside = None
+        if reader.isdir(req.final_dir):
+            aside = os.path.join(req.checkpoint_dir, f".{req.dirname}.replaced-{req.run_id}")
+            storage.remove_tree(aside)
+            storage.rename(req.final_dir, aside)
+        storage.rename(req.partial_dir, req.final_dir)
+        storage.fsync_dir(req.checkpoint_dir)
+    except BaseException:
+        storage.remove_tree(req.partial_dir)
+        raise
+    if req.tracker_name:
+        storage.write_atomic(os.path.join(req.checkpoint_dir, req.tracker_name), req.tracker_content.encode())
+    if aside is not None:
+        storage.remove_tree(aside)
+    log.info("committed step %d as %s (%d files)", req.step, req.dirname, len(manifest["files"]))
+    try:
+        apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname])
+    except OSError as e:  # retention never fails a commit that already happened
+        log.warning("retention after step %d failed: %s", req.step, e)
+    return manifest
+
+
+def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
+    """On a non-committer node: wait for the committer's manifest of this run and step.
+
+    Raises:
+        CommitTimeoutError: no manifest by the deadline.
+        CommitError: the partial directory vanished without a commit (the committer aborted), or a rank
+            wrote a failure marker.
+    """
+    deadline = time.monotonic() + req.timeout_secs
+    mpath = os.path.join(req.final_dir, MANIFEST)
+    seen_partial = False
+
+    def committed() -> Optional[Dict[str, Any]]:
+        try:
+            m = parse_manifest(reader.read_bytes(mpath), req.dirname)
+        except Exception:  # not there yet, or being replaced
+            return None
+        return m if m.get("run_id") == req.run_id and m["step"] == req.step else None
+
+    while True:
+        m = committed()
+        if m is not None:
+            return m
+        if reader.isdir(req.partial_dir):
+            seen_partial = True
+            _collect_parts(reader, req)  # raises on a failure marker
+        elif seen_partial:
+            m = committed()  # the rename may have happened between the two checks
+            if m is not None:
+                return m
+            raise CommitError(f"step {req.step}: the committer aborted the commit (see rank 0's error)")
+        if time.monotonic() > deadline:
+            raise CommitTimeoutError(f"step {req.step}: no commit record within {req.timeout_secs:g} s")
+        time.sleep(POLL_SECS)

@@ -1,0 +1,130 @@
+"""Control messages between a training process and the node persister.
+
+One JSON object per line over an ``AF_UNIX`` stream socket, request then response, never a pickle and
+never tensor data (tensor bytes travel through the arena). Every request has an ``op`` and a fixed set of
+typed fields (:data:`REQUESTS`); a record with a missing, extra or mistyped field is refused before it is
+acted on. A response is ``{"ok": true, ...}`` or ``{"ok": false, "error": <error record>}``.
+
+Errors cross the process boundary as records ``{"type", "message", "errno", "filename"}`` and are rebuilt
+by :func:`error_from_record` with their original type when it is an ``OSError`` (``errno`` picks the
+subclass, e.g. ``PermissionError``) or a class of :mod:`snapckpt.errors`; anything else becomes a
+:class:`~snapckpt.errors.PersistError` carrying the original type's name.
+"""
+from __future__ import annotations
+
+import builtins
+import json
+from typing import Any, Dict, Optional
+
+from .. import errors as _errors
+
+__all__ = ["REQUESTS", "MAX_MESSAGE_NBYTES", "encode", "decode", "validate_request", "error_record",
+           "error_from_record", "ProtocolError"]
+
+MAX_MESSAGE_NBYTES = 1 << 20
+
+_INT, _STR, _BOOL, _FLOAT, _LIST, _DICT = int, str, bool, (int, float), list, dict
+
+REQUESTS: Dict[str, Dict[str, Any]] = {
+    "hello": {"token": _STR, "job": _STR, "run_id": _STR, "rank": _INT, "world_size": _INT,
+              "local_ranks": _LIST, "committer": _BOOL, "pid": _INT, "checkpoint_dir": _STR,
+              "slots_per_rank": _INT, "keep_last": _INT, "commit_timeout_secs": _FLOAT,
+              "flush_on_crash": _BOOL, "fsync": _BOOL},
+    "acquire": {"step": _INT, "nbytes": _INT},
+    "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
+              "tracker_name": _STR, "tracker_content": _STR},
+    "abort": {"slot": _INT},
+    "persist": {"step": _INT},
+    "status": {"step": _INT},
+    "held": {},
+    "ping": {},
+    "bye": {},
+}
+
+
+class ProtocolError(_errors.PersisterError):
+    """A malformed control message."""
+
+
+def encode(obj: Dict[str, Any]) -> bytes:
+    """Serialize one message to a JSON line (bytes)."""
+    data = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+    if len(data) > MAX_MESSAGE_NBYTES:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_NBYTES}")
+    return data
+
+
+def decode(line: bytes) -> Dict[str, Any]:
+    """Parse one JSON line into a dict; :class:`ProtocolError` if it is not a JSON object."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise ProtocolError(f"control message is not JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError("control message is not a JSON object")
+    return obj
+
+
+def validate_request(msg: Dict[str, Any]) -> str:
+    """Check a request against :data:`REQUESTS`; return its op or raise :class:`ProtocolError`."""
+    op = msg.get("op")
+    schema = REQUESTS.get(op) if isinstance(op, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown op {op!r}")
+    fields = set(msg) - {"op"}
+    if fields != set(schema):
+        raise ProtocolError(f"op {op!r}: fields {sorted(fields)} != expected {sorted(schema)}")
+    for name, typ in schema.items():
+        value = msg[name]
+        if isinstance(value, bool) and typ is not _BOOL:
+            raise ProtocolError(f"op {op!r}: field {name!r} must be {typ}, got a bool")
+        if not isinstance(value, typ):
+            raise ProtocolError(f"op {op!r}: field {name!r} must be {typ}, got {type(value).__name__}")
+    return op
+
+
+def error_record(exc: BaseException) -> Dict[str, Any]:
+    """Describe an exception as a JSON-safe record."""
+    rec: Dict[str, Any] = {"type": type(exc).__name__, "message": str(exc), "errno": None, "filename": None}
+    if isinstance(exc, OSError):
+        rec["errno"] = exc.errno
+        rec["message"] = exc.strerror or str(exc)
+        rec["filename"] = exc.filename if isinstance(exc.filename, str) else None
+    return rec
+
+
+def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
+    """Rebuild an exception from :func:`error_record` output, with ``context`` added as a note."""
+    typ = rec.get("type", "")
+    msg = rec.get("message", "")
+    exc: Exception
+    errno_ = rec.get("errno")
+    if errno_ is not None:
+        exc = OSError(errno_, msg, rec.get("filename")) if rec.get("filename") else OSError(errno_, msg)
+    elif hasattr(_errors, typ) and isinstance(getattr(_errors, typ), type):
+        exc = getattr(_errors, typ)(msg)
+    elif isinstance(getattr(builtins, typ, None), type) and issubclass(getattr(builtins, typ), Exception):
+        try:
+            exc = getattr(builtins, typ)(msg)
+        except Exception:  # a builtin with an unusual constructor
+            exc = _errors.PersistError(f"{typ}: {msg}")
+    else:
+        exc = _errors.PersistError(f"{typ}: {msg}")
+    if context:
+        exc.add_note(context)
+    return exc
+
+
+def ok(**fields: Any) -> Dict[str, Any]:
+    """A success response."""
+    return {"ok": True, **fields}
+
+
+def fail(exc: BaseException) -> Dict[str, Any]:
+    """A failure response carrying ``exc``."""
+    return {"ok": False, "error": error_record(exc)}
+
+
+def optional_int(value: Optional[int]) -> int:
+    """Encode an optional non-negative int as an int (-1 for None) for fixed-schema fields."""
+    return -1 if value is None else int(value)

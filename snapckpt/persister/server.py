@@ -1,0 +1,534 @@
+"""The node persister: one OS process per node and job, shared by every local rank.
+
+It owns the arena (:class:`~snapckpt.arena.SlotFiles`) and every slot's state, answers the control
+requests of :mod:`snapckpt.persister.protocol`, writes parts on a thread pool, commits on the committer
+node, and outlives the training processes:
+
+- a client that disconnects without ``bye`` crashed: the slot it was writing becomes INVALID (case C8);
+  once no rank of that run is connected, the newest step held in memory by every local rank is written
+  to disk and committed if it is newer than the last commit (``flush_on_crash``, case B8);
+- restarted ranks of the same job find this process through the socket in the job's runtime directory
+  and read the READY slots (memory-tier restore);
+- it exits when every client closed cleanly and no work is pending, or after ``idle_timeout_secs``
+  without a client; the arena files, socket and token are removed on exit.
+
+Startup: ``python -m snapckpt.persister --runtime-dir D --arena-dir A --job KEY --idle-timeout-secs S``.
+The process holds an exclusive ``flock`` on ``D/persister.pid`` while alive, writes the secret
+``D/token`` (0600) that clients must present, then listens on ``D/persister.sock`` (0600, in a 0700
+directory); connections from another uid are refused (``SO_PEERCRED``).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import fcntl
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from ..arena import SlotFiles, SlotState, map_slot
+from ..errors import PersisterError, SlotBusyError
+from ..manifest import list_committed, partial_dirname, validate_dirname
+from ..snapshot import read_index
+from ..storage.posix import PosixStorage
+from . import protocol as P
+from .commit import CommitRequest, commit, watch_commit
+from .writer import write_failure_marker, write_part
+
+log = logging.getLogger("snapckpt.persister")
+
+__all__ = ["Server", "main"]
+
+
+@dataclass
+class Slot:
+    index: int
+    path: str
+    nbytes: int = 0
+    state: SlotState = SlotState.FREE
+    step: int = -1
+    run_id: str = ""
+    index_offset: int = 0
+    index_nbytes: int = 0
+    dirname: str = ""
+    tracker_name: str = ""
+    tracker_content: str = ""
+    seq: int = 0  # order of READY transitions: the newest READY slot has the highest seq
+
+
+@dataclass
+class RankEntry:
+    rank: int
+    slots: List[Slot]
+    conn: Optional[socket.socket] = None
+    run_id: str = ""
+
+
+@dataclass
+class Run:
+    run_id: str
+    world_size: int
+    local_ranks: List[int]
+    committer: bool
+    checkpoint_dir: str
+    keep_last: Optional[int]
+    commit_timeout_secs: float
+    flush_on_crash: bool
+    fsync: bool
+    connected: Set[int] = field(default_factory=set)
+    crashed: bool = False
+
+
+@dataclass
+class Result:
+    state: str = "pending"  # pending | committed | failed
+    error: Optional[Dict[str, Any]] = None
+    part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    parts_done: Set[int] = field(default_factory=set)
+
+
+class Server:
+    """The persister's event loop and state (see the module docstring)."""
+
+    def __init__(self, runtime_dir: str, arena_dir: str, job: str, idle_timeout_secs: float) -> None:
+        self.runtime_dir = runtime_dir
+        self.job = job
+        self.idle_timeout_secs = idle_timeout_secs
+        self.arena = SlotFiles(arena_dir)
+        self.token = secrets.token_hex(16)
+        self.lock = threading.RLock()
+        self.ranks: Dict[int, RankEntry] = {}
+        self.runs: Dict[str, Run] = {}
+        self.results: Dict[Tuple[str, int], Result] = {}
+        self.commits_started: Set[Tuple[str, int]] = set()
+        self.conn_rank: Dict[socket.socket, int] = {}
+        self.buffers: Dict[socket.socket, bytearray] = {}
+        self.pending = 0  # writer and commit tasks not finished
+        self.crashed_since_empty = False
+        self.empty_since: Optional[float] = time.monotonic()
+        self.seq = 0
+        self.pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-writer")
+        self.commit_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-commit")
+        self.sel = selectors.DefaultSelector()
+        self.stop = False
+        self.files_removed = False
+        self.sock_path = os.path.join(runtime_dir, "persister.sock")
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def serve(self) -> None:
+        """Bind, serve until the job is over, clean up."""
+        token_path = os.path.join(self.runtime_dir, "token")
+        fd = os.open(token_path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, self.token.encode())
+        os.close(fd)
+        os.replace(token_path + ".tmp", token_path)
+        try:
+            os.unlink(self.sock_path)
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)
+        try:
+            listener.bind(self.sock_path)
+        finally:
+            os.umask(old)
+        listener.listen(256)
+        listener.setblocking(False)
+        self.sel.register(listener, selectors.EVENT_READ, None)
+        log.info("persister pid %d serving job %s at %s", os.getpid(), self.job, self.sock_path)
+        try:
+            while not self.stop:
+                for key, _ in self.sel.select(timeout=0.2):
+                    if key.data is None:
+                        self._accept(listener)
+                    else:
+                        self._readable(key.fileobj)
+                if self._should_exit(listener):
+                    break
+        finally:
+            self.pool.shutdown(wait=True)
+            self.commit_pool.shutdown(wait=True)
+            for s in list(self.conn_rank) + [c for c in self.buffers if c not in self.conn_rank]:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+            self._remove_files()
+            log.info("persister pid %d exiting", os.getpid())
+
+    def _remove_files(self) -> None:
+        """Delete the socket, the token and the arena (once)."""
+        if self.files_removed:
+            return
+        self.files_removed = True
+        for name in ("persister.sock", "token"):
+            try:
+                os.unlink(os.path.join(self.runtime_dir, name))
+            except FileNotFoundError:
+                pass
+        self.arena.remove_all()
+
+    def _should_exit(self, listener: socket.socket) -> bool:
+        with self.lock:
+            if self.buffers or self.pending:
+                return False
+            if self.empty_since is None:
+                self.empty_since = time.monotonic()
+            idle = time.monotonic() - self.empty_since
+            if self.crashed_since_empty and idle < self.idle_timeout_secs and not self.stop:
+                return False
+            if not self.crashed_since_empty and not self.runs and idle < self.idle_timeout_secs:
+                return False  # nobody ever came yet
+        # Take the clients' spawn lock so no client is between "found the socket" and "connected".
+        lock_fd = os.open(os.path.join(self.runtime_dir, "spawn.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            ready = selectors.DefaultSelector()
+            ready.register(listener, selectors.EVENT_READ)
+            if ready.select(timeout=0):
+                return False  # a client is knocking: keep serving
+            self.sel.unregister(listener)
+            listener.close()
+            self._remove_files()
+            return True
+        finally:
+            os.close(lock_fd)
+
+    # --------------------------------------------------------------------------------- connections
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            log.warning("refused a connection from uid %d", uid)
+            conn.close()
+            return
+        conn.setblocking(True)
+        with self.lock:
+            self.buffers[conn] = bytearray()
+            self.empty_since = None
+        self.sel.register(conn, selectors.EVENT_READ, "client")
+
+    def _readable(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(1 << 16)
+        except (ConnectionResetError, OSError):
+            data = b""
+        if not data:
+            self._disconnect(conn, clean=False)
+            return
+        buf = self.buffers[conn]
+        buf += data
+        while b"\n" in buf:
+            line, _, rest = bytes(buf).partition(b"\n")
+            buf[:] = rest
+            bye = self._handle_line(conn, line)
+            if bye:
+                self._disconnect(conn, clean=True)
+                return
+        if len(buf) > P.MAX_MESSAGE_NBYTES:
+            self._disconnect(conn, clean=False)
+
+    def _send(self, conn: socket.socket, msg: Dict[str, Any]) -> None:
+        try:
+            conn.sendall(P.encode(msg))
+        except OSError:
+            pass
+
+    def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
+        try:
+            msg = P.decode(line)
+            op = P.validate_request(msg)
+            rank = self.conn_rank.get(conn)
+            if op != "hello" and rank is None:
+                raise P.ProtocolError("the first request must be hello")
+            if op == "bye":
+                self._send(conn, P.ok())
+                return True
+            handler = getattr(self, f"_op_{op}")
+            with self.lock:
+                reply = handler(conn, rank, msg) if op == "hello" else handler(self.ranks[rank], msg)
+        except Exception as e:  # every error goes back to the client, the loop goes on
+            if not isinstance(e, (P.ProtocolError, PersisterError, SlotBusyError, OSError, ValueError)):
+                log.exception("error handling a request")
+            reply = P.fail(e)
+        self._send(conn, reply)
+        return False
+
+    def _disconnect(self, conn: socket.socket, clean: bool) -> None:
+        try:
+            self.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+        with self.lock:
+            self.buffers.pop(conn, None)
+            rank = self.conn_rank.pop(conn, None)
+            if rank is not None:
+                entry = self.ranks[rank]
+                entry.conn = None
+                run = self.runs.get(entry.run_id)
+                for s in entry.slots:
+                    if s.state == SlotState.WRITING:
+                        log.warning("rank %d left while writing step %d into slot %d: slot marked INVALID",
+                                    rank, s.step, s.index)
+                        s.state = SlotState.INVALID
+                if run is not None:
+                    run.connected.discard(rank)
+                    if not clean:
+                        run.crashed = True
+                        self.crashed_since_empty = True
+                        log.warning("rank %d (run %s) disconnected without close()", rank, run.run_id)
+                    if not run.connected and run.crashed and run.flush_on_crash:
+                        self._flush(run)
+            if not self.buffers:
+                self.empty_since = time.monotonic()
+
+    # ---------------------------------------------------------------------------------- operations
+    def _op_hello(self, conn: socket.socket, _rank: Optional[int], msg: Dict[str, Any]) -> Dict[str, Any]:
+        if not secrets.compare_digest(msg["token"], self.token) or msg["job"] != self.job:
+            raise PersisterError("authentication failed: wrong job or token")
+        rank, world = msg["rank"], msg["world_size"]
+        if not (0 <= rank < world):
+            raise P.ProtocolError(f"rank {rank} outside world size {world}")
+        entry = self.ranks.get(rank)
+        if entry is not None and entry.conn is not None:
+            raise PersisterError(
+                f"rank {rank} of this job is already connected (run {entry.run_id}); is another job "
+                "writing to the same checkpoint_dir? Give each job its own checkpoint_dir or job_id")
+        run = self.runs.get(msg["run_id"])
+        if run is None:
+            run = Run(msg["run_id"], world, list(msg["local_ranks"]), False, msg["checkpoint_dir"],
+                      None if msg["keep_last"] < 0 else msg["keep_last"], float(msg["commit_timeout_secs"]),
+                      msg["flush_on_crash"], msg["fsync"])
+            self.runs[run.run_id] = run
+        if msg["committer"]:
+            run.committer = True
+            self._clean_stale_partials(run)
+        run.connected.add(rank)
+        if entry is None:
+            entry = RankEntry(rank, [Slot(i, self.arena.path(rank, i)) for i in range(msg["slots_per_rank"])])
+            self.ranks[rank] = entry
+        while len(entry.slots) < msg["slots_per_rank"]:
+            entry.slots.append(Slot(len(entry.slots), self.arena.path(rank, len(entry.slots))))
+        entry.conn = conn
+        entry.run_id = run.run_id
+        self.conn_rank[conn] = rank
+        self.crashed_since_empty = False
+        return P.ok(persister_pid=os.getpid(), slots=[self._slot_info(s) for s in entry.slots])
+
+    def _slot_info(self, s: Slot) -> Dict[str, Any]:
+        return {"slot": s.index, "path": s.path, "nbytes": s.nbytes, "state": s.state.value, "step": s.step,
+                "index_offset": s.index_offset, "index_nbytes": s.index_nbytes, "run_id": s.run_id,
+                "seq": s.seq, "world_size": self.runs[s.run_id].world_size if s.run_id in self.runs else -1}
+
+    def _op_ping(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        return P.ok(persister_pid=os.getpid())
+
+    def _op_acquire(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        ready = [s for s in entry.slots if s.state == SlotState.READY]
+        newest = max(ready, key=lambda s: s.seq) if ready else None
+        free = [s for s in entry.slots if s.state in (SlotState.FREE, SlotState.INVALID)]
+        reusable = sorted((s for s in ready if s is not newest), key=lambda s: s.seq)
+        candidates = free + reusable
+        if not candidates:
+            held = ", ".join(f"slot {s.index}: {s.state.value}({s.step})" for s in entry.slots)
+            return P.ok(busy=True, detail=held)
+        slot = candidates[0]
+        slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, msg["nbytes"], slot.nbytes)
+        slot.state, slot.step, slot.run_id = SlotState.WRITING, msg["step"], entry.run_id
+        return P.ok(busy=False, **self._slot_info(slot))
+
+    def _slot(self, entry: RankEntry, index: int) -> Slot:
+        if not (0 <= index < len(entry.slots)):
+            raise P.ProtocolError(f"no slot {index} for rank {entry.rank}")
+        return entry.slots[index]
+
+    def _op_ready(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        s = self._slot(entry, msg["slot"])
+        if s.state != SlotState.WRITING or s.step != msg["step"]:
+            raise PersisterError(f"slot {s.index} of rank {entry.rank} is {s.state.value}({s.step}), "
+                                 f"not WRITING({msg['step']})")
+        validate_dirname(msg["dirname"])
+        if msg["tracker_name"]:
+            validate_dirname(msg["tracker_name"])
+        self.seq += 1
+        s.state, s.seq = SlotState.READY, self.seq
+        s.index_offset, s.index_nbytes = msg["index_offset"], msg["index_nbytes"]
+        s.dirname, s.tracker_name, s.tracker_content = msg["dirname"], msg["tracker_name"], msg["tracker_content"]
+        return P.ok()
+
+    def _op_abort(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        s = self._slot(entry, msg["slot"])
+        if s.state == SlotState.WRITING:
+            s.state = SlotState.INVALID
+        return P.ok()
+
+    def _op_persist(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        self._persist(entry, msg["step"], self.runs[entry.run_id])
+        return P.ok()
+
+    def _op_status(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        res = self.results.get((entry.run_id, msg["step"]))
+        if res is None:
+            held = any(s.step == msg["step"] and s.state in (SlotState.READY, SlotState.PERSISTING)
+                       for s in entry.slots)
+            return P.ok(state="held" if held else "unknown")
+        if entry.rank in res.part_errors:
+            return P.ok(state="failed", error=res.part_errors[entry.rank], where="part")
+        return P.ok(state=res.state, error=res.error, where="commit")
+
+    def _op_held(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        held = [self._slot_info(s) for s in entry.slots
+                if s.state in (SlotState.READY, SlotState.PERSISTING)]
+        return P.ok(slots=held)
+
+    # ------------------------------------------------------------------------------ persist/commit
+    def _persist(self, entry: RankEntry, step: int, run: Run) -> None:
+        cands = [s for s in entry.slots if s.step == step and s.state in (SlotState.READY, SlotState.PERSISTING)]
+        if not cands:
+            raise PersisterError(f"rank {entry.rank} holds no snapshot of step {step} to persist")
+        s = max(cands, key=lambda x: x.seq)
+        key = (run.run_id, step)
+        res = self.results.setdefault(key, Result())
+        if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
+            return
+        s.state = SlotState.PERSISTING
+        self.pending += 1
+        self.pool.submit(self._write_part_task, entry.rank, s, run, step)
+        if key not in self.commits_started:
+            self.commits_started.add(key)
+            req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=s.dirname, step=step,
+                                run_id=run.run_id, world_size=run.world_size,
+                                timeout_secs=run.commit_timeout_secs, keep_last=run.keep_last,
+                                tracker_name=s.tracker_name, tracker_content=s.tracker_content)
+            self.pending += 1
+            self.commit_pool.submit(self._commit_task, req, run)
+
+    def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
+        storage = PosixStorage(fsync=run.fsync)
+        partial = os.path.join(run.checkpoint_dir, partial_dirname(s.dirname, run.run_id))
+        try:
+            buf = map_slot(s.path, s.nbytes)
+            try:
+                index = read_index(buf)
+                if index["step"] != step:
+                    raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
+                write_part(storage, buf, index, partial, rank=rank, run_id=run.run_id, step=step)
+            finally:
+                buf.close()
+            with self.lock:
+                self.results[(run.run_id, step)].parts_done.add(rank)
+        except BaseException as e:
+            log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
+            write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
+            with self.lock:
+                self.results[(run.run_id, step)].part_errors[rank] = P.error_record(e)
+        finally:
+            with self.lock:
+                if s.state == SlotState.PERSISTING:
+                    s.state = SlotState.READY
+                self.pending -= 1
+
+    def _commit_task(self, req: CommitRequest, run: Run) -> None:
+        storage = PosixStorage(fsync=run.fsync)
+        try:
+            if run.committer:
+                commit(storage, storage, req)
+            else:
+                watch_commit(storage, req)
+            state, err = "committed", None
+        except BaseException as e:
+            log.error("step %d: commit failed: %s", req.step, e)
+            state, err = "failed", P.error_record(e)
+        with self.lock:
+            res = self.results[(req.run_id, req.step)]
+            res.state, res.error = state, err
+            self.pending -= 1
+
+    def _flush(self, run: Run) -> None:
+        """Write the newest step held by every local rank of a crashed run (called with the lock)."""
+        steps: Optional[Set[int]] = None
+        for r in run.local_ranks:
+            entry = self.ranks.get(r)
+            held = {s.step for s in entry.slots if s.state in (SlotState.READY, SlotState.PERSISTING)
+                    and s.run_id == run.run_id} if entry else set()
+            steps = held if steps is None else steps & held
+        if not steps:
+            log.info("run %s crashed; no step is held by every local rank, nothing to flush", run.run_id)
+            return
+        step = max(steps)
+        res = self.results.get((run.run_id, step))
+        if res is not None and res.state != "failed":
+            return
+        storage = PosixStorage()
+        committed = list_committed(storage, run.checkpoint_dir)
+        if committed and committed[-1].step >= step:
+            return
+        log.warning("run %s crashed; flushing step %d from memory to disk", run.run_id, step)
+        self.results.pop((run.run_id, step), None)
+        self.commits_started.discard((run.run_id, step))
+        for r in run.local_ranks:
+            try:
+                self._persist(self.ranks[r], step, run)
+            except PersisterError as e:
+                log.error("flush of step %d failed for rank %d: %s", step, r, e)
+
+    def _clean_stale_partials(self, run: Run) -> None:
+        """Remove partial directories left by runs this persister does not know (crashed jobs)."""
+        storage = PosixStorage()
+        known = set(self.runs)
+        for name in storage.listdir(run.checkpoint_dir):
+            if name.startswith(".") and (".partial-" in name or ".replaced-" in name):
+                rid = name.rsplit("-", 1)[-1]
+                if rid not in known:
+                    storage.remove_tree(os.path.join(run.checkpoint_dir, name))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``python -m snapckpt.persister``."""
+    import argparse
+
+    from .. import _env
+
+    p = argparse.ArgumentParser(prog="snapckpt.persister")
+    p.add_argument("--runtime-dir", required=True)
+    p.add_argument("--arena-dir", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--idle-timeout-secs", type=float, required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=_env.log_level(),
+                        format="%(asctime)s snapckpt-persister[%(process)d] %(levelname)s %(message)s")
+    pid_fd = os.open(os.path.join(a.runtime_dir, "persister.pid"), os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + 30.0
+    while True:  # a previous persister of this job may still be finishing its exit
+        try:
+            fcntl.flock(pid_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                log.error("another persister still holds %s after 30 s; exiting", a.runtime_dir)
+                return 1
+            time.sleep(0.05)
+    os.ftruncate(pid_fd, 0)
+    os.write(pid_fd, str(os.getpid()).encode())
+    server = Server(a.runtime_dir, a.arena_dir, a.job, a.idle_timeout_secs)
+
+    def on_term(signum, frame):
+        server.stop = True
+        server.crashed_since_empty = False
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server.serve()
+    return 0

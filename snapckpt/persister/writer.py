@@ -1,0 +1,67 @@
+"""Persister side: write one rank's part of a checkpoint from its arena slot into the partial directory.
+
+For each file listed in the slot's index: create it under the partial directory, write the
+``torch.save`` archive straight from the arena spans (:func:`write_torch_file`), computing CRC-32 on the
+way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
+moment the committer may count the part. On any error the rank's files are left for the committer to
+remove with the partial directory, and a failure marker carries the error record to the committer.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+import torch
+
+from ..formats.torch_zip import write_torch_file
+from ..manifest import ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name
+from ..storage.base import StorageWriter
+from .protocol import error_record
+
+__all__ = ["write_part", "write_failure_marker"]
+
+
+def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
+               run_id: str, step: int) -> Dict[str, Dict[str, Any]]:
+    """Write rank ``rank``'s files of ``step`` from slot mapping ``buf``; return ``{file: {nbytes, crc32}}``.
+
+    Args:
+        storage: where to write.
+        buf: the slot's ``mmap`` (read only here).
+        index: the slot's index (:func:`snapckpt.snapshot.read_index`).
+        partial_dir: the step's in-flight directory (absolute path).
+
+    Raises:
+        OSError: from the filesystem (ENOSPC, EFBIG, EACCES...), unchanged.
+    """
+    storage.makedirs(os.path.join(partial_dir, SIDECAR))
+    files: Dict[str, Dict[str, Any]] = {}
+    for f in index["files"]:
+        rel = f["path"]
+        path = os.path.join(partial_dir, rel)
+        storage.makedirs(os.path.dirname(path))
+        po, pn = f["pkl"]
+        records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(), n)
+                   if n else (key, torch.UntypedStorage(0), 0)
+                   for key, off, n in f["records"]]
+        with storage.open_write(path) as raw:
+            cw = ChecksumWriter(raw)
+            write_torch_file(cw, bytes(buf[po:po + pn]), records)
+            storage.fsync_file(raw)
+        del records
+        files[rel] = {"nbytes": cw.nbytes, "crc32": cw.hexdigest}
+    marker = {"rank": rank, "run_id": run_id, "step": step, "files": files}
+    storage.write_atomic(os.path.join(partial_dir, part_marker_name(rank)), json.dumps(marker).encode())
+    return files
+
+
+def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,
+                         exc: BaseException) -> None:
+    """Tell the committer that rank ``rank``'s part failed (best effort: the disk may be full)."""
+    marker = {"rank": rank, "run_id": run_id, "step": step, "error": error_record(exc)}
+    try:
+        storage.makedirs(os.path.join(partial_dir, SIDECAR))
+        storage.write_atomic(os.path.join(partial_dir, fail_marker_name(rank)), json.dumps(marker).encode())
+    except OSError:
+        pass

@@ -1,0 +1,250 @@
+"""The Stager: copies a rank's state into an arena slot (the only part on the training critical path).
+
+Sequence for one snapshot (all on the training process, no collective, no allocation of tensor memory):
+
+1. :meth:`Stager.prepare` walks the state once to find its tensors (:func:`collect_tensors`), groups them
+   by the storage they live in, and looks up a :class:`Plan` for that exact layout. A plan is cached keyed
+   on every tensor's storage pointer, storage size, offset, shape, stride, dtype and device (DESIGN
+   contract 3), so a changed layout (a replaced optimizer tensor, a new parameter group, a new shape)
+   always gets a new plan. The skeleton (``data.pkl``) of each file is pickled here, with user objects
+   pickled by the training process itself, so the persister never unpickles anything.
+2. :meth:`Stager.copy_into` copies each storage span into the slot, then writes the pickles, the index
+   and the header. On a CPU the copy is synchronous here; the seam for a side-stream / copy-thread copy
+   is :class:`Prepared` (what to copy where) and :meth:`Checkpointer.fence`.
+
+:func:`read_slot` is the reverse (memory-tier load): it copies the spans out of the slot into fresh CPU
+storages and unpickles.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Tuple
+
+import torch
+
+from .arena import HEADER_NBYTES, read_header, write_header
+from .errors import SnapshotError
+from .formats.torch_zip import TensorRef, collect_tensors, pickle_skeleton, unpickle_skeleton
+
+__all__ = ["Stager", "Prepared", "Plan", "read_slot", "read_index"]
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class _Span:
+    key: str
+    start_nbytes: int  # byte offset of the span in its source storage
+    nbytes: int  # bytes copied and written
+    arena_offset: int  # byte offset of the span in the slot
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every span of a given state layout goes in a slot.
+
+    Attributes:
+        spans: one per distinct source storage, in first-use order.
+        tensor_span: per collected tensor (collection order), the index of its span.
+        refs: per collected tensor, its :class:`TensorRef` (offset relative to its span).
+        data_end: first byte after the last span (bytes from the slot start).
+    """
+
+    spans: Tuple[_Span, ...]
+    tensor_span: Tuple[int, ...]
+    refs: Tuple[TensorRef, ...]
+    data_end: int
+
+
+def _signature(tensors: List[torch.Tensor]) -> tuple:
+    sig = []
+    for t in tensors:
+        st = t.untyped_storage()
+        sig.append((str(t.device), st.data_ptr(), st.nbytes(), t.storage_offset(), tuple(t.shape),
+                    t.stride(), t.dtype))
+    return tuple(sig)
+
+
+def _extent_nbytes(t: torch.Tensor) -> Tuple[int, int]:
+    es = t.element_size()
+    lo = t.storage_offset() * es
+    if t.numel() == 0:
+        return lo, lo
+    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return lo, (last + 1) * es
+
+
+def _build_plan(tensors: List[torch.Tensor]) -> Plan:
+    from torch.serialization import location_tag
+
+    groups: Dict[tuple, int] = {}
+    members: List[List[int]] = []
+    for i, t in enumerate(tensors):
+        st = t.untyped_storage()
+        gkey = (str(t.device), st.data_ptr()) if st.data_ptr() != 0 else ("empty", i)
+        g = groups.setdefault(gkey, len(members))
+        if g == len(members):
+            members.append([])
+        members[g].append(i)
+    spans: List[_Span] = []
+    tensor_span = [0] * len(tensors)
+    refs: List[TensorRef] = [None] * len(tensors)  # type: ignore[list-item]
+    offset = HEADER_NBYTES
+    for g, idx in enumerate(members):
+        dtypes = {tensors[i].dtype for i in idx}
+        if len(dtypes) > 1:
+            raise SnapshotError(
+                f"tensors that view one storage as different dtypes {sorted(map(str, dtypes))} cannot be "
+                "saved (torch.save refuses them too); clone one of them")
+        extents = [_extent_nbytes(tensors[i]) for i in idx]
+        lo = min(e[0] for e in extents) // ALIGN * ALIGN
+        hi = max(e[1] for e in extents)
+        hi = max(hi, lo)
+        t0 = tensors[idx[0]]
+        es = t0.element_size()
+        key = str(g)
+        spans.append(_Span(key, lo, hi - lo, offset))
+        location = location_tag(t0.untyped_storage())
+        for i in idx:
+            t = tensors[i]
+            tensor_span[i] = g
+            refs[i] = TensorRef(key, (t.storage_offset() * es - lo) // es, tuple(t.shape), tuple(t.stride()),
+                                t.dtype, location, (hi - lo) // es)
+        offset = _align(offset + hi - lo)
+    return Plan(tuple(spans), tuple(tensor_span), tuple(refs), offset)
+
+
+@dataclass
+class Prepared:
+    """A snapshot ready to be copied: what to copy where, plus the bytes that follow the data.
+
+    Attributes:
+        step: the step being snapshotted.
+        total_nbytes: bytes the slot must hold (header, spans, pickles, index).
+        copies: ``(source uint8 tensor view, slot byte offset)`` per span.
+        tail: ``(slot byte offset, bytes)`` for each pickle and the index.
+        index_offset, index_nbytes: where the index (JSON) sits.
+        tensor_nbytes: bytes of tensor data (the sum of span sizes).
+    """
+
+    step: int
+    total_nbytes: int
+    copies: List[Tuple[torch.Tensor, int]]
+    tail: List[Tuple[int, bytes]]
+    index_offset: int
+    index_nbytes: int
+    tensor_nbytes: int
+
+
+class Stager:
+    """Turns ``{relative file path: object}`` into slot bytes. One per training process and rank.
+
+    The plan cache holds the plans of the last few layouts (a state that alternates between two layouts,
+    such as memory and disk snapshots of different contents, keeps both).
+    """
+
+    def __init__(self, cache_size: int = 4) -> None:
+        self._plans: Dict[tuple, Plan] = {}
+        self._cache_size = cache_size
+        self.plan_builds = 0  # how many plans were built (observable by tests of contract 3)
+
+    def _plan_for(self, tensors: List[torch.Tensor]) -> Plan:
+        sig = _signature(tensors)
+        plan = self._plans.get(sig)
+        if plan is None:
+            plan = _build_plan(tensors)
+            self.plan_builds += 1
+            if len(self._plans) >= self._cache_size:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[sig] = plan
+        return plan
+
+    def prepare(self, files: Mapping[str, Any], step: int) -> Prepared:
+        """Plan a snapshot of ``files`` (``{relative path: picklable object}``) at ``step``.
+
+        Raises:
+            SnapshotError: an unsupported tensor or dtype-aliased storage.
+        """
+        per_file_tensors = [collect_tensors(obj) for obj in files.values()]
+        all_tensors: List[torch.Tensor] = []
+        seen: Dict[int, int] = {}
+        for ts in per_file_tensors:
+            for t in ts:
+                if id(t) not in seen:
+                    seen[id(t)] = len(all_tensors)
+                    all_tensors.append(t)
+        plan = self._plan_for(all_tensors)
+        copies = []
+        for span in plan.spans:
+            copies.append([None, span.arena_offset])
+        for i, t in enumerate(all_tensors):
+            c = copies[plan.tensor_span[i]]
+            if c[0] is None:
+                span = plan.spans[plan.tensor_span[i]]
+                c[0] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                    t.untyped_storage(), span.start_nbytes, (span.nbytes,), (1,))
+        offset = plan.data_end
+        tail: List[Tuple[int, bytes]] = []
+        index_files = []
+        for (path, obj), ts in zip(files.items(), per_file_tensors):
+            refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
+            pkl, keys = pickle_skeleton(obj, refs)
+            tail.append((offset, pkl))
+            by_key = {s.key: s for s in plan.spans}
+            records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
+            index_files.append({"path": path, "pkl": [offset, len(pkl)], "records": records})
+            offset += len(pkl)
+        index = json.dumps({"v": 1, "step": step, "files": index_files}, separators=(",", ":")).encode()
+        tail.append((offset, index))
+        total = offset + len(index)
+        tensor_nbytes = sum(s.nbytes for s in plan.spans)
+        return Prepared(step, total, [(c[0], c[1]) for c in copies], tail, offset, len(index), tensor_nbytes)
+
+    @staticmethod
+    def copy_into(prepared: Prepared, slot: torch.Tensor, buf) -> None:
+        """Copy a prepared snapshot into a slot.
+
+        Args:
+            prepared: from :meth:`prepare`.
+            slot: a uint8 tensor viewing the whole mapped slot (``torch.frombuffer`` of ``buf``).
+            buf: the writable mapping itself (for the header and the tail bytes).
+        """
+        for src, off in prepared.copies:
+            n = src.numel()
+            if n:
+                slot[off:off + n].copy_(src)
+        for off, data in prepared.tail:
+            buf[off:off + len(data)] = data
+        write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
+
+
+def read_index(buf) -> Dict[str, Any]:
+    """Parse the header and index of a slot; ``SnapshotError`` when they are damaged."""
+    step, off, n = read_header(buf)
+    try:
+        index = json.loads(bytes(buf[off:off + n]))
+    except ValueError as e:
+        raise SnapshotError(f"arena slot index of step {step} is damaged: {e}") from e
+    if index.get("step") != step:
+        raise SnapshotError(f"arena slot header says step {step} but its index says {index.get('step')}")
+    return index
+
+
+def read_slot(buf, slot: torch.Tensor, *, weights_only: bool) -> Tuple[int, Dict[str, Any]]:
+    """Copy a snapshot out of a slot: returns ``(step, {relative path: object})`` with CPU tensors."""
+    index = read_index(buf)
+    out: Dict[str, Any] = {}
+    for f in index["files"]:
+        storages = {}
+        for key, off, n in f["records"]:
+            dst = torch.empty(n, dtype=torch.uint8)
+            dst.copy_(slot[off:off + n])
+            storages[key] = dst.untyped_storage()
+        po, pn = f["pkl"]
+        out[f["path"]] = unpickle_skeleton(bytes(buf[po:po + pn]), storages, weights_only=weights_only)
+    return index["step"], out

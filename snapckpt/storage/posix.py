@@ -1,0 +1,98 @@
+"""Local or shared POSIX filesystem storage."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from typing import BinaryIO, List
+
+from .base import StorageReader, StorageWriter
+
+__all__ = ["PosixStorage"]
+
+
+class PosixStorage(StorageWriter, StorageReader):
+    """:class:`StorageWriter` and :class:`StorageReader` over ``os`` calls.
+
+    Args:
+        fsync: when false, ``fsync_file``/``fsync_dir`` do nothing (throwaway tests only).
+    """
+
+    def __init__(self, fsync: bool = True) -> None:
+        self.fsync = fsync
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def open_write(self, path: str) -> BinaryIO:
+        return open(path, "wb", buffering=8 << 20)
+
+    def fsync_file(self, fileobj: BinaryIO) -> None:
+        fileobj.flush()
+        if self.fsync:
+            os.fsync(fileobj.fileno())
+
+    def fsync_dir(self, path: str) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        parent = os.path.dirname(path) or "."
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                self.fsync_file(f)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self.fsync_dir(parent)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def remove_tree(self, path: str) -> None:
+        def onexc(func, p, exc):
+            if isinstance(exc, FileNotFoundError):
+                return
+            raise exc
+
+        try:
+            shutil.rmtree(path, onerror=lambda f, p, ei: onexc(f, p, ei[1]))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+
+    def free_bytes(self, path: str) -> int:
+        return shutil.disk_usage(path).free
+
+    def listdir(self, path: str) -> List[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(path, "rb")
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
