@@ -1,0 +1,311 @@
+"""The ``snapckpt`` command line (``ls``, ``verify``, ``inspect``) against real checkpoints.
+
+Checkpoints are written by a real :class:`snapckpt.Checkpointer` (persister process included); the CLI
+runs as a subprocess, ``python -m snapckpt ...``, the way a user runs it. Damage is done to the real
+files: a flipped byte, a truncated file, a manifest with a field removed, a hand-made partial directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from snapckpt import Checkpointer
+
+OPTS = dict(persister_idle_timeout_secs=2, commit_timeout_secs=10, request_timeout_secs=10,
+            coordination_timeout_secs=10)
+
+
+def cli(*args: str, extra_python: str = "") -> subprocess.CompletedProcess:
+    """Run ``python -m snapckpt ARGS`` (or, with ``extra_python``, that code first and then ``main``)."""
+    if extra_python:
+        cmd = [sys.executable, "-c", f"{extra_python}\nimport sys\nfrom snapckpt.cli import main\n"
+                                     f"sys.exit(main({list(args)!r}))"]
+    else:
+        cmd = [sys.executable, "-m", "snapckpt", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def save_steps(ckpt_dir: str, states: dict) -> None:
+    """Commit ``{step: state}`` with one Checkpointer (one rank), waiting for every commit."""
+    with Checkpointer(ckpt_dir, **OPTS) as ck:
+        for step, state in states.items():
+            ck.save(state, step).wait(timeout=30)
+
+
+def small_state(step: int) -> dict:
+    torch.manual_seed(step)
+    return {"model": torch.nn.Linear(8, 4).state_dict(), "step": step}
+
+
+def ls_rows(out: str) -> dict:
+    """``{name: {column: value}}`` from the ``ls`` table (NOTE may contain spaces; it is the rest)."""
+    lines = out.splitlines()
+    header = lines[0].split()
+    assert header[:6] == ["STEP", "NAME", "STATE", "WORLD", "BYTES", "TRACKER"], out
+    starts = [lines[0].index(h) for h in header]
+    rows = {}
+    for line in lines[1:]:
+        if not line.strip() or line.startswith(("warning:", "(")):
+            continue
+        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+        rows[cells[1]] = dict(zip(header, cells))
+    return rows
+
+
+def inspect_rows(out: str) -> dict:
+    """``{key: (shape, dtype, bytes, note)}`` from ``inspect``'s per-file tables."""
+    rows = {}
+    for m in re.finditer(r"^    (\S+)\s+(\[[^\]]*\]|-)\s+(\S+)\s+(\d+|-)[ \t]*(.*)$", out, re.M):
+        if m.group(1) != "KEY":
+            rows[m.group(1)] = (m.group(2), m.group(3), m.group(4), m.group(5).strip())
+    return rows
+
+
+def rank_file(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, f"step_{step:08d}", "rank_00000.pt")
+
+
+# ------------------------------------------------------------------------------------------------ ls
+def test_cli_B2_ls_shows_committed_incomplete_damaged_and_latest(snap_env):
+    """Fault: a crashed save (a hidden ``.NAME.partial-RUN`` directory with one rank's part and a
+    half-written file), a manifest with a field removed, a truncated file. Right behaviour: ``ls`` shows
+    each checkpoint with its state (committed / incomplete / damaged), step, world size and bytes, marks
+    the one ``latest`` names, and warns when the tracker names no committed checkpoint."""
+    d = snap_env.ckpt_dir
+    save_steps(d, {s: small_state(s) for s in (1, 2, 3)})
+    sizes = {s: os.path.getsize(rank_file(d, s)) for s in (1, 2, 3)}
+    # step 1: manifest loses a required field; step 2: its file is truncated (power loss)
+    mpath = os.path.join(d, "step_00000001", ".snapckpt", "manifest.json")
+    with open(mpath) as f:
+        m = json.load(f)
+    del m["world_size"]
+    with open(mpath, "w") as f:
+        json.dump(m, f)
+    with open(rank_file(d, 2), "r+b") as f:
+        f.truncate(100)
+    # step 4: a save that crashed after rank 0 wrote its part (by hand: no persister may clean it up)
+    partial = os.path.join(d, ".step_00000004.partial-0123abcd4567")
+    os.makedirs(os.path.join(partial, ".snapckpt"))
+    with open(os.path.join(partial, "rank_00000.pt"), "wb") as f:
+        f.write(b"\0" * 777)
+    with open(os.path.join(partial, ".snapckpt", "part_00000.json"), "w") as f:
+        json.dump({"rank": 0, "run_id": "0123abcd4567", "step": 4,
+                   "files": {"rank_00000.pt": {"nbytes": 777, "crc32": "00000000"}}}, f)
+    os.makedirs(os.path.join(d, "tensorboard"))  # not a checkpoint: only counted
+
+    r = cli("ls", d)
+    assert r.returncode == 0, r.stderr
+    rows = ls_rows(r.stdout)
+    assert set(rows) == {"step_00000001", "step_00000002", "step_00000003", "step_00000004"}, r.stdout
+    assert rows["step_00000003"] == {"STEP": "3", "NAME": "step_00000003", "STATE": "committed", "WORLD": "1",
+                                     "BYTES": str(sizes[3]), "TRACKER": "latest", "NOTE": ""}
+    assert rows["step_00000001"]["STATE"] == "damaged"
+    assert "world_size" in rows["step_00000001"]["NOTE"]
+    assert rows["step_00000002"]["STATE"] == "damaged"
+    assert rows["step_00000002"]["STEP"] == "2" and rows["step_00000002"]["BYTES"] == str(sizes[2])
+    assert "is 100 bytes, the manifest says" in rows["step_00000002"]["NOTE"]
+    inc = rows["step_00000004"]
+    assert (inc["STATE"], inc["STEP"], inc["WORLD"], inc["BYTES"]) == ("incomplete", "4", "-", "777")
+    assert "0123abcd4567" in inc["NOTE"] and "[0]" in inc["NOTE"]
+    assert [n for n, row in rows.items() if row["TRACKER"]] == ["step_00000003"]
+    assert "1 other directory" in r.stdout
+
+    # the tracker naming a damaged checkpoint is called out
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("step_00000002")
+    r = cli("ls", d)
+    assert r.returncode == 0
+    assert ls_rows(r.stdout)["step_00000002"]["TRACKER"] == "latest"
+    assert "warning: latest names 'step_00000002', which is not a committed checkpoint" in r.stdout
+
+
+# -------------------------------------------------------------------------------------------- verify
+def test_cli_verify_intact_checkpoints_exit_0(snap_env):
+    """No fault. Right behaviour: ``verify`` re-checksums every committed checkpoint (or one STEP),
+    prints OK for each, and exits 0; with ``--progress`` a bar goes to stderr, never to stdout, and by
+    default (stderr not a terminal) nothing goes to stderr."""
+    d = snap_env.ckpt_dir
+    save_steps(d, {s: small_state(s) for s in (1, 2)})
+    r = cli("verify", d)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^OK\s+step 1\s+step_00000001", r.stdout, re.M)
+    assert re.search(r"^OK\s+step 2\s+step_00000002", r.stdout, re.M)
+    assert "2 intact, 0 damaged" in r.stdout
+    assert r.stderr == ""
+    r = cli("verify", d, "2", "--progress")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step_00000002" in r.stdout and "step_00000001" not in r.stdout
+    assert "verify step_00000002" in r.stderr  # the tqdm bar
+    # without tqdm the same command works, with no bar
+    r = cli("verify", d, "2", "--progress", extra_python="import sys; sys.modules['tqdm'] = None")
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+    assert "1 intact, 0 damaged" in r.stdout
+
+
+def test_cli_B3_verify_flipped_byte_names_the_file(snap_env):
+    """Fault: one byte flipped inside a committed file (same size, so the quick size check passes and
+    ``ls`` still calls it committed). Right behaviour: ``verify`` reports that checkpoint DAMAGED naming
+    the file and the CRC-32 mismatch, reports the other one OK, and exits 1; verifying only the intact
+    step exits 0."""
+    d = snap_env.ckpt_dir
+    save_steps(d, {s: small_state(s) for s in (1, 2)})
+    path = rank_file(d, 2)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert ls_rows(cli("ls", d).stdout)["step_00000002"]["STATE"] == "committed"
+    r = cli("verify", d)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(r"^OK\s+step 1\s+step_00000001", r.stdout, re.M)
+    assert re.search(r"^DAMAGED\s+step 2\s+step_00000002", r.stdout, re.M)
+    assert f"{path} has CRC-32" in r.stdout and "(corrupted)" in r.stdout
+    assert "1 intact, 1 damaged" in r.stdout
+    assert cli("verify", d, "1").returncode == 0
+
+
+def test_cli_B3_verify_truncated_file_and_broken_manifest(snap_env):
+    """Fault: power loss left a committed file truncated to 0 bytes; another checkpoint's manifest is
+    not JSON any more. Right behaviour: ``verify`` names the truncated file with its size and the
+    manifest's, reports the unreadable manifest as DAMAGED too, and exits 1."""
+    d = snap_env.ckpt_dir
+    save_steps(d, {s: small_state(s) for s in (1, 2, 3)})
+    expected = os.path.getsize(rank_file(d, 3))
+    open(rank_file(d, 3), "wb").close()
+    with open(os.path.join(d, "step_00000001", ".snapckpt", "manifest.json"), "w") as f:
+        f.write('{"format": "snapckpt", "format_ver')
+    r = cli("verify", d)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(r"^DAMAGED\s+step 3\s+step_00000003", r.stdout, re.M)
+    assert f"{rank_file(d, 3)} is 0 bytes, the manifest says {expected}" in r.stdout
+    assert re.search(r"^DAMAGED\s+step_00000001: manifest is not valid JSON", r.stdout, re.M)
+    assert re.search(r"^OK\s+step 2\s+step_00000002", r.stdout, re.M)
+    assert "1 intact, 2 damaged" in r.stdout
+
+
+def test_cli_verify_usage_errors_exit_2(snap_env):
+    """Fault: user mistakes. Right behaviour: exit 2 with a message for a missing DIR, an unknown STEP
+    (listing the committed steps), a checkpoint passed instead of its parent, and an empty directory."""
+    d = snap_env.ckpt_dir
+    save_steps(d, {5: small_state(5)})
+    r = cli("verify", os.path.join(snap_env.tmp, "nope"))
+    assert r.returncode == 2 and "no such directory" in r.stderr
+    r = cli("verify", d, "7")
+    assert r.returncode == 2 and "no committed checkpoint of step 7" in r.stderr and "[5]" in r.stderr
+    r = cli("verify", os.path.join(d, "step_00000005"))
+    assert r.returncode == 2 and "pass its parent" in r.stderr
+    empty = os.path.join(snap_env.tmp, "empty")
+    os.makedirs(empty)
+    r = cli("verify", empty)
+    assert r.returncode == 2 and "no committed checkpoint" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------- inspect
+def test_cli_inspect_lists_keys_shapes_dtypes_bytes(snap_env):
+    """No fault. Right behaviour: ``inspect DIR STEP`` lists every key of the rank file as a dotted
+    path (nested dicts, lists, the optimizer's integer state keys), with shape, dtype and bytes of each
+    tensor, non-tensor values by type and value, and tied tensors marked as sharing storage."""
+    d = snap_env.ckpt_dir
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7,
+             "extra": {"bf16": torch.zeros(5, 3, dtype=torch.bfloat16), "scalar": torch.tensor(3),
+                       "tied": [model[0].weight]}}
+    save_steps(d, {7: state})
+    r = cli("inspect", d, "7")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = inspect_rows(r.stdout)
+    assert rows["model.0.weight"] == ("[4, 8]", "float32", "128", "")
+    assert rows["model.1.bias"] == ("[2]", "float32", "8", "")
+    assert rows["optimizer.state.0.exp_avg"] == ("[4, 8]", "float32", "128", "")
+    assert rows["optimizer.state.3.exp_avg_sq"] == ("[2]", "float32", "8", "")
+    assert rows["optimizer.param_groups.0.lr"][:3] == ("-", "float", "-")
+    assert rows["step"] == ("-", "int", "-", "7")
+    assert rows["extra.bf16"] == ("[5, 3]", "bfloat16", "30", "")
+    assert rows["extra.scalar"] == ("[]", "int64", "8", "")
+    assert rows["extra.tied.0"] == ("[4, 8]", "float32", "128", "shares storage with model.0.weight")
+    assert "rank 0  rank_00000.pt" in r.stdout and "step_00000007: step 7, world size 1" in r.stdout
+    assert r.stderr == ""
+
+
+class Tripwire:
+    """Pickles as a call to ``open(path, "w")``: loading it runs code (it creates ``path``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_cli_E6_inspect_weights_only_refusal_and_trust(snap_env):
+    """Fault: a checkpoint holding pickled objects (an ``argparse.Namespace`` of training arguments,
+    and an object whose unpickling runs code). Right behaviour: ``inspect`` loads with
+    ``weights_only=True``, which refuses the file without running any of its pickle, and tells the user
+    to pass ``--trust`` (exit 1); ``--trust`` is the explicit decision that loads it with
+    ``weights_only=False`` and lists every key."""
+    d = snap_env.ckpt_dir
+    tripwire = os.path.join(snap_env.tmp, "pickle-ran")
+    args = argparse.Namespace(lr=0.5, name="run1")
+    save_steps(d, {1: small_state(1), 2: {**small_state(2), "args": args, "obj": Tripwire(tripwire)}})
+    assert not os.path.exists(tripwire)
+
+    r = cli("inspect", d, "2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "refused by torch.load(weights_only=True)" in r.stdout
+    assert "--trust" in r.stderr and "rank_00000.pt" in r.stderr
+    assert f"snapckpt inspect {d} 2 --trust" in r.stderr
+    assert "model.weight" not in r.stdout
+    assert not os.path.exists(tripwire), "weights_only=True must not run the checkpoint's pickle"
+
+    r = cli("inspect", d, "2", "--trust")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = inspect_rows(r.stdout)
+    assert rows["model.weight"] == ("[4, 8]", "float32", "128", "")
+    assert rows["args"][:3] == ("-", "Namespace", "-") and "lr=0.5" in rows["args"][3]
+    assert "weights_only=False" in r.stderr
+    assert os.path.exists(tripwire)  # the trust decision is real: the pickle ran
+
+
+def test_cli_inspect_damaged_file_exit_1(snap_env):
+    """Fault: the file of the inspected step is truncated. Right behaviour: ``inspect`` says it is
+    damaged (size against the manifest), points to ``verify``, and exits 1 instead of a traceback."""
+    d = snap_env.ckpt_dir
+    save_steps(d, {1: small_state(1)})
+    with open(rank_file(d, 1), "r+b") as f:
+        f.truncate(10)
+    r = cli("inspect", d, "1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "damaged:" in r.stdout and "is 10 bytes, the manifest says" in r.stdout
+    assert "snapckpt verify" in r.stderr and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------------------- packaging
+def test_cli_entry_points_and_no_framework_import(snap_env):
+    """The ``snapckpt`` console script runs the CLI (``python -m snapckpt`` is what every other test
+    uses); running every command imports no training framework (the CLI needs the core alone)."""
+    d = snap_env.ckpt_dir
+    save_steps(d, {1: small_state(1)})
+    script = shutil.which("snapckpt", path=os.path.dirname(sys.executable))
+    assert script, "the snapckpt console script is not installed next to this python"
+    r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and all(c in r.stdout for c in ("ls", "verify", "inspect"))
+    frameworks = ("deepspeed", "megatron", "transformers", "accelerate", "safetensors")
+    code = ("import sys\nfrom snapckpt.cli import main\n"
+            f"codes = [main(['ls', {d!r}]), main(['verify', {d!r}]), main(['inspect', {d!r}, '1'])]\n"
+            f"print('CODES', codes)\nprint('LOADED', [m for m in sys.modules if m.split('.')[0] in {frameworks!r}])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "CODES [0, 0, 0]" in r.stdout, r.stdout + r.stderr
+    assert "LOADED []" in r.stdout, r.stdout
