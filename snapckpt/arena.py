@@ -93,8 +93,13 @@ class SlotFiles:
         """Path of the file of ``slot`` of global ``rank``."""
         return os.path.join(self.directory, f"r{rank:05d}-s{slot}")
 
-    def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int) -> int:
+    def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
+                    reserve_nbytes: int = 0) -> int:
         """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
+
+        ``reserve_nbytes`` is what the rank's other slots still need to reach ``nbytes``: the capacity
+        check counts it too, so an arena that cannot hold every slot fails at the first snapshot, not at
+        a later one.
 
         Raises:
             InsufficientSharedMemoryError: the tmpfs or RAM cannot hold it (names the size and the fix).
@@ -102,19 +107,20 @@ class SlotFiles:
         if nbytes <= current_nbytes:
             return current_nbytes
         grow = nbytes - current_nbytes
+        need = grow + reserve_nbytes
         st = os.statvfs(self.directory)
         free = st.f_bavail * st.f_frsize
         avail = mem_available_bytes()
         hint = ("lower slots_per_rank (min 2) or slot_headroom, point shm_dir= at a larger tmpfs, "
                 "or save less state per rank")
-        if grow > free:
+        if need > free:
             raise InsufficientSharedMemoryError(
-                f"shared-memory directory {self.directory!r} has {free} bytes free but the snapshot slot "
-                f"of rank {rank} needs {grow} more ({nbytes} bytes in all); {hint}")
-        if avail is not None and grow > avail:
+                f"shared-memory directory {self.directory!r} has {free} bytes free but the snapshot slots "
+                f"of rank {rank} need {need} more ({nbytes} bytes per slot); {hint}")
+        if avail is not None and need > avail:
             raise InsufficientSharedMemoryError(
-                f"the host has {avail} bytes of RAM available but the snapshot slot of rank {rank} needs "
-                f"{grow} more ({nbytes} bytes in all); {hint}")
+                f"the host has {avail} bytes of RAM available but the snapshot slots of rank {rank} need "
+                f"{need} more ({nbytes} bytes per slot); {hint}")
         path = self.path(rank, slot)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

@@ -27,8 +27,9 @@ class CheckpointOptions:
         slot_headroom: a slot is allocated ``slot_headroom`` times the bytes the state needs, so that
             small growth of the state does not reallocate it.
         on_slot_busy: what ``save`` does when every slot of the rank is held by the persister:
-            ``"wait"`` (up to ``slot_wait_timeout_secs``, then :class:`~snapckpt.errors.SlotBusyError`)
-            or ``"skip"`` (no snapshot for that step; a ``skipped`` event and a warning say so).
+            ``"wait"`` (a ``slot_wait`` event and a warning, then up to ``slot_wait_timeout_secs``, then
+            :class:`~snapckpt.errors.SlotBusyError`) or ``"skip"`` (no snapshot for that step; a
+            ``skipped`` event and a warning say so).
         slot_wait_timeout_secs: bound for ``on_slot_busy="wait"``, seconds.
         request_timeout_secs: bound on one request to the persister, seconds; past it
             :class:`~snapckpt.errors.PersisterTimeoutError`.
@@ -77,7 +78,7 @@ class CheckpointOptions:
         for f in dataclasses.fields(self):
             if f.name.endswith("_secs"):
                 value = getattr(self, f.name)
-                if not isinstance(value, (int, float)) or value <= 0:
+                if not isinstance(value, (int, float)) or not value > 0:  # NaN too
                     raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
         if self.job_id is not None and (not self.job_id or "/" in self.job_id or "\x00" in self.job_id):
             raise ValueError(f"job_id must be a non-empty string without '/', got {self.job_id!r}")

@@ -1,0 +1,131 @@
+"""Test harness: isolated snapckpt environments, multi-process launches under gloo, persister lookup.
+
+Every test gets its own runtime directory (short, for AF_UNIX paths) and shared-memory directory through
+the ``SNAPCKPT_RUNTIME_DIR`` / ``SNAPCKPT_SHM_DIR`` knobs, so tests never collide and leaks are visible.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO, "tests", "workers")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def persisters(runtime_root: str) -> List[psutil.Process]:
+    """Live persister processes whose runtime directory is under ``runtime_root``."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if "snapckpt.persister" in cmd and any(runtime_root in c for c in cmd) \
+                    and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def wait_until(pred, timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``pred()`` until true or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+@dataclass
+class SnapEnv:
+    """One test's isolated snapckpt environment."""
+
+    runtime_root: str
+    shm_root: str
+    ckpt_dir: str
+    tmp: str
+    env: Dict[str, str] = field(default_factory=dict)
+
+    def persisters(self) -> List[psutil.Process]:
+        return persisters(self.runtime_root)
+
+    def shm_files(self) -> List[str]:
+        out = []
+        for root, _, files in os.walk(self.shm_root):
+            out += [os.path.join(root, f) for f in files]
+        return out
+
+    def kill_persisters(self, sig: int = signal.SIGKILL) -> None:
+        for p in self.persisters():
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def launch(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str],
+           port: Optional[int] = None) -> List[subprocess.Popen]:
+    """Start ``nprocs`` ranks of ``tests/workers/<script>`` with a gloo rendezvous on a free port.
+
+    RANK/WORLD_SIZE/MASTER_* are only the rendezvous of ``init_process_group(env://)``; snapckpt itself
+    derives placement from torch.distributed.
+    """
+    port = port or free_port()
+    procs = []
+    for rank in range(nprocs):
+        e = dict(os.environ)
+        e.update(env)
+        e.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        e.pop("LOCAL_RANK", None)
+        e.pop("LOCAL_WORLD_SIZE", None)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, script), *args], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs: List[subprocess.Popen], timeout: float = 120) -> List[str]:
+    """Wait for every process; return their outputs; kill all and raise if any hangs past ``timeout``."""
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank hung past {timeout} s; output so far: "
+                                 f"{[q.communicate()[0] for q in procs]}")
+        outs.append(out)
+    return outs
+
+
+def run_ranks(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str], timeout: float = 120,
+              check: bool = True) -> List[str]:
+    """Launch, wait, and (with ``check``) assert every rank exited 0."""
+    procs = launch(script, nprocs, args, env)
+    outs = finish(procs, timeout)
+    if check:
+        for r, (p, o) in enumerate(zip(procs, outs)):
+            assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{o}"
+    return outs
+
+
+def result_lines(out: str, tag: str = "RESULT") -> List[str]:
+    """Lines of a worker's output that start with ``tag`` (the tag removed)."""
+    return [l[len(tag):].strip() for l in out.splitlines() if l.startswith(tag)]

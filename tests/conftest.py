@@ -1,0 +1,42 @@
+"""Shared fixtures: an isolated snapckpt environment per test, checked for leaks at teardown."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import uuid
+
+import pytest
+
+from _harness import SnapEnv, wait_until
+
+
+@pytest.fixture
+def snap_env(tmp_path, monkeypatch):
+    """Isolated runtime/shm directories (inherited by child processes through the environment).
+
+    At teardown the test's persisters must have exited and its shared memory must be empty (contract 10);
+    a test that deliberately leaves a persister behind (kill tests) calls ``snap_env.leftover_ok = True``.
+    """
+    key = uuid.uuid4().hex[:8]
+    runtime_root = f"/tmp/sr-{key}"
+    shm_root = f"/dev/shm/snapckpt-test-{key}"
+    os.makedirs(runtime_root, mode=0o700)
+    os.makedirs(shm_root, mode=0o700)
+    env = {"SNAPCKPT_RUNTIME_DIR": runtime_root, "SNAPCKPT_SHM_DIR": shm_root}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    se = SnapEnv(runtime_root, shm_root, str(tmp_path / "ckpt"), str(tmp_path), env)
+    se.leftover_ok = False
+    yield se
+    try:
+        if not se.leftover_ok:
+            gone = wait_until(lambda: not se.persisters(), timeout=15)
+            assert gone, f"persister processes outlived the test: {[p.pid for p in se.persisters()]}"
+            assert wait_until(lambda: not se.shm_files(), timeout=5), \
+                f"shared-memory files outlived the test: {se.shm_files()}"
+    finally:
+        se.kill_persisters(signal.SIGKILL)
+        wait_until(lambda: not se.persisters(), timeout=5)
+        shutil.rmtree(runtime_root, ignore_errors=True)
+        shutil.rmtree(shm_root, ignore_errors=True)

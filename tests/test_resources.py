@@ -1,0 +1,302 @@
+"""Resources and preflight: cases D1 (tiny shared memory), D2 (flat memory, no leaks) and DESIGN contracts
+7 (fail fast: shared memory, checkpoint directory, free disk, options, persister startup) and 10
+(no shared-memory segment, process or file descriptor outlives the job).
+
+Real tmpfs mounts (the tests run as root), real persister processes, real SIGKILL.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+
+import psutil
+import pytest
+import torch
+
+from _harness import finish, launch, result_lines, wait_until
+from snapckpt import Checkpointer, StorageType
+from snapckpt.errors import (CheckpointDirError, InsufficientDiskError, PersisterError,
+                             PersisterTimeoutError)
+
+MiB = 1 << 20
+WORKER = "resources_worker.py"
+QUICK = dict(commit_timeout_secs=30, request_timeout_secs=30, coordination_timeout_secs=30,
+             persister_startup_timeout_secs=30)
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size: str, *opts: str):
+    """Mount a fresh tmpfs of ``size`` at ``path`` for the block (root only); always unmounted."""
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join((f"size={size}",) + opts), "tmpfs", path],
+                   check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", path]).returncode != 0:
+            subprocess.run(["umount", "-l", path])
+
+
+def used_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def tree(path: str) -> list:
+    out = []
+    for root, dirs, files in os.walk(path):
+        out += [os.path.relpath(os.path.join(root, n), path) for n in dirs + files]
+    return sorted(out)
+
+
+def results(out: str) -> list:
+    return [json.loads(line) for line in result_lines(out)]
+
+
+def run_worker(snap_env, *args: str, timeout: float = 120):
+    procs = launch(WORKER, 1, list(args), snap_env.env)
+    (out,) = finish(procs, timeout)
+    return procs[0].returncode, out
+
+
+# ------------------------------------------------------------------------------------------ D1
+def test_D1_tiny_shm_fails_fast_without_sigbus(snap_env):
+    """D1: a 16 MiB tmpfs as ``shm_dir`` and a 32 MiB state. tmpfs allocates lazily, so a naive arena dies
+    of SIGBUS on first touch. Right: ``save`` raises InsufficientSharedMemoryError naming the bytes needed
+    and the option to change, before any copy (no stats, the tmpfs gains nothing, nothing is written to
+    the checkpoint directory); the same Checkpointer then saves, commits and loads a 1 MiB state."""
+    shm = os.path.join(snap_env.tmp, "tiny-shm")
+    with tmpfs(shm, "16m"):
+        rc, out = run_worker(snap_env, "tiny_shm", snap_env.ckpt_dir, shm)
+        assert rc != -signal.SIGBUS, f"the saving process died of SIGBUS:\n{out}"
+        assert rc == 0, f"worker exited {rc}:\n{out}"
+        big, small, closed = results(out)
+        err = big["error"]
+        assert err is not None and err["type"] == "InsufficientSharedMemoryError", out
+        needed = [int(n) for n in re.findall(r"\d+", err["message"])]
+        assert any(n >= 32 * MiB for n in needed), f"the message does not name the size needed: {err}"
+        assert "shm_dir" in err["message"], f"the message does not name the option to change: {err}"
+        assert big["last_stats"] is None, "a copy happened before the error"
+        assert big["shm_used_after"] - big["shm_used_before"] < MiB, "the failed save kept shared memory"
+        assert big["ckpt_tree"] == [], f"the failed save wrote to the checkpoint dir: {big['ckpt_tree']}"
+        assert small["step"] == 2 and small["equal"], small
+        assert small["ckpt_tree"] and not any(n.startswith("step_00000001") for n in small["ckpt_tree"])
+        assert closed["persister_gone"]
+        assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
+
+
+def test_D1_second_slot_does_not_fit(snap_env):
+    """D1, partial fit: a 10 MiB state's first slot (12.5 MiB) fits the 16 MiB tmpfs, its second does not,
+    so the arena (two slots) cannot hold it. Right: never SIGBUS; the very first save already raises
+    InsufficientSharedMemoryError naming the bytes of both slots (not a save that works and a later one
+    that fails), every retry does too; a 4 MiB state then works and loads from memory."""
+    shm = os.path.join(snap_env.tmp, "tiny-shm")
+    with tmpfs(shm, "16m"):
+        rc, out = run_worker(snap_env, "one_slot", snap_env.ckpt_dir, shm)
+        assert rc != -signal.SIGBUS, f"the saving process died of SIGBUS:\n{out}"
+        assert rc == 0, f"worker exited {rc}:\n{out}"
+        res, closed = results(out)
+        errors = res["errors"]
+        assert all(errors), f"two 12.5 MiB slots cannot fit a 16 MiB tmpfs, yet a save passed: {errors}"
+        for e in errors:
+            assert "shm_dir" in e and any(int(n) >= 25 * MiB for n in re.findall(r"\d+", e)), e
+        assert res["loaded_step"] == 5 and res["loaded_fill"] == 5.0, res
+        assert closed["persister_gone"]
+        assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
+
+
+# ------------------------------------------------------------------------------------------ D2
+def _flat(samples: list, key: str, slack_bytes: int = 16 * MiB, frac: float = 0.10) -> None:
+    base = samples[20][key]
+    late = max(s[key] for s in samples[150:200])
+    allowed = base + max(slack_bytes, int(frac * base))
+    assert late <= allowed, (f"{key} grew after warm-up: {base / MiB:.1f} MiB at save 20, "
+                             f"max {late / MiB:.1f} MiB over saves 150-199")
+
+
+def test_D2_memory_and_fds_flat_over_200_saves(snap_env):
+    """D2 / contract 10: 200 saves of a 64 MiB state (MEMORY, every 20th DISK with keep_last=2; fsync off,
+    this is about memory). Right: RSS (and private anonymous RSS) of the trainer and of the persister stay
+    flat after warm-up, so do their open-fd counts; one persister serves every save; retention keeps two
+    checkpoints; after close() the persister exits, the trainer's fd count is back to its baseline and no
+    shared-memory file is left (fixture)."""
+    rc, out = run_worker(snap_env, "churn", snap_env.ckpt_dir, timeout=170)
+    assert rc == 0, f"worker exited {rc}:\n{out[-3000:]}"
+    (res,) = results(out)
+    s = res["samples"]
+    assert len(s) == 200
+    for key in ("rss", "anon", "p_rss", "p_anon"):
+        _flat(s, key)
+    for key in ("fds", "p_fds"):
+        assert max(x[key] for x in s[150:200]) <= s[20][key] + 2, f"{key}: {[x[key] for x in s]}"
+    assert len(res["persister_pids"]) == 1, f"the persister was restarted: {res['persister_pids']}"
+    assert res["on_disk"] == ["step_00000179", "step_00000199"], res["on_disk"]
+    assert res["persister_gone"], "the persister outlived close()"
+    assert abs(res["fds_after_close"] - res["fds_before"]) <= 2, \
+        f"fd leak: {res['fds_before']} before the Checkpointer, {res['fds_after_close']} after close()"
+
+
+def _hold(snap_env, idle_secs: float):
+    """Start a job that commits step 1, keeps step 2 in memory and waits; return (proc, persister pid)."""
+    marker = os.path.join(snap_env.tmp, "held.json")
+    procs = launch(WORKER, 1, ["hold", snap_env.ckpt_dir, marker, str(idle_secs)], snap_env.env)
+    if not wait_until(lambda: os.path.exists(marker) or procs[0].poll() is not None, timeout=90):
+        procs[0].kill()
+        raise AssertionError(f"the job never got ready: {procs[0].communicate()[0]}")
+    assert os.path.exists(marker), f"the job died: {procs[0].communicate()[0]}"
+    with open(marker) as f:
+        return procs[0], json.load(f)["persister_pid"]
+
+
+def _kill(proc) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _persister_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_D2_sigkilled_job_then_restart_leaves_nothing(snap_env):
+    """D2 / contract 10: the job is SIGKILLed with a snapshot in memory; a new job on the same checkpoint
+    dir attaches to the surviving persister, resumes at step 2 (nothing lost), commits step 3 and closes.
+    Right: afterwards no persister process, no shared-memory file and no socket/token is left, and the new
+    job's fd count is back to its baseline."""
+    proc, pid = _hold(snap_env, idle_secs=120)
+    _kill(proc)
+    assert _persister_alive(pid), "the persister died with the job (it must outlive it)"
+    rc, out = run_worker(snap_env, "resume", snap_env.ckpt_dir)
+    assert rc == 0, f"restarted job exited {rc}:\n{out}"
+    loaded, closed = results(out)
+    assert loaded["persister_pid"] == pid, "the restarted job did not find the surviving persister"
+    assert loaded["step"] == 2 and loaded["fill"] == 2.0, loaded
+    assert closed["persister_gone"], "the persister outlived the clean close of the restarted job"
+    assert abs(closed["fds_after_close"] - closed["fds_before"]) <= 2, closed
+    assert not snap_env.persisters()
+    assert wait_until(lambda: not snap_env.shm_files() and not os.listdir(snap_env.shm_root), timeout=10), \
+        f"arena left after restart + close: {tree(snap_env.shm_root)}"
+    left = [n for n in tree(snap_env.runtime_root) if n.endswith(("persister.sock", "token"))]
+    assert not left, f"socket/token left: {left}"
+
+
+def test_D2_orphaned_persister_exits_after_idle_timeout(snap_env):
+    """D2 / contract 10: the job is SIGKILLed and nobody comes back. Right: the persister exits by itself
+    once ``persister_idle_timeout_secs`` (2 s) pass without a client, and removes its arena directory,
+    socket and token."""
+    proc, pid = _hold(snap_env, idle_secs=2)
+    _kill(proc)
+    assert wait_until(lambda: not _persister_alive(pid), timeout=60), \
+        "the orphaned persister did not exit after its idle timeout"
+    assert wait_until(lambda: not os.listdir(snap_env.shm_root), timeout=10), \
+        f"arena left by the orphaned persister: {tree(snap_env.shm_root)}"
+    left = [n for n in tree(snap_env.runtime_root) if n.endswith(("persister.sock", "token"))]
+    assert not left, f"socket/token left: {left}"
+
+
+# -------------------------------------------------------------------------- contract 7: preflight
+@pytest.mark.parametrize("how", ["under_a_file", "is_a_file", "read_only_fs"])
+def test_contract7_checkpoint_dir_not_writable(snap_env, how):
+    """Contract 7: a checkpoint dir that cannot be created or written (its path goes through a regular
+    file, it is a regular file, or it lies on a read-only filesystem; root ignores mode bits). Right:
+    the constructor raises CheckpointDirError naming the path; no persister is started."""
+    blocker = os.path.join(snap_env.tmp, "a-file")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    ro = os.path.join(snap_env.tmp, "ro")
+    with contextlib.ExitStack() as stack:
+        if how == "under_a_file":
+            target = os.path.join(blocker, "ckpt")
+        elif how == "is_a_file":
+            target = blocker
+        else:
+            stack.enter_context(tmpfs(ro, "1m", "ro"))
+            target = ro
+        with pytest.raises(CheckpointDirError) as ei:
+            Checkpointer(target, **QUICK)
+        assert target in str(ei.value)
+        assert not snap_env.persisters()
+
+
+def test_contract7_disk_too_small_for_checkpoint(snap_env):
+    """Contract 7: the checkpoint dir is an 8 MiB tmpfs holding a committed 1 MiB checkpoint; a DISK save
+    of a 16 MiB state cannot fit. Right: save raises InsufficientDiskError naming free and needed bytes,
+    before anything is copied or written (same files, same usage, no new stats); the Checkpointer stays
+    usable (a MEMORY save of the big state and a DISK save of a small one work); the previous checkpoint
+    still loads from disk in a new job."""
+    d = os.path.join(snap_env.tmp, "small-disk")
+    with tmpfs(d, "8m"):
+        first = {"w": torch.arange(256 * 1024, dtype=torch.float32)}
+        with Checkpointer(d, keep_last=3, **QUICK) as ck:
+            ck.save(first, 1, StorageType.DISK).wait()
+            before, used0 = tree(d), used_bytes(d)
+            with pytest.raises(InsufficientDiskError) as ei:
+                ck.save({"w": torch.ones(4 * MiB)}, 2, StorageType.DISK)
+            msg = str(ei.value)
+            assert d in msg and any(int(n) >= 16 * MiB for n in re.findall(r"\d+", msg)), msg
+            assert tree(d) == before and used_bytes(d) == used0
+            assert ck.last_stats.step == 1, "the refused save copied its state"
+            ck.save({"w": torch.ones(4 * MiB)}, 3, StorageType.MEMORY)
+            ck.save({"w": torch.full((1024,), 4.0)}, 4, StorageType.DISK).wait()
+        assert wait_until(lambda: not snap_env.persisters(), timeout=15)
+        with Checkpointer(d, **QUICK) as ck:
+            out = ck.load(step=1)
+            assert ck.last_load.tier == StorageType.DISK
+            assert torch.equal(out["w"], first["w"])
+            assert torch.equal(ck.load()["w"], torch.full((1024,), 4.0)) and ck.last_load.step == 4
+        assert wait_until(lambda: not snap_env.persisters(), timeout=15)
+
+
+# ----------------------------------------------------------------------------- options validation
+@pytest.mark.parametrize("kwargs, error, names", [
+    ({"keep_last": 0}, ValueError, ["keep_last"]),
+    ({"keep_last": -3}, ValueError, ["keep_last"]),
+    ({"slots_per_rank": 1}, ValueError, ["slots_per_rank"]),
+    ({"slot_headroom": 0.5}, ValueError, ["slot_headroom"]),
+    ({"on_slot_busy": "drop"}, ValueError, ["on_slot_busy"]),
+    ({"request_timeout_secs": 0}, ValueError, ["request_timeout_secs"]),
+    ({"commit_timeout_secs": float("nan")}, ValueError, ["commit_timeout_secs"]),
+    ({"job_id": "a/b"}, ValueError, ["job_id"]),
+    ({"keep_lsat": 2}, TypeError, ["keep_lsat", "keep_last", "slots_per_rank", "shm_dir"]),
+])
+def test_contract7_invalid_options(snap_env, kwargs, error, names):
+    """Contract 7: a bad option value or an unknown option name. Right: the constructor raises a
+    ValueError naming the option (an unknown name: a TypeError listing it and the valid names) before
+    it creates the checkpoint dir or starts a persister."""
+    with pytest.raises(error) as ei:
+        Checkpointer(snap_env.ckpt_dir, **kwargs)
+    for n in names:
+        assert n in str(ei.value), f"{n!r} not in {ei.value}"
+    assert not os.path.exists(snap_env.ckpt_dir)
+    assert not snap_env.persisters()
+
+
+# ---------------------------------------------------------------------------- persister startup
+@pytest.mark.parametrize("via", ["env", "option"])
+def test_contract7_persister_startup_failure_reports_log(snap_env, monkeypatch, via):
+    """Contract 7: the persister cannot start (its shared-memory directory lies under a regular file, so
+    it cannot be created). Right: the constructor raises PersisterError, not a timeout and not a hang,
+    within persister_startup_timeout_secs, with the tail of the persister's log (the real cause) in the
+    message; no persister is left."""
+    blocker = os.path.join(snap_env.tmp, "a-file")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    bad = os.path.join(blocker, "shm")
+    opts = dict(QUICK, persister_startup_timeout_secs=60)
+    if via == "env":
+        monkeypatch.setenv("SNAPCKPT_SHM_DIR", bad)
+    else:
+        opts["shm_dir"] = bad
+    with pytest.raises(PersisterError) as ei:
+        Checkpointer(snap_env.ckpt_dir, **opts)
+    assert not isinstance(ei.value, PersisterTimeoutError), f"a timeout instead of the cause: {ei.value}"
+    msg = str(ei.value)
+    assert "persister.log" in msg and "NotADirectoryError" in msg and bad in msg, msg
+    assert wait_until(lambda: not snap_env.persisters(), timeout=10)
