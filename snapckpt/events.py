@@ -46,7 +46,10 @@ class SaveStats:
 
 @dataclass(frozen=True)
 class Event:
-    """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped`` or ``failed``.
+    """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait`` or ``failed``.
+
+    ``skipped`` means no snapshot was taken for the step; ``slot_wait`` means the save is waiting for a
+    free arena slot (``on_slot_busy="wait"``) and its snapshot is still to come.
 
     Attributes:
         kind: what happened.
@@ -54,7 +57,7 @@ class Event:
         tier: the requested ``StorageType``.
         rank: global rank that observed it.
         stats: for ``snapshot_taken``.
-        reason: for ``skipped``.
+        reason: for ``skipped`` and ``slot_wait``.
         error: for ``failed``.
     """
 

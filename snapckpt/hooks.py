@@ -9,7 +9,7 @@ Integrations (and hand-written loops) call three methods and nothing else::
     hooks.train_end()               # wait for every commit
 
 Callbacks registered with :meth:`HookRegistry.on` receive :class:`~snapckpt.events.Event` records for
-``snapshot_taken``, ``committed``, ``skipped`` and ``failed``.
+``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait`` and ``failed``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .events import Event, StorageType
 __all__ = ["SnapshotPolicy", "HookRegistry"]
 
 log = logging.getLogger(__name__)
-EVENT_KINDS = ("snapshot_taken", "committed", "skipped", "failed")
+EVENT_KINDS = ("snapshot_taken", "committed", "skipped", "slot_wait", "failed")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ class Plan:
     """Where every span of a given state layout goes in a slot.
 
     Attributes:
-        spans: one per distinct source storage, in first-use order.
+        spans: one per byte range of a source storage that tensors use (see :func:`_clusters`), in
+            first-use order of the storages.
         tensor_span: per collected tensor (collection order), the index of its span.
         refs: per collected tensor, its :class:`TensorRef` (offset relative to its span).
         data_end: first byte after the last span (bytes from the slot start).
@@ -101,22 +102,38 @@ def _build_plan(tensors: List[torch.Tensor]) -> Plan:
             raise SnapshotError(
                 f"tensors that view one storage as different dtypes {sorted(map(str, dtypes))} cannot be "
                 "saved (torch.save refuses them too); clone one of them")
-        extents = [_extent_nbytes(tensors[i]) for i in idx]
-        lo = min(e[0] for e in extents) // ALIGN * ALIGN
-        hi = max(e[1] for e in extents)
-        hi = max(hi, lo)
         t0 = tensors[idx[0]]
         es = t0.element_size()
-        key = str(g)
-        spans.append(_Span(key, lo, hi - lo, offset))
         location = location_tag(t0.untyped_storage())
-        for i in idx:
-            t = tensors[i]
-            tensor_span[i] = g
-            refs[i] = TensorRef(key, (t.storage_offset() * es - lo) // es, tuple(t.shape), tuple(t.stride()),
-                                t.dtype, location, (hi - lo) // es)
-        offset = _align(offset + hi - lo)
+        for lo, hi, cluster in _clusters(tensors, idx):
+            key = str(len(spans))
+            for i in cluster:
+                t = tensors[i]
+                tensor_span[i] = len(spans)
+                refs[i] = TensorRef(key, (t.storage_offset() * es - lo) // es, tuple(t.shape),
+                                    tuple(t.stride()), t.dtype, location, (hi - lo) // es)
+            spans.append(_Span(key, lo, hi - lo, offset))
+            offset = _align(offset + hi - lo)
     return Plan(tuple(spans), tuple(tensor_span), tuple(refs), offset)
+
+
+def _clusters(tensors: List[torch.Tensor], idx: List[int]) -> List[Tuple[int, int, List[int]]]:
+    """Split the tensors ``idx`` of one storage into ``(lo, hi, members)`` byte ranges to save.
+
+    Tensors whose byte extents overlap or nearly touch (a gap under ``ALIGN`` bytes) share a range, so
+    they come back sharing one storage; a gap between them starts a new range, so a few small views
+    into a large buffer write about their own size, not the gaps (case D3). ``lo`` is ``ALIGN``-aligned.
+    """
+    extents = sorted((_extent_nbytes(tensors[i]) + (i,) for i in idx), key=lambda e: e[0])
+    out: List[list] = []
+    for lo, hi, i in extents:
+        lo = lo // ALIGN * ALIGN
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+            out[-1][2].append(i)
+        else:
+            out.append([lo, max(hi, lo), [i]])
+    return [(lo, hi, members) for lo, hi, members in out]
 
 
 @dataclass

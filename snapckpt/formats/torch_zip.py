@@ -8,7 +8,8 @@ storage, and ``version``/``.data/serialization_id`` written at the end (source:
 
 - on the training process, :func:`pickle_skeleton` turns a state into the ``data.pkl`` bytes, with each
   storage replaced by a *span* of it (only the bytes that tensors actually use, so a view into a large
-  buffer does not drag the buffer along; tensors sharing one storage keep sharing one record);
+  buffer does not drag the buffer along; tensors that overlap in one storage keep sharing one
+  record);
 - in the persister, :func:`write_torch_file` writes the archive from those bytes and raw records that
   live in shared memory, through :class:`torch._C.PyTorchFileWriter`, the writer ``torch.save`` uses.
 
@@ -246,11 +247,21 @@ def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, int,
             without an intermediate copy.
     """
     writer = torch._C.PyTorchFileWriter(fileobj, True, STORAGE_ALIGNMENT)
-    writer.write_record("data.pkl", data_pkl, len(data_pkl))
-    writer.write_record(".format_version", "1", 1)
-    alignment = str(STORAGE_ALIGNMENT)
-    writer.write_record(".storage_alignment", alignment, len(alignment))
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    for key, storage, nbytes in records:
-        writer.write_record(f"data/{key}", storage, nbytes)
+    try:
+        writer.write_record("data.pkl", data_pkl, len(data_pkl))
+        writer.write_record(".format_version", "1", 1)
+        alignment = str(STORAGE_ALIGNMENT)
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, storage, nbytes in records:
+            writer.write_record(f"data/{key}", storage, nbytes)
+    except BaseException:
+        # An unfinished writer finishes the archive in its C++ destructor; if that write fails too (a
+        # full disk fails every write) it throws from the destructor and std::terminate kills the
+        # process. Finish it here, where a second failure is an ordinary exception, and raise the first.
+        try:
+            writer.write_end_of_file()
+        except Exception:
+            pass
+        raise
     writer.write_end_of_file()
