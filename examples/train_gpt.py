@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from snapckpt import Checkpointer, HookRegistry, SnapshotPolicy, StorageType, rng
+from snapckpt import Checkpointer, HookRegistry, SnapshotPolicy, rng
 
 VOCAB_SIZE = 256  # bytes
 
@@ -249,6 +249,79 @@ def mean_loss(loss: torch.Tensor, world_size: int) -> float:
     return value.item()
 
 
+class TrainState:
+    """Everything needed to continue a run identically (DESIGN contract 8), as one state dict:
+    model, optimizer, LR scheduler, RNG states, the step and the data position."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world_size: int) -> None:
+        cfg = GPTConfig()
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        self.model = GPT(cfg)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda_for(args.steps))
+        self.data = ShardedBatches(load_stdlib_bytes(args.data_bytes), cfg.block_size,
+                                   args.batch_size, rank, world_size, args.seed)
+        torch.manual_seed(args.seed + 1 + rank)  # dropout masks differ per rank
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng.capture(),
+            "step": self.step,
+            "data": self.data.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data.load_state_dict(state["data"])
+        rng.restore(state["rng"])
+        self.step = int(state["step"])
+
+
+def tier_name(tier) -> str:
+    """``StorageType.MEMORY`` -> ``"memory"``."""
+    return getattr(tier, "name", str(tier)).lower()
+
+
+def make_hooks(ckpt: Checkpointer, ts: TrainState, args: argparse.Namespace, say) -> HookRegistry:
+    """Snapshots to memory every ``--memory-interval`` steps, to disk every ``--disk-interval``
+    steps and after the last step; events are printed."""
+    policy = SnapshotPolicy(memory_interval_steps=args.memory_interval,
+                            disk_interval_steps=args.disk_interval, save_on_train_end=True)
+    hooks = HookRegistry(ckpt, state_fn=ts.state_dict, policy=policy)
+    hooks.on("snapshot_taken", lambda e: say(f"snapshot of step {e.step} taken ({tier_name(e.tier)})"))
+    hooks.on("committed", lambda e: say(f"checkpoint of step {e.step} committed ({tier_name(e.tier)})"))
+    hooks.on("skipped", lambda e: print(f"[rank {e.rank}] snapshot of step {e.step} skipped", flush=True))
+    hooks.on("failed", lambda e: print(f"[rank {e.rank}] checkpoint of step {e.step} failed", flush=True))
+    return hooks
+
+
+def train(ts: TrainState, hooks: HookRegistry, args, world_size: int, log) -> None:
+    """Train until ``args.steps``; ``log`` receives one ``step N loss X`` line per step."""
+    ddp_model = DDP(ts.model) if world_size > 1 else ts.model
+    ddp_model.train()
+    while ts.step < args.steps:
+        inputs, targets = ts.data.next_batch()
+        loss = ddp_model(inputs, targets)
+        ts.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ts.model.parameters(), 1.0)
+        hooks.before_optimizer_step()  # fence: the last snapshot's copy must be done
+        ts.optimizer.step()
+        ts.scheduler.step()
+        ts.step += 1
+        log(f"step {ts.step} loss {mean_loss(loss, world_size)!r}")
+        hooks.step_end(ts.step)
+        if args.sleep_per_step:
+            time.sleep(args.sleep_per_step)
+    hooks.train_end()  # the last step goes to disk too, then every commit is waited for
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world_size = init_distributed()
@@ -262,81 +335,23 @@ def main(argv=None) -> None:
         if rank == 0:
             print(line, flush=True)
 
-    cfg = GPTConfig()
-    torch.manual_seed(args.seed)  # same initial weights on every rank
-    model = GPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(args.steps))
-    data = ShardedBatches(load_stdlib_bytes(args.data_bytes), cfg.block_size, args.batch_size,
-                          rank, world_size, args.seed)
-    torch.manual_seed(args.seed + 1 + rank)  # dropout differs per rank
-    step = 0
-
-    def state_fn() -> dict:
-        """Everything needed to continue identically (DESIGN contract 8)."""
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": rng.capture(),
-            "step": step,
-            "data": data.state_dict(),
-        }
-
-    ckpt = Checkpointer(args.checkpoint_dir, keep_last=args.keep_last)
-    latest = ckpt.latest_step()
-    if latest is not None:
-        state = ckpt.load(step=latest)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        data.load_state_dict(state["data"])
-        rng.restore(state["rng"])
-        step = int(state["step"])
-        info = ckpt.last_load
-        tier = getattr(info.tier, "name", str(info.tier)).lower()
-        say(f"resumed from step {info.step} (tier: {tier})")
-
-    start_step = step
-    ddp_model = DDP(model) if world_size > 1 else model
-    hooks = HookRegistry(ckpt, state_fn=state_fn, policy=SnapshotPolicy(
-        memory_interval_steps=args.memory_interval, disk_interval_steps=args.disk_interval))
-    hooks.on("committed", lambda e: say(f"checkpoint step {e.step} committed ({_tier(e)})"))
-    hooks.on("skipped", lambda e: print(f"[rank {rank}] snapshot of step {e.step} skipped", flush=True))
-    hooks.on("failed", lambda e: print(f"[rank {rank}] checkpoint of step {e.step} failed", flush=True))
-
-    ddp_model.train()
-    while step < args.steps:
-        inputs, targets = data.next_batch()
-        loss = ddp_model(inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        hooks.before_optimizer_step()  # fence: the last snapshot's copy must finish first
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        line = f"step {step} loss {mean_loss(loss, world_size)!r}"
+    def log(line: str) -> None:
         say(line)
         if log_file:
             log_file.write(line + "\n")
             log_file.flush()
-        hooks.step_end(step)
-        if args.sleep_per_step:
-            time.sleep(args.sleep_per_step)
 
-    if step > start_step and step % args.disk_interval:
-        ckpt.save(state_fn(), step, storage_type=StorageType.DISK)  # the final state, on disk too
-    hooks.train_end()
-    ckpt.close()
+    ts = TrainState(args, rank, world_size)
+    with Checkpointer(args.checkpoint_dir, keep_last=args.keep_last) as ckpt:
+        latest = ckpt.latest_step()  # newest step complete on every rank, memory or disk
+        if latest is not None:
+            ts.load_state_dict(ckpt.load(step=latest))
+            say(f"resumed from step {ckpt.last_load.step} (tier: {tier_name(ckpt.last_load.tier)})")
+        train(ts, make_hooks(ckpt, ts, args, say), args, world_size, log)
     if log_file:
         log_file.close()
     if world_size > 1:
         dist.destroy_process_group()
-
-
-def _tier(event) -> str:
-    return getattr(event.tier, "name", str(event.tier)).lower()
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ train_cmd() {
 }
 
 last_step() { # the newest "step N loss X" line of a run's output, or 0
-    { grep -oE '^step [0-9]+ ' "$1" || true; } | awk '{ n = $2 } END { print n + 0 }'
+    { grep -soE '^step [0-9]+ ' "$1" || true; } | awk '{ n = $2 } END { print n + 0 }'
 }
 
 TORCHRUN=""
@@ -78,12 +78,18 @@ while [ "$(last_step "$RUN_DIR/run1.out")" -lt "$KILL_AFTER_STEP" ]; do
     sleep 0.1
 done
 
-WORKERS=$(pgrep -P "$TORCHRUN" | tr '\n' ' ' || true)
+WORKERS=$(pgrep -P "$TORCHRUN" | paste -sd ' ' || true)
 kill -9 "$TORCHRUN" $WORKERS
 { wait "$TORCHRUN" || true; } 2> /dev/null
+alive() { # running, not merely a zombie waiting to be reaped
+    local state
+    state=$(ps -o stat= -p "$1" 2> /dev/null || true)
+    [ -n "$state" ] && [ "${state:0:1}" != Z ]
+}
 for pid in $WORKERS; do
-    while kill -0 "$pid" 2> /dev/null; do sleep 0.05; done
+    while alive "$pid"; do sleep 0.05; done
 done
+grep -E '^(snapshot of|checkpoint of)' "$RUN_DIR/run1.out" | sed 's/^/  | /' || true
 echo "demo: kill -9 torchrun ($TORCHRUN) and workers ($WORKERS) after step $(last_step "$RUN_DIR/run1.out")"
 TORCHRUN=""
 
@@ -92,7 +98,7 @@ train_cmd "$(free_port)"
 echo "demo: run 2: ${TRAIN[*]}"
 status=0
 "${TRAIN[@]}" > "$RUN_DIR/run2.out" 2>&1 || status=$?
-grep -E '^(resumed from|checkpoint step)' "$RUN_DIR/run2.out" | sed 's/^/  | /' || true
+grep -E '^(resumed from|snapshot of|checkpoint of)' "$RUN_DIR/run2.out" | sed 's/^/  | /' || true
 
 fail() {
     echo "demo: FAILED: $*; output of run 2 (in $RUN_DIR/run2.out):" >&2

@@ -23,6 +23,13 @@ installed() {
 
 if ! installed; then
     echo "setup: installing snapckpt (editable) with test extras into $VENV" >&2
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+    log="$VENV/.snapckpt-setup-pip.log"
+    if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' 2> "$log"; then
+        cat "$log" >&2
+        exit 1
+    fi
+    # On success, keep pip's warnings but drop the noise about configured local indexes that
+    # have no entry for a package.
+    grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
     touch "$STAMP"
 fi

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the test suite; extra arguments go to pytest.
+# Set up (scripts/setup.sh), then run the test suite: `.venv/bin/python -m pytest tests "$@"`.
 #
+# Extra arguments go to pytest. When one of them names a test file or directory
+# (`bash scripts/test.sh tests/test_smoke.py::test_x -q`), only that is run instead of all of tests/.
 # Exits with pytest's code. Exit code 5 ("no tests collected") is reported as a failure: a test run
 # that ran nothing must not pass.
 set -uo pipefail
@@ -8,7 +10,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/setup.sh || exit $?
 
-.venv/bin/python -m pytest tests "$@"
+targets=(tests)
+for arg in "$@"; do
+    case "$arg" in
+        -*) ;;
+        *) if [ -e "${arg%%::*}" ]; then targets=(); fi ;;
+    esac
+done
+
+.venv/bin/python -m pytest "${targets[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; treating that as a failure" >&2
