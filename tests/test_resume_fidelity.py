@@ -1,0 +1,108 @@
+"""DESIGN contract 8: an interrupted and resumed run produces the same losses as one that was not.
+
+Cases E2 (dropout and a shuffled DataLoader: bitwise-equal per-step losses on CPU) and E3 (StepLR: the
+learning rate after resume equals the uninterrupted run's), from the memory tier and from the disk tier;
+and the main job (``examples/train_gpt.py``, DDP on 2 ranks under ``torchrun``) killed with ``kill -9``
+mid-run and resumed from memory, and from disk when the persister died too.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from _harness import REPO, free_port, result_lines, wait_until
+
+WORKER = os.path.join(REPO, "tests", "workers", "resume_worker.py")
+
+
+def _run(args, env):
+    out = subprocess.run([sys.executable, WORKER, *map(str, args)], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _losses(out):
+    return {r["step"]: (r["loss"], r["lr"]) for r in map(json.loads, result_lines(out))}
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_E2_E3_resume_is_bitwise_identical(snap_env, tier):
+    """E2/E3: 10 steps straight vs 5 steps + save + process exit without close + resume to 10."""
+    straight = _losses(_run([snap_env.tmp + "/straight", 10, 10, 0, tier], snap_env.env))
+    _run([snap_env.ckpt_dir, 5, 10, 5, tier], snap_env.env)
+    if tier == "disk":  # the node lost its memory too
+        snap_env.kill_persisters()
+        assert wait_until(lambda: not snap_env.persisters(), 10)
+    out = _run([snap_env.ckpt_dir, 10, 10, 0, tier], snap_env.env)
+    assert f"RESUMED 5 {tier}" in out
+    resumed = _losses(out)
+    assert sorted(resumed) == list(range(6, 11))
+    for step in range(6, 11):
+        assert resumed[step] == straight[step], f"step {step}: {resumed[step]} != {straight[step]}"
+    assert resumed[6][1] == straight[6][1] == repr(0.1 * 0.1 * 0.1)  # lr 0.1, decayed twice by step 6
+    snap_env.leftover_ok = tier == "disk"
+
+
+def _torchrun(ckpt, log, steps, env, extra=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), os.path.join(REPO, "examples", "train_gpt.py"), "--checkpoint-dir", ckpt,
+           "--steps", str(steps), "--memory-interval", "4", "--disk-interval", "4", "--loss-log", log,
+           "--data-bytes", "200000", *extra]
+    return subprocess.Popen(cmd, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _log(path):
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    for line in open(path):
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "step":
+            out[int(parts[1])] = parts[3]
+    return out
+
+
+def _kill_job(proc):
+    """kill -9 torchrun and its ranks; the persister (own session) is left alive."""
+    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)
+                            if "snapckpt.persister" not in " ".join(c.cmdline())]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("lose_memory", [False, True], ids=["from_memory", "from_disk"])
+def test_E2_main_job_kill9_and_resume(snap_env, lose_memory):
+    """The main job under torchrun: kill -9 after step 6, resume, identical losses to step 10."""
+    ref_log = os.path.join(snap_env.tmp, "ref.log")
+    ref = _torchrun(os.path.join(snap_env.tmp, "ref"), ref_log, 10, snap_env.env)
+    out = ref.communicate(timeout=300)[0]
+    assert ref.returncode == 0, out
+    log = os.path.join(snap_env.tmp, "run.log")
+    job = _torchrun(snap_env.ckpt_dir, log, 10, snap_env.env, ["--sleep-per-step", "0.5"])
+    assert wait_until(lambda: max(_log(log), default=0) >= 6 or job.poll() is not None, 240)
+    assert job.poll() is None, "the job ended before it could be killed"
+    _kill_job(job)
+    if lose_memory:
+        snap_env.kill_persisters()
+        assert wait_until(lambda: not snap_env.persisters(), 10)
+    os.unlink(log)
+    again = _torchrun(snap_env.ckpt_dir, log, 10, snap_env.env)
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out
+    tier = "disk" if lose_memory else "memory"
+    assert f"resumed from step 4 (tier: {tier})" in out, out
+    expected, got = _log(ref_log), _log(log)
+    assert sorted(got) == list(range(5, 11))
+    for step in got:
+        assert got[step] == expected[step], f"step {step}: {got[step]} != {expected[step]}"
