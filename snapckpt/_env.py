@@ -4,6 +4,8 @@ Knobs:
 - ``SNAPCKPT_SHM_DIR``: default shared-memory directory for the arena (default ``/dev/shm``).
 - ``SNAPCKPT_RUNTIME_DIR``: where sockets, locks and tokens live (default ``$XDG_RUNTIME_DIR`` or ``/tmp``).
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
+- ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``: fault injection for tests: the persister sleeps this long before
+  each record it writes (a slow persister). Read by the persister process only.
 """
 from __future__ import annotations
 
@@ -39,3 +41,14 @@ def runtime_dir() -> str:
 def log_level() -> str:
     """Log level name for the persister process."""
     return os.environ.get("SNAPCKPT_LOG_LEVEL", "INFO").upper()
+
+
+def fault_write_delay_secs() -> float:
+    """Seconds the persister sleeps before each record it writes (fault injection; default 0)."""
+    raw = os.environ.get("SNAPCKPT_FAULT_WRITE_DELAY_SECS", "")
+    if not raw:
+        return 0.0
+    value = float(raw)
+    if value < 0:
+        raise ValueError(f"SNAPCKPT_FAULT_WRITE_DELAY_SECS={raw!r} must be >= 0")
+    return value

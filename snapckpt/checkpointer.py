@@ -97,7 +97,8 @@ class Checkpointer:
         self.last_load: Optional[LoadInfo] = None
         self.last_stats: Optional[SaveStats] = None
         t = self.options.coordination_timeout_secs
-        me = {"host": host_identity(), "run_id": uuid.uuid4().hex[:12], "pid": os.getpid()}
+        # A run id starts with the job key: a persister only ever cleans up its own job's leftovers.
+        me = {"host": host_identity(), "run_id": self.job + uuid.uuid4().hex[:12], "pid": os.getpid()}
         everyone = self._coord.all_gather("init", me, t)
         self.topology = Topology.from_hosts(self._coord.rank, [p["host"] for p in everyone])
         self.run_id = everyone[0]["run_id"]
@@ -257,7 +258,7 @@ class Checkpointer:
                 raise InsufficientDiskError(
                     f"{self.checkpoint_dir!r} has {free} bytes free; rank {self.rank}'s part of step {step} "
                     f"needs {prepared.total_nbytes}; free space or lower keep_last; nothing was written")
-        reply = self._acquire(step, prepared.total_nbytes)
+        reply = self._acquire(step, prepared.total_nbytes, storage_type)
         t2 = time.perf_counter()
         if reply is None:
             reason = f"no free arena slot for step {step} (on_slot_busy='skip')"
@@ -293,7 +294,7 @@ class Checkpointer:
         self._emit(Event("snapshot_taken", step, storage_type, self.rank, stats=stats))
         return handle
 
-    def _acquire(self, step: int, nbytes: int) -> Optional[Dict[str, Any]]:
+    def _acquire(self, step: int, nbytes: int, storage_type: StorageType) -> Optional[Dict[str, Any]]:
         want = int(nbytes * self.options.slot_headroom)
         deadline = time.monotonic() + self.options.slot_wait_timeout_secs
         delay = 0.001
@@ -307,7 +308,7 @@ class Checkpointer:
             if not logged:
                 log.warning("rank %d: every arena slot is busy (%s); step %d waits for the persister",
                             self.rank, reply.get("detail"), step)
-                self._emit(Event("skipped", step, StorageType.MEMORY, self.rank,
+                self._emit(Event("slot_wait", step, storage_type, self.rank,
                                  reason=f"waiting for a free slot ({reply.get('detail')})"))
                 logged = True
             if time.monotonic() > deadline:
@@ -327,33 +328,42 @@ class Checkpointer:
         return None
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until every DISK save of this rank is committed; raise the first failure."""
+        """Block until every DISK save of this rank is committed; raise the first failure not already
+        raised to the caller (by ``SaveHandle.wait`` or an earlier call): each failure is raised once."""
         handles, self._handles = self._handles, []
         first: Optional[BaseException] = None
         for h in handles:
+            reported = h._reported
             try:
                 h.wait(timeout)
             except BaseException as e:
-                if first is None:
+                if first is None and not reported:
                     first = e
         if first is not None:
             raise first
 
     # ---------------------------------------------------------------------------------------- load
-    def _candidates(self) -> List[Tuple[int, str, Optional[str]]]:
-        """Agree with all ranks on the load candidates: ``[(step, "memory"|"disk", dirname)]``, newest first."""
+    def _candidates(self, step: Optional[int] = None) -> List[Tuple[int, str, Optional[str]]]:
+        """Agree with all ranks on the load candidates: ``[(step, "memory"|"disk", dirname)]``, newest first.
+
+        Directories skipped as damaged are kept in ``self._damaged`` (``"dirname: what is wrong"``). With
+        ``step``, a committed directory whose files fail the quick size check is still a candidate, so
+        that reading it fails with an error naming the damaged file instead of "not found" (case B3).
+        """
         held = self._request("held")["slots"]
         mem = sorted({(s["step"], s["run_id"]) for s in held if s.get("world_size", self.world_size)
                       == self.world_size})
         disk: List[List[Any]] = []
         problems: List[str] = []
         if self.rank == 0:
-            for c in list_committed(self._storage, self.checkpoint_dir, problems=problems):
+            for c in list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
+                                    problems=problems):
                 disk.append([c.step, c.dirname, c.manifest["world_size"]])
             for p in problems:
                 log.warning("not a loadable checkpoint: %s", p)
-        everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk},
+        everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems},
                                           self.options.coordination_timeout_secs)
+        self._damaged: List[str] = everyone[0]["damaged"]
         common = None
         for p in everyone:
             steps = {tuple(x) for x in p["mem"]}
@@ -420,7 +430,7 @@ class Checkpointer:
         """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
         self.wait()
         t0 = time.perf_counter()
-        cands = self._candidates()
+        cands = self._candidates(step)
         if step is not None:
             cands = [c for c in cands if c[0] == step]
         errors: List[str] = []
@@ -447,7 +457,9 @@ class Checkpointer:
         if errors:
             raise CheckpointCorruptError("no readable checkpoint: " + " | ".join(errors))
         what = f"step {step}" if step is not None else "any step"
-        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
+        damaged = f"; skipped as damaged: {'; '.join(self._damaged)}" if self._damaged else ""
+        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}"
+                                      f"{damaged}")
 
     def load(self, state_dict: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> Dict[str, Any]:
         """Restore the newest step complete on every rank (or ``step``); collective.
@@ -462,7 +474,8 @@ class Checkpointer:
             step: load exactly this step.
 
         Raises:
-            CheckpointNotFoundError: nothing (or not ``step``) to load.
+            CheckpointNotFoundError: nothing (or not ``step``) to load; the message names directories
+                skipped as damaged (no readable manifest, or a file of the wrong size).
             CheckpointCorruptError: every candidate failed; the message lists each failure per rank.
             IncompatibleCheckpointError: world size differs, or a tensor's shape differs from ``state_dict``.
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.

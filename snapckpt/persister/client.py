@@ -118,12 +118,25 @@ class PersisterClient:
     def connect(self, hello: Dict[str, Any]) -> Dict[str, Any]:
         """Find or start the persister and say hello; return the hello response.
 
+        A persister killed a moment ago can still accept a connection while its threads exit and then
+        reset it; such a hello is retried (a live persister is found or started) until the deadline.
+
         Raises:
             PersisterTimeoutError: no persister answered within ``startup_timeout_secs``.
+            PersisterDiedError: every persister found died during the hello, until the deadline.
             PersisterError: the persister refused the hello (another job on this directory...).
         """
-        self.close()
         deadline = time.monotonic() + self.startup_timeout_secs
+        while True:
+            try:
+                return self._connect_once(hello, deadline)
+            except PersisterDiedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _connect_once(self, hello: Dict[str, Any], deadline: float) -> Dict[str, Any]:
+        self.close()
         lock_fd = os.open(os.path.join(self.runtime_dir, "spawn.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             while True:

@@ -13,8 +13,9 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
 5. runs retention.
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
-to appear. On failure the committer deletes the partial directory: nothing a loader would look at is
-left behind, and the previous checkpoint and tracker are untouched.
+to appear. On failure the committer deletes the partial directory (the node persister does it once its
+own writers of that step are done): nothing a loader would look at is left behind, and the previous
+checkpoint and tracker are untouched.
 """
 from __future__ import annotations
 
@@ -85,8 +86,14 @@ def _collect_parts(reader: StorageReader, req: CommitRequest) -> Dict[int, Dict[
     return parts
 
 
-def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
+def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
+           remove_partial_on_failure: bool = True) -> Dict[str, Any]:
     """Run the commit sequence for one step; return the manifest.
+
+    Args:
+        remove_partial_on_failure: delete the partial directory when the commit fails. The node
+            persister passes ``False`` and deletes it itself once its writers of the step are done (a
+            writer whose directory vanished would fail with a misleading error of its own).
 
     Raises:
         CommitTimeoutError: ranks missing at the deadline (named in the message).
@@ -123,7 +130,12 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest) ->
         storage.rename(req.partial_dir, req.final_dir)
         storage.fsync_dir(req.checkpoint_dir)
     except BaseException:
-        storage.remove_tree(req.partial_dir)
+        if remove_partial_on_failure:
+            try:  # never mask why the commit failed
+                storage.remove_tree(req.partial_dir)
+            except OSError as e:
+                log.warning("step %d: could not remove %s after the failed commit: %s", req.step,
+                            req.partial_dir, e)
         raise
     if req.tracker_name:
         storage.write_atomic(os.path.join(req.checkpoint_dir, req.tracker_name), req.tracker_content.encode())

@@ -92,6 +92,7 @@ class Result:
     error: Optional[Dict[str, Any]] = None
     part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     parts_done: Set[int] = field(default_factory=set)
+    writers: int = 0  # this node's writer tasks of the step still running
 
 
 class Server:
@@ -134,7 +135,7 @@ class Server:
         except FileNotFoundError:
             pass
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)
+        old = os.umask(0o177)  # the socket is created 0600 (owner-only, as the token)
         try:
             listener.bind(self.sock_path)
         finally:
@@ -345,7 +346,8 @@ class Server:
             held = ", ".join(f"slot {s.index}: {s.state.value}({s.step})" for s in entry.slots)
             return P.ok(busy=True, detail=held)
         slot = candidates[0]
-        slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, msg["nbytes"], slot.nbytes)
+        reserve = sum(max(0, msg["nbytes"] - s.nbytes) for s in entry.slots if s is not slot)
+        slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, msg["nbytes"], slot.nbytes, reserve)
         slot.state, slot.step, slot.run_id = SlotState.WRITING, msg["step"], entry.run_id
         return P.ok(busy=False, **self._slot_info(slot))
 
@@ -404,6 +406,7 @@ class Server:
         if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
             return
         s.state = SlotState.PERSISTING
+        res.writers += 1
         self.pending += 1
         self.pool.submit(self._write_part_task, entry.rank, s, run, step)
         if key not in self.commits_started:
@@ -438,13 +441,17 @@ class Server:
             with self.lock:
                 if s.state == SlotState.PERSISTING:
                     s.state = SlotState.READY
+                res = self.results.get((run.run_id, step))
+                if res is not None:
+                    res.writers -= 1
+                    self._remove_failed_partial(run, res, partial)
                 self.pending -= 1
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
         storage = PosixStorage(fsync=run.fsync)
         try:
             if run.committer:
-                commit(storage, storage, req)
+                commit(storage, storage, req, remove_partial_on_failure=False)
             else:
                 watch_commit(storage, req)
             state, err = "committed", None
@@ -454,7 +461,18 @@ class Server:
         with self.lock:
             res = self.results[(req.run_id, req.step)]
             res.state, res.error = state, err
+            self._remove_failed_partial(run, res, req.partial_dir)
             self.pending -= 1
+
+    def _remove_failed_partial(self, run: Run, res: Result, partial: str) -> None:
+        """On the committer, once a step's commit failed and this node's writers of it are done, delete
+        its partial directory (called with the lock)."""
+        if not run.committer or res.state != "failed" or res.writers > 0:
+            return
+        try:
+            PosixStorage().remove_tree(partial)
+        except OSError as e:
+            log.warning("could not remove %s after a failed commit: %s", partial, e)
 
     def _flush(self, run: Run) -> None:
         """Write the newest step held by every local rank of a crashed run (called with the lock)."""
@@ -485,13 +503,15 @@ class Server:
                 log.error("flush of step %d failed for rank %d: %s", step, r, e)
 
     def _clean_stale_partials(self, run: Run) -> None:
-        """Remove partial directories left by runs this persister does not know (crashed jobs)."""
+        """Remove partial directories left by earlier runs of this job that this persister does not know
+        (crashed runs). Run ids start with the job key; another job sharing the directory (another
+        ``job_id``) has its own persister, and its directories in flight are never touched."""
         storage = PosixStorage()
         known = set(self.runs)
         for name in storage.listdir(run.checkpoint_dir):
             if name.startswith(".") and (".partial-" in name or ".replaced-" in name):
                 rid = name.rsplit("-", 1)[-1]
-                if rid not in known:
+                if rid not in known and rid.startswith(self.job):
                     storage.remove_tree(os.path.join(run.checkpoint_dir, name))
 
 

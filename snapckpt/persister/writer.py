@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any, Dict
 
 import torch
 
+from .. import _env
 from ..formats.torch_zip import write_torch_file
 from ..manifest import ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name
 from ..storage.base import StorageWriter
@@ -36,6 +38,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
         OSError: from the filesystem (ENOSPC, EFBIG, EACCES...), unchanged.
     """
     storage.makedirs(os.path.join(partial_dir, SIDECAR))
+    delay = _env.fault_write_delay_secs()
     files: Dict[str, Dict[str, Any]] = {}
     for f in index["files"]:
         rel = f["path"]
@@ -46,7 +49,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
                    if n else (key, torch.UntypedStorage(0), 0)
                    for key, off, n in f["records"]]
         with storage.open_write(path) as raw:
-            cw = ChecksumWriter(raw)
+            cw = ChecksumWriter(raw if not delay else _SlowWriter(raw, delay))
             write_torch_file(cw, bytes(buf[po:po + pn]), records)
             storage.fsync_file(raw)
         del records
@@ -65,3 +68,17 @@ def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int,
         storage.write_atomic(os.path.join(partial_dir, fail_marker_name(rank)), json.dumps(marker).encode())
     except OSError:
         pass
+
+
+class _SlowWriter:
+    """Fault injection: sleeps before each write (see ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``)."""
+
+    def __init__(self, fileobj, delay_secs: float) -> None:
+        self.fileobj, self.delay_secs = fileobj, delay_secs
+
+    def write(self, data) -> int:
+        time.sleep(self.delay_secs)
+        return self.fileobj.write(data)
+
+    def flush(self) -> None:
+        self.fileobj.flush()

@@ -1,0 +1,681 @@
+"""Commit, tracker and crash consistency (cases B1-B9, C3, C5, C8) and DESIGN contract 4 (commit last).
+
+Everything here is real: persister processes, shared-memory arenas, files on disk, SIGKILL / SIGSTOP of
+ranks and of the persister, RLIMIT_FSIZE on the live persister, and a slow persister through
+``SNAPCKPT_FAULT_WRITE_DELAY_SECS`` (a sleep before each write call of the persister, read when the
+persister starts; a one-tensor file takes about 40 write calls). Multi-rank jobs run
+``tests/workers/commit_crash_worker.py`` under gloo.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import resource
+import shutil
+import signal
+import threading
+import time
+from typing import List, Optional
+
+import psutil
+import pytest
+import torch
+
+from _harness import launch, result_lines, run_ranks, wait_until
+from snapckpt import Checkpointer, StorageType
+from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, PersisterDiedError,
+                             PersisterTimeoutError)
+from snapckpt.manifest import MANIFEST, check_checksums, list_committed
+from snapckpt.persister.client import job_dirs, job_key
+from snapckpt.storage.posix import PosixStorage
+from workers.commit_crash_worker import consistent, make_state
+
+WORKER = "commit_crash_worker.py"
+DELAY = "SNAPCKPT_FAULT_WRITE_DELAY_SECS"
+OPTS = dict(persister_idle_timeout_secs=5, commit_timeout_secs=30, request_timeout_secs=30,
+            coordination_timeout_secs=30)
+FS = PosixStorage()
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def tracker(d: str) -> Optional[str]:
+    try:
+        with open(os.path.join(d, "latest")) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def committed_steps(d: str) -> List[int]:
+    return [c.step for c in list_committed(FS, d)]
+
+
+def partials(d: str) -> List[str]:
+    return [n for n in FS.listdir(d) if ".partial-" in n]
+
+
+def manifest_steps(d: str) -> List[int]:
+    """Steps named by every manifest.json anywhere under ``d`` (hidden directories included)."""
+    steps = []
+    for root, _, files in os.walk(d):
+        if os.path.basename(root) == ".snapckpt" and "manifest.json" in files:
+            try:
+                with open(os.path.join(root, "manifest.json")) as f:
+                    steps.append(json.load(f)["step"])
+            except (OSError, ValueError):
+                continue
+    return steps
+
+
+def step_dir(d: str, step: int) -> str:
+    return os.path.join(d, f"step_{step:08d}")
+
+
+def persister_log(snap_env, d: str) -> str:
+    rt, _ = job_dirs(snap_env.runtime_root, snap_env.shm_root, job_key(d, None))
+    try:
+        with open(os.path.join(rt, "persister.log"), errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def gone(pid: int) -> bool:
+    """The process exited and its files are closed (a zombie whose other threads are gone too)."""
+    try:
+        p = psutil.Process(pid)
+        return p.status() == psutil.STATUS_ZOMBIE and p.num_threads() <= 1
+    except psutil.NoSuchProcess:
+        return True
+
+
+def bounded(fn, secs: float = 60):
+    """Run ``fn()``; fail the test if it is still blocked after ``secs`` (a hang), else return/raise."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised on the test thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(secs)
+    assert not t.is_alive(), f"{fn} still blocked after {secs} s: a hang"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class Lines:
+    """Collects a process's output lines on a thread; ``wait_for(prefix)`` blocks (bounded) for one."""
+
+    def __init__(self, proc) -> None:
+        self.proc, self.q, self.seen = proc, queue.Queue(), []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.q.put(line.rstrip("\n"))
+        self.q.put(None)
+
+    def wait_for(self, prefix: str, timeout: float = 90) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"no {prefix!r} line from pid {self.proc.pid}; output:\n" + "\n".join(self.seen))
+
+    def rest(self) -> str:
+        while True:
+            line = self.q.get(timeout=30)
+            if line is None:
+                return "\n".join(self.seen)
+            self.seen.append(line)
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=30)
+
+
+def results(outs) -> List[dict]:
+    recs = []
+    for r, out in enumerate(outs):
+        lines = result_lines(out)
+        assert len(lines) == 1, f"rank {r} printed {len(lines)} RESULT lines:\n{out}"
+        recs.append(json.loads(lines[0]))
+    return recs
+
+
+def restart_and_load(snap_env, nprocs: int = 2) -> List[dict]:
+    """A restarted job: new rank processes on the same checkpoint_dir load the newest step."""
+    recs = results(run_ranks(WORKER, nprocs, ["load", snap_env.ckpt_dir], snap_env.env, timeout=150))
+    assert all(r["consistent"] for r in recs), recs
+    assert len({(r["step"], r["tier"]) for r in recs}) == 1, f"ranks disagree: {recs}"
+    return recs
+
+
+def wait_crash_noticed(snap_env, ranks: int) -> None:
+    """Block until the persister has seen ``ranks`` clients leave without close()."""
+    assert wait_until(lambda: persister_log(snap_env, snap_env.ckpt_dir).count("disconnected without close()")
+                      >= ranks, timeout=30), persister_log(snap_env, snap_env.ckpt_dir)
+
+
+def assert_equal_state(out: dict, step: int) -> None:
+    assert out["step"] == step and consistent(out, 0), f"loaded state of step {out['step']}, wanted {step}"
+
+
+# ------------------------------------------------------------------------------------- contract 4
+def test_contract4_commit_last_tracker_never_ahead_of_a_committed_dir(snap_env, monkeypatch):
+    """Contract 4: a slow persister commits three steps with keep_last=1 while an observer polls the
+    checkpoint directory. Right: the hidden partial directory is seen while the tracker still names the
+    previous step; at every observation the tracker names a directory with a valid manifest, and no
+    visible directory newer than the tracker lacks its manifest (rename after manifest, tracker after
+    rename); at the end only the newest step is left, with the tracker on it."""
+    monkeypatch.setenv(DELAY, "0.01")
+    d = snap_env.ckpt_dir
+    stop = threading.Event()
+    violations: List[str] = []
+    seen_partial_with_old_tracker = []
+
+    def observe():
+        while not stop.is_set():
+            t = tracker(d)
+            names = FS.listdir(d)
+            committed = {c.dirname for c in list_committed(FS, d)}
+            still = tracker(d) == t  # the tracker did not move while we looked
+            if t is not None and t not in committed and still:
+                violations.append(f"tracker names {t!r}, which has no valid manifest")
+            tstep = int(t.split("_")[1]) if t else -1
+            for n in names:
+                if n.startswith("step_") and int(n.split("_")[1]) > tstep and still:
+                    if os.path.isdir(os.path.join(d, n)) and not os.path.exists(os.path.join(d, n, MANIFEST)):
+                        violations.append(f"{n} is visible without a manifest (tracker {t!r})")
+                if n.startswith(f".step_{tstep + 1:08d}.partial-") and still:
+                    seen_partial_with_old_tracker.append(n)
+            stop.wait(0.003)
+
+    with Checkpointer(d, keep_last=1, **OPTS) as ck:
+        th = threading.Thread(target=observe, daemon=True)
+        th.start()
+        try:
+            for step in (1, 2, 3):
+                ck.save(make_state(step, 0), step).wait()
+                assert tracker(d) == f"step_{step:08d}"
+        finally:
+            stop.set()
+            th.join(10)
+    assert not violations, violations[:5]
+    assert seen_partial_with_old_tracker, "never observed an in-flight partial directory"
+    assert committed_steps(d) == [3] and not partials(d)
+    assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == ["latest", "step_00000003"]
+
+
+# ------------------------------------------------------------------------------------ kill test (a)
+def test_C8_rank_killed_mid_snapshot_slot_invalid_restart_loads_previous(snap_env):
+    """Kill test (a), case C8: rank 1 SIGKILLs itself halfway through copying step 2 into its arena slot
+    (rank 0 completed step 2). Right: the surviving rank's next collective call (load) fails within its
+    bound with an error naming rank 1; the persister marks rank 1's slot INVALID; a restarted job (new
+    processes, same checkpoint_dir, persister still alive) loads step 1 on both ranks, never the torn
+    step 2 and never a mix (every tensor holds step 1's values)."""
+    snap_env.leftover_ok = True
+    procs = launch(WORKER, 2, ["kill_in_copy", snap_env.ckpt_dir], snap_env.env)
+    try:
+        lines = [Lines(p) for p in procs]
+        lines[1].wait_for("DYING")
+        assert procs[1].wait(timeout=60) == -signal.SIGKILL
+        rec0 = json.loads(lines[0].wait_for("RESULT")[len("RESULT"):])
+        assert procs[0].wait(timeout=60) == 0, lines[0].rest()
+    finally:
+        kill_all(procs)
+    assert rec0["error_type"] == "RankTimeoutError" and "[1]" in rec0["error"], rec0
+    wait_crash_noticed(snap_env, 1)
+    assert "marked INVALID" in persister_log(snap_env, snap_env.ckpt_dir)
+    recs = restart_and_load(snap_env)
+    assert [r["step"] for r in recs] == [1, 1], recs
+    assert all(r["state_step"] == 1 for r in recs)
+
+
+def test_C8_rank_killed_in_loop_of_large_saves_restart_loads_whole_step(snap_env):
+    """Kill test (a), loop form: one process snapshots a 16 MiB state to memory in a tight loop and is
+    SIGKILLed at an arbitrary moment (usually mid-copy). Right: a restarted process loads from memory a
+    step the loop had announced, and every element of every tensor holds that step's value (the slot
+    being written when the kill came is never loaded)."""
+    snap_env.leftover_ok = True
+    [proc] = launch(WORKER, 1, ["save_loop", snap_env.ckpt_dir], snap_env.env)
+    try:
+        lines = Lines(proc)
+        lines.wait_for("SAVED 4")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        announced = max(int(l.split()[1]) for l in lines.rest().splitlines() if l.startswith("SAVED"))
+    finally:
+        kill_all([proc])
+    wait_crash_noticed(snap_env, 1)
+    with Checkpointer(snap_env.ckpt_dir, **OPTS) as ck:
+        out = ck.load()
+        assert ck.last_load.tier == StorageType.MEMORY
+        assert announced <= out["step"] <= announced + 1
+        assert ck.last_load.step == out["step"]
+        assert consistent(out, 0), f"torn snapshot of step {out['step']}"
+
+
+# ------------------------------------------------------------------------------------ kill test (b)
+@pytest.mark.parametrize("next_call", ["save", "wait"])
+def test_B2_persister_killed_mid_write_no_commit_record_then_died_error(snap_env, monkeypatch, next_call):
+    """Kill test (b): a slow persister is SIGKILLed while it writes step 2 (its data file is half on
+    disk). Right: no manifest for step 2 exists anywhere, the tracker still names step 1 and step 1
+    verifies; the trainer's next call (``save`` or ``wait``) raises PersisterDiedError naming the dead
+    persister's pid; the call after that works with a new persister, and both steps 1 and 3 load."""
+    snap_env.leftover_ok = True
+    d = snap_env.ckpt_dir
+    monkeypatch.setenv(DELAY, "0.02")
+    ck = Checkpointer(d, **OPTS)
+    try:
+        ck.save(make_state(1, 0), 1).wait()
+        ck.save(make_state(2, 0, n_small=100, big_numel=3 << 20), 2)
+        pid = ck.persister_pid
+        partial_file = lambda: [os.path.join(d, p, "rank_00000.pt") for p in partials(d)]
+        assert wait_until(lambda: any(os.path.exists(f) and os.path.getsize(f) > 0 for f in partial_file()),
+                          timeout=60), "the persister never started writing step 2"
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: gone(pid), timeout=30)
+        assert not any(os.path.exists(os.path.join(d, p, ".snapckpt", "part_00000.json")) for p in partials(d))
+        assert 2 not in manifest_steps(d) and not os.path.exists(step_dir(d, 2))
+        assert tracker(d) == "step_00000001" and committed_steps(d) == [1]
+        c = list_committed(FS, d)[0]
+        check_checksums(FS, c.path, c.manifest)
+        monkeypatch.delenv(DELAY)
+        with pytest.raises(PersisterDiedError) as ei:
+            bounded(lambda: ck.save(make_state(3, 0), 3) if next_call == "save" else ck.wait())
+        msg = str(ei.value)
+        assert str(pid) in msg and ("died" in msg or "lost" in msg), msg
+        bounded(lambda: ck.save(make_state(3, 0), 3).wait())
+        assert ck.persister_pid != pid
+        assert tracker(d) == "step_00000003" and committed_steps(d) == [1, 3]
+        assert_equal_state(ck.load(), 3)
+        assert_equal_state(ck.load(step=1), 1)
+        assert ck.last_load.tier == StorageType.DISK
+    finally:
+        ck.close()
+
+
+# ------------------------------------------------------------------------------------ kill test (c)
+def test_B1_job_and_persister_killed_before_commit_previous_checkpoint_kept(snap_env):
+    """Kill test (c), case B1: 2 ranks, keep_last=1, flush_on_crash=False, a slow persister. Step 1 is
+    committed; step 2 is snapshotted to DISK; then every rank is SIGKILLed while step 2 is still being
+    written, and then the persister too (the node died). Right: at both moments the tracker names
+    step 1 and step 1 is committed and intact (retention did not delete it ahead of step 2's commit),
+    step 2 is only a hidden partial directory; a restarted job loads step 1 from disk on both ranks."""
+    snap_env.leftover_ok = True
+    d = snap_env.ckpt_dir
+    env = {**snap_env.env, DELAY: "0.02"}
+    procs = launch(WORKER, 2, ["crash_after_save", d, "0", "disk", "150"], env)
+    try:
+        for l in [Lines(p) for p in procs]:
+            l.wait_for("SAVED 2")
+        kill_all(procs)
+    finally:
+        kill_all(procs)
+    [pers] = snap_env.persisters()
+    assert wait_until(lambda: partials(d), timeout=30), "step 2 is not being written"
+    for moment in ("ranks killed", "persister killed"):
+        assert tracker(d) == "step_00000001", moment
+        assert committed_steps(d) == [1], moment
+        c = list_committed(FS, d)[0]
+        check_checksums(FS, c.path, c.manifest)
+        assert not os.path.exists(step_dir(d, 2)) and 2 not in manifest_steps(d), moment
+        assert any(p.startswith(".step_00000002.partial-") for p in partials(d)), moment
+        if moment == "ranks killed":
+            pers.kill()
+            assert wait_until(lambda: gone(pers.pid), timeout=30)
+    recs = restart_and_load(snap_env)
+    assert [(r["step"], r["tier"]) for r in recs] == [(1, "disk"), (1, "disk")], recs
+    assert not partials(d), "the restarted job's persister did not remove the dead run's partial"
+
+
+def test_B1_in_flight_commit_completes_after_job_killed_tracker_moves_last(snap_env):
+    """Case B1 with the node alive: 2 ranks, keep_last=1, a slow persister; SIGKILL both ranks right
+    after ``save(step 2, DISK)`` returned. Right: the persister finishes step 2 on its own; while it does,
+    the tracker names step 1 and step 1 exists (retention waits for the new commit); the tracker moves
+    to step 2 only once step 2 has its manifest, then step 1 is rotated away and step 2 verifies."""
+    snap_env.leftover_ok = True
+    d = snap_env.ckpt_dir
+    env = {**snap_env.env, DELAY: "0.02"}
+    procs = launch(WORKER, 2, ["crash_after_save", d, "0", "disk", "30"], env)
+    try:
+        for l in [Lines(p) for p in procs]:
+            l.wait_for("SAVED 2")
+    finally:
+        kill_all(procs)
+    observed = []
+
+    def check():
+        t = tracker(d)
+        observed.append(t)
+        assert t in ("step_00000001", "step_00000002"), t
+        if t == "step_00000001":
+            assert os.path.exists(os.path.join(step_dir(d, 1), MANIFEST)) or tracker(d) != t
+        else:
+            assert os.path.exists(os.path.join(step_dir(d, 2), MANIFEST))
+        return t == "step_00000002"
+
+    assert wait_until(check, timeout=60, interval=0.005)
+    assert observed[0] == "step_00000001", "step 2 was already committed when the ranks died"
+    assert wait_until(lambda: committed_steps(d) == [2], timeout=10)
+    c = list_committed(FS, d)[0]
+    check_checksums(FS, c.path, c.manifest)
+
+
+@pytest.mark.parametrize("flush_on_crash", [False, True])
+def test_B8_job_killed_after_memory_snapshot_never_loses_progress(snap_env, flush_on_crash):
+    """Kill test (c), case B8: 2 ranks, keep_last=1; step 1 committed, step 2 snapshotted to MEMORY
+    only, then every rank is SIGKILLed. Right with flush_on_crash=False: nothing is flushed, the tracker
+    still names step 1, which retention kept. Right with the default flush_on_crash=True: the persister
+    writes and commits step 2 (tracker moves, files verify). Either way a restarted job (new processes,
+    same checkpoint_dir) loads step 2 from memory, since the persister is still alive."""
+    snap_env.leftover_ok = True
+    d = snap_env.ckpt_dir
+    procs = launch(WORKER, 2, ["crash_after_save", d, "1" if flush_on_crash else "0", "memory", "0"],
+                   snap_env.env)
+    try:
+        for l in [Lines(p) for p in procs]:
+            l.wait_for("SAVED 2")
+    finally:
+        kill_all(procs)
+    wait_crash_noticed(snap_env, 2)
+    if flush_on_crash:
+        assert wait_until(lambda: tracker(d) == "step_00000002", timeout=60), persister_log(snap_env, d)
+        assert wait_until(lambda: committed_steps(d) == [2], timeout=10)
+        c = list_committed(FS, d)[0]
+        check_checksums(FS, c.path, c.manifest)
+    else:
+        assert "flushing" not in persister_log(snap_env, d)
+        assert tracker(d) == "step_00000001" and committed_steps(d) == [1]
+        assert not os.path.exists(step_dir(d, 2)) and not partials(d)
+    recs = restart_and_load(snap_env)
+    assert [(r["step"], r["tier"]) for r in recs] == [(2, "memory"), (2, "memory")], recs
+
+
+# ----------------------------------------------------------------------------------------------- B2
+def test_B2_job_killed_while_files_half_written_resume_skips_partial(snap_env):
+    """B2: one process with a slow persister commits step 1, snapshots a 12 MiB step 2, and the whole
+    job (trainer and persister) is SIGKILLed while step 2's file is half on disk. A visible directory
+    without a manifest (a copy of step 1 named step_00000003, as a non-atomic writer would leave) is
+    added. Right: auto-resume (``load()``, ``latest_step()``) picks step 1 from disk, never the partial
+    directory nor the manifest-less one; the restarted persister removes the dead run's partial."""
+    snap_env.leftover_ok = True
+    d = snap_env.ckpt_dir
+    [proc] = launch(WORKER, 1, ["slow_disk", d, "100"], {**snap_env.env, DELAY: "0.02"})
+    try:
+        Lines(proc).wait_for("SAVED 2")
+        assert wait_until(lambda: any(os.path.exists(os.path.join(d, p, "rank_00000.pt"))
+                                      and os.path.getsize(os.path.join(d, p, "rank_00000.pt")) > 0
+                                      for p in partials(d)), timeout=60)
+    finally:
+        kill_all([proc])
+        snap_env.kill_persisters(signal.SIGKILL)
+    assert wait_until(lambda: not snap_env.persisters(), timeout=30)
+    [partial] = partials(d)
+    assert not os.path.exists(os.path.join(d, partial, MANIFEST))
+    shutil.copytree(step_dir(d, 1), step_dir(d, 3))
+    os.unlink(os.path.join(step_dir(d, 3), MANIFEST))
+    ck = Checkpointer(d, **OPTS)  # right after the kill: the dead persister's socket file is still there
+    with ck:
+        assert ck.latest_step() == 1
+        assert_equal_state(ck.load(), 1)
+        assert (ck.last_load.step, ck.last_load.tier) == (1, StorageType.DISK)
+        assert not partials(d)
+
+
+# ----------------------------------------------------------------------------------------------- B3
+def _truncate(path: str, data_only: bool) -> List[str]:
+    done = []
+    for root, _, files in os.walk(path):
+        if data_only and os.path.basename(root) == ".snapckpt":
+            continue
+        for f in files:
+            os.truncate(os.path.join(root, f), 0)
+            done.append(f)
+    return done
+
+
+def _flip_byte(path: str) -> None:
+    f = os.path.join(path, "rank_00000.pt")
+    with open(f, "r+b") as fh:
+        fh.seek(os.path.getsize(f) // 2)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["truncate_all", "truncate_data", "flip_byte"])
+def test_B3_power_loss_damage_detected_and_falls_back(snap_env, caplog, capsys, damage):
+    """B3: steps 1 and 2 are committed; then the newest is damaged as a power loss would leave it: every
+    file truncated to 0 bytes (manifest included), only its data files truncated, or one byte of a data
+    file flipped. Right: ``snapckpt verify`` reports step 2 as damaged naming the file; a new job's
+    ``load()`` falls back to step 1 from disk with a warning naming step 2; ``load(step=2)`` never loads
+    it: CheckpointCorruptError naming the damaged data file, or, when the manifest itself is gone (no
+    commit record), CheckpointNotFoundError saying that step 2's manifest is unreadable."""
+    from snapckpt.cli import main as cli_main
+
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, **OPTS) as ck:
+        ck.save(make_state(1, 0), 1).wait()
+        ck.save(make_state(2, 0), 2).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=30)  # no memory tier left
+    if damage == "flip_byte":
+        _flip_byte(step_dir(d, 2))
+    else:
+        assert "rank_00000.pt" in _truncate(step_dir(d, 2), data_only=damage == "truncate_data")
+    capsys.readouterr()
+    assert cli_main(["verify", d]) == 1
+    report = capsys.readouterr().out
+    assert "step_00000002" in report and "step_00000001" in report, report
+    if damage != "truncate_all":
+        assert "rank_00000.pt" in report, report
+    with Checkpointer(d, **OPTS) as ck:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="snapckpt"):
+            out = ck.load()
+        assert_equal_state(out, 1)
+        assert (ck.last_load.step, ck.last_load.tier) == (1, StorageType.DISK)
+        warned = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert "step_00000002" in warned or "step 2" in warned, warned
+        if damage == "truncate_all":  # no readable commit record: not a checkpoint, and the error says why
+            with pytest.raises(CheckpointNotFoundError, match=r"step_00000002: manifest is not valid JSON"):
+                ck.load(step=2)
+        else:
+            with pytest.raises(CheckpointCorruptError, match=r"step_00000002/rank_00000.pt (is 0 bytes|has CRC)"):
+                ck.load(step=2)
+
+
+# ----------------------------------------------------------------------------------------------- B4
+@pytest.mark.parametrize("numel", [256 << 10, 3 << 20], ids=["1MiB_buffered", "12MiB_past_buffer"])
+def test_B4_full_disk_efbig_reaches_trainer_previous_intact(snap_env, numel):
+    """B4: the live persister gets RLIMIT_FSIZE of 512 KiB (SIGXFSZ is ignored by Python processes, so a
+    write past it fails with EFBIG, as on a full disk); its arena slots were sized before, so only the
+    checkpoint write fails. A state of 1 MiB (error at the final flush) or 12 MiB (error inside the zip
+    writer) is saved to DISK. Right: the trainer's next ``save`` raises OSError with errno EFBIG (the
+    original type, context noted); ``wait()`` of a later failing save raises it too; the persister
+    survives; no partial directory is left; small saves still commit; a new job loads the newest good
+    step from disk and the older one too."""
+    d = snap_env.ckpt_dir
+    ck = Checkpointer(d, **OPTS)
+    try:
+        ck.save(make_state(1, 0), 1).wait()
+        big = lambda step: make_state(step, 0, big_numel=numel)
+        ck.save(big(2), 2, StorageType.MEMORY)  # size both arena slots before the limit
+        ck.save(big(3), 3, StorageType.MEMORY)
+        pid = ck.persister_pid
+        with open(f"/proc/{pid}/status") as f:
+            sigign = int(next(l for l in f if l.startswith("SigIgn:")).split()[1], 16)
+        assert sigign & (1 << (signal.SIGXFSZ - 1)), "the persister does not ignore SIGXFSZ"
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (512 << 10, resource.RLIM_INFINITY))
+        h4 = ck.save(big(4), 4)
+        assert wait_until(h4.done, timeout=60)
+        with pytest.raises(OSError) as ei:
+            ck.save(make_state(5, 0), 5)
+        assert type(ei.value) is OSError and ei.value.errno == errno.EFBIG, repr(ei.value)
+        assert "step 4" in " ".join(getattr(ei.value, "__notes__", [])), ei.value
+        ck.save(make_state(5, 0), 5).wait()
+        h6 = ck.save(big(6), 6)
+        with pytest.raises(OSError) as ei:
+            bounded(lambda: h6.wait(timeout=60))
+        assert ei.value.errno == errno.EFBIG
+        assert ck.persister_pid == pid and not gone(pid)
+        assert wait_until(lambda: not partials(d), timeout=30), partials(d)
+        assert not os.path.exists(step_dir(d, 4)) and not os.path.exists(step_dir(d, 6))
+        assert committed_steps(d) == [1, 5] and tracker(d) == "step_00000005"
+    finally:
+        ck.close()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=30)
+    with Checkpointer(d, **OPTS) as ck:
+        assert_equal_state(ck.load(), 5)
+        assert ck.last_load.tier == StorageType.DISK
+        assert_equal_state(ck.load(step=1), 1)
+
+
+# ----------------------------------------------------------------------------------------------- B5
+def test_B5_stopped_persister_times_out_and_nothing_is_marked_complete(snap_env, monkeypatch):
+    """B5: a slow persister is SIGSTOPped right after ``save(step 2)`` returned. Right: ``wait()`` ends
+    with PersisterTimeoutError within the bound (request_timeout_secs=2), and so does the next ``save``
+    (it cannot reconnect); meanwhile step 2 has no manifest and the tracker still names step 1. After
+    SIGCONT the job goes on: a new save commits and loads."""
+    d = snap_env.ckpt_dir
+    monkeypatch.setenv(DELAY, "0.02")
+    ck = Checkpointer(d, **{**OPTS, "request_timeout_secs": 2})
+    pid = None
+    try:
+        ck.save(make_state(1, 0), 1).wait()
+        ck.save(make_state(2, 0), 2)
+        pid = ck.persister_pid
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(PersisterTimeoutError, match=str(pid)):
+            bounded(ck.wait)
+        assert tracker(d) == "step_00000001" and 2 not in manifest_steps(d)
+        with pytest.raises(PersisterTimeoutError):
+            bounded(lambda: ck.save(make_state(3, 0), 3))
+        assert tracker(d) == "step_00000001" and 2 not in manifest_steps(d)
+        assert not os.path.exists(step_dir(d, 2))
+        os.kill(pid, signal.SIGCONT)
+        bounded(lambda: ck.save(make_state(3, 0), 3).wait())
+        assert tracker(d) == "step_00000003"
+        assert_equal_state(ck.load(), 3)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        ck.close()
+
+
+# ----------------------------------------------------------------------------------------------- B6
+def test_B6_events_distinguish_snapshot_from_commit_tracker_moves_on_commit(snap_env, monkeypatch):
+    """B6: a slow persister, keep_last=1, a listener on events. Right: ``save`` emits snapshot_taken at
+    once while the tracker and the directory are unchanged (the previous step is still there); only the
+    later ``committed`` event coincides with the tracker naming the new step and the old step being
+    rotated away; the event sequence is snapshot_taken/committed per step, in order."""
+    d = snap_env.ckpt_dir
+    monkeypatch.setenv(DELAY, "0.02")
+    events = []
+    with Checkpointer(d, keep_last=1, **OPTS) as ck:
+        ck.add_listener(lambda e: events.append((e.kind, e.step, tracker(d), committed_steps(d))))
+        h1 = ck.save(make_state(1, 0), 1)
+        assert h1.snapshot_taken and not h1.done()
+        assert tracker(d) is None and committed_steps(d) == []
+        h1.wait()
+        h2 = ck.save(make_state(2, 0), 2)
+        assert tracker(d) == "step_00000001" and committed_steps(d) == [1]
+        before = os.stat(os.path.join(d, "latest")).st_mtime_ns
+        assert not h2.done()
+        assert tracker(d) == "step_00000001" and os.stat(os.path.join(d, "latest")).st_mtime_ns == before
+        h2.wait()
+        assert h2.committed_secs is not None
+    assert [(k, s) for k, s, _, _ in events] == [("snapshot_taken", 1), ("committed", 1),
+                                                 ("snapshot_taken", 2), ("committed", 2)]
+    assert events[0][2:] == (None, []) and events[2][2:] == ("step_00000001", [1])
+    assert events[1][2:] == ("step_00000001", [1]) and events[3][2:] == ("step_00000002", [2])
+
+
+# ----------------------------------------------------------------------------------------------- B7
+def test_B7_load_right_after_save_waits_for_the_commit(snap_env, monkeypatch):
+    """B7: a slow persister; ``save(step 2)`` then at once ``load(step=2)`` in the same process. Right:
+    load returns step 2's values, and by the time it returns step 2 is committed on disk and named by
+    the tracker (load waited for the commit instead of reading something incomplete)."""
+    d = snap_env.ckpt_dir
+    monkeypatch.setenv(DELAY, "0.02")
+    with Checkpointer(d, **OPTS) as ck:
+        ck.save(make_state(1, 0), 1).wait()
+        h2 = ck.save(make_state(2, 0), 2)
+        assert tracker(d) == "step_00000001"
+        out = ck.load(step=2)
+        assert tracker(d) == "step_00000002" and committed_steps(d) == [1, 2] and h2.done()
+        assert_equal_state(out, 2)
+
+
+# ------------------------------------------------------------------------------------------ B9 / C5
+def test_B9_C5_commit_checks_exact_set_of_parts(snap_env):
+    """B9 and C5, 2 ranks: (1) a stray part marker of rank 5 sits in step 1's partial directory: the
+    commit fails with CommitError naming rank 5 on both ranks, nothing is committed; (2) only rank 0
+    calls ``save(step 2)``: its wait ends with CommitTimeoutError naming rank 1, nothing committed;
+    (3) rank 1 saves an empty state at step 3: the commit succeeds with both ranks' files listed, and
+    the empty shard loads back as ``{}``. No partial directory is left behind."""
+    d = snap_env.ckpt_dir
+    recs = results(run_ranks(WORKER, 2, ["parts", d], snap_env.env, timeout=150))
+    for r in recs:
+        assert r["step1"][0] == "CommitError" and "[5]" in r["step1"][1], r
+    assert recs[0]["step2"][0] == "CommitTimeoutError" and "[1]" in recs[0]["step2"][1], recs[0]
+    assert "step2" not in recs[1]
+    assert recs[0]["step3_loaded"] == {"step": 3, "rank": 0} and recs[1]["step3_loaded"] == {}
+    assert committed_steps(d) == [3] and tracker(d) == "step_00000003" and not partials(d)
+    m = list_committed(FS, d)[0].manifest
+    assert {n: f["rank"] for n, f in m["files"].items()} == {"rank_00000.pt": 0, "rank_00001.pt": 1}
+    assert torch.load(os.path.join(step_dir(d, 3), "rank_00001.pt"), weights_only=True) == {}
+
+
+# ------------------------------------------------------------------------------------ retention / C3
+def test_C3_retention_keeps_newest_two_and_tolerates_dirs_deleted_by_others(snap_env):
+    """Retention and C3: keep_last=2 over 8 commits, while a second "local main" thread deletes the
+    same old checkpoints the persister rotates (racing it), one committed directory is removed by hand
+    before the next commit, and a foreign directory without a manifest sits beside them. Right: every
+    save commits without error and the persister logs no retention failure; after each commit exactly
+    the newest 2 committed steps remain; the foreign directory is untouched."""
+    d = snap_env.ckpt_dir
+    os.makedirs(os.path.join(d, "notes"))
+    stop = threading.Event()
+
+    def other_rotator():
+        while not stop.is_set():
+            for c in list_committed(FS, d, quick_check=False)[:-2]:
+                shutil.rmtree(c.path, ignore_errors=True)
+            stop.wait(0.001)
+
+    th = threading.Thread(target=other_rotator, daemon=True)
+    th.start()
+    try:
+        with Checkpointer(d, keep_last=2, **{**OPTS, "fsync": False}) as ck:
+            for step in range(1, 9):
+                if step == 5:
+                    shutil.rmtree(step_dir(d, 3))  # deleted by someone else before retention runs
+                ck.save(make_state(step, 0), step).wait()
+                assert committed_steps(d)[-2:] == ([step - 1, step] if step > 1 else [1])
+                assert wait_until(lambda: len(committed_steps(d)) <= 2, timeout=10)
+    finally:
+        stop.set()
+        th.join(10)
+    assert committed_steps(d) == [7, 8] and tracker(d) == "step_00000008"
+    assert os.path.isdir(os.path.join(d, "notes"))
+    assert "retention after step" not in persister_log(snap_env, d)

@@ -1,0 +1,170 @@
+"""Worker ranks for tests/test_commit_crash.py (cases B1, B2, B8, B9, C5, C8 and the kill tests).
+
+Usage: ``commit_crash_worker.py SCENARIO CHECKPOINT_DIR [ARGS...]``. Multi-rank scenarios are launched by
+``_harness.launch`` (gloo, env:// rendezvous); ``slow_disk`` and ``save_loop`` run as one process without
+a process group. Each rank prints ``SAVED <step>`` lines when a snapshot was taken (so the test knows
+when to kill) and ``RESULT {json}`` lines with what it observed.
+
+State written at ``step`` by ``rank``: every tensor is filled with ``step * 100 + rank``, so a torn or
+mixed-step checkpoint is visible in any single element (:func:`consistent`).
+"""
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from snapckpt import Checkpointer, StorageType
+
+OPTS = dict(persister_idle_timeout_secs=30, commit_timeout_secs=30, request_timeout_secs=30,
+            coordination_timeout_secs=30, persister_startup_timeout_secs=60)
+
+
+def result(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def saved(step: int) -> None:
+    print(f"SAVED {step}", flush=True)
+
+
+def value(step: int, rank: int) -> float:
+    return float(step * 100 + rank)
+
+
+def make_state(step: int, rank: int, n_small: int = 0, big_numel: int = 0) -> dict:
+    """``{"big"?, "w", "s000".., "step", "rank"}``; ``big`` comes first so that it is written first."""
+    v = value(step, rank)
+    st = {}
+    if big_numel:
+        st["big"] = torch.full((big_numel,), v)
+    st["w"] = torch.full((256,), v)
+    for i in range(n_small):
+        st[f"s{i:03d}"] = torch.full((16,), v)
+    st["step"], st["rank"] = step, rank
+    return st
+
+
+def consistent(out: dict, rank: int) -> bool:
+    """Every tensor of a loaded state holds the value of the step and rank the state claims."""
+    v = value(out["step"], out["rank"])
+    return out["rank"] == rank and all(bool((t == v).all()) for t in out.values() if isinstance(t, torch.Tensor))
+
+
+def init_dist():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist, dist.get_rank()
+
+
+def kill_in_copy(d: str) -> None:
+    """Kill test (a), case C8: rank 1 SIGKILLs itself halfway through copying step 2 into its slot."""
+    dist, rank = init_dist()
+    ck = Checkpointer(d, **{**OPTS, "coordination_timeout_secs": 10})
+    ck.save(make_state(1, rank), 1, StorageType.MEMORY)
+    saved(1)
+    dist.barrier()
+    if rank == 1:
+        from snapckpt.snapshot import Stager
+
+        def copy_half_then_die(prepared, slot, buf):
+            src, off = prepared.copies[0]
+            half = src.numel() // 2
+            slot[off:off + half].copy_(src[:half])
+            print("DYING", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Stager.copy_into = staticmethod(copy_half_then_die)
+    ck.save(make_state(2, rank), 2, StorageType.MEMORY)
+    saved(2)
+    # Rank 0 survives: a collective call now must name the dead rank within the bound, never hang.
+    ck.options = dataclasses.replace(ck.options, coordination_timeout_secs=1.5)
+    try:
+        ck.load()
+        result(rank=rank, error_type=None, error="")
+    except Exception as e:
+        result(rank=rank, error_type=type(e).__name__, error=str(e))
+    ck.close()
+    os._exit(0)  # the peer is dead: skip the process group's teardown
+
+
+def crash_after_save(d: str, flush: str, tier2: str, n_small: str) -> None:
+    """Kill test (c), cases B1/B8: commit step 1, snapshot step 2, then wait to be SIGKILLed."""
+    dist, rank = init_dist()
+    ck = Checkpointer(d, keep_last=1, flush_on_crash=flush == "1", **OPTS)
+    ck.save(make_state(1, rank), 1).wait()
+    dist.barrier()
+    ck.save(make_state(2, rank, n_small=int(n_small)), 2, StorageType(tier2))
+    saved(2)
+    time.sleep(600)
+
+
+def load(d: str) -> None:
+    """A restarted job: load the newest step, report what came back and from which tier."""
+    dist, rank = init_dist()
+    with Checkpointer(d, **OPTS) as ck:
+        out = ck.load()
+        result(rank=rank, step=ck.last_load.step, tier=ck.last_load.tier.value, state_step=out["step"],
+               consistent=consistent(out, rank))
+
+
+def parts(d: str) -> None:
+    """Case B9 / C5: an extra rank's part marker, a rank that does not save, an empty shard."""
+    dist, rank = init_dist()
+    ck = Checkpointer(d, **{**OPTS, "commit_timeout_secs": 5})
+    if rank == 0:  # a stray process of an unexpected rank 5 writes its part marker for step 1
+        side = os.path.join(d, f".step_00000001.partial-{ck.run_id}", ".snapckpt")
+        os.makedirs(side, exist_ok=True)
+        with open(os.path.join(side, "part_00005.json"), "w") as f:
+            json.dump({"rank": 5, "run_id": ck.run_id, "step": 1, "files": {}}, f)
+    dist.barrier()
+    out = {"rank": rank}
+    try:
+        ck.save(make_state(1, rank), 1).wait()
+        out["step1"] = None
+    except Exception as e:
+        out["step1"] = [type(e).__name__, str(e)]
+    dist.barrier()
+    if rank == 0:  # misuse: only rank 0 calls the collective save of step 2
+        try:
+            ck.save(make_state(2, rank), 2).wait()
+            out["step2"] = None
+        except Exception as e:
+            out["step2"] = [type(e).__name__, str(e)]
+    dist.barrier()
+    ck.save({} if rank == 1 else make_state(3, rank), 3).wait()  # rank 1's shard is empty
+    out["step3_loaded"] = ck.load(step=3)
+    out["step3_loaded"] = {k: v for k, v in out["step3_loaded"].items() if not isinstance(v, torch.Tensor)}
+    result(**out)
+    ck.close()
+
+
+def slow_disk(d: str, n_small: str) -> None:
+    """Case B2 (one process): commit step 1, then snapshot a big step 2 and wait to be SIGKILLed."""
+    ck = Checkpointer(d, **OPTS)
+    ck.save(make_state(1, 0), 1).wait()
+    ck.save(make_state(2, 0, n_small=int(n_small), big_numel=3 << 20), 2)  # 12 MiB, past the write buffer
+    saved(2)
+    time.sleep(600)
+
+
+def save_loop(d: str) -> None:
+    """Kill test (a), loop form (one process): MEMORY snapshots of a 16 MiB state until SIGKILLed."""
+    ck = Checkpointer(d, **OPTS)
+    step = 0
+    while True:
+        step += 1
+        v = value(step, 0)
+        ck.save({"a": torch.full((2 << 20,), v), "b": torch.full((2 << 20,), v),
+                 "step": step, "rank": 0}, step, StorageType.MEMORY)
+        saved(step)
+
+
+if __name__ == "__main__":
+    scenario, *rest = sys.argv[1:]
+    {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts,
+     "slow_disk": slow_disk, "save_loop": save_loop}[scenario](*rest)
