@@ -1,5 +1,9 @@
 """Smoke: one process saves to both tiers, mutates, loads back from memory and from disk."""
+import os
+
 import torch
+
+from _harness import wait_until
 
 from snapckpt import Checkpointer, StorageType
 
@@ -20,3 +24,7 @@ def test_memory_and_disk_round_trip(snap_env):
             assert torch.equal(out["model"][k], expected[k])
     on_disk = torch.load(f"{snap_env.ckpt_dir}/step_00000001/rank_00000.pt", weights_only=True)
     assert torch.equal(on_disk["model"]["weight"], expected["weight"])
+    # contract 10: after a clean close nothing of the job is left: no persister, no arena (the fixture
+    # checks both), and not even its runtime directory (socket, token, lock files, log).
+    runtime = os.path.join(snap_env.runtime_root, f"snapckpt-{os.getuid()}")
+    assert wait_until(lambda: not os.listdir(runtime), timeout=15), os.listdir(runtime)

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional
 from ..errors import PersisterDiedError, PersisterError, PersisterTimeoutError
 from . import protocol as P
 
-__all__ = ["PersisterClient", "job_key", "job_dirs"]
+__all__ = ["PersisterClient", "job_key", "job_dirs", "lock_file"]
 
 
 def job_key(checkpoint_dir: str, job_id: Optional[str]) -> str:
@@ -46,6 +46,42 @@ def _private_dir(path: str) -> None:
         raise PersisterError(f"{path} belongs to uid {st.st_uid}, not to this user; remove it or set "
                              "runtime_dir=/shm_dir= to a private directory")
     os.chmod(path, 0o700)
+
+
+def lock_file(path: str, deadline: float, what: str) -> int:
+    """Take an exclusive ``flock`` on ``path`` (created 0600, its directory 0700 if missing) before the
+    monotonic ``deadline``; return the open fd (closing it releases the lock).
+
+    The persister deletes its runtime directory, lock files included, when it exits after a clean life;
+    a locker that got the lock on a file that has meanwhile been unlinked or replaced drops it and tries
+    again on the current file, so two processes never both believe they hold the lock.
+
+    Raises:
+        PersisterTimeoutError: another live process held it until the deadline (``what`` names it).
+    """
+    while True:
+        _private_dir(os.path.dirname(path))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise PersisterTimeoutError(f"could not take {path} within the deadline ({what} "
+                                                    "holds it)")
+                    time.sleep(0.02)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd
+        os.close(fd)
 
 
 class PersisterClient:
@@ -137,18 +173,9 @@ class PersisterClient:
 
     def _connect_once(self, hello: Dict[str, Any], deadline: float) -> Dict[str, Any]:
         self.close()
-        lock_fd = os.open(os.path.join(self.runtime_dir, "spawn.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        lock_fd = lock_file(os.path.join(self.runtime_dir, "spawn.lock"), deadline,
+                            "another process of this job")
         try:
-            while True:
-                try:
-                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise PersisterTimeoutError(
-                            f"could not take {self.runtime_dir}/spawn.lock within "
-                            f"{self.startup_timeout_secs:g} s (another process of this job holds it)")
-                    time.sleep(0.02)
             sock = self._try_connect()
             proc = None
             while sock is None:

@@ -20,7 +20,6 @@ directory); connections from another uid are refused (``SO_PEERCRED``).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import fcntl
 import logging
 import os
 import secrets
@@ -39,6 +38,7 @@ from ..manifest import list_committed, partial_dirname, validate_dirname
 from ..snapshot import read_index
 from ..storage.posix import PosixStorage
 from . import protocol as P
+from .client import lock_file
 from .commit import CommitRequest, commit, watch_commit
 from .writer import write_failure_marker, write_part
 
@@ -120,6 +120,8 @@ class Server:
         self.sel = selectors.DefaultSelector()
         self.stop = False
         self.files_removed = False
+        self.keep_log = False  # a crash or a failure happened: leave persister.log for the user
+        self.conn_pid: Dict[socket.socket, int] = {}
         self.sock_path = os.path.join(runtime_dir, "persister.sock")
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -165,14 +167,24 @@ class Server:
             log.info("persister pid %d exiting", os.getpid())
 
     def _remove_files(self) -> None:
-        """Delete the socket, the token and the arena (once)."""
+        """Delete the socket, the token and the arena (once); after a clean life, the whole runtime
+        directory too (its lock files included: lockers re-check the inode they locked, see
+        :func:`snapckpt.persister.client.lock_file`), so nothing of the job outlives it."""
         if self.files_removed:
             return
         self.files_removed = True
-        for name in ("persister.sock", "token"):
+        names = ["persister.sock", "token"]
+        if not self.keep_log:
+            names += ["persister.log", "persister.pid", "spawn.lock"]
+        for name in names:
             try:
                 os.unlink(os.path.join(self.runtime_dir, name))
             except FileNotFoundError:
+                pass
+        if not self.keep_log:
+            try:
+                os.rmdir(self.runtime_dir)
+            except OSError:
                 pass
         self.arena.remove_all()
 
@@ -188,9 +200,9 @@ class Server:
             if not self.crashed_since_empty and not self.runs and idle < self.idle_timeout_secs:
                 return False  # nobody ever came yet
         # Take the clients' spawn lock so no client is between "found the socket" and "connected".
-        lock_fd = os.open(os.path.join(self.runtime_dir, "spawn.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        lock_fd = lock_file(os.path.join(self.runtime_dir, "spawn.lock"), time.monotonic() + 3600.0,
+                            "a client starting up")
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
             ready = selectors.DefaultSelector()
             ready.register(listener, selectors.EVENT_READ)
             if ready.select(timeout=0):
@@ -209,7 +221,7 @@ class Server:
         except BlockingIOError:
             return
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
+        pid, uid, _gid = struct.unpack("3i", creds)
         if uid != os.getuid():
             log.warning("refused a connection from uid %d", uid)
             conn.close()
@@ -217,6 +229,7 @@ class Server:
         conn.setblocking(True)
         with self.lock:
             self.buffers[conn] = bytearray()
+            self.conn_pid[conn] = pid
             self.empty_since = None
         self.sel.register(conn, selectors.EVENT_READ, "client")
 
@@ -274,6 +287,7 @@ class Server:
         conn.close()
         with self.lock:
             self.buffers.pop(conn, None)
+            self.conn_pid.pop(conn, None)
             rank = self.conn_rank.pop(conn, None)
             if rank is not None:
                 entry = self.ranks[rank]
@@ -289,6 +303,7 @@ class Server:
                     if not clean:
                         run.crashed = True
                         self.crashed_since_empty = True
+                        self.keep_log = True
                         log.warning("rank %d (run %s) disconnected without close()", rank, run.run_id)
                     if not run.connected and run.crashed and run.flush_on_crash:
                         self._flush(run)
@@ -303,6 +318,12 @@ class Server:
         if not (0 <= rank < world):
             raise P.ProtocolError(f"rank {rank} outside world size {world}")
         entry = self.ranks.get(rank)
+        if entry is not None and entry.conn is not None and self.conn_pid.get(entry.conn) == self.conn_pid.get(conn):
+            # The same process reconnects (it gave up on a request that timed out): its old stream is
+            # abandoned; a slot it was writing through it is not trusted.
+            log.warning("rank %d reconnected from pid %s; dropping its previous connection", rank,
+                        self.conn_pid.get(conn))
+            self._disconnect(entry.conn, clean=True)
         if entry is not None and entry.conn is not None:
             raise PersisterError(
                 f"rank {rank} of this job is already connected (run {entry.run_id}); is another job "
@@ -427,13 +448,18 @@ class Server:
                 index = read_index(buf)
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
-                write_part(storage, buf, index, partial, rank=rank, run_id=run.run_id, step=step)
+                t0 = time.monotonic()
+                files = write_part(storage, buf, index, partial, rank=rank, run_id=run.run_id, step=step,
+                                   on_data_read=lambda: self._release(s))
+                log.info("rank %d step %d: part written, %d bytes in %.3f s", rank, step,
+                         sum(f["nbytes"] for f in files.values()), time.monotonic() - t0)
             finally:
                 buf.close()
             with self.lock:
                 self.results[(run.run_id, step)].parts_done.add(rank)
         except BaseException as e:
             log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
+            self.keep_log = True
             write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
             with self.lock:
                 self.results[(run.run_id, step)].part_errors[rank] = P.error_record(e)
@@ -447,6 +473,12 @@ class Server:
                     self._remove_failed_partial(run, res, partial)
                 self.pending -= 1
 
+    def _release(self, s: Slot) -> None:
+        """The persister is done reading slot ``s``: PERSISTING -> READY."""
+        with self.lock:
+            if s.state == SlotState.PERSISTING:
+                s.state = SlotState.READY
+
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
         storage = PosixStorage(fsync=run.fsync)
         try:
@@ -457,6 +489,7 @@ class Server:
             state, err = "committed", None
         except BaseException as e:
             log.error("step %d: commit failed: %s", req.step, e)
+            self.keep_log = True
             state, err = "failed", P.error_record(e)
         with self.lock:
             res = self.results[(req.run_id, req.step)]
@@ -529,17 +562,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=_env.log_level(),
                         format="%(asctime)s snapckpt-persister[%(process)d] %(levelname)s %(message)s")
-    pid_fd = os.open(os.path.join(a.runtime_dir, "persister.pid"), os.O_RDWR | os.O_CREAT, 0o600)
-    deadline = time.monotonic() + 30.0
-    while True:  # a previous persister of this job may still be finishing its exit
-        try:
-            fcntl.flock(pid_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                log.error("another persister still holds %s after 30 s; exiting", a.runtime_dir)
-                return 1
-            time.sleep(0.05)
+    try:  # a previous persister of this job may still be finishing its exit
+        pid_fd = lock_file(os.path.join(a.runtime_dir, "persister.pid"), time.monotonic() + 30.0,
+                           "another persister of this job")
+    except PersisterError as e:
+        log.error("%s; exiting", e)
+        return 1
     os.ftruncate(pid_fd, 0)
     os.write(pid_fd, str(os.getpid()).encode())
     server = Server(a.runtime_dir, a.arena_dir, a.job, a.idle_timeout_secs)

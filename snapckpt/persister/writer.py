@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -25,7 +25,8 @@ __all__ = ["write_part", "write_failure_marker"]
 
 
 def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
-               run_id: str, step: int) -> Dict[str, Dict[str, Any]]:
+               run_id: str, step: int,
+               on_data_read: Optional[Callable[[], None]] = None) -> Dict[str, Dict[str, Any]]:
     """Write rank ``rank``'s files of ``step`` from slot mapping ``buf``; return ``{file: {nbytes, crc32}}``.
 
     Args:
@@ -33,6 +34,8 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
         buf: the slot's ``mmap`` (read only here).
         index: the slot's index (:func:`snapckpt.snapshot.read_index`).
         partial_dir: the step's in-flight directory (absolute path).
+        on_data_read: called once every file is written and fsynced, before the part marker: from then
+            on the slot is not read any more and may be released before the commit can count the part.
 
     Raises:
         OSError: from the filesystem (ENOSPC, EFBIG, EACCES...), unchanged.
@@ -54,6 +57,8 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
             storage.fsync_file(raw)
         del records
         files[rel] = {"nbytes": cw.nbytes, "crc32": cw.hexdigest}
+    if on_data_read is not None:
+        on_data_read()
     marker = {"rank": rank, "run_id": run_id, "step": step, "files": files}
     storage.write_atomic(os.path.join(partial_dir, part_marker_name(rank)), json.dumps(marker).encode())
     return files
