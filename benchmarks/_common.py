@@ -194,6 +194,7 @@ def machine_info(scratch: Path) -> dict[str, Any]:
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "ram_bytes": vm.total,
         "ram_available_bytes_at_start": vm.available,
+        "loadavg_at_start": os.getloadavg(),
         "git_commit": git_commit(),
         "scratch_dir": str(scratch),
         "scratch_fstype": _fstype(scratch),
@@ -215,6 +216,25 @@ def _read_hwm_bytes(pid: int | str = "self") -> int | None:
         return None
 
 
+def _read_text(path: str) -> str:
+    """Contents of a small text file, or '' when unreadable."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _arg_value(argv: list[str], flag: str) -> str | None:
+    """Value of ``--flag VALUE`` or ``--flag=VALUE`` in an argv list, or None."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def _reset_hwm(pid: int | str = "self") -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0, ``echo 5 > /proc/PID/clear_refs``)."""
     try:
@@ -231,41 +251,47 @@ class PeakRSS:
     This process: VmHWM is reset on entry (``/proc/self/clear_refs``) and read on exit, which is
     exact and costs nothing while the block runs.
 
-    Helpers are the descendants of this process born inside the block plus any process whose command line contains
-    ``snapckpt.persister`` and that was created after ``helpers_since`` (the persister may be
-    daemonized, so it need not be a descendant). They are discovered every ``discover_s`` and
-    their RSS sampled every ``interval_s`` (both kept coarse: on 2 shared cores a busy sampler
-    would slow the thing it measures). A helper born inside the block reports its own VmHWM; one
-    that already existed has its VmHWM reset when first seen (falling back to samples if that is
-    not permitted). ``helper_peak_bytes`` is the sum of the per-helper peaks (an upper bound when
-    several helpers peak at different moments).
+    Helpers are processes *born inside the block* (their pid was not alive on entry) that are
+    descendants of this process, or snapckpt persisters (``snapckpt.persister`` in the command
+    line) that serve an arena this process has mapped (the persister may be daemonized, so it need
+    not be a descendant; other jobs' persisters on a shared machine are not ours). For each, the peak is the max of
+    its VmHWM and RSS samples. ``helper_peak_bytes`` is the sum of the per-helper peaks (an upper
+    bound when several helpers peak at different moments). Persister processes that were already
+    alive on entry (e.g. a previous method's persister that has not exited yet, or a shared node
+    persister) are tracked separately in ``preexisting`` (VmHWM reset when first seen) and not
+    summed. (Process start times are not used: psutil derives them from the boot time, which can
+    be off by a second or more in containers.)
+
+    Processes are discovered every ``discover_s`` and sampled every ``interval_s``; both are kept
+    coarse because on 2 shared cores a busy sampler would slow the thing it measures.
     """
 
-    def __init__(self, helpers_since: float, interval_s: float = 0.02, discover_s: float = 0.25):
-        self.helpers_since = helpers_since
+    def __init__(self, interval_s: float = 0.02, discover_s: float = 0.25):
         self.interval_s = interval_s
         self.discover_s = discover_s
         self.self_start_bytes = 0
         self.self_peak_bytes = 0
         self.helpers: dict[int, dict[str, Any]] = {}
+        self.preexisting: dict[int, dict[str, Any]] = {}
         self.hwm_reset_ok = False
         self._procs: dict[int, psutil.Process] = {}
+        self._pids_at_enter: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._me = psutil.Process()
-        self._t_enter = 0.0
         self._last_discover = 0.0
 
     @property
     def helper_peak_bytes(self) -> int:
-        """Sum over helper processes of each one's peak RSS in bytes (0 if none)."""
+        """Sum over helper processes born in the block of each one's peak RSS in bytes."""
         return sum(h["peak_rss_bytes"] for h in self.helpers.values())
 
     def __enter__(self) -> "PeakRSS":
-        self._t_enter = time.time()
+        self._pids_at_enter = set(psutil.pids())
         self.hwm_reset_ok = _reset_hwm("self")
         self.self_start_bytes = self._me.memory_info().rss
         self.self_peak_bytes = self.self_start_bytes
+        self._sample(discover=True)
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
         self._thread.start()
         return self
@@ -288,45 +314,57 @@ class PeakRSS:
             self._sample(discover=discover)
 
     def _discover(self) -> None:
-        found: dict[int, psutil.Process] = {}
+        found: dict[int, tuple[psutil.Process, bool]] = {}  # pid -> (process, is_persister)
         try:
-            # Descendants count only when born inside the block (a leftover from an earlier
-            # method, e.g. multiprocessing's resource tracker, is not charged to this one).
             for p in self._me.children(recursive=True):
-                if p.create_time() >= self._t_enter - 0.05:
-                    found[p.pid] = p
+                found[p.pid] = (p, False)
         except psutil.Error:
             pass
-        for p in psutil.process_iter(["cmdline", "create_time"]):
+        for pid, (p, _) in list(found.items()):
             try:
-                cmd = " ".join(p.info["cmdline"] or [])
-                if PERSISTER_MARKER in cmd and p.info["create_time"] >= self.helpers_since - 1.0:
-                    found[p.pid] = p
+                found[pid] = (p, PERSISTER_MARKER in " ".join(p.cmdline()))
+            except psutil.Error:
+                found.pop(pid)
+        # A persister that is not our descendant (daemonized, or started by another process of
+        # the job) is ours only if it serves an arena that this process has mapped; other
+        # tenants' persisters on the same machine are ignored.
+        my_maps = _read_text("/proc/self/maps")
+        for p in psutil.process_iter(["cmdline"]):
+            if p.pid in found:
+                continue
+            try:
+                argv = p.info["cmdline"] or []
+                if PERSISTER_MARKER in " ".join(argv):
+                    arena = _arg_value(argv, "--arena-dir")
+                    if arena and arena.rstrip("/") + "/" in my_maps:
+                        found[p.pid] = (p, True)
             except (psutil.Error, TypeError):
                 continue
         found.pop(self._me.pid, None)
-        for pid, p in found.items():
+        for pid, (p, is_persister) in found.items():
             if pid in self._procs:
                 continue
+            born = pid not in self._pids_at_enter
+            if not born and not is_persister:
+                continue  # a leftover descendant of an earlier method: not charged
             try:
-                born = p.create_time() >= self._t_enter - 0.05
-                reset = False if born else _reset_hwm(pid)
-                self._procs[pid] = p
-                self.helpers[pid] = {
+                info = {
                     "pid": pid,
                     "cmdline": " ".join(p.cmdline())[:200],
                     "born_in_block": born,
-                    "hwm_valid": born or reset,
+                    "hwm_valid": born or _reset_hwm(pid),
                     "peak_rss_bytes": 0,
                 }
             except psutil.Error:
                 continue
+            self._procs[pid] = p
+            (self.helpers if born else self.preexisting)[pid] = info
 
     def _sample(self, discover: bool = False) -> None:
         if discover:
             self._discover()
         for pid, p in list(self._procs.items()):
-            info = self.helpers[pid]
+            info = self.helpers.get(pid) or self.preexisting[pid]
             try:
                 rss = p.memory_info().rss
             except psutil.Error:
@@ -337,9 +375,26 @@ class PeakRSS:
                 if hwm:
                     info["peak_rss_bytes"] = max(info["peak_rss_bytes"], hwm)
 
+    def wait_persisters_exit(self, timeout_s: float) -> dict[int, float | None]:
+        """After the block: wait up to ``timeout_s`` for the persister processes born in it to
+        exit. Returns pid -> seconds it took (None = still alive at the deadline)."""
+        t0 = time.monotonic()
+        out: dict[int, float | None] = {}
+        for pid, info in self.helpers.items():
+            if PERSISTER_MARKER not in info["cmdline"]:
+                continue
+            p = self._procs[pid]
+            left = max(0.0, timeout_s - (time.monotonic() - t0))
+            try:
+                p.wait(timeout=left)
+                out[pid] = time.monotonic() - t0
+            except psutil.TimeoutExpired:
+                out[pid] = None
+            except psutil.Error:
+                out[pid] = time.monotonic() - t0
+        return out
 
-# --------------------------------------------------------------------------------------------
-# Small numeric helpers
+
 # --------------------------------------------------------------------------------------------
 
 def malloc_trim() -> None:

@@ -343,12 +343,14 @@ METHOD_CLASSES: dict[str, Callable[..., Method]] = {
 # Running
 # --------------------------------------------------------------------------------------------
 
-def run_method(name: str, state: dict[str, Any], size_dir: Path, args: argparse.Namespace,
-               run_start: float) -> dict[str, Any]:
+def run_method(name: str, state: dict[str, Any], size_dir: Path,
+               args: argparse.Namespace) -> dict[str, Any]:
     """Run one method (setup, warm-up, repeats, close) and return its JSON record."""
     workdir = size_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
-    rec: dict[str, Any] = {"method": name, "error": None}
+    # Load average (1/5/15 min) at the method's start: on a shared machine, other tenants' load
+    # is the main source of noise, so it is kept next to the numbers it may have spoiled.
+    rec: dict[str, Any] = {"method": name, "error": None, "loadavg_at_start": os.getloadavg()}
     method = METHOD_CLASSES[name](state, workdir, args)
     samples: list[Sample] = []
     gc.collect()
@@ -357,7 +359,7 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path, args: argparse.
     # A hang (e.g. a save that never returns) dumps all stacks and ends the process; the JSON
     # written so far survives.
     faulthandler.dump_traceback_later(args.method_timeout * (args.repeats + 2), exit=True)
-    mon = PeakRSS(helpers_since=run_start)
+    mon = PeakRSS()
     try:
         with mon:
             try:
@@ -379,6 +381,11 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path, args: argparse.
         print(f"  {name}: ERROR {rec['error']}", file=sys.stderr)
     finally:
         faulthandler.cancel_dump_traceback_later()
+        # A persister should exit on clean close; wait for it (untimed) so that it does not
+        # compete with the next method, and record how long that took.
+        exits = mon.wait_persisters_exit(args.persister_exit_wait)
+        if exits:
+            rec["persister_exit_after_close_s"] = {str(k): v for k, v in exits.items()}
         rmtree_quiet(workdir)
         gc.collect()
         malloc_trim()
@@ -396,6 +403,7 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path, args: argparse.
         "self_rss_end_bytes": psutil.Process().memory_info().rss,
         "helper_peak_rss_bytes": mon.helper_peak_bytes,
         "helpers": list(mon.helpers.values()),
+        "preexisting_persisters": list(mon.preexisting.values()),
     })
     return rec
 
@@ -429,6 +437,13 @@ def _gib(x: int | None) -> str:
     return "n/a" if not x else f"{x / GiB:.2f}"
 
 
+def _loads(result: dict[str, Any]) -> str:
+    """min-max of the 1-minute load average seen at the methods' starts, as text."""
+    xs = [r["loadavg_at_start"][0] for size in result["sizes"] for r in size["methods"]
+          if r.get("loadavg_at_start")]
+    return f"{min(xs):.1f}-{max(xs):.1f}" if xs else "n/a"
+
+
 def markdown(result: dict[str, Any]) -> str:
     """Render the result as markdown: a header with machine info, then per size an absolute table
     and a ratio table."""
@@ -439,6 +454,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"- date: {m['date']}; git: {m['git_commit']}",
         f"- cpus: {m['cpu_count']} (affinity {m['cpu_affinity']}, torch threads {m['torch_num_threads']}); "
         f"RAM: {m['ram_bytes'] / GiB:.1f} GiB; torch {m['torch']}; python {m['python']}",
+        f"- load average (1 min) at each method's start: {_loads(result)} on {m['cpu_count']} cpus "
+        "(above the cpu count, other tenants were competing)",
         f"- scratch: {m['scratch_dir']} ({m['scratch_fstype']}); repeats: {result['config']['repeats']} "
         f"(median shown) after 1 warm-up",
         "- blocking = training thread blocked; durable = until fsynced on disk; peak RSS in GiB "
@@ -478,6 +495,17 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r['method']} | {_x(q.get('blocking_vs_floor_copy'))} "
                 f"| {_x(q.get('durable_vs_floor_write'))} | {_x(q.get('blocking_vs_torch_save'))} "
                 f"| {_x(q.get('durable_vs_torch_save'))} |")
+        notes = []
+        for r in recs:
+            for pid, dt in (r.get("persister_exit_after_close_s") or {}).items():
+                notes.append(f"- {r['method']}: persister pid {pid} "
+                             + (f"exited {dt:.2f} s after close()" if dt is not None else
+                                f"still alive {result['config']['persister_exit_wait_s']:g} s after close()"))
+            for h in r.get("preexisting_persisters") or []:
+                notes.append(f"- {r['method']}: a persister already running at its start (pid {h['pid']}, "
+                             f"peak RSS {h['peak_rss_bytes'] / GiB:.2f} GiB) is not in its helper column")
+        if notes:
+            lines += ["", *notes]
         lines.append("")
     return "\n".join(lines)
 
@@ -570,6 +598,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="parent for checkpoint dirs (default: /tmp if on the repo's disk and not tmpfs)")
     p.add_argument("--method-timeout", type=float, default=600.0,
                    help="seconds one checkpoint may take before the run is declared hung")
+    p.add_argument("--persister-exit-wait", type=float, default=15.0,
+                   help="seconds to wait (untimed) after close() for a persister to exit")
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.sizes_gib.split(",") if s.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -588,12 +618,12 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     scratch = Path(tempfile.mkdtemp(prefix="snapckpt-stall-", dir=scratch_parent))
-    run_start = time.time()
     result: dict[str, Any] = {
         "benchmark": "stall",
         "machine": {**machine_info(scratch), "scratch_choice": why},
         "config": {"sizes_gib": args.sizes, "repeats": args.repeats, "methods": args.methods,
-                   "method_timeout_s": args.method_timeout, "out": str(out), "plot": args.plot,
+                   "method_timeout_s": args.method_timeout,
+                   "persister_exit_wait_s": args.persister_exit_wait, "out": str(out), "plot": args.plot,
                    "argv": sys.argv},
         "sizes": [],
     }
@@ -608,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
             size_dir = scratch / f"size_{size_gib:g}"
             for name in args.methods:
                 print(f"[{size_gib:g} GiB] {name} ...", file=sys.stderr, flush=True)
-                rec = run_method(name, state, size_dir, args, run_start)
+                rec = run_method(name, state, size_dir, args)
                 size_rec["methods"].append(rec)
                 add_ratios(size_rec["methods"])
                 write_outputs(result, out, final=False)
