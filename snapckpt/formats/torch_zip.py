@@ -15,6 +15,13 @@ storage, and ``version``/``.data/serialization_id`` written at the end (source:
 
 ``torch.load(path)`` reads the result; with ``weights_only=True`` when the state holds only tensors and
 plain containers. :func:`unpickle_skeleton` is the reverse for the memory tier.
+
+Checksums: the archive is written as ``torch.save`` writes it under
+``torch.serialization.set_crc32_options(False)``: the zip's per-record CRC-32 fields are 0, which
+``torch.load`` accepts (documented there) but a generic ``unzip -t`` reports. Integrity is the
+manifest's job instead: one CRC-32 of the whole file, computed while writing. Computing both cost a
+second pass over every byte on the persister (measured: 1 GiB durable in 0.88 s with one pass, 1.6-3.8
+s with two, on the same machine), and on a 2-core host that CPU is taken from training.
 """
 from __future__ import annotations
 
@@ -246,7 +253,7 @@ def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, int,
             persister, a view of the arena span) whose first ``nbytes`` are written as ``data/<key>``
             without an intermediate copy.
     """
-    writer = torch._C.PyTorchFileWriter(fileobj, True, STORAGE_ALIGNMENT)
+    writer = torch._C.PyTorchFileWriter(fileobj, False, STORAGE_ALIGNMENT)  # see "Checksums" above
     try:
         writer.write_record("data.pkl", data_pkl, len(data_pkl))
         writer.write_record(".format_version", "1", 1)
