@@ -145,6 +145,18 @@ class Checkpointer:
     def _preflight_dir(self) -> None:
         d = self.checkpoint_dir
         probe = os.path.join(d, f".snapckpt-probe-{self.run_id}-{self.rank}")
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise CheckpointDirError(f"checkpoint directory {d!r} exists and is not a directory; pick "
+                                     "another path")
+        shm = self.options.resolved_shm_dir
+        if not os.path.isdir(shm):
+            from .errors import PreflightError
+
+            raise PreflightError(f"shared-memory directory {shm!r} does not exist; point shm_dir= (or "
+                                 "SNAPCKPT_SHM_DIR) at an existing tmpfs such as /dev/shm")
+        if _fs_type(shm) not in ("tmpfs", "ramfs", "hugetlbfs", None):
+            log.warning("shm_dir %r is on a %s filesystem, not a tmpfs: memory snapshots will be written to "
+                        "that disk and will be slow", shm, _fs_type(shm))
         try:
             os.makedirs(d, exist_ok=True)
             with open(probe, "wb") as f:
@@ -237,6 +249,7 @@ class Checkpointer:
             PersisterDiedError / PersisterTimeoutError: the persister died or hangs.
             An earlier save's background failure, once, with its original type.
         """
+        _check_step(step)
         return self._save_files({layout.rank_filename(self.rank): state_dict}, step, storage_type,
                                 dirname=layout.step_dirname(step), tracker_name=layout.TRACKER,
                                 tracker_content=layout.step_dirname(step))
@@ -244,8 +257,7 @@ class Checkpointer:
     def _save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
                     tracker_name: str, tracker_content: str) -> SaveHandle:
         """Save several files for this rank (the integrations' entry point); see :meth:`save`."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        _check_step(step)
         storage_type = StorageType(storage_type)
         validate_dirname(dirname)
         t0 = time.perf_counter()
@@ -368,6 +380,10 @@ class Checkpointer:
         for p in everyone:
             steps = {tuple(x) for x in p["mem"]}
             common = steps if common is None else common & steps
+        if not common and any(p["mem"] for p in everyone):
+            log.warning("rank %d: ranks hold memory snapshots but no step is held by every rank (%s); "
+                        "the memory tier cannot be used", self.rank,
+                        {r: [m[0] for m in p["mem"]] for r, p in enumerate(everyone)})
         disk_all = everyone[0]["disk"]
         wrong = [d for d in disk_all if d[2] != self.world_size]
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
@@ -480,6 +496,8 @@ class Checkpointer:
             IncompatibleCheckpointError: world size differs, or a tensor's shape differs from ``state_dict``.
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
         """
+        if step is not None:
+            _check_step(step)
         _, _, files = self._load_files(step)
         loaded = files[layout.rank_filename(self.rank)]
         if state_dict is None:
@@ -518,6 +536,28 @@ class Checkpointer:
                 self.close()
             except Exception:
                 log.exception("error while closing the Checkpointer after another error")
+
+
+def _fs_type(path: str) -> Optional[str]:
+    """Filesystem type of the mount holding ``path`` (from ``/proc/mounts``), ``None`` if unknown."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for mnt, fstype in mounts:
+        mnt = mnt.replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[0])):
+            best = (mnt, fstype)
+    return best[1] if best else None
+
+
+def _check_step(step: Any) -> None:
+    """``ValueError`` unless ``step`` is an ``int >= 0`` (not a bool, float or string)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r} ({type(step).__name__})")
 
 
 def copy_into(dst: Any, src: Any, path: str = "") -> Any:

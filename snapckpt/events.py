@@ -18,6 +18,9 @@ class StorageType(str, enum.Enum):
     MEMORY = "memory"
     DISK = "disk"
 
+    def __str__(self) -> str:  # f"{tier}" prints "memory" / "disk"
+        return self.value
+
 
 @dataclass(frozen=True)
 class SaveStats:

@@ -15,14 +15,16 @@ class CheckpointOptions:
     """Everything a :class:`snapckpt.Checkpointer` can be told.
 
     Attributes:
-        keep_last: retention; the newest ``keep_last`` committed checkpoints are kept, older ones are
-            deleted after each commit (``None`` keeps everything). The newest committed checkpoint and
+        keep_last: retention; the ``keep_last`` most recently committed checkpoints are kept, older ones
+            are deleted after each commit (``None`` keeps everything). The newest committed checkpoint and
             every in-flight one are never deleted.
         shm_dir: directory of a tmpfs that holds the shared-memory arena (default ``/dev/shm`` or
             ``$SNAPCKPT_SHM_DIR``).
         runtime_dir: parent directory for the persister's socket, lock and token (default
             ``$SNAPCKPT_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR`` or ``/tmp``).
-        job_id: optional extra job identity; a job is ``(realpath(checkpoint_dir), job_id)``.
+        job_id: optional extra job identity; a job is ``(realpath(checkpoint_dir), job_id)``, with its own
+            persister and arena. Two jobs should still not share a checkpoint directory: a commit
+            refuses to replace a step directory that another job committed.
         slots_per_rank: arena slots per local rank (>= 2: one being written while one is held/persisted).
         slot_headroom: a slot is allocated ``slot_headroom`` times the bytes the state needs, so that
             small growth of the state does not reallocate it.

@@ -70,8 +70,15 @@ def _check_supported(t: torch.Tensor) -> None:
             f"cannot snapshot a tensor of type {type(t).__name__} (shape {tuple(t.shape)}): snapckpt "
             "handles torch.Tensor and nn.Parameter; convert it (e.g. DTensor.to_local()) in the state dict"
         )
-    if t.layout != torch.strided or t.is_quantized:
-        raise SnapshotError(f"cannot snapshot a {t.layout} / quantized tensor of shape {tuple(t.shape)}")
+    if t.is_nested:
+        raise SnapshotError("cannot snapshot a nested tensor; save its components "
+                            "(e.g. t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
+    if t.layout != torch.strided:
+        raise SnapshotError(f"cannot snapshot a tensor with layout {t.layout} (shape {tuple(t.shape)}); save "
+                            "t.to_dense() or its index/value tensors")
+    if t.is_quantized:
+        raise SnapshotError(f"cannot snapshot a quantized tensor (shape {tuple(t.shape)}); save "
+                            "t.dequantize() or its int_repr() with scale and zero point")
     if t.is_conj() or t.is_neg():
         raise SnapshotError("cannot snapshot a tensor with a lazy conj/neg bit; call .resolve_conj() first")
     if t.device.type == "meta":

@@ -106,6 +106,11 @@ class PersisterClient:
         self.rfile = None
         self.persister_pid: Optional[int] = None
         self.generation = 0  # bumped at each new connection (mappings of old slots are stale)
+        if len(self.sock_path.encode()) > 107:
+            raise PersisterError(
+                f"runtime directory {runtime_dir!r} is too long for a unix socket path "
+                f"({len(self.sock_path.encode())} bytes > 107); set runtime_dir= (or SNAPCKPT_RUNTIME_DIR) "
+                "to a shorter directory such as /tmp")
         _private_dir(os.path.dirname(runtime_dir))
         _private_dir(runtime_dir)
 

@@ -86,6 +86,21 @@ def _collect_parts(reader: StorageReader, req: CommitRequest) -> Dict[int, Dict[
     return parts
 
 
+def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> None:
+    """A commit replaces an older committed directory of the same name only if this job wrote it (a
+    re-save of a step after a rewind); another job's checkpoint is never overwritten. Run ids start
+    with the 16-hex-digit job key (:func:`snapckpt.persister.client.job_key`)."""
+    try:
+        old = parse_manifest(reader.read_bytes(os.path.join(req.final_dir, MANIFEST)), req.dirname)
+    except Exception:
+        return  # no valid commit record there: not a checkpoint anyone can load
+    old_run = str(old.get("run_id", ""))
+    if old_run[:16] != req.run_id[:16]:
+        raise CommitError(
+            f"{req.final_dir} was committed by another job (run {old_run}); refusing to replace it. Two "
+            "jobs must not write the same steps into one checkpoint_dir: give each job its own directory")
+
+
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
            remove_partial_on_failure: bool = True) -> Dict[str, Any]:
     """Run the commit sequence for one step; return the manifest.
@@ -124,6 +139,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         storage.fsync_dir(req.partial_dir)
         aside = None
         if reader.isdir(req.final_dir):
+            _refuse_other_jobs_checkpoint(reader, req)
             aside = os.path.join(req.checkpoint_dir, f".{req.dirname}.replaced-{req.run_id}")
             storage.remove_tree(aside)
             storage.rename(req.final_dir, aside)

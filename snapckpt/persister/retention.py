@@ -1,8 +1,9 @@
 """Retention: delete old committed checkpoints after a commit, on the committer only.
 
 Only directories with a valid snapckpt manifest are ever candidates (native checkpoints snapckpt did not
-write are never touched); the newest ``keep_last`` by step are kept, which always includes the newest
-committed one; in-flight (partial) directories are hidden and never candidates; a directory already
+write are never touched); the ``keep_last`` most recently committed are kept (commit time, not step number: a
+rewound run's new checkpoints are never rotated away in favour of abandoned higher steps), which always
+includes the newest committed one; in-flight (partial) directories are hidden and never candidates; a directory already
 deleted by someone else is not an error (case C3).
 """
 from __future__ import annotations
@@ -24,6 +25,10 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
     if keep_last is None:
         return []
     committed = list_committed(reader, checkpoint_dir, quick_check=False)
+    # Newest means most recently committed (the manifest's commit time), not the highest step: after a
+    # rewind (load an older step and train on), the new lower-numbered checkpoints are kept, the
+    # abandoned higher-numbered ones rotate away.
+    committed.sort(key=lambda c: c.manifest.get("created_unix", 0.0))
     keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
     deleted = []
     for c in committed:

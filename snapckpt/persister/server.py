@@ -326,8 +326,10 @@ class Server:
             self._disconnect(entry.conn, clean=True)
         if entry is not None and entry.conn is not None:
             raise PersisterError(
-                f"rank {rank} of this job is already connected (run {entry.run_id}); is another job "
-                "writing to the same checkpoint_dir? Give each job its own checkpoint_dir or job_id")
+                f"rank {rank} of this job is already connected (run {entry.run_id}). Under torchrun or "
+                "another launcher, call torch.distributed.init_process_group() before creating the "
+                "Checkpointer, so that each process knows its rank; if another job writes to the same "
+                "checkpoint_dir, give each job its own checkpoint_dir")
         run = self.runs.get(msg["run_id"])
         if run is None:
             run = Run(msg["run_id"], world, list(msg["local_ranks"]), False, msg["checkpoint_dir"],

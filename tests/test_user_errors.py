@@ -1,0 +1,71 @@
+"""Misuse a new user hits first: each gets a precise error naming the fix, and nothing is lost.
+
+Found by a first-use trial of the README: bad steps, unsupported tensors, two jobs writing one
+directory, a rewound run and retention, paths the persister cannot use.
+"""
+import os
+
+import pytest
+import torch
+
+from snapckpt import Checkpointer, StorageType
+from snapckpt.errors import CheckpointDirError, CommitError, PersisterError, PreflightError, SnapshotError
+
+
+@pytest.mark.parametrize("step", ["5", 3.0, None, -1, True])
+def test_bad_step_is_a_clear_value_error(snap_env, step):
+    with Checkpointer(snap_env.ckpt_dir) as ck:
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            ck.save({"a": torch.ones(2)}, step)
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            ck.load(step=step if step is not None else "x")
+    assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+
+
+def test_unsupported_tensors_name_the_conversion(snap_env):
+    with Checkpointer(snap_env.ckpt_dir) as ck:
+        with pytest.raises(SnapshotError, match=r"to_dense\(\)"):
+            ck.save({"s": torch.eye(3).to_sparse()}, 1)
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        with pytest.raises(SnapshotError, match="nested tensor"):
+            ck.save({"n": nested}, 1)
+        ck.save({"ok": torch.ones(2)}, 1).wait()  # still usable
+        assert torch.equal(ck.load()["ok"], torch.ones(2))
+
+
+def test_two_jobs_in_one_dir_never_overwrite_each_other(snap_env):
+    """A second job (other job_id) saving the same step into the same directory is refused at commit;
+    the first job's checkpoint stays as it was."""
+    with Checkpointer(snap_env.ckpt_dir, job_id="a") as a, Checkpointer(snap_env.ckpt_dir, job_id="b") as b:
+        a.save({"w": torch.full((4,), 1.0)}, 9).wait()
+        with pytest.raises(CommitError, match="committed by another job"):
+            b.save({"w": torch.full((4,), 2.0)}, 9).wait()
+    on_disk = torch.load(os.path.join(snap_env.ckpt_dir, "step_00000009", "rank_00000.pt"), weights_only=True)
+    assert torch.equal(on_disk["w"], torch.full((4,), 1.0))
+
+
+def test_retention_keeps_the_most_recent_commits_after_a_rewind(snap_env):
+    """Steps 100, 200, then a rewind to 5, 6, 7 with keep_last=2: the rewound run's newest two survive,
+    the abandoned higher steps rotate away, and the tracker names step 7."""
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        for step in (100, 200, 5, 6, 7):
+            ck.save({"w": step}, step, StorageType.DISK).wait()
+    names = sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_"))
+    assert names == ["step_00000006", "step_00000007"]
+    assert open(os.path.join(snap_env.ckpt_dir, "latest")).read() == "step_00000007"
+
+
+def test_paths_the_persister_cannot_use(snap_env, tmp_path):
+    with pytest.raises(PersisterError, match="too long for a unix socket"):
+        Checkpointer(snap_env.ckpt_dir, runtime_dir=str(tmp_path / ("x" * 120)))
+    with pytest.raises(PreflightError, match="does not exist"):
+        Checkpointer(snap_env.ckpt_dir, shm_dir=str(tmp_path / "no" / "such" / "shm"))
+    assert not (tmp_path / "no").exists()
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(CheckpointDirError, match="not a directory"):
+        Checkpointer(str(a_file))
+
+
+def test_storage_type_prints_as_its_value():
+    assert f"{StorageType.MEMORY}" == "memory" and str(StorageType.DISK) == "disk"
