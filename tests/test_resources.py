@@ -281,22 +281,26 @@ def test_contract7_invalid_options(snap_env, kwargs, error, names):
 # ---------------------------------------------------------------------------- persister startup
 @pytest.mark.parametrize("via", ["env", "option"])
 def test_contract7_persister_startup_failure_reports_log(snap_env, monkeypatch, via):
-    """Contract 7: the persister cannot start (its shared-memory directory lies under a regular file, so
-    it cannot be created). Right: the constructor raises PersisterError, not a timeout and not a hang,
-    within persister_startup_timeout_secs, with the tail of the persister's log (the real cause) in the
-    message; no persister is left."""
-    blocker = os.path.join(snap_env.tmp, "a-file")
-    with open(blocker, "w") as f:
+    """Contract 7: the persister cannot start (a regular file sits where its arena directory must be
+    created inside the shared-memory directory). Right: the constructor raises PersisterError, not a
+    timeout and not a hang, within persister_startup_timeout_secs, with the tail of the persister's log
+    (the real cause) in the message; no persister is left. (A shared-memory directory that does not
+    exist at all is refused earlier by the preflight: tests/test_user_errors.py.)"""
+    from snapckpt.persister.client import job_key
+
+    shm = os.path.join(snap_env.tmp, "shm")
+    os.makedirs(shm)
+    bad = os.path.join(shm, f"snapckpt-{os.getuid()}-{job_key(snap_env.ckpt_dir, None)}")
+    with open(bad, "w") as f:
         f.write("not a directory")
-    bad = os.path.join(blocker, "shm")
     opts = dict(QUICK, persister_startup_timeout_secs=60)
     if via == "env":
-        monkeypatch.setenv("SNAPCKPT_SHM_DIR", bad)
+        monkeypatch.setenv("SNAPCKPT_SHM_DIR", shm)
     else:
-        opts["shm_dir"] = bad
+        opts["shm_dir"] = shm
     with pytest.raises(PersisterError) as ei:
         Checkpointer(snap_env.ckpt_dir, **opts)
     assert not isinstance(ei.value, PersisterTimeoutError), f"a timeout instead of the cause: {ei.value}"
     msg = str(ei.value)
-    assert "persister.log" in msg and "NotADirectoryError" in msg and bad in msg, msg
+    assert "persister.log" in msg and "Error" in msg and bad in msg, msg
     assert wait_until(lambda: not snap_env.persisters(), timeout=10)
