@@ -11,23 +11,6 @@ from __future__ import annotations
 
 import os
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-def get_bool(name: str, default: bool) -> bool:
-    """Strictly parse a boolean knob; raise ``ValueError`` on anything but 1/0/true/false/yes/no/on/off."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"environment variable {name}={raw!r} is not a boolean (use 1/0, true/false)")
-
-
 def shm_dir() -> str:
     """Default directory for shared-memory arena files."""
     return os.environ.get("SNAPCKPT_SHM_DIR") or "/dev/shm"

@@ -26,7 +26,7 @@ from .arena import map_slot
 from .coordination import make_coordinator
 from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
                      IncompatibleCheckpointError, InsufficientDiskError, PersisterDiedError,
-                     PersisterError, SlotBusyError, SnapckptError)
+                     SlotBusyError, SnapckptError)
 from .events import Event, SaveStats, StorageType
 from .handle import SaveHandle
 from .manifest import check_checksums, check_sizes, list_committed, validate_dirname

@@ -10,7 +10,6 @@ import socket
 from dataclasses import dataclass
 from typing import Tuple
 
-from .coordination import Coordinator
 
 __all__ = ["Topology", "host_identity"]
 

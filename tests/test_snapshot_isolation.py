@@ -11,12 +11,10 @@ Most tests are single-process (the Checkpointer works without ``torch.distribute
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import hashlib
 import json
 import os
-import pickle
 
 import pytest
 import torch

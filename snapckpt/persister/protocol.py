@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import builtins
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from .. import errors as _errors
 
@@ -123,8 +123,3 @@ def ok(**fields: Any) -> Dict[str, Any]:
 def fail(exc: BaseException) -> Dict[str, Any]:
     """A failure response carrying ``exc``."""
     return {"ok": False, "error": error_record(exc)}
-
-
-def optional_int(value: Optional[int]) -> int:
-    """Encode an optional non-negative int as an int (-1 for None) for fixed-schema fields."""
-    return -1 if value is None else int(value)

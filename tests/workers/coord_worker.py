@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from datetime import timedelta
 
