@@ -26,10 +26,10 @@ from .arena import map_slot
 from .coordination import make_coordinator
 from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
                      IncompatibleCheckpointError, InsufficientDiskError, PersisterDiedError,
-                     SlotBusyError, SnapckptError)
+                     SlotBusyError, SnapckptError, UnsafeCheckpointError)
 from .events import Event, SaveStats, StorageType
 from .handle import SaveHandle
-from .manifest import check_checksums, check_sizes, list_committed, validate_dirname
+from .manifest import MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname
 from .options import CheckpointOptions
 from .persister.client import PersisterClient, job_dirs, job_key
 from .snapshot import Stager, read_slot
@@ -90,7 +90,6 @@ class Checkpointer:
         self._storage = PosixStorage(fsync=self.options.fsync)
         self._stager = Stager()
         self._slots: Dict[int, _MappedSlot] = {}
-        self._slots_generation = 0
         self._handles: List[SaveHandle] = []
         self._listeners: List[Callable[[Event], None]] = []
         self._closed = False
@@ -187,13 +186,10 @@ class Checkpointer:
         return self._client.request(op, **fields)
 
     def _mapped(self, slot: int, path: str, nbytes: int) -> _MappedSlot:
+        """This rank's mapping of a slot; remapped when the slot grew. ``_connect`` drops every mapping,
+        since a new persister recreates the slot files."""
         m = self._slots.get(slot)
-        if m is None or m.nbytes != nbytes or m.path != path or self._slots_generation != self._client.generation:
-            if self._slots_generation != self._client.generation:
-                for s in self._slots.values():
-                    s.close()
-                self._slots.clear()
-                self._slots_generation = self._client.generation
+        if m is None or m.nbytes != nbytes or m.path != path:
             if m is not None:
                 m.close()
             m = self._slots[slot] = _MappedSlot(path, nbytes)
@@ -214,16 +210,22 @@ class Checkpointer:
         log.error("rank %d: save of step %d failed: %s", self.rank, handle.step, exc)
         self._emit(Event("failed", handle.step, handle.storage_type, self.rank, error=exc))
 
-    def _raise_background_errors(self) -> None:
-        """Re-raise, once, the first failure of an earlier save that nobody waited for."""
+    def poll(self) -> None:
+        """Ask the persister about outstanding DISK saves without waiting: their ``committed`` / ``failed``
+        events fire now, on the caller's thread, and the first failure nobody has seen yet is raised
+        (each failure once; a second one is raised at a later call). One request per outstanding save;
+        none when there is none. ``save`` calls it first; ``HookRegistry.step_end`` on other steps."""
         still = []
         first: Optional[BaseException] = None
         for h in self._handles:
             if not h.done():
                 still.append(h)
-            elif h.exception() is not None and not h._reported and first is None:
-                h._reported = True
-                first = h.exception()
+            elif h.exception() is not None and not h._reported:
+                if first is None:
+                    h._reported = True
+                    first = h.exception()
+                else:
+                    still.append(h)
         self._handles = still
         if first is not None:
             raise first
@@ -261,7 +263,7 @@ class Checkpointer:
         storage_type = StorageType(storage_type)
         validate_dirname(dirname)
         t0 = time.perf_counter()
-        self._raise_background_errors()
+        self.poll()
         prepared = self._stager.prepare(files, step)
         t1 = time.perf_counter()
         if storage_type == StorageType.DISK:
@@ -418,8 +420,6 @@ class Checkpointer:
                 raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, not {step}")
             return files
         path = os.path.join(self.checkpoint_dir, key)
-        from .manifest import MANIFEST, parse_manifest
-
         m = parse_manifest(self._storage.read_bytes(os.path.join(path, MANIFEST)), key)
         if self.options.verify_checksums:
             check_checksums(self._storage, path, m, rank=self.rank)
@@ -434,8 +434,6 @@ class Checkpointer:
                                        weights_only=self.options.weights_only)
             except Exception as e:
                 if self.options.weights_only and "weights_only" in str(e):
-                    from .errors import UnsafeCheckpointError
-
                     raise UnsafeCheckpointError(
                         f"{os.path.join(path, name)} holds objects that weights_only=True refuses; if you "
                         "trust this checkpoint directory pass weights_only=False to the Checkpointer") from e
@@ -456,7 +454,7 @@ class Checkpointer:
                 mine = {"ok": True, "error": ""}
             except Exception as e:
                 files, mine = None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                if isinstance(e, SnapckptError) and type(e).__name__ == "UnsafeCheckpointError":
+                if isinstance(e, UnsafeCheckpointError):  # a trust decision, not damage: no fallback
                     raise
             everyone = self._coord.all_gather("loaded", mine, self.options.coordination_timeout_secs)
             bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}

@@ -84,7 +84,6 @@ class HookRegistry:
         self._last_disk = now
         self._last_step: Optional[int] = None
         self._last_disk_step: Optional[int] = None
-        self._pending = []
         checkpointer.add_listener(self._dispatch)
 
     def on(self, kind: str, callback: Callable[[Event], None]) -> Callable[[], None]:
@@ -105,11 +104,11 @@ class HookRegistry:
     def step_end(self, step: int) -> None:
         """Call after step ``step`` completed: snapshots if the policy says so, and reports commits of
         earlier saves (their ``committed``/``failed`` events fire here, on the training thread)."""
-        self._pending = [h for h in self._pending if not h.done()]
         now = time.monotonic()
         tier = self.policy.decide(step, now - self._last_snapshot, now - self._last_disk)
         self._last_step = step
         if tier is None:
+            self.checkpointer.poll()  # (save polls by itself)
             return
         handle = self.checkpointer.save(self.state_fn(), step, storage_type=tier)
         if handle.snapshot_taken:
@@ -117,7 +116,6 @@ class HookRegistry:
             if tier == StorageType.DISK:
                 self._last_disk = now
                 self._last_disk_step = step
-                self._pending.append(handle)
 
     def train_end(self) -> None:
         """Call once after the last step: optional final DISK save, then wait for every commit."""
@@ -125,6 +123,3 @@ class HookRegistry:
                 and self._last_disk_step != self._last_step):
             self.checkpointer.save(self.state_fn(), self._last_step, storage_type=StorageType.DISK)
         self.checkpointer.wait()
-        for h in self._pending:
-            h.done()
-        self._pending = []

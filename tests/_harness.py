@@ -129,3 +129,17 @@ def run_ranks(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str]
 def result_lines(out: str, tag: str = "RESULT") -> List[str]:
     """Lines of a worker's output that start with ``tag`` (the tag removed)."""
     return [l[len(tag):].strip() for l in out.splitlines() if l.startswith(tag)]
+
+
+def used_bytes(path: str) -> int:
+    """Bytes in use on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def tree(path: str) -> list:
+    """Every file and directory below ``path``, relative, sorted."""
+    out = []
+    for root, dirs, files in os.walk(path):
+        out += [os.path.relpath(os.path.join(root, n), path) for n in dirs + files]
+    return sorted(out)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from _harness import finish, launch, result_lines, wait_until
+from _harness import finish, launch, result_lines, tree, used_bytes, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointDirError, InsufficientDiskError, PersisterError,
                              PersisterTimeoutError)
@@ -39,18 +39,6 @@ def tmpfs(path: str, size: str, *opts: str):
     finally:
         if subprocess.run(["umount", path]).returncode != 0:
             subprocess.run(["umount", "-l", path])
-
-
-def used_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-
-def tree(path: str) -> list:
-    out = []
-    for root, dirs, files in os.walk(path):
-        out += [os.path.relpath(os.path.join(root, n), path) for n in dirs + files]
-    return sorted(out)
 
 
 def results(out: str) -> list:

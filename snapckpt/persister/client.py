@@ -23,13 +23,20 @@ from typing import Any, Dict, Optional
 from ..errors import PersisterDiedError, PersisterError, PersisterTimeoutError
 from . import protocol as P
 
-__all__ = ["PersisterClient", "job_key", "job_dirs", "lock_file"]
+__all__ = ["PersisterClient", "job_key", "job_of_run", "job_dirs", "lock_file", "JOB_KEY_LEN"]
+
+JOB_KEY_LEN = 16
 
 
 def job_key(checkpoint_dir: str, job_id: Optional[str]) -> str:
     """16 hex digits naming a job on a host: ``sha256(uid, realpath(checkpoint_dir), job_id)``."""
     raw = f"{os.getuid()}\0{os.path.realpath(checkpoint_dir)}\0{job_id or ''}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]
+    return hashlib.sha256(raw).hexdigest()[:JOB_KEY_LEN]
+
+
+def job_of_run(run_id: str) -> str:
+    """The job key a run id starts with (run ids are ``job key + 12 random hex digits``)."""
+    return run_id[:JOB_KEY_LEN]
 
 
 def job_dirs(runtime_root: str, shm_root: str, key: str) -> tuple:
@@ -105,7 +112,6 @@ class PersisterClient:
         self.sock: Optional[socket.socket] = None
         self.rfile = None
         self.persister_pid: Optional[int] = None
-        self.generation = 0  # bumped at each new connection (mappings of old slots are stale)
         if len(self.sock_path.encode()) > 107:
             raise PersisterError(
                 f"runtime directory {runtime_dir!r} is too long for a unix socket path "
@@ -203,7 +209,6 @@ class PersisterClient:
         self.rfile = sock.makefile("rb")
         with open(os.path.join(self.runtime_dir, "token")) as f:
             token = f.read().strip()
-        self.generation += 1
         reply = self.request("hello", token=token, job=self.job, **hello)
         self.persister_pid = reply.get("persister_pid")
         return reply

@@ -29,6 +29,7 @@ from ..errors import CommitError, CommitTimeoutError
 from ..manifest import (MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
                         partial_dirname)
 from ..storage.base import StorageReader, StorageWriter
+from .client import job_of_run
 from .protocol import error_from_record
 from .retention import apply_retention
 
@@ -89,13 +90,13 @@ def _collect_parts(reader: StorageReader, req: CommitRequest) -> Dict[int, Dict[
 def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> None:
     """A commit replaces an older committed directory of the same name only if this job wrote it (a
     re-save of a step after a rewind); another job's checkpoint is never overwritten. Run ids start
-    with the 16-hex-digit job key (:func:`snapckpt.persister.client.job_key`)."""
+    with the job key (:func:`snapckpt.persister.client.job_of_run`)."""
     try:
         old = parse_manifest(reader.read_bytes(os.path.join(req.final_dir, MANIFEST)), req.dirname)
     except Exception:
         return  # no valid commit record there: not a checkpoint anyone can load
     old_run = str(old.get("run_id", ""))
-    if old_run[:16] != req.run_id[:16]:
+    if job_of_run(old_run) != job_of_run(req.run_id):
         raise CommitError(
             f"{req.final_dir} was committed by another job (run {old_run}); refusing to replace it. Two "
             "jobs must not write the same steps into one checkpoint_dir: give each job its own directory")

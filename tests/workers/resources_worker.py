@@ -24,6 +24,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the harness
+from _harness import tree, used_bytes  # noqa: E402
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import InsufficientSharedMemoryError
 
@@ -34,18 +36,6 @@ QUICK = dict(commit_timeout_secs=60, request_timeout_secs=30, coordination_timeo
 
 def result(**kw) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
-
-
-def used_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-
-def tree(path: str) -> list:
-    out = []
-    for root, dirs, files in os.walk(path):
-        out += [os.path.relpath(os.path.join(root, n), path) for n in dirs + files]
-    return sorted(out)
 
 
 def state_of(nbytes: int, fill: float = 1.0) -> dict:
