@@ -36,7 +36,7 @@ from .snapshot import Stager, read_slot
 from .storage.posix import PosixStorage
 from .topology import Topology, host_identity
 
-__all__ = ["Checkpointer", "LoadInfo"]
+__all__ = ["Checkpointer", "LoadCandidate", "LoadInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,41 @@ class LoadInfo:
     step: int
     tier: StorageType
     seconds: float
+
+
+class LoadCandidate:
+    """One checkpoint the ranks agreed to try loading (see :meth:`Checkpointer._load_with`).
+
+    Attributes:
+        step: its step (int).
+        tier: ``StorageType.MEMORY`` or ``StorageType.DISK``.
+        dirname: its directory name (the tag) for DISK, ``None`` for MEMORY.
+        path: absolute path of the committed directory for DISK, ``None`` for MEMORY.
+    """
+
+    def __init__(self, owner: "Checkpointer", step: int, tier: StorageType, key: Optional[str]) -> None:
+        self._owner, self.step, self.tier, self._key = owner, step, tier, key
+        self.dirname = key if tier == StorageType.DISK else None
+        self.path = os.path.join(owner.checkpoint_dir, key) if tier == StorageType.DISK else None
+
+    def files(self) -> Dict[str, Any]:
+        """This rank's files: ``{name: object}`` (torch files unpickled with CPU tensors, raw files as
+        ``bytes``). MEMORY: every file of the rank's snapshot, ``MemoryOnly`` ones included. DISK: the files
+        the manifest assigns to this rank, sizes and checksums verified first.
+
+        Raises:
+            CheckpointCorruptError / CheckpointNotFoundError: damaged or vanished; UnsafeCheckpointError.
+        """
+        return self._owner._read_candidate(self)
+
+    def verify(self) -> None:
+        """DISK: check this rank's files against the manifest (sizes, and checksums unless
+        ``verify_checksums=False``); raises :class:`~snapckpt.errors.CheckpointCorruptError`. MEMORY: no-op."""
+        if self.tier == StorageType.DISK:
+            self._owner._verify_disk(self.path, self.dirname)
+
+    def __repr__(self) -> str:
+        return f"LoadCandidate(step={self.step}, tier={self.tier.value}, dirname={self.dirname!r})"
 
 
 class _MappedSlot:
@@ -257,11 +292,24 @@ class Checkpointer:
                                 tracker_content=layout.step_dirname(step))
 
     def _save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
-                    tracker_name: str, tracker_content: str) -> SaveHandle:
-        """Save several files for this rank (the integrations' entry point); see :meth:`save`."""
+                    tracker_name: Optional[str], tracker_content: str = "") -> SaveHandle:
+        """Save several files of this rank as one step (the integrations' entry point); see :meth:`save`.
+
+        Args:
+            files: ``{file name inside dirname: value}``; a value is a file spec of
+                :mod:`snapckpt.formats` (``TorchSave``, ``RawBytes``, ``Concat``, ``MemoryOnly``) or a
+                plain object (a ``TorchSave``). ``{}`` is a valid, empty part.
+            dirname: the checkpoint's directory name under ``checkpoint_dir`` (a tag: one path component).
+            tracker_name: tracker file replaced with ``tracker_content`` after the commit (``None``: none).
+        """
         _check_step(step)
         storage_type = StorageType(storage_type)
         validate_dirname(dirname)
+        if tracker_name is not None:
+            validate_dirname(tracker_name)
+        for name in files:
+            if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or name in ("..",):
+                raise ValueError(f"file name {name!r} must be one non-hidden path component")
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step)
@@ -292,8 +340,8 @@ class Checkpointer:
             raise
         t3 = time.perf_counter()
         self._request("ready", slot=slot, step=step, index_offset=prepared.index_offset,
-                      index_nbytes=prepared.index_nbytes, dirname=dirname, tracker_name=tracker_name,
-                      tracker_content=tracker_content)
+                      index_nbytes=prepared.index_nbytes, dirname=dirname, tracker_name=tracker_name or "",
+                      tracker_content=tracker_content if tracker_name else "")
         if storage_type == StorageType.DISK:
             self._request("persist", step=step)
         t4 = time.perf_counter()
@@ -407,27 +455,35 @@ class Checkpointer:
         cands = self._candidates()
         return cands[0][0] if cands else None
 
-    def _read_candidate(self, tier: str, key: Optional[str], step: int) -> Dict[str, Any]:
-        if tier == "memory":
-            held = self._request("held")["slots"]
-            mine = [s for s in held if s["step"] == step and s["run_id"] == key]
-            if not mine:
-                raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {step} in memory")
-            s = max(mine, key=lambda x: x["seq"])
-            m = self._mapped(s["slot"], s["path"], s["nbytes"])
-            got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only)
-            if got_step != step:
-                raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, not {step}")
-            return files
-        path = os.path.join(self.checkpoint_dir, key)
-        m = parse_manifest(self._storage.read_bytes(os.path.join(path, MANIFEST)), key)
+    def _verify_disk(self, path: str, dirname: str) -> Dict[str, Any]:
+        m = parse_manifest(self._storage.read_bytes(os.path.join(path, MANIFEST)), dirname)
         if self.options.verify_checksums:
             check_checksums(self._storage, path, m, rank=self.rank)
         else:
             check_sizes(self._storage, path, m, rank=self.rank)
+        return m
+
+    def _read_candidate(self, cand: "LoadCandidate") -> Dict[str, Any]:
+        if cand.tier == StorageType.MEMORY:
+            held = self._request("held")["slots"]
+            mine = [s for s in held if s["step"] == cand.step and s["run_id"] == cand._key]
+            if not mine:
+                raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
+            s = max(mine, key=lambda x: x["seq"])
+            m = self._mapped(s["slot"], s["path"], s["nbytes"])
+            got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only)
+            if got_step != cand.step:
+                raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
+                                             f"not {cand.step}")
+            return files
+        path = cand.path
+        m = self._verify_disk(path, cand.dirname)
         out = {}
         for name, rec in sorted(m["files"].items()):
             if rec["rank"] != self.rank:
+                continue
+            if rec.get("kind", "torch") == "bytes":
+                out[name] = self._storage.read_bytes(os.path.join(path, name))
                 continue
             try:
                 out[name] = torch.load(os.path.join(path, name), map_location="cpu",
@@ -440,8 +496,21 @@ class Checkpointer:
                 raise
         return out
 
-    def _load_files(self, step: Optional[int] = None) -> Tuple[int, StorageType, Dict[str, Any]]:
-        """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
+    def _load_with(self, fn: Callable[["LoadCandidate"], Any], step: Optional[int] = None
+                   ) -> Tuple[Any, "LoadCandidate"]:
+        """Collective: agree on load candidates with every rank, newest first, and return
+        ``(fn(candidate), candidate)`` for the first candidate ``fn`` succeeded on in every rank.
+
+        The integrations' entry point for loading: ``fn`` restores the framework's state from
+        ``candidate.files()`` (either tier) or through the framework's own loader from
+        ``candidate.path`` (DISK, after ``candidate.verify()``). When ``fn`` raises on any rank, every rank
+        moves to the next candidate together (a warning names the ranks and errors); ``fn`` must therefore
+        not run a collective of the training group that a failing rank would skip.
+
+        Raises:
+            CheckpointNotFoundError, CheckpointCorruptError, IncompatibleCheckpointError,
+            UnsafeCheckpointError: as :meth:`load`.
+        """
         self.wait()
         t0 = time.perf_counter()
         cands = self._candidates(step)
@@ -449,21 +518,22 @@ class Checkpointer:
             cands = [c for c in cands if c[0] == step]
         errors: List[str] = []
         for cstep, tier, key in cands:
+            cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
+            result = None
             try:
-                files = self._read_candidate(tier, key, cstep)
+                result = fn(cand)
                 mine = {"ok": True, "error": ""}
             except Exception as e:
-                files, mine = None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 if isinstance(e, UnsafeCheckpointError):  # a trust decision, not damage: no fallback
                     raise
             everyone = self._coord.all_gather("loaded", mine, self.options.coordination_timeout_secs)
             bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
             if not bad:
-                tier_t = StorageType.MEMORY if tier == "memory" else StorageType.DISK
-                self.last_load = LoadInfo(cstep, tier_t, time.perf_counter() - t0)
-                log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, tier_t.value,
+                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0)
+                log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
                          self.last_load.seconds)
-                return cstep, tier_t, files
+                return result, cand
             msg = f"step {cstep} ({tier}) unreadable on ranks {sorted(bad)}: " + "; ".join(
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
@@ -474,6 +544,11 @@ class Checkpointer:
         damaged = f"; skipped as damaged: {'; '.join(self._damaged)}" if self._damaged else ""
         raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}"
                                       f"{damaged}")
+
+    def _load_files(self, step: Optional[int] = None) -> Tuple[int, StorageType, Dict[str, Any]]:
+        """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
+        files, cand = self._load_with(lambda c: c.files(), step)
+        return cand.step, cand.tier, files
 
     def load(self, state_dict: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> Dict[str, Any]:
         """Restore the newest step complete on every rank (or ``step``); collective.

@@ -11,7 +11,10 @@ Layout inside a checkpoint directory (native files beside it are untouched; nati
 
     {"format": "snapckpt", "format_version": 1, "step": 100, "dirname": "step_00000100",
      "world_size": 2, "run_id": "...", "created_unix": 1.7e9, "checksum": "crc32",
-     "files": {"rank_00000.pt": {"rank": 0, "nbytes": 123, "crc32": "1a2b3c4d"}, ...}}
+     "files": {"rank_00000.pt": {"rank": 0, "nbytes": 123, "crc32": "1a2b3c4d", "kind": "torch"}, ...}}
+
+``kind`` is ``"torch"`` (a ``torch.save`` archive) or ``"bytes"`` (written from raw chunks: safetensors,
+JSON...); a manifest without it means ``"torch"``.
 
 A checkpoint is *committed* when its directory has a manifest that parses and names its own step and
 dirname; it is *intact* when every file has the recorded size (quick check) and checksum (full check).
@@ -124,7 +127,8 @@ def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
             if name in files:
                 raise CommitError(f"step {step}: file {name!r} written by ranks {files[name]['rank']} "
                                   f"and {rank}")
-            files[name] = {"rank": rank, "nbytes": int(rec["nbytes"]), "crc32": str(rec["crc32"])}
+            files[name] = {"rank": rank, "nbytes": int(rec["nbytes"]), "crc32": str(rec["crc32"]),
+                           "kind": str(rec.get("kind", "torch"))}
     return {"format": "snapckpt", "format_version": FORMAT_VERSION, "step": step, "dirname": dirname,
             "world_size": world_size, "run_id": run_id, "created_unix": time.time(), "checksum": "crc32",
             "files": files}

@@ -25,7 +25,8 @@ import torch
 
 from .arena import HEADER_NBYTES, read_header, write_header
 from .errors import SnapshotError
-from .formats.torch_zip import TensorRef, collect_tensors, pickle_skeleton, unpickle_skeleton
+from .formats.specs import Concat, RawBytes, TorchSave, unwrap
+from .formats.torch_zip import TensorRef, _check_supported, collect_tensors, pickle_skeleton, unpickle_skeleton
 
 __all__ = ["Stager", "Prepared", "Plan", "read_slot", "read_index"]
 
@@ -182,12 +183,28 @@ class Stager:
         return plan
 
     def prepare(self, files: Mapping[str, Any], step: int) -> Prepared:
-        """Plan a snapshot of ``files`` (``{relative path: picklable object}``) at ``step``.
+        """Plan a snapshot of ``files`` (``{relative path: value}``) at ``step``.
+
+        A value is a file spec of :mod:`snapckpt.formats.specs` (a plain object is a ``TorchSave``). Every
+        tensor of every file joins one plan, so a storage shared between files is copied once.
 
         Raises:
             SnapshotError: an unsupported tensor or dtype-aliased storage.
         """
-        per_file_tensors = [collect_tensors(obj) for obj in files.values()]
+        specs = []
+        per_file_tensors: List[List[torch.Tensor]] = []
+        for value in files.values():
+            spec, persist = unwrap(value)
+            if isinstance(spec, RawBytes):
+                spec = Concat([bytes(spec.data)])
+            specs.append((spec, persist))
+            if isinstance(spec, TorchSave):
+                per_file_tensors.append(collect_tensors(spec.obj))
+            else:
+                ts = [p for p in spec.parts if isinstance(p, torch.Tensor)]
+                for t in ts:
+                    _check_concat_tensor(t)
+                per_file_tensors.append(ts)
         all_tensors: List[torch.Tensor] = []
         seen: Dict[int, int] = {}
         for ts in per_file_tensors:
@@ -208,15 +225,30 @@ class Stager:
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files = []
-        for (path, obj), ts in zip(files.items(), per_file_tensors):
-            refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
-            pkl, keys = pickle_skeleton(obj, refs)
-            tail.append((offset, pkl))
-            by_key = {s.key: s for s in plan.spans}
-            records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
-            index_files.append({"path": path, "pkl": [offset, len(pkl)], "records": records})
-            offset += len(pkl)
-        index = json.dumps({"v": 1, "step": step, "files": index_files}, separators=(",", ":")).encode()
+        by_key = {s.key: s for s in plan.spans}
+        for path, (spec, persist), ts in zip(files.keys(), specs, per_file_tensors):
+            if isinstance(spec, TorchSave):
+                refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
+                pkl, keys = pickle_skeleton(spec.obj, refs)
+                tail.append((offset, pkl))
+                records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
+                index_files.append({"path": path, "kind": "torch", "persist": persist,
+                                    "pkl": [offset, len(pkl)], "records": records})
+                offset += len(pkl)
+                continue
+            chunks = []
+            for part in spec.parts:
+                if isinstance(part, torch.Tensor):
+                    i = seen[id(part)]
+                    span = plan.spans[plan.tensor_span[i]]
+                    start = span.arena_offset + part.storage_offset() * part.element_size() - span.start_nbytes
+                    chunks.append([start, part.numel() * part.element_size()])
+                else:
+                    tail.append((offset, part))
+                    chunks.append([offset, len(part)])
+                    offset += len(part)
+            index_files.append({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks})
+        index = json.dumps({"v": 2, "step": step, "files": index_files}, separators=(",", ":")).encode()
         tail.append((offset, index))
         total = offset + len(index)
         tensor_nbytes = sum(s.nbytes for s in plan.spans)
@@ -253,10 +285,16 @@ def read_index(buf) -> Dict[str, Any]:
 
 
 def read_slot(buf, slot: torch.Tensor, *, weights_only: bool) -> Tuple[int, Dict[str, Any]]:
-    """Copy a snapshot out of a slot: returns ``(step, {relative path: object})`` with CPU tensors."""
+    """Copy a snapshot out of a slot: ``(step, {relative path: object})`` with CPU tensors.
+
+    ``TorchSave`` files come back unpickled; ``RawBytes``/``Concat`` files as ``bytes`` (the whole file).
+    """
     index = read_index(buf)
     out: Dict[str, Any] = {}
     for f in index["files"]:
+        if f.get("kind", "torch") == "bytes":
+            out[f["path"]] = b"".join(bytes(buf[o:o + n]) for o, n in f["chunks"])
+            continue
         storages = {}
         for key, off, n in f["records"]:
             dst = torch.empty(n, dtype=torch.uint8)
@@ -265,3 +303,9 @@ def read_slot(buf, slot: torch.Tensor, *, weights_only: bool) -> Tuple[int, Dict
         po, pn = f["pkl"]
         out[f["path"]] = unpickle_skeleton(bytes(buf[po:po + pn]), storages, weights_only=weights_only)
     return index["step"], out
+
+
+def _check_concat_tensor(t: torch.Tensor) -> None:
+    _check_supported(t)
+    if not t.is_contiguous():
+        raise SnapshotError(f"a raw tensor record (shape {tuple(t.shape)}) must be contiguous")

@@ -1,8 +1,8 @@
 """Persister side: write one rank's part of a checkpoint from its arena slot into the partial directory.
 
-For each file listed in the slot's index: create it under the partial directory, write the
-``torch.save`` archive straight from the arena spans (:func:`write_torch_file`), computing CRC-32 on the
-way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
+For each file listed in the slot's index (``MemoryOnly`` files excepted): create it under the partial
+directory, write it straight from the arena (a ``torch.save`` archive through :func:`write_torch_file`,
+or raw chunks back to back for ``RawBytes``/``Concat`` files), computing CRC-32 on the way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
 moment the committer may count the part. On any error the rank's files are left for the committer to
 remove with the partial directory, and a failure marker carries the error record to the committer.
 """
@@ -44,19 +44,26 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
     delay = _env.fault_write_delay_secs()
     files: Dict[str, Dict[str, Any]] = {}
     for f in index["files"]:
+        if not f.get("persist", True):
+            continue  # a MemoryOnly file: part of the memory snapshot, not of the checkpoint on disk
         rel = f["path"]
         path = os.path.join(partial_dir, rel)
         storage.makedirs(os.path.dirname(path))
-        po, pn = f["pkl"]
-        records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(), n)
-                   if n else (key, torch.UntypedStorage(0), 0)
-                   for key, off, n in f["records"]]
+        kind = f.get("kind", "torch")
         with storage.open_write(path) as raw:
             cw = ChecksumWriter(raw if not delay else _SlowWriter(raw, delay))
-            write_torch_file(cw, bytes(buf[po:po + pn]), records)
+            if kind == "bytes":
+                for off, n in f["chunks"]:
+                    cw.write(memoryview(buf)[off:off + n])
+            else:
+                po, pn = f["pkl"]
+                records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(),
+                            n) if n else (key, torch.UntypedStorage(0), 0)
+                           for key, off, n in f["records"]]
+                write_torch_file(cw, bytes(buf[po:po + pn]), records)
+                del records
             storage.fsync_file(raw)
-        del records
-        files[rel] = {"nbytes": cw.nbytes, "crc32": cw.hexdigest}
+        files[rel] = {"nbytes": cw.nbytes, "crc32": cw.hexdigest, "kind": kind}
     if on_data_read is not None:
         on_data_read()
     marker = {"rank": rank, "run_id": run_id, "step": step, "files": files}
