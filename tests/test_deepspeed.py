@@ -121,9 +121,17 @@ def test_changed_data_parallel_size_names_universal_checkpoint(snap_env):
     assert "ds_to_universal" in outs[0] and "load_universal" in outs[0]
 
 
-def test_config_section_validation():
-    """The "snapckpt" section of the DeepSpeed config: unknown keys and bad values are clear errors."""
+def test_config_section_validation(tmp_path):
+    """The "snapckpt" section of the DeepSpeed config (a dict or a JSON file): unknown keys and bad values
+    are clear errors; DeepSpeed gets the config without the section."""
     from snapckpt.deepspeed import DeepSpeedSnapckptConfig
+    from snapckpt.integrations.deepspeed import _split_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "snapckpt": {"checkpoint_dir": "/x", "keep_last": 2}}))
+    rest, section = _split_config(str(path))
+    assert rest == {"train_batch_size": 8} and section.keep_last == 2 and section.checkpoint_dir == "/x"
+    assert _split_config({"train_batch_size": 8}) == ({"train_batch_size": 8}, None)
 
     ok = DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "memory_interval_steps": 10,
                                             "disk_interval_steps": 100, "keep_last": 3})
