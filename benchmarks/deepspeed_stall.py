@@ -63,6 +63,7 @@ def main() -> None:
     if args.frozen:
         for p_ in list(net.parameters())[:-2]:
             p_.requires_grad_(False)
+    nparams = sum(p_.numel() for p_ in net.parameters())  # before ZeRO-3 partitions them
     opt = torch.optim.AdamW([p_ for p_ in net.parameters() if p_.requires_grad], lr=1e-4)
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": args.zero_stage},
            "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
@@ -71,7 +72,6 @@ def main() -> None:
     loss = engine(x).pow(2).mean()
     engine.backward(loss)
     engine.step()
-    nparams = sum(p_.numel() for p_ in net.parameters())
     out = os.path.abspath(args.out)
     native_dir, snap_dir = os.path.join(out, "native_ckpt"), os.path.join(out, "snap_ckpt")
     if rank == 0:
@@ -107,7 +107,7 @@ def main() -> None:
     ck.close()
     med = {k: statistics.median(v[1:]) for k, v in results.items()}  # first call is the warm-up
     if rank == 0:
-        ckpt_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(snap_dir, "d1"))
+        ckpt_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(snap_dir, f"d{args.repeats}"))
                          for f in fs)
         mode = "LoRA-style (frozen base)" if args.frozen else "full-parameter"
         report = {"zero_stage": args.zero_stage, "mode": mode, "params": nparams, "world_size": dist.get_world_size(),
