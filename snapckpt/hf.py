@@ -1,8 +1,11 @@
-"""Public import path of the Hugging Face integration: ``from snapckpt.hf import SnapckptCallback``.
+"""Public import path of the Hugging Face integrations.
 
-See :mod:`snapckpt.integrations.transformers` for how the callback plugs into the ``Trainer`` and
-:mod:`snapckpt.integrations.accelerate` for ``Accelerator.save_state`` folders.
+- ``SnapckptCallback``: ``Trainer(..., callbacks=[SnapckptCallback(...)])`` (see
+  :mod:`snapckpt.integrations.transformers`);
+- ``AcceleratorCheckpointer``: ``Accelerator.save_state`` folders written in the background (see
+  :mod:`snapckpt.integrations.accelerate`).
 """
+from snapckpt.integrations.accelerate import AcceleratorCheckpointer
 from snapckpt.integrations.transformers import SnapckptCallback
 
-__all__ = ["SnapckptCallback"]
+__all__ = ["AcceleratorCheckpointer", "SnapckptCallback"]

@@ -209,3 +209,31 @@ def test_ddp_two_ranks_native_folder_and_memory_resume(snap_env, tmp_path):
         assert second[r]["materialized"] == [8, "memory"]
         _same_steps(_rows(second[r]), _rows(ref[0]), range(9, STEPS + 1))
     _assert_same_folder(os.path.join(out, "checkpoint-10"), os.path.join(ref_out, "checkpoint-10"))
+
+
+def _concat_bytes(spec):
+    return b"".join(p if isinstance(p, bytes) else p.contiguous().view(torch.uint8).flatten().numpy().tobytes()
+                    for p in spec.parts)
+
+
+def test_E1_tied_and_untied_embeddings_in_model_files():
+    """E1 without a Trainer: tied -> one tensor (``lm_head.weight`` dropped, as ``save_pretrained``); a
+    config that claims tying but separate tensors at runtime -> both saved with their own values."""
+    from safetensors.torch import load as st_load
+
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from hf_worker import build_model
+
+    from snapckpt.integrations.transformers_files import model_files
+
+    tied = build_model(tie=True)
+    files = model_files(tied)
+    got = st_load(_concat_bytes(files["model.safetensors"]))
+    assert "lm_head.weight" not in got and torch.equal(got["transformer.wte.weight"], tied.transformer.wte.weight)
+    assert json.loads(files["config.json"].data)["tie_word_embeddings"] is True
+
+    untied = build_model(tie=True)
+    untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach() * 2)  # untie at runtime
+    got = st_load(_concat_bytes(model_files(untied)["model.safetensors"]))
+    assert torch.equal(got["lm_head.weight"], untied.lm_head.weight)
+    assert torch.equal(got["transformer.wte.weight"], untied.transformer.wte.weight)
