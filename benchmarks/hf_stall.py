@@ -73,11 +73,20 @@ def run(kind: str, a: argparse.Namespace, scratch: str) -> dict:
     trainer = cls(model=model, args=args, train_dataset=Tokens(a.batch * a.steps, a.seq, a.vocab),
                   data_collator=default_data_collator, callbacks=[cb] if cb else None)
     trainer.save_secs = []
+    snaps = []
+    if cb is not None:
+        cb.checkpointer.add_listener(lambda e: snaps.append(e.stats) if e.kind == "snapshot_taken" else None)
     out = trainer.train()
     stalls = trainer.save_secs if kind == "trainer" else (cb.stall_secs if cb else [])
     n_params = sum(p.numel() for p in model.parameters())
-    return {"kind": kind, "train_runtime_s": out.metrics["train_runtime"], "stalls_s": stalls,
-            "median_stall_s": statistics.median(stalls) if stalls else None, "params": n_params}
+    row = {"kind": kind, "train_runtime_s": out.metrics["train_runtime"], "stalls_s": stalls,
+           "median_stall_s": statistics.median(stalls) if stalls else None, "params": n_params}
+    if snaps:  # where the snapshot's time goes: building the files, snapckpt's prepare, slot wait, copy
+        row["copy_s"] = [s.copy_secs for s in snaps]
+        row["wait_slot_s"] = [s.wait_slot_secs for s in snaps]
+        row["build_s"] = [st - s.blocking_secs for st, s in zip(stalls, snaps)]
+        row["copy_gb_per_s"] = statistics.median(s.tensor_nbytes / s.copy_secs / 1e9 for s in snaps)
+    return row
 
 
 def main() -> None:
@@ -108,7 +117,11 @@ def main() -> None:
     for r in rows:
         ms = "n/a" if r["median_stall_s"] is None else f"{r['median_stall_s']:.3f}"
         lines.append(f"| {r['kind']} | {ms} | {r['train_runtime_s']:.1f} |")
-    lines += ["", f"stall ratio trainer / snapckpt: {ratio:.1f}x"]
+    sn = by["snapckpt"]
+    lines += ["", f"stall ratio trainer / snapckpt: {ratio:.1f}x",
+              f"snapckpt stall breakdown (medians): copy into shared memory {statistics.median(sn['copy_s']):.3f} s "
+              f"({sn['copy_gb_per_s']:.2f} GB/s), slot wait {statistics.median(sn['wait_slot_s']):.3f} s, "
+              f"building the file specs {statistics.median(sn['build_s']):.3f} s"]
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -198,8 +198,8 @@ class SnapckptCallback(TrainerCallback):
         self._flush(args, state, control, kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._pending is not None and logs is not None and "train_runtime" in logs:
-            # The end-of-training summary: _load_best_model comes next and needs the folder committed.
+        if logs is not None and "train_runtime" in logs and self.checkpointer is not None:
+            # The end-of-training summary: _load_best_model comes next and needs the folders committed.
             self._flush(args, state, control, kwargs, drop_last_log=True)
             self.checkpointer.wait()
             self._rotate()
@@ -213,7 +213,7 @@ class SnapckptCallback(TrainerCallback):
         step = state.global_step
         p = self._pending
         if p is not None and p.step != step:
-            self._flush(args, state, control, kwargs)
+            self._flush(args, state, control, kwargs)  # drops it, with a warning
             p = None
         if tier == StorageType.DISK and step in self._disk_steps:
             log.info("checkpoint-%d is already saved; not saving it again", step)
@@ -229,6 +229,9 @@ class SnapckptCallback(TrainerCallback):
     def _flush(self, args, state, control, kwargs, drop_last_log: bool = False) -> None:
         p, self._pending = self._pending, None
         if p is None:
+            return
+        if p.step != state.global_step:  # cannot happen through the Trainer's events; never save a mix
+            log.warning("snapshot of step %d dropped: training is at step %d already", p.step, state.global_step)
             return
         t0 = time.perf_counter()
         if p.tier == StorageType.DISK:

@@ -90,6 +90,7 @@ def main():
     best = cfg.get("eval_best", False)
     args = cls(output_dir=cfg["out"], max_steps=cfg["steps"], per_device_train_batch_size=4,
                learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
+               gradient_accumulation_steps=cfg.get("gas", 1),
                save_steps=cfg.get("save_steps", 5), save_strategy="steps", seed=7, report_to="none",
                use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
                save_total_limit=cfg.get("limit"),
