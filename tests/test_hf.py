@@ -171,8 +171,17 @@ def test_memory_tier_resume_after_kill9(snap_env, stock):
     _same_steps(_rows(second), ref, range(9, STEPS + 1))
 
 
+def _timeless_state(folder, out):
+    """trainer_state.json without wall-clock values, with the run's output_dir as "OUT"."""
+    text = open(os.path.join(folder, "trainer_state.json")).read().replace(out, "OUT")
+    state = json.loads(text)
+    state["log_history"] = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+                            for e in state["log_history"]]
+    return state
+
+
 def test_rotation_best_model_E5_sharded(snap_env, tmp_path):
-    cfg = {"steps": 8, "save_steps": 2, "eval_best": True, "limit": 2}
+    cfg = {"steps": 8, "save_steps": 2, "eval_best": True, "limit": 2, "tok": True}
     stock_out, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
     ref = _run({**cfg, "out": stock_out}, {})
     mine = _run({**cfg, "out": out, "snap": True, "subclass_args": True, "shard": "40KB"}, snap_env.env)
@@ -189,6 +198,10 @@ def test_rotation_best_model_E5_sharded(snap_env, tmp_path):
     assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards, names
     from transformers import GPT2LMHeadModel
 
+    ref_best = os.path.join(stock_out, os.path.basename(ref["best"]))
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert open(os.path.join(best, name), "rb").read() == open(os.path.join(ref_best, name), "rb").read(), name
+    assert _timeless_state(best, out) == _timeless_state(ref_best, stock_out)
     a = GPT2LMHeadModel.from_pretrained(best).state_dict()
     b = GPT2LMHeadModel.from_pretrained(os.path.join(stock_out, os.path.basename(ref["best"]))).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -237,3 +250,23 @@ def test_E1_tied_and_untied_embeddings_in_model_files():
     got = st_load(_concat_bytes(model_files(untied)["model.safetensors"]))
     assert torch.equal(got["lm_head.weight"], untied.lm_head.weight)
     assert torch.equal(got["transformer.wte.weight"], untied.transformer.wte.weight)
+
+
+def test_bad_input_is_refused_with_the_fix(snap_env):
+    from transformers import Trainer, TrainingArguments
+
+    from snapckpt.hf import SnapckptCallback
+
+    with pytest.raises(ValueError, match="save_total_limit"):
+        SnapckptCallback(keep_last=2)
+    with pytest.raises(ValueError, match="memory_interval_steps"):
+        SnapckptCallback(memory_interval_steps=0)
+    with pytest.raises(TypeError, match="unknown snapckpt option"):
+        SnapckptCallback(keep_lats=2)
+    args = TrainingArguments(output_dir=snap_env.ckpt_dir, save_strategy="best", metric_for_best_model="loss",
+                             eval_strategy="steps", eval_steps=1, report_to="none", use_cpu=True)
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from hf_worker import Tokens, build_model
+
+    with pytest.raises(ValueError, match="save_strategy='best'"):
+        Trainer(model=build_model(), args=args, eval_dataset=Tokens(n=4), callbacks=[SnapckptCallback()])

@@ -8,6 +8,7 @@ Usage: hf_worker.py '<json config>' (single process, or every rank under torchru
     persister, then self), after waiting for the folder ``wait_for`` if given; eval_best: evaluate every save, keep the best
     (greatest eval_loss), load_best_model_at_end; limit: save_total_limit; shard: max_shard_size;
     subclass_args: use a TrainingArguments subclass defined here (case E5); tie: tie_word_embeddings;
+    tok: pass a tokenizer as processing_class; gas: gradient_accumulation_steps;
     result: file (per rank: RESULT json lines) with per-step losses, lrs and final facts.
 """
 import dataclasses
@@ -46,6 +47,18 @@ def build_model(tie=True):
     cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.2,
                      embd_pdrop=0.2, attn_pdrop=0.2, tie_word_embeddings=tie)
     return GPT2LMHeadModel(cfg)
+
+
+def build_tokenizer():
+    """A word-level tokenizer over the model's 96 ids, built offline (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(95)}
+    vocab["[UNK]"] = 95
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="t0")
 
 
 class Recorder(TrainerCallback):
@@ -109,6 +122,7 @@ def main():
     callbacks.append(rec)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
                       eval_dataset=Tokens(n=8) if best else None, data_collator=default_data_collator,
+                      processing_class=build_tokenizer() if cfg.get("tok") else None,
                       callbacks=callbacks)
     facts = {}
     if snap is not None and snap.resumed_from is not None:
