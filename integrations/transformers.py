@@ -9,7 +9,8 @@ How it plugs in (transformers 5.24, public callback events only):
 
 1. ``on_step_end`` (after the Trainer's ``DefaultFlowCallback``): if the Trainer decided to save
    (``control.should_save``), the callback takes the save over and sets ``control.should_save = False``,
-   so ``Trainer._save_checkpoint`` does not run; the save is *pending*. Every ``memory_interval_steps``
+   so ``Trainer._save_checkpoint`` does not run; the save is *pending*. (A callback listed after this one
+   that sets ``should_save`` itself still gets the Trainer's own save: list ``SnapckptCallback`` last.) Every ``memory_interval_steps``
    steps a memory-tier snapshot is pending the same way. The RNG states are captured here (and again in
    ``on_evaluate``), where the Trainer would capture them.
 2. The pending snapshot is taken at the next ``on_step_begin`` / ``on_epoch_begin`` / ``on_epoch_end`` (or

@@ -131,6 +131,7 @@ def test_E2_E3_F1_F2_F3_kill9_node_during_persist(snap_env, stock):
     # 3. Resume again: from checkpoint-5, bitwise equal to the uninterrupted run to the end.
     third = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
     _same_steps(_rows(third), ref, range(6, STEPS + 1))
+    assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-12", "checkpoint-5"]  # partials cleaned
     for step in (10, 12):
         _assert_same_folder(os.path.join(out, f"checkpoint-{step}"), os.path.join(ref_dir, f"checkpoint-{step}"))
     # F3/E1: from_pretrained loads snapckpt's safetensors, tied again, nothing missing.
