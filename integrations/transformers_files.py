@@ -71,7 +71,7 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
 
     Raises:
         NotImplementedError: the model carries PEFT adapters (adapter-only checkpoints are not supported;
-            ``peft`` is not part of snapckpt's pinned extras).
+            ``peft`` is not part of snapckpt's pinned extras), is quantized or tensor-parallel.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers import PreTrainedModel
@@ -84,6 +84,10 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
         raise NotImplementedError(
             "SnapckptCallback does not write adapter-only (PEFT) checkpoints yet; remove the callback for this "
             "run to let the Trainer save the adapter itself")
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "_tp_size", None):
+        raise NotImplementedError(
+            "SnapckptCallback does not write quantized or tensor-parallel models (save_pretrained converts or "
+            "gathers their weights first); remove the callback for this run to let the Trainer save")
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
