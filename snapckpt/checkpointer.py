@@ -29,7 +29,7 @@ from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFo
                      SlotBusyError, SnapckptError, UnsafeCheckpointError)
 from .events import Event, SaveStats, StorageType
 from .handle import SaveHandle
-from .manifest import MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname
+from .manifest import MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname
 from .options import CheckpointOptions
 from .persister.client import PersisterClient, job_dirs, job_key
 from .snapshot import Stager, read_slot
@@ -308,8 +308,12 @@ class Checkpointer:
         if tracker_name is not None:
             validate_dirname(tracker_name)
         for name in files:
-            if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or name in ("..",):
-                raise ValueError(f"file name {name!r} must be one non-hidden path component")
+            # Hidden names are native in some layouts (torch DCP's ``.metadata``); only snapckpt's own
+            # sidecar directory name and ``.``/``..`` are reserved.
+            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
+                    or name.startswith(SIDECAR):
+                raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
+                                 f"{SIDECAR!r}*")
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step)
