@@ -13,9 +13,11 @@ real CUDA generator states would. snapckpt itself never imports this module.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["install", "tiny_gpt", "init_parallel"]
+__all__ = ["install", "tiny_gpt", "init_parallel", "cuda_tensors_on_cpu"]
 
 _FAKE_CUDA_GEN = torch.Generator()
 _installed = False
@@ -82,3 +84,27 @@ def tiny_gpt(tp: int, vocab: int = 64, seq: int = 16, hidden: int = 32, layers: 
                             pipeline_dtype=torch.float32, hidden_dropout=0.1, attention_dropout=0.1)
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                     max_sequence_length=seq)
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu():
+    """Within the block, tensor factories (``torch.tensor``, ``zeros``, ``ones``, ``empty``, ``full``) called
+    with ``device='cuda'`` create CPU tensors (megatron-core's optimizers build loss-scale and grad-norm
+    buffers that way)."""
+    names = ("tensor", "zeros", "ones", "empty", "full")
+    real = {n: getattr(torch, n) for n in names}
+
+    def redirect(fn):
+        def wrapped(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return wrapped
+
+    for n in names:
+        setattr(torch, n, redirect(real[n]))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(torch, n, real[n])

@@ -33,8 +33,11 @@ def build(tp: int, opt_kind: str):
     if opt_kind == "megatron":
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        model.ddp_config = None
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [model])
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        model.ddp_config = DistributedDataParallelConfig()  # read by get_megatron_optimizer; no DDP wrapper
+        with megatron_cpu.cuda_tensors_on_cpu():
+            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=0.0), [model])
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
@@ -67,7 +70,8 @@ def train_step(model, optimizer, sched, step: int) -> float:
             p.grad /= dp
         if hasattr(optimizer, "config"):  # megatron-core optimizers read main_grad
             p.main_grad = p.grad
-    optimizer.step()
+    with megatron_cpu.cuda_tensors_on_cpu():
+        optimizer.step()
     sched.step(1)
     return loss.item()
 
