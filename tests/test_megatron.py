@@ -93,3 +93,27 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt):
         assert got == {k: ref[r][k] for k in ("5", "6", "7", "8")}, (r, got, ref[r])
     assert open(os.path.join(snap_env.ckpt_dir, "latest_checkpointed_iteration.txt")).read() == "8"
     assert os.path.exists(os.path.join(snap_env.ckpt_dir, "iter_0000008", ".metadata"))
+
+
+def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
+    """``add_arguments`` works as Megatron-LM's ``extra_args_provider``; ``enable`` does nothing with the
+    flag off, and with it on says that Megatron-LM (``megatron.training``) is not importable here."""
+    import argparse
+    import logging
+
+    import snapckpt.megatron as sm
+
+    parser = sm.add_arguments(argparse.ArgumentParser())
+    off = parser.parse_args([])
+    assert (off.snapckpt, off.snapckpt_memory_interval, off.snapckpt_disk_interval) == (False, 0, 0)
+    on = parser.parse_args(["--snapckpt", "--snapckpt-memory-interval", "5", "--snapckpt-disk-interval", "50",
+                            "--snapckpt-keep-last", "2", "--snapckpt-on-slot-busy", "skip"])
+    assert sm.checkpointer_options(on) == {"on_slot_busy": "skip", "keep_last": 2}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--snapckpt-memory-interval", "-1"])
+    r = sm.enable(off)
+    assert not r.enabled and "off" in r.reason and r.routed == ()
+    with caplog.at_level(logging.WARNING):
+        r = sm.enable(on)
+    assert not r.enabled and "Megatron-LM is not importable" in r.reason and r.routed == ()
+    assert "not importable" in caplog.text
