@@ -277,8 +277,7 @@ def _memory_record(sharded: Dict[str, Any], common: Dict[str, Any],
         if where is not None:
             refs[sid] = list(where)
         else:
-            t = sh.data.detach()
-            tensors[sid] = t if t.device.type == "cpu" else t.cpu()
+            tensors[sid] = sh.data.detach()  # a device tensor is copied straight into host memory
     return {"format_version": 1, "tensors": tensors, "refs": refs, "objects": objects, "common": common}
 
 

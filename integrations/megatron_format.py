@@ -79,12 +79,12 @@ def _template(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple[bytes, bytes]
 def torch_save_parts(t: torch.Tensor) -> List[Any]:
     """``[head bytes, tensor, tail bytes]``: the bytes of ``torch.save(t.contiguous())`` as Concat parts.
 
-    ``t`` must be a CPU tensor of a plain dtype (any shape; a non-contiguous tensor is copied). The result
-    is ``len(head) + t.nbytes + len(tail)`` bytes; ``torch.load`` of those bytes returns a tensor equal to
-    ``t`` (zip CRC-32 fields are 0, as ``torch.save`` writes them with ``set_crc32_options(False)``).
+    ``t``: a tensor of a plain dtype on any device (any shape; a non-contiguous tensor is copied); the
+    snapshot copies a device tensor straight into host memory. The result is
+    ``len(head) + t.nbytes + len(tail)`` bytes; ``torch.load`` of those bytes returns a tensor equal to
+    ``t`` (zip CRC-32 fields are 0, as ``torch.save`` writes them with ``set_crc32_options(False)``; the
+    storage location recorded is ``cpu``, which is where DCP's reader loads it anyway).
     """
-    if t.device.type != "cpu":
-        t = t.to("cpu")
     if not t.is_contiguous():
         t = t.contiguous()
     head, tail = _template(t.dtype, tuple(t.shape))
