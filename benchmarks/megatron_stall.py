@@ -21,6 +21,8 @@ Methods:
   blocking = until ``schedule_async_request`` returns, durable = until
   ``maybe_finalize_async_calls(blocking=True)`` returns.
 * ``snapckpt_disk``: ``snapckpt.megatron_dist_ckpt.save_checkpoint`` (DISK); durable = ``handle.wait()``.
+* ``snapckpt_disk_const``: the same with ``assume_constant_structure=True`` (Megatron-LM's
+  ``--ckpt-assume-constant-structure``: sharding validated once, DCP plans reused).
 * ``snapckpt_memory``: the same with ``storage_type=MEMORY`` (no disk).
 
 Results: ``benchmarks/results/megatron_stall.{json,md}`` (git-ignored). On a machine without a GPU the
@@ -114,12 +116,12 @@ class Methods:
         self.queue.maybe_finalize_async_calls(blocking=True)
         return blocking, time.perf_counter() - t0
 
-    def _snapckpt(self, i, storage_type):
+    def _snapckpt(self, i, storage_type, constant=False):
         from snapckpt.megatron_dist_ckpt import save_checkpoint
 
         t0 = time.perf_counter()
         h = save_checkpoint(i, [self.model], self.opt, None, 0, save_dir=str(self.workdir / "snapckpt"),
-                            storage_type=storage_type, keep_last=2)
+                            storage_type=storage_type, keep_last=2, assume_constant_structure=constant)
         blocking = time.perf_counter() - t0
         h.wait()
         return blocking, time.perf_counter() - t0
@@ -128,6 +130,11 @@ class Methods:
         from snapckpt import StorageType
 
         return self._snapckpt(i, StorageType.DISK)
+
+    def snapckpt_disk_const(self, i):
+        from snapckpt import StorageType
+
+        return self._snapckpt(i, StorageType.DISK, constant=True)
 
     def snapckpt_memory(self, i):
         from snapckpt import StorageType
@@ -150,7 +157,7 @@ def main():
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--methods", default="mcore_sync,mcore_async,snapckpt_disk,snapckpt_memory")
+    p.add_argument("--methods", default="mcore_sync,mcore_async,snapckpt_disk,snapckpt_disk_const,snapckpt_memory")
     p.add_argument("--workdir", default=str(ROOT / "tmp" / "megatron_stall"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "megatron_stall.json"))
     a = p.parse_args()

@@ -281,9 +281,27 @@ def _memory_record(sharded: Dict[str, Any], common: Dict[str, Any],
     return {"format_version": 1, "tensors": tensors, "refs": refs, "objects": objects, "common": common}
 
 
+class _PlanCache:
+    """megatron-core's cached save structure (``--ckpt-assume-constant-structure``): the local and central
+    DCP plans and the coordinator's global metadata of the previous save, reused once two saves planned the
+    same (the logic of ``TorchDistSaveShardedStrategy.async_save`` with ``cached_metadata=True``)."""
+
+    def __init__(self) -> None:
+        self.central: Any = None
+        self.local: Any = None
+        self.validated = False
+        self.metadata: Any = None
+        self.sharding_validated = False
+
+
+_plan_caches: Dict[str, _PlanCache] = {}
+
+
 def _step_files(sharded_sd: Dict[str, Any], path: str, storage_type: StorageType, rank: int,
-                validate: bool, preprocess_common_fn: Optional[Callable], thread_count: int) -> Dict[str, Any]:
-    """This rank's files of one save (see the module docstring, steps 2-3)."""
+                validate: bool, preprocess_common_fn: Optional[Callable], thread_count: int,
+                cache: Optional[_PlanCache] = None) -> Dict[str, Any]:
+    """This rank's files of one save (see the module docstring, steps 2-3). With ``cache`` (constant
+    structure assumed) the sharding is validated once and the DCP plans are reused."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
@@ -292,16 +310,28 @@ def _step_files(sharded_sd: Dict[str, Any], path: str, storage_type: StorageType
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
     memory = storage_type == StorageType.MEMORY
-    sharded, common = save_preprocess(sharded_sd, validate and not memory,
-                                      None if memory else preprocess_common_fn)
+    validate = validate and not memory and not (cache is not None and cache.sharding_validated)
+    sharded, common = save_preprocess(sharded_sd, validate, None if memory else preprocess_common_fn)
+    if cache is not None and validate:
+        cache.sharding_validated = True
     if memory:
         return {MEMORY_FILE: _memory_record(sharded, common, {})}
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, True)
     pyt_sd = mcore_to_pyt_state_dict(flat, False)
     writer = ArenaDistcpWriter(path, thread_count=thread_count)
+    cached = None if cache is None else (cache.central, cache.local, cache.validated)
     planned = save_state_dict_async_plan(
-        pyt_sd, writer, None, 0, planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
-    save_state_dict_async_finalize(*planned[0])
+        pyt_sd, writer, None, 0, planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+        cached_ckpt_structure=cached)
+    ret = planned[0]
+    if cache is not None:
+        _, cache.central, cache.local, cache.validated, _ = planned
+        if cache.validated:
+            if ret[1] is not None:
+                cache.metadata = ret[1]
+            elif rank == 0:
+                ret = (ret[0], cache.metadata, ret[2])
+    save_state_dict_async_finalize(*ret)
     files: Dict[str, Any] = {name: Concat(parts) for name, parts in writer.files.items()}
     written = {(idx.fqn, tuple(idx.offset)): loc for idx, loc in writer.item_locations.items()
                if idx.offset is not None}
@@ -323,7 +353,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                     release: bool = False, *, save_dir: Optional[str] = None,
                     storage_type: StorageType = StorageType.DISK, args: Any = None,
                     validate_access_integrity: bool = True, thread_count: int = 2,
-                    **checkpointer_options: Any):
+                    assume_constant_structure: Optional[bool] = None, **checkpointer_options: Any):
     """Megatron-LM's ``save_checkpoint`` (torch_dist format) through snapckpt; collective.
 
     Args (Megatron-LM's, same order):
@@ -348,6 +378,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
             importable and not given. Saved into ``common.pt`` as Megatron-LM does.
         validate_access_integrity: megatron-core's sharding validation (a collective) on DISK saves.
         thread_count: ``.distcp`` files per rank (megatron-core's default strategy writes 2).
+        assume_constant_structure: Megatron-LM's ``--ckpt-assume-constant-structure`` (default: read from
+            ``args``, else False): validate the sharding once and reuse the DCP plans of earlier saves.
         **checkpointer_options: options for the Checkpointer created on first use (``keep_last``...).
 
     Returns:
@@ -375,8 +407,11 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                      with_optimizer=not _arg(args, "no_save_optim", False),
                      with_rng=not _arg(args, "no_save_rng", False))
     dirname = checkpoint_dirname(iteration, release)
+    if assume_constant_structure is None:
+        assume_constant_structure = bool(_arg(args, "ckpt_assume_constant_structure", False))
+    cache = _plan_caches.setdefault(ck.checkpoint_dir, _PlanCache()) if assume_constant_structure else None
     files = _step_files(sd, os.path.join(ck.checkpoint_dir, dirname), storage_type, ck.rank,
-                        validate_access_integrity, preprocess_common_state_dict_fn, thread_count)
+                        validate_access_integrity, preprocess_common_state_dict_fn, thread_count, cache)
     return ck._save_files(files, iteration, storage_type, dirname=dirname, tracker_name=TRACKER,
                           tracker_content="release" if release else str(iteration))
 

@@ -36,19 +36,20 @@ def _files(path):
 def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
     """F1/F2: snapckpt's iter_0000002 has exactly the files of a stock torch_dist save (the same
     ``.distcp`` sizes), loads with stock ``dist_checkpointing.load``; snapckpt loads a stock directory.
-    F4: that checkpoint (TP=1, DP=2) loads at TP=2, DP=1 with every model and optimizer shard equal."""
+    Saves 3-5 with ``assume_constant_structure`` (cached DCP plans) load the same way.
+    F4: the newest (TP=1, DP=2) loads at TP=2, DP=1 with every model and optimizer shard equal."""
     ck, native, ref = snap_env.ckpt_dir, os.path.join(snap_env.tmp, "native"), os.path.join(snap_env.tmp, "ref.pt")
     outs = run_ranks(WORKER, 2, ["--mode", "layout", "--tp", "1", "--ckpt", ck, "--native", native, "--out", ref],
                      snap_env.env, timeout=240)
     for o in outs:
-        assert "STOCK_LOADS_SNAPCKPT ok" in result_lines(o) and "SNAPCKPT_LOADS_NATIVE ok" in result_lines(o), o
+        assert {"STOCK_LOADS_SNAPCKPT ok", "SNAPCKPT_LOADS_NATIVE ok", "CACHED_PLANS_LOAD ok"} <= set(result_lines(o)), o
     mine, theirs = os.path.join(ck, "iter_0000002"), os.path.join(native, "iter_0000002")
     assert _files(mine) == _files(theirs) == [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt",
                                               "metadata.json"]
     for name in ("__0_0.distcp", "__0_1.distcp", "metadata.json"):
         assert os.path.getsize(os.path.join(mine, name)) == os.path.getsize(os.path.join(theirs, name)), name
-    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "2"
-    assert sorted(os.listdir(ck)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "5"
+    assert sorted(os.listdir(ck)) == [f"iter_000000{i}" for i in range(2, 6)] + ["latest_checkpointed_iteration.txt"]
 
     outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref], snap_env.env,
                      timeout=240)
