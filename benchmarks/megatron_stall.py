@@ -5,8 +5,8 @@ Run under torchrun (every rank takes part in every checkpoint)::
     .venv/bin/python -m torch.distributed.run --nproc_per_node 2 benchmarks/megatron_stall.py --tp 2
 
 One megatron-core ``GPTModel`` (``--hidden``, ``--layers``, ``--vocab``) with a plain Adam whose state is
-initialized by one training step; the same state for every method. Per method: one warm-up checkpoint,
-then ``--repeats`` timed ones; the table shows medians of the slowest rank:
+initialized by one training step; the same state for every method. Per method: ``--warmups`` untimed
+checkpoints (default 2), then ``--repeats`` timed ones; the table shows medians of the slowest rank:
 
 * ``blocking_s``: seconds the training loop is blocked by the call (building the sharded state dict
   included, as in Megatron-LM's ``save_checkpoint``);
@@ -157,6 +157,8 @@ def main():
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmups", type=int, default=2, help="untimed checkpoints first (snapckpt's arena has 2 "
+                   "slots per rank: each is faulted in by its first use)")
     p.add_argument("--methods", default="mcore_sync,mcore_async,snapckpt_disk,snapckpt_disk_const,snapckpt_memory")
     p.add_argument("--workdir", default=str(ROOT / "tmp" / "megatron_stall"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "megatron_stall.json"))
@@ -185,17 +187,18 @@ def main():
     results = {"world_size": torch.distributed.get_world_size(), "tp": a.tp, "state_bytes_per_rank_max": total,
                "model": {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab},
                "cpu_count": os.cpu_count(), "methods": {}}
-    for name in a.methods.split(","):
+    for k, name in enumerate(a.methods.split(",")):
         samples = []
-        for i in range(a.repeats + 1):
+        for i in range(a.warmups + a.repeats):
             os.sync()
             torch.distributed.barrier()
-            blocking, durable = getattr(m, name)(i + 1)
+            it = 100 * k + i + 1  # distinct iterations per method (one snapckpt directory for all)
+            blocking, durable = getattr(m, name)(it)
             blocking = _max_over_ranks(blocking)
             durable = None if durable is None else _max_over_ranks(durable)
-            if i:
+            if i >= a.warmups:
                 samples.append((blocking, durable))
-            m.cleanup(name, i + 1)
+            m.cleanup(name, it)
         med_b = statistics.median(s[0] for s in samples)
         med_d = None if samples[0][1] is None else statistics.median(s[1] for s in samples)
         results["methods"][name] = {"blocking_s": med_b, "durable_s": med_d, "samples": samples}

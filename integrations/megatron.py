@@ -380,7 +380,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         thread_count: ``.distcp`` files per rank (megatron-core's default strategy writes 2).
         assume_constant_structure: Megatron-LM's ``--ckpt-assume-constant-structure`` (default: read from
             ``args``, else False): validate the sharding once and reuse the DCP plans of earlier saves.
-        **checkpointer_options: options for the Checkpointer created on first use (``keep_last``...).
+        **checkpointer_options: options for the Checkpointer created on first use (``keep_last``...);
+            other keywords (arguments of other Megatron-LM versions, e.g. ``ft_client``) are ignored.
 
     Returns:
         the :class:`~snapckpt.handle.SaveHandle` (Megatron-LM's returns None): ``wait()`` blocks until
@@ -401,7 +402,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     keep_last = _arg(args, "snapckpt_keep_last", None)
     if keep_last is not None:
         checkpointer_options.setdefault("keep_last", keep_last)
-    ck = _context_checkpointer(checkpointing_context, save_dir, checkpointer_options)
+    ck = _context_checkpointer(checkpointing_context, save_dir, _split_options(checkpointer_options, "save"))
     sd = _state_dict(args, model, optimizer, opt_param_scheduler, iteration,
                      num_floating_point_operations_so_far, is_loading=False,
                      with_optimizer=not _arg(args, "no_save_optim", False),
@@ -414,6 +415,20 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                         validate_access_integrity, preprocess_common_state_dict_fn, thread_count, cache)
     return ck._save_files(files, iteration, storage_type, dirname=dirname, tracker_name=TRACKER,
                           tracker_content="release" if release else str(iteration))
+
+
+def _split_options(kwargs: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """Checkpointer options out of ``kwargs``; other keywords are Megatron-LM arguments of other versions
+    (``ft_client``...), which the torch_dist path does not use: logged and ignored."""
+    import dataclasses
+
+    from snapckpt.options import CheckpointOptions
+
+    names = {f.name for f in dataclasses.fields(CheckpointOptions)}
+    ignored = sorted(k for k in kwargs if k not in names)
+    if ignored:
+        log.debug("%s: ignoring Megatron-LM arguments %s", where, ignored)
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
 def _context_checkpointer(context: Optional[dict], directory: str, options: Dict[str, Any]) -> Checkpointer:
@@ -535,7 +550,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     if not load_dir:
         raise ValueError(f"load_checkpoint needs a directory: pass load_dir=... (Megatron-LM's args.{load_arg} "
                          "is not available)")
-    ck = _context_checkpointer(checkpointing_context, load_dir, checkpointer_options)
+    ck = _context_checkpointer(checkpointing_context, load_dir, _split_options(checkpointer_options, "load"))
     finetune = _arg(args, "finetune", False)
     with_opt = not (_arg(args, "no_load_optim", False) or finetune)
     with_rng = not (_arg(args, "no_load_rng", False) or finetune)

@@ -15,6 +15,7 @@ CPU (``DistributedOptimizer`` checks ``param.type()`` against ``torch.cuda.Float
 flattened-range shards are saved by the same code path (megatron-core's planner) but untested here.
 """
 import os
+import pickle
 import signal
 
 import pytest
@@ -37,25 +38,42 @@ def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
     """F1/F2: snapckpt's iter_0000002 has exactly the files of a stock torch_dist save (the same
     ``.distcp`` sizes), loads with stock ``dist_checkpointing.load``; snapckpt loads a stock directory.
     Saves 3-5 with ``assume_constant_structure`` (cached DCP plans) load the same way.
-    F4: the newest (TP=1, DP=2) loads at TP=2, DP=1 with every model and optimizer shard equal."""
+    F4: the newest (TP=1, DP=2) loads at TP=2, DP=1 (2 ranks) and at world size 1 with every model and
+    optimizer shard equal."""
     ck, native, ref = snap_env.ckpt_dir, os.path.join(snap_env.tmp, "native"), os.path.join(snap_env.tmp, "ref.pt")
     outs = run_ranks(WORKER, 2, ["--mode", "layout", "--tp", "1", "--ckpt", ck, "--native", native, "--out", ref],
                      snap_env.env, timeout=240)
     for o in outs:
-        assert {"STOCK_LOADS_SNAPCKPT ok", "SNAPCKPT_LOADS_NATIVE ok", "CACHED_PLANS_LOAD ok"} <= set(result_lines(o)), o
+        want = {"STOCK_LOADS_SNAPCKPT ok", "SNAPCKPT_LOADS_NATIVE ok", "CACHED_PLANS_LOAD ok"}
+        assert want <= set(result_lines(o)), o
     mine, theirs = os.path.join(ck, "iter_0000002"), os.path.join(native, "iter_0000002")
     assert _files(mine) == _files(theirs) == [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt",
                                               "metadata.json"]
     for name in ("__0_0.distcp", "__0_1.distcp", "metadata.json"):
         assert os.path.getsize(os.path.join(mine, name)) == os.path.getsize(os.path.join(theirs, name)), name
+    assert open(os.path.join(mine, "metadata.json")).read() == open(os.path.join(theirs, "metadata.json")).read()
+    # .metadata: the same tensors and objects, every item at the same (file, offset, length)
+    with open(os.path.join(mine, ".metadata"), "rb") as f:
+        a = pickle.load(f)
+    with open(os.path.join(theirs, ".metadata"), "rb") as f:
+        b = pickle.load(f)
+    assert a.state_dict_metadata == b.state_dict_metadata
+    assert getattr(a, "mcore_data", None) == getattr(b, "mcore_data", None)
+    assert {k: (v.relative_path, v.offset, v.length) for k, v in a.storage_data.items()} == \
+        {k: (v.relative_path, v.offset, v.length) for k, v in b.storage_data.items()}
+    assert a.storage_meta.checkpoint_id == mine
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "5"
     assert sorted(os.listdir(ck)) == [f"iter_000000{i}" for i in range(2, 6)] + ["latest_checkpointed_iteration.txt"]
 
     outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref], snap_env.env,
                      timeout=240)
-    for o in outs:
+    for o in outs:  # same world size: a snapckpt disk candidate, loaded by the stock loader
         got = [l for l in result_lines(o) if l.startswith("RESHARD_EQUAL")]
         assert got and int(got[0].split()[1]) > 20 and "DISK" in got[0], o
+    (o,) = run_ranks(WORKER, 1, ["--mode", "reshard", "--tp", "1", "--ckpt", ck, "--out", ref], snap_env.env,
+                     timeout=240)
+    got = [l for l in result_lines(o) if l.startswith("RESHARD_EQUAL")]  # world size 1: through the tracker
+    assert got and int(got[0].split()[1]) > 20 and got[0].endswith("None"), o
 
 
 @pytest.mark.parametrize("tp,opt", [(1, "adam"), (2, "megatron")], ids=["tp1dp2-adam", "tp2dp1-mcore-opt"])
