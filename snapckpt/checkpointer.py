@@ -230,8 +230,8 @@ class Checkpointer:
             m = self._slots[slot] = _MappedSlot(path, nbytes)
         return m
 
-    def _status(self, step: int) -> Dict[str, Any]:
-        return self._request("status", step=step)
+    def _status(self, step: int, dirname: str) -> Dict[str, Any]:
+        return self._request("status", step=step, dirname=dirname)
 
     def _lost_error(self, step: int) -> Exception:
         return PersisterDiedError(f"the persister no longer knows step {step} (it was restarted); that save is "
@@ -308,12 +308,7 @@ class Checkpointer:
         if tracker_name is not None:
             validate_dirname(tracker_name)
         for name in files:
-            # Hidden names are native in some layouts (torch DCP's ``.metadata``); only snapckpt's own
-            # sidecar directory name and ``.``/``..`` are reserved.
-            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
-                    or name.startswith(SIDECAR):
-                raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
-                                 f"{SIDECAR!r}*")
+            _check_file_name(name)
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step)
@@ -329,7 +324,7 @@ class Checkpointer:
         if reply is None:
             reason = f"no free arena slot for step {step} (on_slot_busy='skip')"
             log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, reason)
-            handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason)
+            handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason, dirname=dirname)
             self._emit(Event("skipped", step, storage_type, self.rank, reason=reason))
             return handle
         slot = reply["slot"]
@@ -352,7 +347,7 @@ class Checkpointer:
         stats = SaveStats(step, storage_type, prepared.tensor_nbytes, prepared.total_nbytes, t1 - t0, t2 - t1,
                           t3 - t2, t4 - t0)
         self.last_stats = stats
-        handle = SaveHandle(self, step, storage_type, stats)
+        handle = SaveHandle(self, step, storage_type, stats, dirname=dirname)
         if storage_type == StorageType.DISK:
             self._handles.append(handle)
         log.info("rank %d: snapshot of step %d taken (%s, %d bytes, blocked %.3f s)", self.rank, step,
@@ -629,6 +624,20 @@ def _fs_type(path: str) -> Optional[str]:
         if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[0])):
             best = (mnt, fstype)
     return best[1] if best else None
+
+
+def _check_file_name(name: Any) -> None:
+    """A file of a step: one path component, or ``.snapckpt/<component>`` for an integration's own sidecar
+    files (which native loaders ignore). A top-level name may be hidden, since native layouts use such
+    names (torch DCP's ``.metadata``); ``.``, ``..`` and ``.snapckpt*`` are reserved."""
+    sidecar = isinstance(name, str) and name.startswith(SIDECAR + "/")
+    rest = name[len(SIDECAR) + 1:] if sidecar else name
+    if (not isinstance(rest, str) or not rest or "/" in rest or "\\" in rest or rest in (".", "..")
+            or (sidecar and rest.startswith(".")) or (not sidecar and rest.startswith(SIDECAR))
+            or (sidecar and (rest == "manifest.json" or rest.startswith(("part_", "fail_"))))
+            or any(ord(c) < 32 for c in rest)):
+        raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
+                         f"'{SIDECAR}*' (or '{SIDECAR}/<name>' for a sidecar file)")
 
 
 def _check_step(step: Any) -> None:

@@ -26,9 +26,10 @@ class SaveHandle:
     _POLL_SECS = 0.01
 
     def __init__(self, owner: "Checkpointer", step: int, tier: StorageType, stats: Optional[SaveStats],
-                 skipped_reason: Optional[str] = None) -> None:
+                 skipped_reason: Optional[str] = None, dirname: str = "") -> None:
         self._owner = owner
         self.step = step
+        self.dirname = dirname  # the checkpoint directory (tag) this save commits as
         self.storage_type = tier
         self.stats = stats
         self.skipped_reason = skipped_reason
@@ -51,7 +52,7 @@ class SaveHandle:
     def _poll(self) -> None:
         if self._state != "pending":
             return
-        reply = self._owner._status(self.step)
+        reply = self._owner._status(self.step, self.dirname)
         state = reply.get("state")
         if state == "committed":
             self._state = "done"

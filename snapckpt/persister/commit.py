@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from ..errors import CommitError, CommitTimeoutError
 from ..manifest import (MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
@@ -43,7 +43,8 @@ class CommitRequest:
     """What the committer needs to know about one step (plain attributes, see :func:`commit`)."""
 
     def __init__(self, *, checkpoint_dir: str, dirname: str, step: int, run_id: str, world_size: int,
-                 timeout_secs: float, keep_last: Optional[int], tracker_name: str, tracker_content: str):
+                 timeout_secs: float, keep_last: Optional[int], tracker_name: str, tracker_content: str,
+                 tracker_gate: Optional[Callable[[Callable[[], None]], None]] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -53,6 +54,9 @@ class CommitRequest:
         self.keep_last = keep_last
         self.tracker_name = tracker_name
         self.tracker_content = tracker_content
+        # tracker_gate(write) runs write() unless a save requested later already moved the tracker (saves
+        # of one job commit in parallel, but the tracker only ever moves forward in request order)
+        self.tracker_gate = tracker_gate
 
     @property
     def partial_dir(self) -> str:
@@ -155,7 +159,13 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
                             req.partial_dir, e)
         raise
     if req.tracker_name:
-        storage.write_atomic(os.path.join(req.checkpoint_dir, req.tracker_name), req.tracker_content.encode())
+        def write_tracker() -> None:
+            storage.write_atomic(os.path.join(req.checkpoint_dir, req.tracker_name), req.tracker_content.encode())
+
+        if req.tracker_gate is None:
+            write_tracker()
+        else:
+            req.tracker_gate(write_tracker)
     if aside is not None:
         storage.remove_tree(aside)
     log.info("committed step %d as %s (%d files)", req.step, req.dirname, len(manifest["files"]))

@@ -35,7 +35,7 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
               "tracker_name": _STR, "tracker_content": _STR},
     "abort": {"slot": _INT},
     "persist": {"step": _INT},
-    "status": {"step": _INT},
+    "status": {"step": _INT, "dirname": _STR},
     "held": {},
     "ping": {},
     "bye": {},

@@ -107,8 +107,11 @@ class Server:
         self.lock = threading.RLock()
         self.ranks: Dict[int, RankEntry] = {}
         self.runs: Dict[str, Run] = {}
-        self.results: Dict[Tuple[str, int], Result] = {}
-        self.commits_started: Set[Tuple[str, int]] = set()
+        self.results: Dict[Tuple[str, int, str], Result] = {}  # (run, step, dirname)
+        self.commits_started: Set[Tuple[str, int, str]] = set()
+        self.commit_seq = 0  # order of persist requests, for the tracker gate
+        self.tracker_seq: Dict[Tuple[str, str], int] = {}
+        self.tracker_lock = threading.Lock()
         self.conn_rank: Dict[socket.socket, int] = {}
         self.buffers: Dict[socket.socket, bytearray] = {}
         self.pending = 0  # writer and commit tasks not finished
@@ -404,7 +407,7 @@ class Server:
         return P.ok()
 
     def _op_status(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
-        res = self.results.get((entry.run_id, msg["step"]))
+        res = self.results.get((entry.run_id, msg["step"], msg["dirname"]))
         if res is None:
             held = any(s.step == msg["step"] and s.state in (SlotState.READY, SlotState.PERSISTING)
                        for s in entry.slots)
@@ -424,7 +427,7 @@ class Server:
         if not cands:
             raise PersisterError(f"rank {entry.rank} holds no snapshot of step {step} to persist")
         s = max(cands, key=lambda x: x.seq)
-        key = (run.run_id, step)
+        key = (run.run_id, step, s.dirname)
         res = self.results.setdefault(key, Result())
         if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
             return
@@ -434,12 +437,30 @@ class Server:
         self.pool.submit(self._write_part_task, entry.rank, s, run, step)
         if key not in self.commits_started:
             self.commits_started.add(key)
+            self.commit_seq += 1
             req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=s.dirname, step=step,
                                 run_id=run.run_id, world_size=run.world_size,
                                 timeout_secs=run.commit_timeout_secs, keep_last=run.keep_last,
-                                tracker_name=s.tracker_name, tracker_content=s.tracker_content)
+                                tracker_name=s.tracker_name, tracker_content=s.tracker_content,
+                                tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
+                                                                self.commit_seq))
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
+
+    def _tracker_gate(self, checkpoint_dir: str, tracker_name: str, seq: int):
+        """A gate that lets the commit of request ``seq`` write its tracker only if no later request of the
+        same tracker file has written it already (commits run in parallel and may finish out of order)."""
+        key = (checkpoint_dir, tracker_name)
+
+        def gate(write) -> None:
+            with self.tracker_lock:
+                if self.tracker_seq.get(key, 0) > seq:
+                    log.info("%s not moved back to an older save (request %d)", tracker_name, seq)
+                    return
+                write()
+                self.tracker_seq[key] = seq
+
+        return gate
 
     def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
         storage = PosixStorage(fsync=run.fsync)
@@ -458,18 +479,18 @@ class Server:
             finally:
                 buf.close()
             with self.lock:
-                self.results[(run.run_id, step)].parts_done.add(rank)
+                self.results[(run.run_id, step, s.dirname)].parts_done.add(rank)
         except BaseException as e:
             log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
             self.keep_log = True
             write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
             with self.lock:
-                self.results[(run.run_id, step)].part_errors[rank] = P.error_record(e)
+                self.results[(run.run_id, step, s.dirname)].part_errors[rank] = P.error_record(e)
         finally:
             with self.lock:
                 if s.state == SlotState.PERSISTING:
                     s.state = SlotState.READY
-                res = self.results.get((run.run_id, step))
+                res = self.results.get((run.run_id, step, s.dirname))
                 if res is not None:
                     res.writers -= 1
                     self._remove_failed_partial(run, res, partial)
@@ -494,7 +515,7 @@ class Server:
             self.keep_log = True
             state, err = "failed", P.error_record(e)
         with self.lock:
-            res = self.results[(req.run_id, req.step)]
+            res = self.results[(req.run_id, req.step, req.dirname)]
             res.state, res.error = state, err
             self._remove_failed_partial(run, res, req.partial_dir)
             self.pending -= 1
@@ -521,7 +542,9 @@ class Server:
             log.info("run %s crashed; no step is held by every local rank, nothing to flush", run.run_id)
             return
         step = max(steps)
-        res = self.results.get((run.run_id, step))
+        newest = max((s for s in self.ranks[run.local_ranks[0]].slots if s.step == step
+                      and s.state in (SlotState.READY, SlotState.PERSISTING)), key=lambda s: s.seq)
+        res = self.results.get((run.run_id, step, newest.dirname))
         if res is not None and res.state != "failed":
             return
         storage = PosixStorage()
@@ -529,8 +552,8 @@ class Server:
         if committed and committed[-1].step >= step:
             return
         log.warning("run %s crashed; flushing step %d from memory to disk", run.run_id, step)
-        self.results.pop((run.run_id, step), None)
-        self.commits_started.discard((run.run_id, step))
+        self.results.pop((run.run_id, step, newest.dirname), None)
+        self.commits_started.discard((run.run_id, step, newest.dirname))
         for r in run.local_ranks:
             try:
                 self._persist(self.ranks[r], step, run)

@@ -1,0 +1,139 @@
+"""DeepSpeed integration on 2 CPU ranks (DS_ACCELERATOR=cpu, gloo): native layout for ZeRO 0-3 in fp32 and
+bf16 (F1, F2), LoRA-style frozen layers, string tags, the config entry, resume fidelity after kill -9 from
+memory and from disk, latest-after-commit under a slow persister (B1, B6), and a changed data-parallel size."""
+import json
+import os
+import signal
+
+import pytest
+
+from _harness import result_lines, run_ranks, wait_until
+
+pytest.importorskip("deepspeed", reason="the DeepSpeed extra is part of the test install (scripts/setup.sh)")
+
+ENV = {"DS_ACCELERATOR": "cpu"}
+CONFIGS = ["0:fp32", "0:bf16", "1:fp32", "1:bf16", "2:fp32", "2:bf16", "3:fp32", "3:bf16", "2:fp32:frozen"]
+
+
+def _results(outs):
+    return [json.loads(line) for out in outs for line in result_lines(out)]
+
+
+def test_F1_F2_native_layout_every_zero_stage(snap_env):
+    """Per ZeRO stage 0-3, fp32 and bf16, and a frozen-layer (LoRA) model saved with
+    exclude_frozen_parameters: the files snapckpt writes equal, file for file and tensor for tensor, what
+    engine.save_checkpoint writes with its own checkpoint engine (recovery scripts and latest included);
+    stock engine.load_checkpoint loads snapckpt's tag and the next step's loss equals the original engine's;
+    snapckpt loads the natively written directory; zero_to_fp32 converts both to equal state dicts; a
+    string tag with a space, a colon and non-ASCII round-trips."""
+    outs = run_ranks("ds_layout_worker.py", 2, [snap_env.tmp + "/ds", ",".join(CONFIGS)], ENV, timeout=600)
+    res = _results(outs)
+    for cfg in CONFIGS:
+        stage = int(cfg.split(":")[0])
+        mine = [r for r in res if r["cfg"] == cfg]
+        files = [r for r in mine if r["check"] == "files"]
+        assert len(files) == 1 and files[0]["diffs"] == [], (cfg, files)
+        assert files[0]["latest"] == "tag with space:ü"
+        expected = {"latest", "global_step2/" + ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3
+                                                 else "mp_rank_00_model_states.pt")}
+        if stage > 0:
+            prefix = "bf16_" if "bf16" in cfg else ""
+            expected |= {f"global_step2/{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
+            expected |= {"zero_to_fp32.py"}
+        assert expected <= set(files[0]["files"]), (cfg, files[0]["files"])
+        if "frozen" in cfg:
+            assert not any(k.startswith("embed.") for k in files[0]["module_keys"]), files[0]["module_keys"]
+        for check in ("stock_load", "snap_load_native"):
+            got = [r for r in mine if r["check"] == check]
+            assert len(got) == 2 and all(r["equal"] for r in got), (cfg, check, got)
+        if stage > 0:
+            conv = [r for r in mine if r["check"] == "zero_to_fp32"]
+            assert len(conv) == 1 and conv[0]["diff"] is None and "head.weight" in conv[0]["keys"], (cfg, conv)
+
+
+def _losses(outs, rank):
+    return {r["step"]: r["loss"] for r in map(json.loads, result_lines(outs[rank]))}
+
+
+def _resumed(out):
+    return [line.split()[1:] for line in out.splitlines() if line.startswith("RESUMED")]
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
+    """The config entry ("snapckpt" section, no further code change): 8 steps straight vs 4 steps, kill -9 of
+    every rank during step 5, restart, engine.load_checkpoint, steps 5-8: identical per-step losses on every
+    rank (dropout on, so the RNG states round-trip too). memory: memory snapshots every step, the persister
+    survives, the restart loads step 4 from memory. disk: disk saves every 2 steps (ZeRO-3), the persister
+    is killed too (node lost), the restart loads the committed step 4 from disk."""
+    stage = "2" if tier == "memory" else "3"
+    ref = run_ranks("ds_resume_worker.py", 2, ["-", stage, "fp32", "8", "0", "0", "0", "0"], ENV, timeout=300)
+    ckpt = snap_env.ckpt_dir
+    mem, disk, wait = ("1", "0", "0") if tier == "memory" else ("0", "2", "1")
+    snap_env.leftover_ok = tier == "disk"
+    killed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "4", mem, disk, wait], ENV,
+                       timeout=300, check=False)
+    assert all("RESULT" in o for o in killed) and max(_losses(killed, 0)) == 4, killed
+    if tier == "disk":
+        snap_env.kill_persisters(signal.SIGKILL)
+        assert wait_until(lambda: not snap_env.persisters(), 10)
+        assert open(os.path.join(ckpt, "latest")).read() == "global_step4"
+    resumed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "0", mem, disk, "0"], ENV, timeout=300)
+    for rank in (0, 1):
+        assert _resumed(resumed[rank]) == [["4", tier]], resumed[rank]
+        got, want = _losses(resumed, rank), _losses(ref, rank)
+        assert sorted(got) == [5, 6, 7, 8]
+        assert all(got[s] == want[s] for s in got), (rank, got, want)
+    if tier == "disk":
+        # keep_last=2: the newest two committed tags remain, latest names the newest
+        tags = sorted(n for n in os.listdir(ckpt) if n.startswith("global_step"))
+        assert tags == ["global_step6", "global_step8"], tags
+        assert open(os.path.join(ckpt, "latest")).read() == "global_step8"
+
+
+def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
+    """With a slowed persister: save_checkpoint returns while tag b is still being written, and neither
+    latest nor the directory b moves before the commit (B1, B6); after wait() latest names b. A MEMORY save
+    under an already persisted tag leaves its files and latest untouched. Tags that are not one path
+    component, or that DeepSpeed's glob-based loader could not find, are refused up front; so is a save to
+    another directory."""
+    env = dict(ENV, SNAPCKPT_FAULT_WRITE_DELAY_SECS="0.2")
+    outs = run_ranks("ds_semantics_worker.py", 2, [snap_env.ckpt_dir], env, timeout=300)
+    (r,) = _results(outs)
+    assert r["latest_after_a"] == "a"
+    assert r["latest_while_b_persists"] == "a" and r["b_visible_while_persisting"] is False
+    assert r["latest_after_b"] == "b"
+    assert r["a_unchanged_by_memory_save"] is True and r["latest_after_memory_save"] == "b"
+    assert "single directory name" in r["tag x/y"] and "single directory name" in r["tag .hidden"]
+    assert "glob" in r["tag glob*tag"]
+    assert "one DeepSpeedCheckpointer per checkpoint directory" in r["other_dir"]
+
+
+def test_changed_data_parallel_size_names_universal_checkpoint(snap_env):
+    """A ZeRO checkpoint written by 2 ranks, loaded by 1: a clear error that names DeepSpeed's universal
+    checkpoint route (ds_to_universal, load_universal), not a shape error deep inside the optimizer."""
+    ckpt = snap_env.ckpt_dir
+    snap_env.leftover_ok = True  # the 1-rank job dies of the error without close(): its persister idles out
+    run_ranks("ds_resume_worker.py", 2, [ckpt, "1", "fp32", "2", "0", "0", "2", "0"], ENV, timeout=300)
+    outs = run_ranks("ds_resume_worker.py", 1, [ckpt, "1", "fp32", "4", "0", "0", "2", "0"], ENV, timeout=300,
+                     check=False)
+    assert "IncompatibleCheckpointError" in outs[0], outs[0][-3000:]
+    assert "ds_to_universal" in outs[0] and "load_universal" in outs[0]
+
+
+def test_config_section_validation():
+    """The "snapckpt" section of the DeepSpeed config: unknown keys and bad values are clear errors."""
+    from snapckpt.deepspeed import DeepSpeedSnapckptConfig
+
+    ok = DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "memory_interval_steps": 10,
+                                            "disk_interval_steps": 100, "keep_last": 3})
+    assert ok.enabled and ok.memory_interval_steps == 10
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['memory_interval'\]"):
+        DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "memory_interval": 10})
+    with pytest.raises(ValueError, match="disk_interval_steps.*positive integer"):
+        DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "disk_interval_steps": 0})
+    with pytest.raises(ValueError, match="keep_last.*positive integer"):
+        DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "keep_last": "3"})
+    with pytest.raises(ValueError, match="checkpoint_dir.*required"):
+        DeepSpeedSnapckptConfig.from_dict({"memory_interval_steps": 1})
+    assert not DeepSpeedSnapckptConfig.from_dict({"enabled": False}).enabled

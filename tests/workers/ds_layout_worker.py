@@ -1,0 +1,149 @@
+"""DeepSpeed native layout, both directions (cases F1, F2), per ZeRO stage and dtype.
+
+Usage: ds_layout_worker.py ROOT CONFIG[,CONFIG...]   with CONFIG = STAGE:DTYPE[:frozen]
+
+Per config: train 2 steps; save natively (stock checkpoint engine) into ROOT/<cfg>/native and through
+snapckpt into ROOT/<cfg>/snap (tag ``global_step2`` and the string tag ``TAG2``); then
+- rank 0 compares the two trees file for file and tensor for tensor (RESULT ``files``);
+- a fresh engine loads snapckpt's tag with stock ``engine.load_checkpoint`` and one more step gives the same
+  loss as the original engine (RESULT ``stock_load``);
+- a fresh engine loads the native directory through ``DeepSpeedCheckpointer.load_checkpoint`` (RESULT
+  ``snap_load_native``);
+- with ZeRO, ``zero_to_fp32`` converts both directories to equal fp32 state dicts (RESULT ``zero_to_fp32``).
+"""
+import json
+import os
+import sys
+
+import ds_common  # noqa: F401  (sets up DeepSpeed for the CPU)
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from snapckpt.deepspeed import DeepSpeedCheckpointer, StorageType
+
+TAG2 = "tag with space:ü"
+
+
+def same(a, b, path=""):
+    """First difference between two loaded checkpoint objects, or None."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{path}: tensor vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            return f"{path}: tensors differ ({a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)})"
+        return None
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{path}: keys differ {sorted(map(str, set(a) ^ set(b)))}"
+        for k in a:
+            d = same(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = same(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    if type(a).__module__.startswith("deepspeed") and type(a) is type(b):  # config objects, loss scalers
+        return same(vars(a), vars(b), path) if hasattr(a, "__dict__") else None
+    if a != b:
+        return f"{path}: {a!r} != {b!r}"
+    return None
+
+
+def tree(root):
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != ".snapckpt"]
+        out += [os.path.relpath(os.path.join(d, f), root) for f in files]
+    return sorted(out)
+
+
+def step_loss(engine, step):
+    torch.manual_seed(77)
+    return ds_common.train_step(engine, step)
+
+
+def run(root, cfg):
+    parts = cfg.split(":")
+    stage, dtype, frozen = int(parts[0]), parts[1], "frozen" in parts[2:]
+    base = os.path.join(root, cfg.replace(":", "_"))
+    native, snap = os.path.join(base, "native"), os.path.join(base, "snap")
+    rank = dist.get_rank()
+
+    engine = ds_common.build(stage, dtype, frozen=frozen)
+    for s in (1, 2):
+        ds_common.train_step(engine, s)
+    engine.save_checkpoint(native, tag="global_step2", exclude_frozen_parameters=frozen)
+    engine.save_checkpoint(native, tag=TAG2, exclude_frozen_parameters=frozen)
+    ck = DeepSpeedCheckpointer(engine, snap, persister_idle_timeout_secs=30)
+    ck.save_checkpoint(snap, tag="global_step2", exclude_frozen_parameters=frozen)
+    ck.save_checkpoint(snap, tag=TAG2, exclude_frozen_parameters=frozen, storage_type=StorageType.DISK)
+    ck.wait()
+    ck.close()
+    assert type(engine.checkpoint_engine).__name__ != "SnapckptCheckpointEngine"  # given back on close
+    ref_loss = step_loss(engine, 3)
+    dist.barrier()
+
+    if rank == 0:
+        diffs = []
+        if tree(native) != tree(snap):
+            diffs.append(f"file sets differ: native {tree(native)} snapckpt {tree(snap)}")
+        else:
+            for rel in tree(native):
+                if rel.endswith(".pt"):
+                    a = torch.load(os.path.join(native, rel), weights_only=False)
+                    b = torch.load(os.path.join(snap, rel), weights_only=False)
+                    d = same(a, b, rel)
+                    if d:
+                        diffs.append(d)
+                elif rel != "latest":
+                    if open(os.path.join(native, rel), "rb").read() != open(os.path.join(snap, rel), "rb").read():
+                        diffs.append(f"{rel} differs")
+        latest = open(os.path.join(snap, "latest")).read()
+        module_keys = sorted(torch.load(os.path.join(snap, "global_step2", ds_common.model_file(stage)),
+                                        weights_only=False)["module"])
+        print("RESULT " + json.dumps({"cfg": cfg, "check": "files", "diffs": diffs, "files": tree(snap),
+                                      "latest": latest, "module_keys": module_keys}), flush=True)
+
+    # snapckpt -> stock DeepSpeed
+    e2 = ds_common.build(stage, dtype, frozen=frozen)
+    path, client = e2.load_checkpoint(snap, tag="global_step2", load_module_strict=not frozen)
+    loss2 = step_loss(e2, 3)
+    print("RESULT " + json.dumps({"cfg": cfg, "check": "stock_load", "rank": rank, "ok": path is not None,
+                                  "equal": loss2 == ref_loss, "losses": [ref_loss, loss2]}), flush=True)
+
+    # native -> snapckpt (no manifest: DeepSpeed's own latest names the tag)
+    e3 = ds_common.build(stage, dtype, frozen=frozen)
+    with DeepSpeedCheckpointer(e3, native, persister_idle_timeout_secs=30) as ck3:
+        path3, _ = ck3.load_checkpoint(native, load_module_strict=not frozen)
+        loss3 = step_loss(e3, 3)
+    print("RESULT " + json.dumps({"cfg": cfg, "check": "snap_load_native", "rank": rank, "path": path3,
+                                  "equal": loss3 == ref_loss, "losses": [ref_loss, loss3]}), flush=True)
+
+    if stage > 0 and rank == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        a = get_fp32_state_dict_from_zero_checkpoint(native, tag="global_step2")
+        b = get_fp32_state_dict_from_zero_checkpoint(snap, tag="global_step2")
+        print("RESULT " + json.dumps({"cfg": cfg, "check": "zero_to_fp32", "keys": sorted(b),
+                                      "diff": same(dict(a), dict(b))}), flush=True)
+    dist.barrier()
+
+
+def main():
+    root, cfgs = sys.argv[1], sys.argv[2].split(",")
+    deepspeed.init_distributed(dist_backend="gloo")
+    for cfg in cfgs:
+        run(root, cfg)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

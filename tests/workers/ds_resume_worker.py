@@ -1,0 +1,54 @@
+"""Resume fidelity through the config entry (``snapckpt.deepspeed.initialize`` + a "snapckpt" section).
+
+Usage: ds_resume_worker.py CKPT STAGE DTYPE TOTAL KILL_AT MEM_EVERY DISK_EVERY WAIT
+``CKPT=-`` trains without snapckpt (the uninterrupted reference). Otherwise the engine resumes with
+``engine.load_checkpoint(CKPT)`` (memory tier first) and trains to TOTAL; with ``KILL_AT > 0`` every rank
+SIGKILLs itself during the forward of step KILL_AT+1 (after the policy snapshot of step KILL_AT was taken
+at that forward's start; with WAIT=1 after waiting for its commit). Prints ``RESULT {"step", "loss"}``
+per step and ``RESUMED <step> <tier>``.
+"""
+import json
+import os
+import signal
+import sys
+
+import ds_common
+import deepspeed
+import torch
+import torch.distributed as dist
+
+import snapckpt.deepspeed as sd
+
+
+def main():
+    ckpt, stage, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    total, kill_at, mem, disk, wait = (int(a) for a in sys.argv[4:9])
+    deepspeed.init_distributed(dist_backend="gloo")
+    if ckpt == "-":
+        engine = ds_common.build(stage, dtype)
+    else:
+        section = {"checkpoint_dir": ckpt, "memory_interval_steps": mem or None,
+                   "disk_interval_steps": disk or None, "keep_last": 2,
+                   "options": {"persister_idle_timeout_secs": 30}}
+        engine = ds_common.build(stage, dtype, initialize=sd.initialize, snapckpt=section)
+        path, _ = engine.load_checkpoint(ckpt)
+        if path is not None:
+            print(f"RESUMED {engine.global_steps} {engine.snapckpt.checkpointer.last_load.tier.value}", flush=True)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for step in range(int(engine.global_steps) + 1, total + 1):
+        if kill_at and step == kill_at + 1:
+            x, y = ds_common.batch(step, engine.global_rank, dt)
+            engine(x)  # the forward pre-hook takes the policy snapshot of step kill_at
+            if wait:
+                engine.snapckpt.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = ds_common.train_step(engine, step)
+        print("RESULT " + json.dumps({"step": step, "loss": loss}), flush=True)
+    if ckpt != "-":
+        engine.snapckpt.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
