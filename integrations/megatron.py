@@ -596,7 +596,23 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     if args is not None:
         args.iteration = iteration
         args.num_floating_point_operations_so_far = flops
+        if not finetune and state.get("args") is not None:
+            _restore_counters(args, state["args"])
     return iteration, flops
+
+
+def _restore_counters(args: Any, saved: Any) -> None:
+    """Megatron-LM's consumed/skipped sample counters from the checkpoint's args (the data position), and
+    the micro-batch calculator brought up to date, as Megatron-LM's loader does."""
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        if hasattr(saved, name):
+            setattr(args, name, getattr(saved, name))
+    try:
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+        update_num_microbatches(consumed_samples=getattr(args, "consumed_train_samples", 0), verbose=False)
+    except Exception:  # the calculator is not initialized outside Megatron-LM's loop
+        pass
 
 
 def _stock_load(fresh: Callable[[Dict[str, Any]], Dict[str, Any]], path: str) -> Dict[str, Any]:

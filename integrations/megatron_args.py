@@ -131,22 +131,50 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
     """``train_step`` followed, every ``args.snapckpt_memory_interval`` iterations, by a MEMORY snapshot.
 
     Megatron-LM's ``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-    config, ...)`` runs iteration ``args.curr_iteration``; the snapshot is of the state after it. The
-    floating-point-operation count of a memory snapshot is the last one a disk save was given (Megatron-LM
-    keeps the running count in a local of its loop).
+    config, ...)`` runs iteration ``args.curr_iteration``; the snapshot is of the state after it. Megatron-LM's
+    loop advances ``args.consumed_train_samples`` and its floating-point-operation count only after
+    ``train_step`` returns, so the snapshot records them as the loop will have them: consumed samples plus
+    this iteration's global batch, and the count of the last disk save plus Megatron-LM's
+    ``num_floating_point_operations`` of each iteration since (0 where that function is missing).
     """
     from snapckpt import StorageType
 
     interval = args.snapckpt_memory_interval
+    flops = {"so_far": getattr(args, "num_floating_point_operations_so_far", 0) or 0}
 
     @functools.wraps(train_step)
     def wrapped(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw):
         out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw)
+        batch = _global_batch_size(args)
+        flops["so_far"] = max(flops["so_far"], getattr(args, "num_floating_point_operations_so_far", 0) or 0)
+        flops["so_far"] += _iteration_flops(args, batch)
         done = getattr(args, "curr_iteration", -1) + 1
         disk = getattr(args, "save_interval", None)
         if done > 0 and done % interval == 0 and not (disk and done % disk == 0):
-            save(done, model, optimizer, opt_param_scheduler,
-                 getattr(args, "num_floating_point_operations_so_far", 0) or 0, storage_type=StorageType.MEMORY)
+            after = argparse.Namespace(**vars(args))
+            after.consumed_train_samples = (getattr(args, "consumed_train_samples", 0) or 0) + batch
+            save(done, model, optimizer, opt_param_scheduler, flops["so_far"], storage_type=StorageType.MEMORY,
+                 args=after)
         return out
 
     return wrapped
+
+
+def _global_batch_size(args: Any) -> int:
+    """Samples of one iteration, as Megatron-LM's loop counts them."""
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return ps.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+    except Exception:  # not initialized the Megatron-LM way
+        return getattr(args, "global_batch_size", 0) or 0
+
+
+def _iteration_flops(args: Any, batch: int) -> int:
+    try:
+        from megatron.training.training import num_floating_point_operations  # type: ignore[import-not-found]
+
+        return int(num_floating_point_operations(args, batch))
+    except Exception:
+        return 0

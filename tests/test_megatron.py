@@ -136,3 +136,26 @@ def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
         r = sm.enable(on)
     assert not r.enabled and "Megatron-LM is not importable" in r.reason and r.routed == ()
     assert "not importable" in caplog.text
+
+
+def test_flag_memory_snapshot_schedule():
+    """The ``train_step`` wrapper ``enable`` installs: a MEMORY snapshot after every
+    ``--snapckpt-memory-interval``-th iteration except where Megatron-LM's own disk save falls, recording
+    the consumed samples as Megatron-LM's loop will have them after the iteration (one global batch on).
+    ``train_step`` here is a plain function with Megatron-LM's signature (Megatron-LM is not installable)."""
+    import argparse
+
+    from snapckpt import StorageType
+    from snapckpt.integrations.megatron_args import _with_memory_snapshots
+
+    args = argparse.Namespace(snapckpt_memory_interval=2, save_interval=4, consumed_train_samples=0,
+                              global_batch_size=8, num_floating_point_operations_so_far=0)
+    saves = []
+    step = _with_memory_snapshots(lambda f, d, m, o, s, *rest: ("loss", m),
+                                  args, lambda it, m, o, s, fl, storage_type, args: saves.append(
+                                      (it, m, storage_type, args.consumed_train_samples)))
+    for it in range(6):
+        args.curr_iteration = it
+        assert step(None, None, "model", "opt", "sched", "config") == ("loss", "model")
+        args.consumed_train_samples += 8  # what Megatron-LM's loop does after train_step
+    assert saves == [(2, "model", StorageType.MEMORY, 16), (6, "model", StorageType.MEMORY, 48)]
