@@ -552,6 +552,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
                          "is not available)")
     ck = _context_checkpointer(checkpointing_context, load_dir, _split_options(checkpointer_options, "load"))
     finetune = _arg(args, "finetune", False)
+    strictness = _arg(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     with_opt = not (_arg(args, "no_load_optim", False) or finetune)
     with_rng = not (_arg(args, "no_load_rng", False) or finetune)
 
@@ -573,7 +574,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         except CheckpointCorruptError as e:
             err = e
         _agree(ck, "megatron-verify", err)
-        return _stock_load(fresh, cand.path)
+        return _stock_load(fresh, cand.path, strictness)
 
     try:
         state, cand = ck._load_with(from_candidate)
@@ -584,7 +585,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
             log.warning("no checkpoint found in %s (%s); starting from iteration 0", ck.checkpoint_dir, e)
             return 0, 0
         ck.last_load = None
-        state = _stock_load(fresh, os.path.join(ck.checkpoint_dir, dirname))
+        state = _stock_load(fresh, os.path.join(ck.checkpoint_dir, dirname), strictness)
         source = f"native directory {dirname}"
     log.info("rank %d: loaded iteration %s from %s", ck.rank, state.get("iteration"), source)
     if not skip_load_to_model_and_opt:
@@ -615,8 +616,10 @@ def _restore_counters(args: Any, saved: Any) -> None:
         pass
 
 
-def _stock_load(fresh: Callable[[Dict[str, Any]], Dict[str, Any]], path: str) -> Dict[str, Any]:
-    """Stock ``dist_checkpointing.load`` of ``path`` into ``fresh(common state)`` (collective)."""
+def _stock_load(fresh: Callable[[Dict[str, Any]], Dict[str, Any]], path: str,
+                strictness: str = "assume_ok_unexpected") -> Dict[str, Any]:
+    """Stock ``dist_checkpointing.load`` of ``path`` into ``fresh(common state)`` (collective), with
+    Megatron-LM's ``--dist-ckpt-strictness``."""
     import argparse
 
     from megatron.core import dist_checkpointing
@@ -625,7 +628,8 @@ def _stock_load(fresh: Callable[[Dict[str, Any]], Dict[str, Any]], path: str) ->
     # default weights_only=True, so allow the Namespace as Megatron-LM itself does.
     torch.serialization.add_safe_globals([argparse.Namespace])
     common = dist_checkpointing.load_common_state_dict(path)
-    return dist_checkpointing.load(fresh(common), path)
+    state = dist_checkpointing.load(fresh(common), path, strict=strictness)
+    return state[0] if isinstance(state, tuple) else state  # strictness modes that also return mismatches
 
 
 def _apply(state: Dict[str, Any], model: Any, optimizer: Any, scheduler: Any, strict: bool,
