@@ -76,9 +76,9 @@ class Methods:
         self.queue = None
 
     def _sd(self, i):
-        from snapckpt.integrations.megatron import _state_dict
+        from snapckpt.integrations.megatron_state import build_state_dict
 
-        return _state_dict(None, [self.model], self.opt, None, i, 0, False, True, True)
+        return build_state_dict(None, [self.model], self.opt, None, i, 0, False, True, True)
 
     def _dir(self, method, i):
         d = self.workdir / method / f"iter_{i:07d}"

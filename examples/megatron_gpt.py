@@ -116,13 +116,13 @@ def checkpoint_functions(args):
         opts = snapckpt.megatron.checkpointer_options(args)
         return (lambda *a, **k: save_checkpoint(*a, save_dir=args.save, args=args, **opts, **k),
                 lambda *a, **k: load_checkpoint(*a, load_dir=args.load, args=args, **opts, **k))
-    from snapckpt.integrations.megatron import _state_dict  # the same state dict, saved the stock way
+    from snapckpt.integrations.megatron_state import build_state_dict  # the same state dict, saved the stock way
     from megatron.core import dist_checkpointing
 
     def save(iteration, model, optimizer, sched, flops, storage_type=None):
         path = os.path.join(args.save, f"iter_{iteration:07d}")
         os.makedirs(path, exist_ok=True)
-        dist_checkpointing.save(_state_dict(None, model, optimizer, sched, iteration, flops, False, True, True),
+        dist_checkpointing.save(build_state_dict(None, model, optimizer, sched, iteration, flops, False, True, True),
                                 path)
         if torch.distributed.get_rank() == 0:
             with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:

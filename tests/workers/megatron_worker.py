@@ -81,9 +81,9 @@ def shards(model, optimizer) -> dict:
     """{(key, global_offset): local data} of every ShardedTensor of the model and optimizer state."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from snapckpt.integrations.megatron import _state_dict
+    from snapckpt.integrations.megatron_state import build_state_dict
 
-    sd = _state_dict(None, model, optimizer, None, 0, 0, is_loading=False, with_optimizer=True, with_rng=False)
+    sd = build_state_dict(None, model, optimizer, None, 0, 0, is_loading=False, with_optimizer=True, with_rng=False)
     out = {}
     for sh in nested_values(sd):
         if isinstance(sh, ShardedTensor):
@@ -124,7 +124,7 @@ def _equal(a: dict, b: dict, what: str) -> None:
 
 def mode_layout(a):
     from megatron.core import dist_checkpointing
-    from snapckpt.integrations.megatron import _state_dict
+    from snapckpt.integrations.megatron_state import build_state_dict
     from snapckpt.megatron_dist_ckpt import close_all, load_checkpoint, save_checkpoint
 
     rank = torch.distributed.get_rank()
@@ -138,7 +138,7 @@ def mode_layout(a):
     native_iter = os.path.join(a.native, "iter_0000002")
     os.makedirs(native_iter, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(_state_dict(None, [model], optimizer, sched, 2, 1234, False, True, True), native_iter)
+    dist_checkpointing.save(build_state_dict(None, [model], optimizer, sched, 2, 1234, False, True, True), native_iter)
     if rank == 0:
         with open(os.path.join(a.native, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("2")
@@ -147,12 +147,12 @@ def mode_layout(a):
 
     # stock loader <- snapckpt's directory
     m2, o2, s2 = build(a.tp, a.opt)
-    fresh = _state_dict(None, [m2], o2, s2, 0, 0, True, True, True)
+    fresh = build_state_dict(None, [m2], o2, s2, 0, 0, True, True, True)
     loaded = dist_checkpointing.load(fresh, os.path.join(a.ckpt, "iter_0000002"))
     m2.load_state_dict(loaded["model"])
-    from snapckpt.integrations.megatron import _apply
+    from snapckpt.integrations.megatron_state import apply_state
 
-    _apply(loaded, [m2], o2, s2, True, True)
+    apply_state(loaded, [m2], o2, s2, True, True)
     assert loaded["iteration"] == 2 and loaded["num_floating_point_operations_so_far"] == 1234
     _equal(shards(m2, o2), ref, "stock load of snapckpt's checkpoint")
     assert s2.state_dict() == sched_ref
@@ -170,9 +170,9 @@ def mode_layout(a):
     for it in (3, 4, 5):
         save_checkpoint(it, [model], optimizer, sched, 1234, save_dir=a.ckpt, assume_constant_structure=True).wait()
     m4, o4, s4 = build(a.tp, a.opt)
-    loaded = dist_checkpointing.load(_state_dict(None, [m4], o4, s4, 0, 0, True, True, True),
+    loaded = dist_checkpointing.load(build_state_dict(None, [m4], o4, s4, 0, 0, True, True, True),
                                      os.path.join(a.ckpt, "iter_0000005"))
-    _apply(loaded, [m4], o4, s4, True, True)
+    apply_state(loaded, [m4], o4, s4, True, True)
     assert loaded["iteration"] == 5
     _equal(shards(m4, o4), ref, "stock load of a save with cached plans")
     print("RESULT CACHED_PLANS_LOAD ok", flush=True)
