@@ -45,8 +45,8 @@ from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave
 
 from .megatron_format import ArenaDistcpWriter
 from .megatron_memory import MEMORY_FILE, from_memory, memory_record
-from .megatron_state import (apply_state, arg, build_state_dict, megatron_lm_args, restore_counters, restore_rng,
-                             same_tp_pp)
+from .megatron_state import (CONTENT_METADATA_KEY, apply_state, arg, build_state_dict, megatron_lm_args,
+                             megatron_lm_sharded_sd_metadata, restore_counters, restore_rng, same_tp_pp)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "checkpoint_dirname", "TRACKER",
            "MEMORY_FILE", "close_all"]
@@ -156,7 +156,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                     release: bool = False, *, save_dir: Optional[str] = None,
                     storage_type: StorageType = StorageType.DISK, args: Any = None,
                     validate_access_integrity: bool = True, thread_count: int = 2,
-                    assume_constant_structure: Optional[bool] = None, **checkpointer_options: Any):
+                    assume_constant_structure: Optional[bool] = None,
+                    sharded_sd_metadata: Optional[Dict[str, Any]] = None, **checkpointer_options: Any):
     """Megatron-LM's ``save_checkpoint`` (torch_dist format) through snapckpt; collective.
 
     Args (Megatron-LM's, same order):
@@ -183,6 +184,9 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         thread_count: ``.distcp`` files per rank (megatron-core's default strategy writes 2).
         assume_constant_structure: Megatron-LM's ``--ckpt-assume-constant-structure`` (default: read from
             ``args``, else False): validate the sharding once and reuse the DCP plans of earlier saves.
+        sharded_sd_metadata: Megatron-LM's sharded-state-dict metadata (default: built by Megatron-LM from
+            ``args`` when it is importable, else None: megatron-core's defaults); saved as the checkpoint's
+            ``content_metadata``.
         **checkpointer_options: options for the Checkpointer created on first use (``keep_last``...);
             other keywords (arguments of other Megatron-LM versions, e.g. ``ft_client``) are ignored.
 
@@ -206,10 +210,12 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     if keep_last is not None:
         checkpointer_options.setdefault("keep_last", keep_last)
     ck = _context_checkpointer(checkpointing_context, save_dir, _split_options(checkpointer_options, "save"))
+    if sharded_sd_metadata is None and args is not None:
+        sharded_sd_metadata = megatron_lm_sharded_sd_metadata(args)
     sd = build_state_dict(args, model, optimizer, opt_param_scheduler, iteration,
-                     num_floating_point_operations_so_far, is_loading=False,
-                     with_optimizer=not arg(args, "no_save_optim", False),
-                     with_rng=not arg(args, "no_save_rng", False))
+                          num_floating_point_operations_so_far, is_loading=False,
+                          with_optimizer=not arg(args, "no_save_optim", False),
+                          with_rng=not arg(args, "no_save_rng", False), metadata=sharded_sd_metadata)
     dirname = checkpoint_dirname(iteration, release)
     if assume_constant_structure is None:
         assume_constant_structure = bool(arg(args, "ckpt_assume_constant_structure", False))
@@ -318,7 +324,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
             log.warning("the checkpoint was saved with another (TP, PP) layout: its RNG states are not loaded "
                         "(as Megatron-LM does)")
         return build_state_dict(args, ddp_model, optimizer, opt_param_scheduler, 0, 0, is_loading=True,
-                           with_optimizer=with_opt, with_rng=rng)
+                                with_optimizer=with_opt, with_rng=rng, metadata=common.get(CONTENT_METADATA_KEY))
 
     def from_candidate(cand: Any) -> Dict[str, Any]:
         if cand.tier == StorageType.MEMORY:

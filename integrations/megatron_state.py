@@ -15,10 +15,23 @@ from typing import Any, Dict, List, Optional
 import torch
 
 __all__ = ["build_state_dict", "apply_state", "restore_rng", "restore_counters", "same_tp_pp",
-           "megatron_lm_args", "arg", "model_chunks", "CHECKPOINT_VERSION", "PARALLEL_KEY"]
+           "megatron_lm_args", "megatron_lm_sharded_sd_metadata", "arg", "model_chunks", "CHECKPOINT_VERSION",
+           "PARALLEL_KEY", "CONTENT_METADATA_KEY"]
 
 CHECKPOINT_VERSION = 3.0
 PARALLEL_KEY = "snapckpt_parallel_layout"  # in common.pt: the (TP, PP) sizes of the run that saved it
+CONTENT_METADATA_KEY = "content_metadata"  # megatron-core's serialization._CONTENT_METADATA_KEY
+
+
+def megatron_lm_sharded_sd_metadata(args: Any) -> Optional[Dict[str, Any]]:
+    """Megatron-LM's ``sharded_sd_metadata`` for ``args`` (its ``_build_sharded_state_dict_metadata``) when
+    Megatron-LM is importable, else None (megatron-core's defaults)."""
+    try:
+        from megatron.training.checkpointing import (  # type: ignore[import-not-found]
+            _build_sharded_state_dict_metadata)
+    except ImportError:
+        return None
+    return _build_sharded_state_dict_metadata(args)
 
 
 def megatron_lm_args() -> Optional[Any]:
@@ -135,25 +148,36 @@ def _plain_optimizer_load(optimizer: torch.optim.Optimizer, loaded: Dict[str, An
 
 
 def build_state_dict(args: Any, model: Any, optimizer: Any, scheduler: Any, iteration: int, flops: int,
-                is_loading: bool, with_optimizer: bool, with_rng: bool) -> Dict[str, Any]:
-    """The sharded state dict Megatron-LM's ``generate_state_dict`` builds for torch_dist."""
+                     is_loading: bool, with_optimizer: bool, with_rng: bool,
+                     metadata: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The sharded state dict Megatron-LM's ``generate_state_dict`` builds for torch_dist.
+
+    ``metadata``: Megatron-LM's ``sharded_sd_metadata`` (how model and optimizer shard their state, e.g.
+    the distributed optimizer's sharding type), passed to their ``sharded_state_dict`` and, when saving,
+    stored as the checkpoint's ``content_metadata`` (which a loader passes back: see ``load_checkpoint``).
+    """
     chunks = model_chunks(model)
     sd: Dict[str, Any] = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                           "num_floating_point_operations_so_far": flops}
+    kw = {} if metadata is None else {"metadata": metadata}
     if args is not None:
         sd["args"] = args
     if len(chunks) == 1:
-        sd["model"] = chunks[0].sharded_state_dict()
+        sd["model"] = chunks[0].sharded_state_dict(**kw)
         model_sd = sd["model"]
     else:
         for i, m in enumerate(chunks):
-            sd[f"model{i}"] = m.sharded_state_dict()
+            sd[f"model{i}"] = m.sharded_state_dict(**kw)
         model_sd = {k: sd[k] for k in sd if k.startswith("model")}
     if optimizer is not None and with_optimizer:
         if _is_megatron_optimizer(optimizer):
-            sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **kw)
         else:
             sd["optimizer"] = _plain_optimizer_sharded(optimizer, model_sd, is_loading)
+    if metadata is not None and not is_loading:  # as Megatron-LM: after the calls above (which may add keys)
+        from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+        sd[CONTENT_METADATA_KEY] = _clean_metadata_for_serialization(metadata)
     if scheduler is not None and with_optimizer:
         sd["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:

@@ -133,12 +133,14 @@ def mode_layout(a):
         train_step(model, optimizer, sched, step)
     ref = shards(model, optimizer)
     sched_ref = sched.state_dict()
-    save_checkpoint(2, [model], optimizer, sched, 1234, save_dir=a.ckpt).wait()
+    meta = {"singleton_local_shards": False}  # Megatron-LM's sharded_sd_metadata -> content_metadata
+    save_checkpoint(2, [model], optimizer, sched, 1234, save_dir=a.ckpt, sharded_sd_metadata=meta).wait()
     # Stock megatron-core save of the same state, in Megatron-LM's layout.
     native_iter = os.path.join(a.native, "iter_0000002")
     os.makedirs(native_iter, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(build_state_dict(None, [model], optimizer, sched, 2, 1234, False, True, True), native_iter)
+    dist_checkpointing.save(build_state_dict(None, [model], optimizer, sched, 2, 1234, False, True, True, meta),
+                            native_iter)
     if rank == 0:
         with open(os.path.join(a.native, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("2")
@@ -156,6 +158,8 @@ def mode_layout(a):
     assert loaded["iteration"] == 2 and loaded["num_floating_point_operations_so_far"] == 1234
     _equal(shards(m2, o2), ref, "stock load of snapckpt's checkpoint")
     assert s2.state_dict() == sched_ref
+    got = dist_checkpointing.load_content_metadata(os.path.join(a.ckpt, "iter_0000002"))
+    assert got["singleton_local_shards"] is False and "dp_cp_group" not in got, got
     print("RESULT STOCK_LOADS_SNAPCKPT ok", flush=True)
 
     # snapckpt's loader <- the native directory
