@@ -263,18 +263,34 @@ def _agree(ck: Checkpointer, name: str, error: Optional[BaseException]) -> None:
         raise CheckpointCorruptError(f"ranks {sorted(bad)} cannot read this checkpoint: {bad}")
 
 
-def _read_tracker(directory: str) -> Optional[str]:
+def _read_tracker(directory: str) -> Dict[str, Any]:
+    """What ``latest_checkpointed_iteration.txt`` names: ``{"dirname", "iteration" (-1 for a release),
+    "native" (the directory has no snapckpt manifest: megatron-core wrote it)}``; ``dirname`` None if none."""
+    path = os.path.join(directory, TRACKER)
     try:
-        with open(os.path.join(directory, TRACKER)) as f:
+        with open(path) as f:
             content = f.read().strip()
     except FileNotFoundError:
-        return None
-    if content == "release":
-        return "release"
-    if not content.isdigit():
-        raise CheckpointCorruptError(f"{os.path.join(directory, TRACKER)} holds {content!r}, not an iteration; "
-                                     "fix or delete it")
-    return checkpoint_dirname(int(content))
+        return {"dirname": None, "iteration": -1, "native": False}
+    if content != "release" and not content.isdigit():
+        raise CheckpointCorruptError(f"{path} holds {content!r}, not an iteration; fix or delete it")
+    dirname = checkpoint_dirname(int(content), release=content == "release")
+    native = not os.path.exists(os.path.join(directory, dirname, ".snapckpt", "manifest.json"))
+    return {"dirname": dirname, "iteration": -1 if content == "release" else int(content), "native": native}
+
+
+def _agreed_tracker(ck: Checkpointer) -> Dict[str, Any]:
+    """Rank 0's reading of the tracker, given to every rank (collective; ranks never disagree about it)."""
+    mine: Dict[str, Any] = {}
+    if ck.rank == 0:
+        try:
+            mine = _read_tracker(ck.checkpoint_dir)
+        except CheckpointCorruptError as e:
+            mine = {"error": str(e)}
+    theirs = ck._coord.all_gather("megatron-tracker", mine, ck.options.coordination_timeout_secs)[0]
+    if "error" in theirs:
+        raise CheckpointCorruptError(theirs["error"])
+    return theirs
 
 
 def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
@@ -285,10 +301,10 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
 
     Loads the newest iteration complete on every rank: from memory when every rank holds it and it is at
     least as new as the newest committed directory, else from disk through stock
-    ``megatron.core.dist_checkpointing.load`` (which reshards to the current parallel layout). Without a
-    snapckpt-committed candidate of this world size, the directory named by
-    ``latest_checkpointed_iteration.txt`` is loaded with the stock loader (checkpoints megatron-core wrote
-    natively, or another world size).
+    ``megatron.core.dist_checkpointing.load`` (which reshards to the current parallel layout). The directory
+    named by ``latest_checkpointed_iteration.txt`` is loaded with the stock loader instead when megatron-core
+    wrote it natively and it is newer than anything snapckpt holds, or when snapckpt has no candidate of
+    this world size (a checkpoint saved by another number of ranks).
 
     Args (Megatron-LM's):
         ddp_model: model chunks (list) or one module, as for ``save_checkpoint``.
@@ -338,17 +354,23 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         _agree(ck, "megatron-verify", err)
         return _stock_load(fresh, cand.path, strictness)
 
-    try:
-        state, cand = ck._load_with(from_candidate)
-        source = f"{cand.tier.value} step {cand.step}"
-    except (CheckpointNotFoundError, IncompatibleCheckpointError) as e:
-        dirname = _read_tracker(ck.checkpoint_dir)
-        if dirname is None:
-            log.warning("no checkpoint found in %s (%s); starting from iteration 0", ck.checkpoint_dir, e)
-            return 0, 0
+    tracker = _agreed_tracker(ck)
+    newest = ck.latest_step() if tracker["native"] else None
+    state = None
+    if tracker["native"] and (newest is None or tracker["iteration"] > newest):
+        source = f"directory {tracker['dirname']} written by megatron-core"
+    else:
+        try:
+            state, cand = ck._load_with(from_candidate)
+            source = f"{cand.tier.value} step {cand.step}"
+        except (CheckpointNotFoundError, IncompatibleCheckpointError) as e:
+            if tracker["dirname"] is None:
+                log.warning("no checkpoint found in %s (%s); starting from iteration 0", ck.checkpoint_dir, e)
+                return 0, 0
+            source = f"directory {tracker['dirname']} ({e})"
+    if state is None:
         ck.last_load = None
-        state = _stock_load(fresh, os.path.join(ck.checkpoint_dir, dirname), strictness)
-        source = f"native directory {dirname}"
+        state = _stock_load(fresh, os.path.join(ck.checkpoint_dir, tracker["dirname"]), strictness)
     log.info("rank %d: loaded iteration %s from %s", ck.rank, state.get("iteration"), source)
     if not skip_load_to_model_and_opt:
         apply_state(state, ddp_model, optimizer, opt_param_scheduler, strict, with_opt)

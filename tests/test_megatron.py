@@ -37,14 +37,16 @@ def _files(path):
 def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
     """F1/F2: snapckpt's iter_0000002 has exactly the files of a stock torch_dist save (the same
     ``.distcp`` sizes), loads with stock ``dist_checkpointing.load``; snapckpt loads a stock directory.
-    Saves 3-5 with ``assume_constant_structure`` (cached DCP plans) load the same way.
+    Saves 3-5 with ``assume_constant_structure`` (cached DCP plans) load the same way; in a directory where
+    megatron-core saved (natively) after snapckpt, the newer native checkpoint is the one loaded.
     F4: the newest (TP=1, DP=2) loads at TP=2, DP=1 (2 ranks) and at world size 1 with every model and
     optimizer shard equal."""
     ck, native, ref = snap_env.ckpt_dir, os.path.join(snap_env.tmp, "native"), os.path.join(snap_env.tmp, "ref.pt")
     outs = run_ranks(WORKER, 2, ["--mode", "layout", "--tp", "1", "--ckpt", ck, "--native", native, "--out", ref],
                      snap_env.env, timeout=240)
     for o in outs:
-        want = {"STOCK_LOADS_SNAPCKPT ok", "SNAPCKPT_LOADS_NATIVE ok", "CACHED_PLANS_LOAD ok"}
+        want = {"STOCK_LOADS_SNAPCKPT ok", "SNAPCKPT_LOADS_NATIVE ok", "CACHED_PLANS_LOAD ok",
+                "NEWER_NATIVE_WINS ok"}
         assert want <= set(result_lines(o)), o
     mine, theirs = os.path.join(ck, "iter_0000002"), os.path.join(native, "iter_0000002")
     assert _files(mine) == _files(theirs) == [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt",

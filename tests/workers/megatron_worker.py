@@ -180,6 +180,22 @@ def mode_layout(a):
     assert loaded["iteration"] == 5
     _equal(shards(m4, o4), ref, "stock load of a save with cached plans")
     print("RESULT CACHED_PLANS_LOAD ok", flush=True)
+
+    # a directory where megatron-core saved natively after snapckpt: the newer native one is loaded
+    mixed = os.path.join(os.path.dirname(a.out), "mixed")
+    save_checkpoint(1, [model], optimizer, sched, 1, save_dir=mixed).wait()
+    os.makedirs(os.path.join(mixed, "iter_0000002"), exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(build_state_dict(None, [model], optimizer, sched, 2, 1234, False, True, True),
+                            os.path.join(mixed, "iter_0000002"))
+    if rank == 0:
+        with open(os.path.join(mixed, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+    torch.distributed.barrier()
+    m5, o5, s5 = build(a.tp, a.opt)
+    assert load_checkpoint([m5], o5, s5, load_dir=mixed) == (2, 1234)
+    _equal(shards(m5, o5), ref, "snapckpt load of a newer native checkpoint")
+    print("RESULT NEWER_NATIVE_WINS ok", flush=True)
     close_all()
 
 
