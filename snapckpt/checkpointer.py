@@ -85,6 +85,21 @@ class LoadCandidate:
         return f"LoadCandidate(step={self.step}, tier={self.tier.value}, dirname={self.dirname!r})"
 
 
+class _CopyJob:
+    """One snapshot between slot acquisition and the hand-over to the persister."""
+
+    def __init__(self, prepared, slot: int, mapped: "_MappedSlot", step: int, storage_type: StorageType,
+                 dirname: str, tracker_name: str, tracker_content: str, t0: float, t1: float, t2: float):
+        self.prepared, self.slot, self.mapped, self.step = prepared, slot, mapped, step
+        self.storage_type, self.dirname = storage_type, dirname
+        self.tracker_name, self.tracker_content = tracker_name, tracker_content
+        self.t0, self.t1, self.t2 = t0, t1, t2
+        self.future = None
+        self.handle: Optional[SaveHandle] = None
+        self.fence_secs = 0.0
+        self.copy_secs = 0.0
+
+
 class _MappedSlot:
     def __init__(self, path: str, nbytes: int) -> None:
         self.path, self.nbytes = path, nbytes
@@ -127,6 +142,8 @@ class Checkpointer:
         self._slots: Dict[int, _MappedSlot] = {}
         self._handles: List[SaveHandle] = []
         self._listeners: List[Callable[[Event], None]] = []
+        self._inflight: Optional[_CopyJob] = None  # an overlapped copy not yet fenced
+        self._copier = None  # the copy thread (overlap=True), started on first use
         self._closed = False
         self.last_load: Optional[LoadInfo] = None
         self.last_stats: Optional[SaveStats] = None
@@ -305,6 +322,7 @@ class Checkpointer:
         _check_step(step)
         storage_type = StorageType(storage_type)
         validate_dirname(dirname)
+        self.fence()
         if tracker_name is not None:
             validate_dirname(tracker_name)
         for name in files:
@@ -330,29 +348,70 @@ class Checkpointer:
         slot = reply["slot"]
         try:
             m = self._mapped(slot, reply["path"], reply["nbytes"])
+        except BaseException:
+            self._abort(slot)
+            raise
+        job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
+                       tracker_content if tracker_name else "", t0, t1, t2)
+        if self.options.overlap:
+            # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
+            # hands the slot to the persister. Until then the state must not change.
+            job.future = self._copy_thread().submit(_timed_copy, prepared, m.tensor, m.buf)
+            job.handle = SaveHandle(self, step, storage_type, None, dirname=dirname, copying=True)
+            self._inflight = job
+            if storage_type == StorageType.DISK:
+                self._handles.append(job.handle)
+            return job.handle
+        try:
             Stager.copy_into(prepared, m.tensor, m.buf)
         except BaseException:
-            try:
-                self._request("abort", slot=slot)
-            except SnapckptError:
-                pass
+            self._abort(slot)
             raise
+        return self._copied(job)
+
+    def _abort(self, slot: int) -> None:
+        try:
+            self._request("abort", slot=slot)
+        except SnapckptError:
+            pass
+
+    def _copy_thread(self):
+        if self._copier is None:
+            import concurrent.futures as cf
+
+            self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-copy")
+        return self._copier
+
+    def _copied(self, job: "_CopyJob") -> SaveHandle:
+        """The copy of ``job`` is complete: hand the slot to the persister (READY, and persist for DISK)."""
         t3 = time.perf_counter()
-        self._request("ready", slot=slot, step=step, index_offset=prepared.index_offset,
-                      index_nbytes=prepared.index_nbytes, dirname=dirname, tracker_name=tracker_name or "",
-                      tracker_content=tracker_content if tracker_name else "")
-        if storage_type == StorageType.DISK:
-            self._request("persist", step=step)
+        p = job.prepared
+        self._request("ready", slot=job.slot, step=job.step, index_offset=p.index_offset,
+                      index_nbytes=p.index_nbytes, dirname=job.dirname, tracker_name=job.tracker_name,
+                      tracker_content=job.tracker_content)
+        if job.storage_type == StorageType.DISK:
+            self._request("persist", step=job.step)
         t4 = time.perf_counter()
-        stats = SaveStats(step, storage_type, prepared.tensor_nbytes, prepared.total_nbytes, t1 - t0, t2 - t1,
-                          t3 - t2, t4 - t0)
+        if job.handle is None:  # synchronous copy: save blocked for all of it
+            stats = SaveStats(job.step, job.storage_type, p.tensor_nbytes, p.total_nbytes, job.t1 - job.t0,
+                              job.t2 - job.t1, t3 - job.t2, t4 - job.t0)
+        else:  # overlapped: save blocked until the copy was started, then fence() for what remained
+            stats = SaveStats(job.step, job.storage_type, p.tensor_nbytes, p.total_nbytes, job.t1 - job.t0,
+                              job.t2 - job.t1, job.copy_secs, job.t2 - job.t0 + job.fence_secs + (t4 - t3))
         self.last_stats = stats
-        handle = SaveHandle(self, step, storage_type, stats, dirname=dirname)
-        if storage_type == StorageType.DISK:
-            self._handles.append(handle)
-        log.info("rank %d: snapshot of step %d taken (%s, %d bytes, blocked %.3f s)", self.rank, step,
-                 storage_type.value, prepared.tensor_nbytes, stats.blocking_secs)
-        self._emit(Event("snapshot_taken", step, storage_type, self.rank, stats=stats))
+        handle = job.handle
+        if handle is None:
+            handle = SaveHandle(self, job.step, job.storage_type, stats, dirname=job.dirname)
+            if job.storage_type == StorageType.DISK:
+                self._handles.append(handle)
+        else:
+            handle.stats = stats
+            handle._copying = False
+            if job.storage_type == StorageType.MEMORY:
+                handle._state = "done"  # held in memory from now on
+        log.info("rank %d: snapshot of step %d taken (%s, %d bytes, blocked %.3f s)", self.rank, job.step,
+                 job.storage_type.value, p.tensor_nbytes, stats.blocking_secs)
+        self._emit(Event("snapshot_taken", job.step, job.storage_type, self.rank, stats=stats))
         return handle
 
     def _acquire(self, step: int, nbytes: int, storage_type: StorageType) -> Optional[Dict[str, Any]]:
@@ -383,14 +442,34 @@ class Checkpointer:
     def fence(self) -> None:
         """Wait until the in-flight snapshot copy is done (call before ``optimizer.step()``).
 
-        The CPU copy is synchronous in this version, so this returns at once; integrations call it
-        already, so an overlapped copy (a side CUDA stream or a copy thread) slots in here.
+        With ``overlap=False`` (the default) ``save`` copies before it returns and this returns at once.
+        With ``overlap=True`` the copy runs on a copy thread while training goes on (forward, backward);
+        this waits for it, then hands the slot to the persister. Every other call (``save``, ``wait``,
+        ``load``, ``close``) fences first.
+
+        Raises:
+            The copy's own error (the snapshot is then dropped; the slot is freed).
         """
-        return None
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            t_copy = job.future.result()
+        except BaseException as e:
+            self._abort(job.slot)
+            job.handle._copying = False
+            job.handle._fail(e)
+            job.handle._reported = True
+            raise
+        job.fence_secs = time.perf_counter() - t0
+        job.copy_secs = t_copy
+        self._copied(job)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every DISK save of this rank is committed; raise the first failure not already
         raised to the caller (by ``SaveHandle.wait`` or an earlier call): each failure is raised once."""
+        self.fence()
         handles, self._handles = self._handles, []
         first: Optional[BaseException] = None
         for h in handles:
@@ -589,6 +668,8 @@ class Checkpointer:
         except BaseException as e:
             err = e
         finally:
+            if self._copier is not None:
+                self._copier.shutdown(wait=True)
             self._client.close(bye=True)
             for s in self._slots.values():
                 s.close()
@@ -608,6 +689,13 @@ class Checkpointer:
                 self.close()
             except Exception:
                 log.exception("error while closing the Checkpointer after another error")
+
+
+def _timed_copy(prepared, slot_tensor, buf) -> float:
+    """The copy thread's job: copy a prepared snapshot into its slot; returns the seconds it took."""
+    t0 = time.perf_counter()
+    Stager.copy_into(prepared, slot_tensor, buf)
+    return time.perf_counter() - t0
 
 
 def _fs_type(path: str) -> Optional[str]:

@@ -26,14 +26,15 @@ class SaveHandle:
     _POLL_SECS = 0.01
 
     def __init__(self, owner: "Checkpointer", step: int, tier: StorageType, stats: Optional[SaveStats],
-                 skipped_reason: Optional[str] = None, dirname: str = "") -> None:
+                 skipped_reason: Optional[str] = None, dirname: str = "", copying: bool = False) -> None:
         self._owner = owner
+        self._copying = copying  # overlap: the copy into the arena runs until the next fence()
         self.step = step
         self.dirname = dirname  # the checkpoint directory (tag) this save commits as
         self.storage_type = tier
         self.stats = stats
         self.skipped_reason = skipped_reason
-        self._state = "pending" if (tier == StorageType.DISK and skipped_reason is None) else "done"
+        self._state = "pending" if ((tier == StorageType.DISK or copying) and skipped_reason is None) else "done"
         self._error: Optional[BaseException] = None
         self._reported = False
         self._created = time.monotonic()
@@ -41,8 +42,9 @@ class SaveHandle:
 
     @property
     def snapshot_taken(self) -> bool:
-        """True when the state was copied into the arena (``save`` returned without skipping)."""
-        return self.skipped_reason is None
+        """True when the state has been copied into the arena: when ``save`` returns (unless skipped), or
+        with ``overlap=True`` after the next ``fence()``."""
+        return self.skipped_reason is None and not self._copying and self._error is None
 
     @property
     def skipped(self) -> bool:
@@ -50,7 +52,7 @@ class SaveHandle:
         return self.skipped_reason is not None
 
     def _poll(self) -> None:
-        if self._state != "pending":
+        if self._state != "pending" or self._copying:
             return
         reply = self._owner._status(self.step, self.dirname)
         state = reply.get("state")
@@ -92,6 +94,8 @@ class SaveHandle:
             CommitTimeoutError: not finished within the timeout (the save goes on in the background).
             The save's own failure, with its original type.
         """
+        if self._copying:
+            self._owner.fence()
         limit = timeout if timeout is not None else self._owner.options.commit_timeout_secs + 30.0
         deadline = time.monotonic() + limit
         delay = 0.002

@@ -48,6 +48,10 @@ class CheckpointOptions:
         weights_only: the trust decision for loading: ``True`` refuses arbitrary pickled objects
             (``torch.load(weights_only=True)``); ``False`` trusts the checkpoint directory fully.
         fsync: fsync files and directories before commit (turn off only for throwaway tests).
+        overlap: copy the snapshot into shared memory on a copy thread while training goes on: ``save``
+            returns before the copy is done, and the state must not change until :meth:`fence` (which
+            the hooks and every integration call before the optimizer step). ``False``: ``save`` copies
+            before it returns, and the state may change at once.
     """
 
     keep_last: Optional[int] = None
@@ -67,6 +71,7 @@ class CheckpointOptions:
     verify_checksums: bool = True
     weights_only: bool = True
     fsync: bool = True
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):

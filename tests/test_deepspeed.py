@@ -61,10 +61,11 @@ def _resumed(out):
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
-    """The config entry ("snapckpt" section, no further code change): 8 steps straight vs 4 steps, kill -9 of
-    every rank during step 5, restart, engine.load_checkpoint, steps 5-8: identical per-step losses on every
+    """The config entry ("snapckpt" section, no further code change): 8 steps straight vs 5 steps, kill -9 of
+    every rank at the end of step 5, restart, engine.load_checkpoint, steps 5-8: identical per-step losses on every
     rank (dropout on, so the RNG states round-trip too). memory: memory snapshots every step, the persister
-    survives, the restart loads step 4 from memory. disk: disk saves every 2 steps (ZeRO-3), the persister
+    survives, the restart loads step 4 from memory; the snapshot copy is overlapped with forward and
+    backward (overlap=True), fenced by engine.step() before the optimizer step. disk: disk saves every 2 steps (ZeRO-3), the persister
     is killed too (node lost), the restart loads the committed step 4 from disk."""
     stage = "2" if tier == "memory" else "3"
     ref = run_ranks("ds_resume_worker.py", 2, ["-", stage, "fp32", "8", "0", "0", "0", "0"], ENV, timeout=300)
@@ -73,7 +74,7 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
     snap_env.leftover_ok = tier == "disk"
     killed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "4", mem, disk, wait], ENV,
                        timeout=300, check=False)
-    assert all("RESULT" in o for o in killed) and max(_losses(killed, 0)) == 4, killed
+    assert all("RESULT" in o for o in killed) and max(_losses(killed, 0)) == 5, killed
     if tier == "disk":
         snap_env.kill_persisters(signal.SIGKILL)
         assert wait_until(lambda: not snap_env.persisters(), 10)
@@ -121,9 +122,17 @@ def test_changed_data_parallel_size_names_universal_checkpoint(snap_env):
     assert "ds_to_universal" in outs[0] and "load_universal" in outs[0]
 
 
-def test_config_section_validation():
-    """The "snapckpt" section of the DeepSpeed config: unknown keys and bad values are clear errors."""
+def test_config_section_validation(tmp_path):
+    """The "snapckpt" section of the DeepSpeed config (a dict or a JSON file): unknown keys and bad values
+    are clear errors; DeepSpeed gets the config without the section."""
     from snapckpt.deepspeed import DeepSpeedSnapckptConfig
+    from snapckpt.integrations.deepspeed import _split_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "snapckpt": {"checkpoint_dir": "/x", "keep_last": 2}}))
+    rest, section = _split_config(str(path))
+    assert rest == {"train_batch_size": 8} and section.keep_last == 2 and section.checkpoint_dir == "/x"
+    assert _split_config({"train_batch_size": 8}) == ({"train_batch_size": 8}, None)
 
     ok = DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "memory_interval_steps": 10,
                                             "disk_interval_steps": 100, "keep_last": 3})

@@ -568,3 +568,61 @@ def test_E5_E6_user_class_in_training_script_and_weights_only(snap_env):
     assert "weights_only=False" in res["C_disk_safe_msg"], res
     assert res["stock_weights_only"] == "refused", res
     assert res["stock_trusted_equal"], res
+
+
+# ------------------------------------------------------------------------------------- overlapped copy
+def test_overlap_copy_runs_until_fence_then_isolates(snap_env):
+    """Contract 1 with ``overlap=True``: ``save`` returns while the copy thread copies; the training loop
+    runs its forward/backward (which do not touch the weights) and calls ``fence()`` before the optimizer
+    step, as the hooks and the integrations do. Right behaviour: after the fence the snapshot is taken
+    (the handle says so, ``snapshot_taken`` fired), the optimizer step and in-place edits that follow do
+    not reach it, and every tier holds exactly the state of step N; ``wait``/``load`` fence by themselves."""
+    model, opt = make_model()
+    history = [train_step(model, opt, s) for s in range(2)]
+    events = []
+    with Checkpointer(snap_env.ckpt_dir, overlap=True, **OPTS) as ck:
+        ck.add_listener(lambda e: events.append(e.kind))
+        for n in (2, 3, 4):
+            state = train_state(model, opt, n, history)
+            expected = digest(state)
+            h = ck.save(state, n, StorageType.DISK if n == 3 else StorageType.MEMORY)
+            loss = model(torch.randn(8, 16)).sum()  # forward/backward while the copy runs
+            loss.backward()
+            ck.fence()  # before the optimizer step
+            assert h.snapshot_taken and ck.last_stats.step == n and ck.last_stats.copy_secs >= 0
+            history.append(train_step(model, opt, n))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            if n == 3:
+                h.wait()
+                assert digest(plain_load(snap_env.ckpt_dir, 3)) == expected
+        assert events.count("snapshot_taken") == 3 and "committed" in events
+        state = train_state(model, opt, 5, history)
+        expected = digest(state)
+        ck.save(state, 5, StorageType.MEMORY)
+        assert digest(ck.load()) == expected  # load fences first
+        assert ck.last_load.step == 5 and ck.last_load.tier == StorageType.MEMORY
+
+
+def test_overlap_copy_failure_is_raised_at_fence(snap_env, monkeypatch):
+    """A copy that fails on the copy thread (here: an injected error) is raised on the training thread at
+    ``fence()`` with its own type; the slot is freed, nothing of that step is held or written, and the
+    next save works."""
+    from snapckpt import checkpointer as ck_mod
+
+    def boom(prepared, slot, buf):
+        raise MemoryError("injected copy failure")
+
+    model, opt = make_model()
+    state = train_state(model, opt, 1, [])
+    with Checkpointer(snap_env.ckpt_dir, overlap=True, **OPTS) as ck:
+        monkeypatch.setattr(ck_mod, "_timed_copy", boom)
+        h = ck.save(state, 1, StorageType.DISK)
+        with pytest.raises(MemoryError, match="injected"):
+            ck.fence()
+        assert not h.snapshot_taken and isinstance(h.exception(), MemoryError)
+        monkeypatch.undo()
+        ck.save(state, 2, StorageType.DISK).wait()
+        assert ck.latest_step() == 2
+    assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")) == ["step_00000002"]

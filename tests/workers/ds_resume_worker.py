@@ -1,10 +1,11 @@
 """Resume fidelity through the config entry (``snapckpt.deepspeed.initialize`` + a "snapckpt" section).
 
 Usage: ds_resume_worker.py CKPT STAGE DTYPE TOTAL KILL_AT MEM_EVERY DISK_EVERY WAIT
-``CKPT=-`` trains without snapckpt (the uninterrupted reference). Otherwise the engine resumes with
+With memory snapshots (MEM_EVERY > 0) the copy is overlapped (``overlap``: it runs during forward and
+backward, and DeepSpeed's pre-optimizer-step call fences it). ``CKPT=-`` trains without snapckpt (the uninterrupted reference). Otherwise the engine resumes with
 ``engine.load_checkpoint(CKPT)`` (memory tier first) and trains to TOTAL; with ``KILL_AT > 0`` every rank
-SIGKILLs itself during the forward of step KILL_AT+1 (after the policy snapshot of step KILL_AT was taken
-at that forward's start; with WAIT=1 after waiting for its commit). Prints ``RESULT {"step", "loss"}``
+SIGKILLs itself at the end of step KILL_AT+1 (the policy snapshot of step KILL_AT was taken at that step's
+forward and fenced by its ``engine.step()``; with WAIT=1 after waiting for its commit). Prints ``RESULT {"step", "loss"}``
 per step and ``RESUMED <step> <tier>``.
 """
 import json
@@ -29,21 +30,21 @@ def main():
     else:
         section = {"checkpoint_dir": ckpt, "memory_interval_steps": mem or None,
                    "disk_interval_steps": disk or None, "keep_last": 2,
-                   "options": {"persister_idle_timeout_secs": 30}}
+                   "options": {"persister_idle_timeout_secs": 30, "overlap": mem > 0}}
         engine = ds_common.build(stage, dtype, initialize=sd.initialize, snapckpt=section)
         path, _ = engine.load_checkpoint(ckpt)
         if path is not None:
             print(f"RESUMED {engine.global_steps} {engine.snapckpt.checkpointer.last_load.tier.value}", flush=True)
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     for step in range(int(engine.global_steps) + 1, total + 1):
+        loss = ds_common.train_step(engine, step)
+        print("RESULT " + json.dumps({"step": step, "loss": loss}), flush=True)
         if kill_at and step == kill_at + 1:
-            x, y = ds_common.batch(step, engine.global_rank, dt)
-            engine(x)  # the forward pre-hook takes the policy snapshot of step kill_at
+            # the policy snapshot of step kill_at was taken at this step's forward and fenced by its
+            # engine.step(); the one of this step would be taken at the next forward
             if wait:
                 engine.snapckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
-        loss = ds_common.train_step(engine, step)
-        print("RESULT " + json.dumps({"step": step, "loss": loss}), flush=True)
     if ckpt != "-":
         engine.snapckpt.close()
     dist.barrier()

@@ -1,0 +1,174 @@
+"""Accelerate integration: ``Accelerator.save_state`` folders written by the snapckpt persister.
+
+``AcceleratorCheckpointer(accelerator, checkpoint_dir).save_state(step)`` snapshots what
+``accelerator.save_state(dir)`` (accelerate 1.15, ``safe_serialization=True``) would write, and the node
+persister writes and commits ``<checkpoint_dir>/checkpoint_<step>/`` in the background:
+
+==================================  ====================================================================
+file                                content
+==================================  ====================================================================
+``model.safetensors``,              ``accelerator.get_state_dict(model, unwrap=False)`` without shared
+``model_{i}.safetensors``           aliases (accelerate's ``clean_state_dict_for_safetensors``)
+``optimizer.bin``, ``_{i}``         ``optimizer.state_dict()``
+``scheduler.bin``, ``_{i}``         ``scheduler.state_dict()``
+``sampler.bin``, ``_{i}``           a ``SeedableRandomSampler`` of an ``IterableDatasetShard`` loader
+``dl_state_dict.bin``, ``_{i}``     ``dataloader.state_dict()`` with ``use_stateful_dataloader``
+``scaler.pt``                       the ``GradScaler`` state (fp16)
+``random_states_{process}.pkl``     ``step`` and python, numpy, torch (and CUDA) RNG states, per process
+``custom_checkpoint_{i}.pkl``       ``state_dict()`` of each ``register_for_checkpointing`` object
+==================================  ====================================================================
+
+so the stock ``accelerator.load_state(path)`` restores it (case F1). :meth:`AcceleratorCheckpointer.load_state`
+picks the newest snapshot with every rank (memory or disk); a memory-only one is first written out as
+its folder, then loaded with ``accelerator.load_state``.
+
+The objects come from the lists ``save_state`` itself walks (``accelerator._models``, ``_optimizers``,
+``_schedulers``, ``_dataloaders``, ``_custom_objects``): accelerate has no public accessor for them.
+Hooks registered with ``register_save_state_pre_hook`` (which write their own files into the folder, as
+diffusers' do) cannot write into a folder that another process commits later: an accelerator with such
+hooks is refused with :class:`NotImplementedError`, as are FSDP, DeepSpeed, Megatron-LM and XLA runs
+(their ``save_state`` is a collective framework call).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from snapckpt import Checkpointer, SaveHandle, StorageType
+from snapckpt.formats import RawBytes, TorchSave, safetensors_file
+
+from .transformers_files import respec, torch_bytes
+
+__all__ = ["AcceleratorCheckpointer"]
+
+log = logging.getLogger(__name__)
+
+
+class AcceleratorCheckpointer:
+    """Asynchronous ``save_state`` / ``load_state`` for an ``accelerate.Accelerator``.
+
+    Args:
+        accelerator: the ``Accelerator`` whose prepared objects are saved (call after ``prepare``).
+        checkpoint_dir: directory of the ``checkpoint_<step>`` folders.
+        **options: :class:`~snapckpt.options.CheckpointOptions` fields (``keep_last``, ``shm_dir``...).
+
+    Collective like the :class:`~snapckpt.Checkpointer` it holds (``self.checkpointer``).
+
+    Raises:
+        NotImplementedError: FSDP, DeepSpeed, Megatron-LM or XLA distributed types; (at ``save_state``)
+            ``save_state`` pre-hooks registered.
+    """
+
+    def __init__(self, accelerator: Any, checkpoint_dir: "str | os.PathLike[str]", **options: Any) -> None:
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if kind.upper() in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
+            raise NotImplementedError(f"AcceleratorCheckpointer does not support distributed_type {kind}: its "
+                                      "save_state is a collective framework call; use accelerator.save_state")
+        self.accelerator = accelerator
+        self.checkpointer = Checkpointer(checkpoint_dir, **options)
+
+    @staticmethod
+    def dirname(step: int) -> str:
+        """The folder name of ``step``: ``checkpoint_<step>`` (accelerate's automatic naming)."""
+        return f"checkpoint_{step}"
+
+    def save_state(self, step: int, storage_type: StorageType = StorageType.DISK) -> SaveHandle:
+        """Snapshot the accelerator's state as ``checkpoint_<step>``; returns once the state may change.
+
+        Collective. ``storage_type=MEMORY`` keeps it in the node's memory only. Call before the next
+        ``optimizer.step()`` mutates the state (``self.checkpointer.fence()`` there, once copies overlap).
+        """
+        files = self._files(step)
+        return self.checkpointer._save_files(files, step, storage_type, dirname=self.dirname(step),
+                                             tracker_name=None)
+
+    def _files(self, step: int) -> Dict[str, Any]:
+        from accelerate.utils.other import clean_state_dict_for_safetensors
+
+        acc = self.accelerator
+        main = acc.is_main_process
+        files: Dict[str, Any] = {}
+        if acc._save_model_state_pre_hook:
+            raise NotImplementedError("this Accelerator has save_state pre-hooks (register_save_state_pre_hook); "
+                                      "they write files into the checkpoint folder themselves, which snapckpt "
+                                      "commits from another process: use accelerator.save_state for this run")
+        weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+        if main:
+            for i, sd in enumerate(weights):
+                sd = clean_state_dict_for_safetensors(sd)
+                name = "model.safetensors" if i == 0 else f"model_{i}.safetensors"
+                files[name] = safetensors_file({k: v.contiguous() for k, v in sd.items()}, {"format": "pt"})
+            for i, opt in enumerate(acc._optimizers):
+                files[_indexed("optimizer", i, ".bin")] = TorchSave(opt.state_dict())
+            for i, sched in enumerate(acc._schedulers):
+                files[_indexed("scheduler", i, ".bin")] = RawBytes(torch_bytes(sched.state_dict()))
+            files.update(self._dataloader_files())
+            if acc.scaler is not None:
+                files["scaler.pt"] = RawBytes(torch_bytes(acc.scaler.state_dict()))
+            for i, obj in enumerate(acc._custom_objects):
+                files[f"custom_checkpoint_{i}.pkl"] = RawBytes(torch_bytes(obj.state_dict()))
+        files[f"random_states_{acc.process_index}.pkl"] = RawBytes(torch_bytes(self._rng_states()))
+        return files
+
+    def _dataloader_files(self) -> Dict[str, Any]:
+        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+
+        out: Dict[str, Any] = {}
+        for i, dl in enumerate(self.accelerator._dataloaders):
+            if isinstance(dl.dataset, IterableDatasetShard):
+                sampler = dl.get_sampler()
+                if isinstance(sampler, SeedableRandomSampler):
+                    out[_indexed("sampler", i, ".bin")] = RawBytes(torch_bytes(sampler))
+            if getattr(dl, "use_stateful_dataloader", False):
+                out[_indexed("dl_state_dict", i, ".bin")] = RawBytes(torch_bytes(dl.state_dict()))
+        return out
+
+    def _rng_states(self) -> Dict[str, Any]:
+        states: Dict[str, Any] = {"step": self.accelerator.step, "random_state": random.getstate(),
+                                  "numpy_random_seed": np.random.get_state(),
+                                  "torch_manual_seed": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+        return states
+
+    def load_state(self, **load_kwargs: Any) -> Optional[str]:
+        """Restore the newest snapshot complete on every rank with ``accelerator.load_state``; collective.
+
+        A memory-only snapshot newer than every committed folder is first written out as its folder.
+        Returns the folder loaded, or ``None`` when there is no checkpoint. ``load_kwargs`` go to
+        ``accelerator.load_state``.
+        """
+        from snapckpt.errors import CheckpointNotFoundError
+
+        ck = self.checkpointer
+
+        def probe(cand):
+            if cand.tier == StorageType.MEMORY:
+                return cand.files()
+            cand.verify()
+            return None
+
+        try:
+            files, cand = ck._load_with(probe)
+        except CheckpointNotFoundError:
+            return None
+        path = os.path.join(ck.checkpoint_dir, self.dirname(cand.step))
+        if files is not None and not os.path.isdir(path):
+            log.warning("the newest snapshot, step %d, is held in memory only; writing it to %s", cand.step, path)
+            ck._save_files(respec(files), cand.step, StorageType.DISK, dirname=self.dirname(cand.step),
+                           tracker_name=None).wait()
+        self.accelerator.load_state(path, **load_kwargs)
+        return path
+
+    def close(self) -> None:
+        """Wait for outstanding commits and detach from the persister (idempotent)."""
+        self.checkpointer.close()
+
+
+def _indexed(stem: str, i: int, ext: str) -> str:
+    return f"{stem}{ext}" if i == 0 else f"{stem}_{i}{ext}"

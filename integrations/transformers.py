@@ -1,0 +1,305 @@
+"""Hugging Face ``Trainer`` integration: :class:`SnapckptCallback`.
+
+``Trainer(..., callbacks=[SnapckptCallback(memory_interval_steps=10)])`` replaces the Trainer's blocking
+checkpoint save by a snapckpt snapshot; the node persister writes the same ``checkpoint-N/`` folder the
+Trainer would have written (see :mod:`snapckpt.integrations.transformers_files`), so
+``trainer.train(resume_from_checkpoint=True)`` and ``from_pretrained`` work unchanged.
+
+How it plugs in (transformers 5.24, public callback events only):
+
+1. ``on_step_end`` (after the Trainer's ``DefaultFlowCallback``): if the Trainer decided to save
+   (``control.should_save``), the callback takes the save over and sets ``control.should_save = False``,
+   so ``Trainer._save_checkpoint`` does not run; the save is *pending*. (A callback listed after this one
+   that sets ``should_save`` itself still gets the Trainer's own save: list ``SnapckptCallback`` last.) Every ``memory_interval_steps``
+   steps a memory-tier snapshot is pending the same way. The RNG states are captured here (and again in
+   ``on_evaluate``), where the Trainer would capture them.
+2. The pending snapshot is taken at the next ``on_step_begin`` / ``on_epoch_begin`` / ``on_epoch_end`` (or
+   the end-of-training ``on_log``/``on_train_end``): after the step's logging and evaluation, so that
+   ``trainer_state.json`` holds this step's logs, best metric and ``best_model_checkpoint``, and before
+   the next ``optimizer.step()``, so model, optimizer and scheduler are those of step N. A save requested
+   by ``on_epoch_end`` (``save_strategy="epoch"``) merges with a pending save of the same step.
+3. ``on_pre_optimizer_step`` calls :meth:`Checkpointer.fence`.
+4. Retention: after each commit, world rank 0 applies transformers' own ``rotate_checkpoints`` with
+   ``save_total_limit`` and ``state.best_model_checkpoint``. It only sees committed folders (folders in
+   flight are hidden ``.checkpoint-N.partial-*``), keeps the newest committed one and the best one.
+   transformers' ``get_last_checkpoint`` only matches ``checkpoint-<digits>``, so auto-resume never picks
+   an incomplete folder.
+5. Memory-tier resume: at ``on_init_end`` (Trainer construction, before ``train()`` looks for a
+   checkpoint) the ranks agree on the newest snapshot (:meth:`Checkpointer._load_with`). If it is held in
+   memory only and is newer than every ``checkpoint-*`` folder, the callback writes it out as the native
+   folder ``checkpoint-N`` and waits for the commit; ``train(resume_from_checkpoint=True)`` then resumes
+   natively from it. (With ``flush_on_crash=True``, the default, the persister itself usually writes that
+   folder as soon as the crashed ranks are gone; this covers the case it has not, or is disabled.)
+
+Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
+Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
+XLA and SageMaker model parallel runs (their saves are collective framework calls); PEFT adapter-only
+checkpoints (``NotImplementedError``; peft is not in the pinned extras); the GradScaler's ``scaler.pt``
+(fp16 mixed precision on GPU; the callback has no handle on the Accelerator); hyper-parameter search run
+directories; ``save_on_each_node``. ``trainer_state.json``'s ``total_flos`` holds the FLOPs stored at the
+last logging step (the Trainer's ``store_flos`` is not reachable from a callback), and the states of
+``ExportableState`` callbacks other than ``TrainerControl`` are those of train start.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+
+from snapckpt import Checkpointer, CheckpointOptions, StorageType
+from snapckpt.errors import CheckpointNotFoundError
+from snapckpt.events import Event
+from snapckpt.formats import RawBytes
+
+from . import transformers_files as F
+
+__all__ = ["SnapckptCallback"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "checkpoint"
+
+
+@dataclass
+class _Pending:
+    step: int
+    tier: StorageType
+    rng: bytes
+
+
+class SnapckptCallback(TrainerCallback):
+    """A ``TrainerCallback`` that takes over the Trainer's checkpoint saves with snapckpt snapshots.
+
+    Args:
+        memory_interval_steps: also snapshot into the node's shared memory every this many optimizer
+            steps (``None``: only at the Trainer's own save points, ``save_steps``/``save_strategy``, which
+            go to disk).
+        max_shard_size: shard threshold of ``model.safetensors``, as ``save_pretrained`` (default
+            ``"50GB"``, the Trainer's).
+        resume_from_memory: at Trainer construction, write a memory-only snapshot newer than every
+            ``checkpoint-*`` folder out as that folder, so that ``resume_from_checkpoint=True`` finds it.
+        **options: :class:`~snapckpt.options.CheckpointOptions` fields (``shm_dir``, timeouts...). The
+            checkpoint directory is ``TrainingArguments.output_dir``. Retention is
+            ``TrainingArguments.save_total_limit``; ``keep_last`` is refused.
+
+    Attributes:
+        checkpointer: the :class:`~snapckpt.Checkpointer` (``None`` before Trainer construction and after
+            training ends).
+        stall_secs: seconds each snapshot blocked training (list, one per snapshot taken).
+        resumed_from: ``(step, tier)`` of the snapshot the callback wrote out at construction, else ``None``.
+
+    Raises:
+        ValueError: bad ``memory_interval_steps``, ``keep_last`` given, or (at Trainer construction)
+            ``save_strategy="best"``.
+        TypeError: an unknown option.
+    """
+
+    def __init__(self, memory_interval_steps: Optional[int] = None, *, max_shard_size: "int | str" = "50GB",
+                 resume_from_memory: bool = True, **options: Any) -> None:
+        if memory_interval_steps is not None and (isinstance(memory_interval_steps, bool) or not isinstance(
+                memory_interval_steps, int) or memory_interval_steps < 1):
+            raise ValueError(f"memory_interval_steps must be a positive int or None, got {memory_interval_steps!r}")
+        if "keep_last" in options:
+            raise ValueError("SnapckptCallback does not take keep_last: set TrainingArguments(save_total_limit=...), "
+                             "which the callback honours together with the best-model rule")
+        CheckpointOptions.from_kwargs(**options)  # validate now, not at Trainer construction
+        self.memory_interval_steps = memory_interval_steps
+        self.max_shard_size = max_shard_size
+        self.resume_from_memory = resume_from_memory
+        self._options = dict(options)
+        self.checkpointer: Optional[Checkpointer] = None
+        self.stall_secs: List[float] = []
+        self.resumed_from: Optional[tuple] = None
+        self._pending: Optional[_Pending] = None
+        self._disk_steps: set = set()
+        self._static: Dict[str, Any] = {}
+        self._args: Any = None
+        self._state: Any = None
+
+    # ------------------------------------------------------------------------------- lifecycle
+    def _check_args(self, args: Any) -> None:
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            raise ValueError("SnapckptCallback cannot take over save_strategy='best' (the Trainer decides to save "
+                             "after evaluation, with no callback event in between); use save_strategy='steps' "
+                             "with metric_for_best_model and load_best_model_at_end=True instead")
+
+    def _open(self, args: Any) -> Checkpointer:
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(args.output_dir, **self._options)
+            self.checkpointer.add_listener(self._on_event)
+        return self.checkpointer
+
+    def close(self) -> None:
+        """Wait for outstanding commits and detach from the persister (idempotent; ``on_train_end`` calls it)."""
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.close()
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._check_args(args)
+        self._args, self._state = args, state
+        self._open(args)
+        if self.resume_from_memory:
+            self._materialize_newest(args)
+
+    def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
+        self._check_args(args)
+        self._args, self._state = args, state
+        self._open(args)
+        self._pending = None
+        static: Dict[str, Any] = {}
+        if state.is_world_process_zero:
+            static[F.TRAINING_ARGS_NAME] = RawBytes(F.torch_bytes(args))
+            static.update(F.processing_class_files(processing_class))
+        self._static = static
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._state = state
+        self._flush(args, state, control, kwargs)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self._rotate()
+        self.close()
+
+    # ------------------------------------------------------------------------------ save points
+    def on_step_end(self, args, state, control, **kwargs):
+        self._state = state
+        self.checkpointer.poll()  # background failures surface here; commits trigger retention
+        disk = bool(control.should_save)
+        mem = self.memory_interval_steps is not None and state.global_step % self.memory_interval_steps == 0
+        if disk:
+            control.should_save = False  # the Trainer's own _save_checkpoint does not run
+        if disk or mem:
+            self._request(args, state, control, kwargs, StorageType.DISK if disk else StorageType.MEMORY)
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._state = state
+        if control.should_save:  # save_strategy="epoch"
+            control.should_save = False
+            self._request(args, state, control, kwargs, StorageType.DISK)
+        else:
+            self._flush(args, state, control, kwargs)
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        p = self._pending
+        if p is not None and p.step == state.global_step:  # the Trainer records RNG after evaluating
+            p.rng = F.rng_state_bytes(_distributed(args))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._flush(args, state, control, kwargs)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._flush(args, state, control, kwargs)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "train_runtime" in logs and self.checkpointer is not None:
+            # The end-of-training summary: _load_best_model comes next and needs the folders committed.
+            self._flush(args, state, control, kwargs, drop_last_log=True)
+            self.checkpointer.wait()
+            self._rotate()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.checkpointer is not None:
+            self.checkpointer.fence()
+
+    # --------------------------------------------------------------------------------- helpers
+    def _request(self, args, state, control, kwargs, tier: StorageType) -> None:
+        step = state.global_step
+        p = self._pending
+        if p is not None and p.step != step:
+            self._flush(args, state, control, kwargs)  # drops it, with a warning
+            p = None
+        if tier == StorageType.DISK and step in self._disk_steps:
+            log.info("checkpoint-%d is already saved; not saving it again", step)
+            return
+        rng = F.rng_state_bytes(_distributed(args))
+        if p is None:
+            self._pending = _Pending(step, tier, rng)
+        else:
+            p.rng = rng
+            if tier == StorageType.DISK:
+                p.tier = tier
+
+    def _flush(self, args, state, control, kwargs, drop_last_log: bool = False) -> None:
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        if p.step != state.global_step:  # cannot happen through the Trainer's events; never save a mix
+            log.warning("snapshot of step %d dropped: training is at step %d already", p.step, state.global_step)
+            return
+        t0 = time.perf_counter()
+        if p.tier == StorageType.DISK:
+            self._disk_steps.add(p.step)
+            self._set_best(args, state)
+        files: Dict[str, Any] = {}
+        if state.is_world_process_zero:
+            files.update(F.model_files(kwargs["model"], self.max_shard_size))
+            if not args.save_only_model:
+                files.update(F.optimizer_file(kwargs.get("optimizer")))
+                files.update(F.scheduler_file(kwargs.get("lr_scheduler")))
+            files.update(self._static)
+            if "TrainerControl" in state.stateful_callbacks:
+                rec = control.state()
+                rec["args"]["should_save"] = True  # as recorded by the Trainer while it saves
+                state.stateful_callbacks["TrainerControl"] = rec
+            files[F.TRAINER_STATE_NAME] = RawBytes(F.trainer_state_bytes(state, drop_last_log))
+        if not args.save_only_model:
+            files[F.rng_file_name(args.world_size, args.process_index)] = RawBytes(p.rng)
+        self.checkpointer._save_files(files, p.step, p.tier, dirname=f"{PREFIX}-{p.step}", tracker_name=None)
+        self.stall_secs.append(time.perf_counter() - t0)
+
+    def _set_best(self, args, state) -> None:
+        """``state.best_model_checkpoint`` as ``Trainer._save_checkpoint`` sets it: the best step's folder,
+        when that step was saved (in flight or committed)."""
+        best = state.best_global_step
+        if not best:
+            return
+        path = os.path.join(args.output_dir, f"{PREFIX}-{best}")
+        if best in self._disk_steps or os.path.isdir(path):
+            state.best_model_checkpoint = path
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind == "committed" and event.tier == StorageType.DISK:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        args, state = self._args, self._state
+        if args is None or state is None or not state.is_world_process_zero or not args.save_total_limit:
+            return
+        rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
+                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+
+    def _materialize_newest(self, args) -> None:
+        """Write the newest snapshot out as ``checkpoint-N`` if it is in memory only (collective)."""
+        ck = self.checkpointer
+        native = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        native_step = int(native.rsplit("-", 1)[1]) if native else -1
+
+        def probe(cand):
+            if cand.tier == StorageType.MEMORY:
+                return cand.files() if cand.step > native_step else None
+            cand.verify()
+            return None
+
+        try:
+            files, cand = ck._load_with(probe)
+        except CheckpointNotFoundError:
+            return
+        if files is None:
+            return
+        log.warning("the newest checkpoint, step %d, is held in memory only; writing it to %s/%s-%d", cand.step,
+                    args.output_dir, PREFIX, cand.step)
+        ck._save_files(F.respec(files), cand.step, StorageType.DISK, dirname=f"{PREFIX}-{cand.step}",
+                       tracker_name=None).wait()
+        self.resumed_from = (cand.step, StorageType.MEMORY)
+
+
+def _distributed(args: Any) -> bool:
+    return str(getattr(args.parallel_mode, "value", args.parallel_mode)) == "distributed"

@@ -1,0 +1,83 @@
+"""Accelerate integration (``AcceleratorCheckpointer``): ``save_state`` folders written by the persister.
+
+A plain Accelerate loop (dropout, shuffled data, StepLR) on CPU in worker processes
+(``tests/workers/accel_worker.py``); the reference is the same loop with the stock ``save_state``:
+
+- F2: ``checkpoint_5`` holds the files ``accelerator.save_state`` writes, with equal contents;
+- F1: the stock ``accelerator.load_state`` resumes from snapckpt's folder with bitwise-equal losses and
+  learning rates (E2, E3);
+- memory tier: after the process vanished, ``AcceleratorCheckpointer.load_state`` resumes from the newest
+  memory snapshot (written out as its folder first).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from _harness import REPO
+
+WORKER = os.path.join(REPO, "tests", "workers", "accel_worker.py")
+
+
+def _run(cfg, env):
+    cfg = dict(cfg, result=cfg["out"] + f".{cfg['mode']}.{cfg.get('exit_at', 0)}.json")
+    p = subprocess.run([sys.executable, WORKER, json.dumps(cfg)], env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    with open(cfg["result"]) as f:
+        facts = json.load(f)
+    facts["rows"] = {r["step"]: (r["loss"], r["lr"]) for r in facts["rows"]}
+    return facts
+
+
+def _same(got, ref, steps):
+    assert sorted(got) == list(steps)
+    for s in steps:
+        assert got[s] == ref[s], f"step {s}: {got[s]} != {ref[s]}"
+
+
+def _load(path):
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=False)
+
+
+def _equal(x, y, where):
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _equal(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (a, b) in enumerate(zip(x, y)):
+            _equal(a, b, f"{where}[{i}]")
+    elif type(x).__module__ == "numpy":
+        assert (x == y).all(), where
+    else:
+        assert x == y, where
+
+
+def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
+    ref_dir, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
+    ref = _run({"out": ref_dir, "mode": "stock", "steps": 10, "save_at": 5}, {})["rows"]
+    first = _run({"out": out, "mode": "snap", "steps": 10, "save_at": 5, "mem": True, "exit_at": 8,
+                  "opts": {"flush_on_crash": False}}, snap_env.env)
+    _same(first["rows"], ref, range(1, 9))
+    mine, theirs = os.path.join(out, "checkpoint_5"), os.path.join(ref_dir, "checkpoint_5")
+    names = sorted(n for n in os.listdir(mine) if n != ".snapckpt")
+    assert names == sorted(os.listdir(theirs)), names
+    for n in names:
+        _equal(_load(os.path.join(mine, n)), _load(os.path.join(theirs, n)), n)
+    # The stock loader resumes from snapckpt's folder (F1), bitwise (E2/E3).
+    stock = _run({"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5}, snap_env.env)
+    _same(stock["rows"], ref, range(6, 11))
+    # snapckpt's own load: the newest snapshot is step 8, in memory only.
+    again = _run({"out": out, "mode": "snap", "steps": 10, "opts": {"flush_on_crash": False}}, snap_env.env)
+    assert again["resumed"] == os.path.join(out, "checkpoint_8")
+    _same(again["rows"], ref, range(9, 11))

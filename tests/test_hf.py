@@ -1,0 +1,273 @@
+"""Hugging Face Trainer integration (``SnapckptCallback``): native ``checkpoint-N`` folders and resume.
+
+A tiny GPT-2 built from a config (dropout on, shuffled data, linear LR schedule with warm-up), trained by
+the stock ``Trainer`` on CPU in worker processes (``tests/workers/hf_worker.py``), single process and
+2-rank DDP under ``torchrun``. The reference is always the stock Trainer without the callback:
+
+- F2: the callback's ``checkpoint-5`` holds the same files as the Trainer's, with byte-identical
+  ``model.safetensors``/``trainer_state.json``/configs and equal optimizer, scheduler and RNG states;
+- E2/E3: killed and resumed runs log bitwise-equal per-step losses and learning rates;
+- kill -9 of the whole node (training and persister) during the persist of ``checkpoint-10``: the folder
+  is not there and auto-resume takes ``checkpoint-5``;
+- memory tier: kill -9 of training only; the new Trainer writes the memory snapshot out and resumes from it;
+- F1 both ways: stock resume reads snapckpt's folders; with the callback attached, a Trainer-written
+  folder is resumed and the callback's next folder equals the Trainer's;
+- F3/E1: ``from_pretrained`` loads the safetensors (sharded with an index when asked), tied embeddings
+  tied again, no missing keys; E5: a ``TrainingArguments`` subclass from the user's script;
+- rotation under ``save_total_limit`` with a best model kept, the same folders as the Trainer keeps.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _harness import REPO, free_port, wait_until
+
+WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
+STEPS = 12
+
+
+def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240):
+    """Run the worker (``nprocs`` > 1: under torchrun); return rank 0's facts (all ranks' for DDP)."""
+    cfg = dict(cfg, result=cfg["out"] + ".result")
+    base = [WORKER, json.dumps(cfg)]
+    if nprocs > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), *base]
+    else:
+        cmd = [sys.executable, *base]
+    p = subprocess.run(cmd, env={**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == expect_rc, f"rc {p.returncode} != {expect_rc}:\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+    facts = []
+    for r in range(nprocs):
+        with open(f"{cfg['result']}.{r}") as f:
+            facts.append(json.load(f))
+    return facts if nprocs > 1 else facts[0]
+
+
+def _rows(facts):
+    return {r["step"]: (r["loss"], r["lr"]) for r in facts["rows"]}
+
+
+def _same_steps(got, ref, steps):
+    assert sorted(got) == list(steps), sorted(got)
+    for s in steps:
+        assert got[s] == ref[s], f"step {s}: {got[s]} != {ref[s]}"
+
+
+def _files(d):
+    return sorted(n for n in os.listdir(d) if n != ".snapckpt")
+
+
+def _assert_same_folder(mine, theirs):
+    """F2: same file set; identical bytes for safetensors/json; equal contents of the torch files."""
+    assert _files(mine) == _files(theirs)
+    for name in _files(theirs):
+        a, b = os.path.join(mine, name), os.path.join(theirs, name)
+        if name.endswith((".safetensors", ".json")):
+            assert open(a, "rb").read() == open(b, "rb").read(), name
+        elif name == "training_args.bin":
+            x, y = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+            dx, dy = x.to_dict(), y.to_dict()
+            for d in (dx, dy):
+                d.pop("output_dir"), d.pop("logging_dir", None)
+            assert type(x) is type(y) and dx == dy
+        else:
+            _assert_equal(torch.load(a, weights_only=False), torch.load(b, weights_only=False), name)
+
+
+def _assert_equal(x, y, where):
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_equal(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (a, b) in enumerate(zip(x, y)):
+            _assert_equal(a, b, f"{where}[{i}]")
+    elif type(x).__module__ == "numpy":
+        assert (x == y).all(), where
+    else:
+        assert x == y, where
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    """The stock Trainer, no callback: 12 steps, saves at 5 and 10 (and 12, the end)."""
+    out = str(tmp_path_factory.mktemp("stock") / "run")
+    facts = _run({"out": out, "steps": STEPS}, {})
+    return out, _rows(facts)
+
+
+def test_E2_E3_F1_F2_F3_kill9_node_during_persist(snap_env, stock):
+    ref_dir, ref = stock
+    out = os.path.join(snap_env.tmp, "run")
+    # 1. Train to step 7 (checkpoint-5 committed) and vanish without close().
+    first = _run({"out": out, "steps": STEPS, "snap": True, "kill_at": 7, "die": "exit",
+                  "wait_for": "checkpoint-5"}, snap_env.env)
+    _same_steps(_rows(first), ref, range(1, 8))
+    _assert_same_folder(os.path.join(out, "checkpoint-5"), os.path.join(ref_dir, "checkpoint-5"))  # F2
+    snap_env.kill_persisters()
+    assert wait_until(lambda: not snap_env.persisters(), 10)
+    # 2. Stock-style resume (F1) to step 10, then kill -9 the node while checkpoint-10 is being persisted.
+    slow = {**snap_env.env, "SNAPCKPT_FAULT_WRITE_DELAY_SECS": "0.05"}
+    second = _run({"out": out, "steps": STEPS, "snap": True, "resume": True, "kill_at": 10, "die": "kill_node"},
+                  slow, expect_rc=-signal.SIGKILL)
+    _same_steps(_rows(second), ref, range(6, 11))  # E2/E3
+    assert not os.path.exists(os.path.join(out, "checkpoint-10"))
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert get_last_checkpoint(out) == os.path.join(out, "checkpoint-5")  # partial folders are ignored
+    assert wait_until(lambda: not snap_env.persisters(), 10)
+    # 3. Resume again: from checkpoint-5, bitwise equal to the uninterrupted run to the end.
+    third = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
+    _same_steps(_rows(third), ref, range(6, STEPS + 1))
+    assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-12", "checkpoint-5"]  # partials cleaned
+    for step in (10, 12):
+        _assert_same_folder(os.path.join(out, f"checkpoint-{step}"), os.path.join(ref_dir, f"checkpoint-{step}"))
+    # F3/E1: from_pretrained loads snapckpt's safetensors, tied again, nothing missing.
+    from transformers import GPT2LMHeadModel
+
+    model, info = GPT2LMHeadModel.from_pretrained(os.path.join(out, "checkpoint-12"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    saved = load_file(os.path.join(out, "checkpoint-12", "model.safetensors"))
+    assert "lm_head.weight" not in saved
+    for k, v in saved.items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_F1_callback_resumes_a_trainer_written_folder(snap_env, stock):
+    ref_dir, ref = stock
+    out = os.path.join(snap_env.tmp, "run")
+    shutil.copytree(ref_dir, out)
+    for step in (10, 12):
+        shutil.rmtree(os.path.join(out, f"checkpoint-{step}"))
+    facts = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
+    assert "materialized" not in facts
+    _same_steps(_rows(facts), ref, range(6, STEPS + 1))
+    _assert_same_folder(os.path.join(out, "checkpoint-10"), os.path.join(ref_dir, "checkpoint-10"))
+    assert not os.path.exists(os.path.join(out, "checkpoint-5", ".snapckpt"))  # the Trainer's folder untouched
+
+
+def test_memory_tier_resume_after_kill9(snap_env, stock):
+    _, ref = stock
+    out = os.path.join(snap_env.tmp, "run")
+    cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False}}
+    first = _run({**cfg, "kill_at": 8, "die": "kill"}, snap_env.env, expect_rc=-signal.SIGKILL)
+    _same_steps(_rows(first), ref, range(1, 9))
+    assert wait_until(lambda: os.path.isdir(os.path.join(out, "checkpoint-5")), 30)  # the persister lives on
+    assert not os.path.exists(os.path.join(out, "checkpoint-8"))
+    second = _run({**cfg, "resume": True}, snap_env.env)
+    assert second["materialized"] == [8, "memory"]
+    _same_steps(_rows(second), ref, range(9, STEPS + 1))
+
+
+def _timeless_state(folder, out):
+    """trainer_state.json without wall-clock values, with the run's output_dir as "OUT"."""
+    text = open(os.path.join(folder, "trainer_state.json")).read().replace(out, "OUT")
+    state = json.loads(text)
+    state["log_history"] = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+                            for e in state["log_history"]]
+    return state
+
+
+def test_rotation_best_model_E5_sharded(snap_env, tmp_path):
+    cfg = {"steps": 8, "save_steps": 2, "eval_best": True, "limit": 2, "tok": True}
+    stock_out, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
+    ref = _run({**cfg, "out": stock_out}, {})
+    mine = _run({**cfg, "out": out, "snap": True, "subclass_args": True, "shard": "40KB"}, snap_env.env)
+    _same_steps(_rows(mine), _rows(ref), range(1, 9))
+    assert sorted(os.listdir(out)) == sorted(os.listdir(stock_out))  # same folders rotated away and kept
+    assert ref["best"] and os.path.basename(mine["best"]) == os.path.basename(ref["best"])
+    assert os.path.basename(ref["best"]) != "checkpoint-8"  # the best is kept although older
+    assert mine["final_wte"] == ref["final_wte"]  # load_best_model_at_end found the committed folder
+    assert mine["args_class"] == "MyArgs" and mine["my_flag"] == "hello"  # E5
+    best = os.path.join(out, os.path.basename(mine["best"]))
+    names = _files(best)
+    shards = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")]
+    index = json.load(open(os.path.join(best, "model.safetensors.index.json")))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards, names
+    from transformers import GPT2LMHeadModel
+
+    ref_best = os.path.join(stock_out, os.path.basename(ref["best"]))
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert open(os.path.join(best, name), "rb").read() == open(os.path.join(ref_best, name), "rb").read(), name
+    assert _timeless_state(best, out) == _timeless_state(ref_best, stock_out)
+    a = GPT2LMHeadModel.from_pretrained(best).state_dict()
+    b = GPT2LMHeadModel.from_pretrained(os.path.join(stock_out, os.path.basename(ref["best"]))).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ddp_two_ranks_native_folder_and_memory_resume(snap_env, tmp_path):
+    ref_out, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
+    ref = _run({"out": ref_out, "steps": STEPS}, {}, nprocs=2)
+    cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False}}
+    first = _run({**cfg, "kill_at": 8, "die": "exit", "wait_for": "checkpoint-5"}, snap_env.env, nprocs=2)
+    for r in range(2):
+        _same_steps(_rows(first[r]), _rows(ref[0]), range(1, 9))
+    mine, theirs = os.path.join(out, "checkpoint-5"), os.path.join(ref_out, "checkpoint-5")
+    assert "rng_state_1.pth" in _files(mine)
+    _assert_same_folder(mine, theirs)
+    second = _run({**cfg, "resume": True}, snap_env.env, nprocs=2)
+    for r in range(2):
+        assert second[r]["materialized"] == [8, "memory"]
+        _same_steps(_rows(second[r]), _rows(ref[0]), range(9, STEPS + 1))
+    _assert_same_folder(os.path.join(out, "checkpoint-10"), os.path.join(ref_out, "checkpoint-10"))
+
+
+def _concat_bytes(spec):
+    return b"".join(p if isinstance(p, bytes) else p.contiguous().view(torch.uint8).flatten().numpy().tobytes()
+                    for p in spec.parts)
+
+
+def test_E1_tied_and_untied_embeddings_in_model_files():
+    """E1 without a Trainer: tied -> one tensor (``lm_head.weight`` dropped, as ``save_pretrained``); a
+    config that claims tying but separate tensors at runtime -> both saved with their own values."""
+    from safetensors.torch import load as st_load
+
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from hf_worker import build_model
+
+    from snapckpt.integrations.transformers_files import model_files
+
+    tied = build_model(tie=True)
+    files = model_files(tied)
+    got = st_load(_concat_bytes(files["model.safetensors"]))
+    assert "lm_head.weight" not in got and torch.equal(got["transformer.wte.weight"], tied.transformer.wte.weight)
+    assert json.loads(files["config.json"].data)["tie_word_embeddings"] is True
+
+    untied = build_model(tie=True)
+    untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach() * 2)  # untie at runtime
+    got = st_load(_concat_bytes(model_files(untied)["model.safetensors"]))
+    assert torch.equal(got["lm_head.weight"], untied.lm_head.weight)
+    assert torch.equal(got["transformer.wte.weight"], untied.transformer.wte.weight)
+
+
+def test_bad_input_is_refused_with_the_fix(snap_env):
+    from transformers import Trainer, TrainingArguments
+
+    from snapckpt.hf import SnapckptCallback
+
+    with pytest.raises(ValueError, match="save_total_limit"):
+        SnapckptCallback(keep_last=2)
+    with pytest.raises(ValueError, match="memory_interval_steps"):
+        SnapckptCallback(memory_interval_steps=0)
+    with pytest.raises(TypeError, match="unknown snapckpt option"):
+        SnapckptCallback(keep_lats=2)
+    args = TrainingArguments(output_dir=snap_env.ckpt_dir, save_strategy="best", metric_for_best_model="loss",
+                             eval_strategy="steps", eval_steps=1, report_to="none", use_cpu=True)
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from hf_worker import Tokens, build_model
+
+    with pytest.raises(ValueError, match="save_strategy='best'"):
+        Trainer(model=build_model(), args=args, eval_dataset=Tokens(n=4), callbacks=[SnapckptCallback()])
