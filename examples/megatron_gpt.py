@@ -103,6 +103,10 @@ def train_step(args, model, optimizer, sched, iteration):
         for p in model.parameters():
             torch.distributed.all_reduce(p.grad, group=ps.get_data_parallel_group())
             p.grad /= dp
+    if args.snapckpt:
+        from snapckpt.megatron_dist_ckpt import fence
+
+        fence()  # with --snapckpt-overlap: the last snapshot's copy ends before parameters change
     optimizer.step()
     sched.step(1)
     return loss.item()

@@ -49,7 +49,7 @@ from .megatron_state import (CONTENT_METADATA_KEY, apply_state, arg, build_state
                              megatron_lm_sharded_sd_metadata, restore_counters, restore_rng, same_tp_pp)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "checkpoint_dirname", "TRACKER",
-           "MEMORY_FILE", "close_all"]
+           "MEMORY_FILE", "close_all", "fence"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,14 @@ def get_checkpointer(checkpoint_dir: str, **options: Any) -> Checkpointer:
         options.setdefault("weights_only", False)
         ck = _checkpointers[key] = Checkpointer(key, **options)
     return ck
+
+
+def fence() -> None:
+    """Wait for the in-flight snapshot copies of every Checkpointer of this module: call it before
+    ``optimizer.step()`` when the Checkpointer runs with ``overlap=True`` (a no-op otherwise)."""
+    for ck in list(_checkpointers.values()):
+        if not ck._closed:
+            ck.fence()
 
 
 def close_all() -> None:

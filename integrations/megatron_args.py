@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     snapshots; 0: none), ``--snapckpt-disk-interval N`` (iterations between disk checkpoints; replaces
     ``--save-interval``; 0: keep ``--save-interval``), ``--snapckpt-keep-last K`` (committed checkpoints
     kept; default all), ``--snapckpt-shm-dir PATH`` (shared-memory directory, default ``/dev/shm``),
-    ``--snapckpt-on-slot-busy {wait,skip}`` (what a snapshot does when the persister is behind).
+    ``--snapckpt-on-slot-busy {wait,skip}`` (what a snapshot does when the persister is behind),
+    ``--snapckpt-overlap`` (the snapshot copy runs on a copy thread; see :func:`snapckpt.megatron_dist_ckpt.fence`).
     """
     g = parser.add_argument_group("snapckpt", "asynchronous checkpoints to memory and disk (snapckpt)")
     g.add_argument("--snapckpt", action="store_true", help="route save/load_checkpoint through snapckpt")
@@ -54,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--snapckpt-shm-dir", default=None, help="shared-memory directory (default /dev/shm)")
     g.add_argument("--snapckpt-on-slot-busy", choices=("wait", "skip"), default="wait",
                    help="when every arena slot is busy: wait for the persister, or skip the snapshot")
+    g.add_argument("--snapckpt-overlap", action="store_true",
+                   help="copy snapshots on a copy thread while training goes on (fenced before the next step)")
     return parser
 
 
@@ -74,6 +77,8 @@ def checkpointer_options(args: Any) -> dict:
         opts["keep_last"] = args.snapckpt_keep_last
     if getattr(args, "snapckpt_shm_dir", None):
         opts["shm_dir"] = args.snapckpt_shm_dir
+    if getattr(args, "snapckpt_overlap", False):
+        opts["overlap"] = True
     return opts
 
 
@@ -136,14 +141,19 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
     ``train_step`` returns, so the snapshot records them as the loop will have them: consumed samples plus
     this iteration's global batch, and the count of the last disk save plus Megatron-LM's
     ``num_floating_point_operations`` of each iteration since (0 where that function is missing).
+    With ``overlap=True`` the copy of a snapshot is fenced at the start of the next ``train_step`` (its
+    optimizer step is inside), so it overlaps only Megatron-LM's own work between two iterations.
     """
     from snapckpt import StorageType
+
+    from .megatron import fence
 
     interval = args.snapckpt_memory_interval
     flops = {"so_far": getattr(args, "num_floating_point_operations_so_far", 0) or 0}
 
     @functools.wraps(train_step)
     def wrapped(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw):
+        fence()  # an overlapped copy of the last snapshot ends before this iteration's optimizer step
         out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw)
         batch = _global_batch_size(args)
         flops["so_far"] = max(flops["so_far"], getattr(args, "num_floating_point_operations_so_far", 0) or 0)

@@ -6,6 +6,6 @@
 See :mod:`snapckpt.integrations.megatron` for the layout and the sequence of a save and a load.
 """
 from .events import StorageType
-from .integrations.megatron import close_all, get_checkpointer, load_checkpoint, save_checkpoint
+from .integrations.megatron import close_all, fence, get_checkpointer, load_checkpoint, save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "close_all", "StorageType"]
+__all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "fence", "close_all", "StorageType"]

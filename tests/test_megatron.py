@@ -78,14 +78,16 @@ def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
     assert got and int(got[0].split()[1]) > 20 and got[0].endswith("None"), o
 
 
-@pytest.mark.parametrize("tp,opt", [(1, "adam"), (2, "megatron")], ids=["tp1dp2-adam", "tp2dp1-mcore-opt"])
-def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt):
+@pytest.mark.parametrize("tp,opt,overlap", [(1, "adam", False), (2, "megatron", True)],
+                         ids=["tp1dp2-adam", "tp2dp1-mcore-opt-overlap"])
+def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overlap):
     """Uninterrupted 8 iterations vs: memory snapshots every iteration and disk every 4; every rank is
     SIGKILLed after iteration 6, restarted (resumes from memory at 6), SIGKILLed after 7; then the persister
     is killed too (the node lost its memory) and the restart resumes from disk at 4. Every rank's loss of
-    every iteration after a resume equals the uninterrupted run's, bit for bit."""
+    every iteration after a resume equals the uninterrupted run's, bit for bit. The second configuration
+    copies snapshots on the core's copy thread (``overlap=True``, fenced before each optimizer step)."""
     base = ["--mode", "train", "--tp", str(tp), "--opt", opt, "--steps", "8", "--mem-interval", "1",
-            "--disk-interval", "4"]
+            "--disk-interval", "4"] + (["--overlap"] if overlap else [])
     straight = run_ranks(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")], snap_env.env,
                          timeout=240)
     ref = [dict(l.split() for l in r) for r in _rank_results(straight, "LOSS")]
@@ -128,8 +130,8 @@ def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
     off = parser.parse_args([])
     assert (off.snapckpt, off.snapckpt_memory_interval, off.snapckpt_disk_interval) == (False, 0, 0)
     on = parser.parse_args(["--snapckpt", "--snapckpt-memory-interval", "5", "--snapckpt-disk-interval", "50",
-                            "--snapckpt-keep-last", "2", "--snapckpt-on-slot-busy", "skip"])
-    assert sm.checkpointer_options(on) == {"on_slot_busy": "skip", "keep_last": 2}
+                            "--snapckpt-keep-last", "2", "--snapckpt-on-slot-busy", "skip", "--snapckpt-overlap"])
+    assert sm.checkpointer_options(on) == {"on_slot_busy": "skip", "keep_last": 2, "overlap": True}
     with pytest.raises(SystemExit):
         parser.parse_args(["--snapckpt-memory-interval", "-1"])
     r = sm.enable(off)

@@ -71,6 +71,9 @@ def train_step(model, optimizer, sched, step: int) -> float:
             p.grad /= dp
         if hasattr(optimizer, "config"):  # megatron-core optimizers read main_grad
             p.main_grad = p.grad
+    from snapckpt.megatron_dist_ckpt import fence
+
+    fence()  # overlap=True: the snapshot copy of the last save ends before parameters change
     with megatron_cpu.cuda_tensors_on_cpu():
         optimizer.step()
     sched.step(1)
@@ -96,8 +99,9 @@ def mode_train(a):
     from snapckpt.megatron_dist_ckpt import close_all, get_checkpointer, load_checkpoint, save_checkpoint
 
     model, optimizer, sched = build(a.tp, a.opt)
-    it, flops = load_checkpoint(model, optimizer, sched, load_dir=a.ckpt)
+    it, flops = load_checkpoint(model, optimizer, sched, load_dir=a.ckpt, overlap=a.overlap)
     ck = get_checkpointer(a.ckpt)
+    assert ck.options.overlap == a.overlap
     tier = ck.last_load.tier.value if it and ck.last_load else "none"
     print(f"RESULT RESUMED {it} {tier}", flush=True)
     while it < a.steps:
@@ -233,6 +237,7 @@ def main():
     p.add_argument("--mem-interval", type=int, default=0)
     p.add_argument("--disk-interval", type=int, default=0)
     p.add_argument("--kill-after", type=int, default=-1)
+    p.add_argument("--overlap", action="store_true", help="Checkpointer(overlap=True): overlapped copies")
     a = p.parse_args()
     megatron_cpu.install(force=True)
     torch.distributed.init_process_group("gloo")
