@@ -163,3 +163,17 @@ def test_flag_memory_snapshot_schedule():
         assert step(None, None, "model", "opt", "sched", "config") == ("loss", "model")
         args.consumed_train_samples += 8  # what Megatron-LM's loop does after train_step
     assert saves == [(2, "model", StorageType.MEMORY, 16), (6, "model", StorageType.MEMORY, 48)]
+
+
+def test_bad_input_names_the_fix():
+    """Without Megatron-LM's args a directory must be given; a bad iteration is refused before any
+    collective or file is touched."""
+    from snapckpt.megatron_dist_ckpt import load_checkpoint, save_checkpoint
+
+    with pytest.raises(ValueError, match="save_dir="):
+        save_checkpoint(1, [], None, None, 0)
+    with pytest.raises(ValueError, match="load_dir="):
+        load_checkpoint([], None, None)
+    with pytest.raises(ValueError, match="iteration must be an int >= 0"):
+        save_checkpoint(-1, [], None, None, 0, save_dir="/nonexistent/never-created")
+    assert not os.path.exists("/nonexistent/never-created")
