@@ -715,13 +715,17 @@ def _fs_type(path: str) -> Optional[str]:
 
 
 def _check_file_name(name: Any) -> None:
-    """A file of a step: one non-hidden path component, or ``.snapckpt/<component>`` for an integration's
-    own sidecar files (which native loaders ignore)."""
-    rest = name[len(SIDECAR) + 1:] if isinstance(name, str) and name.startswith(SIDECAR + "/") else name
-    if (not isinstance(rest, str) or not rest or "/" in rest or "\\" in rest or rest.startswith(".")
-            or rest == "manifest.json" or rest.startswith(("part_", "fail_")) or any(ord(c) < 32 for c in rest)):
-        raise ValueError(f"file name {name!r} must be one non-hidden path component (or "
-                         f"'{SIDECAR}/<name>' for a sidecar file)")
+    """A file of a step: one path component, or ``.snapckpt/<component>`` for an integration's own sidecar
+    files (which native loaders ignore). A top-level name may be hidden, since native layouts use such
+    names (torch DCP's ``.metadata``); ``.``, ``..`` and ``.snapckpt*`` are reserved."""
+    sidecar = isinstance(name, str) and name.startswith(SIDECAR + "/")
+    rest = name[len(SIDECAR) + 1:] if sidecar else name
+    if (not isinstance(rest, str) or not rest or "/" in rest or "\\" in rest or rest in (".", "..")
+            or (sidecar and rest.startswith(".")) or (not sidecar and rest.startswith(SIDECAR))
+            or (sidecar and (rest == "manifest.json" or rest.startswith(("part_", "fail_"))))
+            or any(ord(c) < 32 for c in rest)):
+        raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
+                         f"'{SIDECAR}*' (or '{SIDECAR}/<name>' for a sidecar file)")
 
 
 def _check_step(step: Any) -> None:

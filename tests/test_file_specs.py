@@ -87,7 +87,20 @@ def test_empty_part_and_bad_specs(snap_env):
             Concat([big.view(5, 8).t()])
         with pytest.raises(SnapshotError, match="share memory"):
             safetensors_file({"a": big, "b": big})
-        with pytest.raises(ValueError, match="one non-hidden path component"):
+        with pytest.raises(ValueError, match="one path component"):
             ck._save_files({"../x.pt": {}}, 2, StorageType.DISK, dirname="d2", tracker_name=None)
+        with pytest.raises(ValueError, match="one path component"):
+            ck._save_files({".snapckpt": {}}, 2, StorageType.DISK, dirname="d2", tracker_name=None)
         with pytest.raises(ValueError, match="single directory name"):
             ck._save_files({"x.pt": {}}, 2, StorageType.DISK, dirname="../d2", tracker_name=None)
+
+
+def test_hidden_native_file_names(snap_env):
+    """Native layouts use hidden names (torch DCP's ``.metadata``): written and listed in the manifest."""
+    with Checkpointer(snap_env.ckpt_dir) as ck:
+        ck._save_files({".metadata": RawBytes(b"meta")}, 1, StorageType.DISK, dirname="iter_0000001",
+                       tracker_name=None).wait()
+        d = os.path.join(snap_env.ckpt_dir, "iter_0000001")
+        assert open(os.path.join(d, ".metadata"), "rb").read() == b"meta"
+        files, _ = ck._load_with(lambda c: c.files())
+        assert files == {".metadata": b"meta"}

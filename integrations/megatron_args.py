@@ -1,0 +1,190 @@
+"""The ``--snapckpt`` flag for Megatron-LM: argparse options and the switch that routes checkpoints.
+
+Megatron-LM has no checkpoint-engine hook: its training loop calls ``save_checkpoint`` /
+``load_checkpoint`` imported into ``megatron.training.training`` from ``megatron.training.checkpointing``.
+:func:`enable` therefore rebinds those two names in both modules (the only seam there is), and wraps
+``megatron.training.training.train_step`` to take a MEMORY snapshot every ``--snapckpt-memory-interval``
+iterations. ``--snapckpt-disk-interval`` becomes Megatron-LM's ``--save-interval``: its own loop saves to
+disk, through snapckpt, at those iterations.
+
+Usage in a Megatron-LM pretraining script::
+
+    import snapckpt.megatron
+    pretrain(..., extra_args_provider=snapckpt.megatron.add_arguments)   # before initialize_megatron
+    snapckpt.megatron.enable(get_args())                                   # after it, before training
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+__all__ = ["add_arguments", "enable", "EnableResult"]
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add snapckpt's options to ``parser`` and return it (usable as Megatron-LM's ``extra_args_provider``).
+
+    Options: ``--snapckpt`` (on/off), ``--snapckpt-memory-interval N`` (iterations between memory
+    snapshots; 0: none), ``--snapckpt-disk-interval N`` (iterations between disk checkpoints; replaces
+    ``--save-interval``; 0: keep ``--save-interval``), ``--snapckpt-keep-last K`` (committed checkpoints
+    kept; default all), ``--snapckpt-shm-dir PATH`` (shared-memory directory, default ``/dev/shm``),
+    ``--snapckpt-on-slot-busy {wait,skip}`` (what a snapshot does when the persister is behind),
+    ``--snapckpt-overlap`` (the snapshot copy runs on a copy thread; see :func:`snapckpt.megatron_dist_ckpt.fence`).
+    """
+    g = parser.add_argument_group("snapckpt", "asynchronous checkpoints to memory and disk (snapckpt)")
+    g.add_argument("--snapckpt", action="store_true", help="route save/load_checkpoint through snapckpt")
+    g.add_argument("--snapckpt-memory-interval", type=_positive_int, default=0,
+                   help="iterations between memory snapshots (0: none)")
+    g.add_argument("--snapckpt-disk-interval", type=_positive_int, default=0,
+                   help="iterations between disk checkpoints (replaces --save-interval; 0: keep it)")
+    g.add_argument("--snapckpt-keep-last", type=_positive_int, default=None,
+                   help="committed checkpoints to keep (default: all)")
+    g.add_argument("--snapckpt-shm-dir", default=None, help="shared-memory directory (default /dev/shm)")
+    g.add_argument("--snapckpt-on-slot-busy", choices=("wait", "skip"), default="wait",
+                   help="when every arena slot is busy: wait for the persister, or skip the snapshot")
+    g.add_argument("--snapckpt-overlap", action="store_true",
+                   help="copy snapshots on a copy thread while training goes on (fenced before the next step)")
+    return parser
+
+
+@dataclass(frozen=True)
+class EnableResult:
+    """What :func:`enable` did: ``enabled`` (routed or not), ``reason`` (one sentence), ``routed`` (the
+    names rebound, e.g. ``megatron.training.training.save_checkpoint``)."""
+
+    enabled: bool
+    reason: str
+    routed: Tuple[str, ...] = ()
+
+
+def checkpointer_options(args: Any) -> dict:
+    """Checkpointer options from the parsed flags."""
+    opts: dict = {"on_slot_busy": getattr(args, "snapckpt_on_slot_busy", "wait") or "wait"}
+    if getattr(args, "snapckpt_keep_last", None) is not None:
+        opts["keep_last"] = args.snapckpt_keep_last
+    if getattr(args, "snapckpt_shm_dir", None):
+        opts["shm_dir"] = args.snapckpt_shm_dir
+    if getattr(args, "snapckpt_overlap", False):
+        opts["overlap"] = True
+    return opts
+
+
+def enable(args: Any) -> EnableResult:
+    """Route Megatron-LM's checkpointing through snapckpt when ``args.snapckpt`` is set; say what happened.
+
+    Returns an :class:`EnableResult` and logs it (INFO when routed, WARNING when the flag is on but nothing
+    could be routed). Nothing is changed when the flag is off or Megatron-LM (``megatron.training``) is
+    not importable; then call :func:`snapckpt.megatron_dist_ckpt.save_checkpoint` /
+    ``load_checkpoint`` from your own loop.
+
+    Raises:
+        ValueError: the flag is on but ``args`` has no ``save`` directory.
+    """
+    if not getattr(args, "snapckpt", False):
+        result = EnableResult(False, "--snapckpt is off: Megatron-LM checkpoints as usual")
+        log.info("snapckpt: %s", result.reason)
+        return result
+    try:
+        import megatron.training.checkpointing as mcheckpointing  # type: ignore[import-not-found]
+        import megatron.training.training as mtraining  # type: ignore[import-not-found]
+    except ImportError as e:
+        result = EnableResult(False, f"--snapckpt is on but Megatron-LM is not importable ({e}); nothing was "
+                                     "routed: call snapckpt.megatron_dist_ckpt.save_checkpoint/load_checkpoint "
+                                     "from your training loop")
+        log.warning("snapckpt: %s", result.reason)
+        return result
+    if not getattr(args, "save", None):
+        raise ValueError("--snapckpt needs --save (the checkpoint directory)")
+    from .megatron import close_all, load_checkpoint, save_checkpoint
+
+    opts = checkpointer_options(args)
+    save = functools.partial(save_checkpoint, **opts)
+    load = functools.partial(load_checkpoint, **opts)
+    routed = []
+    for mod, name in ((mcheckpointing, "megatron.training.checkpointing"), (mtraining, "megatron.training.training")):
+        for fn_name, fn in (("save_checkpoint", save), ("load_checkpoint", load)):
+            if hasattr(mod, fn_name):
+                setattr(mod, fn_name, fn)
+                routed.append(f"{name}.{fn_name}")
+    if getattr(args, "snapckpt_disk_interval", 0):
+        args.save_interval = args.snapckpt_disk_interval
+    if getattr(args, "snapckpt_memory_interval", 0) and hasattr(mtraining, "train_step"):
+        mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save)
+        routed.append("megatron.training.training.train_step")
+    atexit.register(close_all)
+    result = EnableResult(True, f"checkpoints go through snapckpt (memory every "
+                                f"{args.snapckpt_memory_interval or 'never'}, disk every "
+                                f"{getattr(args, 'save_interval', None)} iterations)", tuple(routed))
+    log.info("snapckpt: %s; rebound %s", result.reason, ", ".join(routed))
+    return result
+
+
+def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
+    """``train_step`` followed, every ``args.snapckpt_memory_interval`` iterations, by a MEMORY snapshot.
+
+    Megatron-LM's ``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+    config, ...)`` runs iteration ``args.curr_iteration``; the snapshot is of the state after it. Megatron-LM's
+    loop advances ``args.consumed_train_samples`` and its floating-point-operation count only after
+    ``train_step`` returns, so the snapshot records them as the loop will have them: consumed samples plus
+    this iteration's global batch, and the count of the last disk save plus Megatron-LM's
+    ``num_floating_point_operations`` of each iteration since (0 where that function is missing).
+    With ``overlap=True`` the copy of a snapshot is fenced at the start of the next ``train_step`` (its
+    optimizer step is inside), so it overlaps only Megatron-LM's own work between two iterations.
+    """
+    from snapckpt import StorageType
+
+    from .megatron import fence
+
+    interval = args.snapckpt_memory_interval
+    flops = {"so_far": getattr(args, "num_floating_point_operations_so_far", 0) or 0}
+
+    @functools.wraps(train_step)
+    def wrapped(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw):
+        fence()  # an overlapped copy of the last snapshot ends before this iteration's optimizer step
+        out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw)
+        batch = _global_batch_size(args)
+        flops["so_far"] = max(flops["so_far"], getattr(args, "num_floating_point_operations_so_far", 0) or 0)
+        flops["so_far"] += _iteration_flops(args, batch)
+        done = getattr(args, "curr_iteration", -1) + 1
+        disk = getattr(args, "save_interval", None)
+        if done > 0 and done % interval == 0 and not (disk and done % disk == 0):
+            after = argparse.Namespace(**vars(args))
+            after.consumed_train_samples = (getattr(args, "consumed_train_samples", 0) or 0) + batch
+            save(done, model, optimizer, opt_param_scheduler, flops["so_far"], storage_type=StorageType.MEMORY,
+                 args=after)
+        return out
+
+    return wrapped
+
+
+def _global_batch_size(args: Any) -> int:
+    """Samples of one iteration, as Megatron-LM's loop counts them."""
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return ps.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+    except Exception:  # not initialized the Megatron-LM way
+        return getattr(args, "global_batch_size", 0) or 0
+
+
+def _iteration_flops(args: Any, batch: int) -> int:
+    try:
+        from megatron.training.training import num_floating_point_operations  # type: ignore[import-not-found]
+
+        return int(num_floating_point_operations(args, batch))
+    except Exception:
+        return 0

@@ -1,0 +1,11 @@
+"""The ``--snapckpt`` flag for Megatron-LM (see :mod:`snapckpt.integrations.megatron_args`).
+
+    import snapckpt.megatron
+    pretrain(..., extra_args_provider=snapckpt.megatron.add_arguments)
+    snapckpt.megatron.enable(get_args())    # routes save/load_checkpoint through snapckpt, or says why not
+
+The drop-in functions themselves are in :mod:`snapckpt.megatron_dist_ckpt`.
+"""
+from .integrations.megatron_args import EnableResult, add_arguments, checkpointer_options, enable
+
+__all__ = ["add_arguments", "enable", "EnableResult", "checkpointer_options"]

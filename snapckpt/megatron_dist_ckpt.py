@@ -1,0 +1,11 @@
+"""Drop-in replacements for Megatron-LM's checkpoint functions (torch_dist format, through snapckpt).
+
+    # from megatron.training.checkpointing import save_checkpoint, load_checkpoint
+    from snapckpt.megatron_dist_ckpt import save_checkpoint, load_checkpoint
+
+See :mod:`snapckpt.integrations.megatron` for the layout and the sequence of a save and a load.
+"""
+from .events import StorageType
+from .integrations.megatron import close_all, fence, get_checkpointer, load_checkpoint, save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "fence", "close_all", "StorageType"]

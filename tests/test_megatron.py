@@ -1,0 +1,179 @@
+"""Megatron integration: torch_dist layout, round trips with stock megatron-core, resharding, resume.
+
+A tiny megatron-core ``GPTModel`` on 2 ranks under gloo (``tests/workers/megatron_worker.py``; the CUDA
+calls megatron-core makes are redirected to the CPU by ``tests/workers/megatron_cpu.py``, which only
+stands in for the missing GPU). Cases: F1 (stock ``dist_checkpointing.load`` reads snapckpt's directory,
+snapckpt's ``load_checkpoint`` reads megatron-core's), F2 (the same file set as a stock save), F4 (saved at
+TP=1/DP=2, loaded at TP=2/DP=1: every shard equals the original), E2 (per-step losses after ``kill -9`` and
+resume equal the uninterrupted run's, from memory and from disk), B8 (memory-only snapshots survive the
+death of every rank).
+
+Optimizers: a plain ``torch.optim.Adam`` (TP=1/DP=2) and megatron-core's ``get_megatron_optimizer``
+(``FP32Optimizer``, TP=2). megatron-core's *distributed* optimizer is not covered: it does not run on the
+CPU (``DistributedOptimizer`` checks ``param.type()`` against ``torch.cuda.FloatTensor`` /
+``torch.cuda.HalfTensor`` / ``torch.cuda.BFloat16Tensor`` and raises for CPU tensors, PLATFORM.md), so its
+flattened-range shards are saved by the same code path (megatron-core's planner) but untested here.
+"""
+import os
+import pickle
+import signal
+
+import pytest
+
+from _harness import finish, launch, result_lines, run_ranks, wait_until
+
+WORKER = "megatron_worker.py"
+
+
+def _rank_results(outs, tag):
+    return [[l.split(None, 1)[1] if " " in l else "" for l in result_lines(o) if l.split()[0] == tag]
+            for o in outs]
+
+
+def _files(path):
+    return sorted(n for n in os.listdir(path) if n != ".snapckpt")
+
+
+def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
+    """F1/F2: snapckpt's iter_0000002 has exactly the files of a stock torch_dist save (the same
+    ``.distcp`` sizes), loads with stock ``dist_checkpointing.load``; snapckpt loads a stock directory.
+    Saves 3-5 with ``assume_constant_structure`` (cached DCP plans) load the same way; in a directory where
+    megatron-core saved (natively) after snapckpt, the newer native checkpoint is the one loaded.
+    F4: the newest (TP=1, DP=2) loads at TP=2, DP=1 (2 ranks) and at world size 1 with every model and
+    optimizer shard equal."""
+    ck, native, ref = snap_env.ckpt_dir, os.path.join(snap_env.tmp, "native"), os.path.join(snap_env.tmp, "ref.pt")
+    outs = run_ranks(WORKER, 2, ["--mode", "layout", "--tp", "1", "--ckpt", ck, "--native", native, "--out", ref],
+                     snap_env.env, timeout=240)
+    for o in outs:
+        want = {"STOCK_LOADS_SNAPCKPT ok", "SNAPCKPT_LOADS_NATIVE ok", "CACHED_PLANS_LOAD ok",
+                "NEWER_NATIVE_WINS ok"}
+        assert want <= set(result_lines(o)), o
+    mine, theirs = os.path.join(ck, "iter_0000002"), os.path.join(native, "iter_0000002")
+    assert _files(mine) == _files(theirs) == [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt",
+                                              "metadata.json"]
+    for name in ("__0_0.distcp", "__0_1.distcp", "metadata.json"):
+        assert os.path.getsize(os.path.join(mine, name)) == os.path.getsize(os.path.join(theirs, name)), name
+    assert open(os.path.join(mine, "metadata.json")).read() == open(os.path.join(theirs, "metadata.json")).read()
+    # .metadata: the same tensors and objects, every item at the same (file, offset, length)
+    with open(os.path.join(mine, ".metadata"), "rb") as f:
+        a = pickle.load(f)
+    with open(os.path.join(theirs, ".metadata"), "rb") as f:
+        b = pickle.load(f)
+    assert a.state_dict_metadata == b.state_dict_metadata
+    assert getattr(a, "mcore_data", None) == getattr(b, "mcore_data", None)
+    assert {k: (v.relative_path, v.offset, v.length) for k, v in a.storage_data.items()} == \
+        {k: (v.relative_path, v.offset, v.length) for k, v in b.storage_data.items()}
+    assert a.storage_meta.checkpoint_id == mine
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "5"
+    assert sorted(os.listdir(ck)) == [f"iter_000000{i}" for i in range(2, 6)] + ["latest_checkpointed_iteration.txt"]
+
+    outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref], snap_env.env,
+                     timeout=240)
+    for o in outs:  # same world size: a snapckpt disk candidate, loaded by the stock loader
+        got = [l for l in result_lines(o) if l.startswith("RESHARD_EQUAL")]
+        assert got and int(got[0].split()[1]) > 20 and "DISK" in got[0], o
+    (o,) = run_ranks(WORKER, 1, ["--mode", "reshard", "--tp", "1", "--ckpt", ck, "--out", ref], snap_env.env,
+                     timeout=240)
+    got = [l for l in result_lines(o) if l.startswith("RESHARD_EQUAL")]  # world size 1: through the tracker
+    assert got and int(got[0].split()[1]) > 20 and got[0].endswith("None"), o
+
+
+@pytest.mark.parametrize("tp,opt,overlap", [(1, "adam", False), (2, "megatron", True)],
+                         ids=["tp1dp2-adam", "tp2dp1-mcore-opt-overlap"])
+def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overlap):
+    """Uninterrupted 8 iterations vs: memory snapshots every iteration and disk every 4; every rank is
+    SIGKILLed after iteration 6, restarted (resumes from memory at 6), SIGKILLed after 7; then the persister
+    is killed too (the node lost its memory) and the restart resumes from disk at 4. Every rank's loss of
+    every iteration after a resume equals the uninterrupted run's, bit for bit. The second configuration
+    copies snapshots on the core's copy thread (``overlap=True``, fenced before each optimizer step)."""
+    base = ["--mode", "train", "--tp", str(tp), "--opt", opt, "--steps", "8", "--mem-interval", "1",
+            "--disk-interval", "4"] + (["--overlap"] if overlap else [])
+    straight = run_ranks(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")], snap_env.env,
+                         timeout=240)
+    ref = [dict(l.split() for l in r) for r in _rank_results(straight, "LOSS")]
+    assert all(len(r) == 8 for r in ref)
+
+    def run(kill_after):
+        procs = launch(WORKER, 2, base + ["--ckpt", snap_env.ckpt_dir, "--kill-after", str(kill_after)],
+                       snap_env.env)
+        outs = finish(procs, timeout=240)
+        want = -signal.SIGKILL if kill_after > 0 else 0
+        assert [p.returncode for p in procs] == [want, want], outs
+        return outs
+
+    outs = run(6)
+    assert all("LOSS 6" in " ".join(result_lines(o)) and "LOSS 7" not in " ".join(result_lines(o)) for o in outs)
+    outs = run(7)  # persister alive: every rank holds iteration 6 in memory
+    for r, o in enumerate(outs):
+        assert "RESUMED 6 memory" in result_lines(o), o
+        assert dict(l.split() for l in _rank_results([o], "LOSS")[0]) == {"7": ref[r]["7"]}
+    snap_env.kill_persisters()
+    assert wait_until(lambda: not snap_env.persisters(), 10)
+    outs = run(-1)  # memory lost: the newest committed directory is iter_0000004
+    for r, o in enumerate(outs):
+        assert "RESUMED 4 disk" in result_lines(o), o
+        got = dict(l.split() for l in _rank_results([o], "LOSS")[0])
+        assert got == {k: ref[r][k] for k in ("5", "6", "7", "8")}, (r, got, ref[r])
+    assert open(os.path.join(snap_env.ckpt_dir, "latest_checkpointed_iteration.txt")).read() == "8"
+    assert os.path.exists(os.path.join(snap_env.ckpt_dir, "iter_0000008", ".metadata"))
+
+
+def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
+    """``add_arguments`` works as Megatron-LM's ``extra_args_provider``; ``enable`` does nothing with the
+    flag off, and with it on says that Megatron-LM (``megatron.training``) is not importable here."""
+    import argparse
+    import logging
+
+    import snapckpt.megatron as sm
+
+    parser = sm.add_arguments(argparse.ArgumentParser())
+    off = parser.parse_args([])
+    assert (off.snapckpt, off.snapckpt_memory_interval, off.snapckpt_disk_interval) == (False, 0, 0)
+    on = parser.parse_args(["--snapckpt", "--snapckpt-memory-interval", "5", "--snapckpt-disk-interval", "50",
+                            "--snapckpt-keep-last", "2", "--snapckpt-on-slot-busy", "skip", "--snapckpt-overlap"])
+    assert sm.checkpointer_options(on) == {"on_slot_busy": "skip", "keep_last": 2, "overlap": True}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--snapckpt-memory-interval", "-1"])
+    r = sm.enable(off)
+    assert not r.enabled and "off" in r.reason and r.routed == ()
+    with caplog.at_level(logging.WARNING):
+        r = sm.enable(on)
+    assert not r.enabled and "Megatron-LM is not importable" in r.reason and r.routed == ()
+    assert "not importable" in caplog.text
+
+
+def test_flag_memory_snapshot_schedule():
+    """The ``train_step`` wrapper ``enable`` installs: a MEMORY snapshot after every
+    ``--snapckpt-memory-interval``-th iteration except where Megatron-LM's own disk save falls, recording
+    the consumed samples as Megatron-LM's loop will have them after the iteration (one global batch on).
+    ``train_step`` here is a plain function with Megatron-LM's signature (Megatron-LM is not installable)."""
+    import argparse
+
+    from snapckpt import StorageType
+    from snapckpt.integrations.megatron_args import _with_memory_snapshots
+
+    args = argparse.Namespace(snapckpt_memory_interval=2, save_interval=4, consumed_train_samples=0,
+                              global_batch_size=8, num_floating_point_operations_so_far=0)
+    saves = []
+    step = _with_memory_snapshots(lambda f, d, m, o, s, *rest: ("loss", m),
+                                  args, lambda it, m, o, s, fl, storage_type, args: saves.append(
+                                      (it, m, storage_type, args.consumed_train_samples)))
+    for it in range(6):
+        args.curr_iteration = it
+        assert step(None, None, "model", "opt", "sched", "config") == ("loss", "model")
+        args.consumed_train_samples += 8  # what Megatron-LM's loop does after train_step
+    assert saves == [(2, "model", StorageType.MEMORY, 16), (6, "model", StorageType.MEMORY, 48)]
+
+
+def test_bad_input_names_the_fix():
+    """Without Megatron-LM's args a directory must be given; a bad iteration is refused before any
+    collective or file is touched."""
+    from snapckpt.megatron_dist_ckpt import load_checkpoint, save_checkpoint
+
+    with pytest.raises(ValueError, match="save_dir="):
+        save_checkpoint(1, [], None, None, 0)
+    with pytest.raises(ValueError, match="load_dir="):
+        load_checkpoint([], None, None)
+    with pytest.raises(ValueError, match="iteration must be an int >= 0"):
+        save_checkpoint(-1, [], None, None, 0, save_dir="/nonexistent/never-created")
+    assert not os.path.exists("/nonexistent/never-created")

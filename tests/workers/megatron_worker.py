@@ -1,0 +1,250 @@
+"""Worker for tests/test_megatron.py: a tiny megatron-core GPT trained on the CPU under gloo.
+
+Modes (``--mode``):
+- ``train``: resume with ``load_checkpoint`` if anything is there, train to ``--steps`` with memory/disk
+  saves through ``save_checkpoint``; print ``RESULT LOSS <iteration> <loss>`` per step and
+  ``RESULT RESUMED <iteration> <tier>``; with ``--kill-after N`` every rank SIGKILLs itself after
+  iteration N's saves (DISK ones committed first).
+- ``layout``: train 2 steps, save iteration 2 with snapckpt (``--ckpt``) and with stock
+  ``dist_checkpointing.save`` (``--native``, Megatron-LM's layout and tracker), then check both ways:
+  stock ``dist_checkpointing.load`` of snapckpt's directory and snapckpt's ``load_checkpoint`` of the
+  native one restore every tensor, the iteration and the flop count; write the reference shards
+  (``--out``) for ``reshard``.
+- ``reshard``: build the model at ``--tp``, load ``--ckpt`` with ``load_checkpoint`` and compare every
+  local shard (model and optimizer state) with the reference written by ``layout``.
+"""
+import argparse
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megatron_cpu  # noqa: E402  (stands in for the missing GPU)
+
+VOCAB, SEQ, BATCH = 64, 16, 2
+
+
+def build(tp: int, opt_kind: str):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model = megatron_cpu.tiny_gpt(tp, vocab=VOCAB, seq=SEQ)
+    if opt_kind == "megatron":
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        model.ddp_config = DistributedDataParallelConfig()  # read by get_megatron_optimizer; no DDP wrapper
+        with megatron_cpu.cuda_tensors_on_cpu():
+            config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=0.0)
+            optimizer = get_megatron_optimizer(config, [model])
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
+                                    lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                    wd_incr_steps=20, wd_incr_style="constant")
+    return model, optimizer, sched
+
+
+def batch(step: int):
+    from megatron.core import parallel_state as ps
+
+    g = torch.Generator().manual_seed(1000 * step + ps.get_data_parallel_rank())
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    return tokens, pos, mask, tokens.roll(-1, dims=1)
+
+
+def train_step(model, optimizer, sched, step: int) -> float:
+    from megatron.core import parallel_state as ps
+
+    tokens, pos, mask, labels = batch(step)
+    optimizer.zero_grad()
+    loss = model(tokens, pos, mask, labels=labels).float().mean()
+    loss.backward()
+    dp = ps.get_data_parallel_world_size()
+    for p in model.parameters():
+        if p.grad is not None and dp > 1:
+            torch.distributed.all_reduce(p.grad, group=ps.get_data_parallel_group())
+            p.grad /= dp
+        if hasattr(optimizer, "config"):  # megatron-core optimizers read main_grad
+            p.main_grad = p.grad
+    from snapckpt.megatron_dist_ckpt import fence
+
+    fence()  # overlap=True: the snapshot copy of the last save ends before parameters change
+    with megatron_cpu.cuda_tensors_on_cpu():
+        optimizer.step()
+    sched.step(1)
+    return loss.item()
+
+
+def shards(model, optimizer) -> dict:
+    """{(key, global_offset): local data} of every ShardedTensor of the model and optimizer state."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from snapckpt.integrations.megatron_state import build_state_dict
+
+    sd = build_state_dict(None, model, optimizer, None, 0, 0, is_loading=False, with_optimizer=True, with_rng=False)
+    out = {}
+    for sh in nested_values(sd):
+        if isinstance(sh, ShardedTensor):
+            out[(sh.key, tuple(sh.global_offset), sh.prepend_axis_num)] = sh.data.detach().clone()
+    return out
+
+
+def mode_train(a):
+    from snapckpt import StorageType
+    from snapckpt.megatron_dist_ckpt import close_all, get_checkpointer, load_checkpoint, save_checkpoint
+
+    model, optimizer, sched = build(a.tp, a.opt)
+    it, flops = load_checkpoint(model, optimizer, sched, load_dir=a.ckpt, overlap=a.overlap)
+    ck = get_checkpointer(a.ckpt)
+    assert ck.options.overlap == a.overlap
+    tier = ck.last_load.tier.value if it and ck.last_load else "none"
+    print(f"RESULT RESUMED {it} {tier}", flush=True)
+    while it < a.steps:
+        loss = train_step(model, optimizer, sched, it)
+        it += 1
+        flops += 10
+        print(f"RESULT LOSS {it} {loss:.10f}", flush=True)
+        if a.disk_interval and it % a.disk_interval == 0:
+            save_checkpoint(it, [model], optimizer, sched, flops, save_dir=a.ckpt)
+        elif a.mem_interval and it % a.mem_interval == 0:
+            save_checkpoint(it, [model], optimizer, sched, flops, save_dir=a.ckpt, storage_type=StorageType.MEMORY)
+        if it == a.kill_after:
+            ck.wait()
+            torch.distributed.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+    close_all()
+
+
+def _equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: keys differ {set(a) ^ set(b)}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def mode_layout(a):
+    from megatron.core import dist_checkpointing
+    from snapckpt.integrations.megatron_state import build_state_dict
+    from snapckpt.megatron_dist_ckpt import close_all, load_checkpoint, save_checkpoint
+
+    rank = torch.distributed.get_rank()
+    model, optimizer, sched = build(a.tp, a.opt)
+    for step in range(2):
+        train_step(model, optimizer, sched, step)
+    ref = shards(model, optimizer)
+    sched_ref = sched.state_dict()
+    meta = {"singleton_local_shards": False}  # Megatron-LM's sharded_sd_metadata -> content_metadata
+    save_checkpoint(2, [model], optimizer, sched, 1234, save_dir=a.ckpt, sharded_sd_metadata=meta).wait()
+    # Stock megatron-core save of the same state, in Megatron-LM's layout.
+    native_iter = os.path.join(a.native, "iter_0000002")
+    os.makedirs(native_iter, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(build_state_dict(None, [model], optimizer, sched, 2, 1234, False, True, True, meta),
+                            native_iter)
+    if rank == 0:
+        with open(os.path.join(a.native, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+        torch.save({k: v for k, v in ref.items()}, a.out)
+    torch.distributed.barrier()
+
+    # stock loader <- snapckpt's directory
+    m2, o2, s2 = build(a.tp, a.opt)
+    fresh = build_state_dict(None, [m2], o2, s2, 0, 0, True, True, True)
+    loaded = dist_checkpointing.load(fresh, os.path.join(a.ckpt, "iter_0000002"))
+    m2.load_state_dict(loaded["model"])
+    from snapckpt.integrations.megatron_state import apply_state
+
+    apply_state(loaded, [m2], o2, s2, True, True)
+    assert loaded["iteration"] == 2 and loaded["num_floating_point_operations_so_far"] == 1234
+    _equal(shards(m2, o2), ref, "stock load of snapckpt's checkpoint")
+    assert s2.state_dict() == sched_ref
+    got = dist_checkpointing.load_content_metadata(os.path.join(a.ckpt, "iter_0000002"))
+    assert got["singleton_local_shards"] is False and "dp_cp_group" not in got, got
+    print("RESULT STOCK_LOADS_SNAPCKPT ok", flush=True)
+
+    # snapckpt's loader <- the native directory
+    m3, o3, s3 = build(a.tp, a.opt)
+    it, flops = load_checkpoint([m3], o3, s3, load_dir=a.native)
+    assert (it, flops) == (2, 1234), (it, flops)
+    _equal(shards(m3, o3), ref, "snapckpt load of megatron-core's checkpoint")
+    assert s3.state_dict() == sched_ref
+    print("RESULT SNAPCKPT_LOADS_NATIVE ok", flush=True)
+
+    # --ckpt-assume-constant-structure: the third save reuses the cached plans and global metadata
+    for it in (3, 4, 5):
+        save_checkpoint(it, [model], optimizer, sched, 1234, save_dir=a.ckpt, assume_constant_structure=True).wait()
+    m4, o4, s4 = build(a.tp, a.opt)
+    loaded = dist_checkpointing.load(build_state_dict(None, [m4], o4, s4, 0, 0, True, True, True),
+                                     os.path.join(a.ckpt, "iter_0000005"))
+    apply_state(loaded, [m4], o4, s4, True, True)
+    assert loaded["iteration"] == 5
+    _equal(shards(m4, o4), ref, "stock load of a save with cached plans")
+    print("RESULT CACHED_PLANS_LOAD ok", flush=True)
+
+    # a directory where megatron-core saved natively after snapckpt: the newer native one is loaded
+    mixed = os.path.join(os.path.dirname(a.out), "mixed")
+    save_checkpoint(1, [model], optimizer, sched, 1, save_dir=mixed).wait()
+    os.makedirs(os.path.join(mixed, "iter_0000002"), exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(build_state_dict(None, [model], optimizer, sched, 2, 1234, False, True, True),
+                            os.path.join(mixed, "iter_0000002"))
+    if rank == 0:
+        with open(os.path.join(mixed, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+    torch.distributed.barrier()
+    m5, o5, s5 = build(a.tp, a.opt)
+    assert load_checkpoint([m5], o5, s5, load_dir=mixed) == (2, 1234)
+    _equal(shards(m5, o5), ref, "snapckpt load of a newer native checkpoint")
+    print("RESULT NEWER_NATIVE_WINS ok", flush=True)
+    close_all()
+
+
+def mode_reshard(a):
+    from snapckpt.megatron_dist_ckpt import close_all, get_checkpointer, load_checkpoint
+
+    model, optimizer, sched = build(a.tp, a.opt)
+    it, flops = load_checkpoint([model], optimizer, sched, load_dir=a.ckpt)
+    assert (it, flops) == (5, 1234), (it, flops)
+    ref = torch.load(a.out)
+    ref_by_key = {}
+    for (key, off, pre), t in ref.items():
+        ref_by_key.setdefault(key, []).append((off, pre, t))
+    n = 0
+    for (key, off, pre), t in shards(model, optimizer).items():
+        cands = [(o, full) for o, p, full in ref_by_key[key] if o[:pre] == off[:pre]]
+        assert len(cands) == 1, (key, off)
+        o, full = cands[0]
+        sl = tuple(slice(s - b, s - b + n_) for s, b, n_ in zip(off[pre:], o[pre:], t.shape))
+        assert torch.equal(full[sl], t), f"{key} at {off} differs after resharding"
+        n += 1
+    print(f"RESULT RESHARD_EQUAL {n} {get_checkpointer(a.ckpt).last_load}", flush=True)
+    close_all()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--opt", default="adam")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--native", default="")
+    p.add_argument("--out", default="")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--mem-interval", type=int, default=0)
+    p.add_argument("--disk-interval", type=int, default=0)
+    p.add_argument("--kill-after", type=int, default=-1)
+    p.add_argument("--overlap", action="store_true", help="Checkpointer(overlap=True): overlapped copies")
+    a = p.parse_args()
+    megatron_cpu.install(force=True)
+    torch.distributed.init_process_group("gloo")
+    megatron_cpu.init_parallel(a.tp)
+    {"train": mode_train, "layout": mode_layout, "reshard": mode_reshard}[a.mode](a)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
