@@ -69,3 +69,23 @@ def test_paths_the_persister_cannot_use(snap_env, tmp_path):
 
 def test_storage_type_prints_as_its_value():
     assert f"{StorageType.MEMORY}" == "memory" and str(StorageType.DISK) == "disk"
+
+
+def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):
+    """A step saved to disk, committed, then saved again (a rewind, or the same iteration re-run): the
+    second save is written and committed, not answered "committed" from the first one; loads see the new
+    values. A second save of a step whose first save is still being persisted is refused with the fix
+    (wait first), and the first still commits."""
+    with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
+        ck.save({"w": torch.zeros(8)}, 1, StorageType.DISK).wait()
+        ck.save({"w": torch.ones(8)}, 1, StorageType.DISK).wait()
+        on_disk = torch.load(os.path.join(snap_env.ckpt_dir, "step_00000001", "rank_00000.pt"))
+        assert torch.equal(on_disk["w"], torch.ones(8))
+        monkeypatch.setenv("SNAPCKPT_FAULT_WRITE_DELAY_SECS", "0.3")
+    with Checkpointer(snap_env.ckpt_dir + "2", persister_idle_timeout_secs=5) as ck:
+        h = ck.save({"w": torch.zeros(8)}, 2, StorageType.DISK)
+        with pytest.raises(PersisterError, match="still being persisted.*wait"):
+            ck.save({"w": torch.ones(8)}, 2, StorageType.DISK)
+        h.wait()
+        on_disk = torch.load(os.path.join(snap_env.ckpt_dir + "2", "step_00000002", "rank_00000.pt"))
+        assert torch.equal(on_disk["w"], torch.zeros(8))

@@ -92,6 +92,7 @@ class Result:
     error: Optional[Dict[str, Any]] = None
     part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     parts_done: Set[int] = field(default_factory=set)
+    rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
     writers: int = 0  # this node's writer tasks of the step still running
 
 
@@ -428,9 +429,21 @@ class Server:
             raise PersisterError(f"rank {entry.rank} holds no snapshot of step {step} to persist")
         s = max(cands, key=lambda x: x.seq)
         key = (run.run_id, step, s.dirname)
-        res = self.results.setdefault(key, Result())
+        res = self.results.get(key)
+        if res is not None and res.rank_seq.get(entry.rank, s.seq) != s.seq:
+            # this rank saved the same step under the same directory again
+            if res.state == "pending":
+                raise PersisterError(
+                    f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
+                    "the same step to the same directory must wait for the first (Checkpointer.wait())")
+            self.results.pop(key)  # the earlier save ended: this one is a new save that replaces it
+            self.commits_started.discard(key)
+            res = None
+        if res is None:
+            res = self.results.setdefault(key, Result())
         if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
             return
+        res.rank_seq[entry.rank] = s.seq
         s.state = SlotState.PERSISTING
         res.writers += 1
         self.pending += 1
