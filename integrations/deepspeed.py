@@ -44,17 +44,19 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
 from snapckpt import rng
-from snapckpt.checkpointer import Checkpointer, LoadCandidate
+from snapckpt.checkpointer import Checkpointer, LoadCandidate, LoadInfo
 from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, SnapckptError
 from snapckpt.events import StorageType
 from snapckpt.formats import MemoryOnly, TorchSave
 from snapckpt.manifest import SIDECAR, validate_dirname
+from snapckpt.options import CheckpointOptions
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
@@ -81,8 +83,10 @@ def _sidecar_name(rank: int) -> str:
 class _PendingSave:
     """The files DeepSpeed handed the engine during one ``save_checkpoint`` call on this rank."""
 
-    def __init__(self, save_dir: str, tag: str, save_latest: bool, expected: int) -> None:
+    def __init__(self, save_dir: str, tag: str, save_latest: bool, expected: int, passthrough: bool) -> None:
         self.save_dir, self.tag, self.save_latest, self.expected = save_dir, tag, save_latest, expected
+        self.passthrough = passthrough  # another directory: DeepSpeed's own engine writes it
+        self.passed = 0  # files of a passthrough save written so far
         self.files: Dict[str, Any] = {}
 
     @property
@@ -109,32 +113,42 @@ class SnapckptCheckpointEngine(CheckpointEngine):
     def create(self, info) -> None:
         """Start collecting the files of ``info.tag`` (DeepSpeed's ``CheckpointCommitInfo``).
 
+        A save into another directory than the checkpointer's (``engine.save_checkpoint(other_dir)``,
+        ``engine.save_16bit_model``) is passed through to DeepSpeed's own checkpoint engine: written
+        synchronously, as without snapckpt.
+
         Raises:
-            ValueError: a tag that is not one path component, or that holds ``*?[`` (DeepSpeed's loader
-                finds the files of a tag with ``glob``, so such a tag could be saved but never loaded).
+            ValueError: a tag DeepSpeed could not load back (see :func:`_check_tag`).
         """
-        _check_tag(str(info.tag))
-        self._owner._check_dir(info.save_dir, "save_checkpoint")
-        if self._pending is not None:
+        if self._pending is not None and self._pending.files and not self._pending.passthrough:
             self._owner._snapshot(self._pending)  # a save that never completed its expected files
+        passthrough = not self._owner._is_own_dir(info.save_dir)
+        if not passthrough:
+            _check_tag(str(info.tag))
         self._pending = _PendingSave(os.path.abspath(info.save_dir), str(info.tag), bool(info.save_latest),
-                                     self._owner._expected_files())
+                                     self._owner._expected_files(), passthrough=passthrough)
 
     def makedirs(self, path, exist_ok: bool = False) -> None:
         """Create ``path``, except the tag directory of the save in progress: a checkpoint directory
         appears only when its commit renames it into place."""
         p = self._pending
-        if p is not None and os.path.abspath(path) == p.tag_dir:
+        if p is not None and not p.passthrough and os.path.abspath(path) == p.tag_dir:
             return
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict, path: str) -> None:
-        """Record ``state_dict`` as the file ``path``; snapshot once every expected file is recorded."""
+        """Record ``state_dict`` as the file ``path``; snapshot once every expected file is recorded.
+        A file outside the tag directory of a save into the checkpointer's directory (DeepSpeed's
+        ``save_16bit_model``) or of a save elsewhere is written at once by DeepSpeed's own engine."""
         p = self._pending
-        if p is None or os.path.dirname(os.path.abspath(path)) != p.tag_dir:
-            raise SnapckptError(
-                f"DeepSpeed asked snapckpt to save {path!r} outside a save_checkpoint of a known tag; snapckpt "
-                "handles engine.save_checkpoint of dense (non-MoE, non-pipeline) models only")
+        if p is None or p.passthrough or os.path.dirname(os.path.abspath(path)) != p.tag_dir:
+            self._owner._original_engine.save(state_dict, path)
+            if p is not None and p.passthrough and os.path.dirname(os.path.abspath(path)) == p.tag_dir:
+                p.passed += 1
+                if p.passed >= p.expected and p.save_latest and self._owner._checkpointer.rank == 0:
+                    with open(os.path.join(p.save_dir, TRACKER), "w") as f:  # as DeepSpeed would
+                        f.write(p.tag)
+            return
         name = os.path.basename(path)
         if name in p.files:
             raise SnapckptError(f"DeepSpeed saved {name!r} twice in one checkpoint")
@@ -151,7 +165,7 @@ class SnapckptCheckpointEngine(CheckpointEngine):
     def flush(self) -> None:
         """Snapshot a save whose files are recorded but not yet snapshotted (there is normally none)."""
         p, self._pending = self._pending, None
-        if p is not None and p.files:
+        if p is not None and p.files and not p.passthrough:
             self._owner._snapshot(p)
 
     def is_decoupled(self) -> bool:
@@ -167,9 +181,9 @@ class SnapckptCheckpointEngine(CheckpointEngine):
         return None
 
     def cleanup(self) -> None:
-        """``engine.destroy()``: snapshot anything pending and wait for every commit."""
-        self.flush()
-        self._owner.wait()
+        """``engine.destroy()``: close the checkpointer (the last policy save, every commit waited for, the
+        engine's own checkpoint engine given back)."""
+        self._owner.close()
 
     def preserves_storage_sharing(self) -> bool:
         # False tells DeepSpeed not to clone tensors before save(): snapckpt writes only the bytes each view
@@ -243,6 +257,9 @@ class DeepSpeedCheckpointer:
             return MemoryOnly(TorchSave(state_dict))
         return TorchSave(state_dict)
 
+    def _is_own_dir(self, path) -> bool:
+        return os.path.realpath(path) == os.path.realpath(self.checkpoint_dir)
+
     def _check_dir(self, path, what: str) -> None:
         if os.path.realpath(path) != os.path.realpath(self.checkpoint_dir):
             raise SnapckptError(f"{what}({os.fspath(path)!r}) but this DeepSpeedCheckpointer uses "
@@ -252,7 +269,9 @@ class DeepSpeedCheckpointer:
         files = dict(p.files)
         files[_sidecar_name(self._checkpointer.rank)] = TorchSave({"tag": p.tag, "rng": rng.capture()})
         tier = self._tier
-        tracker = TRACKER if (p.save_latest and tier == StorageType.DISK) else None
+        # a MEMORY snapshot carries the tracker too: it is only ever applied if the persister flushes the
+        # snapshot to disk after a crash, and then `latest` must name it for stock DeepSpeed to find it
+        tracker = TRACKER if p.save_latest else None
         self.last_handle = self._checkpointer._save_files(
             files, int(self.engine.global_steps), tier, dirname=p.tag, tracker_name=tracker, tracker_content=p.tag)
 
@@ -309,38 +328,51 @@ class DeepSpeedCheckpointer:
             CheckpointCorruptError: every candidate failed (the message lists each failure per rank).
         """
         self._ckpt_engine.flush()
-        self._check_dir(load_dir, "load_checkpoint")
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
-        if tag is not None:
-            tag = str(tag)
-            mpath = os.path.join(self.checkpoint_dir, tag, SIDECAR, "manifest.json")
-            if os.path.exists(mpath):
-                result, _ = self._checkpointer._load_with(
-                    lambda c: self._load_disk(c, kwargs), step=_manifest_step(mpath))
-                return result
-            return self._native_load(tag, kwargs)
+        if not self._is_own_dir(load_dir):  # e.g. a pretrained checkpoint: DeepSpeed's own load, no tiers
+            return self._native_load(os.fspath(load_dir), None if tag is None else str(tag), kwargs)
         try:
-            result, _ = self._checkpointer._load_with(lambda c: self._load_candidate(c, kwargs))
+            if tag is not None:
+                tag = str(tag)
+                if not os.path.isdir(os.path.join(self.checkpoint_dir, tag)):
+                    raise CheckpointNotFoundError(f"no tag {tag!r} in {self.checkpoint_dir} (memory snapshots "
+                                                  "are loaded with tag=None)")
+                if not os.path.exists(os.path.join(self.checkpoint_dir, tag, SIDECAR, "manifest.json")):
+                    return self._native_load(self.checkpoint_dir, tag, kwargs)  # DeepSpeed wrote it itself
+                result, _ = self._checkpointer._load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
+                                                          check=self._check_candidate)
+                return result
+            result, _ = self._checkpointer._load_with(lambda c: self._load_candidate(c, kwargs),
+                                                      check=self._check_candidate)
             return result
         except IncompatibleCheckpointError as e:
             raise IncompatibleCheckpointError(f"{e}. {UNIVERSAL_CHECKPOINT_ADVICE}") from e
         except CheckpointNotFoundError:
-            if os.path.isfile(os.path.join(self.checkpoint_dir, TRACKER)):
+            if tag is None and os.path.isfile(os.path.join(self.checkpoint_dir, TRACKER)):
                 log.info("no snapckpt commit in %s; loading the checkpoint DeepSpeed wrote natively",
                          self.checkpoint_dir)
-                return self._native_load(None, kwargs)
-            log.warning("nothing to load in %s (no memory snapshot, no committed tag)", self.checkpoint_dir)
+                return self._native_load(self.checkpoint_dir, None, kwargs)
+            if tag is not None:
+                raise
+            log.info("nothing to load in %s yet (no memory snapshot, no committed tag)", self.checkpoint_dir)
             return None, None
+
+    def _check_candidate(self, cand: LoadCandidate) -> None:
+        """Before any rank calls DeepSpeed's loader (which runs collectives under ZeRO-3): this rank's files
+        are intact (DISK: sizes and checksums) or readable with their sidecar (MEMORY)."""
+        if cand.tier == StorageType.DISK:
+            cand.verify()
+        elif _sidecar_name(self._checkpointer.rank) not in cand.files():
+            raise CheckpointNotFoundError("the memory snapshot has no snapckpt sidecar (not a DeepSpeed save)")
 
     def _load_candidate(self, cand: LoadCandidate, kwargs) -> Tuple[Any, Any]:
         if cand.tier == StorageType.DISK:
             return self._load_disk(cand, kwargs)
-        files = cand.files()
-        side = files.pop(_sidecar_name(self._checkpointer.rank), None)
-        if side is None:
-            raise CheckpointNotFoundError("the memory snapshot has no snapckpt sidecar (not a DeepSpeed save)")
+        sidecar = _sidecar_name(self._checkpointer.rank)
+        side = cand.files()[sidecar]
+        files = {k: v for k, v in cand.files().items() if k != sidecar}
         tag = side["tag"]
         scratch = tempfile.mkdtemp(prefix="snapckpt-ds-load-")
         try:
@@ -369,8 +401,14 @@ class DeepSpeedCheckpointer:
             rng.restore(torch.load(side, weights_only=False)["rng"])
         return load_path, client_state
 
-    def _native_load(self, tag: Optional[str], kwargs) -> Tuple[Any, Any]:
-        return self._engine_load(self.checkpoint_dir, tag, kwargs)
+    def _native_load(self, load_dir: str, tag: Optional[str], kwargs) -> Tuple[Any, Any]:
+        """DeepSpeed's own load of a directory snapckpt did not commit (no tiers, no manifest check)."""
+        t0 = time.perf_counter()
+        load_path, client_state = self._engine_load(load_dir, tag, kwargs)
+        if load_path is not None:
+            self._checkpointer.last_load = LoadInfo(int(self.engine.global_steps), StorageType.DISK,
+                                                    time.perf_counter() - t0)
+        return load_path, client_state
 
     def _engine_load(self, load_dir: str, tag: Optional[str], kwargs) -> Tuple[Any, Any]:
         try:
@@ -389,7 +427,8 @@ class DeepSpeedCheckpointer:
         The policy runs in a forward pre-hook of the engine (the first forward after the optimizer step
         that completed step ``N``, before DeepSpeed gathers any ZeRO-3 parameter): at ``N % disk == 0`` a
         DISK save, else at ``N % memory == 0`` a MEMORY save, of tag ``global_step<N>``. Step 0 is never
-        saved by policy; the last step of a run is saved by :meth:`close` (no forward follows it).
+        saved by policy; the last step of a run is saved by :meth:`close` when the disk policy asks for it
+        (no forward follows it; a memory snapshot then would be dropped with the persister).
         """
         self._policy = (memory_interval_steps, disk_interval_steps)
         self._last_policy_step = int(self.engine.global_steps)
@@ -401,7 +440,7 @@ class DeepSpeedCheckpointer:
         if torch.is_grad_enabled():
             self._policy_tick()
 
-    def _policy_tick(self) -> None:
+    def _policy_tick(self, disk_only: bool = False) -> None:
         step = int(self.engine.global_steps)
         if self._policy is None or step == self._last_policy_step or step == 0:
             return
@@ -409,7 +448,7 @@ class DeepSpeedCheckpointer:
         mem, disk = self._policy
         if disk and step % disk == 0:
             self.save_checkpoint(self.checkpoint_dir, tag=f"global_step{step}", storage_type=StorageType.DISK)
-        elif mem and step % mem == 0:
+        elif mem and step % mem == 0 and not disk_only:
             self.save_checkpoint(self.checkpoint_dir, tag=f"global_step{step}", storage_type=StorageType.MEMORY)
 
     def close(self) -> None:
@@ -419,7 +458,7 @@ class DeepSpeedCheckpointer:
             return
         self._closed = True
         try:
-            self._policy_tick()  # the last step of the run, if the policy saves it: no forward follows it
+            self._policy_tick(disk_only=True)  # the run's last step, if the policy saves it to disk
             self._ckpt_engine.flush()
         finally:
             if self._hook is not None:
@@ -442,18 +481,29 @@ class DeepSpeedCheckpointer:
                 log.exception("error while closing the DeepSpeedCheckpointer after another error")
 
 
+_RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
+
+
 def _check_tag(tag: str) -> None:
+    """A tag DeepSpeed can load back: one path component (``validate_dirname``), none of ``*?[`` (DeepSpeed's
+    loader finds a tag's files with ``glob``), no leading or trailing whitespace (DeepSpeed strips what it
+    reads from ``latest``), and not a name DeepSpeed uses in the save directory itself.
+
+    Raises:
+        ValueError: naming the problem.
+    """
     validate_dirname(tag)
     bad = sorted(set(tag) & set("*?["))
     if bad:
         raise ValueError(f"DeepSpeed tag {tag!r} contains {bad}: DeepSpeed's load_checkpoint finds a tag's files "
                          "with glob, which treats these as patterns, so the checkpoint could not be loaded; "
                          "choose a tag without them")
-
-
-def _manifest_step(path: str) -> int:
-    with open(path, "rb") as f:
-        return int(json.loads(f.read())["step"])
+    if tag != tag.strip():
+        raise ValueError(f"DeepSpeed tag {tag!r} starts or ends with whitespace, which DeepSpeed strips when it "
+                         "reads `latest`; choose a tag without it")
+    if tag in _RESERVED_TAGS:
+        raise ValueError(f"DeepSpeed tag {tag!r} is the name of a file DeepSpeed keeps in the checkpoint directory "
+                         f"({', '.join(_RESERVED_TAGS)}); choose another tag")
 
 
 def _check_engine(engine) -> None:
@@ -508,8 +558,16 @@ class DeepSpeedSnapckptConfig:
                 raise ValueError(f'"snapckpt.{key}" must be a positive integer or null, got {v!r}')
         if cfg.enabled and (not isinstance(cfg.checkpoint_dir, str) or not cfg.checkpoint_dir):
             raise ValueError('"snapckpt.checkpoint_dir" is required (a directory path) when snapckpt is enabled')
-        if cfg.options is not None and not isinstance(cfg.options, Mapping):
-            raise ValueError('"snapckpt.options" must be an object of snapckpt CheckpointOptions fields')
+        if cfg.options is not None:
+            if not isinstance(cfg.options, Mapping):
+                raise ValueError('"snapckpt.options" must be an object of snapckpt CheckpointOptions fields')
+            for key in ("checkpoint_dir", "keep_last"):
+                if key in cfg.options:
+                    raise ValueError(f'"snapckpt.options.{key}" is not an option: set "snapckpt.{key}" instead')
+            try:
+                CheckpointOptions.from_kwargs(**cfg.options)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f'"snapckpt.options": {e}') from e
         return cfg
 
 

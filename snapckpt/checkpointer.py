@@ -65,15 +65,19 @@ class LoadCandidate:
         self.dirname = key if tier == StorageType.DISK else None
         self.path = os.path.join(owner.checkpoint_dir, key) if tier == StorageType.DISK else None
 
+    _files: Optional[Dict[str, Any]] = None
+
     def files(self) -> Dict[str, Any]:
         """This rank's files: ``{name: object}`` (torch files unpickled with CPU tensors, raw files as
         ``bytes``). MEMORY: every file of the rank's snapshot, ``MemoryOnly`` ones included. DISK: the files
-        the manifest assigns to this rank, sizes and checksums verified first.
+        the manifest assigns to this rank, sizes and checksums verified first. Read once, then kept.
 
         Raises:
             CheckpointCorruptError / CheckpointNotFoundError: damaged or vanished; UnsafeCheckpointError.
         """
-        return self._owner._read_candidate(self)
+        if self._files is None:
+            self._files = self._owner._read_candidate(self)
+        return self._files
 
     def verify(self) -> None:
         """DISK: check this rank's files against the manifest (sizes, and checksums unless
@@ -521,7 +525,7 @@ class Checkpointer:
         if not cands and wrong:
             raise IncompatibleCheckpointError(
                 f"{self.checkpoint_dir} holds checkpoints written by world size "
-                f"{sorted({d[2] for d in wrong})}, this job has {self.world_size}; the plain layout does not "
+                f"{sorted({d[2] for d in wrong})}, this job has {self.world_size}; snapckpt does not "
                 "reshard: resume with the same number of ranks")
         return cands
 
@@ -574,7 +578,8 @@ class Checkpointer:
                 raise
         return out
 
-    def _load_with(self, fn: Callable[["LoadCandidate"], Any], step: Optional[int] = None
+    def _load_with(self, fn: Callable[["LoadCandidate"], Any], step: Optional[int] = None, *,
+                   dirname: Optional[str] = None, check: Optional[Callable[["LoadCandidate"], Any]] = None
                    ) -> Tuple[Any, "LoadCandidate"]:
         """Collective: agree on load candidates with every rank, newest first, and return
         ``(fn(candidate), candidate)`` for the first candidate ``fn`` succeeded on in every rank.
@@ -582,8 +587,15 @@ class Checkpointer:
         The integrations' entry point for loading: ``fn`` restores the framework's state from
         ``candidate.files()`` (either tier) or through the framework's own loader from
         ``candidate.path`` (DISK, after ``candidate.verify()``). When ``fn`` raises on any rank, every rank
-        moves to the next candidate together (a warning names the ranks and errors); ``fn`` must therefore
-        not run a collective of the training group that a failing rank would skip.
+        moves to the next candidate together (a warning names the ranks and errors).
+
+        Args:
+            step: only candidates of this step.
+            dirname: only the committed directory of this name (DISK).
+            check: run first on every rank, then agreed on: when it raises on any rank, no rank calls ``fn``
+                for that candidate. A framework loader that runs collectives of the training group (DeepSpeed
+                ZeRO-3) must only be called once every rank knows its files are intact: pass
+                ``check=lambda c: c.verify()`` (or ``c.files()``, which is kept for ``fn``).
 
         Raises:
             CheckpointNotFoundError, CheckpointCorruptError, IncompatibleCheckpointError,
@@ -594,19 +606,29 @@ class Checkpointer:
         cands = self._candidates(step)
         if step is not None:
             cands = [c for c in cands if c[0] == step]
+        if dirname is not None:
+            cands = [c for c in cands if c[1] == "disk" and c[2] == dirname]
         errors: List[str] = []
         for cstep, tier, key in cands:
             cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
             result = None
-            try:
-                result = fn(cand)
-                mine = {"ok": True, "error": ""}
-            except Exception as e:
-                mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                if isinstance(e, UnsafeCheckpointError):  # a trust decision, not damage: no fallback
-                    raise
-            everyone = self._coord.all_gather("loaded", mine, self.options.coordination_timeout_secs)
-            bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
+            bad = {}
+            for phase, call in (("checked", check), ("loaded", fn)):
+                if call is None:
+                    continue
+                try:
+                    out = call(cand)
+                    if phase == "loaded":
+                        result = out
+                    mine = {"ok": True, "error": ""}
+                except Exception as e:
+                    mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    if isinstance(e, UnsafeCheckpointError):  # a trust decision, not damage: no fallback
+                        raise
+                everyone = self._coord.all_gather(phase, mine, self.options.coordination_timeout_secs)
+                bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
+                if bad:
+                    break
             if not bad:
                 self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0)
                 log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,

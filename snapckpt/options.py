@@ -83,6 +83,8 @@ class CheckpointOptions:
         if self.on_slot_busy not in ("wait", "skip"):
             raise ValueError(f"on_slot_busy must be 'wait' or 'skip', got {self.on_slot_busy!r}")
         for f in dataclasses.fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
             if f.name.endswith("_secs"):
                 value = getattr(self, f.name)
                 if not isinstance(value, (int, float)) or not value > 0:  # NaN too

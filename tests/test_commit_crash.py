@@ -679,3 +679,18 @@ def test_C3_retention_keeps_newest_two_and_tolerates_dirs_deleted_by_others(snap
     assert committed_steps(d) == [7, 8] and tracker(d) == "step_00000008"
     assert os.path.isdir(os.path.join(d, "notes"))
     assert "retention after step" not in persister_log(snap_env, d)
+
+
+def test_B4_full_disk_on_one_rank_reaches_every_rank_with_its_cause(snap_env):
+    """B4 across ranks: rank 1's part fails with EFBIG (a full disk) and its failure marker may not fit
+    either. Right: every rank's ``wait()`` fails with the cause (EFBIG on rank 1; a CommitError naming rank 1
+    and EFBIG on rank 0), not a commit timeout blaming a dead rank; no partial directory is left; the next
+    save commits and is the newest step."""
+    outs = run_ranks("commit_crash_worker.py", 2, ["full_disk_one_rank", snap_env.ckpt_dir], {}, timeout=200)
+    res = {r["rank"]: r for r in (json.loads(l) for o in outs for l in result_lines(o))}
+    assert "File too large" in res[1]["error"] or "EFBIG" in res[1]["error"] or "[Errno 27]" in res[1]["error"], res
+    assert res[0]["error"].startswith("CommitError") and "rank 1" in res[0]["error"], res
+    assert "Errno 27" in res[0]["error"] or "File too large" in res[0]["error"], res
+    assert "did not write their part" not in res[0]["error"]
+    for r in res.values():
+        assert r["latest"] == 5 and r["partials"] == []

@@ -25,7 +25,9 @@ def test_F1_F2_native_layout_every_zero_stage(snap_env):
     engine.save_checkpoint writes with its own checkpoint engine (recovery scripts and latest included);
     stock engine.load_checkpoint loads snapckpt's tag and the next step's loss equals the original engine's;
     snapckpt loads the natively written directory; zero_to_fp32 converts both to equal state dicts; a
-    string tag with a space, a colon and non-ASCII round-trips."""
+    string tag with a space, a colon and non-ASCII round-trips. ZeRO-3 with one damaged file on rank 1:
+    every rank refuses that tag with the cause (DeepSpeed's loader, whose collectives would hang a rank
+    left alone in them, is entered by no rank), and the other tag still loads."""
     outs = run_ranks("ds_layout_worker.py", 2, [snap_env.tmp + "/ds", ",".join(CONFIGS)], ENV, timeout=600)
     res = _results(outs)
     for cfg in CONFIGS:
@@ -46,6 +48,11 @@ def test_F1_F2_native_layout_every_zero_stage(snap_env):
         for check in ("stock_load", "snap_load_native"):
             got = [r for r in mine if r["check"] == check]
             assert len(got) == 2 and all(r["equal"] for r in got), (cfg, check, got)
+        if cfg == "3:fp32":
+            dmg = [r for r in mine if r["check"] == "zero3_damaged_tag"]
+            assert len(dmg) == 2 and all(r["equal"] for r in dmg), dmg
+            assert all(r["error"].startswith("CheckpointCorruptError") for r in dmg), dmg
+            assert all("rank 1" in r["error"] and "zero_pp_rank_1" in r["error"] for r in dmg), dmg
         if stage > 0:
             conv = [r for r in mine if r["check"] == "zero_to_fp32"]
             assert len(conv) == 1 and conv[0]["diff"] is None and "head.weight" in conv[0]["keys"], (cfg, conv)
@@ -96,8 +103,11 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     """With a slowed persister: save_checkpoint returns while tag b is still being written, and neither
     latest nor the directory b moves before the commit (B1, B6); after wait() latest names b. A MEMORY save
     under an already persisted tag leaves its files and latest untouched. Tags that are not one path
-    component, or that DeepSpeed's glob-based loader could not find, are refused up front; so is a save to
-    another directory."""
+    component, that DeepSpeed's glob-based loader could not find, that DeepSpeed strips or that name its own
+    files are refused up front; so is a save to another directory through the checkpointer. Two tags at
+    one step: tag= loads that tag. A missing tag is CheckpointNotFoundError. save_16bit_model (into
+    another directory and into the checkpoint directory) still works on every rank; engine.destroy()
+    closes the checkpointer."""
     env = dict(ENV, SNAPCKPT_FAULT_WRITE_DELAY_SECS="0.2")
     outs = run_ranks("ds_semantics_worker.py", 2, [snap_env.ckpt_dir], env, timeout=300)
     (r,) = _results(outs)
@@ -107,7 +117,12 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     assert r["a_unchanged_by_memory_save"] is True and r["latest_after_memory_save"] == "b"
     assert "single directory name" in r["tag x/y"] and "single directory name" in r["tag .hidden"]
     assert "glob" in r["tag glob*tag"]
+    assert "file DeepSpeed keeps" in r["tag latest"] and "whitespace" in r["tag  lead"]
     assert "one DeepSpeedCheckpointer per checkpoint directory" in r["other_dir"]
+    assert r["tag_x_path"] == "x" and r["tag_x_weights"] is True
+    assert r["missing_tag"].startswith("CheckpointNotFoundError") and "nope" in r["missing_tag"]
+    assert r["16bit_other"] is True and r["16bit_own"] is True and r["16bit_files"] == [True, True]
+    assert r["closed_by_destroy"] is True
 
 
 def test_changed_data_parallel_size_names_universal_checkpoint(snap_env):

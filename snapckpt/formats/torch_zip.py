@@ -30,6 +30,7 @@ import collections
 import io
 import pickle
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
@@ -234,7 +235,9 @@ def unpickle_skeleton(data_pkl: bytes, storages: Mapping[str, torch.UntypedStora
         _, storage_type, key, _location, _numel = saved_id
         typed = cache.get(key)
         if typed is None:
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            with warnings.catch_warnings():  # the legacy <Dtype>Storage classes of the format warn on .dtype
+                warnings.simplefilter("ignore", UserWarning)
+                dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
             typed = torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
             cache[key] = typed
         return typed

@@ -44,7 +44,8 @@ class CommitRequest:
 
     def __init__(self, *, checkpoint_dir: str, dirname: str, step: int, run_id: str, world_size: int,
                  timeout_secs: float, keep_last: Optional[int], tracker_name: str, tracker_content: str,
-                 tracker_gate: Optional[Callable[[Callable[[], None]], None]] = None):
+                 tracker_gate: Optional[Callable[[Callable[[], None]], None]] = None,
+                 local_failure: Optional[Callable[[], Optional[BaseException]]] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -57,6 +58,9 @@ class CommitRequest:
         # tracker_gate(write) runs write() unless a save requested later already moved the tracker (saves
         # of one job commit in parallel, but the tracker only ever moves forward in request order)
         self.tracker_gate = tracker_gate
+        # local_failure() returns the error of a rank of this node whose part failed (known in memory even
+        # when the disk was too full for its failure marker), so the commit fails at once, not at the timeout
+        self.local_failure = local_failure
 
     @property
     def partial_dir(self) -> str:
@@ -91,6 +95,14 @@ def _collect_parts(reader: StorageReader, req: CommitRequest) -> Dict[int, Dict[
     return parts
 
 
+def _raise_local_failure(req: CommitRequest) -> None:
+    exc = req.local_failure() if req.local_failure is not None else None
+    if exc is not None:
+        rank = getattr(exc, "snapckpt_rank", "?")
+        raise CommitError(f"step {req.step}: rank {rank} failed to write its part: {type(exc).__name__}: "
+                          f"{exc}") from exc
+
+
 def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> None:
     """A commit replaces an older committed directory of the same name only if this job wrote it (a
     re-save of a step after a rewind); another job's checkpoint is never overwritten. Run ids start
@@ -123,6 +135,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     try:
         deadline = time.monotonic() + req.timeout_secs
         while True:
+            _raise_local_failure(req)
             parts = _collect_parts(reader, req)
             unexpected = sorted(r for r in parts if r >= req.world_size)
             if unexpected:
@@ -199,6 +212,7 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
         m = committed()
         if m is not None:
             return m
+        _raise_local_failure(req)
         if reader.isdir(req.partial_dir):
             seen_partial = True
             _collect_parts(reader, req)  # raises on a failure marker

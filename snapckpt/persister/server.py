@@ -456,9 +456,25 @@ class Server:
                                 timeout_secs=run.commit_timeout_secs, keep_last=run.keep_last,
                                 tracker_name=s.tracker_name, tracker_content=s.tracker_content,
                                 tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
-                                                                self.commit_seq))
+                                                                self.commit_seq),
+                                local_failure=self._local_failure(key))
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
+
+    def _local_failure(self, key):
+        """For the commit of ``key``: the error of a local rank whose part of that save failed, if any."""
+
+        def failure() -> Optional[BaseException]:
+            with self.lock:
+                res = self.results.get(key)
+                if res is None or not res.part_errors:
+                    return None
+                rank, rec = sorted(res.part_errors.items())[0]
+            exc = P.error_from_record(rec)
+            exc.snapckpt_rank = rank  # read by the commit's message
+            return exc
+
+        return failure
 
     def _tracker_gate(self, checkpoint_dir: str, tracker_name: str, seq: int):
         """A gate that lets the commit of request ``seq`` write its tracker only if no later request of the

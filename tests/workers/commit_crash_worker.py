@@ -164,7 +164,44 @@ def save_loop(d: str) -> None:
         saved(step)
 
 
+def full_disk_one_rank(d: str) -> None:
+    """B4 across ranks: the node persister gets a 512 KiB file-size limit; rank 1's part (4 MiB) fails with
+    EFBIG while rank 0's (tiny) fits. Each rank reports what ``wait()`` raised and after how long (the
+    test checks the type and cause, never the time), then whether a small save still commits."""
+    import resource
+
+    import torch.distributed as dist
+
+    init_dist()
+    rank = dist.get_rank()
+    ck = Checkpointer(d, **dict(OPTS, commit_timeout_secs=120))
+    ck.save(make_state(1, rank), 1).wait()
+    numel = (1 << 20) if rank == 1 else 0
+    ck.save(make_state(2, rank, big_numel=numel), 2, StorageType.MEMORY)  # size both arena slots before
+    ck.save(make_state(3, rank, big_numel=numel), 3, StorageType.MEMORY)  # the limit
+    dist.barrier()
+    if rank == 0:
+        resource.prlimit(ck.persister_pid, resource.RLIMIT_FSIZE, (512 << 10, resource.RLIM_INFINITY))
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        ck.save(make_state(4, rank, big_numel=numel), 4).wait()
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    took = time.monotonic() - t0
+    dist.barrier()
+    if rank == 0:
+        resource.prlimit(ck.persister_pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    dist.barrier()
+    ck.save(make_state(5, rank), 5).wait()
+    result(rank=rank, error=err, secs=took, latest=ck.latest_step(),
+           partials=[n for n in os.listdir(d) if ".partial-" in n])
+    ck.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
     {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts,
-     "slow_disk": slow_disk, "save_loop": save_loop}[scenario](*rest)
+     "slow_disk": slow_disk, "save_loop": save_loop, "full_disk_one_rank": full_disk_one_rank}[scenario](*rest)

@@ -126,6 +126,30 @@ def run(root, cfg):
     print("RESULT " + json.dumps({"cfg": cfg, "check": "snap_load_native", "rank": rank, "path": path3,
                                   "equal": loss3 == ref_loss, "losses": [ref_loss, loss3]}), flush=True)
 
+    if stage == 3 and not frozen and dtype == "fp32":
+        # one flipped byte in rank 1's file of TAG2: under ZeRO-3 DeepSpeed's loader runs collectives, so
+        # rank 0 must not enter it alone (a hang); every rank refuses the tag with the cause
+        dist.barrier()
+        if rank == 1:
+            victim = os.path.join(snap, TAG2, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+            with open(victim, "r+b") as f:
+                f.seek(os.path.getsize(victim) // 2)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0xFF]))
+        dist.barrier()
+        e4 = ds_common.build(stage, dtype)
+        with DeepSpeedCheckpointer(e4, snap, persister_idle_timeout_secs=30) as ck4:
+            try:
+                ck4.load_checkpoint(snap, tag=TAG2)
+                err = None
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+            path4, _ = ck4.load_checkpoint(snap, tag="global_step2")
+            loss4 = step_loss(e4, 3)
+        print("RESULT " + json.dumps({"cfg": cfg, "check": "zero3_damaged_tag", "rank": rank, "error": err,
+                                      "equal": loss4 == ref_loss}), flush=True)
+
     if stage > 0 and rank == 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -9,6 +9,7 @@ import sys
 
 import ds_common
 import deepspeed
+import torch
 import torch.distributed as dist
 
 from snapckpt.deepspeed import DeepSpeedCheckpointer, StorageType
@@ -42,7 +43,7 @@ def main():
         dist.barrier()
         out["a_unchanged_by_memory_save"] = snapshot_of(os.path.join(ckpt, "a")) == before
         out["latest_after_memory_save"] = open(os.path.join(ckpt, "latest")).read()
-        for bad in ("x/y", "glob*tag", ".hidden"):
+        for bad in ("x/y", "glob*tag", ".hidden", "latest", " lead"):
             try:
                 ck.save_checkpoint(ckpt, tag=bad)
                 out[f"tag {bad}"] = "accepted"
@@ -53,6 +54,32 @@ def main():
             out["other_dir"] = "accepted"
         except Exception as e:
             out["other_dir"] = f"{type(e).__name__}: {e}"
+        # two tags at one step hold different weights; tag= picks by tag, not by step
+        first = ds_common.full_params(engine)
+        ck.save_checkpoint(ckpt, tag="x")
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1.0)
+        engine.optimizer.refresh_fp32_params() if hasattr(engine.optimizer, "refresh_fp32_params") else None
+        ck.save_checkpoint(ckpt, tag="y")
+        ck.wait()
+        path, _ = ck.load_checkpoint(ckpt, tag="x")
+        got = ds_common.full_params(engine)
+        out["tag_x_path"] = os.path.basename(os.path.dirname(path))
+        out["tag_x_weights"] = all(torch.equal(first[k], got[k]) for k in first)
+        try:
+            ck.load_checkpoint(ckpt, tag="nope")
+            out["missing_tag"] = "loaded"
+        except Exception as e:
+            out["missing_tag"] = f"{type(e).__name__}: {e}"
+        # DeepSpeed's save_16bit_model goes through the checkpoint engine: written at once, on every rank
+        out["16bit_other"] = engine.save_16bit_model(ckpt + "_16bit")
+        out["16bit_own"] = engine.save_16bit_model(ckpt, "weights.bin")
+        dist.barrier()
+        out["16bit_files"] = [os.path.exists(os.path.join(ckpt + "_16bit", "pytorch_model.bin")),
+                              os.path.exists(os.path.join(ckpt, "weights.bin"))]
+        engine.destroy()  # closes the checkpointer: commits waited for, the engine's own engine given back
+        out["closed_by_destroy"] = ck._closed and type(engine.checkpoint_engine).__name__ != "SnapckptCheckpointEngine"
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
