@@ -287,7 +287,8 @@ class DeepSpeedCheckpointer:
             client_state: extra items saved in the model-states file (DeepSpeed semantics).
             save_latest: DISK only: replace ``<save_dir>/latest`` once this tag is committed.
             exclude_frozen_parameters: DeepSpeed semantics (LoRA: only trainable weights are saved).
-            storage_type: ``MEMORY`` (shared memory only; never touches ``save_dir``'s tags) or ``DISK``
+            storage_type: ``MEMORY`` (shared memory only; never touches ``save_dir``'s tags, though DeepSpeed
+                itself still copies its recovery scripts into ``save_dir`` on rank 0) or ``DISK``
                 (also written and committed in the background; :meth:`wait` blocks until durable).
 
         Returns ``True`` like DeepSpeed. Collective. Raises what ``Checkpointer.save`` raises, plus
