@@ -108,7 +108,7 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     one step: tag= loads that tag. A missing tag is CheckpointNotFoundError. save_16bit_model (into
     another directory and into the checkpoint directory) still works on every rank; engine.destroy()
     closes the checkpointer."""
-    env = dict(ENV, SNAPCKPT_FAULT_WRITE_DELAY_SECS="0.2")
+    env = dict(ENV, SNAPCKPT_FAULT_WRITE_DELAY_SECS="0.05")
     outs = run_ranks("ds_semantics_worker.py", 2, [snap_env.ckpt_dir], env, timeout=300)
     (r,) = _results(outs)
     assert r["latest_after_a"] == "a"
