@@ -126,7 +126,7 @@ def _step_files(sharded_sd: Dict[str, Any], path: str, storage_type: StorageType
     if cache is not None and validate:
         cache.sharding_validated = True
     if memory:
-        return {MEMORY_FILE: memory_record(sharded, common, {})}
+        return {MEMORY_FILE: MemoryOnly(memory_record(sharded, common, {}))}  # never flushed to disk
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, True)
     pyt_sd = mcore_to_pyt_state_dict(flat, False)
     writer = ArenaDistcpWriter(path, thread_count=thread_count)

@@ -50,9 +50,10 @@ from typing import Any, Dict, List, Optional
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+from transformers.utils.hub import convert_file_size_to_int
 
 from snapckpt import Checkpointer, CheckpointOptions, StorageType
-from snapckpt.errors import CheckpointNotFoundError
+from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError
 from snapckpt.events import Event
 from snapckpt.formats import RawBytes
 
@@ -108,6 +109,14 @@ class SnapckptCallback(TrainerCallback):
             raise ValueError("SnapckptCallback does not take keep_last: set TrainingArguments(save_total_limit=...), "
                              "which the callback honours together with the best-model rule")
         CheckpointOptions.from_kwargs(**options)  # validate now, not at Trainer construction
+        if not isinstance(resume_from_memory, bool):
+            raise ValueError(f"resume_from_memory must be True or False, got {resume_from_memory!r}")
+        try:
+            if convert_file_size_to_int(max_shard_size) <= 0:
+                raise ValueError("not positive")
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"max_shard_size must be a positive size such as '5GB' or a number of bytes, got "
+                             f"{max_shard_size!r}") from e
         self.memory_interval_steps = memory_interval_steps
         self.max_shard_size = max_shard_size
         self.resume_from_memory = resume_from_memory
@@ -123,6 +132,14 @@ class SnapckptCallback(TrainerCallback):
 
     # ------------------------------------------------------------------------------- lifecycle
     def _check_args(self, args: Any) -> None:
+        for what, on in (("DeepSpeed (TrainingArguments.deepspeed)", getattr(args, "deepspeed", None)),
+                         ("FSDP (TrainingArguments.fsdp)", getattr(args, "fsdp", None)),
+                         ("save_on_each_node=True", getattr(args, "save_on_each_node", False))):
+            if on:
+                raise NotImplementedError(
+                    f"SnapckptCallback does not take over the Trainer's saves under {what}: those checkpoints "
+                    "hold files the callback does not write; remove the callback (or use snapckpt.deepspeed "
+                    "for DeepSpeed engines)")
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
             raise ValueError("SnapckptCallback cannot take over save_strategy='best' (the Trainer decides to save "
                              "after evaluation, with no callback event in between); use save_strategy='steps' "
@@ -282,16 +299,27 @@ class SnapckptCallback(TrainerCallback):
         native = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
         native_step = int(native.rsplit("-", 1)[1]) if native else -1
 
+        damaged: List[str] = []
+
         def probe(cand):
             if cand.tier == StorageType.MEMORY:
                 return cand.files() if cand.step > native_step else None
-            cand.verify()
+            try:
+                cand.verify()
+            except Exception:
+                damaged.append(cand.dirname)
+                raise
             return None
 
         try:
             files, cand = ck._load_with(probe)
         except CheckpointNotFoundError:
-            return
+            files = None
+        except IncompatibleCheckpointError as e:  # another world size: the Trainer's own resume copes
+            log.info("not resuming from snapckpt's memory tier: %s", e)
+            files = None
+        finally:
+            self._set_aside(args, damaged)
         if files is None:
             return
         log.warning("the newest checkpoint, step %d, is held in memory only; writing it to %s/%s-%d", cand.step,
@@ -299,6 +327,24 @@ class SnapckptCallback(TrainerCallback):
         ck._save_files(F.respec(files), cand.step, StorageType.DISK, dirname=f"{PREFIX}-{cand.step}",
                        tracker_name=None).wait()
         self.resumed_from = (cand.step, StorageType.MEMORY)
+
+
+    def _set_aside(self, args, mine: List[str]) -> None:
+        """Collective: rename committed checkpoints that failed verification on any rank to hidden
+        ``.<name>.damaged-<unix time>`` (kept, never deleted), so that the Trainer's ``get_last_checkpoint``
+        resumes from the newest intact one instead of a damaged one."""
+        ck = self.checkpointer
+        everyone = ck._coord.all_gather("hf-damaged", {"damaged": sorted(set(mine))},
+                                        ck.options.coordination_timeout_secs)
+        damaged = sorted({d for p in everyone for d in p["damaged"]})
+        if damaged and ck.rank == 0:
+            for name in damaged:
+                src = os.path.join(args.output_dir, name)
+                dst = os.path.join(args.output_dir, f".{name}.damaged-{int(time.time())}")
+                log.error("%s failed verification (see the warnings above); moved aside to %s so that the "
+                          "Trainer resumes from the newest intact checkpoint", src, dst)
+                os.rename(src, dst)
+        ck._coord.all_gather("hf-damaged-done", {}, ck.options.coordination_timeout_secs)
 
 
 def _distributed(args: Any) -> bool:

@@ -12,6 +12,7 @@ to the next candidate together (cases B3, C2, C9).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -158,6 +159,8 @@ class Checkpointer:
         self.topology = Topology.from_hosts(self._coord.rank, [p["host"] for p in everyone])
         self.run_id = everyone[0]["run_id"]
         self._preflight_dir()
+        st = os.stat(self.checkpoint_dir)
+        self._dir_id = f"{st.st_dev}:{st.st_ino}"  # memory snapshots of a deleted and re-created dir are stale
         rt, arena = job_dirs(self.options.resolved_runtime_dir, self.options.resolved_shm_dir, self.job)
         self._client = PersisterClient(
             rt, arena, self.job, startup_timeout_secs=self.options.persister_startup_timeout_secs,
@@ -218,6 +221,14 @@ class Checkpointer:
                 f.write(b"x")
             os.unlink(probe)
         except OSError as e:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise CheckpointDirError(f"checkpoint directory {d!r} is full (rank {self.rank}: {e.strerror}); "
+                                         "free space (older checkpoints, leftover .*.partial-* directories) "
+                                         "or pick another directory") from e
             raise CheckpointDirError(f"checkpoint directory {d!r} is not writable by rank {self.rank}: "
                                      f"{e.strerror or e}; fix its permissions or pick another directory") from e
 
@@ -232,7 +243,7 @@ class Checkpointer:
             "pid": os.getpid(), "checkpoint_dir": self.checkpoint_dir, "slots_per_rank": o.slots_per_rank,
             "keep_last": -1 if o.keep_last is None else o.keep_last,
             "commit_timeout_secs": o.commit_timeout_secs, "flush_on_crash": o.flush_on_crash,
-            "fsync": o.fsync})
+            "fsync": o.fsync, "dir_id": self._dir_id})
 
     def _request(self, op: str, **fields: Any) -> Dict[str, Any]:
         if self._closed:
@@ -327,6 +338,11 @@ class Checkpointer:
         storage_type = StorageType(storage_type)
         validate_dirname(dirname)
         self.fence()
+        if storage_type == StorageType.DISK:
+            # the same step and directory again: the first save must end first (its commit would otherwise
+            # race the second, and ranks could decide differently)
+            for h in [h for h in self._handles if h.step == step and h.dirname == dirname]:
+                h.wait()
         if tracker_name is not None:
             validate_dirname(tracker_name)
         for name in files:
@@ -338,9 +354,14 @@ class Checkpointer:
         if storage_type == StorageType.DISK:
             free = self._storage.free_bytes(self.checkpoint_dir)
             if free < prepared.total_nbytes:
-                raise InsufficientDiskError(
+                err = InsufficientDiskError(
                     f"{self.checkpoint_dir!r} has {free} bytes free; rank {self.rank}'s part of step {step} "
                     f"needs {prepared.total_nbytes}; free space or lower keep_last; nothing was written")
+                try:  # the other ranks' saves of this step fail at once with this cause, not at a timeout
+                    self._request("fail", step=step, dirname=dirname, type=type(err).__name__, message=str(err))
+                except SnapckptError:
+                    pass
+                raise err
         reply = self._acquire(step, prepared.total_nbytes, storage_type)
         t2 = time.perf_counter()
         if reply is None:
@@ -392,7 +413,7 @@ class Checkpointer:
         p = job.prepared
         self._request("ready", slot=job.slot, step=job.step, index_offset=p.index_offset,
                       index_nbytes=p.index_nbytes, dirname=job.dirname, tracker_name=job.tracker_name,
-                      tracker_content=job.tracker_content)
+                      tracker_content=job.tracker_content, persistable=p.persistable)
         if job.storage_type == StorageType.DISK:
             self._request("persist", step=job.step)
         t4 = time.perf_counter()
@@ -495,8 +516,12 @@ class Checkpointer:
         that reading it fails with an error naming the damaged file instead of "not found" (case B3).
         """
         held = self._request("held")["slots"]
+        stale = sorted({s["step"] for s in held if s.get("dir_id") not in (None, self._dir_id)})
+        if stale:
+            log.warning("rank %d: memory snapshots of steps %s belong to an earlier %s that was deleted and "
+                        "re-created; they are ignored (a fresh start)", self.rank, stale, self.checkpoint_dir)
         mem = sorted({(s["step"], s["run_id"]) for s in held if s.get("world_size", self.world_size)
-                      == self.world_size})
+                      == self.world_size and s.get("dir_id") in (None, self._dir_id)})
         disk: List[List[Any]] = []
         problems: List[str] = []
         if self.rank == 0:

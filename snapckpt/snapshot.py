@@ -148,6 +148,8 @@ class Prepared:
         tail: ``(slot byte offset, bytes)`` for each pickle and the index.
         index_offset, index_nbytes: where the index (JSON) sits.
         tensor_nbytes: bytes of tensor data (the sum of span sizes).
+        persistable: whether any file is for disk; a snapshot of ``MemoryOnly`` files only is never written
+            by the persister's flush after a crash (it is not a checkpoint in any layout).
     """
 
     step: int
@@ -157,6 +159,7 @@ class Prepared:
     index_offset: int
     index_nbytes: int
     tensor_nbytes: int
+    persistable: bool = True  # some file of the snapshot is written to disk (not all MemoryOnly)
 
 
 class Stager:
@@ -252,7 +255,9 @@ class Stager:
         tail.append((offset, index))
         total = offset + len(index)
         tensor_nbytes = sum(s.nbytes for s in plan.spans)
-        return Prepared(step, total, [(c[0], c[1]) for c in copies], tail, offset, len(index), tensor_nbytes)
+        persistable = not specs or any(persist for _, persist in specs)
+        return Prepared(step, total, [(c[0], c[1]) for c in copies], tail, offset, len(index), tensor_nbytes,
+                        persistable)
 
     @staticmethod
     def copy_into(prepared: Prepared, slot: torch.Tensor, buf) -> None:

@@ -694,3 +694,17 @@ def test_B4_full_disk_on_one_rank_reaches_every_rank_with_its_cause(snap_env):
     assert "did not write their part" not in res[0]["error"]
     for r in res.values():
         assert r["latest"] == 5 and r["partials"] == []
+
+
+def test_B4_preflight_refusal_on_one_rank_fails_the_others_at_once(snap_env):
+    """Contract 7 across ranks: rank 0's free-space preflight refuses a step (nothing written) while rank 1's
+    part is accepted. Right: rank 0 raises InsufficientDiskError; rank 1's wait() fails with a CommitError
+    naming rank 0 and that cause, not a commit timeout; no partial directory is left; the next step
+    commits on both ranks."""
+    outs = run_ranks("commit_crash_worker.py", 2, ["preflight_fail_one_rank", snap_env.ckpt_dir], {}, timeout=200)
+    res = {r["rank"]: r for r in (json.loads(l) for o in outs for l in result_lines(o))}
+    assert res[0]["error"].startswith("InsufficientDiskError"), res
+    assert res[1]["error"].startswith("CommitError") and "rank 0" in res[1]["error"], res
+    assert "InsufficientDiskError" in res[1]["error"] and "did not write their part" not in res[1]["error"], res
+    for r in res.values():
+        assert r["latest"] == 3 and r["partials"] == []

@@ -271,3 +271,24 @@ def test_bad_input_is_refused_with_the_fix(snap_env):
 
     with pytest.raises(ValueError, match="save_strategy='best'"):
         Trainer(model=build_model(), args=args, eval_dataset=Tokens(n=4), callbacks=[SnapckptCallback()])
+
+
+def test_B3_damaged_newest_folder_is_set_aside_and_the_previous_resumed(snap_env, stock):
+    """B3 with the Trainer's own auto-resume: a committed checkpoint-12 whose model.safetensors has one
+    flipped byte. Right: the callback's agreement finds it damaged (manifest checksum) and moves it aside to
+    a hidden ``.checkpoint-12.damaged-*`` (kept, not deleted), so ``get_last_checkpoint`` and the stock
+    resume take checkpoint-10, and steps 11-12 are bitwise those of the uninterrupted run."""
+    _, ref = stock
+    out = os.path.join(snap_env.tmp, "run")
+    _run({"out": out, "steps": STEPS, "snap": True}, snap_env.env)
+    victim = os.path.join(out, "checkpoint-12", "model.safetensors")
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) - 10)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    facts = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
+    _same_steps(_rows(facts), ref, range(11, STEPS + 1))
+    names = os.listdir(out)
+    assert any(n.startswith(".checkpoint-12.damaged-") for n in names), names
+    assert "checkpoint-12" in names  # written again by the resumed run

@@ -74,18 +74,41 @@ def test_storage_type_prints_as_its_value():
 def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):
     """A step saved to disk, committed, then saved again (a rewind, or the same iteration re-run): the
     second save is written and committed, not answered "committed" from the first one; loads see the new
-    values. A second save of a step whose first save is still being persisted is refused with the fix
-    (wait first), and the first still commits."""
+    values. A second save of a step whose first save is still being persisted waits for the first to
+    commit, then replaces it (every rank decides the same way)."""
     with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
         ck.save({"w": torch.zeros(8)}, 1, StorageType.DISK).wait()
         ck.save({"w": torch.ones(8)}, 1, StorageType.DISK).wait()
         on_disk = torch.load(os.path.join(snap_env.ckpt_dir, "step_00000001", "rank_00000.pt"))
         assert torch.equal(on_disk["w"], torch.ones(8))
-        monkeypatch.setenv("SNAPCKPT_FAULT_WRITE_DELAY_SECS", "0.3")
+        monkeypatch.setenv("SNAPCKPT_FAULT_WRITE_DELAY_SECS", "0.05")
     with Checkpointer(snap_env.ckpt_dir + "2", persister_idle_timeout_secs=5) as ck:
         h = ck.save({"w": torch.zeros(8)}, 2, StorageType.DISK)
-        with pytest.raises(PersisterError, match="still being persisted.*wait"):
-            ck.save({"w": torch.ones(8)}, 2, StorageType.DISK)
-        h.wait()
+        h2 = ck.save({"w": torch.ones(8)}, 2, StorageType.DISK)  # waits for the first, then replaces it
+        assert h.done()
+        h2.wait()
         on_disk = torch.load(os.path.join(snap_env.ckpt_dir + "2", "step_00000002", "rank_00000.pt"))
-        assert torch.equal(on_disk["w"], torch.zeros(8))
+        assert torch.equal(on_disk["w"], torch.ones(8))
+
+
+def test_memory_tier_of_a_deleted_and_recreated_dir_is_not_resurrected(snap_env):
+    """A run crashes (no close) with a memory snapshot; the user deletes the checkpoint directory and starts
+    afresh in the same path while the persister still holds the snapshot. Right: the new job finds nothing
+    to load (the snapshot belongs to the deleted directory), while a restart in the untouched directory
+    would load it from memory."""
+    snap_env.leftover_ok = True  # the crashed job's persister idles out
+    ck = Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=30)
+    ck.save({"w": torch.ones(4)}, 7, StorageType.MEMORY)
+    ck._client.close(bye=False)  # the process "dies": no close()
+    again = Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=30)
+    assert again.latest_step() == 7  # same directory: the memory tier is the crash's rescue
+    again._client.close(bye=False)
+    import shutil
+
+    from _harness import wait_until
+
+    # the persister flushes the crashed run's snapshot to disk; the user deletes everything after that
+    assert wait_until(lambda: os.path.isdir(os.path.join(snap_env.ckpt_dir, "step_00000007")), 30)
+    shutil.rmtree(snap_env.ckpt_dir)
+    with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=30) as fresh:
+        assert fresh.latest_step() is None

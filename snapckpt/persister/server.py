@@ -60,6 +60,7 @@ class Slot:
     dirname: str = ""
     tracker_name: str = ""
     tracker_content: str = ""
+    persistable: bool = True  # the snapshot has files for disk (False: a memory-only record, never flushed)
     seq: int = 0  # order of READY transitions: the newest READY slot has the highest seq
 
 
@@ -82,6 +83,7 @@ class Run:
     commit_timeout_secs: float
     flush_on_crash: bool
     fsync: bool
+    dir_id: str = ""  # device:inode of checkpoint_dir when the run started (a re-created directory differs)
     connected: Set[int] = field(default_factory=set)
     crashed: bool = False
 
@@ -338,7 +340,7 @@ class Server:
         if run is None:
             run = Run(msg["run_id"], world, list(msg["local_ranks"]), False, msg["checkpoint_dir"],
                       None if msg["keep_last"] < 0 else msg["keep_last"], float(msg["commit_timeout_secs"]),
-                      msg["flush_on_crash"], msg["fsync"])
+                      msg["flush_on_crash"], msg["fsync"], msg["dir_id"])
             self.runs[run.run_id] = run
         if msg["committer"]:
             run.committer = True
@@ -358,7 +360,8 @@ class Server:
     def _slot_info(self, s: Slot) -> Dict[str, Any]:
         return {"slot": s.index, "path": s.path, "nbytes": s.nbytes, "state": s.state.value, "step": s.step,
                 "index_offset": s.index_offset, "index_nbytes": s.index_nbytes, "run_id": s.run_id,
-                "seq": s.seq, "world_size": self.runs[s.run_id].world_size if s.run_id in self.runs else -1}
+                "seq": s.seq, "world_size": self.runs[s.run_id].world_size if s.run_id in self.runs else -1,
+                "dir_id": self.runs[s.run_id].dir_id if s.run_id in self.runs else ""}
 
     def _op_ping(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         return P.ok(persister_pid=os.getpid())
@@ -395,12 +398,37 @@ class Server:
         s.state, s.seq = SlotState.READY, self.seq
         s.index_offset, s.index_nbytes = msg["index_offset"], msg["index_nbytes"]
         s.dirname, s.tracker_name, s.tracker_content = msg["dirname"], msg["tracker_name"], msg["tracker_content"]
+        s.persistable = msg["persistable"]
         return P.ok()
 
     def _op_abort(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         s = self._slot(entry, msg["slot"])
         if s.state == SlotState.WRITING:
             s.state = SlotState.INVALID
+        return P.ok()
+
+    def _op_fail(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        """A rank's DISK save of ``(step, dirname)`` failed before it reached the persister (a preflight such
+        as the free-space check): record it and drop a failure marker, so that the commit fails at once on
+        every node with the cause instead of waiting for this rank's part until the timeout."""
+        run = self.runs[entry.run_id]
+        step, dirname = msg["step"], validate_dirname(msg["dirname"])
+        key = (run.run_id, step, dirname)
+        rec = {"type": msg["type"], "message": msg["message"]}
+        with self.lock:
+            res = self.results.setdefault(key, Result())
+            res.part_errors[entry.rank] = rec
+        partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
+        write_failure_marker(PosixStorage(fsync=run.fsync), partial, rank=entry.rank, run_id=run.run_id,
+                             step=step, exc=P.error_from_record(rec))
+        if key not in self.commits_started:
+            self.commits_started.add(key)
+            req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
+                                world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
+                                keep_last=run.keep_last, tracker_name="", tracker_content="",
+                                local_failure=self._local_failure(key))
+            self.pending += 1
+            self.commit_pool.submit(self._commit_task, req, run)
         return P.ok()
 
     def _op_persist(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
@@ -565,13 +593,13 @@ class Server:
         for r in run.local_ranks:
             entry = self.ranks.get(r)
             held = {s.step for s in entry.slots if s.state in (SlotState.READY, SlotState.PERSISTING)
-                    and s.run_id == run.run_id} if entry else set()
+                    and s.run_id == run.run_id and s.persistable} if entry else set()
             steps = held if steps is None else steps & held
         if not steps:
             log.info("run %s crashed; no step is held by every local rank, nothing to flush", run.run_id)
             return
         step = max(steps)
-        newest = max((s for s in self.ranks[run.local_ranks[0]].slots if s.step == step
+        newest = max((s for s in self.ranks[run.local_ranks[0]].slots if s.step == step and s.persistable
                       and s.state in (SlotState.READY, SlotState.PERSISTING)), key=lambda s: s.seq)
         res = self.results.get((run.run_id, step, newest.dirname))
         if res is not None and res.state != "failed":

@@ -201,7 +201,33 @@ def full_disk_one_rank(d: str) -> None:
     dist.destroy_process_group()
 
 
+def preflight_fail_one_rank(d: str) -> None:
+    """B4/contract 7 across ranks: rank 0's free-space preflight refuses step 2 (fault injection: it sees
+    0 bytes free), rank 1's tiny part is accepted. Each rank reports what its save / wait raised."""
+    import torch.distributed as dist
+
+    init_dist()
+    rank = dist.get_rank()
+    ck = Checkpointer(d, **dict(OPTS, commit_timeout_secs=120))
+    ck.save(make_state(1, rank), 1).wait()
+    real = ck._storage.free_bytes
+    if rank == 0:
+        ck._storage.free_bytes = lambda path: 0
+    try:
+        ck.save(make_state(2, rank), 2).wait()
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    ck._storage.free_bytes = real
+    dist.barrier()
+    ck.save(make_state(3, rank), 3).wait()
+    result(rank=rank, error=err, latest=ck.latest_step(), partials=[n for n in os.listdir(d) if ".partial-" in n])
+    ck.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
     {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts,
-     "slow_disk": slow_disk, "save_loop": save_loop, "full_disk_one_rank": full_disk_one_rank}[scenario](*rest)
+     "slow_disk": slow_disk, "save_loop": save_loop, "full_disk_one_rank": full_disk_one_rank,
+     "preflight_fail_one_rank": preflight_fail_one_rank}[scenario](*rest)
