@@ -20,11 +20,12 @@ import atexit
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 __all__ = ["add_arguments", "enable", "EnableResult"]
 
 log = logging.getLogger(__name__)
+_ENABLED: Optional["EnableResult"] = None  # the result of the enable() that routed, once it has
 
 
 def _positive_int(text: str) -> int:
@@ -93,6 +94,9 @@ def enable(args: Any) -> EnableResult:
     Raises:
         ValueError: the flag is on but ``args`` has no ``save`` directory.
     """
+    global _ENABLED
+    if _ENABLED is not None:  # model_provider may run more than once (virtual pipeline chunks)
+        return _ENABLED
     if not getattr(args, "snapckpt", False):
         result = EnableResult(False, "--snapckpt is off: Megatron-LM checkpoints as usual")
         log.info("snapckpt: %s", result.reason)
@@ -125,7 +129,7 @@ def enable(args: Any) -> EnableResult:
         mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save)
         routed.append("megatron.training.training.train_step")
     atexit.register(close_all)
-    result = EnableResult(True, f"checkpoints go through snapckpt (memory every "
+    result = _ENABLED = EnableResult(True, f"checkpoints go through snapckpt (memory every "
                                 f"{args.snapckpt_memory_interval or 'never'}, disk every "
                                 f"{getattr(args, 'save_interval', None)} iterations)", tuple(routed))
     log.info("snapckpt: %s; rebound %s", result.reason, ", ".join(routed))
