@@ -278,7 +278,7 @@ def test_security_owner_only_files_and_refused_clients(snap_env):
             hello = {"op": "hello", "token": "0" * 32, "job": ck.job, "run_id": "intruder", "rank": 0,
                      "world_size": 1, "local_ranks": [0], "committer": True, "pid": os.getpid(),
                      "checkpoint_dir": snap_env.ckpt_dir, "slots_per_rank": 2, "keep_last": -1,
-                     "commit_timeout_secs": 5.0, "flush_on_crash": False, "fsync": False}
+                     "commit_timeout_secs": 5.0, "flush_on_crash": False, "fsync": False, "dir_id": "0:0"}
             reply = _raw_request(s, rfile, (json.dumps(hello) + "\n").encode())
             assert reply["ok"] is False and "authentication" in reply["error"]["message"], reply
             reply = _raw_request(s, rfile, b'{"op": "held"}\n')  # still not authenticated
