@@ -39,6 +39,8 @@ from .topology import Topology, host_identity
 
 __all__ = ["Checkpointer", "LoadCandidate", "LoadInfo"]
 
+DIR_ID_XATTR = "user.snapckpt.dir_id"  # random id of a checkpoint directory, an extended attribute of it
+
 log = logging.getLogger(__name__)
 
 
@@ -159,8 +161,10 @@ class Checkpointer:
         self.topology = Topology.from_hosts(self._coord.rank, [p["host"] for p in everyone])
         self.run_id = everyone[0]["run_id"]
         self._preflight_dir()
-        st = os.stat(self.checkpoint_dir)
-        self._dir_id = f"{st.st_dev}:{st.st_ino}"  # memory snapshots of a deleted and re-created dir are stale
+        # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
+        # since belong to another run and are never loaded (inode numbers are reused: a random id instead).
+        mine = self._dir_identity() if self._coord.rank == 0 else ""
+        self._dir_id = self._coord.all_gather("dir_id", {"id": mine}, t)[0]["id"]
         rt, arena = job_dirs(self.options.resolved_runtime_dir, self.options.resolved_shm_dir, self.job)
         self._client = PersisterClient(
             rt, arena, self.job, startup_timeout_secs=self.options.persister_startup_timeout_secs,
@@ -231,6 +235,25 @@ class Checkpointer:
                                          "or pick another directory") from e
             raise CheckpointDirError(f"checkpoint directory {d!r} is not writable by rank {self.rank}: "
                                      f"{e.strerror or e}; fix its permissions or pick another directory") from e
+
+    def _dir_identity(self) -> str:
+        """Rank 0: a random id kept in the extended attribute ``user.snapckpt.dir_id`` of the checkpoint
+        directory (created on first use; it goes with the directory, and listings do not show it). ``""``
+        where the filesystem has no user xattrs: then memory snapshots are not tied to the directory."""
+        d = self.checkpoint_dir
+        try:
+            return os.getxattr(d, DIR_ID_XATTR).decode("ascii")
+        except OSError as e:
+            if e.errno not in (errno.ENODATA, getattr(errno, "ENOATTR", errno.ENODATA)):
+                return ""
+        value = uuid.uuid4().hex
+        try:
+            os.setxattr(d, DIR_ID_XATTR, value.encode("ascii"), os.XATTR_CREATE)
+            return value
+        except FileExistsError:
+            return os.getxattr(d, DIR_ID_XATTR).decode("ascii")
+        except OSError:
+            return ""
 
     def _connect(self) -> None:
         o = self.options

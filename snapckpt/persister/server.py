@@ -418,9 +418,12 @@ class Server:
         with self.lock:
             res = self.results.setdefault(key, Result())
             res.part_errors[entry.rank] = rec
-        partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
-        write_failure_marker(PosixStorage(fsync=run.fsync), partial, rank=entry.rank, run_id=run.run_id,
-                             step=step, exc=P.error_from_record(rec))
+        if run.world_size == 1:
+            return P.ok()  # nobody else waits for this save
+        if len(run.local_ranks) < run.world_size:  # ranks on other nodes learn it from a failure marker
+            partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
+            write_failure_marker(PosixStorage(fsync=run.fsync), partial, rank=entry.rank, run_id=run.run_id,
+                                 step=step, exc=P.error_from_record(rec))
         if key not in self.commits_started:
             self.commits_started.add(key)
             req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
