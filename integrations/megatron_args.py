@@ -28,10 +28,20 @@ log = logging.getLogger(__name__)
 _ENABLED: Optional["EnableResult"] = None  # the result of the enable() that routed, once it has
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
     if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = _nonnegative_int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
     return v
 
 
@@ -47,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     g = parser.add_argument_group("snapckpt", "asynchronous checkpoints to memory and disk (snapckpt)")
     g.add_argument("--snapckpt", action="store_true", help="route save/load_checkpoint through snapckpt")
-    g.add_argument("--snapckpt-memory-interval", type=_positive_int, default=0,
+    g.add_argument("--snapckpt-memory-interval", type=_nonnegative_int, default=0,
                    help="iterations between memory snapshots (0: none)")
-    g.add_argument("--snapckpt-disk-interval", type=_positive_int, default=0,
+    g.add_argument("--snapckpt-disk-interval", type=_nonnegative_int, default=0,
                    help="iterations between disk checkpoints (replaces --save-interval; 0: keep it)")
     g.add_argument("--snapckpt-keep-last", type=_positive_int, default=None,
                    help="committed checkpoints to keep (default: all)")
