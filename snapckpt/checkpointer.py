@@ -379,7 +379,8 @@ class Checkpointer:
             if free < prepared.total_nbytes:
                 err = InsufficientDiskError(
                     f"{self.checkpoint_dir!r} has {free} bytes free; rank {self.rank}'s part of step {step} "
-                    f"needs {prepared.total_nbytes}; free space or keep fewer checkpoints (keep_last; save_total_limit under the Trainer); nothing was written")
+                    f"needs {prepared.total_nbytes}; free space or keep fewer checkpoints (keep_last; "
+                    "save_total_limit under the Trainer); nothing was written")
                 try:  # the other ranks' saves of this step fail at once with this cause, not at a timeout
                     self._request("fail", step=step, dirname=dirname, type=type(err).__name__, message=str(err))
                 except SnapckptError:
