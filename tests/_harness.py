@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import psutil
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
@@ -143,3 +144,22 @@ def tree(path: str) -> list:
     for root, dirs, files in os.walk(path):
         out += [os.path.relpath(os.path.join(root, n), path) for n in dirs + files]
     return sorted(out)
+
+
+def assert_equal_state(x, y, where: str = "") -> None:
+    """Assert two loaded checkpoint objects are equal: tensors by dtype and value, containers recursively,
+    numpy arrays elementwise, anything else by ``==``; ``where`` names the first difference."""
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys(), where
+        for k in x:
+            assert_equal_state(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (a, b) in enumerate(zip(x, y)):
+            assert_equal_state(a, b, f"{where}[{i}]")
+    elif type(x).__module__ == "numpy":
+        assert (x == y).all(), where
+    else:
+        assert x == y, where

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from _harness import REPO
+from _harness import REPO, assert_equal_state
 
 WORKER = os.path.join(REPO, "tests", "workers", "accel_worker.py")
 
@@ -46,23 +46,6 @@ def _load(path):
     return torch.load(path, weights_only=False)
 
 
-def _equal(x, y, where):
-    if isinstance(x, torch.Tensor):
-        assert torch.equal(x, y), where
-    elif isinstance(x, dict):
-        assert x.keys() == y.keys(), where
-        for k in x:
-            _equal(x[k], y[k], f"{where}.{k}")
-    elif isinstance(x, (list, tuple)):
-        assert len(x) == len(y), where
-        for i, (a, b) in enumerate(zip(x, y)):
-            _equal(a, b, f"{where}[{i}]")
-    elif type(x).__module__ == "numpy":
-        assert (x == y).all(), where
-    else:
-        assert x == y, where
-
-
 def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
     ref_dir, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
     ref = _run({"out": ref_dir, "mode": "stock", "steps": 10, "save_at": 5}, {})["rows"]
@@ -73,7 +56,7 @@ def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
     names = sorted(n for n in os.listdir(mine) if n != ".snapckpt")
     assert names == sorted(os.listdir(theirs)), names
     for n in names:
-        _equal(_load(os.path.join(mine, n)), _load(os.path.join(theirs, n)), n)
+        assert_equal_state(_load(os.path.join(mine, n)), _load(os.path.join(theirs, n)), n)
     # The stock loader resumes from snapckpt's folder (F1), bitwise (E2/E3).
     stock = _run({"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5}, snap_env.env)
     _same(stock["rows"], ref, range(6, 11))

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _harness import REPO, free_port, wait_until
+from _harness import REPO, assert_equal_state, free_port, wait_until
 
 WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 STEPS = 12
@@ -80,24 +80,7 @@ def _assert_same_folder(mine, theirs):
                 d.pop("output_dir"), d.pop("logging_dir", None)
             assert type(x) is type(y) and dx == dy
         else:
-            _assert_equal(torch.load(a, weights_only=False), torch.load(b, weights_only=False), name)
-
-
-def _assert_equal(x, y, where):
-    if isinstance(x, torch.Tensor):
-        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
-    elif isinstance(x, dict):
-        assert x.keys() == y.keys(), where
-        for k in x:
-            _assert_equal(x[k], y[k], f"{where}.{k}")
-    elif isinstance(x, (list, tuple)):
-        assert len(x) == len(y), where
-        for i, (a, b) in enumerate(zip(x, y)):
-            _assert_equal(a, b, f"{where}[{i}]")
-    elif type(x).__module__ == "numpy":
-        assert (x == y).all(), where
-    else:
-        assert x == y, where
+            assert_equal_state(torch.load(a, weights_only=False), torch.load(b, weights_only=False), name)
 
 
 @pytest.fixture(scope="module")
