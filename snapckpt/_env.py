@@ -6,6 +6,11 @@ Knobs:
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
 - ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``: fault injection for tests: the persister sleeps this long before
   each record it writes (a slow persister). Read by the persister process only.
+- ``SNAPCKPT_FAULT_POINT``: fault injection for tests: named points where a process SIGKILLs (or
+  SIGSTOPs) itself, with rank/step/occurrence selectors (syntax in :mod:`snapckpt.faults`).
+- ``SNAPCKPT_FAULT_STORAGE``: fault injection for tests: a JSON plan that makes the persister's storage
+  fail in one phase (open, write, fsync, part marker, manifest, rename, tracker) with an errno
+  (:class:`snapckpt.faults.FaultyStorage`).
 """
 from __future__ import annotations
 
@@ -35,3 +40,13 @@ def fault_write_delay_secs() -> float:
     if value < 0:
         raise ValueError(f"SNAPCKPT_FAULT_WRITE_DELAY_SECS={raw!r} must be >= 0")
     return value
+
+
+def fault_point() -> str:
+    """The fault-point spec (``SNAPCKPT_FAULT_POINT``; empty: no point armed)."""
+    return os.environ.get("SNAPCKPT_FAULT_POINT", "")
+
+
+def fault_storage() -> str:
+    """The storage fault plan, JSON (``SNAPCKPT_FAULT_STORAGE``; empty: storage never fails on purpose)."""
+    return os.environ.get("SNAPCKPT_FAULT_STORAGE", "")

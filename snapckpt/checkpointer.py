@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import layout
+from . import faults, layout
 from .arena import map_slot
 from .coordination import make_coordinator
 from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
@@ -159,6 +159,7 @@ class Checkpointer:
         me = {"host": host_identity(), "run_id": self.job + uuid.uuid4().hex[:12], "pid": os.getpid()}
         everyone = self._coord.all_gather("init", me, t)
         self.topology = Topology.from_hosts(self._coord.rank, [p["host"] for p in everyone])
+        faults.set_rank(self._coord.rank)
         self.run_id = everyone[0]["run_id"]
         self._preflight_dir()
         # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
@@ -433,6 +434,7 @@ class Checkpointer:
 
     def _copied(self, job: "_CopyJob") -> SaveHandle:
         """The copy of ``job`` is complete: hand the slot to the persister (READY, and persist for DISK)."""
+        faults.point("snapshot.before_ready", step=job.step)
         t3 = time.perf_counter()
         p = job.prepared
         self._request("ready", slot=job.slot, step=job.step, index_offset=p.index_offset,

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 import torch
 
 from .arena import HEADER_NBYTES, read_header, write_header
+from . import faults
 from .errors import SnapshotError
 from .formats.specs import Concat, RawBytes, TorchSave, unwrap
 from .formats.torch_zip import TensorRef, _check_supported, collect_tensors, pickle_skeleton, unpickle_skeleton
@@ -268,7 +269,10 @@ class Stager:
             slot: a uint8 tensor viewing the whole mapped slot (``torch.frombuffer`` of ``buf``).
             buf: the writable mapping itself (for the header and the tail bytes).
         """
-        for src, off in prepared.copies:
+        half = len(prepared.copies) // 2
+        for i, (src, off) in enumerate(prepared.copies):
+            if i == half:
+                faults.point("snapshot.mid_copy", step=prepared.step)
             n = src.numel()
             if n:
                 slot[off:off + n].copy_(src)

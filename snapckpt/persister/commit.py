@@ -25,6 +25,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
+from .. import faults
 from ..errors import CommitError, CommitTimeoutError
 from ..manifest import (MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
                         partial_dirname)
@@ -155,6 +156,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         check_sizes(reader, req.partial_dir, manifest)
         storage.write_atomic(os.path.join(req.partial_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
         storage.fsync_dir(req.partial_dir)
+        faults.point("commit.before_rename", step=req.step, rank=None)
         aside = None
         if reader.isdir(req.final_dir):
             _refuse_other_jobs_checkpoint(reader, req)
@@ -171,6 +173,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
                 log.warning("step %d: could not remove %s after the failed commit: %s", req.step,
                             req.partial_dir, e)
         raise
+    faults.point("commit.before_tracker", step=req.step, rank=None)
     if req.tracker_name:
         def write_tracker() -> None:
             storage.write_atomic(os.path.join(req.checkpoint_dir, req.tracker_name), req.tracker_content.encode())
@@ -182,6 +185,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     if aside is not None:
         storage.remove_tree(aside)
     log.info("committed step %d as %s (%d files)", req.step, req.dirname, len(manifest["files"]))
+    faults.point("commit.after_tracker_before_retention", step=req.step, rank=None)
     try:
         apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname])
     except OSError as e:  # retention never fails a commit that already happened

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from .. import faults
 from ..arena import SlotFiles, SlotState, map_slot
 from ..errors import PersisterError, SlotBusyError
 from ..manifest import list_committed, partial_dirname, validate_dirname
@@ -523,7 +524,7 @@ class Server:
         return gate
 
     def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
-        storage = PosixStorage(fsync=run.fsync)
+        storage = faults.storage(fsync=run.fsync, rank=rank, step=step)
         partial = os.path.join(run.checkpoint_dir, partial_dirname(s.dirname, run.run_id))
         try:
             buf = map_slot(s.path, s.nbytes)
@@ -563,7 +564,7 @@ class Server:
                 s.state = SlotState.READY
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
-        storage = PosixStorage(fsync=run.fsync)
+        storage = faults.storage(fsync=run.fsync, rank=None, step=req.step)
         try:
             if run.committer:
                 commit(storage, storage, req, remove_partial_on_failure=False)

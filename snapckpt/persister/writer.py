@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .. import _env
+from .. import _env, faults
 from ..formats.torch_zip import write_torch_file
 from ..manifest import ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name
 from ..storage.base import StorageWriter
@@ -43,6 +43,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
     storage.makedirs(os.path.join(partial_dir, SIDECAR))
     delay = _env.fault_write_delay_secs()
     files: Dict[str, Dict[str, Any]] = {}
+    mid_file = faults.armed()  # fault point persist.mid_file: in the middle of each file written
     for f in index["files"]:
         if not f.get("persist", True):
             continue  # a MemoryOnly file: part of the memory snapshot, not of the checkpoint on disk
@@ -51,7 +52,10 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
         storage.makedirs(os.path.dirname(path))
         kind = f.get("kind", "torch")
         with storage.open_write(path) as raw:
-            cw = ChecksumWriter(raw if not delay else _SlowWriter(raw, delay))
+            sink = raw if not delay else _SlowWriter(raw, delay)
+            if mid_file:
+                sink = _MidFilePoint(sink, rank, step)
+            cw = ChecksumWriter(sink)
             if kind == "bytes":
                 for off, n in f["chunks"]:
                     cw.write(memoryview(buf)[off:off + n])
@@ -66,6 +70,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
         files[rel] = {"nbytes": cw.nbytes, "crc32": cw.hexdigest, "kind": kind}
     if on_data_read is not None:
         on_data_read()
+    faults.point("persist.before_part_marker", step=step, rank=rank)
     marker = {"rank": rank, "run_id": run_id, "step": step, "files": files}
     storage.write_atomic(os.path.join(partial_dir, part_marker_name(rank)), json.dumps(marker).encode())
     return files
@@ -90,6 +95,24 @@ class _SlowWriter:
 
     def write(self, data) -> int:
         time.sleep(self.delay_secs)
+        return self.fileobj.write(data)
+
+    def flush(self) -> None:
+        self.fileobj.flush()
+
+
+class _MidFilePoint:
+    """Fault point ``persist.mid_file``: reached on the second write into the file (after the first one
+    was flushed to it), so a SIGKILL there leaves a half-written file."""
+
+    def __init__(self, fileobj, rank: int, step: int) -> None:
+        self.fileobj, self.rank, self.step, self.writes = fileobj, rank, step, 0
+
+    def write(self, data) -> int:
+        self.writes += 1
+        if self.writes == 2:
+            self.fileobj.flush()
+            faults.point("persist.mid_file", step=self.step, rank=self.rank)
         return self.fileobj.write(data)
 
     def flush(self) -> None:
