@@ -27,7 +27,9 @@ point                                      process     where
 =========================================  ==========  =======================================================
 
 **Storage faults** (``SNAPCKPT_FAULT_STORAGE``): a JSON object ``{"phase": P, "errno": E, "rank": R,
-"step": S, "after_bytes": B}`` (only ``phase`` required; ``errno`` defaults to ``ENOSPC``). The persister
+"step": S, "after_bytes": B}`` (only ``phase`` required; ``errno`` defaults to ``ENOSPC``), or ``@PATH``:
+the plan is read from file ``PATH`` at each part and commit (a missing or empty file: no fault), so a test
+can change it while one persister lives. The persister
 builds its storage with :func:`storage`, which wraps :class:`~snapckpt.storage.posix.PosixStorage` in
 :class:`FaultyStorage` when the plan's rank and step select the part (or the commit, which has no rank)
 being written. Phases: ``open`` (``open_write``), ``write`` (a write once ``after_bytes`` bytes of the file
@@ -128,6 +130,12 @@ def storage(*, fsync: bool, rank: Optional[int], step: int) -> PosixStorage:
         ValueError: the plan is not valid JSON or names an unknown phase.
     """
     raw = _env.fault_storage()
+    if raw.startswith("@"):
+        try:
+            with open(raw[1:]) as f:
+                raw = f.read().strip()
+        except FileNotFoundError:
+            raw = ""
     if not raw:
         return PosixStorage(fsync=fsync)
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import uuid
@@ -9,6 +10,23 @@ import uuid
 import pytest
 
 from _harness import SnapEnv, wait_until
+
+
+def pytest_addoption(parser):
+    """Options of the fault matrix (tests/test_fault_matrix.py)."""
+    parser.addoption("--fault-points", type=int, default=2,
+                     help="random fault points per integration in test_fault_matrix.py (default 2; 50+ for a long run)")
+    parser.addoption("--fault-seed", type=int, default=None,
+                     help="seed of the random fault points (default: random, printed in the report header)")
+
+
+def pytest_configure(config):
+    seed = config.getoption("--fault-seed")
+    config.fault_seed = seed if seed is not None else random.randrange(1 << 31)
+
+
+def pytest_report_header(config):
+    return f"fault matrix: --fault-seed {config.fault_seed} --fault-points {config.getoption('--fault-points')}"
 
 
 @pytest.fixture
