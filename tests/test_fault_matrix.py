@@ -1,0 +1,266 @@
+"""The fault matrix (issue 7): seeded random fault points per integration, plus the fixed fault scenarios.
+
+Each random point (``tests/faults.py`` :class:`FaultPoint`: a named point x rank x step, sometimes a
+damage) runs a 2-rank gloo job that saves every step (MEMORY and DISK tiers mixed, ``keep_last=2``) with
+the point armed; the process that reaches it SIGKILLs itself (a rank, or the node persister), the other
+ranks are killed as an elastic launcher would, or die of the error they get. Then, optionally, the newest
+committed checkpoint is damaged (and the persister killed, so the disk must be read), and the job is
+restarted. After every fault the checks of :func:`check_after_fault`:
+
+- no torn or mixed-step checkpoint is loaded: every tensor of every rank holds ``step * 100 + rank`` of
+  the one step all ranks loaded;
+- resume lands on the newest complete step: the newest step held in memory by every rank when the
+  persister survived, else the newest committed on disk (damaged ones excepted);
+- no committed checkpoint is lost: every one committed after the crash is still committed after the
+  restart unless retention (``keep_last``) removed it after newer commits; every committed checkpoint
+  passes its size and CRC-32 checks;
+- the error the job saw names the cause (key phrases).
+
+``--fault-points N`` (default 2 per integration) and ``--fault-seed S`` (default: random, printed)
+control the random part.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import signal
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+import faults as F
+from _harness import finish, launch, result_lines, wait_until
+
+INTEGRATIONS = {"torch": {}, "deepspeed": {"DS_ACCELERATOR": "cpu"}}
+STEPS, DISK_EVERY, KEEP_LAST = 6, 2, 2
+
+
+def _saved(out: str) -> int:
+    steps = [int(l.split()[1]) for l in out.splitlines() if l.startswith("SAVED ")]
+    return max(steps, default=0)
+
+
+def _errors(outs: List[str]) -> List[Dict[str, str]]:
+    return [json.loads(x) for o in outs for x in result_lines(o, "ERROR")]
+
+
+def run_job(snap_env, integration: str, extra_env: Dict[str, str], args: List[str] = (), *,
+            timeout: float = 180):
+    """Run the ``run`` mode of the fault worker with ``extra_env``; when a rank is SIGKILLed, kill the
+    others (as torchrun does). Returns ``(procs, outs)``."""
+    env = {**snap_env.env, **INTEGRATIONS[integration], **extra_env}
+    procs = launch("fault_worker.py", 2, [integration, "run", snap_env.ckpt_dir, "--steps", str(STEPS),
+                                          "--disk-every", str(DISK_EVERY), "--keep-last", str(KEEP_LAST),
+                                          *args], env)
+    first = F.wait_first_exit(procs, timeout)
+    if first is not None and first.returncode == -signal.SIGKILL:
+        F.kill_job(procs)
+    outs = finish(procs, timeout)
+    return procs, outs
+
+
+def resume_job(snap_env, integration: str, args: List[str] = (), timeout: float = 180) -> List[dict]:
+    """Restart the job; return each rank's ``RESULT`` (its loaded step, tier, consistency)."""
+    env = {**snap_env.env, **INTEGRATIONS[integration]}
+    procs = launch("fault_worker.py", 2, [integration, "resume", snap_env.ckpt_dir, "--keep-last",
+                                          str(KEEP_LAST), *args], env)
+    outs = finish(procs, timeout)
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"resume: rank {r} exited {p.returncode}:\n{o}"
+    return [json.loads(result_lines(o)[0]) for o in outs]
+
+
+def check_after_fault(snap_env, integration: str, outs: List[str], *, persister_alive: bool,
+                      damaged: Optional[tuple] = None, what: str = "") -> dict:
+    """``damaged``: ``(step, dirname)`` of the checkpoint the test damaged on purpose."""
+    dstep, dname = damaged or (None, None)
+    """Restart after a fault and assert the matrix's invariants (module docstring); return a summary."""
+    before = F.committed(snap_env.ckpt_dir)
+    disk = max((s for s in before if s != dstep), default=-1)
+    memory = min(_saved(o) for o in outs) if persister_alive else -1
+    expected = max(disk, memory)
+    results = resume_job(snap_env, integration)
+    steps = {r["step"] for r in results}
+    assert len(steps) == 1, f"{what}: ranks loaded different steps {results}"
+    assert all(r["consistent"] for r in results), f"{what}: a torn or mixed-step checkpoint was loaded: {results}"
+    loaded = steps.pop()
+    assert loaded == expected, (f"{what}: resumed step {loaded} ({results[0]['tier']}), expected the newest "
+                                f"complete {expected} (disk {disk}, memory {memory}); committed {sorted(before)}")
+    after = F.committed(snap_env.ckpt_dir)
+    kept = sorted(after)[-KEEP_LAST:]
+    lost = [s for s in before if s != dstep and s not in after and (not kept or s > kept[0])]
+    assert not lost, f"{what}: committed checkpoints {lost} were lost (before {sorted(before)}, after {sorted(after)})"
+    problems = [p for p in F.verify_all(snap_env.ckpt_dir)
+                if not p.startswith(f"{dname}:")]
+    assert not problems, f"{what}: committed checkpoints fail their checks: {problems}"
+    return {"loaded": loaded, "tier": results[0]["tier"], "committed_before": sorted(before)}
+
+
+def assert_names_cause(outs: List[str], *phrases: str, what: str = "") -> None:
+    """Every ``ERROR`` a rank printed matches one of ``phrases`` (regular expressions, case-insensitive);
+    at least one rank printed one."""
+    errs = _errors(outs)
+    assert errs, f"{what}: no rank reported an error: {outs}"
+    for e in errs:
+        text = f"{e['type']}: {e['message']}"
+        assert any(re.search(p, text, re.I) for p in phrases), f"{what}: error does not name the cause: {text}"
+
+
+# ---------------------------------------------------------------------------------------- random points
+def _points(request, integration: str) -> List[F.FaultPoint]:
+    n = request.config.getoption("--fault-points")
+    seed = request.config.fault_seed + sorted(INTEGRATIONS).index(integration)
+    return F.draw_points(seed, n, steps=STEPS, disk_every=DISK_EVERY, world_size=2)
+
+
+def _run_point(snap_env, integration: str, fp: F.FaultPoint) -> dict:
+    for name in os.listdir(snap_env.tmp):  # a fresh checkpoint directory per point
+        if name == "ckpt":
+            import shutil
+
+            shutil.rmtree(os.path.join(snap_env.tmp, name))
+    t0 = time.monotonic()
+    procs, outs = run_job(snap_env, integration, fp.env())
+    fired = any(p.returncode != 0 for p in procs)
+    alive = fired and fp.point in F.RANK_POINTS  # a rank died: the persister and its memory tier live on
+    if fp.point not in F.RANK_POINTS and fired:
+        # the persister SIGKILLed itself; the ranks' client starts a fresh one on its next request, whose
+        # memory holds only what came after: kill it too, so that the restart must resume from the disk
+        assert_names_cause(outs, r"persister.*(died|no longer|lost|restarted)", what=str(fp))
+        F.kill_persisters(snap_env)
+    damaged = None
+    if fp.damage != "none":
+        before = F.committed(snap_env.ckpt_dir)
+        if before:
+            F.kill_persisters(snap_env)
+            alive = False
+            damaged = (max(before), before[max(before)])
+            F.damage(os.path.join(snap_env.ckpt_dir, damaged[1]), fp.damage)
+    if not fired:
+        alive = False  # a clean close: the persister is gone
+        wait_until(lambda: not snap_env.persisters(), 15)
+    t1 = time.monotonic()
+    summary = check_after_fault(snap_env, integration, outs, persister_alive=alive, damaged=damaged, what=str(fp))
+    F.kill_persisters(snap_env)
+    summary["secs"] = [round(t1 - t0, 1), round(time.monotonic() - t1, 1)]
+    return {"point": str(fp), "fired": fired, "damaged": damaged and damaged[0], **summary}
+
+
+@pytest.mark.parametrize("integration", sorted(INTEGRATIONS))
+def test_random_fault_points(snap_env, request, integration):
+    """Seeded random fault points (point x rank x step x damage) for one integration; see the module
+    docstring for what is checked after each. Prints one JSON line per point."""
+    snap_env.leftover_ok = True  # crashed persisters hold their arena until killed; each point kills them
+    print(f"fault seed {request.config.fault_seed} ({integration})")
+    for fp in _points(request, integration):
+        print("FAULT " + json.dumps(_run_point(snap_env, integration, fp)), flush=True)
+
+
+# ------------------------------------------------------------------------------------ fixed scenarios
+PHASES = ["open", "write", "fsync", "part_marker", "manifest", "rename", "tracker"]
+CAUSE = {"rlimit": r"File too large|EFBIG|Errno 27"}
+
+
+def test_B4_storage_fails_by_phase_and_full_disk(snap_env):
+    """B4 for every storage phase in one 2-rank job: step 1 commits; then each DISK save fails in one phase
+    (ENOSPC injected by the persister's storage, the part phases on rank 1 only), and last the persister's
+    RLIMIT_FSIZE (EFBIG) stands in for a full disk. After each: both ranks get an error naming the errno's
+    text and the step, the previous checkpoint is still committed, intact and named by ``latest``, nothing
+    but committed step directories is visible; then a last save commits (the job can go on)."""
+    plan = os.path.join(snap_env.tmp, "plan.json")
+    env = {**snap_env.env, "SNAPCKPT_FAULT_STORAGE": "@" + plan}
+    procs = launch("fault_worker.py", 2, ["torch", "phases", snap_env.ckpt_dir, "--keep-last", "0",
+                                          "--plan", plan, "--phases", ",".join(PHASES),
+                                          "--fsize-limit", str(64 * 1024)], env)
+    outs = finish(procs, 240)
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{o}"
+    for r, o in enumerate(outs):
+        rows = [json.loads(x) for x in result_lines(o, "PHASE")]
+        assert [x["phase"] for x in rows] == ["baseline"] + PHASES + ["rlimit"], o
+        assert rows[0]["error"] is None and rows[0]["committed"] == [1], rows[0]
+        good, tracked = [1], 1
+        for row in rows[1:]:
+            what = f"rank {r} phase {row['phase']}"
+            if row["phase"] == "tracker":
+                # the directory was renamed (committed) before the tracker write failed: the save reports the
+                # failure, the checkpoint itself is complete and loadable, ``latest`` still names the older one
+                assert row["error"] and re.search(r"No space left on device", row["error"]), (what, row)
+                assert row["tracker"] == f"step_{tracked:08d}", (what, row)
+                good.append(row["step"])
+                continue
+            assert row["error"], f"{what}: the failed save raised nothing: {row}"
+            assert re.search(CAUSE.get(row["phase"], r"No space left on device"), row["error"]), (what, row)
+            assert re.search(rf"step {row['step']}\b", row["error"]), (what, row)
+            assert row["committed"] == good, f"{what}: committed checkpoints changed: {row}"
+            assert row["tracker"] == f"step_{tracked:08d}", (what, row)
+            assert row["visible"] == sorted([f"step_{s:08d}" for s in good] + ["latest"]), (what, row)
+            assert not row["problems"], (what, row)
+        final = json.loads(result_lines(o, "FINAL")[0])
+        assert final["error"] is None and final["committed"][-1] == final["step"], final
+
+
+def test_B5_hung_persister_times_out_then_resume(snap_env):
+    """B5: the persister stops (SIGSTOP at ``commit.before_rename`` of step 2, after the manifest was written
+    into the partial directory). The ranks' next request ends with PersisterTimeoutError naming the
+    timeout, never a hang, and the job dies of it; a restart resumes from the newest complete step. (When
+    the ranks exit, the stopped persister's process group is orphaned and the kernel sends it SIGHUP and
+    SIGCONT: it may then finish step 2's commit, legitimately, before the test kills it.)"""
+    snap_env.leftover_ok = True
+    procs, outs = run_job(snap_env, "torch", F.point_env("commit.before_rename", step=2, action="stop"),
+                          ["--request-timeout", "4"])
+    assert all(p.returncode == 3 for p in procs), outs
+    assert_names_cause(outs, r"PersisterTimeout.*(did not answer|timed out|within)", what="hung persister")
+    F.kill_persisters(snap_env)  # SIGKILL ends a stopped process too
+    check_after_fault(snap_env, "torch", outs, persister_alive=False, what="hung persister")
+    F.kill_persisters(snap_env)
+
+
+def test_B3_damaged_checkpoints_are_skipped(snap_env):
+    """B3 and a missing rank: six committed steps; the newest is truncated to 0 bytes (power loss), the
+    next has one corrupted byte, the next lost rank 1's file. The persister is killed (no memory tier), so
+    the restart must read the disk: every rank loads step 3, whole, and the output names each damaged
+    directory; the damaged ones are never loaded."""
+    snap_env.leftover_ok = True
+    procs = launch("fault_worker.py", 2, ["torch", "run", snap_env.ckpt_dir, "--steps", "6", "--disk-every", "1",
+                                          "--keep-last", "0"], snap_env.env)
+    outs = finish(procs, 180)
+    assert all(p.returncode == 0 for p in procs), outs
+    F.kill_persisters(snap_env)
+    names = F.committed(snap_env.ckpt_dir)
+    assert sorted(names) == [1, 2, 3, 4, 5, 6]
+    for step, how in ((6, "truncate"), (5, "corrupt_byte"), (4, "missing_rank")):
+        F.damage(os.path.join(snap_env.ckpt_dir, names[step]), how)
+    env = {**snap_env.env}
+    procs = launch("fault_worker.py", 2, ["torch", "resume", snap_env.ckpt_dir, "--keep-last", "0"], env)
+    outs = finish(procs, 180)
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [json.loads(result_lines(o)[0]) for o in outs]
+    assert all(r["step"] == 3 and r["tier"] == "disk" and r["consistent"] for r in results), results
+    text = "\n".join(outs)
+    for step in (5, 4):  # 6 is not even listed as committed (its sizes are wrong)
+        assert names[step] in text, f"the damaged {names[step]} was skipped without a word: {text}"
+    F.kill_persisters(snap_env)
+
+
+def test_two_jobs_on_one_host(snap_env, tmp_path):
+    """Two 2-rank jobs at once on one host, each with its own checkpoint directory, sharing the runtime
+    and shared-memory roots: job A's persister SIGKILLs itself in a commit; job B is untouched (runs to
+    the end, every DISK step committed, its own persister), and job A resumes from its newest complete
+    step."""
+    snap_env.leftover_ok = True
+    b_dir = str(tmp_path / "job_b")
+    env_b = {**snap_env.env}
+    procs_b = launch("fault_worker.py", 2, ["torch", "run", b_dir, "--steps", str(STEPS), "--disk-every",
+                                            str(DISK_EVERY), "--keep-last", "0"], env_b)
+    procs_a, outs_a = run_job(snap_env, "torch", F.point_env("commit.before_tracker", step=2))
+    outs_b = finish(procs_b, 180)
+    assert all(p.returncode == 0 for p in procs_b), f"job B was disturbed by job A's fault: {outs_b}"
+    assert sorted(F.committed(b_dir)) == [2, 4, 6] and not F.verify_all(b_dir)
+    assert_names_cause(outs_a, r"persister.*(died|no longer|lost|restarted)", what="job A")
+    F.kill_persisters(snap_env)
+    check_after_fault(snap_env, "torch", outs_a, persister_alive=False, what="job A")
+    F.kill_persisters(snap_env)
