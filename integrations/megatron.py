@@ -375,6 +375,10 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
             if tracker["dirname"] is None:
                 log.warning("no checkpoint found in %s (%s); starting from iteration 0", ck.checkpoint_dir, e)
                 return 0, 0
+            if isinstance(e, CheckpointNotFoundError) and not tracker["native"]:
+                # the tracker names a directory snapckpt committed, yet it is no candidate: it fails its
+                # manifest checks (e names the damage); megatron-core's loader must not read it blindly
+                raise
             source = f"directory {tracker['dirname']} ({e})"
     if state is None:
         ck.last_load = None

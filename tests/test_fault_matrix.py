@@ -34,7 +34,7 @@ import pytest
 import faults as F
 from _harness import finish, launch, result_lines, wait_until
 
-INTEGRATIONS = {"torch": {}, "deepspeed": {"DS_ACCELERATOR": "cpu"}}
+INTEGRATIONS = {"torch": {}, "deepspeed": {"DS_ACCELERATOR": "cpu"}, "megatron": {}}
 STEPS, DISK_EVERY, KEEP_LAST = 6, 2, 2
 
 
@@ -263,4 +263,27 @@ def test_two_jobs_on_one_host(snap_env, tmp_path):
     assert_names_cause(outs_a, r"persister.*(died|no longer|lost|restarted)", what="job A")
     F.kill_persisters(snap_env)
     check_after_fault(snap_env, "torch", outs_a, persister_alive=False, what="job A")
+    F.kill_persisters(snap_env)
+
+
+def test_B3_megatron_only_checkpoint_damaged(snap_env):
+    """B3 through the Megatron integration, found by the fault matrix: the only committed iteration lost a
+    file and the persister is gone. ``load_checkpoint`` used to hand the directory named by
+    ``latest_checkpointed_iteration.txt`` to megatron-core's loader anyway, which died with a bare
+    FileNotFoundError; now every rank gets CheckpointNotFoundError naming the damaged directory and the
+    missing file, and nothing is loaded."""
+    snap_env.leftover_ok = True
+    procs = launch("fault_worker.py", 2, ["megatron", "run", snap_env.ckpt_dir, "--steps", "1", "--disk-every",
+                                          "1", "--keep-last", "0"], snap_env.env)
+    outs = finish(procs, 240)
+    assert all(p.returncode == 0 for p in procs), outs
+    F.kill_persisters(snap_env)
+    (name,) = F.committed(snap_env.ckpt_dir).values()
+    (gone,) = F.damage(os.path.join(snap_env.ckpt_dir, name), "missing_rank", rank=1)[:1]
+    procs = launch("fault_worker.py", 2, ["megatron", "resume", snap_env.ckpt_dir, "--keep-last", "0"],
+                   snap_env.env)
+    outs = finish(procs, 240)
+    for o in outs:
+        (nf,) = [json.loads(x) for x in result_lines(o, "NOTFOUND")] or [None]
+        assert nf and name in nf["message"] and os.path.basename(gone) in nf["message"], o
     F.kill_persisters(snap_env)

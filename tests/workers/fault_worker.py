@@ -199,7 +199,62 @@ def run_phases(a, ad, rank: int) -> None:
     ad.close()
 
 
-ADAPTERS = {"torch": TorchAdapter, "deepspeed": DeepSpeedAdapter}
+class MegatronAdapter:
+    """megatron-core GPT (TP=1, DP=2, a plain Adam) through ``snapckpt.megatron_dist_ckpt``: parameters are
+    replicated (value ``step``; torch_dist writes each replicated tensor once), the Adam state is filled
+    before each save."""
+
+    def __init__(self, a, rank: int) -> None:
+        import megatron_cpu  # tests/workers: the CPU stand-ins for CUDA
+
+        from megatron_worker import build, train_step
+        from snapckpt.megatron_dist_ckpt import get_checkpointer
+
+        megatron_cpu.install()
+        megatron_cpu.init_parallel(1)
+        self.rank, self.dir = rank, a.ckpt
+        self.model, self.opt, self.sched = build(1, "torch")
+        train_step(self.model, self.opt, self.sched, 0)  # creates the Adam state
+        self.ck = get_checkpointer(a.ckpt, **options(a))
+
+    def _tensors(self):
+        for p in self.model.parameters():
+            yield p
+            for t in self.opt.state.get(p, {}).values():
+                if torch.is_tensor(t) and t.is_floating_point() and t.numel() > 1:
+                    yield t
+
+    def _fill(self, v: float) -> None:
+        with torch.no_grad():
+            for t in self._tensors():
+                t.fill_(v)
+
+    def save(self, step: int, tier: StorageType) -> None:
+        from snapckpt.megatron_dist_ckpt import save_checkpoint
+
+        self._fill(float(step))
+        save_checkpoint(step, [self.model], self.opt, self.sched, 0, save_dir=self.dir, storage_type=tier)
+
+    def load(self):
+        from snapckpt.megatron_dist_ckpt import load_checkpoint
+
+        self._fill(-1.0)
+        it, _ = load_checkpoint(self.model, self.opt, self.sched, load_dir=self.dir)
+        if not it:
+            raise CheckpointNotFoundError("Megatron found nothing to load")
+        ok = all(bool((t == it).all()) for t in self._tensors())
+        return it, self.ck.last_load.tier.value, ok
+
+    def wait(self) -> None:
+        self.ck.wait()
+
+    def close(self) -> None:
+        from snapckpt.megatron_dist_ckpt import close_all
+
+        close_all()
+
+
+ADAPTERS = {"torch": TorchAdapter, "deepspeed": DeepSpeedAdapter, "megatron": MegatronAdapter}
 
 
 def main() -> None:
