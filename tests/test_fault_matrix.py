@@ -110,18 +110,29 @@ def assert_names_cause(outs: List[str], *phrases: str, what: str = "") -> None:
 
 
 # ---------------------------------------------------------------------------------------- random points
-def _points(request, integration: str) -> List[F.FaultPoint]:
-    n = request.config.getoption("--fault-points")
-    seed = request.config.fault_seed + sorted(INTEGRATIONS).index(integration)
-    return F.draw_points(seed, n, steps=STEPS, disk_every=DISK_EVERY, world_size=2)
+def pytest_generate_tests(metafunc):
+    """One test item per random fault point: ``--fault-points`` per integration, drawn from
+    ``--fault-seed`` (plus the integration's index)."""
+    if "fault_point" not in metafunc.fixturenames:
+        return
+    n, seed = metafunc.config.getoption("--fault-points"), metafunc.config.fault_seed
+    params, ids = [], []
+    for k, integration in enumerate(sorted(INTEGRATIONS)):
+        for i, fp in enumerate(F.draw_points(seed + k, n, steps=STEPS, disk_every=DISK_EVERY, world_size=2)):
+            params.append((integration, fp))
+            ids.append(f"{integration}-{i}-{fp.point}-r{fp.rank}-s{fp.step}-{fp.damage}")
+    metafunc.parametrize("integration,fault_point", params, ids=ids)
+
+
+def test_random_fault_point(snap_env, request, integration, fault_point):
+    """One seeded random fault point (point x rank x step x damage) of one integration; see the module
+    docstring for what is checked after it. Prints a ``FAULT {json}`` summary line."""
+    snap_env.leftover_ok = True  # a crashed job's persister holds its arena until it is killed
+    print(f"fault seed {request.config.fault_seed}")
+    print("FAULT " + json.dumps(_run_point(snap_env, integration, fault_point)), flush=True)
 
 
 def _run_point(snap_env, integration: str, fp: F.FaultPoint) -> dict:
-    for name in os.listdir(snap_env.tmp):  # a fresh checkpoint directory per point
-        if name == "ckpt":
-            import shutil
-
-            shutil.rmtree(os.path.join(snap_env.tmp, name))
     t0 = time.monotonic()
     procs, outs = run_job(snap_env, integration, fp.env())
     fired = any(p.returncode != 0 for p in procs)
@@ -147,16 +158,6 @@ def _run_point(snap_env, integration: str, fp: F.FaultPoint) -> dict:
     F.kill_persisters(snap_env)
     summary["secs"] = [round(t1 - t0, 1), round(time.monotonic() - t1, 1)]
     return {"point": str(fp), "fired": fired, "damaged": damaged and damaged[0], **summary}
-
-
-@pytest.mark.parametrize("integration", sorted(INTEGRATIONS))
-def test_random_fault_points(snap_env, request, integration):
-    """Seeded random fault points (point x rank x step x damage) for one integration; see the module
-    docstring for what is checked after each. Prints one JSON line per point."""
-    snap_env.leftover_ok = True  # crashed persisters hold their arena until killed; each point kills them
-    print(f"fault seed {request.config.fault_seed} ({integration})")
-    for fp in _points(request, integration):
-        print("FAULT " + json.dumps(_run_point(snap_env, integration, fp)), flush=True)
 
 
 # ------------------------------------------------------------------------------------ fixed scenarios
