@@ -247,7 +247,7 @@ def test_B3_damaged_checkpoints_are_skipped(snap_env):
     F.kill_persisters(snap_env)
 
 
-def test_two_jobs_on_one_host(snap_env, tmp_path):
+def test_two_jobs_on_one_host_fault_in_one_leaves_the_other_alone(snap_env, tmp_path):
     """Two 2-rank jobs at once on one host, each with its own checkpoint directory, sharing the runtime
     and shared-memory roots: job A's persister SIGKILLs itself in a commit; job B is untouched (runs to
     the end, every DISK step committed, its own persister), and job A resumes from its newest complete
@@ -288,3 +288,45 @@ def test_B3_megatron_only_checkpoint_damaged(snap_env):
         (nf,) = [json.loads(x) for x in result_lines(o, "NOTFOUND")] or [None]
         assert nf and name in nf["message"] and os.path.basename(gone) in nf["message"], o
     F.kill_persisters(snap_env)
+
+
+# ------------------------------------------------------------------------------------- the toolkit itself
+def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
+    """The storage seam fails exactly its phase (with the errno, for the selected rank and step only) and
+    a fault-point spec is parsed strictly; with no knob set the persister gets a plain PosixStorage."""
+    import snapckpt.faults as SF
+    from snapckpt.storage import PosixStorage
+
+    monkeypatch.delenv("SNAPCKPT_FAULT_STORAGE", raising=False)
+    assert type(SF.storage(fsync=False, rank=0, step=1)) is PosixStorage
+    d = str(tmp_path)
+    calls = {"open": lambda s: s.open_write(f"{d}/a").close(),
+             "write": lambda s: s.open_write(f"{d}/b").write(b"x" * 10),
+             "fsync": lambda s: s.fsync_file(open(f"{d}/c", "wb")),
+             "part_marker": lambda s: s.write_atomic(f"{d}/.snapckpt/part_00001.json", b"{}"),
+             "manifest": lambda s: s.write_atomic(f"{d}/.snapckpt/manifest.json", b"{}"),
+             "rename": lambda s: s.rename(f"{d}/a", f"{d}/a2"),
+             "tracker": lambda s: s.write_atomic(f"{d}/latest", b"x")}
+    os.makedirs(f"{d}/.snapckpt")
+    for phase in PHASES:
+        monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", F.storage_env(phase, errno.EIO, rank=1, step=3,
+                                                                   after_bytes=4)["SNAPCKPT_FAULT_STORAGE"])
+        assert type(SF.storage(fsync=False, rank=0, step=3)) is PosixStorage  # another rank
+        assert type(SF.storage(fsync=False, rank=1, step=2)) is PosixStorage  # another step
+        s = SF.storage(fsync=False, rank=1, step=3)
+        for other, call in calls.items():
+            open(f"{d}/a", "wb").close()
+            also = {"open": {"write"}, "fsync": {"part_marker", "manifest", "tracker"}}.get(phase, set())
+            if other == phase or other in also:  # writing opens first; small atomic files are fsynced too
+                with pytest.raises(OSError) as ei:
+                    call(s)
+                assert ei.value.errno == errno.EIO and f"injected: {phase}" in str(ei.value)
+            else:
+                call(s)
+    monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", "@" + f"{d}/no-plan-yet")
+    assert type(SF.storage(fsync=False, rank=1, step=3)) is PosixStorage
+    for bad in ("persist.nowhere", "commit.before_rename:rank=x", "commit.before_rename:when=1"):
+        with pytest.raises(ValueError, match="SNAPCKPT_FAULT_POINT"):
+            SF._parse(bad)
+    assert SF._parse("persist.mid_file:rank=1:step=4:occurrence=2:action=stop") == [
+        {"name": "persist.mid_file", "rank": 1, "step": 4, "occurrence": 2, "action": "stop"}]
