@@ -33,7 +33,7 @@ can change it while one persister lives. The persister
 builds its storage with :func:`storage`, which wraps :class:`~snapckpt.storage.posix.PosixStorage` in
 :class:`FaultyStorage` when the plan's rank and step select the part (or the commit, which has no rank)
 being written. Phases: ``open`` (``open_write``), ``write`` (a write once ``after_bytes`` bytes of the file
-are written), ``fsync`` (``fsync_file``), ``part_marker`` (the rank's part marker), ``manifest``,
+are written), ``fsync`` (every ``fsync_file``, the small atomic files' included), ``part_marker`` (the rank's part marker), ``manifest``,
 ``rename`` (the commit's rename), ``tracker`` (the tracker file). Every call of the phase fails.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _parse(raw: str) -> List[Dict[str, object]]:
         spec: Dict[str, object] = {"name": name, "occurrence": 1, "action": "kill"}
         for kv in kvs:
             key, _, value = kv.partition("=")
-            if key in ("rank", "step", "occurrence"):
+            if key in ("rank", "step", "occurrence") and value.isdigit():
                 spec[key] = int(value)
             elif key == "action" and value in ("kill", "stop"):
                 spec[key] = value
