@@ -56,6 +56,8 @@ from snapckpt import Checkpointer, CheckpointOptions, StorageType
 from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError
 from snapckpt.events import Event
 from snapckpt.formats import RawBytes
+from snapckpt.manifest import list_committed
+from snapckpt.storage import PosixStorage
 
 from . import transformers_files as F
 
@@ -296,6 +298,9 @@ class SnapckptCallback(TrainerCallback):
     def _materialize_newest(self, args) -> None:
         """Write the newest snapshot out as ``checkpoint-N`` if it is in memory only (collective)."""
         ck = self.checkpointer
+        # folders whose files no longer match their manifest's sizes (truncated by a power loss, a rank's
+        # files gone) are no load candidates at all: set them aside first, or get_last_checkpoint picks them
+        self._set_aside(args, self._size_damaged(args) if ck.rank == 0 else [])
         native = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
         native_step = int(native.rsplit("-", 1)[1]) if native else -1
 
@@ -328,6 +333,14 @@ class SnapckptCallback(TrainerCallback):
                        tracker_name=None).wait()
         self.resumed_from = (cand.step, StorageType.MEMORY)
 
+
+    @staticmethod
+    def _size_damaged(args) -> List[str]:
+        """``checkpoint-*`` folders with a snapckpt manifest whose files are missing or of the wrong size."""
+        problems: List[str] = []
+        if os.path.isdir(args.output_dir):
+            list_committed(PosixStorage(), args.output_dir, problems=problems)
+        return [p.split(": ", 1)[0] for p in problems if p.startswith(f"{PREFIX}-")]
 
     def _set_aside(self, args, mine: List[str]) -> None:
         """Collective: rename committed checkpoints that failed verification on any rank to hidden

@@ -237,6 +237,7 @@ def draw_points(seed: int, n: int, *, steps: int, disk_every: int, world_size: i
             step, rank = rng.choice(disk_steps), rng.randrange(world_size)
         else:
             step, rank = rng.choice(disk_steps), None
-        dmg = rng.choice(DAMAGES[1:]) if rng.random() < 0.25 else "none"
+        kinds = DAMAGES[1:] if world_size > 1 else ("corrupt_byte", "truncate")  # one rank cannot go missing
+        dmg = rng.choice(kinds) if rng.random() < 0.25 else "none"
         out.append(FaultPoint(name, rank, step, dmg))
     return out

@@ -34,7 +34,8 @@ import pytest
 import faults as F
 from _harness import finish, launch, result_lines, wait_until
 
-INTEGRATIONS = {"torch": {}, "deepspeed": {"DS_ACCELERATOR": "cpu"}, "megatron": {}}
+# integration -> (ranks, extra environment); the HF Trainer runs one process (two cost twice the time)
+INTEGRATIONS = {"torch": (2, {}), "deepspeed": (2, {"DS_ACCELERATOR": "cpu"}), "megatron": (2, {}), "hf": (1, {})}
 STEPS, DISK_EVERY, KEEP_LAST = 6, 2, 2
 
 
@@ -51,8 +52,9 @@ def run_job(snap_env, integration: str, extra_env: Dict[str, str], args: List[st
             timeout: float = 180):
     """Run the ``run`` mode of the fault worker with ``extra_env``; when a rank is SIGKILLed, kill the
     others (as torchrun does). Returns ``(procs, outs)``."""
-    env = {**snap_env.env, **INTEGRATIONS[integration], **extra_env}
-    procs = launch("fault_worker.py", 2, [integration, "run", snap_env.ckpt_dir, "--steps", str(STEPS),
+    nprocs, ienv = INTEGRATIONS[integration]
+    env = {**snap_env.env, **ienv, **extra_env}
+    procs = launch("fault_worker.py", nprocs, [integration, "run", snap_env.ckpt_dir, "--steps", str(STEPS),
                                           "--disk-every", str(DISK_EVERY), "--keep-last", str(KEEP_LAST),
                                           *args], env)
     first = F.wait_first_exit(procs, timeout)
@@ -64,8 +66,9 @@ def run_job(snap_env, integration: str, extra_env: Dict[str, str], args: List[st
 
 def resume_job(snap_env, integration: str, args: List[str] = (), timeout: float = 180) -> List[dict]:
     """Restart the job; return each rank's ``RESULT`` (its loaded step, tier, consistency)."""
-    env = {**snap_env.env, **INTEGRATIONS[integration]}
-    procs = launch("fault_worker.py", 2, [integration, "resume", snap_env.ckpt_dir, "--keep-last",
+    nprocs, ienv = INTEGRATIONS[integration]
+    env = {**snap_env.env, **ienv}
+    procs = launch("fault_worker.py", nprocs, [integration, "resume", snap_env.ckpt_dir, "--keep-last",
                                           str(KEEP_LAST), *args], env)
     outs = finish(procs, timeout)
     for r, (p, o) in enumerate(zip(procs, outs)):
@@ -118,7 +121,8 @@ def pytest_generate_tests(metafunc):
     n, seed = metafunc.config.getoption("--fault-points"), metafunc.config.fault_seed
     params, ids = [], []
     for k, integration in enumerate(sorted(INTEGRATIONS)):
-        for i, fp in enumerate(F.draw_points(seed + k, n, steps=STEPS, disk_every=DISK_EVERY, world_size=2)):
+        ranks = INTEGRATIONS[integration][0]
+        for i, fp in enumerate(F.draw_points(seed + k, n, steps=STEPS, disk_every=DISK_EVERY, world_size=ranks)):
             params.append((integration, fp))
             ids.append(f"{integration}-{i}-{fp.point}-r{fp.rank}-s{fp.step}-{fp.damage}")
     metafunc.parametrize("integration,fault_point", params, ids=ids)
@@ -330,3 +334,26 @@ def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
             SF._parse(bad)
     assert SF._parse("persist.mid_file:rank=1:step=4:occurrence=2:action=stop") == [
         {"name": "persist.mid_file", "rank": 1, "step": 4, "occurrence": 2, "action": "stop"}]
+
+
+def test_B3_hf_truncated_newest_folder_is_set_aside(snap_env):
+    """B3 through the HF callback, found by the fault matrix: the newest ``checkpoint-N`` was truncated
+    (power loss) and the persister is gone. Its sizes no longer match the manifest, so it was no load
+    candidate and was never set aside: ``get_last_checkpoint`` picked it and the Trainer died on an empty
+    ``config.json``. Now it is moved aside and the Trainer resumes the previous folder, whole."""
+    snap_env.leftover_ok = True
+    procs = launch("fault_worker.py", 1, ["hf", "run", snap_env.ckpt_dir, "--steps", "4", "--disk-every", "2",
+                                          "--keep-last", "0"], snap_env.env)
+    outs = finish(procs, 240)
+    assert procs[0].returncode == 0, outs
+    F.kill_persisters(snap_env)
+    assert sorted(F.committed(snap_env.ckpt_dir)) == [2, 4]
+    F.damage(os.path.join(snap_env.ckpt_dir, "checkpoint-4"), "truncate")
+    procs = launch("fault_worker.py", 1, ["hf", "resume", snap_env.ckpt_dir, "--steps", "4", "--keep-last", "0"],
+                   snap_env.env)
+    outs = finish(procs, 240)
+    assert procs[0].returncode == 0, outs
+    (res,) = [json.loads(x) for x in result_lines(outs[0])]
+    assert res == {"step": 2, "tier": "disk", "consistent": True}, (res, outs)
+    assert any(n.startswith(".checkpoint-4.damaged-") for n in os.listdir(snap_env.ckpt_dir))
+    F.kill_persisters(snap_env)

@@ -254,12 +254,66 @@ class MegatronAdapter:
         close_all()
 
 
+def hf_main(a, rank: int) -> None:
+    """Hugging Face Trainer with :class:`snapckpt.hf.SnapckptCallback` (one process): the Trainer saves
+    every ``--disk-every`` steps (DISK), the callback snapshots every step (MEMORY). A callback listed
+    before snapckpt's sets every parameter and Adam state tensor to ``step / 64`` at each step end (the
+    snapshot of the step is taken at the next step begin); ``SAVED <step>`` comes from the checkpointer's
+    ``snapshot_taken`` event. ``resume``: ``RESULT`` is checked at ``on_train_begin``, after the Trainer
+    restored the checkpoint that ``resume_from_checkpoint=True`` picked."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+    from hf_worker import Tokens, build_model
+    from snapckpt.hf import SnapckptCallback
+
+    def tensors(model, optimizer):
+        for p in model.parameters():
+            yield p
+            for t in (optimizer.state.get(p, {}).values() if optimizer is not None else ()):
+                if torch.is_tensor(t) and t.is_floating_point() and t.numel() > 1:
+                    yield t
+
+    class Filler(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+            with torch.no_grad():
+                for t in tensors(model, optimizer):
+                    t.fill_(state.global_step / 64)
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            if a.mode != "resume":
+                return
+            step = state.global_step if resumed else -1
+            ok = not resumed or all(bool((t == step / 64).all()) for t in tensors(model, optimizer))
+            tier = "none" if not resumed else ("memory" if snap.resumed_from else "disk")
+            out("RESULT", step=step, tier=tier, consistent=ok)
+
+    opts = options(a)
+    opts.pop("keep_last")
+    opts.pop("job_id")
+    targs = TrainingArguments(output_dir=a.ckpt, max_steps=a.steps if a.mode == "run" else a.steps + 1,
+                              save_steps=a.disk_every, save_strategy="steps", save_total_limit=a.keep_last or None,
+                              per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1000, seed=7,
+                              report_to="none", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    snap = SnapckptCallback(memory_interval_steps=1, **opts)
+    trainer = Trainer(model=build_model(), args=targs, train_dataset=Tokens(n=64), data_collator=default_data_collator,
+                      callbacks=[Filler(), snap])
+    snap.checkpointer.add_listener(lambda ev: ev.kind == "snapshot_taken" and print(f"SAVED {ev.step}", flush=True))
+    resumed = a.mode == "resume" and any(n.startswith("checkpoint-") for n in os.listdir(a.ckpt))
+    try:
+        trainer.train(resume_from_checkpoint=True if resumed else None)
+    except (SnapckptError, OSError) as e:
+        out("ERROR", type=type(e).__name__, message=_describe(e))
+        sys.stdout.flush()
+        os._exit(3)
+    print("DONE", flush=True)
+
+
 ADAPTERS = {"torch": TorchAdapter, "deepspeed": DeepSpeedAdapter, "megatron": MegatronAdapter}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("integration", choices=sorted(ADAPTERS))
+    p.add_argument("integration", choices=sorted(ADAPTERS) + ["hf"])
     p.add_argument("mode", choices=["run", "resume", "phases"])
     p.add_argument("ckpt")
     p.add_argument("--steps", type=int, default=8)
@@ -273,6 +327,8 @@ def main() -> None:
     p.add_argument("--phases", default="", help="phases: comma-separated storage phases to fail, in order")
     p.add_argument("--fsize-limit", type=int, default=0, help="phases: RLIMIT_FSIZE of the persister at the end")
     a = p.parse_args()
+    if a.integration == "hf":
+        return hf_main(a, 0)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
