@@ -1,7 +1,7 @@
 """The fault matrix (issue 7): seeded random fault points per integration, plus the fixed fault scenarios.
 
 Each random point (``tests/faults.py`` :class:`FaultPoint`: a named point x rank x step, sometimes a
-damage) runs a 2-rank gloo job that saves every step (MEMORY and DISK tiers mixed, ``keep_last=2``) with
+damage) runs a 2-rank gloo job (one process for the HF Trainer) that saves every step (MEMORY and DISK tiers mixed, ``keep_last=2``) with
 the point armed; the process that reaches it SIGKILLs itself (a rank, or the node persister), the other
 ranks are killed as an elastic launcher would, or die of the error they get. Then, optionally, the newest
 committed checkpoint is damaged (and the persister killed, so the disk must be read), and the job is
@@ -16,7 +16,7 @@ restarted. After every fault the checks of :func:`check_after_fault`:
   passes its size and CRC-32 checks;
 - the error the job saw names the cause (key phrases).
 
-``--fault-points N`` (default 2 per integration) and ``--fault-seed S`` (default: random, printed)
+``--fault-points N`` (default 1 per integration: the CI budget) and ``--fault-seed S`` (default: random, printed)
 control the random part.
 """
 from __future__ import annotations
