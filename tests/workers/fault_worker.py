@@ -1,7 +1,9 @@
 """Worker ranks of the fault matrix (tests/test_fault_matrix.py), one adapter per integration.
 
-Usage: ``fault_worker.py INTEGRATION MODE CKPT [options]`` with INTEGRATION ``torch`` (Checkpointer) or
-``deepspeed`` (snapckpt.deepspeed), MODE ``run`` or ``resume``.
+Usage: ``fault_worker.py INTEGRATION MODE CKPT [options]`` with INTEGRATION ``torch`` (Checkpointer),
+``deepspeed`` (snapckpt.deepspeed, ZeRO-0), ``megatron`` (snapckpt.megatron_dist_ckpt) or ``hf`` (the
+Trainer with SnapckptCallback, one process: :func:`hf_main`), MODE ``run``, ``resume`` or ``phases``
+(:func:`run_phases`, plain PyTorch).
 
 - ``run``: steps 1..``--steps``; at each step every tensor of the state (model, optimizer state) is set to
   ``value(step, rank)`` and saved, to DISK every ``--disk-every`` steps and to MEMORY otherwise, then the
