@@ -118,8 +118,8 @@ def unhang(procs: Sequence[psutil.Process]) -> None:
 def small_shm(path: str, size_bytes: int) -> Iterator[str]:
     """A shared-memory directory of about ``size_bytes`` for the ``shm_dir`` option.
 
-    As root: a tmpfs of that size mounted at ``path`` (unmounted at the end). Otherwise ``path`` is a plain
-    directory on ``/dev/shm`` and only its filesystem's real capacity bounds it.
+    As root: a tmpfs of that size mounted at ``path`` (unmounted at the end). Otherwise ``path`` stays a
+    plain directory and only its filesystem's real capacity bounds it (put it on ``/dev/shm``).
     """
     os.makedirs(path, mode=0o700, exist_ok=True)
     mounted = False

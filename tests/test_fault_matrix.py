@@ -357,3 +357,24 @@ def test_B3_hf_truncated_newest_folder_is_set_aside(snap_env):
     assert res == {"step": 2, "tier": "disk", "consistent": True}, (res, outs)
     assert any(n.startswith(".checkpoint-4.damaged-") for n in os.listdir(snap_env.ckpt_dir))
     F.kill_persisters(snap_env)
+
+
+def test_D1_small_shm_dir_from_the_toolkit(snap_env, tmp_path):
+    """The toolkit's small shared-memory directory (a 16 MiB tmpfs as root) as ``shm_dir``: a 32 MiB state
+    is refused up front with InsufficientSharedMemoryError naming the directory and the option, never a
+    SIGBUS; a 1 MiB state then saves and loads."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.errors import InsufficientSharedMemoryError
+
+    if os.geteuid() != 0:
+        pytest.fail("this check mounts a tmpfs and needs root, as tests/test_resources.py does")
+    with F.small_shm(str(tmp_path / "shm"), 16 << 20) as shm:
+        with Checkpointer(snap_env.ckpt_dir, shm_dir=shm, persister_idle_timeout_secs=5) as ck:
+            with pytest.raises(InsufficientSharedMemoryError) as ei:
+                ck.save({"w": torch.zeros(8 << 20)}, 1, StorageType.MEMORY)
+            assert shm in str(ei.value) and "shm_dir" in str(ei.value), str(ei.value)
+            ck.save({"w": torch.ones(256 << 10)}, 2, StorageType.MEMORY)
+            assert bool((ck.load()["w"] == 1).all()) and ck.last_load.step == 2
+        assert wait_until(lambda: not snap_env.persisters(), 15)
