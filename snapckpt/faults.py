@@ -9,7 +9,9 @@ process) and cost one global lookup when unset. Nothing here is used in producti
   the rank whose part it writes). Commit points have no rank: a spec with ``rank=`` never matches them.
 - ``step=S``: only for step ``S``;
 - ``occurrence=K``: the ``K``-th matching hit in this process (default 1);
-- ``action=kill|stop``: ``SIGKILL`` (default) or ``SIGSTOP`` the process itself (a hung process).
+- ``action=kill|stop|sleep``: ``SIGKILL`` (default) or ``SIGSTOP`` the process itself (a hung process), or
+  sleep there (widens a race window);
+- ``secs=F``: seconds ``action=sleep`` sleeps (default 1).
 
 Before acting, the process writes ``SNAPCKPT_FAULT_POINT hit NAME rank=R step=S pid=P`` to stderr (the
 persister's stderr is its ``persister.log``). The points in the product code:
@@ -43,6 +45,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import BinaryIO, Dict, List, Optional
 
 from . import _env
@@ -70,11 +73,13 @@ def _parse(raw: str) -> List[Dict[str, object]]:
             key, _, value = kv.partition("=")
             if key in ("rank", "step", "occurrence") and value.isdigit():
                 spec[key] = int(value)
-            elif key == "action" and value in ("kill", "stop"):
+            elif key == "action" and value in ("kill", "stop", "sleep"):
                 spec[key] = value
+            elif key == "secs" and value.replace(".", "", 1).isdigit():
+                spec[key] = float(value)
             else:
                 raise ValueError(f"SNAPCKPT_FAULT_POINT: bad selector {kv!r} in {part!r} (rank=, step=, "
-                                 "occurrence=, action=kill|stop)")
+                                 "occurrence=, action=kill|stop|sleep, secs=)")
         out.append(spec)
     return out
 
@@ -119,6 +124,9 @@ def point(name: str, *, step: int, rank: Optional[int] = -1) -> None:
             continue
         sys.stderr.write(f"SNAPCKPT_FAULT_POINT hit {name} rank={rank} step={step} pid={os.getpid()}\n")
         sys.stderr.flush()
+        if spec["action"] == "sleep":
+            time.sleep(float(spec.get("secs", 1.0)))
+            return
         os.kill(os.getpid(), signal.SIGSTOP if spec["action"] == "stop" else signal.SIGKILL)
 
 

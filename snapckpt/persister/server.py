@@ -525,6 +525,9 @@ class Server:
 
     def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
         storage = faults.storage(fsync=run.fsync, rank=rank, step=step)
+        # once on_data_read released the slot, the rank may fill it with a newer snapshot: never read the
+        # slot's fields after that (they describe the new one)
+        key, seq = (run.run_id, step, s.dirname), s.seq
         partial = os.path.join(run.checkpoint_dir, partial_dirname(s.dirname, run.run_id))
         try:
             buf = map_slot(s.path, s.nbytes)
@@ -540,18 +543,18 @@ class Server:
             finally:
                 buf.close()
             with self.lock:
-                self.results[(run.run_id, step, s.dirname)].parts_done.add(rank)
+                self.results[key].parts_done.add(rank)
         except BaseException as e:
             log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
             self.keep_log = True
             write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
             with self.lock:
-                self.results[(run.run_id, step, s.dirname)].part_errors[rank] = P.error_record(e)
+                self.results[key].part_errors[rank] = P.error_record(e)
         finally:
             with self.lock:
-                if s.state == SlotState.PERSISTING:
+                if s.state == SlotState.PERSISTING and s.seq == seq:
                     s.state = SlotState.READY
-                res = self.results.get((run.run_id, step, s.dirname))
+                res = self.results.get(key)
                 if res is not None:
                     res.writers -= 1
                     self._remove_failed_partial(run, res, partial)
