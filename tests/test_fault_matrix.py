@@ -378,3 +378,27 @@ def test_D1_small_shm_dir_from_the_toolkit(snap_env, tmp_path):
             ck.save({"w": torch.ones(256 << 10)}, 2, StorageType.MEMORY)
             assert bool((ck.load()["w"] == 1).all()) and ck.last_load.step == 2
         assert wait_until(lambda: not snap_env.persisters(), 15)
+
+
+def test_A4_slot_reused_while_its_part_is_finishing_commits_every_step(snap_env, monkeypatch):
+    """A4/B9, found by the fault matrix (DeepSpeed, every-step saves): the persister releases a slot once
+    its data is written, before the part marker; the rank may then fill that slot with a newer snapshot.
+    The persister's writer task used to read the slot's directory name again after that, found the new
+    one, and failed the older step's commit with a KeyError. The part marker of step 1 is held up (fault
+    point ``persist.before_part_marker`` sleeping) while steps 2, 3 and 4 are saved, step 4 into step 1's
+    slot (the newest READY slot is never reused, so three slots): every step must commit, and every
+    committed checkpoint holds its own step."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "persist.before_part_marker:step=1:action=sleep:secs=2")
+    with Checkpointer(snap_env.ckpt_dir, slots_per_rank=3, persister_idle_timeout_secs=5) as ck:
+        handles = [ck.save({"w": torch.full((1024,), float(s)), "step": s}, s, StorageType.DISK)
+                   for s in (1, 2, 3, 4)]
+        for h in handles:
+            h.wait()
+    assert sorted(F.committed(snap_env.ckpt_dir)) == [1, 2, 3, 4] and not F.verify_all(snap_env.ckpt_dir)
+    for s, name in F.committed(snap_env.ckpt_dir).items():
+        got = torch.load(os.path.join(snap_env.ckpt_dir, name, "rank_00000.pt"), weights_only=True)
+        assert got["step"] == s and bool((got["w"] == s).all()), (s, name)
