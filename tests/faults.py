@@ -178,8 +178,8 @@ def damage(path: str, how: str, *, rank: int = 1) -> List[str]:
         files = _data_files(path)
         for f in files:
             os.truncate(f, 0)
-    elif how == "missing_rank":
-        files = _data_files(path, rank)
+    elif how == "missing_rank":  # a rank that writes nothing (DeepSpeed ZeRO-0 rank 1): rank 0's files
+        files = _data_files(path, rank) or _data_files(path, 0)
         for f in files:
             os.unlink(f)
     else:

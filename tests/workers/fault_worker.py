@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the toolkit
 
 from snapckpt import StorageType  # noqa: E402
-from snapckpt.errors import CheckpointNotFoundError, SnapckptError  # noqa: E402
+from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, SnapckptError  # noqa: E402
 
 
 def out(tag: str, **kw) -> None:
@@ -347,7 +347,7 @@ def main() -> None:
         else:
             try:
                 step, tier, ok = ad.load()
-            except CheckpointNotFoundError as e:
+            except (CheckpointNotFoundError, CheckpointCorruptError) as e:  # nothing intact left to load
                 step, tier, ok = -1, "none", True
                 out("NOTFOUND", message=str(e))
             out("RESULT", step=step, tier=tier, consistent=ok)
