@@ -297,8 +297,13 @@ def hf_main(a, rank: int) -> None:
                               per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1000, seed=7,
                               report_to="none", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
     snap = SnapckptCallback(memory_interval_steps=1, **opts)
-    trainer = Trainer(model=build_model(), args=targs, train_dataset=Tokens(n=64), data_collator=default_data_collator,
-                      callbacks=[Filler(), snap])
+    try:
+        trainer = Trainer(model=build_model(), args=targs, train_dataset=Tokens(n=64),
+                          data_collator=default_data_collator, callbacks=[Filler(), snap])
+    except CheckpointCorruptError as e:  # nothing intact to resume: the callback names the damage
+        out("NOTFOUND", message=str(e))
+        out("RESULT", step=-1, tier="none", consistent=True)
+        return
     snap.checkpointer.add_listener(lambda ev: ev.kind == "snapshot_taken" and print(f"SAVED {ev.step}", flush=True))
     resumed = a.mode == "resume" and any(n.startswith("checkpoint-") for n in os.listdir(a.ckpt))
     try:
