@@ -152,7 +152,7 @@ def _data_files(path: str, rank: Optional[int] = None) -> List[str]:
         dirs[:] = [d for d in dirs if d != ".snapckpt"]
         out += [os.path.join(root, f) for f in sorted(files)]
     if rank is not None:
-        marks = (f"rank_{rank:05d}", f"rank_{rank}_", f"__{rank}_", f"_{rank}.")
+        marks = (f"rank_{rank:05d}", f"rank_{rank}_", f"rank_{rank:02d}_", f"__{rank}_", f"_{rank}.")
         out = [f for f in out if any(m in os.path.basename(f) for m in marks)]
     return sorted(out)
 
