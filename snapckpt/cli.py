@@ -47,7 +47,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import CheckpointCorruptError
 from .layout import TRACKER
-from .manifest import MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest
+from .manifest import (MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest,
+                       record_checksum)
 from .storage.posix import PosixStorage
 
 __all__ = ["main"]
@@ -97,9 +98,9 @@ def _dir_bytes(path: str) -> int:
 
 
 def _bad_records(manifest: Dict[str, Any]) -> Optional[str]:
-    """Why the manifest's per-file records are unusable (``None`` when each has ``nbytes`` and ``crc32``)."""
+    """Why the manifest's per-file records are unusable (``None`` when each has ``nbytes`` and a checksum)."""
     for name, rec in manifest["files"].items():
-        if not (isinstance(rec, dict) and isinstance(rec.get("nbytes"), int) and isinstance(rec.get("crc32"), str)):
+        if not (isinstance(rec, dict) and isinstance(rec.get("nbytes"), int) and record_checksum(rec) is not None):
             return f"manifest record of {name!r} is malformed: {rec!r}"
     return None
 
@@ -414,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", parents=[progress], help="re-checksum committed checkpoints",
                             description="Re-read every file of every committed checkpoint in DIR (or only "
-                                        "STEP) and compare its size and CRC-32 with the manifest. Exit 0 "
+                                        "STEP) and compare its size and checksum with the manifest. Exit 0 "
                                         "when all are intact, 1 on any damage, 2 on a usage error.")
     verify.add_argument("dir", metavar="DIR", help="checkpoint directory")
     verify.add_argument("step", metavar="STEP", type=int, nargs="?", help="verify only this step")

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import CommitError, CommitTimeoutError
 from ..manifest import (MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
@@ -119,13 +119,16 @@ def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> 
 
 
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
-           remove_partial_on_failure: bool = True) -> Dict[str, Any]:
+           remove_partial_on_failure: bool = True, defer_deletion: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the commit sequence for one step; return the manifest.
 
     Args:
         remove_partial_on_failure: delete the partial directory when the commit fails. The node
             persister passes ``False`` and deletes it itself once its writers of the step are done (a
             writer whose directory vanished would fail with a misleading error of its own).
+        defer_deletion: when a list is given, checkpoints retired by retention are renamed to hidden
+            directories listed there, for the caller to delete after it has reported the commit (see
+            :mod:`snapckpt.persister.retention`).
 
     Raises:
         CommitTimeoutError: ranks missing at the deadline (named in the message).
@@ -183,7 +186,8 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         storage.remove_tree(aside)
     log.info("committed step %d as %s (%d files)", req.step, req.dirname, len(manifest["files"]))
     try:
-        apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname])
+        apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],
+                        defer_to=defer_deletion, run_id=req.run_id)
     except OSError as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s", req.step, e)
     return manifest
