@@ -24,6 +24,7 @@ import torch
 
 from . import layout
 from .arena import map_slot
+from .device_copy import CudaCopier, has_cuda_sources
 from .coordination import make_coordinator
 from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
                      IncompatibleCheckpointError, InsufficientDiskError, PersisterDiedError,
@@ -105,6 +106,7 @@ class _CopyJob:
         self.handle: Optional[SaveHandle] = None
         self.fence_secs = 0.0
         self.copy_secs = 0.0
+        self.device_done = None  # the event of the CUDA copies queued for this job, if any
 
 
 class _MappedSlot:
@@ -112,8 +114,12 @@ class _MappedSlot:
         self.path, self.nbytes = path, nbytes
         self.buf = map_slot(path, nbytes)
         self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.cuda: Optional[CudaCopier] = None  # set once the slot is page-locked for CUDA copies
 
     def close(self) -> None:
+        if self.cuda is not None and self.tensor is not None:
+            torch.cuda.synchronize()  # no DMA may still target the mapping
+            self.cuda.unregister(self.tensor)
         self.tensor = None
         try:
             self.buf.close()
@@ -151,6 +157,7 @@ class Checkpointer:
         self._listeners: List[Callable[[Event], None]] = []
         self._inflight: Optional[_CopyJob] = None  # an overlapped copy not yet fenced
         self._copier = None  # the copy thread (overlap=True), started on first use
+        self._cuda: Optional[CudaCopier] = None  # side-stream copies of CUDA tensors, made on first use
         self._closed = False
         self.last_load: Optional[LoadInfo] = None
         self.last_stats: Optional[SaveStats] = None
@@ -325,8 +332,9 @@ class Checkpointer:
         """Snapshot ``state_dict`` at ``step``; return once it is safe from later mutation.
 
         Args:
-            state_dict: any picklable object holding CPU (or, later, GPU) tensors: model and optimizer
-                state dicts, scheduler state, RNG states, counters, user objects.
+            state_dict: any picklable object holding CPU or CUDA tensors: model and optimizer state
+                dicts, scheduler state, RNG states, counters, user objects. CUDA tensors are copied on a
+                side stream into page-locked shared memory (:mod:`snapckpt.device_copy`).
             step: training step (int >= 0); names the directory ``step_%08d``.
             storage_type: ``MEMORY`` keeps it in the node's shared memory; ``DISK`` also writes it to
                 ``checkpoint_dir`` and commits it in the background.
@@ -402,23 +410,40 @@ class Checkpointer:
             raise
         job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
                        tracker_content if tracker_name else "", t0, t1, t2)
+        device_done = None
+        if has_cuda_sources(prepared.copies):
+            # Queued on a side stream after the compute stream's work so far; never waited for here.
+            try:
+                if self._cuda is None:
+                    self._cuda = CudaCopier()
+                m.cuda = self._cuda
+                device_done = self._cuda.start(prepared.copies, m.tensor)
+            except BaseException:
+                self._abort(slot, sync_cuda=True)
+                raise
         if self.options.overlap:
             # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
             # hands the slot to the persister. Until then the state must not change.
-            job.future = self._copy_thread().submit(_timed_copy, prepared, m.tensor, m.buf)
+            job.device_done = device_done
+            job.future = self._copy_thread().submit(_timed_copy, prepared, m.tensor, m.buf, device_done)
             job.handle = SaveHandle(self, step, storage_type, None, dirname=dirname, copying=True)
             self._inflight = job
             if storage_type == StorageType.DISK:
                 self._handles.append(job.handle)
             return job.handle
         try:
-            Stager.copy_into(prepared, m.tensor, m.buf)
+            Stager.copy_into(prepared, m.tensor, m.buf, device_done)
         except BaseException:
-            self._abort(slot)
+            self._abort(slot, sync_cuda=device_done is not None)
             raise
         return self._copied(job)
 
-    def _abort(self, slot: int) -> None:
+    def _abort(self, slot: int, sync_cuda: bool = False) -> None:
+        if sync_cuda:  # a queued device-to-host copy must not land in the slot after it is handed back
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                log.exception("rank %d: CUDA synchronize after a failed snapshot copy", self.rank)
         try:
             self._request("abort", slot=slot)
         except SnapckptError:
@@ -506,7 +531,7 @@ class Checkpointer:
         try:
             t_copy = job.future.result()
         except BaseException as e:
-            self._abort(job.slot)
+            self._abort(job.slot, sync_cuda=job.device_done is not None)
             job.handle._copying = False
             job.handle._fail(e)
             job.handle._reported = True
@@ -762,10 +787,11 @@ class Checkpointer:
                 log.exception("error while closing the Checkpointer after another error")
 
 
-def _timed_copy(prepared, slot_tensor, buf) -> float:
-    """The copy thread's job: copy a prepared snapshot into its slot; returns the seconds it took."""
+def _timed_copy(prepared, slot_tensor, buf, device_done=None) -> float:
+    """The copy thread's job: copy a prepared snapshot into its slot (and wait for its queued CUDA copies);
+    returns the seconds it took."""
     t0 = time.perf_counter()
-    Stager.copy_into(prepared, slot_tensor, buf)
+    Stager.copy_into(prepared, slot_tensor, buf, device_done)
     return time.perf_counter() - t0
 
 

@@ -9,8 +9,9 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    always gets a new plan. The skeleton (``data.pkl``) of each file is pickled here, with user objects
    pickled by the training process itself, so the persister never unpickles anything.
 2. :meth:`Stager.copy_into` copies each storage span into the slot, then writes the pickles, the index
-   and the header. On a CPU the copy is synchronous here; the seam for a side-stream / copy-thread copy
-   is :class:`Prepared` (what to copy where) and :meth:`Checkpointer.fence`.
+   and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
+   (:mod:`snapckpt.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
+   thread, and :meth:`Checkpointer.fence` waits for both.
 
 :func:`read_slot` is the reverse (memory-tier load): it copies the spans out of the slot into fresh CPU
 storages and unpickles.
@@ -260,20 +261,26 @@ class Stager:
                         persistable)
 
     @staticmethod
-    def copy_into(prepared: Prepared, slot: torch.Tensor, buf) -> None:
+    def copy_into(prepared: Prepared, slot: torch.Tensor, buf, device_done=None) -> None:
         """Copy a prepared snapshot into a slot.
 
         Args:
             prepared: from :meth:`prepare`.
             slot: a uint8 tensor viewing the whole mapped slot (``torch.frombuffer`` of ``buf``).
             buf: the writable mapping itself (for the header and the tail bytes).
+            device_done: the event of CUDA copies already queued for this snapshot
+                (:meth:`snapckpt.device_copy.CudaCopier.start`): CUDA sources are then skipped here, and
+                the event is waited for before the header is written. ``None``: every span is copied here,
+                synchronously, whatever its device.
         """
         for src, off in prepared.copies:
             n = src.numel()
-            if n:
+            if n and not (device_done is not None and src.is_cuda):
                 slot[off:off + n].copy_(src)
         for off, data in prepared.tail:
             buf[off:off + len(data)] = data
+        if device_done is not None:
+            device_done.synchronize()
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
 
 

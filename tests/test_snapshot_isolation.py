@@ -611,7 +611,7 @@ def test_overlap_copy_failure_is_raised_at_fence(snap_env, monkeypatch):
     next save works."""
     from snapckpt import checkpointer as ck_mod
 
-    def boom(prepared, slot, buf):
+    def boom(prepared, slot, buf, device_done=None):
         raise MemoryError("injected copy failure")
 
     model, opt = make_model()
