@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 from .errors import InsufficientSharedMemoryError, SnapshotError
 
-__all__ = ["SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
+__all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
            "mem_available_bytes"]
 
 MAGIC = b"SNAPCKPT"
@@ -91,7 +91,7 @@ class SlotFiles:
 
     def path(self, rank: int, slot: int) -> str:
         """Path of the file of ``slot`` of global ``rank``."""
-        return os.path.join(self.directory, f"r{rank:05d}-s{slot}")
+        return os.path.join(self.directory, slot_file_name(rank, slot))
 
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
                     reserve_nbytes: int = 0) -> int:
@@ -153,6 +153,11 @@ class SlotFiles:
             os.rmdir(self.directory)
         except OSError:
             pass
+
+
+def slot_file_name(rank: int, slot: int) -> str:
+    """File name of ``slot`` of global ``rank`` in a job's arena directory."""
+    return f"r{rank:05d}-s{slot}"
 
 
 def map_slot(path: str, nbytes: int) -> mmap.mmap:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from . import layout
-from .arena import map_slot
+from .arena import map_slot, slot_file_name
 from .device_copy import CudaCopier, has_cuda_sources
 from .coordination import make_coordinator
 from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
@@ -153,6 +155,9 @@ class Checkpointer:
         self._storage = PosixStorage(fsync=self.options.fsync)
         self._stager = Stager()
         self._slots: Dict[int, _MappedSlot] = {}
+        self._prefaulting: Dict[int, Any] = {}  # slot index -> Future of a _MappedSlot (see _prefault)
+        self._prefaulter = None  # its thread, started on first use
+        self._prefault_stop = threading.Event()
         self._handles: List[SaveHandle] = []
         self._listeners: List[Callable[[Event], None]] = []
         self._inflight: Optional[_CopyJob] = None  # an overlapped copy not yet fenced
@@ -262,11 +267,21 @@ class Checkpointer:
         except OSError:
             return ""
 
-    def _connect(self) -> None:
-        o = self.options
+    def _drop_mappings(self) -> None:
+        self._prefault_stop.set()
+        for fut in self._prefaulting.values():
+            m = fut.result() if not fut.cancel() else None
+            if m is not None:
+                m.close()
+        self._prefaulting.clear()
+        self._prefault_stop.clear()
         for s in self._slots.values():
             s.close()
         self._slots.clear()
+
+    def _connect(self) -> None:
+        o = self.options
+        self._drop_mappings()
         self._client.connect({
             "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
             "local_ranks": list(self.topology.local_ranks), "committer": self.rank == 0,
@@ -286,11 +301,49 @@ class Checkpointer:
         """This rank's mapping of a slot; remapped when the slot grew. ``_connect`` drops every mapping,
         since a new persister recreates the slot files."""
         m = self._slots.get(slot)
+        fut = self._prefaulting.pop(slot, None)
+        if fut is not None and (m is None or m.nbytes != nbytes or m.path != path):
+            pre = fut.result()
+            if pre is not None and pre.nbytes == nbytes and pre.path == path:
+                if m is not None:
+                    m.close()
+                m = self._slots[slot] = pre
+            elif pre is not None:
+                pre.close()
+        elif fut is not None:
+            pre = fut.result()
+            if pre is not None:
+                pre.close()
         if m is None or m.nbytes != nbytes or m.path != path:
             if m is not None:
                 m.close()
             m = self._slots[slot] = _MappedSlot(path, nbytes)
+        self._prefault_others(slot, path, nbytes)
         return m
+
+    def _prefault_others(self, slot: int, path: str, nbytes: int) -> None:
+        """Map this rank's other slots at ``nbytes`` and touch every page, on a background thread.
+
+        The first copy into a freshly mapped slot takes one page fault per 4 KiB page on the training
+        thread (measured here: 1.1-1.4 s per GiB against 0.4-0.5 s for a copy into mapped pages, on a
+        loaded 2-core VM). The persister reserves the other slots' pages after the first snapshot; this
+        maps them ahead of their first use, reading one byte per page (never writing: a slot may hold an
+        older snapshot that a load still needs).
+        """
+        for other in range(self.options.slots_per_rank):
+            if other == slot or other in self._prefaulting:
+                continue
+            have = self._slots.get(other)
+            if have is not None and have.nbytes == nbytes:
+                continue
+            other_path = os.path.join(os.path.dirname(path), slot_file_name(self.rank, other))
+            if self._prefaulter is None:
+                import concurrent.futures as cf
+
+                self._prefaulter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
+            self._prefaulting[other] = self._prefaulter.submit(_prefault, other_path, nbytes,
+                                                               self.options.slot_wait_timeout_secs,
+                                                               self._prefault_stop)
 
     def _status(self, step: int, dirname: str) -> Dict[str, Any]:
         return self._request("status", step=step, dirname=dirname)
@@ -462,9 +515,8 @@ class Checkpointer:
         p = job.prepared
         self._request("ready", slot=job.slot, step=job.step, index_offset=p.index_offset,
                       index_nbytes=p.index_nbytes, dirname=job.dirname, tracker_name=job.tracker_name,
-                      tracker_content=job.tracker_content, persistable=p.persistable)
-        if job.storage_type == StorageType.DISK:
-            self._request("persist", step=job.step)
+                      tracker_content=job.tracker_content, persistable=p.persistable,
+                      persist=job.storage_type == StorageType.DISK)
         t4 = time.perf_counter()
         if job.handle is None:  # synchronous copy: save blocked for all of it
             stats = SaveStats(job.step, job.storage_type, p.tensor_nbytes, p.total_nbytes, job.t1 - job.t0,
@@ -767,9 +819,9 @@ class Checkpointer:
             if self._copier is not None:
                 self._copier.shutdown(wait=True)
             self._client.close(bye=True)
-            for s in self._slots.values():
-                s.close()
-            self._slots.clear()
+            self._drop_mappings()
+            if self._prefaulter is not None:
+                self._prefaulter.shutdown(wait=True)
             self._closed = True
         if err is not None:
             raise err
@@ -785,6 +837,32 @@ class Checkpointer:
                 self.close()
             except Exception:
                 log.exception("error while closing the Checkpointer after another error")
+
+
+def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event) -> Optional[_MappedSlot]:
+    """Map slot file ``path`` once the persister has grown it to ``nbytes`` and read one byte of every
+    page; ``None`` when it did not grow within ``timeout_secs``, ``stop`` was set, or it could not be
+    mapped (the save that needs it maps it itself)."""
+    deadline = time.monotonic() + timeout_secs
+    delay = 0.005
+    while True:
+        try:
+            if os.stat(path).st_size >= nbytes:
+                break
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline or stop.wait(delay):
+            return None
+        delay = min(delay * 2, 0.2)
+    try:
+        m = _MappedSlot(path, nbytes)
+    except (OSError, SnapckptError):
+        return None
+    m.tensor[::_PAGE].sum()  # a read fault per page maps it; no write, no change to the data
+    return m
+
+
+_PAGE = mmap.PAGESIZE
 
 
 def _timed_copy(prepared, slot_tensor, buf, device_done=None) -> float:

@@ -32,7 +32,7 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
               "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR},
     "acquire": {"step": _INT, "nbytes": _INT},
     "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
-              "persistable": _BOOL,
+              "persistable": _BOOL, "persist": _BOOL,
               "tracker_name": _STR, "tracker_content": _STR},
     "abort": {"slot": _INT},
     "fail": {"step": _INT, "dirname": _STR, "type": _STR, "message": _STR},

@@ -423,6 +423,8 @@ class Server:
         s.index_offset, s.index_nbytes = msg["index_offset"], msg["index_nbytes"]
         s.dirname, s.tracker_name, s.tracker_content = msg["dirname"], msg["tracker_name"], msg["tracker_content"]
         s.persistable = msg["persistable"]
+        if msg["persist"]:  # a DISK save: hand it to the writers in the same round trip
+            self._persist(entry, msg["step"], self.runs[entry.run_id])
         return P.ok()
 
     def _op_abort(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
