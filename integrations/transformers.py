@@ -3,7 +3,9 @@
 ``Trainer(..., callbacks=[SnapckptCallback(memory_interval_steps=10)])`` replaces the Trainer's blocking
 checkpoint save by a snapckpt snapshot; the node persister writes the same ``checkpoint-N/`` folder the
 Trainer would have written (see :mod:`snapckpt.integrations.transformers_files`), so
-``trainer.train(resume_from_checkpoint=True)`` and ``from_pretrained`` work unchanged.
+``trainer.train(resume_from_checkpoint=True)`` and ``from_pretrained`` work unchanged. For a PEFT model
+(``peft.PeftModel``, or adapters loaded through transformers) that folder holds the adapter only, as the
+Trainer's does (:mod:`snapckpt.integrations.transformers_peft`).
 
 How it plugs in (transformers 5.24, public callback events only):
 
@@ -33,10 +35,10 @@ How it plugs in (transformers 5.24, public callback events only):
 
 Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
 Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
-XLA and SageMaker model parallel runs (their saves are collective framework calls); PEFT adapter-only
-checkpoints (``NotImplementedError``; peft is not in the pinned extras); the GradScaler's ``scaler.pt``
-(fp16 mixed precision on GPU; the callback has no handle on the Accelerator); hyper-parameter search run
-directories; ``save_on_each_node``. ``trainer_state.json``'s ``total_flos`` holds the FLOPs stored at the
+XLA and SageMaker model parallel runs (their saves are collective framework calls); a ``PeftModel``
+with an adapter not named ``"default"`` (peft saves those in sub-folders: ``NotImplementedError`` at
+``train()``); the GradScaler's ``scaler.pt`` (fp16 mixed precision on GPU; the callback has no handle on
+the Accelerator); hyper-parameter search run directories; ``save_on_each_node``. ``trainer_state.json``'s ``total_flos`` holds the FLOPs stored at the
 last logging step (the Trainer's ``store_flos`` is not reachable from a callback), and the states of
 ``ExportableState`` callbacks other than ``TrainerControl`` are those of train start.
 """
@@ -58,6 +60,7 @@ from snapckpt.events import Event
 from snapckpt.formats import RawBytes
 
 from . import transformers_files as F
+from . import transformers_peft as P
 
 __all__ = ["SnapckptCallback"]
 
@@ -166,6 +169,7 @@ class SnapckptCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
         self._check_args(args)
+        P.check_supported(kwargs.get("model"))
         self._args, self._state = args, state
         self._open(args)
         self._pending = None
@@ -173,6 +177,7 @@ class SnapckptCallback(TrainerCallback):
         if state.is_world_process_zero:
             static[F.TRAINING_ARGS_NAME] = RawBytes(F.torch_bytes(args))
             static.update(F.processing_class_files(processing_class))
+            static.update(P.card_files(kwargs.get("model")))
         self._static = static
 
     def on_train_end(self, args, state, control, **kwargs):
