@@ -71,7 +71,7 @@ def _assert_same_folder(mine, theirs):
     assert _files(mine) == _files(theirs)
     for name in _files(theirs):
         a, b = os.path.join(mine, name), os.path.join(theirs, name)
-        if name.endswith((".safetensors", ".json")):
+        if name.endswith((".safetensors", ".json", ".md")):
             assert open(a, "rb").read() == open(b, "rb").read(), name
         elif name == "training_args.bin":
             x, y = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
