@@ -10,9 +10,9 @@ file                           content                                      buil
 ``adapter_model.safetensors``  the adapter's tensors, keys                  ``peft.get_peft_model_state_
                                ``base_model.model.<module>.lora_A.weight``  dict``, :func:`safetensors_file`
                                ..., metadata ``{"format": "pt"}``
-``adapter_config.json``        the ``PeftConfig`` with                      ``PeftConfig.save_pretrained``
-                               ``inference_mode=true`` (and                 into a temporary directory,
-                               ``auto_mapping`` when it has no task type)   read back
+``adapter_config.json``        the ``PeftConfig`` with                      ``PeftConfig.to_dict``, JSON as
+                               ``inference_mode=true`` (and                 ``PeftConfig.save_pretrained``
+                               ``auto_mapping`` when it has no task type)   writes it
 ``README.md``                  the model card                               ``PeftModel.create_or_update_
                                                                             model_card``, once per train
 =============================  ===========================================  ================================
@@ -30,6 +30,7 @@ trained (it is in snapckpt's ``hf`` extra); this module imports it lazily.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -129,12 +130,18 @@ def check_supported(model: Any) -> None:
             "the Trainer save")
 
 
-def _config_bytes(config: Any, **kwargs: Any) -> bytes:
-    """``adapter_config.json`` exactly as ``config.save_pretrained(directory, **kwargs)`` writes it."""
-    with tempfile.TemporaryDirectory(prefix="snapckpt-adapter-") as d:
-        config.save_pretrained(d, **kwargs)
-        with open(os.path.join(d, ADAPTER_CONFIG_NAME), "rb") as f:
-            return f.read()
+def _config_bytes(config: Any, auto_mapping_dict: Any = None) -> bytes:
+    """``adapter_config.json`` exactly as ``config.save_pretrained(directory, auto_mapping_dict=...)``
+    writes it (peft 0.21 ``PeftConfigMixin.save_pretrained``: ``to_dict()``, sets as lists, the auto
+    mapping added, ``json.dumps(indent=2, sort_keys=True)``, no final newline), without touching the disk
+    on the training thread."""
+    d = config.to_dict()
+    for key, value in d.items():
+        if isinstance(value, set):
+            d[key] = list(value)
+    if auto_mapping_dict is not None:
+        d["auto_mapping"] = auto_mapping_dict
+    return json.dumps(d, indent=2, sort_keys=True).encode("utf-8")
 
 
 def _unaliased(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
