@@ -12,6 +12,7 @@ to the next candidate together (cases B3, C2, C9).
 """
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import mmap
@@ -35,6 +36,7 @@ from .events import Event, SaveStats, StorageType
 from .handle import SaveHandle
 from .manifest import MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname
 from .options import CheckpointOptions
+from .progress import byte_bar
 from .persister.client import PersisterClient, job_dirs, job_key
 from .snapshot import Stager, read_slot
 from .storage.posix import PosixStorage
@@ -666,12 +668,16 @@ class Checkpointer:
     def _verify_disk(self, path: str, dirname: str) -> Dict[str, Any]:
         m = parse_manifest(self._storage.read_bytes(os.path.join(path, MANIFEST)), dirname)
         if self.options.verify_checksums:
-            check_checksums(self._storage, path, m, rank=self.rank)
+            mine = sum(int(r.get("nbytes", 0)) for r in m["files"].values() if r.get("rank") == self.rank)
+            # A bar for a long read (>= 1 GiB), on local rank 0 only, when its stderr is a terminal.
+            show = None if mine >= (1 << 30) and self.topology.local_rank == 0 else False
+            with byte_bar(mine, f"verifying {dirname}", show) as bar:
+                check_checksums(self._storage, path, m, rank=self.rank, progress=bar.update)
         else:
             check_sizes(self._storage, path, m, rank=self.rank)
         return m
 
-    def _read_candidate(self, cand: "LoadCandidate") -> Dict[str, Any]:
+    def _read_candidate(self, cand: "LoadCandidate", views: bool = False) -> Dict[str, Any]:
         if cand.tier == StorageType.MEMORY:
             held = self._request("held")["slots"]
             mine = [s for s in held if s["step"] == cand.step and s["run_id"] == cand._key]
@@ -679,7 +685,7 @@ class Checkpointer:
                 raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
             s = max(mine, key=lambda x: x["seq"])
             m = self._mapped(s["slot"], s["path"], s["nbytes"])
-            got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only)
+            got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, copy=not views)
             if got_step != cand.step:
                 raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
                                              f"not {cand.step}")
@@ -695,7 +701,7 @@ class Checkpointer:
                 continue
             try:
                 out[name] = torch.load(os.path.join(path, name), map_location="cpu",
-                                       weights_only=self.options.weights_only)
+                                       weights_only=self.options.weights_only, mmap=views)
             except Exception as e:
                 if self.options.weights_only and "weights_only" in str(e):
                     raise UnsafeCheckpointError(
@@ -797,11 +803,15 @@ class Checkpointer:
         """
         if step is not None:
             _check_step(step)
-        _, _, files = self._load_files(step)
-        loaded = files[layout.rank_filename(self.rank)]
         if state_dict is None:
-            return loaded
-        copy_into(state_dict, loaded)
+            _, _, files = self._load_files(step)
+            return files[layout.rank_filename(self.rank)]
+        # Into live tensors: a memory snapshot is read as views of the arena slot, a disk checkpoint as a
+        # memory map of its files (torch.load(mmap=True), after the checksums), and copied straight into
+        # them: one copy, no fresh memory to fault in. Values that are not copied into a live tensor are
+        # deep-copied, so nothing the caller keeps points into the arena or a file.
+        files, _ = self._load_with(lambda c: self._read_candidate(c, views=True), step)
+        copy_into(state_dict, files[layout.rank_filename(self.rank)], own=True)
         return state_dict
 
     # --------------------------------------------------------------------------------------- close
@@ -909,24 +919,28 @@ def _check_step(step: Any) -> None:
         raise ValueError(f"step must be an int >= 0, got {step!r} ({type(step).__name__})")
 
 
-def copy_into(dst: Any, src: Any, path: str = "") -> Any:
+def copy_into(dst: Any, src: Any, path: str = "", own: bool = False, _memo: Optional[dict] = None) -> Any:
     """Copy ``src`` into ``dst`` in place where both hold tensors at the same key; return ``dst``.
 
     Tensors are copied with ``Tensor.copy_`` (so dtype and device follow ``dst``, as
-    ``load_state_dict`` does); other values replace ``dst``'s.
+    ``load_state_dict`` does); other values replace ``dst``'s (deep copies of them with ``own``: ``src``
+    then views memory that is not the caller's, an arena slot; one deep-copy memo for the whole call
+    keeps tensors that share storage sharing it).
 
     Raises:
         IncompatibleCheckpointError: a tensor's shape differs (names the key path).
     """
+    if own and _memo is None:
+        _memo = {}
     if isinstance(dst, dict) and isinstance(src, dict):
         for k, v in src.items():
             sub = f"{path}.{k}" if path else str(k)
             both = (k in dst and ((isinstance(dst[k], dict) and isinstance(v, dict))
                                   or (isinstance(dst[k], torch.Tensor) and isinstance(v, torch.Tensor))))
             if both:
-                dst[k] = copy_into(dst[k], v, sub)
+                dst[k] = copy_into(dst[k], v, sub, own, _memo)
             else:
-                dst[k] = v
+                dst[k] = copy.deepcopy(v, _memo) if own else v
         return dst
     if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
         if dst.shape != src.shape:
@@ -935,4 +949,4 @@ def copy_into(dst: Any, src: Any, path: str = "") -> Any:
         with torch.no_grad():
             dst.copy_(src)
         return dst
-    return src
+    return copy.deepcopy(src, _memo) if own else src

@@ -47,6 +47,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import CheckpointCorruptError
 from .layout import TRACKER
+from .progress import byte_bar
 from .manifest import (MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest,
                        record_checksum)
 from .storage.posix import PosixStorage
@@ -58,25 +59,9 @@ _PARTIAL = ".partial-"
 
 
 # --------------------------------------------------------------------------------------- helpers
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _bar(args: argparse.Namespace, total: int, desc: str):
     """A byte progress bar on stderr (tqdm), or a no-op one when disabled or tqdm is missing."""
-    enabled = args.progress if args.progress is not None else sys.stderr.isatty()
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                leave=False, dynamic_ncols=True)
+    return byte_bar(total, desc, args.progress)
 
 
 def _table(rows: List[List[str]], indent: str = "") -> str:

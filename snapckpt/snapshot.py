@@ -296,10 +296,12 @@ def read_index(buf) -> Dict[str, Any]:
     return index
 
 
-def read_slot(buf, slot: torch.Tensor, *, weights_only: bool) -> Tuple[int, Dict[str, Any]]:
+def read_slot(buf, slot: torch.Tensor, *, weights_only: bool, copy: bool = True) -> Tuple[int, Dict[str, Any]]:
     """Copy a snapshot out of a slot: ``(step, {relative path: object})`` with CPU tensors.
 
     ``TorchSave`` files come back unpickled; ``RawBytes``/``Concat`` files as ``bytes`` (the whole file).
+    With ``copy=False`` the tensors are views of the slot itself (no copy, no fresh memory): for a caller
+    that copies them into live tensors at once and drops them before the slot can be reused.
     """
     index = read_index(buf)
     out: Dict[str, Any] = {}
@@ -309,6 +311,10 @@ def read_slot(buf, slot: torch.Tensor, *, weights_only: bool) -> Tuple[int, Dict
             continue
         storages = {}
         for key, off, n in f["records"]:
+            if not copy:
+                storages[key] = (torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off) if n
+                                 else torch.empty(0, dtype=torch.uint8)).untyped_storage()
+                continue
             dst = torch.empty(n, dtype=torch.uint8)
             dst.copy_(slot[off:off + n])
             storages[key] = dst.untyped_storage()
