@@ -266,10 +266,13 @@ class Server:
             pass
 
     def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
+        """Answer one request line; return whether to close the connection (``bye``, or any failed request
+        of a connection that has not said a valid ``hello`` yet: an intruder gets one error, not a stream
+        of them that it might never read)."""
+        rank = self.conn_rank.get(conn)
         try:
             msg = P.decode(line)
             op = P.validate_request(msg)
-            rank = self.conn_rank.get(conn)
             if op != "hello" and rank is None:
                 raise P.ProtocolError("the first request must be hello")
             if op == "bye":
@@ -283,6 +286,10 @@ class Server:
                 log.exception("error handling a request")
             reply = P.fail(e)
         self._send(conn, reply)
+        if not reply["ok"] and self.conn_rank.get(conn) is None:
+            log.warning("refused a client (pid %s) before a valid hello: %s", self.conn_pid.get(conn),
+                        reply["error"]["message"][:200])
+            return True
         return False
 
     def _disconnect(self, conn: socket.socket, clean: bool) -> None:
@@ -528,7 +535,7 @@ class Server:
         try:
             buf = map_slot(s.path, s.nbytes)
             try:
-                index = read_index(buf)
+                index = read_index(buf, s.path)
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
                 t0 = time.monotonic()
@@ -543,9 +550,9 @@ class Server:
         except BaseException as e:
             log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
             self.keep_log = True
-            write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
-            with self.lock:
+            with self.lock:  # recorded before the marker: the commit it ends must not win the race to the trainer
                 self.results[(run.run_id, step, s.dirname)].part_errors[rank] = P.error_record(e)
+            write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
         finally:
             with self.lock:
                 if s.state == SlotState.PERSISTING:
