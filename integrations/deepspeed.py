@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -52,7 +53,7 @@ import torch
 
 from snapckpt import rng
 from snapckpt.checkpointer import Checkpointer, LoadCandidate, LoadInfo
-from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, SnapckptError
+from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, SnapckptError, UnsafeCheckpointError
 from snapckpt.events import StorageType
 from snapckpt.formats import MemoryOnly, TorchSave
 from snapckpt.manifest import SIDECAR, validate_dirname
@@ -399,7 +400,7 @@ class DeepSpeedCheckpointer:
             raise CheckpointNotFoundError(f"DeepSpeed found no model-states file in {cand.path}")
         side = os.path.join(cand.path, _sidecar_name(self._checkpointer.rank))
         if os.path.exists(side):
-            rng.restore(torch.load(side, weights_only=False)["rng"])
+            rng.restore(_load_sidecar(side)["rng"])
         return load_path, client_state
 
     def _native_load(self, load_dir: str, tag: Optional[str], kwargs) -> Tuple[Any, Any]:
@@ -483,6 +484,21 @@ class DeepSpeedCheckpointer:
 
 
 _RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
+
+
+def _load_sidecar(path: str) -> Dict[str, Any]:
+    """Load snapckpt's own sidecar ``{"tag", "rng"}`` with ``weights_only=True`` whatever the trust option:
+    it holds only tensors, ints, floats and strings (:mod:`snapckpt.rng`), so a pickle planted there is never
+    run.
+
+    Raises:
+        UnsafeCheckpointError: the file holds other objects (names the file).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(f"{path} is snapckpt's RNG sidecar but holds objects other than tensors and "
+                                    f"plain values, which are never unpickled: the file was replaced ({e})") from e
 
 
 def _check_tag(tag: str) -> None:
