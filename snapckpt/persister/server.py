@@ -15,7 +15,8 @@ node, and outlives the training processes:
 Startup: ``python -m snapckpt.persister --runtime-dir D --arena-dir A --job KEY --idle-timeout-secs S``.
 The process holds an exclusive ``flock`` on ``D/persister.pid`` while alive, writes the secret
 ``D/token`` (0600) that clients must present, then listens on ``D/persister.sock`` (0600, in a 0700
-directory); connections from another uid are refused (``SO_PEERCRED``).
+directory); connections from another uid are refused (``SO_PEERCRED``); a connection must present the token
+in a ``hello`` within ``HELLO_TIMEOUT_SECS`` and gets one refusal if it sends anything else first.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ from .writer import write_failure_marker, write_part
 
 log = logging.getLogger("snapckpt.persister")
 
-__all__ = ["Server", "main"]
+__all__ = ["Server", "main", "HELLO_TIMEOUT_SECS"]
+
+HELLO_TIMEOUT_SECS = 10.0  # a connection that has not authenticated by then is dropped
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Server:
         self.files_removed = False
         self.keep_log = False  # a crash or a failure happened: leave persister.log for the user
         self.conn_pid: Dict[socket.socket, int] = {}
+        self.conn_since: Dict[socket.socket, float] = {}  # accept time of connections not yet authenticated
         self.sock_path = os.path.join(runtime_dir, "persister.sock")
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -159,6 +163,7 @@ class Server:
                         self._accept(listener)
                     else:
                         self._readable(key.fileobj)
+                self._drop_silent_connections()
                 if self._should_exit(listener):
                     break
         finally:
@@ -236,8 +241,20 @@ class Server:
         with self.lock:
             self.buffers[conn] = bytearray()
             self.conn_pid[conn] = pid
+            self.conn_since[conn] = time.monotonic()
             self.empty_since = None
         self.sel.register(conn, selectors.EVENT_READ, "client")
+
+    def _drop_silent_connections(self) -> None:
+        """Disconnect connections that said no valid ``hello`` within :data:`HELLO_TIMEOUT_SECS` (a real
+        client says it right after connecting): a stray connection must not keep the persister alive."""
+        now = time.monotonic()
+        with self.lock:
+            silent = [c for c, t in self.conn_since.items() if c not in self.conn_rank and now - t > HELLO_TIMEOUT_SECS]
+        for conn in silent:
+            log.warning("dropped a connection (pid %s) that sent no valid hello within %g s", self.conn_pid.get(conn),
+                        HELLO_TIMEOUT_SECS)
+            self._disconnect(conn, clean=True)
 
     def _readable(self, conn: socket.socket) -> None:
         try:
@@ -301,6 +318,7 @@ class Server:
         with self.lock:
             self.buffers.pop(conn, None)
             self.conn_pid.pop(conn, None)
+            self.conn_since.pop(conn, None)
             rank = self.conn_rank.pop(conn, None)
             if rank is not None:
                 entry = self.ranks[rank]
