@@ -328,6 +328,7 @@ class DeepSpeedCheckpointer:
             IncompatibleCheckpointError: the checkpoint was written at another data-parallel size (the message
                 names DeepSpeed's universal checkpoint route).
             CheckpointCorruptError: every candidate failed (the message lists each failure per rank).
+            ValueError: ``tag`` is not one directory name of ``load_dir`` (``'..'``, ``'/'``...).
         """
         self._ckpt_engine.flush()
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
@@ -337,7 +338,7 @@ class DeepSpeedCheckpointer:
             return self._native_load(os.fspath(load_dir), None if tag is None else str(tag), kwargs)
         try:
             if tag is not None:
-                tag = str(tag)
+                tag = validate_dirname(str(tag))  # a tag of this directory: never a path out of it
                 if not os.path.isdir(os.path.join(self.checkpoint_dir, tag)):
                     raise CheckpointNotFoundError(f"no tag {tag!r} in {self.checkpoint_dir} (memory snapshots "
                                                   "are loaded with tag=None)")
