@@ -51,11 +51,15 @@ def test_D2_leaks_per_integration_200_saves_close_and_kill9(snap_env, kind):
     persister serves all 200 saves; it survives the kill, the restarted job resumes from memory at step 200
     through it, saves to disk and closes; then the persister has exited, no process of the killed job is
     left, the restarted job's fds are back to their count before the integration was created, and no
-    shared-memory file, socket or token remains."""
+    shared-memory file, socket or token remains. The checkpoint directory's name has spaces, a colon,
+    brackets and non-ASCII."""
+    # a checkpoint directory name with spaces, a colon, brackets and non-ASCII ('[' not for DeepSpeed, whose
+    # own loader globs the directory)
+    ckpt = os.path.join(snap_env.tmp, "ckpt (ü) a: b" if kind == "ds" else "ckpt [ü] a: b")
     marker = os.path.join(snap_env.tmp, "churn.json")
     out_path = os.path.join(snap_env.tmp, "resume.json")
     env = dict(snap_env.env, DS_ACCELERATOR="cpu")
-    (proc,) = launch(WORKER, 1, ["churn", kind, snap_env.ckpt_dir, marker], env)
+    (proc,) = launch(WORKER, 1, ["churn", kind, ckpt, marker], env)
     try:
         ok = wait_until(lambda: os.path.exists(marker) or proc.poll() is not None, timeout=240, interval=0.2)
         assert ok and os.path.exists(marker), f"the churn job never finished: {proc.poll()}"
@@ -77,7 +81,7 @@ def test_D2_leaks_per_integration_200_saves_close_and_kill9(snap_env, kind):
     pid = churn["persister_pid"]
     assert _alive(pid), "the persister died with the job"
 
-    (proc,) = launch(WORKER, 1, ["resume", kind, snap_env.ckpt_dir, out_path], env)
+    (proc,) = launch(WORKER, 1, ["resume", kind, ckpt, out_path], env)
     (out,) = finish([proc], timeout=240)
     assert proc.returncode == 0, f"the restarted job failed:\n{out[-4000:]}"
     with open(out_path) as f:

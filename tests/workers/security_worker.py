@@ -49,6 +49,13 @@ def ds_tags(ckpt: str, tmp: str) -> None:
                 out["refused"][bad] = None
             except ValueError as e:
                 out["refused"][bad] = str(e)
+        out["load_refused"] = {}
+        for bad in ("../" + os.path.basename(ckpt), "/abs", "a/b", "a\x00b"):
+            try:
+                ck.load_checkpoint(ckpt, tag=bad)
+                out["load_refused"][bad] = None
+            except ValueError as e:
+                out["load_refused"][bad] = str(e)
         for tag in TAGS:
             ds_common.train_step(engine, 9)  # change the weights, then load the tag back
             path, _ = ck.load_checkpoint(ckpt, tag=tag)
