@@ -67,11 +67,11 @@ def _files(d):
 
 
 def _assert_same_folder(mine, theirs):
-    """F2: same file set; identical bytes for safetensors/json; equal contents of the torch files."""
+    """F2: same file set; identical bytes for safetensors/json/README.md; equal contents of the torch files."""
     assert _files(mine) == _files(theirs)
     for name in _files(theirs):
         a, b = os.path.join(mine, name), os.path.join(theirs, name)
-        if name.endswith((".safetensors", ".json")):
+        if name.endswith((".safetensors", ".json", ".md")):
             assert open(a, "rb").read() == open(b, "rb").read(), name
         elif name == "training_args.bin":
             x, y = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
