@@ -20,9 +20,11 @@ import enum
 import errno
 import mmap
 import os
+import re
 import struct
 from typing import Optional, Tuple
 
+from ._private import private_dir
 from .errors import InsufficientSharedMemoryError, SnapshotError
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
@@ -32,6 +34,7 @@ MAGIC = b"SNAPCKPT"
 LAYOUT_VERSION = 1
 HEADER_NBYTES = 64
 _HEADER = struct.Struct("<8sIqQQ")  # magic, version, step, index offset, index length
+_SLOT_NAME = re.compile(r"r\d{5,}-s\d+")  # SlotFiles.path's names
 
 
 class SlotState(str, enum.Enum):
@@ -76,14 +79,17 @@ class SlotFiles:
     Args:
         directory: the job's arena directory (created ``0o700``; stale files from a dead persister of the
             same job are removed, since nothing in them can be trusted).
+
+    Raises:
+        PersisterError: ``directory`` is a symbolic link, not a directory or another user's
+            (:func:`snapckpt._private.private_dir`).
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        os.chmod(directory, 0o700)
+        private_dir(directory)
         for name in os.listdir(directory):
-            if name.startswith("r") and "-s" in name:
+            if _SLOT_NAME.fullmatch(name):
                 try:
                     os.unlink(os.path.join(directory, name))
                 except FileNotFoundError:
@@ -139,12 +145,15 @@ class SlotFiles:
         return nbytes
 
     def remove_all(self) -> None:
-        """Delete every slot file and the directory (best effort; files already gone are fine)."""
+        """Delete the slot files and then the directory if it is empty (best effort; files already gone are
+        fine). Only names this class creates are deleted: nothing else is ever removed from the directory."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return
         for name in names:
+            if not _SLOT_NAME.fullmatch(name):
+                continue
             try:
                 os.unlink(os.path.join(self.directory, name))
             except FileNotFoundError:

@@ -34,7 +34,8 @@ from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFo
                      SlotBusyError, SnapckptError, UnsafeCheckpointError)
 from .events import Event, SaveStats, StorageType
 from .handle import SaveHandle
-from .manifest import MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname
+from .manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname,
+                       validate_file_name)
 from .options import CheckpointOptions
 from .progress import byte_bar
 from .persister.client import PersisterClient, job_dirs, job_key
@@ -432,7 +433,7 @@ class Checkpointer:
         if tracker_name is not None:
             validate_dirname(tracker_name)
         for name in files:
-            _check_file_name(name)
+            validate_file_name(name)
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step)
@@ -666,7 +667,8 @@ class Checkpointer:
         return cands[0][0] if cands else None
 
     def _verify_disk(self, path: str, dirname: str) -> Dict[str, Any]:
-        m = parse_manifest(self._storage.read_bytes(os.path.join(path, MANIFEST)), dirname)
+        mpath = os.path.join(path, MANIFEST)
+        m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
         if self.options.verify_checksums:
             mine = sum(int(r.get("nbytes", 0)) for r in m["files"].values() if r.get("rank") == self.rank)
             # A bar for a long read (>= 1 GiB), on local rank 0 only, when its stderr is a terminal.
@@ -685,7 +687,8 @@ class Checkpointer:
                 raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
             s = max(mine, key=lambda x: x["seq"])
             m = self._mapped(s["slot"], s["path"], s["nbytes"])
-            got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, copy=not views)
+            got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
+                                        copy=not views)
             if got_step != cand.step:
                 raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
                                              f"not {cand.step}")
@@ -897,20 +900,6 @@ def _fs_type(path: str) -> Optional[str]:
         if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[0])):
             best = (mnt, fstype)
     return best[1] if best else None
-
-
-def _check_file_name(name: Any) -> None:
-    """A file of a step: one path component, or ``.snapckpt/<component>`` for an integration's own sidecar
-    files (which native loaders ignore). A top-level name may be hidden, since native layouts use such
-    names (torch DCP's ``.metadata``); ``.``, ``..`` and ``.snapckpt*`` are reserved."""
-    sidecar = isinstance(name, str) and name.startswith(SIDECAR + "/")
-    rest = name[len(SIDECAR) + 1:] if sidecar else name
-    if (not isinstance(rest, str) or not rest or "/" in rest or "\\" in rest or rest in (".", "..")
-            or (sidecar and rest.startswith(".")) or (not sidecar and rest.startswith(SIDECAR))
-            or (sidecar and (rest == "manifest.json" or rest.startswith(("part_", "fail_"))))
-            or any(ord(c) < 32 for c in rest)):
-        raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
-                         f"'{SIDECAR}*' (or '{SIDECAR}/<name>' for a sidecar file)")
 
 
 def _check_step(step: Any) -> None:

@@ -40,8 +40,8 @@ from .storage.base import StorageReader
 
 __all__ = ["FORMAT_VERSION", "SIDECAR", "MANIFEST", "Committed", "build_manifest", "parse_manifest",
            "list_committed", "check_sizes", "check_checksums", "crc32_file", "record_checksum", "validate_dirname",
-           "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter", "CHECKSUM",
-           "CHECKSUMS", "file_checksum"]
+           "validate_file_name", "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter",
+           "CHECKSUM", "CHECKSUMS", "file_checksum"]
 
 FORMAT_VERSION = 1
 SIDECAR = ".snapckpt"
@@ -78,6 +78,26 @@ def validate_dirname(name: str) -> str:
         raise ValueError(f"checkpoint tag {name!r} must be a single directory name (no '/', not hidden)")
     if any(ord(c) < 32 for c in name) or len(name.encode()) > 200:
         raise ValueError(f"checkpoint tag {name!r} has control characters or is over 200 bytes")
+    return name
+
+
+def validate_file_name(name: Any) -> str:
+    """Check the name of a file of a checkpoint (relative to its directory): one path component, or
+    ``.snapckpt/<component>`` for an integration's own sidecar files (which native loaders ignore). A
+    top-level name may be hidden, since native layouts use such names (torch DCP's ``.metadata``);
+    ``.``, ``..``, ``.snapckpt*`` and the sidecar's own records (``manifest.json``, ``part_*``, ``fail_*``)
+    are reserved; no ``/`` or ``\\`` inside a component, no control characters (NUL included).
+
+    Raises ``ValueError`` naming the problem; returns ``name``.
+    """
+    sidecar = isinstance(name, str) and name.startswith(SIDECAR + "/")
+    rest = name[len(SIDECAR) + 1:] if sidecar else name
+    if (not isinstance(rest, str) or not rest or "/" in rest or "\\" in rest or rest in (".", "..")
+            or (sidecar and rest.startswith(".")) or (not sidecar and rest.startswith(SIDECAR))
+            or (sidecar and (rest == "manifest.json" or rest.startswith(("part_", "fail_"))))
+            or any(ord(c) < 32 for c in rest)):
+        raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
+                         f"'{SIDECAR}*' (or '{SIDECAR}/<name>' for a sidecar file)")
     return name
 
 
@@ -174,12 +194,32 @@ def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
             "files": files}
 
 
-def parse_manifest(data: bytes, dirname: Optional[str] = None) -> Dict[str, Any]:
-    """Parse and check a manifest's schema; ``CheckpointCorruptError`` when it is not a valid one."""
+def parse_manifest(data: bytes, dirname: Optional[str] = None, source: Optional[str] = None) -> Dict[str, Any]:
+    """Parse and check a manifest: JSON only (never a pickle), its schema, and every file record (a file
+    name that stays inside the checkpoint directory, :func:`validate_file_name`; an int rank and size, a
+    str checksum), so that nothing a loader does with it can reach a path outside the directory.
+
+    Args:
+        data: the bytes of ``manifest.json``.
+        dirname: the directory it was found in; it must name that directory.
+        source: the manifest's path, named in the error.
+
+    Raises:
+        CheckpointCorruptError: not a valid snapckpt manifest (the message says why and names ``source``).
+    """
+    try:
+        return _parse_manifest(data, dirname)
+    except CheckpointCorruptError as e:
+        if source is None:
+            raise
+        raise CheckpointCorruptError(f"{e} [{source}]") from e
+
+
+def _parse_manifest(data: bytes, dirname: Optional[str]) -> Dict[str, Any]:
     try:
         m = json.loads(data)
-    except ValueError as e:
-        raise CheckpointCorruptError(f"manifest is not valid JSON ({len(data)} bytes): {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"manifest is not valid JSON ({len(data)} bytes): {str(e)[:200]}") from e
     if not isinstance(m, dict) or m.get("format") != "snapckpt":
         raise CheckpointCorruptError("manifest is not a snapckpt manifest")
     if m.get("format_version") != FORMAT_VERSION:
@@ -190,6 +230,14 @@ def parse_manifest(data: bytes, dirname: Optional[str] = None) -> Dict[str, Any]
             raise CheckpointCorruptError(f"manifest field {key!r} is missing or not {typ.__name__}")
     if dirname is not None and m["dirname"] != dirname:
         raise CheckpointCorruptError(f"manifest names directory {m['dirname']!r}, found in {dirname!r}")
+    for name, rec in m["files"].items():
+        try:
+            validate_file_name(name)
+        except ValueError as e:
+            raise CheckpointCorruptError(f"manifest lists a file outside its checkpoint directory: {e}") from e
+        if not (isinstance(rec, dict) and isinstance(rec.get("rank"), int) and isinstance(rec.get("nbytes"), int)
+                and record_checksum(rec) is not None):
+            raise CheckpointCorruptError(f"manifest record of {name!r} is malformed: {str(rec)[:200]}")
     return m
 
 
@@ -226,7 +274,7 @@ def list_committed(reader: StorageReader, checkpoint_dir: str, *, quick_check: b
                 problems.append(f"{name}: cannot read manifest: {e}")
             continue
         try:
-            m = parse_manifest(data, name)
+            m = parse_manifest(data, name, source=mpath)
             if quick_check:
                 check_sizes(reader, path, m)
         except CheckpointCorruptError as e:

@@ -284,26 +284,34 @@ class Stager:
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
 
 
-def read_index(buf) -> Dict[str, Any]:
-    """Parse the header and index of a slot; ``SnapshotError`` when they are damaged."""
-    step, off, n = read_header(buf)
+def read_index(buf, source: str = "arena slot") -> Dict[str, Any]:
+    """Parse the header and index of a slot (JSON only, never a pickle); ``SnapshotError`` naming
+    ``source`` (the slot file's path) when they are damaged."""
+    try:
+        step, off, n = read_header(buf)
+    except SnapshotError as e:
+        raise SnapshotError(f"{e} ({source})") from e
     try:
         index = json.loads(bytes(buf[off:off + n]))
-    except ValueError as e:
-        raise SnapshotError(f"arena slot index of step {step} is damaged: {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise SnapshotError(f"arena slot index of step {step} in {source} is damaged: {str(e)[:200]}") from e
+    if not isinstance(index, dict) or not isinstance(index.get("files"), list):
+        raise SnapshotError(f"arena slot index of step {step} in {source} is not a snapckpt index")
     if index.get("step") != step:
-        raise SnapshotError(f"arena slot header says step {step} but its index says {index.get('step')}")
+        raise SnapshotError(f"arena slot header of {source} says step {step} but its index says {index.get('step')}")
     return index
 
 
-def read_slot(buf, slot: torch.Tensor, *, weights_only: bool, copy: bool = True) -> Tuple[int, Dict[str, Any]]:
+def read_slot(buf, slot: torch.Tensor, *, weights_only: bool, source: str = "arena slot",
+              copy: bool = True) -> Tuple[int, Dict[str, Any]]:
     """Copy a snapshot out of a slot: ``(step, {relative path: object})`` with CPU tensors.
 
-    ``TorchSave`` files come back unpickled; ``RawBytes``/``Concat`` files as ``bytes`` (the whole file).
+    ``TorchSave`` files come back unpickled (``weights_only``: the trust decision, as ``torch.load``);
+    ``RawBytes``/``Concat`` files as ``bytes`` (the whole file). ``source`` (the slot file) is named in errors.
     With ``copy=False`` the tensors are views of the slot itself (no copy, no fresh memory): for a caller
     that copies them into live tensors at once and drops them before the slot can be reused.
     """
-    index = read_index(buf)
+    index = read_index(buf, source)
     out: Dict[str, Any] = {}
     for f in index["files"]:
         if f.get("kind", "torch") == "bytes":

@@ -60,8 +60,8 @@ def decode(line: bytes) -> Dict[str, Any]:
     """Parse one JSON line into a dict; :class:`ProtocolError` if it is not a JSON object."""
     try:
         obj = json.loads(line)
-    except ValueError as e:
-        raise ProtocolError(f"control message is not JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nesting
+        raise ProtocolError(f"control message is not JSON: {str(e)[:200]}") from e
     if not isinstance(obj, dict):
         raise ProtocolError("control message is not a JSON object")
     return obj

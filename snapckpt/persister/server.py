@@ -15,7 +15,8 @@ node, and outlives the training processes:
 Startup: ``python -m snapckpt.persister --runtime-dir D --arena-dir A --job KEY --idle-timeout-secs S``.
 The process holds an exclusive ``flock`` on ``D/persister.pid`` while alive, writes the secret
 ``D/token`` (0600) that clients must present, then listens on ``D/persister.sock`` (0600, in a 0700
-directory); connections from another uid are refused (``SO_PEERCRED``).
+directory); connections from another uid are refused (``SO_PEERCRED``); a connection must present the token
+in a ``hello`` within ``HELLO_TIMEOUT_SECS`` and gets one refusal if it sends anything else first.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ from .writer import write_failure_marker, write_part
 
 log = logging.getLogger("snapckpt.persister")
 
-__all__ = ["Server", "main"]
+__all__ = ["Server", "main", "HELLO_TIMEOUT_SECS"]
+
+HELLO_TIMEOUT_SECS = 10.0  # a connection that has not authenticated by then is dropped
 
 
 @dataclass
@@ -134,6 +137,7 @@ class Server:
         self.files_removed = False
         self.keep_log = False  # a crash or a failure happened: leave persister.log for the user
         self.conn_pid: Dict[socket.socket, int] = {}
+        self.conn_since: Dict[socket.socket, float] = {}  # accept time of connections not yet authenticated
         self.sock_path = os.path.join(runtime_dir, "persister.sock")
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -165,6 +169,7 @@ class Server:
                         self._accept(listener)
                     else:
                         self._readable(key.fileobj)
+                self._drop_silent_connections()
                 if self._should_exit(listener):
                     break
         finally:
@@ -243,8 +248,20 @@ class Server:
         with self.lock:
             self.buffers[conn] = bytearray()
             self.conn_pid[conn] = pid
+            self.conn_since[conn] = time.monotonic()
             self.empty_since = None
         self.sel.register(conn, selectors.EVENT_READ, "client")
+
+    def _drop_silent_connections(self) -> None:
+        """Disconnect connections that said no valid ``hello`` within :data:`HELLO_TIMEOUT_SECS` (a real
+        client says it right after connecting): a stray connection must not keep the persister alive."""
+        now = time.monotonic()
+        with self.lock:
+            silent = [c for c, t in self.conn_since.items() if c not in self.conn_rank and now - t > HELLO_TIMEOUT_SECS]
+        for conn in silent:
+            log.warning("dropped a connection (pid %s) that sent no valid hello within %g s", self.conn_pid.get(conn),
+                        HELLO_TIMEOUT_SECS)
+            self._disconnect(conn, clean=True)
 
     def _readable(self, conn: socket.socket) -> None:
         try:
@@ -273,10 +290,13 @@ class Server:
             pass
 
     def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
+        """Answer one request line; return whether to close the connection (``bye``, or any failed request
+        of a connection that has not said a valid ``hello`` yet: an intruder gets one error, not a stream
+        of them that it might never read)."""
+        rank = self.conn_rank.get(conn)
         try:
             msg = P.decode(line)
             op = P.validate_request(msg)
-            rank = self.conn_rank.get(conn)
             if op != "hello" and rank is None:
                 raise P.ProtocolError("the first request must be hello")
             if op == "bye":
@@ -290,6 +310,10 @@ class Server:
                 log.exception("error handling a request")
             reply = P.fail(e)
         self._send(conn, reply)
+        if not reply["ok"] and self.conn_rank.get(conn) is None:
+            log.warning("refused a client (pid %s) before a valid hello: %s", self.conn_pid.get(conn),
+                        reply["error"]["message"][:200])
+            return True
         return False
 
     def _disconnect(self, conn: socket.socket, clean: bool) -> None:
@@ -301,6 +325,7 @@ class Server:
         with self.lock:
             self.buffers.pop(conn, None)
             self.conn_pid.pop(conn, None)
+            self.conn_since.pop(conn, None)
             rank = self.conn_rank.pop(conn, None)
             if rank is not None:
                 entry = self.ranks[rank]
@@ -556,7 +581,7 @@ class Server:
         try:
             buf = self._slot_map(s)
             try:
-                index = read_index(buf)
+                index = read_index(buf, s.path)
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
                 t0 = time.monotonic()
@@ -571,9 +596,9 @@ class Server:
         except BaseException as e:
             log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
             self.keep_log = True
-            write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
-            with self.lock:
+            with self.lock:  # recorded before the marker: the commit it ends must not win the race to the trainer
                 self.results[(run.run_id, step, s.dirname)].part_errors[rank] = P.error_record(e)
+            write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
         finally:
             with self.lock:
                 if s.state == SlotState.PERSISTING:

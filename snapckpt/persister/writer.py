@@ -17,7 +17,7 @@ import torch
 
 from .. import _env
 from ..formats.torch_zip import write_torch_file
-from ..manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name
+from ..manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
 from ..storage.base import StorageWriter
 from .protocol import error_record
 
@@ -39,6 +39,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
 
     Raises:
         OSError: from the filesystem (ENOSPC, EFBIG, EACCES...), unchanged.
+        ValueError: the index names a file outside the partial directory.
     """
     storage.makedirs(os.path.join(partial_dir, SIDECAR))
     delay = _env.fault_write_delay_secs()
@@ -46,7 +47,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
     for f in index["files"]:
         if not f.get("persist", True):
             continue  # a MemoryOnly file: part of the memory snapshot, not of the checkpoint on disk
-        rel = f["path"]
+        rel = validate_file_name(f["path"])  # the index comes from the trainer: never write outside the directory
         path = os.path.join(partial_dir, rel)
         storage.makedirs(os.path.dirname(path))
         kind = f.get("kind", "torch")
