@@ -98,6 +98,16 @@ class LoadCandidate:
         return f"LoadCandidate(step={self.step}, tier={self.tier.value}, dirname={self.dirname!r})"
 
 
+@dataclass
+class _Prefault:
+    """A background mapping of a slot (:func:`_prefault`): its future, its stop flag, what it maps."""
+
+    future: Any
+    stop: threading.Event
+    path: str
+    nbytes: int
+
+
 class _CopyJob:
     """One snapshot between slot acquisition and the hand-over to the persister."""
 
@@ -158,9 +168,8 @@ class Checkpointer:
         self._storage = PosixStorage(fsync=self.options.fsync)
         self._stager = Stager()
         self._slots: Dict[int, _MappedSlot] = {}
-        self._prefaulting: Dict[int, Any] = {}  # slot index -> Future of a _MappedSlot (see _prefault)
+        self._prefaulting: Dict[int, _Prefault] = {}  # slot index -> its background mapping (see _prefault)
         self._prefaulter = None  # its thread, started on first use
-        self._prefault_stop = threading.Event()
         self._handles: List[SaveHandle] = []
         self._listeners: List[Callable[[Event], None]] = []
         self._inflight: Optional[_CopyJob] = None  # an overlapped copy not yet fenced
@@ -271,13 +280,13 @@ class Checkpointer:
             return ""
 
     def _drop_mappings(self) -> None:
-        self._prefault_stop.set()
-        for fut in self._prefaulting.values():
-            m = fut.result() if not fut.cancel() else None
+        for job in self._prefaulting.values():
+            job.stop.set()
+        for job in self._prefaulting.values():
+            m = job.future.result() if not job.future.cancel() else None
             if m is not None:
                 m.close()
         self._prefaulting.clear()
-        self._prefault_stop.clear()
         for s in self._slots.values():
             s.close()
         self._slots.clear()
@@ -304,19 +313,24 @@ class Checkpointer:
         """This rank's mapping of a slot; remapped when the slot grew. ``_connect`` drops every mapping,
         since a new persister recreates the slot files."""
         m = self._slots.get(slot)
-        fut = self._prefaulting.pop(slot, None)
-        if fut is not None and (m is None or m.nbytes != nbytes or m.path != path):
-            pre = fut.result()
-            if pre is not None and pre.nbytes == nbytes and pre.path == path:
+        job = self._prefaulting.pop(slot, None)
+        if job is not None:
+            wanted = (job.nbytes == nbytes and job.path == path
+                      and (m is None or m.nbytes != nbytes or m.path != path))
+            if job.future.cancel():  # still queued behind another slot's: map it here instead
+                pre = None
+            elif wanted:  # running: the persister handed the slot out at this size, so it ends soon
+                pre = job.future.result()
+            else:  # another size than this save needs: stop it (it may be waiting for a growth)
+                job.stop.set()
+                pre = job.future.result()
+                if pre is not None:
+                    pre.close()
+                    pre = None
+            if pre is not None:
                 if m is not None:
                     m.close()
                 m = self._slots[slot] = pre
-            elif pre is not None:
-                pre.close()
-        elif fut is not None:
-            pre = fut.result()
-            if pre is not None:
-                pre.close()
         if m is None or m.nbytes != nbytes or m.path != path:
             if m is not None:
                 m.close()
@@ -344,9 +358,9 @@ class Checkpointer:
                 import concurrent.futures as cf
 
                 self._prefaulter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
-            self._prefaulting[other] = self._prefaulter.submit(_prefault, other_path, nbytes,
-                                                               self.options.slot_wait_timeout_secs,
-                                                               self._prefault_stop)
+            stop = threading.Event()
+            fut = self._prefaulter.submit(_prefault, other_path, nbytes, self.options.slot_wait_timeout_secs, stop)
+            self._prefaulting[other] = _Prefault(fut, stop, other_path, nbytes)
 
     def _status(self, step: int, dirname: str) -> Dict[str, Any]:
         return self._request("status", step=step, dirname=dirname)
@@ -695,23 +709,30 @@ class Checkpointer:
             return files
         path = cand.path
         m = self._verify_disk(path, cand.dirname)
-        out = {}
-        for name, rec in sorted(m["files"].items()):
-            if rec["rank"] != self.rank:
-                continue
+
+        def read(name: str, rec: Dict[str, Any]) -> Any:
             if rec.get("kind", "torch") == "bytes":
-                out[name] = self._storage.read_bytes(os.path.join(path, name))
-                continue
+                return self._storage.read_bytes(os.path.join(path, name))
             try:
-                out[name] = torch.load(os.path.join(path, name), map_location="cpu",
-                                       weights_only=self.options.weights_only, mmap=views)
+                return torch.load(os.path.join(path, name), map_location="cpu",
+                                  weights_only=self.options.weights_only, mmap=views)
             except Exception as e:
                 if self.options.weights_only and "weights_only" in str(e):
                     raise UnsafeCheckpointError(
                         f"{os.path.join(path, name)} holds objects that weights_only=True refuses; if you "
                         "trust this checkpoint directory pass weights_only=False to the Checkpointer") from e
                 raise
-        return out
+
+        mine = [(name, rec) for name, rec in sorted(m["files"].items()) if rec["rank"] == self.rank]
+        if len(mine) <= 1:
+            return {name: read(name, rec) for name, rec in mine}
+        import concurrent.futures as cf
+
+        # Several files of this rank (DeepSpeed's model and optimizer states, a Trainer's folder): read in
+        # parallel; file reads release the GIL.
+        with cf.ThreadPoolExecutor(max_workers=min(4, len(mine)), thread_name_prefix="snapckpt-load") as ex:
+            futures = [(name, ex.submit(read, name, rec)) for name, rec in mine]
+            return {name: fut.result() for name, fut in futures}
 
     def _load_with(self, fn: Callable[["LoadCandidate"], Any], step: Optional[int] = None, *,
                    dirname: Optional[str] = None, check: Optional[Callable[["LoadCandidate"], Any]] = None

@@ -26,6 +26,7 @@ checksumming costs the persister and the loader little CPU beside the I/O. Manif
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import time
@@ -305,17 +306,29 @@ def check_sizes(reader: StorageReader, path: str, manifest: Dict[str, Any], rank
 
 
 def check_checksums(reader: StorageReader, path: str, manifest: Dict[str, Any], rank: Optional[int] = None,
-                    progress=None) -> None:
+                    progress=None, max_workers: int = 4) -> None:
     """Raise ``CheckpointCorruptError`` if a file (of ``rank``, or all) fails its size or checksum (or its
-    manifest record holds no checksum this version knows)."""
+    manifest record holds no checksum this version knows). Several files are read in parallel, on up to
+    ``max_workers`` threads (reads and hashing of large buffers release the GIL)."""
     check_sizes(reader, path, manifest, rank)
+    todo = []
     for name, rec in _files(manifest, rank):
         known = record_checksum(rec)
         if known is None:
             raise CheckpointCorruptError(f"the manifest record of {os.path.join(path, name)} holds none of the "
                                          f"checksums {sorted(CHECKSUMS)}")
-        algo, want = known
-        got = file_checksum(reader, os.path.join(path, name), algo, progress)
+        todo.append((os.path.join(path, name), *known))
+
+    def check(item) -> None:
+        fpath, algo, want = item
+        got = file_checksum(reader, fpath, algo, progress)
         if got != want:
-            raise CheckpointCorruptError(f"{os.path.join(path, name)} has {algo} {got}, the manifest says "
-                                         f"{want} (corrupted)")
+            raise CheckpointCorruptError(f"{fpath} has {algo} {got}, the manifest says {want} (corrupted)")
+
+    if len(todo) <= 1 or max_workers <= 1:
+        for item in todo:
+            check(item)
+        return
+    with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(todo)), thread_name_prefix="snapckpt-verify") as ex:
+        for fut in [ex.submit(check, item) for item in todo]:
+            fut.result()  # the first failing file, in manifest order
