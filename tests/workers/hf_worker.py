@@ -143,7 +143,7 @@ def main():
     snap = None
     callbacks = []
     if cfg.get("snap"):
-        opts = {"persister_idle_timeout_secs": 30, **cfg.get("opts", {})}
+        opts = {"persister_idle_timeout_secs": 120, **cfg.get("opts", {})}
         snap = SnapckptCallback(memory_interval_steps=cfg.get("mem"), max_shard_size=cfg.get("shard", "50GB"),
                                 **opts)
         callbacks.append(snap)
