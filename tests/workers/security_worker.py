@@ -8,13 +8,13 @@ the RNG sidecar of one tag (size and CRC-32 re-recorded in the manifest) and tha
 import json
 import os
 import sys
-import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ds_common  # noqa: E402
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import xxhash  # noqa: E402
 
 from snapckpt.deepspeed import DeepSpeedCheckpointer, StorageType  # noqa: E402
 
@@ -69,7 +69,7 @@ def ds_tags(ckpt: str, tmp: str) -> None:
             m = json.load(f)
         data = open(side, "rb").read()
         m["files"][".snapckpt/deepspeed_rank_00000.pt"].update(nbytes=len(data),
-                                                                crc32=f"{zlib.crc32(data) & 0xFFFFFFFF:08x}")
+                                                                xxh3_64=xxhash.xxh3_64(data).hexdigest())
         with open(mpath, "w") as f:
             json.dump(m, f)
         try:
