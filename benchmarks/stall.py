@@ -619,8 +619,12 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Grouped bar plot (log scale): blocking and durable seconds per method, one bar per size."""
+PANELS = (("blocking_s", "blocking (training stall)"), ("durable_s", "until durable (fsynced)"))
+
+
+def plot(result: dict[str, Any], path: Path, panels: tuple[tuple[str, str], ...] = PANELS) -> None:
+    """Grouped bar plot (log scale): one panel per ``(record key, title)`` of ``panels`` (default:
+    blocking and durable seconds), one bar per method and size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -629,10 +633,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     methods = result["config"]["methods"]
     sizes = result["sizes"]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), sharey=False, squeeze=False)
     width = 0.8 / max(1, len(sizes))
-    for ax, key, title in ((axes[0], "blocking_s", "blocking (training stall)"),
-                           (axes[1], "durable_s", "until durable (fsynced)")):
+    for ax, (key, title) in zip(axes[0], panels):
         all_ys: list[float] = []
         missing: list[tuple[float, str]] = []
         for j, size in enumerate(sizes):
