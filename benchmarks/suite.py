@@ -425,9 +425,12 @@ def targets(recs: list[dict[str, Any]], state_bytes: int) -> list[tuple[str, str
     row("durable / floor_odirect (best snapckpt disk)", 1.3, ratio(best, g("floor_odirect", "durable_s")))
     row("restore: disk / memory (snapckpt)", 5.0,
         ratio(g("snapckpt_disk", "restore_s"), g("snapckpt_memory", "restore_s")), lower_is_better=False)
-    peak = g("snapckpt_memory", "helper_peak_rss_bytes")
-    row("persister peak RSS / (2 slots x state)", 1.05,
-        ratio(peak, 2 * state_bytes) if peak else None)
+    # Host memory beyond the state: the trainer's RSS growth includes the arena pages it maps and
+    # writes (the persister's RSS shares those pages, so it is not added). 2 = slots_per_rank default.
+    r = by.get("snapckpt_memory", {})
+    over = (r["self_peak_rss_bytes"] - r["self_rss_start_bytes"]
+            if r.get("self_peak_rss_bytes") and r.get("self_rss_start_bytes") else None)
+    row("trainer RSS growth (incl. arena) / (2 slots x state)", 1.05, ratio(over, 2 * state_bytes))
     return rows
 
 
@@ -946,6 +949,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loop-methods", default=",".join(m for m, _ in LOOP_PLAN))
     p.add_argument("--readme", action="store_true",
                    help="rewrite README.md's perf section from --out (and loop.json next to it)")
+    p.add_argument("--render", action="store_true",
+                   help="only re-render the markdown and PNG of an existing --out JSON (no measuring)")
     p.add_argument("--readme-path", default=str(REPO_ROOT / "README.md"))
     p.add_argument("--readme-size-gib", type=float, default=None,
                    help="only this size in the README (default: every size in the JSON)")
@@ -966,6 +971,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.readme:
         update_readme(Path(args.readme_path), Path(args.out), args.readme_size_gib)
+        return 0
+    if args.render:
+        result = json.loads(Path(args.out).read_text())
+        for size in result["sizes"]:
+            add_suite_ratios(size["methods"])
+        write(result, Path(args.out), final=True)
         return 0
     if args.loop:
         run_loop(args)
