@@ -6,7 +6,7 @@ Run under torchrun (2 ranks on the CPU here)::
         --d-model 1024 --layers 8 --zero-stage 2 --repeats 3
 
 One engine (a GPT-style stack of ``--layers`` blocks of width ``--d-model``, AdamW, ZeRO ``--zero-stage``),
-trained one step, then per method and repeat (after one warm-up) the seconds ``save`` blocks the training
+trained one step, then per method and repeat (after ``--warmups`` untimed saves, default 2) the seconds ``save`` blocks the training
 process, as the max over ranks (the slowest rank is the stall):
 
 * ``native``: ``engine.save_checkpoint`` with DeepSpeed's own (torch.save) checkpoint engine; it returns
@@ -57,6 +57,8 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--frozen", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmups", type=int, default=2, help="untimed saves per method first (snapckpt's arena has "
+                   "2 slots per rank: each is faulted in by its first use)")
     p.add_argument("--arch", choices=("mlp", "gpt2"), default="mlp",
                    help="mlp: Linear-GELU-Linear blocks; gpt2: a GPT-2-style decoder (transformers)")
     p.add_argument("--vocab", type=int, default=32000, help="gpt2 only")
@@ -115,14 +117,14 @@ def main() -> None:
         return t.item()
 
     results = {"native": [], "snapckpt_memory": [], "snapckpt_disk": [], "snapckpt_disk_durable": []}
-    for i in range(args.repeats + 1):
+    for i in range(args.warmups + args.repeats):
         results["native"].append(timed(lambda: engine.save_checkpoint(native_dir, tag=f"t{i}",
                                                                       exclude_frozen_parameters=excl)))
     ck = DeepSpeedCheckpointer(engine, snap_dir, keep_last=2)
-    for i in range(args.repeats + 1):
+    for i in range(args.warmups + args.repeats):
         results["snapckpt_memory"].append(timed(lambda: ck.save_checkpoint(
             snap_dir, tag=f"m{i}", exclude_frozen_parameters=excl, storage_type=StorageType.MEMORY)))
-    for i in range(args.repeats + 1):
+    for i in range(args.warmups + args.repeats):
         t0 = time.perf_counter()
         results["snapckpt_disk"].append(timed(lambda: ck.save_checkpoint(
             snap_dir, tag=f"d{i}", exclude_frozen_parameters=excl, storage_type=StorageType.DISK)))
@@ -131,9 +133,9 @@ def main() -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         results["snapckpt_disk_durable"].append(t.item())
     ck.close()
-    med = {k: statistics.median(v[1:]) for k, v in results.items()}  # first call is the warm-up
+    med = {k: statistics.median(v[args.warmups:]) for k, v in results.items()}  # warm-ups dropped
     if rank == 0:
-        ckpt_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(snap_dir, f"d{args.repeats}"))
+        ckpt_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(snap_dir, f"d{args.warmups + args.repeats - 1}"))
                          for f in fs)
         mode = "LoRA-style (frozen base)" if args.frozen else "full-parameter"
         mode += ", bf16 mixed precision" if args.bf16 else ", fp32"

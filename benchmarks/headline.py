@@ -140,6 +140,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"- date: {result['date']}; git: {result['git']}; {result['cpu_count']} CPUs, 2 ranks (gloo, CPU)",
         f"- uptime at start: {result['uptime_start']}; at end: {result.get('uptime_end', 'n/a')}",
+        *([f"- rows not re-run kept from the run of {result['merged_from']['date']} (git "
+           f"{result['merged_from']['git']}; uptime at its start: {result['merged_from']['uptime_start']})"]
+          if result.get("merged_from") else []),
         f"- medians of {result['repeats']} after warm-ups; stall = the slowest rank's blocking time; speed-up = "
         "native / snapckpt (same run, same state)",
         "",
@@ -178,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="subset of ds_full,ds_lora,ds_pretrain,mg_full,mg_lora")
     p.add_argument("--quick", action="store_true", help="tiny models, 1 repeat (a smoke run)")
     p.add_argument("--out", default=str(RESULTS / "headline.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of an existing --out that --rows does not re-run")
     a = p.parse_args(argv)
     if a.quick:
         a.ds_d_model, a.ds_layers, a.mg_hidden, a.mg_layers, a.vocab, a.repeats = 128, 2, 128, 2, 1024, 1
@@ -188,7 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "git": git,
                               "cpu_count": os.cpu_count(), "repeats": a.repeats, "uptime_start": uptime(),
                               "config": vars(a), "rows": []}
-    for key in [k.strip() for k in a.rows.split(",") if k.strip()]:
+    keys = [k.strip() for k in a.rows.split(",") if k.strip()]
+    if a.merge and out.exists():
+        rerun = {("DeepSpeed" if k.startswith("ds") else "Megatron", k.split("_", 1)[1]) for k in keys}
+        if ("Megatron", "full") in rerun:
+            rerun.add(("Megatron", "pretrain"))
+        old = json.loads(out.read_text())
+        result["rows"] = [r for r in old["rows"] if (r["framework"], r["mode"]) not in rerun]
+        result["merged_from"] = {"date": old["date"], "git": old["git"], "uptime_start": old["uptime_start"]}
+    for key in keys:
         fw, mode = key.split("_", 1)
         row = deepspeed_row(mode, a, outdir) if fw == "ds" else megatron_row(mode, a, outdir)
         result["rows"].append(row)
@@ -198,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                             if not row.get("error") else f"ERROR rc {row['rc']}: {row['error'][-600:]}"),
               file=sys.stderr, flush=True)
         out.write_text(json.dumps(result, indent=1, default=str))
+    order = {("DeepSpeed", "full"): 0, ("DeepSpeed", "lora"): 1, ("DeepSpeed", "pretrain"): 2,
+             ("Megatron", "full"): 3, ("Megatron", "lora"): 4, ("Megatron", "pretrain"): 5}
+    result["rows"].sort(key=lambda r: order.get((r["framework"], r["mode"]), 9))
     result["uptime_end"] = uptime()
     out.write_text(json.dumps(result, indent=1, default=str))
     md = markdown(result)
