@@ -93,6 +93,38 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(v)
 
 
+def copy_tensors(dst: Any, src: Any) -> None:
+    """Copy every tensor of ``src`` into the tensor at the same place in ``dst`` (in place).
+
+    Raises:
+        ValueError: the two hold a different number of tensors (not the same state layout).
+    """
+    d, s = list(iter_tensors(dst)), list(iter_tensors(src))
+    if len(d) != len(s):
+        raise ValueError(f"restored object holds {len(s)} tensors, the live state {len(d)}")
+    for a, b in zip(d, s):
+        a.copy_(b)
+
+
+def drop_page_cache(path: str | os.PathLike) -> None:
+    """Evict the (clean) page-cache pages of a file, or of every file under a directory, with
+    ``posix_fadvise(POSIX_FADV_DONTNEED)``, so that the next read comes from the disk. Needs no
+    privilege; dirty pages are not dropped (fsync first). Errors are ignored (best effort)."""
+    p = Path(path)
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def state_nbytes(sd: Any) -> int:
     """Total tensor payload of ``sd`` in bytes."""
     return sum(t.numel() * t.element_size() for t in iter_tensors(sd))

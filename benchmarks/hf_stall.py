@@ -14,9 +14,13 @@ Reported: median stall per checkpoint and the ratio trainer/snapckpt, and ``trai
 (overhead over ``none``). fsync is on for both (the Trainer's ``torch.save``/safetensors do not fsync;
 snapckpt does, in the persister, off the training path).
 
+``--lora`` wraps the model with ``peft.get_peft_model`` (LoRA of rank ``--lora-r`` on every attention
+``c_attn``): both save the adapter only (and the optimizer state of the adapter's parameters).
+
 Usage (from the repo root)::
 
     .venv/bin/python benchmarks/hf_stall.py --layers 8 --width 512 --steps 20 --save-steps 5
+    .venv/bin/python benchmarks/hf_stall.py --layers 12 --width 768 --lora --out benchmarks/results/hf_stall_lora.json
 
 Timing on shared cores varies about 2x between runs; read the ratios within one run.
 """
@@ -64,6 +68,11 @@ def run(kind: str, a: argparse.Namespace, scratch: str) -> dict:
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=a.vocab, n_positions=a.seq, n_embd=a.width, n_layer=a.layers, n_head=8)
     model = GPT2LMHeadModel(cfg)
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules=["c_attn"],
+                                                 fan_in_fan_out=True))
     args = TrainingArguments(
         output_dir=os.path.join(scratch, kind), max_steps=a.steps, per_device_train_batch_size=a.batch,
         save_strategy="no" if kind == "none" else "steps", save_steps=a.save_steps, logging_steps=a.save_steps,
@@ -79,8 +88,10 @@ def run(kind: str, a: argparse.Namespace, scratch: str) -> dict:
     out = trainer.train()
     stalls = trainer.save_secs if kind == "trainer" else (cb.stall_secs if cb else [])
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     row = {"kind": kind, "train_runtime_s": out.metrics["train_runtime"], "stalls_s": stalls,
-           "median_stall_s": statistics.median(stalls) if stalls else None, "params": n_params}
+           "median_stall_s": statistics.median(stalls) if stalls else None, "params": n_params,
+           "trainable_params": n_trainable}
     if snaps:  # where the snapshot's time goes: building the files, snapckpt's prepare, slot wait, copy
         row["copy_s"] = [s.copy_secs for s in snaps]
         row["wait_slot_s"] = [s.wait_slot_secs for s in snaps]
@@ -101,6 +112,8 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="intra-op threads of training; leave a core to the persister (it runs off the GPU path "
                          "on a real node, on spare cores)")
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) on c_attn; adapter-only saves")
+    ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--scratch-dir", default=None)
     ap.add_argument("--out", default=str(RESULTS / "hf_stall.json"))
     a = ap.parse_args()
@@ -108,10 +121,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=a.scratch_dir, prefix="hf-stall-") as scratch:
         rows = [run(k, a, scratch) for k in ("trainer", "snapckpt", "none")]
     by = {r["kind"]: r for r in rows}
-    state_mb = by["trainer"]["params"] * 4 * 3 / 1e6  # fp32 weights + AdamW's two moments
     ratio = by["trainer"]["median_stall_s"] / by["snapckpt"]["median_stall_s"]
+    if a.lora:  # the adapter in fp32 + AdamW's two moments of it
+        what = (f"LoRA r={a.lora_r} on c_attn, {by['trainer']['trainable_params'] / 1e6:.2f} M adapter params, "
+                f"~{by['trainer']['trainable_params'] * 4 * 3 / 1e6:.1f} MB of adapter + optimizer state saved")
+    else:  # fp32 weights + AdamW's two moments
+        what = f"~{by['trainer']['params'] * 4 * 3 / 1e6:.0f} MB of model + optimizer state"
     lines = [f"GPT-2 {a.layers} layers x {a.width}, {by['trainer']['params'] / 1e6:.1f} M params, "
-             f"~{state_mb:.0f} MB of model + optimizer state; {a.steps} steps, a checkpoint every {a.save_steps}; "
+             f"{what}; {a.steps} steps, a checkpoint every {a.save_steps}; "
              f"{a.torch_threads} torch thread(s), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}",
              "", "| run | median stall per checkpoint (s) | train_runtime (s) |", "| --- | --- | --- |"]
     for r in rows:

@@ -60,6 +60,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from _common import (  # noqa: E402  (script-relative import)
     GiB,
     REPO_ROOT,
+    copy_tensors,
+    drop_page_cache,
     PeakRSS,
     free_port,
     fsync_path,
@@ -111,8 +113,17 @@ class Method:
         """Take checkpoint number ``i`` (0 = warm-up) and return its timings."""
         raise NotImplementedError
 
+    #: Tier a restore reads from (``"memory"``, ``"disk"``), or None: the method has no restore.
+    restore_tier: str | None = None
+
     def cleanup_after(self, i: int) -> None:
         """Untimed: drop the files of checkpoint ``i`` so that the disk does not fill up."""
+
+    def restore(self, i: int) -> tuple[float, dict[str, Any]]:
+        """Restore checkpoint ``i`` (just taken, files kept) into ``self.state`` in place; return
+        (seconds until the live tensors hold it, extra facts). Disk restores start from a cold page
+        cache (``drop_page_cache``). Only called when ``restore_tier`` is set."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Untimed teardown; must be safe to call twice and after a failed setup."""
@@ -133,6 +144,15 @@ class FloorCopy(Method):
         for b, t in zip(self.bufs, self.src):
             b.copy_(t)
         return time.perf_counter() - t0, None, {}
+
+    restore_tier = "memory"
+
+    def restore(self, i: int) -> tuple[float, dict[str, Any]]:
+        """The memory restore floor: copy the buffers back into the live tensors."""
+        t0 = time.perf_counter()
+        for b, t in zip(self.bufs, self.src):
+            t.copy_(b)
+        return time.perf_counter() - t0, {}
 
     def close(self) -> None:
         self.bufs = []
@@ -158,6 +178,22 @@ class FloorWrite(Method):
         dt = time.perf_counter() - t0
         return dt, dt, {}
 
+    restore_tier = "disk"
+
+    def restore(self, i: int) -> tuple[float, dict[str, Any]]:
+        """The disk restore floor: ``readinto`` the raw bytes straight into the live tensors."""
+        drop_page_cache(self.path(i))
+        t0 = time.perf_counter()
+        with open(self.path(i), "rb", buffering=0) as f:
+            for t in iter_tensors(self.state):
+                view = memoryview(t.numpy()).cast("B")
+                while view:
+                    n = f.readinto(view)
+                    if not n:
+                        raise EOFError(f"{self.path(i)} is shorter than the state")
+                    view = view[n:]
+        return time.perf_counter() - t0, {}
+
     def cleanup_after(self, i: int) -> None:
         self.path(i).unlink(missing_ok=True)
 
@@ -177,6 +213,17 @@ class TorchSave(Method):
         fsync_path(self.workdir)
         dt = time.perf_counter() - t0
         return dt, dt, {}
+
+    restore_tier = "disk"
+
+    def restore(self, i: int) -> tuple[float, dict[str, Any]]:
+        """``torch.load(weights_only=True)`` then a copy into the live tensors."""
+        drop_page_cache(self.path(i))
+        t0 = time.perf_counter()
+        loaded = torch.load(self.path(i), weights_only=True)
+        t_load = time.perf_counter() - t0
+        copy_tensors(self.state, loaded)
+        return time.perf_counter() - t0, {"torch_load_s": t_load}
 
     def cleanup_after(self, i: int) -> None:
         self.path(i).unlink(missing_ok=True)
@@ -200,6 +247,16 @@ class DcpSave(Method):
                       no_dist=True)
         dt = time.perf_counter() - t0
         return dt, dt, {}
+
+    restore_tier = "disk"
+
+    def restore(self, i: int) -> tuple[float, dict[str, Any]]:
+        """``dcp.load`` in place into the live state (``FileSystemReader``, ``no_dist=True``)."""
+        drop_page_cache(self.path(i))
+        t0 = time.perf_counter()
+        self.dcp.load(self.state, storage_reader=self.dcp.FileSystemReader(str(self.path(i))),
+                      no_dist=True)
+        return time.perf_counter() - t0, {}
 
     def cleanup_after(self, i: int) -> None:
         rmtree_quiet(self.path(i))
@@ -285,13 +342,32 @@ class SnapckptBase(Method):
     """
 
     storage = "MEMORY"
+    restore_tier = "memory"
+    #: ``Checkpointer(overlap=...)``; None keeps the library's default.
+    overlap: bool | None = None
+
+    def _open(self) -> Any:
+        opts: dict[str, Any] = {"keep_last": 2}
+        if self.overlap is not None:
+            opts["overlap"] = self.overlap
+        return self.snapckpt.Checkpointer(str(self.workdir / "ckpt"), **opts)
 
     def setup(self) -> None:
         import snapckpt
 
         self.snapckpt = snapckpt
         self.st = getattr(snapckpt.StorageType, self.storage)
-        self.ckpt = snapckpt.Checkpointer(str(self.workdir / "ckpt"), keep_last=2)
+        self.ckpt = self._open()
+
+    def restore(self, i: int) -> tuple[float, dict[str, Any]]:
+        """``ckpt.load(state)``: in place into the live tensors, from the newest tier (memory)."""
+        t0 = time.perf_counter()
+        self.ckpt.load(self.state)
+        dt = time.perf_counter() - t0
+        tier = str(self.ckpt.last_load.tier.name).lower()
+        if tier != self.restore_tier:
+            raise RuntimeError(f"restore read the {tier} tier, expected {self.restore_tier}")
+        return dt, {"tier": tier, "step": self.ckpt.last_load.step}
 
     def once(self, i: int) -> Sample:
         t0 = time.perf_counter()
@@ -322,9 +398,30 @@ class SnapckptMemory(SnapckptBase):
 
 
 class SnapckptDisk(SnapckptBase):
-    """``ckpt.save(sd, step, storage_type=StorageType.DISK)``; durable = ``h.wait()``."""
+    """``ckpt.save(sd, step, storage_type=StorageType.DISK)``; durable = ``h.wait()``.
+
+    Restore reads the disk tier: the Checkpointer is closed, its persister (which holds the memory
+    snapshots) waited for, a fresh Checkpointer opened on the same directory (persister start-up
+    untimed), the page cache of the files dropped, then ``ckpt.load(state)`` timed."""
 
     storage = "DISK"
+    restore_tier = "disk"
+
+    def restore(self, i: int) -> tuple[float, dict[str, Any]]:
+        if not getattr(self, "_reopened", False):
+            pid = self.ckpt.persister_pid
+            self.ckpt.close()
+            self.ckpt = None
+            if pid:
+                try:
+                    psutil.Process(pid).wait(timeout=self.args.persister_exit_wait)
+                except psutil.Error:
+                    pass
+            self.ckpt = self._open()
+            self.ckpt.latest_step()  # untimed: persister start-up, candidates
+            self._reopened = True
+        drop_page_cache(self.workdir / "ckpt")
+        return super().restore(i)
 
 
 METHOD_CLASSES: dict[str, Callable[..., Method]] = {
@@ -371,6 +468,18 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
                     os.sync()
                     samples.append(method.once(i))
                     method.cleanup_after(i)
+                n_restore = getattr(args, "restore_repeats", 0)
+                if n_restore and method.restore_tier:
+                    # One more checkpoint (untimed), then its restores into the live state.
+                    i = args.repeats + 1
+                    os.sync()
+                    method.once(i)
+                    rs = [method.restore(i) for _ in range(n_restore)]
+                    method.cleanup_after(i)
+                    rec["restore_tier"] = method.restore_tier
+                    rec["restore_s"] = median([r[0] for r in rs])
+                    rec["restore_samples_s"] = [r[0] for r in rs]
+                    rec["restore_extra"] = [r[1] for r in rs]
             finally:
                 method.close()
     except BaseException as e:  # noqa: BLE001 -- record and go on (KeyboardInterrupt re-raised)
@@ -510,8 +619,12 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Grouped bar plot (log scale): blocking and durable seconds per method, one bar per size."""
+PANELS = (("blocking_s", "blocking (training stall)"), ("durable_s", "until durable (fsynced)"))
+
+
+def plot(result: dict[str, Any], path: Path, panels: tuple[tuple[str, str], ...] = PANELS) -> None:
+    """Grouped bar plot (log scale): one panel per ``(record key, title)`` of ``panels`` (default:
+    blocking and durable seconds), one bar per method and size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -520,10 +633,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     methods = result["config"]["methods"]
     sizes = result["sizes"]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), sharey=False, squeeze=False)
     width = 0.8 / max(1, len(sizes))
-    for ax, key, title in ((axes[0], "blocking_s", "blocking (training stall)"),
-                           (axes[1], "durable_s", "until durable (fsynced)")):
+    for ax, (key, title) in zip(axes[0], panels):
         all_ys: list[float] = []
         missing: list[tuple[float, str]] = []
         for j, size in enumerate(sizes):
@@ -600,6 +712,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds one checkpoint may take before the run is declared hung")
     p.add_argument("--persister-exit-wait", type=float, default=15.0,
                    help="seconds to wait (untimed) after close() for a persister to exit")
+    p.add_argument("--restore-repeats", type=int, default=1,
+                   help="timed restores per method (0: none); see Method.restore")
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.sizes_gib.split(",") if s.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

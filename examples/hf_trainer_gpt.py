@@ -2,6 +2,7 @@
 
     python examples/hf_trainer_gpt.py --output-dir runs/hf-gpt --steps 60
     torchrun --nproc_per_node 2 examples/hf_trainer_gpt.py --output-dir runs/hf-gpt2 --steps 60
+    python examples/hf_trainer_gpt.py --output-dir runs/hf-lora --steps 60 --lora     # adapter-only folders
 
 What it shows:
 
@@ -12,7 +13,10 @@ What it shows:
 * a memory snapshot every ``--memory-interval`` steps: after ``kill -9`` of training, rerunning the same
   command resumes from the newest one (the callback writes it out as ``checkpoint-N`` first);
 * ``save_total_limit`` rotation, and resume with the stock ``trainer.train(resume_from_checkpoint=True)``
-  whenever a ``checkpoint-*`` folder exists.
+  whenever a ``checkpoint-*`` folder exists;
+* ``--lora``: the model is wrapped by ``peft.get_peft_model`` (LoRA r=8 on the attention's ``c_attn``) and
+  the folders hold the adapter only (``adapter_model.safetensors``, ``adapter_config.json``,
+  ``README.md``), as the Trainer writes them.
 
 The model is a GPT-2 built from a small config (no download): 4 layers, width 128, byte-level vocabulary
 of 256, trained on the Python standard library's source read as bytes.
@@ -58,6 +62,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--data-bytes", type=int, default=2_000_000)
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the whole model")
     a = ap.parse_args()
 
     args = TrainingArguments(
@@ -69,6 +74,10 @@ def main() -> None:
     config = GPT2Config(vocab_size=256, n_positions=a.seq_len, n_embd=128, n_layer=4, n_head=4,
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))
     snap = SnapckptCallback(memory_interval_steps=a.memory_interval)
     trainer = Trainer(model=model, args=args, train_dataset=StdlibBytes(a.seq_len, a.data_bytes),
                       data_collator=default_data_collator, callbacks=[snap])

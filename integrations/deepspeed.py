@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -52,7 +53,7 @@ import torch
 
 from snapckpt import rng
 from snapckpt.checkpointer import Checkpointer, LoadCandidate, LoadInfo
-from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, SnapckptError
+from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, SnapckptError, UnsafeCheckpointError
 from snapckpt.events import StorageType
 from snapckpt.formats import MemoryOnly, TorchSave
 from snapckpt.manifest import SIDECAR, validate_dirname
@@ -327,6 +328,7 @@ class DeepSpeedCheckpointer:
             IncompatibleCheckpointError: the checkpoint was written at another data-parallel size (the message
                 names DeepSpeed's universal checkpoint route).
             CheckpointCorruptError: every candidate failed (the message lists each failure per rank).
+            ValueError: ``tag`` is not one directory name of ``load_dir`` (``'..'``, ``'/'``...).
         """
         self._ckpt_engine.flush()
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
@@ -336,7 +338,7 @@ class DeepSpeedCheckpointer:
             return self._native_load(os.fspath(load_dir), None if tag is None else str(tag), kwargs)
         try:
             if tag is not None:
-                tag = str(tag)
+                tag = validate_dirname(str(tag))  # a tag of this directory: never a path out of it
                 if not os.path.isdir(os.path.join(self.checkpoint_dir, tag)):
                     raise CheckpointNotFoundError(f"no tag {tag!r} in {self.checkpoint_dir} (memory snapshots "
                                                   "are loaded with tag=None)")
@@ -399,7 +401,7 @@ class DeepSpeedCheckpointer:
             raise CheckpointNotFoundError(f"DeepSpeed found no model-states file in {cand.path}")
         side = os.path.join(cand.path, _sidecar_name(self._checkpointer.rank))
         if os.path.exists(side):
-            rng.restore(torch.load(side, weights_only=False)["rng"])
+            rng.restore(_load_sidecar(side)["rng"])
         return load_path, client_state
 
     def _native_load(self, load_dir: str, tag: Optional[str], kwargs) -> Tuple[Any, Any]:
@@ -483,6 +485,21 @@ class DeepSpeedCheckpointer:
 
 
 _RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
+
+
+def _load_sidecar(path: str) -> Dict[str, Any]:
+    """Load snapckpt's own sidecar ``{"tag", "rng"}`` with ``weights_only=True`` whatever the trust option:
+    it holds only tensors, ints, floats and strings (:mod:`snapckpt.rng`), so a pickle planted there is never
+    run.
+
+    Raises:
+        UnsafeCheckpointError: the file holds other objects (names the file).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(f"{path} is snapckpt's RNG sidecar but holds objects other than tensors and "
+                                    f"plain values, which are never unpickled: the file was replaced ({e})") from e
 
 
 def _check_tag(tag: str) -> None:

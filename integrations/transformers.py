@@ -3,7 +3,9 @@
 ``Trainer(..., callbacks=[SnapckptCallback(memory_interval_steps=10)])`` replaces the Trainer's blocking
 checkpoint save by a snapckpt snapshot; the node persister writes the same ``checkpoint-N/`` folder the
 Trainer would have written (see :mod:`snapckpt.integrations.transformers_files`), so
-``trainer.train(resume_from_checkpoint=True)`` and ``from_pretrained`` work unchanged.
+``trainer.train(resume_from_checkpoint=True)`` and ``from_pretrained`` work unchanged. For a
+``peft.PeftModel`` (LoRA and the other peft methods) that folder holds the adapter only, as the Trainer's
+does (:mod:`snapckpt.integrations.transformers_peft`).
 
 How it plugs in (transformers 5.24, public callback events only):
 
@@ -33,11 +35,13 @@ How it plugs in (transformers 5.24, public callback events only):
 
 Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
 Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
-XLA and SageMaker model parallel runs (their saves are collective framework calls); PEFT adapter-only
-checkpoints (``NotImplementedError``; peft is not in the pinned extras); the GradScaler's ``scaler.pt``
-(fp16 mixed precision on GPU; the callback has no handle on the Accelerator); hyper-parameter search run
-directories; ``save_on_each_node``. ``trainer_state.json``'s ``total_flos`` holds the FLOPs stored at the
-last logging step (the Trainer's ``store_flos`` is not reachable from a callback), and the states of
+XLA and SageMaker model parallel runs (their saves are collective framework calls); a ``PeftModel``
+with an adapter not named ``"default"`` (peft saves those in sub-folders) and adapters added through
+transformers' own ``add_adapter``/``load_adapter`` (``NotImplementedError`` at ``train()``; see
+:mod:`snapckpt.integrations.transformers_peft`); the GradScaler's ``scaler.pt`` (fp16 mixed precision on
+GPU; the callback has no handle on the Accelerator); hyper-parameter search run directories;
+``save_on_each_node``. ``trainer_state.json``'s ``total_flos`` holds the FLOPs stored at the last logging
+step (the Trainer's ``store_flos`` is not reachable from a callback), and the states of
 ``ExportableState`` callbacks other than ``TrainerControl`` are those of train start.
 """
 from __future__ import annotations
@@ -60,6 +64,7 @@ from snapckpt.manifest import list_committed
 from snapckpt.storage import PosixStorage
 
 from . import transformers_files as F
+from . import transformers_peft as P
 
 __all__ = ["SnapckptCallback"]
 
@@ -100,6 +105,9 @@ class SnapckptCallback(TrainerCallback):
         ValueError: bad ``memory_interval_steps``, ``keep_last`` given, or (at Trainer construction)
             ``save_strategy="best"``.
         TypeError: an unknown option.
+        NotImplementedError: (at Trainer construction) DeepSpeed, FSDP or ``save_on_each_node``; (when
+            ``train()`` starts) adapters the callback cannot write
+            (:func:`~snapckpt.integrations.transformers_peft.check_supported`).
     """
 
     def __init__(self, memory_interval_steps: Optional[int] = None, *, max_shard_size: "int | str" = "50GB",
@@ -168,6 +176,7 @@ class SnapckptCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
         self._check_args(args)
+        P.check_supported(kwargs.get("model"))
         self._args, self._state = args, state
         self._open(args)
         self._pending = None
@@ -175,6 +184,7 @@ class SnapckptCallback(TrainerCallback):
         if state.is_world_process_zero:
             static[F.TRAINING_ARGS_NAME] = RawBytes(F.torch_bytes(args))
             static.update(F.processing_class_files(processing_class))
+            static.update(P.card_files(kwargs.get("model")))
         self._static = static
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -21,6 +21,9 @@ index)                      ``max_shard_size``                        into_shard
 tokenizer files             ``processing_class.save_pretrained``      read back once per ``train()``
 ==========================  ========================================  =====================================
 
+A ``peft.PeftModel`` gets ``adapter_model.safetensors``, ``adapter_config.json`` and ``README.md`` instead of
+the model files, as ``PeftModel.save_pretrained`` (:mod:`snapckpt.integrations.transformers_peft`).
+
 Small pickled files are serialized to bytes in the training process (``RawBytes``) so that neither the
 persister nor a memory-tier reload ever unpickles user classes (case E5: a ``TrainingArguments``
 subclass defined in the training script) or numpy RNG states (which ``weights_only=True`` refuses).
@@ -62,28 +65,29 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
     """The model files ``Trainer._save`` writes through ``save_pretrained``: weights and configs.
 
     Args:
-        model: the unwrapped model (``PreTrainedModel``, or any ``nn.Module``: then only
-            ``model.safetensors`` of its ``state_dict()``, as the Trainer does).
+        model: the unwrapped model: a ``PreTrainedModel``; a ``peft.PeftModel`` (then the adapter only, as
+            ``PeftModel.save_pretrained``: see :mod:`snapckpt.integrations.transformers_peft`); or any other
+            ``nn.Module`` (then only ``model.safetensors`` of its ``state_dict()``, as the Trainer does).
         max_shard_size: shard threshold (bytes, or a string such as ``"5GB"``), as ``save_pretrained``.
 
     Returns:
         ``{file name: spec}``; tensors are the live ones (the snapshot copies them).
 
     Raises:
-        NotImplementedError: the model carries PEFT adapters (adapter-only checkpoints are not supported;
-            ``peft`` is not part of snapckpt's pinned extras), is quantized or tensor-parallel.
+        NotImplementedError: the model is quantized or tensor-parallel, or its adapters cannot be written
+            (see :func:`~snapckpt.integrations.transformers_peft.adapter_files`).
     """
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers import PreTrainedModel
 
+    from . import transformers_peft
+
     metadata = {"format": "pt"}
+    if transformers_peft.is_adapter_model(model):
+        return transformers_peft.adapter_files(model)
     if not isinstance(model, PreTrainedModel):
         sd = {k: v.contiguous() for k, v in model.state_dict().items()}
         return {SAFE_WEIGHTS_NAME: safetensors_file(sd, metadata)}
-    if getattr(model, "_hf_peft_config_loaded", False):
-        raise NotImplementedError(
-            "SnapckptCallback does not write adapter-only (PEFT) checkpoints yet; remove the callback for this "
-            "run to let the Trainer save the adapter itself")
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "_tp_size", None):
         raise NotImplementedError(
             "SnapckptCallback does not write quantized or tensor-parallel models (save_pretrained converts or "

@@ -20,18 +20,21 @@ import enum
 import errno
 import mmap
 import os
+import re
 import struct
 from typing import Optional, Tuple
 
+from ._private import private_dir
 from .errors import InsufficientSharedMemoryError, SnapshotError
 
-__all__ = ["SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
+__all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
            "mem_available_bytes"]
 
 MAGIC = b"SNAPCKPT"
 LAYOUT_VERSION = 1
 HEADER_NBYTES = 64
 _HEADER = struct.Struct("<8sIqQQ")  # magic, version, step, index offset, index length
+_SLOT_NAME = re.compile(r"r\d{5,}-s\d+")  # SlotFiles.path's names
 
 
 class SlotState(str, enum.Enum):
@@ -76,14 +79,17 @@ class SlotFiles:
     Args:
         directory: the job's arena directory (created ``0o700``; stale files from a dead persister of the
             same job are removed, since nothing in them can be trusted).
+
+    Raises:
+        PersisterError: ``directory`` is a symbolic link, not a directory or another user's
+            (:func:`snapckpt._private.private_dir`).
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        os.chmod(directory, 0o700)
+        private_dir(directory)
         for name in os.listdir(directory):
-            if name.startswith("r") and "-s" in name:
+            if _SLOT_NAME.fullmatch(name):
                 try:
                     os.unlink(os.path.join(directory, name))
                 except FileNotFoundError:
@@ -91,7 +97,7 @@ class SlotFiles:
 
     def path(self, rank: int, slot: int) -> str:
         """Path of the file of ``slot`` of global ``rank``."""
-        return os.path.join(self.directory, f"r{rank:05d}-s{slot}")
+        return os.path.join(self.directory, slot_file_name(rank, slot))
 
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
                     reserve_nbytes: int = 0) -> int:
@@ -139,12 +145,15 @@ class SlotFiles:
         return nbytes
 
     def remove_all(self) -> None:
-        """Delete every slot file and the directory (best effort; files already gone are fine)."""
+        """Delete the slot files and then the directory if it is empty (best effort; files already gone are
+        fine). Only names this class creates are deleted: nothing else is ever removed from the directory."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return
         for name in names:
+            if not _SLOT_NAME.fullmatch(name):
+                continue
             try:
                 os.unlink(os.path.join(self.directory, name))
             except FileNotFoundError:
@@ -153,6 +162,11 @@ class SlotFiles:
             os.rmdir(self.directory)
         except OSError:
             pass
+
+
+def slot_file_name(rank: int, slot: int) -> str:
+    """File name of ``slot`` of global ``rank`` in a job's arena directory."""
+    return f"r{rank:05d}-s{slot}"
 
 
 def map_slot(path: str, nbytes: int) -> mmap.mmap:

@@ -47,7 +47,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import CheckpointCorruptError
 from .layout import TRACKER
-from .manifest import MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest
+from .progress import byte_bar
+from .manifest import (MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest,
+                       record_checksum)
 from .storage.posix import PosixStorage
 
 __all__ = ["main"]
@@ -57,25 +59,9 @@ _PARTIAL = ".partial-"
 
 
 # --------------------------------------------------------------------------------------- helpers
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _bar(args: argparse.Namespace, total: int, desc: str):
     """A byte progress bar on stderr (tqdm), or a no-op one when disabled or tqdm is missing."""
-    enabled = args.progress if args.progress is not None else sys.stderr.isatty()
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                leave=False, dynamic_ncols=True)
+    return byte_bar(total, desc, args.progress)
 
 
 def _table(rows: List[List[str]], indent: str = "") -> str:
@@ -97,9 +83,9 @@ def _dir_bytes(path: str) -> int:
 
 
 def _bad_records(manifest: Dict[str, Any]) -> Optional[str]:
-    """Why the manifest's per-file records are unusable (``None`` when each has ``nbytes`` and ``crc32``)."""
+    """Why the manifest's per-file records are unusable (``None`` when each has ``nbytes`` and a checksum)."""
     for name, rec in manifest["files"].items():
-        if not (isinstance(rec, dict) and isinstance(rec.get("nbytes"), int) and isinstance(rec.get("crc32"), str)):
+        if not (isinstance(rec, dict) and isinstance(rec.get("nbytes"), int) and record_checksum(rec) is not None):
             return f"manifest record of {name!r} is malformed: {rec!r}"
     return None
 
@@ -414,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", parents=[progress], help="re-checksum committed checkpoints",
                             description="Re-read every file of every committed checkpoint in DIR (or only "
-                                        "STEP) and compare its size and CRC-32 with the manifest. Exit 0 "
+                                        "STEP) and compare its size and checksum with the manifest. Exit 0 "
                                         "when all are intact, 1 on any damage, 2 on a usage error.")
     verify.add_argument("dir", metavar="DIR", help="checkpoint directory")
     verify.add_argument("step", metavar="STEP", type=int, nargs="?", help="verify only this step")

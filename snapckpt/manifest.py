@@ -10,18 +10,23 @@ Layout inside a checkpoint directory (native files beside it are untouched; nati
 ``manifest.json`` (JSON, ``format_version`` 1)::
 
     {"format": "snapckpt", "format_version": 1, "step": 100, "dirname": "step_00000100",
-     "world_size": 2, "run_id": "...", "created_unix": 1.7e9, "checksum": "crc32",
-     "files": {"rank_00000.pt": {"rank": 0, "nbytes": 123, "crc32": "1a2b3c4d", "kind": "torch"}, ...}}
+     "world_size": 2, "run_id": "...", "created_unix": 1.7e9, "checksum": "xxh3_64",
+     "files": {"rank_00000.pt": {"rank": 0, "nbytes": 123, "xxh3_64": "0123456789abcdef", "kind": "torch"},
+               ...}}
 
 ``kind`` is ``"torch"`` (a ``torch.save`` archive) or ``"bytes"`` (written from raw chunks: safetensors,
 JSON...); a manifest without it means ``"torch"``.
 
 A checkpoint is *committed* when its directory has a manifest that parses and names its own step and
 dirname; it is *intact* when every file has the recorded size (quick check) and checksum (full check).
-The checksum is CRC-32 (``zlib.crc32``) of the whole file.
+The checksum is XXH3-64 (the ``xxhash`` package, https://xxhash.com) of the whole file, as 16 hex digits
+under the per-file key ``"xxh3_64"``: about 10 GB/s on one core, against 2 GB/s for ``zlib.crc32``, so
+checksumming costs the persister and the loader little CPU beside the I/O. Manifests written before it hold
+``"crc32"`` (CRC-32 of the whole file, 8 hex digits) instead; both are verified (:data:`CHECKSUMS`).
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import time
@@ -29,17 +34,38 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
+import xxhash
+
 from .errors import CheckpointCorruptError, CommitError
 from .storage.base import StorageReader
 
 __all__ = ["FORMAT_VERSION", "SIDECAR", "MANIFEST", "Committed", "build_manifest", "parse_manifest",
-           "list_committed", "check_sizes", "check_checksums", "crc32_file", "validate_dirname",
-           "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter"]
+           "list_committed", "check_sizes", "check_checksums", "crc32_file", "record_checksum", "validate_dirname",
+           "validate_file_name", "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter",
+           "CHECKSUM", "CHECKSUMS", "file_checksum"]
 
 FORMAT_VERSION = 1
 SIDECAR = ".snapckpt"
 MANIFEST = f"{SIDECAR}/manifest.json"
 _CHUNK = 8 << 20
+
+
+class _Crc32:
+    """``hashlib``-style wrapper of ``zlib.crc32`` (manifests written before XXH3-64)."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def update(self, data) -> None:
+        self.crc = zlib.crc32(data, self.crc)
+
+    def hexdigest(self) -> str:
+        return f"{self.crc & 0xFFFFFFFF:08x}"
+
+
+#: The checksum new manifests record, and every checksum a manifest may hold: per-file key -> hasher.
+CHECKSUM = "xxh3_64"
+CHECKSUMS = {"xxh3_64": xxhash.xxh3_64, "crc32": _Crc32}
 
 
 def validate_dirname(name: str) -> str:
@@ -53,6 +79,26 @@ def validate_dirname(name: str) -> str:
         raise ValueError(f"checkpoint tag {name!r} must be a single directory name (no '/', not hidden)")
     if any(ord(c) < 32 for c in name) or len(name.encode()) > 200:
         raise ValueError(f"checkpoint tag {name!r} has control characters or is over 200 bytes")
+    return name
+
+
+def validate_file_name(name: Any) -> str:
+    """Check the name of a file of a checkpoint (relative to its directory): one path component, or
+    ``.snapckpt/<component>`` for an integration's own sidecar files (which native loaders ignore). A
+    top-level name may be hidden, since native layouts use such names (torch DCP's ``.metadata``);
+    ``.``, ``..``, ``.snapckpt*`` and the sidecar's own records (``manifest.json``, ``part_*``, ``fail_*``)
+    are reserved; no ``/`` or ``\\`` inside a component, no control characters (NUL included).
+
+    Raises ``ValueError`` naming the problem; returns ``name``.
+    """
+    sidecar = isinstance(name, str) and name.startswith(SIDECAR + "/")
+    rest = name[len(SIDECAR) + 1:] if sidecar else name
+    if (not isinstance(rest, str) or not rest or "/" in rest or "\\" in rest or rest in (".", "..")
+            or (sidecar and rest.startswith(".")) or (not sidecar and rest.startswith(SIDECAR))
+            or (sidecar and (rest == "manifest.json" or rest.startswith(("part_", "fail_"))))
+            or any(ord(c) < 32 for c in rest)):
+        raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
+                         f"'{SIDECAR}*' (or '{SIDECAR}/<name>' for a sidecar file)")
     return name
 
 
@@ -72,15 +118,16 @@ def fail_marker_name(rank: int) -> str:
 
 
 class ChecksumWriter:
-    """Wraps a binary file: computes CRC-32 and byte count of everything written through it."""
+    """Wraps a binary file: computes the checksum (:data:`CHECKSUM`) and byte count of everything written
+    through it."""
 
     def __init__(self, fileobj) -> None:
         self.fileobj = fileobj
-        self.crc = 0
+        self._hash = CHECKSUMS[CHECKSUM]()
         self.nbytes = 0
 
     def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
+        self._hash.update(data)
         n = self.fileobj.write(data)
         self.nbytes += n
         return n
@@ -90,26 +137,40 @@ class ChecksumWriter:
 
     @property
     def hexdigest(self) -> str:
-        return f"{self.crc & 0xFFFFFFFF:08x}"
+        return self._hash.hexdigest()
 
 
-def crc32_file(reader: StorageReader, path: str, progress=None) -> str:
-    """CRC-32 of a whole file, as 8 hex digits; ``progress(nbytes)`` is called per chunk if given."""
-    crc = 0
+def file_checksum(reader: StorageReader, path: str, algo: str = CHECKSUM, progress=None) -> str:
+    """Checksum ``algo`` (a key of :data:`CHECKSUMS`) of a whole file, as hex digits; ``progress(nbytes)``
+    is called per 8 MiB chunk if given."""
+    h = CHECKSUMS[algo]()
     with reader.open_read(path) as f:
         while True:
             chunk = f.read(_CHUNK)
             if not chunk:
                 break
-            crc = zlib.crc32(chunk, crc)
+            h.update(chunk)
             if progress is not None:
                 progress(len(chunk))
-    return f"{crc & 0xFFFFFFFF:08x}"
+    return h.hexdigest()
+
+
+def crc32_file(reader: StorageReader, path: str, progress=None) -> str:
+    """CRC-32 of a whole file, as 8 hex digits (see :func:`file_checksum`)."""
+    return file_checksum(reader, path, "crc32", progress)
+
+
+def record_checksum(rec: Dict[str, Any]) -> "tuple[str, str] | None":
+    """``(algo, hex digest)`` of a manifest file record, or ``None`` when it holds no known checksum."""
+    for algo in CHECKSUMS:
+        if isinstance(rec.get(algo), str):
+            return algo, rec[algo]
+    return None
 
 
 def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
                    parts: Dict[int, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
-    """Assemble the manifest from every rank's part record ``{rank: {file: {nbytes, crc32}}}``.
+    """Assemble the manifest from every rank's part record ``{rank: {file: {nbytes, xxh3_64, kind}}}``.
 
     Raises:
         CommitError: the set of parts is not exactly ranks ``0 .. world_size-1``, or two ranks claim
@@ -127,19 +188,39 @@ def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
             if name in files:
                 raise CommitError(f"step {step}: file {name!r} written by ranks {files[name]['rank']} "
                                   f"and {rank}")
-            files[name] = {"rank": rank, "nbytes": int(rec["nbytes"]), "crc32": str(rec["crc32"]),
+            files[name] = {"rank": rank, "nbytes": int(rec["nbytes"]), CHECKSUM: str(rec[CHECKSUM]),
                            "kind": str(rec.get("kind", "torch"))}
     return {"format": "snapckpt", "format_version": FORMAT_VERSION, "step": step, "dirname": dirname,
-            "world_size": world_size, "run_id": run_id, "created_unix": time.time(), "checksum": "crc32",
+            "world_size": world_size, "run_id": run_id, "created_unix": time.time(), "checksum": CHECKSUM,
             "files": files}
 
 
-def parse_manifest(data: bytes, dirname: Optional[str] = None) -> Dict[str, Any]:
-    """Parse and check a manifest's schema; ``CheckpointCorruptError`` when it is not a valid one."""
+def parse_manifest(data: bytes, dirname: Optional[str] = None, source: Optional[str] = None) -> Dict[str, Any]:
+    """Parse and check a manifest: JSON only (never a pickle), its schema, and every file record (a file
+    name that stays inside the checkpoint directory, :func:`validate_file_name`; an int rank and size, a
+    str checksum), so that nothing a loader does with it can reach a path outside the directory.
+
+    Args:
+        data: the bytes of ``manifest.json``.
+        dirname: the directory it was found in; it must name that directory.
+        source: the manifest's path, named in the error.
+
+    Raises:
+        CheckpointCorruptError: not a valid snapckpt manifest (the message says why and names ``source``).
+    """
+    try:
+        return _parse_manifest(data, dirname)
+    except CheckpointCorruptError as e:
+        if source is None:
+            raise
+        raise CheckpointCorruptError(f"{e} [{source}]") from e
+
+
+def _parse_manifest(data: bytes, dirname: Optional[str]) -> Dict[str, Any]:
     try:
         m = json.loads(data)
-    except ValueError as e:
-        raise CheckpointCorruptError(f"manifest is not valid JSON ({len(data)} bytes): {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"manifest is not valid JSON ({len(data)} bytes): {str(e)[:200]}") from e
     if not isinstance(m, dict) or m.get("format") != "snapckpt":
         raise CheckpointCorruptError("manifest is not a snapckpt manifest")
     if m.get("format_version") != FORMAT_VERSION:
@@ -150,6 +231,14 @@ def parse_manifest(data: bytes, dirname: Optional[str] = None) -> Dict[str, Any]
             raise CheckpointCorruptError(f"manifest field {key!r} is missing or not {typ.__name__}")
     if dirname is not None and m["dirname"] != dirname:
         raise CheckpointCorruptError(f"manifest names directory {m['dirname']!r}, found in {dirname!r}")
+    for name, rec in m["files"].items():
+        try:
+            validate_file_name(name)
+        except ValueError as e:
+            raise CheckpointCorruptError(f"manifest lists a file outside its checkpoint directory: {e}") from e
+        if not (isinstance(rec, dict) and isinstance(rec.get("rank"), int) and isinstance(rec.get("nbytes"), int)
+                and record_checksum(rec) is not None):
+            raise CheckpointCorruptError(f"manifest record of {name!r} is malformed: {str(rec)[:200]}")
     return m
 
 
@@ -186,7 +275,7 @@ def list_committed(reader: StorageReader, checkpoint_dir: str, *, quick_check: b
                 problems.append(f"{name}: cannot read manifest: {e}")
             continue
         try:
-            m = parse_manifest(data, name)
+            m = parse_manifest(data, name, source=mpath)
             if quick_check:
                 check_sizes(reader, path, m)
         except CheckpointCorruptError as e:
@@ -217,11 +306,29 @@ def check_sizes(reader: StorageReader, path: str, manifest: Dict[str, Any], rank
 
 
 def check_checksums(reader: StorageReader, path: str, manifest: Dict[str, Any], rank: Optional[int] = None,
-                    progress=None) -> None:
-    """Raise ``CheckpointCorruptError`` if a file (of ``rank``, or all) fails its size or CRC-32."""
+                    progress=None, max_workers: int = 4) -> None:
+    """Raise ``CheckpointCorruptError`` if a file (of ``rank``, or all) fails its size or checksum (or its
+    manifest record holds no checksum this version knows). Several files are read in parallel, on up to
+    ``max_workers`` threads (reads and hashing of large buffers release the GIL)."""
     check_sizes(reader, path, manifest, rank)
+    todo = []
     for name, rec in _files(manifest, rank):
-        got = crc32_file(reader, os.path.join(path, name), progress)
-        if got != rec["crc32"]:
-            raise CheckpointCorruptError(f"{os.path.join(path, name)} has CRC-32 {got}, the manifest says "
-                                         f"{rec['crc32']} (corrupted)")
+        known = record_checksum(rec)
+        if known is None:
+            raise CheckpointCorruptError(f"the manifest record of {os.path.join(path, name)} holds none of the "
+                                         f"checksums {sorted(CHECKSUMS)}")
+        todo.append((os.path.join(path, name), *known))
+
+    def check(item) -> None:
+        fpath, algo, want = item
+        got = file_checksum(reader, fpath, algo, progress)
+        if got != want:
+            raise CheckpointCorruptError(f"{fpath} has {algo} {got}, the manifest says {want} (corrupted)")
+
+    if len(todo) <= 1 or max_workers <= 1:
+        for item in todo:
+            check(item)
+        return
+    with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(todo)), thread_name_prefix="snapckpt-verify") as ex:
+        for fut in [ex.submit(check, item) for item in todo]:
+            fut.result()  # the first failing file, in manifest order

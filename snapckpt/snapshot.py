@@ -9,8 +9,9 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    always gets a new plan. The skeleton (``data.pkl``) of each file is pickled here, with user objects
    pickled by the training process itself, so the persister never unpickles anything.
 2. :meth:`Stager.copy_into` copies each storage span into the slot, then writes the pickles, the index
-   and the header. On a CPU the copy is synchronous here; the seam for a side-stream / copy-thread copy
-   is :class:`Prepared` (what to copy where) and :meth:`Checkpointer.fence`.
+   and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
+   (:mod:`snapckpt.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
+   thread, and :meth:`Checkpointer.fence` waits for both.
 
 :func:`read_slot` is the reverse (memory-tier load): it copies the spans out of the slot into fresh CPU
 storages and unpickles.
@@ -261,44 +262,60 @@ class Stager:
                         persistable)
 
     @staticmethod
-    def copy_into(prepared: Prepared, slot: torch.Tensor, buf) -> None:
+    def copy_into(prepared: Prepared, slot: torch.Tensor, buf, device_done=None) -> None:
         """Copy a prepared snapshot into a slot.
 
         Args:
             prepared: from :meth:`prepare`.
             slot: a uint8 tensor viewing the whole mapped slot (``torch.frombuffer`` of ``buf``).
             buf: the writable mapping itself (for the header and the tail bytes).
+            device_done: the event of CUDA copies already queued for this snapshot
+                (:meth:`snapckpt.device_copy.CudaCopier.start`): CUDA sources are then skipped here, and
+                the event is waited for before the header is written. ``None``: every span is copied here,
+                synchronously, whatever its device.
         """
         half = len(prepared.copies) // 2
         for i, (src, off) in enumerate(prepared.copies):
             if i == half:
                 faults.point("snapshot.mid_copy", step=prepared.step)
             n = src.numel()
-            if n:
+            if n and not (device_done is not None and src.is_cuda):
                 slot[off:off + n].copy_(src)
         for off, data in prepared.tail:
             buf[off:off + len(data)] = data
+        if device_done is not None:
+            device_done.synchronize()
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
 
 
-def read_index(buf) -> Dict[str, Any]:
-    """Parse the header and index of a slot; ``SnapshotError`` when they are damaged."""
-    step, off, n = read_header(buf)
+def read_index(buf, source: str = "arena slot") -> Dict[str, Any]:
+    """Parse the header and index of a slot (JSON only, never a pickle); ``SnapshotError`` naming
+    ``source`` (the slot file's path) when they are damaged."""
+    try:
+        step, off, n = read_header(buf)
+    except SnapshotError as e:
+        raise SnapshotError(f"{e} ({source})") from e
     try:
         index = json.loads(bytes(buf[off:off + n]))
-    except ValueError as e:
-        raise SnapshotError(f"arena slot index of step {step} is damaged: {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise SnapshotError(f"arena slot index of step {step} in {source} is damaged: {str(e)[:200]}") from e
+    if not isinstance(index, dict) or not isinstance(index.get("files"), list):
+        raise SnapshotError(f"arena slot index of step {step} in {source} is not a snapckpt index")
     if index.get("step") != step:
-        raise SnapshotError(f"arena slot header says step {step} but its index says {index.get('step')}")
+        raise SnapshotError(f"arena slot header of {source} says step {step} but its index says {index.get('step')}")
     return index
 
 
-def read_slot(buf, slot: torch.Tensor, *, weights_only: bool) -> Tuple[int, Dict[str, Any]]:
+def read_slot(buf, slot: torch.Tensor, *, weights_only: bool, source: str = "arena slot",
+              copy: bool = True) -> Tuple[int, Dict[str, Any]]:
     """Copy a snapshot out of a slot: ``(step, {relative path: object})`` with CPU tensors.
 
-    ``TorchSave`` files come back unpickled; ``RawBytes``/``Concat`` files as ``bytes`` (the whole file).
+    ``TorchSave`` files come back unpickled (``weights_only``: the trust decision, as ``torch.load``);
+    ``RawBytes``/``Concat`` files as ``bytes`` (the whole file). ``source`` (the slot file) is named in errors.
+    With ``copy=False`` the tensors are views of the slot itself (no copy, no fresh memory): for a caller
+    that copies them into live tensors at once and drops them before the slot can be reused.
     """
-    index = read_index(buf)
+    index = read_index(buf, source)
     out: Dict[str, Any] = {}
     for f in index["files"]:
         if f.get("kind", "torch") == "bytes":
@@ -306,6 +323,10 @@ def read_slot(buf, slot: torch.Tensor, *, weights_only: bool) -> Tuple[int, Dict
             continue
         storages = {}
         for key, off, n in f["records"]:
+            if not copy:
+                storages[key] = (torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off) if n
+                                 else torch.empty(0, dtype=torch.uint8)).untyped_storage()
+                continue
             dst = torch.empty(n, dtype=torch.uint8)
             dst.copy_(slot[off:off + n])
             storages[key] = dst.untyped_storage()

@@ -194,7 +194,7 @@ def committed(ckpt_dir: str) -> Dict[int, str]:
 
 
 def verify_all(ckpt_dir: str) -> List[str]:
-    """Problems of every committed checkpoint (sizes and CRC-32 against its manifest); ``[]`` if none."""
+    """Problems of every committed checkpoint (sizes and checksums against its manifest); ``[]`` if none."""
     problems = []
     for c in list_committed(PosixStorage(), ckpt_dir, quick_check=False):
         try:

@@ -152,7 +152,7 @@ def test_cli_verify_intact_checkpoints_exit_0(snap_env):
 def test_cli_B3_verify_flipped_byte_names_the_file(snap_env):
     """Fault: one byte flipped inside a committed file (same size, so the quick size check passes and
     ``ls`` still calls it committed). Right behaviour: ``verify`` reports that checkpoint DAMAGED naming
-    the file and the CRC-32 mismatch, reports the other one OK, and exits 1; verifying only the intact
+    the file and the checksum (XXH3-64) mismatch, reports the other one OK, and exits 1; verifying only the intact
     step exits 0."""
     d = snap_env.ckpt_dir
     save_steps(d, {s: small_state(s) for s in (1, 2)})
@@ -168,7 +168,7 @@ def test_cli_B3_verify_flipped_byte_names_the_file(snap_env):
     assert r.returncode == 1, r.stdout + r.stderr
     assert re.search(r"^OK\s+step 1\s+step_00000001", r.stdout, re.M)
     assert re.search(r"^DAMAGED\s+step 2\s+step_00000002", r.stdout, re.M)
-    assert f"{path} has CRC-32" in r.stdout and "(corrupted)" in r.stdout
+    assert f"{path} has xxh3_64" in r.stdout and "(corrupted)" in r.stdout
     assert "1 intact, 1 damaged" in r.stdout
     assert cli("verify", d, "1").returncode == 0
 

@@ -1,13 +1,12 @@
-"""Coordination and shared-filesystem cases (C1, C2, C4-C9), DESIGN contract 6, two jobs on one host,
-and the persister's security boundary. Multi-rank tests run real gloo ranks (tests/workers/coord_worker.py).
+"""Coordination and shared-filesystem cases (C1, C2, C4-C9), DESIGN contract 6, two jobs on one host (the
+persister's security boundary: tests/test_security.py). Multi-rank tests run real gloo ranks
+(tests/workers/coord_worker.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
-import stat
 import subprocess
 import sys
 
@@ -18,7 +17,6 @@ import torch
 from _harness import finish, launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import PersisterTimeoutError
-from snapckpt.manifest import MANIFEST, validate_dirname
 from snapckpt.persister.client import job_dirs, job_key
 
 WORKER = "coord_worker.py"
@@ -242,91 +240,3 @@ def test_two_jobs_same_dir_in_flight_save_is_not_cleaned_up(snap_env, monkeypatc
         h.wait()
         assert torch.equal(a.load(step=10)["w"], torch.arange(1 << 16, dtype=torch.float32))
     assert {n for n in os.listdir(d) if n.startswith("step_")} == {"step_00000010", "step_00000011"}
-
-
-# ------------------------------------------------------------------------------------------ security
-def _mode(path: str) -> int:
-    return stat.S_IMODE(os.stat(path).st_mode)
-
-
-def _raw_request(sock: socket.socket, rfile, payload: bytes) -> dict:
-    sock.sendall(payload)
-    return json.loads(rfile.readline())
-
-
-def test_security_owner_only_files_and_refused_clients(snap_env):
-    """Security: the runtime directories are 0700, socket and token 0600, the arena directory 0700 and
-    its slot files 0600. A raw client with a wrong token is refused ({"ok": false}) and stays
-    unauthenticated; malformed JSON, an unknown op and a hello with extra fields are refused; the
-    persister keeps serving the real Checkpointer throughout."""
-    with Checkpointer(snap_env.ckpt_dir, **OPTS) as ck:
-        ck.save({"w": torch.ones(1000)}, 1, StorageType.MEMORY)
-        rt, arena = job_dirs(snap_env.runtime_root, snap_env.shm_root, ck.job)
-        assert _mode(os.path.dirname(rt)) == 0o700 and _mode(rt) == 0o700
-        assert _mode(os.path.join(rt, "token")) == 0o600
-        assert stat.S_ISSOCK(os.stat(os.path.join(rt, "persister.sock")).st_mode)
-        assert _mode(os.path.join(rt, "persister.sock")) == 0o600
-        assert _mode(arena) == 0o700
-        slots = os.listdir(arena)
-        assert slots and all(_mode(os.path.join(arena, s)) == 0o600 for s in slots)
-
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(10)
-        s.connect(os.path.join(rt, "persister.sock"))
-        rfile = s.makefile("rb")
-        try:
-            hello = {"op": "hello", "token": "0" * 32, "job": ck.job, "run_id": "intruder", "rank": 0,
-                     "world_size": 1, "local_ranks": [0], "committer": True, "pid": os.getpid(),
-                     "checkpoint_dir": snap_env.ckpt_dir, "slots_per_rank": 2, "keep_last": -1,
-                     "commit_timeout_secs": 5.0, "flush_on_crash": False, "fsync": False, "dir_id": "0:0"}
-            reply = _raw_request(s, rfile, (json.dumps(hello) + "\n").encode())
-            assert reply["ok"] is False and "authentication" in reply["error"]["message"], reply
-            reply = _raw_request(s, rfile, b'{"op": "held"}\n')  # still not authenticated
-            assert reply["ok"] is False and "hello" in reply["error"]["message"], reply
-            for bad in (b"this is not json\n", b"[1, 2]\n", b'{"op": "format_disk"}\n',
-                        b'{"op": 7}\n', (json.dumps({**hello, "extra": 1}) + "\n").encode()):
-                reply = _raw_request(s, rfile, bad)
-                assert reply["ok"] is False, (bad, reply)
-            reply = _raw_request(s, rfile, b'{"op": "ping"}\n')
-            assert reply["ok"] is False  # the connection is alive but still refused
-        finally:
-            rfile.close()
-            s.close()
-        out = ck.load()
-        assert ck.last_load.step == 1 and torch.equal(out["w"], torch.ones(1000))
-        ck.save({"w": torch.zeros(10)}, 2, StorageType.DISK).wait()
-        assert ck.latest_step() == 2
-
-
-@pytest.mark.parametrize("tag", ["a/b", "..", ".", "../escape", "/abs", ".hidden", "x\\y", "nul\x00", ""])
-def test_security_tag_with_path_separators_is_refused(tag):
-    """Security: a checkpoint tag that is not one plain directory name ('/', '..', hidden, control
-    characters) is refused by validate_dirname with ValueError."""
-    with pytest.raises(ValueError):
-        validate_dirname(tag)
-
-
-def test_security_odd_but_valid_tag_round_trip(snap_env):
-    """Security (converse): a tag with spaces, a colon, brackets and non-ASCII saves, commits, is named by
-    the tracker and loads back; a tag with '..' is refused before anything is written."""
-    tag = "run 1: [a]-é"
-    with Checkpointer(snap_env.ckpt_dir, **OPTS) as ck:
-        with pytest.raises(ValueError):
-            ck._save_files({"rank_00000.pt": {"w": torch.ones(3)}}, 4, StorageType.DISK,
-                           dirname="../escape", tracker_name="latest", tracker_content="../escape")
-        w = torch.arange(5.0)
-        ck._save_files({"rank_00000.pt": {"w": w}}, 5, StorageType.DISK, dirname=tag,
-                       tracker_name="latest", tracker_content=tag).wait()
-        assert os.path.isfile(os.path.join(snap_env.ckpt_dir, tag, MANIFEST))
-        with open(os.path.join(snap_env.ckpt_dir, "latest"), encoding="utf-8") as f:
-            assert f.read() == tag
-        out = ck.load(step=5)
-        assert ck.last_load.step == 5 and torch.equal(out["w"], w)
-    assert not os.path.exists(os.path.join(os.path.dirname(snap_env.ckpt_dir), "escape"))
-    assert wait_until(lambda: not snap_env.persisters(), 15)
-    with Checkpointer(snap_env.ckpt_dir, **OPTS) as ck:  # a new persister: memory is gone, disk remains
-        out = ck.load()
-        assert (ck.last_load.step, ck.last_load.tier) == (5, StorageType.DISK)
-        assert torch.equal(out["w"], w)
-    on_disk = torch.load(os.path.join(snap_env.ckpt_dir, tag, "rank_00000.pt"), weights_only=True)
-    assert torch.equal(on_disk["w"], w)

@@ -13,7 +13,7 @@ restarted. After every fault the checks of :func:`check_after_fault`:
   persister survived, else the newest committed on disk (damaged ones excepted);
 - no committed checkpoint is lost: every one committed after the crash is still committed after the
   restart unless retention (``keep_last``) removed it after newer commits; every committed checkpoint
-  passes its size and CRC-32 checks;
+  passes its size and checksum checks;
 - the error the job saw names the cause (key phrases).
 
 ``--fault-points N`` (default 1 per integration: the CI budget) and ``--fault-seed S`` (default: random, printed)

@@ -67,11 +67,11 @@ def _files(d):
 
 
 def _assert_same_folder(mine, theirs):
-    """F2: same file set; identical bytes for safetensors/json; equal contents of the torch files."""
+    """F2: same file set; identical bytes for safetensors/json/README.md; equal contents of the torch files."""
     assert _files(mine) == _files(theirs)
     for name in _files(theirs):
         a, b = os.path.join(mine, name), os.path.join(theirs, name)
-        if name.endswith((".safetensors", ".json")):
+        if name.endswith((".safetensors", ".json", ".md")):
             assert open(a, "rb").read() == open(b, "rb").read(), name
         elif name == "training_args.bin":
             x, y = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
@@ -143,9 +143,13 @@ def test_F1_callback_resumes_a_trainer_written_folder(snap_env, stock):
 
 
 def test_memory_tier_resume_after_kill9(snap_env, stock):
+    """A memory snapshot every step with the copy overlapped (``overlap=True``: it runs during the next
+    forward and backward, fenced in ``on_pre_optimizer_step``); kill -9 at step 8; the next Trainer writes
+    step 8 out of memory and the stock resume continues with bitwise-equal losses, so every snapshot held
+    its own step's state (A1 with overlap on)."""
     _, ref = stock
     out = os.path.join(snap_env.tmp, "run")
-    cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False}}
+    cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False, "overlap": True}}
     first = _run({**cfg, "kill_at": 8, "die": "kill"}, snap_env.env, expect_rc=-signal.SIGKILL)
     _same_steps(_rows(first), ref, range(1, 9))
     assert wait_until(lambda: os.path.isdir(os.path.join(out, "checkpoint-5")), 30)  # the persister lives on

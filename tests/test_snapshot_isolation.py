@@ -611,7 +611,7 @@ def test_overlap_copy_failure_is_raised_at_fence(snap_env, monkeypatch):
     next save works."""
     from snapckpt import checkpointer as ck_mod
 
-    def boom(prepared, slot, buf):
+    def boom(prepared, slot, buf, device_done=None):
         raise MemoryError("injected copy failure")
 
     model, opt = make_model()
@@ -626,3 +626,43 @@ def test_overlap_copy_failure_is_raised_at_fence(snap_env, monkeypatch):
         ck.save(state, 2, StorageType.DISK).wait()
         assert ck.latest_step() == 2
     assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")) == ["step_00000002"]
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_A2_load_into_live_state_copies_and_never_aliases_the_arena_or_files(snap_env, tier):
+    """``load(state_dict)`` reads a memory snapshot as views of the arena slot (a disk checkpoint as a memory
+    map of its files) and copies them into the live tensors. Values the live state lacks (a fresh
+    optimizer's empty ``state``) are inserted as deep copies: later snapshots into the same slots and
+    deleting the checkpoint never change them, and two inserted tensors that shared storage still do."""
+    w = torch.arange(12.0)
+    saved = {"model": {"w": w.clone()}, "optim": {"state": {0: {"exp_avg": torch.full((12,), 7.0)}}},
+             "tied": {"a": w, "b": w[:6]}, "step": 5}
+    def other(step):
+        return {"model": {"w": torch.full((12,), -1.0)},
+                "optim": {"state": {0: {"exp_avg": torch.full((12,), -1.0)}}},
+                "tied": {"a": torch.full((12,), -1.0), "b": torch.full((6,), -1.0)}, "step": step}
+
+    with Checkpointer(snap_env.ckpt_dir, keep_last=1, **OPTS) as ck:
+        st = StorageType.MEMORY if tier == "memory" else StorageType.DISK
+        ck.save(saved, 5, st).wait()
+        if tier == "disk":  # newer memory snapshots take both slots: step 5 is on disk only
+            for step in (6, 7):
+                ck.save(other(step), step, StorageType.MEMORY).wait()
+        live = {"model": {"w": torch.zeros(12)}, "optim": {"state": {}}}
+        live_w = live["model"]["w"]
+        ck.load(live, step=5)
+        assert ck.last_load.tier == st
+        assert live["model"]["w"] is live_w and torch.equal(live_w, torch.arange(12.0))
+        inserted = live["optim"]["state"][0]["exp_avg"]
+        assert torch.equal(inserted, torch.full((12,), 7.0)) and live["step"] == 5
+        a, b = live["tied"]["a"], live["tied"]["b"]
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        # Overwrite every slot with other values (and, for disk, retire step 5's directory).
+        for step in (8, 9, 10):
+            ck.save(other(step), step, st).wait()
+        assert torch.equal(inserted, torch.full((12,), 7.0))
+        assert torch.equal(a, torch.arange(12.0)) and torch.equal(b, torch.arange(6.0))
+        a.add_(100)  # the caller owns it: writing to it changes nothing held by snapckpt
+        assert torch.equal(b, torch.arange(6.0) + 100)
+        assert not os.path.exists(os.path.join(snap_env.ckpt_dir, "step_00000005"))
+        assert torch.equal(ck.load(step=10)["model"]["w"], torch.full((12,), -1.0))

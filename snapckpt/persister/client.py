@@ -20,10 +20,11 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
+from .._private import private_dir
 from ..errors import PersisterDiedError, PersisterError, PersisterTimeoutError
 from . import protocol as P
 
-__all__ = ["PersisterClient", "job_key", "job_of_run", "job_dirs", "lock_file", "JOB_KEY_LEN"]
+__all__ = ["PersisterClient", "job_key", "job_of_run", "job_dirs", "lock_file", "private_dir", "JOB_KEY_LEN"]
 
 JOB_KEY_LEN = 16
 
@@ -46,15 +47,6 @@ def job_dirs(runtime_root: str, shm_root: str, key: str) -> tuple:
             os.path.join(shm_root, f"snapckpt-{uid}-{key}"))
 
 
-def _private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise PersisterError(f"{path} belongs to uid {st.st_uid}, not to this user; remove it or set "
-                             "runtime_dir=/shm_dir= to a private directory")
-    os.chmod(path, 0o700)
-
-
 def lock_file(path: str, deadline: float, what: str) -> int:
     """Take an exclusive ``flock`` on ``path`` (created 0600, its directory 0700 if missing) before the
     monotonic ``deadline``; return the open fd (closing it releases the lock).
@@ -67,7 +59,7 @@ def lock_file(path: str, deadline: float, what: str) -> int:
         PersisterTimeoutError: another live process held it until the deadline (``what`` names it).
     """
     while True:
-        _private_dir(os.path.dirname(path))
+        private_dir(os.path.dirname(path))
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             while True:
@@ -117,8 +109,8 @@ class PersisterClient:
                 f"runtime directory {runtime_dir!r} is too long for a unix socket path "
                 f"({len(self.sock_path.encode())} bytes > 107); set runtime_dir= (or SNAPCKPT_RUNTIME_DIR) "
                 "to a shorter directory such as /tmp")
-        _private_dir(os.path.dirname(runtime_dir))
-        _private_dir(runtime_dir)
+        private_dir(os.path.dirname(runtime_dir))
+        private_dir(runtime_dir)
 
     @property
     def log_path(self) -> str:
@@ -143,7 +135,7 @@ class PersisterClient:
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(snapckpt.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
-        log = open(self.log_path, "ab")
+        log = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         try:
             return subprocess.Popen(
                 [sys.executable, "-m", "snapckpt.persister", "--runtime-dir", self.runtime_dir,

@@ -23,12 +23,12 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .. import faults
 from ..errors import CommitError, CommitTimeoutError
-from ..manifest import (MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
-                        partial_dirname)
+from ..manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
+                        partial_dirname, validate_file_name)
 from ..storage.base import StorageReader, StorageWriter
 from .client import job_of_run
 from .protocol import error_from_record
@@ -72,7 +72,15 @@ class CommitRequest:
         return os.path.join(self.checkpoint_dir, self.dirname)
 
 
-def _collect_parts(reader: StorageReader, req: CommitRequest) -> Dict[int, Dict[str, Any]]:
+def _collect_parts(reader: StorageReader, req: CommitRequest,
+                   unreadable: Optional[Dict[str, str]] = None) -> Dict[int, Dict[str, Any]]:
+    """The part records of the partial directory (JSON markers, never unpickled). A marker that does not
+    parse is skipped for this poll and described in ``unreadable`` (path -> why), which a timeout names.
+
+    Raises:
+        CommitError: a failure marker (that rank's error), or a part marker listing a file outside the
+            checkpoint directory or a malformed record (names the marker).
+    """
     parts: Dict[int, Dict[str, Any]] = {}
     side = os.path.join(req.partial_dir, SIDECAR)
     for name in reader.listdir(side):
@@ -81,18 +89,38 @@ def _collect_parts(reader: StorageReader, req: CommitRequest) -> Dict[int, Dict[
         kind, _, rest = name[:-5].partition("_")
         if kind not in ("part", "fail") or not rest.isdigit():
             continue
+        path = os.path.join(side, name)
         try:
-            rec = json.loads(reader.read_bytes(os.path.join(side, name)))
-        except (OSError, ValueError):
-            continue  # being replaced; read again next poll
+            rec = json.loads(reader.read_bytes(path))
+            if not isinstance(rec, dict):
+                raise ValueError(f"a JSON {type(rec).__name__}, not an object")
+        except (OSError, ValueError, RecursionError) as e:
+            if unreadable is not None:  # being replaced, or damaged: read again next poll
+                unreadable[path] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        if unreadable is not None:
+            unreadable.pop(path, None)
         if rec.get("run_id") != req.run_id or rec.get("step") != req.step:
             continue
         rank = int(rest)
         if kind == "fail":
-            exc = error_from_record(rec.get("error", {}))
+            err = rec.get("error")
+            exc = error_from_record(err if isinstance(err, dict) else {})
             raise CommitError(f"step {req.step}: rank {rank} failed to write its part: "
                               f"{type(exc).__name__}: {exc}") from exc
-        parts[rank] = rec["files"]
+        files = rec.get("files")
+        if not isinstance(files, dict):
+            raise CommitError(f"step {req.step}: part marker {path} has no file records")
+        for fname, frec in files.items():
+            try:
+                validate_file_name(fname)
+            except ValueError as e:
+                raise CommitError(f"step {req.step}: part marker {path} lists a file outside the checkpoint "
+                                  f"directory: {e}") from e
+            if not (isinstance(frec, dict) and isinstance(frec.get("nbytes"), int)
+                    and isinstance(frec.get(CHECKSUM), str)):
+                raise CommitError(f"step {req.step}: part marker {path} has a malformed record for {fname!r}")
+        parts[rank] = files
     return parts
 
 
@@ -120,13 +148,16 @@ def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> 
 
 
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
-           remove_partial_on_failure: bool = True) -> Dict[str, Any]:
+           remove_partial_on_failure: bool = True, defer_deletion: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the commit sequence for one step; return the manifest.
 
     Args:
         remove_partial_on_failure: delete the partial directory when the commit fails. The node
             persister passes ``False`` and deletes it itself once its writers of the step are done (a
             writer whose directory vanished would fail with a misleading error of its own).
+        defer_deletion: when a list is given, checkpoints retired by retention are renamed to hidden
+            directories listed there, for the caller to delete after it has reported the commit (see
+            :mod:`snapckpt.persister.retention`).
 
     Raises:
         CommitTimeoutError: ranks missing at the deadline (named in the message).
@@ -135,9 +166,10 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     """
     try:
         deadline = time.monotonic() + req.timeout_secs
+        unreadable: Dict[str, str] = {}
         while True:
             _raise_local_failure(req)
-            parts = _collect_parts(reader, req)
+            parts = _collect_parts(reader, req, unreadable)
             unexpected = sorted(r for r in parts if r >= req.world_size)
             if unexpected:
                 raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
@@ -149,7 +181,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
                 raise CommitTimeoutError(
                     f"step {req.step}: ranks {missing} did not write their part within "
                     f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same "
-                    "step; or those ranks died)")
+                    "step; or those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
             time.sleep(POLL_SECS)
         manifest = build_manifest(step=req.step, dirname=req.dirname, world_size=req.world_size,
                                   run_id=req.run_id, parts=parts)
@@ -187,7 +219,8 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     log.info("committed step %d as %s (%d files)", req.step, req.dirname, len(manifest["files"]))
     faults.point("commit.after_tracker_before_retention", step=req.step, rank=None)
     try:
-        apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname])
+        apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],
+                        defer_to=defer_deletion, run_id=req.run_id)
     except OSError as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s", req.step, e)
     return manifest

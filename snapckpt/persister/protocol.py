@@ -32,7 +32,7 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
               "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR},
     "acquire": {"step": _INT, "nbytes": _INT},
     "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
-              "persistable": _BOOL,
+              "persistable": _BOOL, "persist": _BOOL,
               "tracker_name": _STR, "tracker_content": _STR},
     "abort": {"slot": _INT},
     "fail": {"step": _INT, "dirname": _STR, "type": _STR, "message": _STR},
@@ -60,8 +60,8 @@ def decode(line: bytes) -> Dict[str, Any]:
     """Parse one JSON line into a dict; :class:`ProtocolError` if it is not a JSON object."""
     try:
         obj = json.loads(line)
-    except ValueError as e:
-        raise ProtocolError(f"control message is not JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nesting
+        raise ProtocolError(f"control message is not JSON: {str(e)[:200]}") from e
     if not isinstance(obj, dict):
         raise ProtocolError("control message is not a JSON object")
     return obj

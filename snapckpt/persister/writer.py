@@ -2,7 +2,7 @@
 
 For each file listed in the slot's index (``MemoryOnly`` files excepted): create it under the partial
 directory, write it straight from the arena (a ``torch.save`` archive through :func:`write_torch_file`,
-or raw chunks back to back for ``RawBytes``/``Concat`` files), computing CRC-32 on the way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
+or raw chunks back to back for ``RawBytes``/``Concat`` files), computing the checksum (:data:`~snapckpt.manifest.CHECKSUM`) on the way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
 moment the committer may count the part. On any error the rank's files are left for the committer to
 remove with the partial directory, and a failure marker carries the error record to the committer.
 """
@@ -17,7 +17,7 @@ import torch
 
 from .. import _env, faults
 from ..formats.torch_zip import write_torch_file
-from ..manifest import ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name
+from ..manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
 from ..storage.base import StorageWriter
 from .protocol import error_record
 
@@ -27,7 +27,7 @@ __all__ = ["write_part", "write_failure_marker"]
 def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
                run_id: str, step: int,
                on_data_read: Optional[Callable[[], None]] = None) -> Dict[str, Dict[str, Any]]:
-    """Write rank ``rank``'s files of ``step`` from slot mapping ``buf``; return ``{file: {nbytes, crc32}}``.
+    """Write rank ``rank``'s files of ``step`` from slot mapping ``buf``; return ``{file: {nbytes, xxh3_64, kind}}``.
 
     Args:
         storage: where to write.
@@ -39,6 +39,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
 
     Raises:
         OSError: from the filesystem (ENOSPC, EFBIG, EACCES...), unchanged.
+        ValueError: the index names a file outside the partial directory.
     """
     storage.makedirs(os.path.join(partial_dir, SIDECAR))
     delay = _env.fault_write_delay_secs()
@@ -47,7 +48,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
     for f in index["files"]:
         if not f.get("persist", True):
             continue  # a MemoryOnly file: part of the memory snapshot, not of the checkpoint on disk
-        rel = f["path"]
+        rel = validate_file_name(f["path"])  # the index comes from the trainer: never write outside the directory
         path = os.path.join(partial_dir, rel)
         storage.makedirs(os.path.dirname(path))
         kind = f.get("kind", "torch")
@@ -67,7 +68,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
                 write_torch_file(cw, bytes(buf[po:po + pn]), records)
                 del records
             storage.fsync_file(raw)
-        files[rel] = {"nbytes": cw.nbytes, "crc32": cw.hexdigest, "kind": kind}
+        files[rel] = {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
     if on_data_read is not None:
         on_data_read()
     faults.point("persist.before_part_marker", step=step, rank=rank)

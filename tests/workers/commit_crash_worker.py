@@ -71,7 +71,7 @@ def kill_in_copy(d: str) -> None:
     if rank == 1:
         from snapckpt.snapshot import Stager
 
-        def copy_half_then_die(prepared, slot, buf):
+        def copy_half_then_die(prepared, slot, buf, device_done=None):
             src, off = prepared.copies[0]
             half = src.numel() // 2
             slot[off:off + half].copy_(src[:half])

@@ -204,7 +204,7 @@ def die_mid_copy(ckpt: str, rank: int, world: int) -> None:
     if rank == 1:
         real = Stager.copy_into
 
-        def copy_then_die(prepared, slot, buf):
+        def copy_then_die(prepared, slot, buf, device_done=None):
             for src, off in prepared.copies[: len(prepared.copies) // 2]:
                 slot[off:off + src.numel()].copy_(src)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -9,6 +9,9 @@ Usage: hf_worker.py '<json config>' (single process, or every rank under torchru
     (greatest eval_loss), load_best_model_at_end; limit: save_total_limit; shard: max_shard_size;
     subclass_args: use a TrainingArguments subclass defined here (case E5); tie: tie_word_embeddings;
     tok: pass a tokenizer as processing_class; gas: gradient_accumulation_steps;
+    lora: wrap the model in a ``peft.PeftModel`` (LoRA r=4 on c_attn, lora_dropout 0.1); at the end the
+    newest checkpoint is loaded with ``PeftModel.from_pretrained`` on a fresh base model and its logits are
+    compared with the trained model's (fact ``adapter_logits_equal``);
     result: file (per rank: RESULT json lines) with per-step losses, lrs and final facts.
 """
 import dataclasses
@@ -47,6 +50,32 @@ def build_model(tie=True):
     cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.2,
                      embd_pdrop=0.2, attn_pdrop=0.2, tie_word_embeddings=tie)
     return GPT2LMHeadModel(cfg)
+
+
+def build_lora_model():
+    """The tiny GPT-2 with a LoRA adapter (r=4) on every ``c_attn``; only the adapter is trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_model()
+    torch.manual_seed(1)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["c_attn"],
+                                           fan_in_fan_out=True))
+
+
+def adapter_logits_equal(trained, folder):
+    """``PeftModel.from_pretrained(fresh base, folder)`` gives the trained model's logits exactly (eval mode)."""
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(build_model(), folder).eval()
+    trained.eval()
+    x = Tokens(n=2).ids
+    with torch.no_grad():
+        return torch.equal(trained(input_ids=x).logits, loaded(input_ids=x).logits)
+
+
+def newest_checkpoint(out):
+    return os.path.join(out, max((d for d in os.listdir(out) if d.startswith("checkpoint-")),
+                                 key=lambda d: int(d.split("-")[1])))
 
 
 def build_tokenizer():
@@ -110,11 +139,11 @@ def main():
                eval_strategy="steps" if best else "no", eval_steps=cfg.get("save_steps", 5) if best else None,
                metric_for_best_model="eval_loss" if best else None, greater_is_better=True if best else None,
                load_best_model_at_end=best)
-    model = build_model(cfg.get("tie", True))
+    model = build_lora_model() if cfg.get("lora") else build_model(cfg.get("tie", True))
     snap = None
     callbacks = []
     if cfg.get("snap"):
-        opts = {"persister_idle_timeout_secs": 30, **cfg.get("opts", {})}
+        opts = {"persister_idle_timeout_secs": 120, **cfg.get("opts", {})}
         snap = SnapckptCallback(memory_interval_steps=cfg.get("mem"), max_shard_size=cfg.get("shard", "50GB"),
                                 **opts)
         callbacks.append(snap)
@@ -132,10 +161,10 @@ def main():
                  stall=snap.stall_secs if snap else None)
     if best:  # load_best_model_at_end restored these weights
         facts["final_wte"] = trainer.model.transformer.wte.weight.detach().flatten()[:8].tolist()
+    if cfg.get("lora"):
+        facts["adapter_logits_equal"] = adapter_logits_equal(trainer.model, newest_checkpoint(cfg["out"]))
     if cfg.get("subclass_args") and int(os.environ.get("RANK", "0")) == 0:
-        last = max((d for d in os.listdir(cfg["out"]) if d.startswith("checkpoint-")),
-                   key=lambda d: int(d.split("-")[1]))
-        loaded = torch.load(os.path.join(cfg["out"], last, "training_args.bin"), weights_only=False)
+        loaded = torch.load(os.path.join(newest_checkpoint(cfg["out"]), "training_args.bin"), weights_only=False)
         facts["args_class"] = type(loaded).__name__
         facts["my_flag"] = loaded.my_flag
     dump(cfg, facts)

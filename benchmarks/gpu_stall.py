@@ -1,0 +1,181 @@
+"""GPU stall benchmark: how long a training thread is blocked by a checkpoint of CUDA state.
+
+Run on a CUDA machine (``benchmarks/gpu_check.sh`` does). The state is ``benchmarks/_common.make_state``
+moved to the GPU (model + AdamW-like tensors, fp32). Methods, each with one warm-up then ``--repeats``
+timed checkpoints (medians reported):
+
+- ``floor_pinned_copy``: ``copy_(non_blocking=True)`` of every tensor into a page-locked host buffer
+  allocated once, then ``torch.cuda.synchronize()``: the PCIe lower bound for any host snapshot;
+- ``floor_pageable_copy``: the same into ordinary (pageable) host memory: what a plain ``.cpu()`` costs;
+- ``torch_save``: ``torch.save`` of the CUDA state + fsync (the synchronous native save);
+- ``snapckpt_memory`` / ``snapckpt_disk``: ``save`` + ``fence`` with ``overlap=False`` (blocking = the
+  copy into the registered arena), and ``snapckpt_memory_overlap``: ``overlap=True``, where the blocking
+  time is ``save`` alone and the fence is measured after a simulated 0.3 s of GPU compute.
+
+Output: a JSON file and a markdown table (``--out``). No assertion on any time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GiB, make_state, git_commit  # noqa: E402
+
+from snapckpt import Checkpointer, StorageType  # noqa: E402
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _to_cuda(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cuda()
+    if isinstance(obj, dict):
+        return {k: _to_cuda(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cuda(v) for v in obj)
+    return obj
+
+
+def _busy_gpu(seconds: float) -> None:
+    """Queue about ``seconds`` of matmuls on the current stream (a stand-in for forward and backward)."""
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < seconds:
+        a = (a @ a).tanh_()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()
+
+
+def bench(state, method: str, repeats: int, scratch: str) -> dict:
+    tensors = list(_tensors(state))
+    samples, extra = [], {}
+    if method.startswith("floor"):
+        pinned = method == "floor_pinned_copy"
+        bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
+        for i in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for b, t in zip(bufs, tensors):
+                b.copy_(t, non_blocking=pinned)
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return {"blocking_s": statistics.median(samples[1:]), "warmup_s": samples[0]}
+    if method == "torch_save":
+        for i in range(repeats + 1):
+            path = os.path.join(scratch, f"ts{i}.pt")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            samples.append(time.perf_counter() - t0)
+            os.unlink(path)
+        return {"blocking_s": statistics.median(samples[1:]), "durable_s": statistics.median(samples[1:]),
+                "warmup_s": samples[0]}
+    overlap = method.endswith("_overlap")
+    tier = StorageType.DISK if "disk" in method else StorageType.MEMORY
+    d = tempfile.mkdtemp(dir=scratch)
+    durable, fences = [], []
+    with Checkpointer(d, overlap=overlap, keep_last=1) as ck:
+        for i in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h = ck.save(state, i, tier)
+            if not overlap:
+                ck.fence()
+            samples.append(time.perf_counter() - t0)
+            if overlap:
+                _busy_gpu(0.3)
+                t1 = time.perf_counter()
+                ck.fence()
+                fences.append(time.perf_counter() - t1)
+            h.wait()
+            durable.append(time.perf_counter() - t0)
+    shutil.rmtree(d, ignore_errors=True)
+    out = {"blocking_s": statistics.median(samples[1:]), "warmup_s": samples[0]}
+    if tier == StorageType.DISK:
+        out["durable_s"] = statistics.median(durable[1:])
+    if overlap:
+        out["fence_after_0.3s_compute_s"] = statistics.median(fences[1:])
+    return out
+
+
+METHODS = ["floor_pinned_copy", "floor_pageable_copy", "torch_save", "snapckpt_memory", "snapckpt_disk",
+           "snapckpt_memory_overlap"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-gib", default="1,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--out", default="benchmarks/results/gpu_stall")
+    ap.add_argument("--scratch-dir", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_stall.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    scratch = a.scratch_dir or tempfile.mkdtemp(prefix="snapckpt-gpu-")
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "git": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "cpus": os.cpu_count()}
+    results = {}
+    for size in [float(x) for x in a.sizes_gib.split(",")]:
+        state = _to_cuda(make_state(int(size * GiB)))
+        torch.cuda.synchronize()
+        for m in a.methods.split(","):
+            try:
+                results[f"{size:g}/{m}"] = bench(state, m, a.repeats, scratch)
+            except Exception as e:  # record and go on
+                results[f"{size:g}/{m}"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{size:g} GiB {m}: {results[f'{size:g}/{m}']}", flush=True)
+        del state
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"machine": info, "results": results}, f, indent=1)
+    lines = [f"# GPU stall ({info['gpu']}, torch {info['torch']}, git {info['git'][:10]}, {info['date']})", "",
+             "| size GiB | method | blocking s | / pinned floor | durable s | fence after 0.3 s compute s |",
+             "|---:|---|---:|---:|---:|---:|"]
+    def fmt(x, spec):
+        return "" if x is None else format(x, spec)
+
+    for key, r in results.items():
+        size, m = key.split("/")
+        floor = results.get(f"{size}/floor_pinned_copy", {}).get("blocking_s")
+        b = r.get("blocking_s")
+        rel = f"{b / floor:.2f}x" if b and floor else ""
+        err = f" error: {r['error']}" if "error" in r else ""
+        lines.append(f"| {size} | {m} | {fmt(b, '.4f')} | {rel} | {fmt(r.get('durable_s'), '.3f')} | "
+                     f"{fmt(r.get('fence_after_0.3s_compute_s'), '.4f')} |{err}")
+    with open(a.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

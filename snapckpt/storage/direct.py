@@ -1,0 +1,144 @@
+"""Direct I/O file writer: large sequential writes that bypass the page cache.
+
+The persister writes a checkpoint once and fsyncs it; the page cache only adds a copy and dirty-page
+write-back on the way (measured on this project's VM: a raw ``O_DIRECT`` write + fsync of 1 GiB took
+0.7 s, a buffered write + fsync 1.7 s, see ``benchmarks/suite.py``'s ``floor_odirect`` and
+``floor_write``). ``O_DIRECT`` needs the buffer address, the file offset and the length aligned to the
+device's logical block size, while a ``torch.save`` archive is a stream of records of any length. So
+:class:`DirectFile` copies what it is given into a page-aligned bounce buffer and writes it out in full,
+aligned blocks; the last, partial block is written padded to the alignment and the file is then cut to
+its true length (``ftruncate``). Reference: open(2), "O_DIRECT" (alignment restrictions).
+
+A filesystem that refuses ``O_DIRECT`` (tmpfs, some network filesystems) gets an ordinary buffered file.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+from typing import BinaryIO
+
+__all__ = ["ALIGN", "BUFFER_NBYTES", "open_direct"]
+
+#: Alignment of O_DIRECT writes (bytes): 4096 covers 512-byte and 4 KiB logical blocks.
+ALIGN = 4096
+#: Bounce buffer per open file (bytes); one write(2) per full buffer.
+BUFFER_NBYTES = 16 << 20
+
+
+def open_direct(path: str, buffered_nbytes: int = 8 << 20) -> BinaryIO:
+    """Create (truncate) ``path`` for writing with ``O_DIRECT``; fall back to a buffered file of
+    ``buffered_nbytes`` when the filesystem refuses ``O_DIRECT`` (``EINVAL``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    if not getattr(os, "O_DIRECT", 0):
+        return open(path, "wb", buffering=buffered_nbytes)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return open(path, "wb", buffering=buffered_nbytes)
+    return DirectFile(fd, path)
+
+
+class DirectFile:
+    """A write-only binary file object over an ``O_DIRECT`` descriptor (see the module docstring).
+
+    ``write`` copies into the bounce buffer and writes each full buffer at its aligned offset;
+    ``flush`` writes the partial tail padded to :data:`ALIGN` and truncates the file to the bytes written
+    so far (after it the file on disk is exactly what was written; later writes go on from there);
+    ``close`` flushes. ``fileno`` is the descriptor, for ``os.fsync``.
+
+    Raises:
+        OSError: from write(2)/ftruncate(2) (``ENOSPC``, ``EFBIG``...), unchanged.
+    """
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.name = path
+        self._fd = fd
+        self._buf = mmap.mmap(-1, BUFFER_NBYTES)  # anonymous mappings are page-aligned
+        self._view = memoryview(self._buf)
+        self._fill = 0  # bytes in the buffer
+        self._offset = 0  # file offset of the buffer's first byte (aligned)
+        self._closed = False
+        self._direct = True  # False once a write fell back to buffered I/O (see _write_out)
+
+    # -- file protocol
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        pos = 0
+        while pos < n:
+            take = min(n - pos, BUFFER_NBYTES - self._fill)
+            self._view[self._fill:self._fill + take] = mv[pos:pos + take]
+            self._fill += take
+            pos += take
+            if self._fill == BUFFER_NBYTES:
+                self._write_out(BUFFER_NBYTES)
+                self._offset += BUFFER_NBYTES
+                self._fill = 0
+        return n
+
+    def flush(self) -> None:
+        if self._closed or self._fill == 0:
+            return
+        padded = (self._fill + ALIGN - 1) // ALIGN * ALIGN
+        self._view[self._fill:padded] = bytes(padded - self._fill)
+        self._write_out(padded)
+        os.ftruncate(self._fd, self._offset + self._fill)
+        # The tail stays in the buffer: a later write continues it and rewrites this block in place.
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self._offset + self._fill
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._view.release()
+            self._buf.close()
+            os.close(self._fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "DirectFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals
+    def _write_out(self, nbytes: int) -> None:
+        done = 0
+        while done < nbytes:
+            try:
+                written = os.pwrite(self._fd, self._view[done:nbytes], self._offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self._direct:
+                    raise
+                # The kernel cut the write to an unaligned length (a file-size limit: RLIMIT_FSIZE) or
+                # the device needs a larger alignment: go on without O_DIRECT, so that the write either
+                # works or fails with its real cause (EFBIG, ENOSPC).
+                self._buffered()
+                continue
+            if written <= 0:
+                raise OSError(errno.EIO, f"short write to {self.name}")
+            done += written
+            if done < nbytes and done % ALIGN:
+                self._buffered()  # a short write left the offset unaligned (a nearly full disk)
+
+    def _buffered(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._direct = False

@@ -1,0 +1,76 @@
+"""Smoke test of the benchmark suite (benchmarks/suite.py): a tiny state, three methods, the loop mode
+with two methods and the README generator; asserts that the outputs exist with the expected fields.
+No timing assertions (DESIGN section 6): the numbers themselves are not checked, only their presence."""
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _suite():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("suite")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _number(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
+
+
+def test_suite_loop_and_readme_outputs(snap_env, tmp_path):
+    suite = _suite()
+    out = tmp_path / "res" / "suite.json"
+    scratch = tmp_path / "scratch"
+    common = ["--out", str(out), "--scratch-dir", str(scratch), "--persister-exit-wait", "10"]
+    assert suite.main(["--sizes-gib", "0.004,100000", "--repeats", "1",
+                       "--methods", "floor_copy,torch_save,snapckpt_memory", *common]) == 0
+
+    res = json.loads(out.read_text())
+    assert res["machine"]["uptime"] and res["machine"]["git_commit"]
+    # the impossible size is skipped with its reason, not attempted
+    assert [s["size_gib"] for s in res["skipped_sizes"]] == [100000]
+    assert "GiB" in res["skipped_sizes"][0]["reason"]
+    (size,) = res["sizes"]
+    by = {r["method"]: r for r in size["methods"]}
+    assert list(by) == ["floor_copy", "torch_save", "snapckpt_memory"]
+    for name, r in by.items():
+        assert r["error"] is None, (name, r.get("traceback"))
+        assert _number(r["blocking_s"]) and _number(r["restore_s"]), name
+        assert {"blocking_vs_floor_copy", "durable_vs_floor_write", "durable_vs_floor_odirect",
+                "restore_vs_floor"} <= set(r["ratios"]), name
+    assert by["torch_save"]["restore_tier"] == "disk" and _number(by["torch_save"]["durable_s"])
+    assert by["snapckpt_memory"]["restore_tier"] == "memory"
+    assert by["snapckpt_memory"]["restore_extra"][0]["tier"] == "memory"
+    assert by["snapckpt_memory"]["durable_s"] is None
+    assert by["floor_copy"]["ratios"]["blocking_vs_floor_copy"] == 1.0
+
+    md = out.with_suffix(".md").read_text()
+    for text in ("| method | blocking s | durable s | restore s (tier) |", "snapckpt / peer",
+                 "| snapckpt_memory |", "Targets of the performance issue", "skipped"):
+        assert text in md, text
+    assert out.with_suffix(".png").stat().st_size > 0
+
+    assert suite.main(["--loop", "--loop-size-gib", "0.004", "--step-s", "0.01", "--loop-ckpts", "1",
+                       "--loop-baseline-steps", "3", "--loop-methods", "snapckpt_memory_overlap,torch_save",
+                       *common]) == 0
+    loop = json.loads((out.parent / "loop.json").read_text())
+    lby = {r["method"]: r for r in loop["methods"]}
+    assert set(lby) == {"snapckpt_memory_overlap", "torch_save"}
+    assert lby["snapckpt_memory_overlap"]["every"] == 1 and lby["torch_save"]["every"] == 10
+    for name, r in lby.items():
+        assert r["error"] is None, (name, r.get("traceback"))
+        assert r["n_ckpt"] == 1 and isinstance(r["extra_per_ckpt_s"], float), name
+    assert "| method | every | extra s per checkpoint |" in (out.parent / "loop.md").read_text()
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Performance\n\nintro\n\n<!-- perf:begin -->\nold\n<!-- perf:end -->\n\n## Next\n")
+    assert suite.main(["--readme", "--readme-path", str(readme), "--out", str(out)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- perf:end -->\n\n## Next\n") and "intro" in text
+    assert res["machine"]["git_commit"][:12] in text and "Training loop" in text
+    assert "| snapckpt_memory |" in text
