@@ -89,14 +89,18 @@ def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int,
 
 
 class _SlowWriter:
-    """Fault injection: sleeps before each write (see ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``)."""
+    """Fault injection: sleeps before each write (see ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``) and pushes each
+    write to the file at once, so that a slow persister's file grows record by record on disk as a slow
+    device would show it (the direct-I/O writer otherwise holds up to 16 MiB in its bounce buffer)."""
 
     def __init__(self, fileobj, delay_secs: float) -> None:
         self.fileobj, self.delay_secs = fileobj, delay_secs
 
     def write(self, data) -> int:
         time.sleep(self.delay_secs)
-        return self.fileobj.write(data)
+        n = self.fileobj.write(data)
+        self.fileobj.flush()
+        return n
 
     def flush(self) -> None:
         self.fileobj.flush()
