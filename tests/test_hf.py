@@ -144,9 +144,11 @@ def test_F1_callback_resumes_a_trainer_written_folder(snap_env, stock):
 
 def test_memory_tier_resume_after_kill9(snap_env, stock):
     """A memory snapshot every step with the copy overlapped (``overlap=True``: it runs during the next
-    forward and backward, fenced in ``on_pre_optimizer_step``); kill -9 at step 8; the next Trainer writes
-    step 8 out of memory and the stock resume continues with bitwise-equal losses, so every snapshot held
-    its own step's state (A1 with overlap on)."""
+    forward and backward, fenced in ``on_pre_optimizer_step``); kill -9 at the end of step 8, before step
+    8's snapshot was fenced: that snapshot is lost (as documented) and the newest held one is step 7's,
+    copied while step 8 computed. The next Trainer writes step 7 out of memory and the stock resume
+    continues with bitwise-equal losses from step 8 on, so the overlapped snapshot held exactly step 7's
+    state (A1 with overlap on)."""
     _, ref = stock
     out = os.path.join(snap_env.tmp, "run")
     cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False, "overlap": True}}
@@ -155,8 +157,8 @@ def test_memory_tier_resume_after_kill9(snap_env, stock):
     assert wait_until(lambda: os.path.isdir(os.path.join(out, "checkpoint-5")), 30)  # the persister lives on
     assert not os.path.exists(os.path.join(out, "checkpoint-8"))
     second = _run({**cfg, "resume": True}, snap_env.env)
-    assert second["materialized"] == [8, "memory"]
-    _same_steps(_rows(second), ref, range(9, STEPS + 1))
+    assert second["materialized"] == [7, "memory"]
+    _same_steps(_rows(second), ref, range(8, STEPS + 1))
 
 
 def _timeless_state(folder, out):
