@@ -169,8 +169,12 @@ def record_checksum(rec: Dict[str, Any]) -> "tuple[str, str] | None":
 
 
 def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
-                   parts: Dict[int, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
+                   parts: Dict[int, Dict[str, Dict[str, Any]]],
+                   requested_unix: Optional[float] = None) -> Dict[str, Any]:
     """Assemble the manifest from every rank's part record ``{rank: {file: {nbytes, xxh3_64, kind}}}``.
+
+    ``requested_unix`` (Unix seconds) is when the save was requested; ``created_unix`` is the commit time.
+    Commits of one job run in parallel and can finish out of order, so the save order is the former.
 
     Raises:
         CommitError: the set of parts is not exactly ranks ``0 .. world_size-1``, or two ranks claim
@@ -191,7 +195,8 @@ def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
             files[name] = {"rank": rank, "nbytes": int(rec["nbytes"]), CHECKSUM: str(rec[CHECKSUM]),
                            "kind": str(rec.get("kind", "torch"))}
     return {"format": "snapckpt", "format_version": FORMAT_VERSION, "step": step, "dirname": dirname,
-            "world_size": world_size, "run_id": run_id, "created_unix": time.time(), "checksum": CHECKSUM,
+            "world_size": world_size, "run_id": run_id, "created_unix": time.time(),
+            "requested_unix": time.time() if requested_unix is None else requested_unix, "checksum": CHECKSUM,
             "files": files}
 
 

@@ -647,6 +647,23 @@ def test_B9_C5_commit_checks_exact_set_of_parts(snap_env):
 
 
 # ------------------------------------------------------------------------------------ retention / C3
+def test_C3_retention_follows_save_order_when_commits_finish_out_of_order(snap_env, monkeypatch):
+    """Five DISK saves back to back with keep_last=3; the commits of steps 2-4 are held back (a fault
+    point sleeps before their rename), so step 5 commits before them. Found by a new-user trial: retention
+    ordered checkpoints by commit time, deleted step 5 (the one ``latest`` names) and a restart resumed
+    from step 4. Right: retention follows the save order, steps 3, 4, 5 remain, ``latest`` names 5 and
+    the load gives step 5."""
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", ";".join(
+        f"commit.before_rename:step={s}:action=sleep:secs=1.5" for s in (2, 3, 4)))
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, keep_last=3, **{**OPTS, "fsync": False}) as ck:
+        handles = [ck.save(make_state(step, 0), step) for step in range(1, 6)]
+        for h in handles:
+            h.wait()
+        assert committed_steps(d) == [3, 4, 5] and tracker(d) == "step_00000005"
+        assert_equal_state(ck.load(), 5)
+
+
 def test_C3_retention_keeps_newest_two_and_tolerates_dirs_deleted_by_others(snap_env):
     """Retention and C3: keep_last=2 over 8 commits, while a second "local main" thread deletes the
     same old checkpoints the persister rotates (racing it), one committed directory is removed by hand

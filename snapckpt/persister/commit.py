@@ -46,7 +46,8 @@ class CommitRequest:
     def __init__(self, *, checkpoint_dir: str, dirname: str, step: int, run_id: str, world_size: int,
                  timeout_secs: float, keep_last: Optional[int], tracker_name: str, tracker_content: str,
                  tracker_gate: Optional[Callable[[Callable[[], None]], None]] = None,
-                 local_failure: Optional[Callable[[], Optional[BaseException]]] = None):
+                 local_failure: Optional[Callable[[], Optional[BaseException]]] = None,
+                 requested_unix: Optional[float] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -62,6 +63,9 @@ class CommitRequest:
         # local_failure() returns the error of a rank of this node whose part failed (known in memory even
         # when the disk was too full for its failure marker), so the commit fails at once, not at the timeout
         self.local_failure = local_failure
+        # when the save was requested (the first persist request of the step, Unix seconds): the order of
+        # saves, which retention follows; commits of one job run in parallel and may finish out of order
+        self.requested_unix = time.time() if requested_unix is None else requested_unix
 
     @property
     def partial_dir(self) -> str:
@@ -184,6 +188,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
                     "step; or those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
             time.sleep(POLL_SECS)
         manifest = build_manifest(step=req.step, dirname=req.dirname, world_size=req.world_size,
+                                  requested_unix=req.requested_unix,
                                   run_id=req.run_id, parts=parts)
         check_sizes(reader, req.partial_dir, manifest)
         storage.write_atomic(os.path.join(req.partial_dir, MANIFEST), json.dumps(manifest, indent=1).encode())

@@ -19,11 +19,17 @@ import os
 from typing import Iterable, List, Optional
 
 from ..manifest import list_committed
+from .client import job_of_run
 from ..storage.base import StorageReader, StorageWriter
 
 __all__ = ["apply_retention", "trash_dirname"]
 
 log = logging.getLogger(__name__)
+
+
+def _save_order(manifest) -> float:
+    value = manifest.get("requested_unix", manifest.get("created_unix", 0.0))
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def trash_dirname(dirname: str, run_id: str) -> str:
@@ -40,15 +46,22 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
         defer_to: when a list is given, each retired checkpoint is renamed to
             :func:`trash_dirname` ``(dirname, run_id)`` and that absolute path is appended to the list for
             the caller to ``remove_tree``; otherwise it is deleted here.
-        run_id: the committing run's id (names the hidden directories when ``defer_to`` is given).
+        run_id: the committing run's id: only checkpoints of the same job (run ids start with the job key)
+            are candidates, so a second job sharing the directory never rotates this one's away; it also
+            names the hidden directories when ``defer_to`` is given.
     """
     if keep_last is None:
         return []
     committed = list_committed(reader, checkpoint_dir, quick_check=False)
-    # Newest means most recently committed (the manifest's commit time), not the highest step: after a
-    # rewind (load an older step and train on), the new lower-numbered checkpoints are kept, the
-    # abandoned higher-numbered ones rotate away.
-    committed.sort(key=lambda c: c.manifest.get("created_unix", 0.0))
+    if run_id:  # only this job's checkpoints: another job sharing the directory keeps its own
+        mine = job_of_run(run_id)
+        committed = [c for c in committed if job_of_run(str(c.manifest.get("run_id", ""))) == mine]
+    # Newest means most recently requested (the save order), not the highest step: after a rewind (load
+    # an older step and train on), the new lower-numbered checkpoints are kept, the abandoned
+    # higher-numbered ones rotate away. Not the commit time either: commits of one job run in parallel
+    # and may finish out of order, and the newest save (the one the tracker names) must never rotate
+    # away because an older save committed after it. Manifests without requested_unix: commit time.
+    committed.sort(key=lambda c: _save_order(c.manifest))
     keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
     deleted = []
     for c in committed:
