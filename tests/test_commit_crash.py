@@ -532,6 +532,9 @@ def test_B4_full_disk_efbig_reaches_trainer_previous_intact(snap_env, numel):
             ck.save(make_state(5, 0), 5)
         assert type(ei.value) is OSError and ei.value.errno == errno.EFBIG, repr(ei.value)
         assert "step 4" in " ".join(getattr(ei.value, "__notes__", [])), ei.value
+        # the cause and the fix: the file being written, and what to change
+        assert ei.value.filename and os.path.basename(ei.value.filename) == "rank_00000.pt", repr(ei.value)
+        assert "ulimit -f" in " ".join(ei.value.__notes__), ei.value.__notes__
         ck.save(make_state(5, 0), 5).wait()
         h6 = ck.save(big(6), 6)
         with pytest.raises(OSError) as ei:

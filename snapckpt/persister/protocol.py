@@ -114,7 +114,24 @@ def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
         exc = _errors.PersistError(f"{typ}: {msg}")
     if context:
         exc.add_note(context)
+    hint = _DISK_FULL_HINTS.get(errno_) if errno_ is not None else None
+    if hint:
+        exc.add_note(hint)
     return exc
+
+
+_FULL = ("the previous checkpoint is intact and nothing of this save is left where a loader looks; "
+         "{what}, then save again")
+#: Notes added to storage errors that reach the trainer (the cause and the fix; errno values as Linux).
+_DISK_FULL_HINTS = {
+    28: "ENOSPC: the filesystem holding the checkpoint directory is full; " + _FULL.format(
+        what="free space there or keep fewer checkpoints (keep_last; save_total_limit under the Trainer)"),
+    122: "EDQUOT: your disk quota on the checkpoint filesystem is used up; " + _FULL.format(
+        what="free space or raise the quota, or keep fewer checkpoints (keep_last)"),
+    27: "EFBIG: a file-size limit stopped the write (ulimit -f / RLIMIT_FSIZE of the process that started the "
+        "persister, or the filesystem's maximum file size); " + _FULL.format(
+            what="raise the limit (ulimit -f unlimited) before starting the job"),
+}
 
 
 def ok(**fields: Any) -> Dict[str, Any]:

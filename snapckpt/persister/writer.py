@@ -38,7 +38,8 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
             on the slot is not read any more and may be released before the commit can count the part.
 
     Raises:
-        OSError: from the filesystem (ENOSPC, EFBIG, EACCES...), unchanged.
+        OSError: from the filesystem (ENOSPC, EFBIG, EACCES...), with the errno unchanged and the path of
+            the file being written when the error did not name one.
         ValueError: the index names a file outside the partial directory.
     """
     storage.makedirs(os.path.join(partial_dir, SIDECAR))
@@ -52,29 +53,40 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
         path = os.path.join(partial_dir, rel)
         storage.makedirs(os.path.dirname(path))
         kind = f.get("kind", "torch")
-        with storage.open_write(path) as raw:
-            sink = raw if not delay else _SlowWriter(raw, delay)
-            if mid_file:
-                sink = _MidFilePoint(sink, rank, step)
-            cw = ChecksumWriter(sink)
-            if kind == "bytes":
-                for off, n in f["chunks"]:
-                    cw.write(memoryview(buf)[off:off + n])
-            else:
-                po, pn = f["pkl"]
-                records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(),
-                            n) if n else (key, torch.UntypedStorage(0), 0)
-                           for key, off, n in f["records"]]
-                write_torch_file(cw, bytes(buf[po:po + pn]), records)
-                del records
-            storage.fsync_file(raw)
-        files[rel] = {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
+        try:
+            files[rel] = _write_file(storage, buf, f, path, kind, delay, mid_file, rank, step)
+        except OSError as e:
+            if e.filename is None and e.errno is not None:  # write(2)/fsync(2) errors name no file
+                raise OSError(e.errno, e.strerror or str(e), path) from e
+            raise
     if on_data_read is not None:
         on_data_read()
     faults.point("persist.before_part_marker", step=step, rank=rank)
     marker = {"rank": rank, "run_id": run_id, "step": step, "files": files}
     storage.write_atomic(os.path.join(partial_dir, part_marker_name(rank)), json.dumps(marker).encode())
     return files
+
+
+def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind: str, delay: float, mid_file: bool,
+                rank: int, step: int) -> Dict[str, Any]:
+    """Write one file of a part from the slot, fsync it; return its manifest record."""
+    with storage.open_write(path) as raw:
+        sink = raw if not delay else _SlowWriter(raw, delay)
+        if mid_file:
+            sink = _MidFilePoint(sink, rank, step)
+        cw = ChecksumWriter(sink)
+        if kind == "bytes":
+            for off, n in f["chunks"]:
+                cw.write(memoryview(buf)[off:off + n])
+        else:
+            po, pn = f["pkl"]
+            records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(),
+                        n) if n else (key, torch.UntypedStorage(0), 0)
+                       for key, off, n in f["records"]]
+            write_torch_file(cw, bytes(buf[po:po + pn]), records)
+            del records
+        storage.fsync_file(raw)
+    return {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
 
 
 def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,
