@@ -33,20 +33,6 @@ def test_unsupported_tensors_name_the_conversion(snap_env):
         assert torch.equal(ck.load()["ok"], torch.ones(2))
 
 
-def test_C3_two_jobs_in_one_dir_never_rotate_each_others_checkpoints(snap_env):
-    """Found by a new-user trial: job B's retention deleted job A's checkpoints in a shared directory (and
-    A's restart then loaded B's state). Right: retention only rotates its own job's checkpoints."""
-    d = snap_env.ckpt_dir
-    with Checkpointer(d, job_id="a", keep_last=2) as a:
-        for step in (1, 2, 3):
-            a.save({"w": torch.full((4,), float(step))}, step).wait()
-    with Checkpointer(d, job_id="b", keep_last=2) as b:
-        for step in (10, 11, 12):
-            b.save({"w": torch.full((4,), float(step))}, step).wait()
-    assert sorted(n for n in os.listdir(d) if n.startswith("step_")) == [
-        "step_00000002", "step_00000003", "step_00000011", "step_00000012"]
-
-
 def test_two_jobs_in_one_dir_never_overwrite_each_other(snap_env):
     """A second job (other job_id) saving the same step into the same directory is refused at commit;
     the first job's checkpoint stays as it was."""

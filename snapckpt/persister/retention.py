@@ -19,7 +19,6 @@ import os
 from typing import Iterable, List, Optional
 
 from ..manifest import list_committed
-from .client import job_of_run
 from ..storage.base import StorageReader, StorageWriter
 
 __all__ = ["apply_retention", "trash_dirname"]
@@ -46,16 +45,11 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
         defer_to: when a list is given, each retired checkpoint is renamed to
             :func:`trash_dirname` ``(dirname, run_id)`` and that absolute path is appended to the list for
             the caller to ``remove_tree``; otherwise it is deleted here.
-        run_id: the committing run's id: only checkpoints of the same job (run ids start with the job key)
-            are candidates, so a second job sharing the directory never rotates this one's away; it also
-            names the hidden directories when ``defer_to`` is given.
+        run_id: the committing run's id (names the hidden directories when ``defer_to`` is given).
     """
     if keep_last is None:
         return []
     committed = list_committed(reader, checkpoint_dir, quick_check=False)
-    if run_id:  # only this job's checkpoints: another job sharing the directory keeps its own
-        mine = job_of_run(run_id)
-        committed = [c for c in committed if job_of_run(str(c.manifest.get("run_id", ""))) == mine]
     # Newest means most recently requested (the save order), not the highest step: after a rewind (load
     # an older step and train on), the new lower-numbered checkpoints are kept, the abandoned
     # higher-numbered ones rotate away. Not the commit time either: commits of one job run in parallel
