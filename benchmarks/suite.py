@@ -40,7 +40,6 @@ load average (it is in the JSON and the markdown header).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import mmap
