@@ -806,34 +806,50 @@ def _check_step(step: Any) -> None:
         raise ValueError(f"step must be an int >= 0, got {step!r} ({type(step).__name__})")
 
 
-def copy_into(dst: Any, src: Any, path: str = "", own: bool = False, _memo: Optional[dict] = None) -> Any:
+def copy_into(dst: Any, src: Any, path: str = "", own: bool = False) -> Any:
     """Copy ``src`` into ``dst`` in place where both hold tensors at the same key; return ``dst``.
 
     Tensors are copied with ``Tensor.copy_`` (so dtype and device follow ``dst``, as
     ``load_state_dict`` does); other values replace ``dst``'s (deep copies of them with ``own``: ``src``
     then views memory that is not the caller's, an arena slot; one deep-copy memo for the whole call
-    keeps tensors that share storage sharing it).
+    keeps tensors that share storage sharing it). Every shape is checked before anything is copied, so a
+    refused load leaves ``dst`` as it was.
 
     Raises:
-        IncompatibleCheckpointError: a tensor's shape differs (names the key path).
+        IncompatibleCheckpointError: some tensor's shape differs (names every such key path, up to 10).
     """
-    if own and _memo is None:
-        _memo = {}
+    bad = []
+    _shape_mismatches(dst, src, path, bad)
+    if bad:
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise IncompatibleCheckpointError(
+            f"{len(bad)} tensor(s) of the checkpoint do not fit the live state (nothing was copied):\n  "
+            + "\n  ".join(bad[:10]) + more
+            + "\nload into a model built with the checkpoint's configuration, or load without a state_dict "
+              "(ckpt.load()) to inspect what was saved")
+    return _copy_into(dst, src, own, {} if own else None)
+
+
+def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
+    """Append ``"<key path>: checkpoint shape (..) != live shape (..)"`` for every tensor ``copy_into``
+    would copy with another shape."""
     if isinstance(dst, dict) and isinstance(src, dict):
         for k, v in src.items():
-            sub = f"{path}.{k}" if path else str(k)
+            if k in dst:
+                _shape_mismatches(dst[k], v, f"{path}.{k}" if path else str(k), out)
+    elif isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape != src.shape:
+        out.append(f"{path or 'tensor'}: checkpoint shape {tuple(src.shape)} != live shape {tuple(dst.shape)}")
+
+
+def _copy_into(dst: Any, src: Any, own: bool, memo: Optional[dict]) -> Any:
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for k, v in src.items():
             both = (k in dst and ((isinstance(dst[k], dict) and isinstance(v, dict))
                                   or (isinstance(dst[k], torch.Tensor) and isinstance(v, torch.Tensor))))
-            if both:
-                dst[k] = copy_into(dst[k], v, sub, own, _memo)
-            else:
-                dst[k] = copy.deepcopy(v, _memo) if own else v
+            dst[k] = _copy_into(dst[k], v, own, memo) if both else (copy.deepcopy(v, memo) if own else v)
         return dst
     if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
-        if dst.shape != src.shape:
-            raise IncompatibleCheckpointError(f"{path or 'tensor'}: checkpoint shape {tuple(src.shape)} != "
-                                              f"live shape {tuple(dst.shape)}")
         with torch.no_grad():
             dst.copy_(src)
         return dst
-    return copy.deepcopy(src, _memo) if own else src
+    return copy.deepcopy(src, memo) if own else src

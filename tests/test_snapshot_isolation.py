@@ -429,7 +429,8 @@ def test_E4_float64_checkpoint_casts_into_float32_state_and_shape_mismatch_names
     """E4. Fault: a state saved in float64 is loaded into a float32 model's state dict; then into a model
     whose layer has another shape. Right behaviour: ``ck.load(state_dict=...)`` casts into the live
     float32 tensors in place (the optimizer keeps working: no failure later inside ``step()``); a shape
-    mismatch raises ``IncompatibleCheckpointError`` naming the key."""
+    mismatch raises ``IncompatibleCheckpointError`` naming every mismatched key, before copying anything
+    (a refused load leaves the live state as it was: found by a new-user trial)."""
     torch.manual_seed(0)
     src = nn.Linear(8, 4).double()
     saved = {k: v.clone() for k, v in src.state_dict().items()}
@@ -449,8 +450,14 @@ def test_E4_float64_checkpoint_casts_into_float32_state_and_shape_mismatch_names
         opt.step()  # would fail (or silently compute in float64) had the tensors been replaced
         assert dst.weight.dtype == torch.float32
         wrong = nn.Linear(8, 5)
-        with pytest.raises(IncompatibleCheckpointError, match=r"model\.weight"):
+        with pytest.raises(IncompatibleCheckpointError, match=r"model\.weight") as ei:
             ck.load(state_dict={"model": wrong.state_dict()})
+        assert "model.bias" in str(ei.value) and "nothing was copied" in str(ei.value)
+        # A refused load changes nothing: the weight fits and comes first, the bias does not.
+        half = {"model": {"weight": torch.zeros(4, 8), "bias": torch.zeros(5)}, "step": 0}
+        with pytest.raises(IncompatibleCheckpointError, match=r"model\.bias"):
+            ck.load(state_dict=half)
+        assert torch.equal(half["model"]["weight"], torch.zeros(4, 8)) and half["step"] == 0
 
 
 # ------------------------------------------------------------------- format: stock torch.load round trip
