@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import faults, layout
+from . import dirclaim, errors, faults, layout
 from .arena import map_slot, slot_file_name
 from .device_copy import CudaCopier, has_cuda_sources
 from .coordination import make_coordinator
@@ -176,6 +176,8 @@ class Checkpointer:
         self._copier = None  # the copy thread (overlap=True), started on first use
         self._cuda: Optional[CudaCopier] = None  # side-stream copies of CUDA tensors, made on first use
         self._closed = False
+        self._claim: Optional[dirclaim.DirClaim] = None
+        self._claimed = False  # the writer claim of checkpoint_dir was settled (see _claim_dir)
         self.last_load: Optional[LoadInfo] = None
         self.last_stats: Optional[SaveStats] = None
         t = self.options.coordination_timeout_secs
@@ -414,6 +416,9 @@ class Checkpointer:
         the missing ranks named).
 
         Raises:
+            ValueError: ``step`` is not an ``int`` in ``[0, 2**63 - 1]`` (a bool, a float, negative, too large).
+            CheckpointDirInUseError: another job (another process) saves into ``checkpoint_dir``
+                (:mod:`snapckpt.dirclaim`); raised by the first save, on every rank; nothing was saved.
             SnapshotError: the state holds an unsupported tensor.
             InsufficientSharedMemoryError / InsufficientDiskError: preflight; nothing was changed.
             SlotBusyError: ``on_slot_busy="wait"`` and no slot freed in time.
@@ -449,6 +454,8 @@ class Checkpointer:
             validate_dirname(tracker_name)
         for name in files:
             validate_file_name(name)
+        if not self._claimed:
+            self._claim_dir()
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step)
@@ -508,6 +515,29 @@ class Checkpointer:
             self._abort(slot, sync_cuda=device_done is not None)
             raise
         return self._copied(job)
+
+    def _claim_dir(self) -> None:
+        """First save of this Checkpointer: global rank 0 claims ``checkpoint_dir`` for this job
+        (:mod:`snapckpt.dirclaim`) and every rank learns the outcome, so that all ranks raise together.
+
+        Raises:
+            CheckpointDirInUseError: another job holds the claim (on every rank; nothing was saved).
+            CheckpointDirError: the lock file cannot be used.
+        """
+        mine: Dict[str, Any] = {"ok": True}
+        err: Optional[BaseException] = None
+        if self.rank == 0:
+            try:
+                self._claim = dirclaim.claim_dir(self.checkpoint_dir, {"job_id": self.options.job_id,
+                                                                       "run_id": self.run_id})
+            except SnapckptError as e:
+                err, mine = e, {"ok": False, "type": type(e).__name__, "error": str(e)}
+        got = self._coord.all_gather("claim", mine, self.options.coordination_timeout_secs)[0]
+        if err is not None:
+            raise err
+        if not got["ok"]:
+            raise getattr(errors, got["type"], errors.CheckpointDirError)(got["error"])
+        self._claimed = True
 
     def _abort(self, slot: int, sync_cuda: bool = False) -> None:
         if sync_cuda:  # a queued device-to-host copy must not land in the slot after it is handed back
@@ -856,6 +886,8 @@ class Checkpointer:
                 self._copier.shutdown(wait=True)
             self._client.close(bye=True)
             self._drop_mappings()
+            if self._claim is not None:
+                self._claim.release()
             if self._prefaulter is not None:
                 self._prefaulter.shutdown(wait=True)
             self._closed = True

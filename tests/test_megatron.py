@@ -21,6 +21,7 @@ import signal
 import pytest
 
 from _harness import finish, launch, result_lines, run_ranks, wait_until
+from snapckpt.dirclaim import LOCK_NAME
 
 WORKER = "megatron_worker.py"
 
@@ -65,7 +66,8 @@ def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
         {k: (v.relative_path, v.offset, v.length) for k, v in b.storage_data.items()}
     assert a.storage_meta.checkpoint_id == mine
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "5"
-    assert sorted(os.listdir(ck)) == [f"iter_000000{i}" for i in range(2, 6)] + ["latest_checkpointed_iteration.txt"]
+    assert sorted(set(os.listdir(ck)) - {LOCK_NAME}) == [f"iter_000000{i}" for i in range(2, 6)] + \
+        ["latest_checkpointed_iteration.txt"]
 
     outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref], snap_env.env,
                      timeout=240)
