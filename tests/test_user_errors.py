@@ -4,6 +4,7 @@ Found by a first-use trial of the README: bad steps, unsupported tensors, two jo
 directory, a rewound run and retention, paths the persister cannot use.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -112,3 +113,27 @@ def test_memory_tier_of_a_deleted_and_recreated_dir_is_not_resurrected(snap_env)
     shutil.rmtree(snap_env.ckpt_dir)
     with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=30) as fresh:
         assert fresh.latest_step() is None
+
+
+def test_P5_file_size_limit_below_the_arena_slot_names_ulimit(snap_env):
+    """The job starts under ``ulimit -f`` of 64 KiB (RLIMIT_FSIZE, inherited by the persister) and saves a
+    1 MiB state. Right: a PreflightError that names the limit, the slot size and ``ulimit -f``, not a
+    shared-memory error; nothing is saved."""
+    import resource
+
+    from faults import limit_file_size
+
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit_file_size(64 * 1024)  # this process and the persister it starts
+    try:
+        ck = Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    with ck:
+        with pytest.raises(PreflightError) as ei:
+            ck.save({"w": torch.ones(1 << 18)}, 1, StorageType.MEMORY)
+        msg = str(ei.value)
+        assert "ulimit -f" in msg and "65536 bytes" in msg and "unlimited" in msg, msg
+        slot = int(re.search(r"slot size of rank 0 \((\d+) bytes\)", msg).group(1))
+        assert slot >= 1 << 20 and "shared-memory" not in msg, msg
+        assert ck.latest_step() is None
