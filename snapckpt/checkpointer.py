@@ -408,7 +408,7 @@ class Checkpointer:
             state_dict: any picklable object holding CPU or CUDA tensors: model and optimizer state
                 dicts, scheduler state, RNG states, counters, user objects. CUDA tensors are copied on a
                 side stream into page-locked shared memory (:mod:`snapckpt.device_copy`).
-            step: training step (int >= 0); names the directory ``step_%08d``.
+            step: training step, an ``int`` in ``[0, 2**63 - 1]``; names the directory ``step_%08d``.
             storage_type: ``MEMORY`` keeps it in the node's shared memory; ``DISK`` also writes it to
                 ``checkpoint_dir`` and commits it in the background.
 
@@ -789,6 +789,8 @@ class Checkpointer:
             CheckpointNotFoundError, CheckpointCorruptError, IncompatibleCheckpointError,
             UnsafeCheckpointError: as :meth:`load`.
         """
+        if step is not None:
+            check_step(step)
         self.wait()
         t0 = time.perf_counter()
         cands = self._candidates(step)
@@ -957,10 +959,17 @@ def _fs_type(path: str) -> Optional[str]:
     return best[1] if best else None
 
 
-def _check_step(step: Any) -> None:
-    """``ValueError`` unless ``step`` is an ``int >= 0`` (not a bool, float or string)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r} ({type(step).__name__})")
+MAX_STEP = 2**63 - 1  # steps are signed 64-bit integers in the arena's slot header
+
+
+def check_step(step: Any, what: str = "step") -> None:
+    """``ValueError`` unless ``step`` is an ``int`` in ``[0, 2**63 - 1]`` (not a bool, float or string);
+    ``what`` names it in the message (``"iteration"`` for Megatron)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"{what} must be an int in [0, 2**63 - 1], got {step!r} ({type(step).__name__})")
+
+
+_check_step = check_step
 
 
 def copy_into(dst: Any, src: Any, path: str = "", own: bool = False, _memo: Optional[dict] = None) -> Any:

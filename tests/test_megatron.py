@@ -176,6 +176,7 @@ def test_bad_input_names_the_fix():
         save_checkpoint(1, [], None, None, 0)
     with pytest.raises(ValueError, match="load_dir="):
         load_checkpoint([], None, None)
-    with pytest.raises(ValueError, match="iteration must be an int >= 0"):
-        save_checkpoint(-1, [], None, None, 0, save_dir="/nonexistent/never-created")
+    for bad in (-1, 2**63, 3.0):  # P6a: the range is named
+        with pytest.raises(ValueError, match=r"iteration must be an int in \[0, 2\*\*63 - 1\]"):
+            save_checkpoint(bad, [], None, None, 0, save_dir="/nonexistent/never-created")
     assert not os.path.exists("/nonexistent/never-created")

@@ -13,14 +13,23 @@ from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import CheckpointDirError, CommitError, PersisterError, PreflightError, SnapshotError
 
 
-@pytest.mark.parametrize("step", ["5", 3.0, None, -1, True])
-def test_bad_step_is_a_clear_value_error(snap_env, step):
+BAD_STEPS = ["5", 3.0, None, -1, True, 2**63, -(2**63) - 1]
+
+
+def test_P6a_bad_step_is_a_clear_value_error(snap_env):
+    """A step that is not an int in [0, 2**63 - 1] (a string, a float, None, a bool, negative, 2**63) is a
+    ValueError naming the value and the range, from save and load(step=), never a bare struct.error; the
+    largest step is fine."""
     with Checkpointer(snap_env.ckpt_dir) as ck:
-        with pytest.raises(ValueError, match="step must be an int >= 0"):
-            ck.save({"a": torch.ones(2)}, step)
-        with pytest.raises(ValueError, match="step must be an int >= 0"):
-            ck.load(step=step if step is not None else "x")
-    assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+        for step in BAD_STEPS:
+            with pytest.raises(ValueError, match=r"step must be an int in \[0, 2\*\*63 - 1\], got ") as ei:
+                ck.save({"a": torch.ones(2)}, step)
+            assert repr(step) in str(ei.value)
+            with pytest.raises(ValueError, match=r"step must be an int in \[0, 2\*\*63 - 1\]"):
+                ck.load(step=step if step is not None else "x")
+        assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+        ck.save({"a": torch.ones(2)}, 2**63 - 1, StorageType.MEMORY)
+        assert ck.latest_step() == 2**63 - 1
 
 
 def test_unsupported_tensors_name_the_conversion(snap_env):
