@@ -824,16 +824,22 @@ class Checkpointer:
                 log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
                          self.last_load.seconds)
                 return result, cand
-            msg = f"step {cstep} ({tier}) unreadable on ranks {sorted(bad)}: " + "; ".join(
+            where = f"{tier}, {key}" if tier == "disk" else tier
+            msg = f"step {cstep} ({where}) unreadable on ranks {sorted(bad)}: " + "; ".join(
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
-        if errors:
-            raise CheckpointCorruptError("no readable checkpoint: " + " | ".join(errors))
         what = f"step {step}" if step is not None else "any step"
-        damaged = f"; skipped as damaged: {'; '.join(self._damaged)}" if self._damaged else ""
-        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}"
-                                      f"{damaged}")
+        lines = [f"  {e}" for e in errors] + [f"  {d} (skipped as damaged)" for d in self._damaged]
+        fix = (f"\nRun `snapckpt verify {self.checkpoint_dir}` to check every checkpoint there; restore or "
+               "delete the damaged ones (or start afresh in an empty directory)")
+        if errors:
+            raise CheckpointCorruptError(f"no readable checkpoint of {what} in memory or in {self.checkpoint_dir}; "
+                                         f"each one was refused:\n" + "\n".join(lines) + fix)
+        if self._damaged:
+            raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in "
+                                          f"{self.checkpoint_dir}; each one was refused:\n" + "\n".join(lines) + fix)
+        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
 
     def _load_files(self, step: Optional[int] = None) -> Tuple[int, StorageType, Dict[str, Any]]:
         """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
@@ -853,9 +859,11 @@ class Checkpointer:
             step: load exactly this step.
 
         Raises:
-            CheckpointNotFoundError: nothing (or not ``step``) to load; the message names directories
-                skipped as damaged (no readable manifest, or a file of the wrong size).
-            CheckpointCorruptError: every candidate failed; the message lists each failure per rank.
+            CheckpointNotFoundError: nothing (or not ``step``) to load; the message lists, one line each,
+                the directories skipped as damaged (no readable manifest, or a file missing or of the
+                wrong size) and names ``snapckpt verify``.
+            CheckpointCorruptError: every candidate failed; the message lists each step tried and why it
+                was refused (per rank), one line each, then the skipped directories and the fix.
             IncompatibleCheckpointError: world size differs, or a tensor's shape differs from ``state_dict``.
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
         """

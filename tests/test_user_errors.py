@@ -146,3 +146,39 @@ def test_P5_file_size_limit_below_the_arena_slot_names_ulimit(snap_env):
         slot = int(re.search(r"slot size of rank 0 \((\d+) bytes\)", msg).group(1))
         assert slot >= 1 << 20 and "shared-memory" not in msg, msg
         assert ck.latest_step() is None
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_P6b_every_checkpoint_damaged_each_step_named(snap_env):
+    """Steps 1-4 on disk, the persister gone (no memory tier); 1, 3 and 4 flipped, 2 truncated. Right: the
+    error lists each step tried and why, one line each, the truncated one as skipped, and names
+    `snapckpt verify`."""
+    from snapckpt.errors import CheckpointCorruptError
+
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save({"w": torch.full((1024,), float(step))}, step).wait()
+    rank_file = lambda step: os.path.join(d, f"step_{step:08d}", "rank_00000.pt")
+    for step in (4, 3, 1):
+        _flip(rank_file(step))
+    with open(rank_file(2), "r+b") as f:
+        f.truncate(10)
+    with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
+        with pytest.raises(CheckpointCorruptError) as ei:
+            ck.load()
+    lines = str(ei.value).splitlines()
+    assert "each one was refused" in lines[0], lines
+    for step in (4, 3, 1):
+        (line,) = [l for l in lines if f"step {step} (disk, step_{step:08d})" in l]
+        assert "corrupted" in line and f"step_{step:08d}/rank_00000.pt" in line, line
+    (line,) = [l for l in lines if "step_00000002" in l]
+    assert "skipped as damaged" in line and "10 bytes" in line, line
+    assert f"snapckpt verify {d}" in lines[-1], lines
