@@ -52,11 +52,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadInfo:
-    """What the last ``load`` restored: ``step``, ``tier`` (``StorageType``) and ``seconds`` it took."""
+    """What the last ``load`` restored (``Checkpointer.last_load``).
+
+    Attributes:
+        step: the step loaded (``load`` returns the state only: this is where its step is).
+        tier: ``StorageType.MEMORY`` or ``StorageType.DISK``.
+        seconds: how long the load took.
+        skipped: newer candidates that were tried first and refused, one line each (step, tier, directory,
+            ranks and cause, e.g. a checksum mismatch); empty when the newest candidate loaded.
+    """
 
     step: int
     tier: StorageType
     seconds: float
+    skipped: Tuple[str, ...] = ()
 
 
 class LoadCandidate:
@@ -705,9 +714,15 @@ class Checkpointer:
         return cands
 
     def latest_step(self) -> Optional[int]:
-        """Newest step complete on every rank, in memory or on disk (quick size check); ``None`` if none.
+        """Newest step complete on every rank, in memory or on disk; ``None`` if none. Collective.
 
-        Collective."""
+        It checks completeness, not content: a disk checkpoint counts when its manifest is valid and every
+        file it lists (every rank's) exists with the listed size; a memory snapshot when every rank holds
+        it. Checksums are not read here (that would read every byte): a file damaged in place (a flipped
+        byte) still counts. :meth:`load` verifies the checksums, and if the newest step fails them it loads
+        the newest step that verifies, with a warning naming the refused step and why; which step it
+        loaded is then ``last_load.step`` (not necessarily ``latest_step()``). ``snapckpt verify <dir>``
+        checks every checksum."""
         self.wait()
         cands = self._candidates()
         return cands[0][0] if cands else None
@@ -820,9 +835,13 @@ class Checkpointer:
                 if bad:
                     break
             if not bad:
-                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0)
+                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0, tuple(errors))
                 log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
                          self.last_load.seconds)
+                if errors:
+                    log.warning("rank %d: loaded step %d (%s), not the newest: %d newer checkpoint(s) refused: "
+                                "%s; `snapckpt verify %s` checks them all", self.rank, cstep, cand.tier.value,
+                                len(errors), " | ".join(errors), self.checkpoint_dir)
                 return result, cand
             where = f"{tier}, {key}" if tier == "disk" else tier
             msg = f"step {cstep} ({where}) unreadable on ranks {sorted(bad)}: " + "; ".join(
@@ -851,7 +870,9 @@ class Checkpointer:
 
         Memory is used when every rank holds the step and it is at least as new as the newest committed
         disk checkpoint; otherwise disk, with checksums verified. A candidate that any rank cannot read
-        is skipped by all ranks together, with a warning naming the rank and the cause.
+        is skipped by all ranks together, with a warning naming the step, the rank and the cause, and
+        the next newest is tried. The step loaded, its tier and the refused newer candidates are in
+        :attr:`last_load` (a :class:`LoadInfo`): ``ck.last_load.step``.
 
         Args:
             state_dict: if given, tensors are copied into it in place (cast to its dtypes) and other
@@ -859,6 +880,7 @@ class Checkpointer:
             step: load exactly this step.
 
         Raises:
+            ValueError: ``step`` is not an ``int`` in ``[0, 2**63 - 1]``.
             CheckpointNotFoundError: nothing (or not ``step``) to load; the message lists, one line each,
                 the directories skipped as damaged (no readable manifest, or a file missing or of the
                 wrong size) and names ``snapckpt verify``.

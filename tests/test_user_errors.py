@@ -156,10 +156,14 @@ def _flip(path: str) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def test_P6b_every_checkpoint_damaged_each_step_named(snap_env):
-    """Steps 1-4 on disk, the persister gone (no memory tier); 1, 3 and 4 flipped, 2 truncated. Right: the
-    error lists each step tried and why, one line each, the truncated one as skipped, and names
-    `snapckpt verify`."""
+def test_P6b_P6c_damaged_checkpoints_each_named_and_the_loaded_step_is_known(snap_env, caplog):
+    """Steps 1-4 on disk, the persister gone (no memory tier). A flipped byte in step 4: latest_step()
+    still names 4 (it checks completeness, not checksums); load() refuses 4, loads 3, warns naming step 4
+    and the cause, and last_load says step 3 with step 4 among the skipped. Then every checkpoint damaged
+    (1 and 3 flipped, 2 truncated): the error lists each step tried and why, one line each, the truncated
+    one as skipped, and names `snapckpt verify`."""
+    import logging
+
     from snapckpt.errors import CheckpointCorruptError
 
     d = snap_env.ckpt_dir
@@ -167,11 +171,20 @@ def test_P6b_every_checkpoint_damaged_each_step_named(snap_env):
         for step in (1, 2, 3, 4):
             ck.save({"w": torch.full((1024,), float(step))}, step).wait()
     rank_file = lambda step: os.path.join(d, f"step_{step:08d}", "rank_00000.pt")
-    for step in (4, 3, 1):
-        _flip(rank_file(step))
-    with open(rank_file(2), "r+b") as f:
-        f.truncate(10)
+    _flip(rank_file(4))
     with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
+        assert ck.latest_step() == 4
+        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+            out = ck.load()
+        assert torch.equal(out["w"], torch.full((1024,), 3.0))
+        assert ck.last_load.step == 3 and ck.last_load.tier == StorageType.DISK
+        assert len(ck.last_load.skipped) == 1 and "step 4 (disk, step_00000004)" in ck.last_load.skipped[0]
+        warned = [r.getMessage() for r in caplog.records if "loaded step 3" in r.getMessage()]
+        assert warned and "step 4" in warned[0] and "corrupted" in warned[0], caplog.text
+        _flip(rank_file(3))
+        _flip(rank_file(1))
+        with open(rank_file(2), "r+b") as f:
+            f.truncate(10)
         with pytest.raises(CheckpointCorruptError) as ei:
             ck.load()
     lines = str(ei.value).splitlines()
@@ -182,3 +195,4 @@ def test_P6b_every_checkpoint_damaged_each_step_named(snap_env):
     (line,) = [l for l in lines if "step_00000002" in l]
     assert "skipped as damaged" in line and "10 bytes" in line, line
     assert f"snapckpt verify {d}" in lines[-1], lines
+
