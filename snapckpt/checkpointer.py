@@ -686,7 +686,8 @@ class Checkpointer:
         if self.rank == 0:
             for c in list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
                                     problems=problems):
-                disk.append([c.step, c.dirname, c.manifest["world_size"]])
+                saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
+                disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
             for p in problems:
                 log.warning("not a loadable checkpoint: %s", p)
         everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems},
@@ -703,6 +704,7 @@ class Checkpointer:
         disk_all = everyone[0]["disk"]
         wrong = [d for d in disk_all if d[2] != self.world_size]
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
+        self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]  # (step, dirname, saved at), see _warn_rewind
         cands: List[Tuple[int, str, Optional[str]]] = [(s, "memory", rid) for s, rid in (common or set())]
         cands += [(d[0], "disk", d[1]) for d in disk_ok]
         cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
@@ -838,6 +840,8 @@ class Checkpointer:
                 self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0, tuple(errors))
                 log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
                          self.last_load.seconds)
+                if step is None and dirname is None:
+                    self._warn_rewind(cstep)
                 if errors:
                     log.warning("rank %d: loaded step %d (%s), not the newest: %d newer checkpoint(s) refused: "
                                 "%s; `snapckpt verify %s` checks them all", self.rank, cstep, cand.tier.value,
@@ -860,6 +864,17 @@ class Checkpointer:
                                           f"{self.checkpoint_dir}; each one was refused:\n" + "\n".join(lines) + fix)
         raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
 
+    def _warn_rewind(self, loaded: int) -> None:
+        """Warn when a lower step than ``loaded`` was saved to disk after it (a rewind): load() picks the
+        highest step, retention keeps the most recently saved ones."""
+        later = [d for d in self._disk_saved if d[0] < loaded
+                 and d[2] > max((e[2] for e in self._disk_saved if e[0] >= loaded), default=0.0)]
+        if later and self.rank == 0:
+            newest = max(later, key=lambda d: d[2])
+            log.warning("loaded step %d, the highest step; step %d (%s) was saved after it (a rewind?). To "
+                        "resume from it pass load(step=%d), or delete the abandoned higher steps", loaded,
+                        newest[0], newest[1], newest[0])
+
     def _load_files(self, step: Optional[int] = None) -> Tuple[int, StorageType, Dict[str, Any]]:
         """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
         files, cand = self._load_with(lambda c: c.files(), step)
@@ -873,6 +888,12 @@ class Checkpointer:
         is skipped by all ranks together, with a warning naming the step, the rank and the cause, and
         the next newest is tried. The step loaded, its tier and the refused newer candidates are in
         :attr:`last_load` (a :class:`LoadInfo`): ``ck.last_load.step``.
+
+        Newest means the highest step number, as the frameworks' own resume does (the Trainer's
+        ``get_last_checkpoint``, DeepSpeed's ``latest`` that never moves back), while retention keeps
+        the ``keep_last`` most recently *saved*. After a rewind (saving lower steps than committed ones)
+        the abandoned higher steps win until retention rotates them away: a warning names the more
+        recently saved step; pass ``step=`` or delete the abandoned steps.
 
         Args:
             state_dict: if given, tensors are copied into it in place (cast to its dtypes) and other

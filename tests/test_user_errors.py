@@ -196,3 +196,19 @@ def test_P6b_P6c_damaged_checkpoints_each_named_and_the_loaded_step_is_known(sna
     assert "skipped as damaged" in line and "10 bytes" in line, line
     assert f"snapckpt verify {d}" in lines[-1], lines
 
+
+def test_rewind_then_crash_loads_the_highest_step_and_warns(snap_env, caplog):
+    """Steps 100, 200, then a rewind to 5 (keep_last=3 keeps all three) and a restart. Right, as documented:
+    load() picks the highest step, 200 (as the frameworks' own resume does), and warns that step 5 was
+    saved after it and how to load it; load(step=5) loads it."""
+    import logging
+
+    with Checkpointer(snap_env.ckpt_dir, keep_last=3, persister_idle_timeout_secs=5) as ck:
+        for step in (100, 200, 5):
+            ck.save({"w": step}, step, StorageType.DISK).wait()
+    with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
+        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+            assert ck.load()["w"] == 200
+        assert any("step 5 (step_00000005) was saved after it" in r.getMessage() and "load(step=5)"
+                   in r.getMessage() for r in caplog.records), caplog.text
+        assert ck.load(step=5)["w"] == 5
