@@ -34,6 +34,7 @@ __all__ = ["LOCK_NAME", "DirClaim", "claim_dir"]
 LOCK_NAME = ".snapckpt-writer.lock"
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.ENOSYS}
 _DEAD_HOLDER_GRACE_SECS = 5.0  # a holder that is exiting (zombie) on this host: wait for the kernel to unlock
+_ANY_HOLDER_GRACE_SECS = 1.0  # any other holder: a job killed just before this one started may still be exiting
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -127,18 +128,19 @@ def _open(path: str) -> int:
 
 def _flock(fd: int, real: str) -> bool:
     """Lock ``fd``; False where flock is unsupported; CheckpointDirInUseError when another process holds it."""
-    deadline = None
+    start = time.monotonic()
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             info = read_holder(real)
-            if _exiting_here(info):  # killed, not yet reaped: the kernel unlocks in a moment
-                deadline = deadline or time.monotonic() + _DEAD_HOLDER_GRACE_SECS
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
+            # A holder killed a moment ago may still be exiting (its files not yet closed): wait a little,
+            # longer when it is known to be on its way out (gone or a zombie on this host).
+            grace = _DEAD_HOLDER_GRACE_SECS if _exiting_here(info) else _ANY_HOLDER_GRACE_SECS
+            if time.monotonic() - start < grace:
+                time.sleep(0.05)
+                continue
             raise CheckpointDirInUseError(_in_use_message(real, info)) from None
         except OSError as e:
             if e.errno in _NO_FLOCK:
