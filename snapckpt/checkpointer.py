@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import dirclaim, errors, faults, layout
+from . import dirclaim, faults, layout
+from . import errors as error_types
 from .arena import map_slot, slot_file_name
 from .device_copy import CudaCopier, has_cuda_sources
 from .coordination import make_coordinator
@@ -533,6 +534,8 @@ class Checkpointer:
             CheckpointDirInUseError: another job holds the claim (on every rank; nothing was saved).
             CheckpointDirError: the lock file cannot be used.
         """
+        if self._closed:
+            raise SnapckptError("this Checkpointer is closed")
         mine: Dict[str, Any] = {"ok": True}
         err: Optional[BaseException] = None
         if self.rank == 0:
@@ -545,7 +548,7 @@ class Checkpointer:
         if err is not None:
             raise err
         if not got["ok"]:
-            raise getattr(errors, got["type"], errors.CheckpointDirError)(got["error"])
+            raise getattr(error_types, got["type"], CheckpointDirError)(got["error"])
         self._claimed = True
 
     def _abort(self, slot: int, sync_cuda: bool = False) -> None:
