@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from _harness import WORKERS, wait_until
+from _harness import WORKERS, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType, dirclaim
 from snapckpt.cli import main as cli_main
 from snapckpt.errors import CheckpointDirInUseError
@@ -71,8 +71,10 @@ def test_P2_second_job_refused_first_keeps_saving_restart_after_kill9(snap_env, 
             first.wait()
 
 
-def test_P2_one_process_shares_its_claim_and_no_flock_saves_without_one(snap_env, monkeypatch, caplog):
-    """Two Checkpointers of one process on one directory share the claim (closing one keeps it); on a
+def test_P2_one_process_shares_its_claim_two_ranks_refused_and_no_flock_saves_without_one(
+        snap_env, monkeypatch, caplog):
+    """Two Checkpointers of one process on one directory share the claim (closing one keeps it); a 2-rank
+    job saving into it meanwhile is refused on both ranks (rank 1 learns it from rank 0, no hang); on a
     filesystem without flock (ENOLCK) a save goes ahead without a claim and a one-line warning says so."""
     d = snap_env.ckpt_dir
     with Checkpointer(d, persister_idle_timeout_secs=5) as a, Checkpointer(d, job_id="b",
@@ -83,7 +85,14 @@ def test_P2_one_process_shares_its_claim_and_no_flock_saves_without_one(snap_env
         assert dirclaim._held[real][1] == 2
         b.close()
         assert dirclaim._held[real][1] == 1
+        outs = run_ranks("dirclaim_worker.py", 2, ["refused", d], snap_env.env, timeout=120)
+        recs = sorted((json.loads(line) for o in outs for line in result_lines(o)), key=lambda r: r["rank"])
+        assert [r["rank"] for r in recs] == [0, 1], outs
+        for r in recs:
+            assert r["error"]["type"] == "CheckpointDirInUseError", r
+            assert f"pid {os.getpid()} on host" in r["error"]["message"], r
         a.save({"w": torch.ones(2)}, 3).wait()
+        assert _steps(d) == [f"step_{s:08d}" for s in (1, 2, 3)]
     assert os.path.realpath(d) not in dirclaim._held
 
     real_flock = dirclaim.fcntl.flock

@@ -3,6 +3,9 @@
 Usage: ``dirclaim_worker.py CHECKPOINT_DIR STATUS_DIR``. Saves DISK steps 1 and 2 (each committed), writes
 ``STATUS_DIR/saved-2``, waits for ``STATUS_DIR/go``, saves steps 3 and 4, writes ``STATUS_DIR/saved-4`` and
 then stays alive (holding the directory's writer claim) until it is killed (at most 300 s).
+
+``dirclaim_worker.py refused CHECKPOINT_DIR`` (2 ranks, gloo): a job whose directory another job holds;
+every rank's first save must raise CheckpointDirInUseError; prints ``RESULT {json}`` per rank.
 """
 import os
 import sys
@@ -41,5 +44,29 @@ def main() -> None:
     os._exit(1)
 
 
+def refused(ckpt: str) -> None:
+    """Both ranks save; rank 0 finds the claim held, and every rank must raise the same error."""
+    import json
+
+    import torch.distributed as dist
+
+    from snapckpt import Checkpointer, StorageType
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with Checkpointer(ckpt, job_id="two-ranks", persister_idle_timeout_secs=10,
+                      coordination_timeout_secs=30) as ck:
+        try:
+            ck.save({"w": torch.ones(4)}, 5, StorageType.DISK)
+            err = None
+        except Exception as e:
+            err = {"type": type(e).__name__, "message": str(e)}
+        print("RESULT " + json.dumps({"rank": rank, "error": err}), flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "refused":
+        refused(sys.argv[2])
+    else:
+        main()
