@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from .errors import CheckpointDirError, CheckpointDirInUseError
 
-__all__ = ["LOCK_NAME", "DirClaim", "claim_dir"]
+__all__ = ["LOCK_NAME", "DirClaim", "claim_dir", "read_holder"]
 
 LOCK_NAME = ".snapckpt-writer.lock"
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.ENOSYS}
@@ -71,7 +71,7 @@ def claim_dir(checkpoint_dir: str, holder: Mapping[str, Any]) -> Optional[DirCla
         holder: ``job_id`` and ``run_id`` of the job, written into the lock file with pid, host and time.
 
     Returns:
-        a :class:`DirClaim`, or ``None`` where the filesystem does not support ``flock`` (warned once).
+        a :class:`DirClaim`, or ``None`` where the filesystem does not support ``flock`` (a one-line warning).
 
     Raises:
         CheckpointDirInUseError: another process holds the claim; the message names it (pid, host, job id,
