@@ -217,7 +217,12 @@ def test_B5_hung_persister_times_out_then_resume(snap_env):
     snap_env.leftover_ok = True
     procs, outs = run_job(snap_env, "torch", F.point_env("commit.before_rename", step=2, action="stop"),
                           ["--request-timeout", "4"])
-    assert all(p.returncode == 3 for p in procs), outs
+    # The rank whose request timed out exits 3 naming the timeout; a rank that was then waiting for it in
+    # a collective may instead die of gloo's "connection closed by peer" when it exits first (under load).
+    codes = [p.returncode for p in procs]
+    assert 3 in codes and 0 not in codes, (codes, outs)
+    for code, out in zip(codes, outs):
+        assert code == 3 or re.search(r"Connection closed by peer|Connection reset|PersisterTimeout", out), (code, out)
     assert_names_cause(outs, r"PersisterTimeout.*(did not answer|timed out|within)", what="hung persister")
     F.kill_persisters(snap_env)  # SIGKILL ends a stopped process too
     check_after_fault(snap_env, "torch", outs, persister_alive=False, what="hung persister")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from _harness import result_lines, run_ranks, wait_until
+from _harness import assert_equal_state, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, HookRegistry, SnapshotPolicy, StorageType
 from snapckpt.errors import IncompatibleCheckpointError
 
@@ -429,7 +429,8 @@ def test_E4_float64_checkpoint_casts_into_float32_state_and_shape_mismatch_names
     """E4. Fault: a state saved in float64 is loaded into a float32 model's state dict; then into a model
     whose layer has another shape. Right behaviour: ``ck.load(state_dict=...)`` casts into the live
     float32 tensors in place (the optimizer keeps working: no failure later inside ``step()``); a shape
-    mismatch raises ``IncompatibleCheckpointError`` naming the key."""
+    mismatch raises ``IncompatibleCheckpointError`` naming every mismatched key, before copying anything
+    (a refused load leaves the live state as it was: found by a new-user trial)."""
     torch.manual_seed(0)
     src = nn.Linear(8, 4).double()
     saved = {k: v.clone() for k, v in src.state_dict().items()}
@@ -449,8 +450,14 @@ def test_E4_float64_checkpoint_casts_into_float32_state_and_shape_mismatch_names
         opt.step()  # would fail (or silently compute in float64) had the tensors been replaced
         assert dst.weight.dtype == torch.float32
         wrong = nn.Linear(8, 5)
-        with pytest.raises(IncompatibleCheckpointError, match=r"model\.weight"):
+        with pytest.raises(IncompatibleCheckpointError, match=r"model\.weight") as ei:
             ck.load(state_dict={"model": wrong.state_dict()})
+        assert "model.bias" in str(ei.value) and "nothing was copied" in str(ei.value)
+        # A refused load changes nothing: the weight fits and comes first, the bias does not.
+        half = {"model": {"weight": torch.zeros(4, 8), "bias": torch.zeros(5)}, "step": 0}
+        with pytest.raises(IncompatibleCheckpointError, match=r"model\.bias"):
+            ck.load(state_dict=half)
+        assert torch.equal(half["model"]["weight"], torch.zeros(4, 8)) and half["step"] == 0
 
 
 # ------------------------------------------------------------------- format: stock torch.load round trip
@@ -487,26 +494,6 @@ def _format_state():
     }
 
 
-def _assert_same_loaded(got, ref, path: str = "") -> None:
-    """Structural equality of two loaded states, tensor by tensor (type, dtype, shape, stride,
-    requires_grad, values)."""
-    assert type(got) is type(ref), f"{path}: {type(got).__name__} != {type(ref).__name__}"
-    if isinstance(ref, torch.Tensor):
-        assert (got.dtype, got.shape, got.stride(), got.requires_grad) == \
-               (ref.dtype, ref.shape, ref.stride(), ref.requires_grad), path
-        assert torch.equal(got, ref), path
-    elif isinstance(ref, dict):
-        assert list(got) == list(ref), path
-        for k in ref:
-            _assert_same_loaded(got[k], ref[k], f"{path}.{k}")
-    elif isinstance(ref, (list, tuple)):
-        assert len(got) == len(ref), path
-        for i, (a, b) in enumerate(zip(got, ref)):
-            _assert_same_loaded(a, b, f"{path}[{i}]")
-    else:
-        assert got == ref, path
-
-
 def _sharing_pattern(obj) -> list:
     """Which tensors (by path) share a storage: a partition of the tensor paths."""
     groups = collections.defaultdict(list)
@@ -541,9 +528,9 @@ def test_file_loads_with_stock_torch_load_and_equals_torch_save(snap_env, tmp_pa
         ck.save(state, 1, StorageType.DISK).wait()
         from_memory = ck.load()
     got = plain_load(snap_env.ckpt_dir, 1)
-    _assert_same_loaded(got, ref)
+    assert_equal_state(got, ref, strict=True)
     assert _sharing_pattern(got) == _sharing_pattern(ref)
-    _assert_same_loaded(from_memory, ref)
+    assert_equal_state(from_memory, ref, strict=True)
     assert _sharing_pattern(from_memory) == _sharing_pattern(ref)
 
 
