@@ -41,6 +41,7 @@ import torch
 
 from snapckpt import Checkpointer, SaveHandle, StorageType
 from snapckpt.formats import RawBytes, TorchSave, safetensors_file
+from snapckpt.checkpointer import check_step
 
 from .transformers_files import respec, torch_bytes
 
@@ -83,6 +84,7 @@ class AcceleratorCheckpointer:
         Collective. ``storage_type=MEMORY`` keeps it in the node's memory only. Call before the next
         ``optimizer.step()`` mutates the state (``self.checkpointer.fence()`` there, once copies overlap).
         """
+        check_step(step)
         files = self._files(step)
         return self.checkpointer._save_files(files, step, storage_type, dirname=self.dirname(step),
                                              tracker_name=None)

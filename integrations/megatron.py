@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from snapckpt import Checkpointer, StorageType
+from snapckpt.checkpointer import check_step
 from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave
 
@@ -169,7 +170,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     """Megatron-LM's ``save_checkpoint`` (torch_dist format) through snapckpt; collective.
 
     Args (Megatron-LM's, same order):
-        iteration: training iteration (int >= 0); names ``iter_%07d`` and is the snapckpt step.
+        iteration: training iteration, an ``int`` in ``[0, 2**63 - 1]``; names ``iter_%07d`` and is the snapckpt step.
         model: the model chunks (a list, as Megatron-LM passes it) or one module; DDP/Float16 wrappers are
             unwrapped; each chunk provides ``sharded_state_dict()``.
         optimizer: a megatron-core ``MegatronOptimizer`` (``sharded_state_dict``), a plain ``torch.optim``
@@ -211,8 +212,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     if not save_dir:
         raise ValueError("save_checkpoint needs a directory: pass save_dir=... (Megatron-LM's args.save is not "
                          "available)")
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
+    check_step(iteration, "iteration")
     storage_type = StorageType.MEMORY if non_persistent_ckpt else StorageType(storage_type)
     keep_last = arg(args, "snapckpt_keep_last", None)
     if keep_last is not None:

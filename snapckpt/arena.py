@@ -25,7 +25,7 @@ import struct
 from typing import Optional, Tuple
 
 from ._private import private_dir
-from .errors import InsufficientSharedMemoryError, SnapshotError
+from .errors import InsufficientSharedMemoryError, PreflightError, SnapshotError
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
            "mem_available_bytes"]
@@ -109,6 +109,7 @@ class SlotFiles:
 
         Raises:
             InsufficientSharedMemoryError: the tmpfs or RAM cannot hold it (names the size and the fix).
+            PreflightError: the process file-size limit (``ulimit -f``) is below the slot size (names both).
         """
         if nbytes <= current_nbytes:
             return current_nbytes
@@ -136,6 +137,14 @@ class SlotFiles:
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     os.ftruncate(fd, current_nbytes)
+                    limit = _file_size_limit()
+                    if e.errno == errno.EFBIG and limit is not None and limit < nbytes:
+                        raise PreflightError(
+                            f"the file-size limit of this job's processes (ulimit -f, RLIMIT_FSIZE: {limit} "
+                            f"bytes, inherited by the node persister from the rank that started it) is below "
+                            f"the snapshot slot size of rank {rank} ({nbytes} bytes): the arena's slot files "
+                            "cannot be reserved. Raise the limit before starting the job (ulimit -f unlimited, "
+                            "or at least the slot size); nothing was saved") from e
                     raise InsufficientSharedMemoryError(
                         f"could not reserve {nbytes} bytes for the snapshot slot of rank {rank} in "
                         f"{self.directory!r} ({os.strerror(e.errno)}); {hint}") from e
@@ -162,6 +171,17 @@ class SlotFiles:
             os.rmdir(self.directory)
         except OSError:
             pass
+
+
+def _file_size_limit() -> Optional[int]:
+    """This process's soft ``RLIMIT_FSIZE`` in bytes; ``None`` when unlimited or unknown."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def slot_file_name(rank: int, slot: int) -> str:

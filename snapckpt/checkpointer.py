@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import faults, layout
+from . import dirclaim, faults, layout
+from . import errors as error_types
 from .device_copy import CudaCopier, has_cuda_sources
 from .coordination import make_coordinator
 from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
@@ -50,11 +51,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadInfo:
-    """What the last ``load`` restored: ``step``, ``tier`` (``StorageType``) and ``seconds`` it took."""
+    """What the last ``load`` restored (``Checkpointer.last_load``).
+
+    Attributes:
+        step: the step loaded (``load`` returns the state only: this is where its step is).
+        tier: ``StorageType.MEMORY`` or ``StorageType.DISK``.
+        seconds: how long the load took.
+        skipped: newer candidates that were tried first and refused, one line each (step, tier, directory,
+            ranks and cause, e.g. a checksum mismatch); empty when the newest candidate loaded.
+    """
 
     step: int
     tier: StorageType
     seconds: float
+    skipped: Tuple[str, ...] = ()
 
 
 class LoadCandidate:
@@ -144,6 +154,8 @@ class Checkpointer:
         self._copier = None  # the copy thread (overlap=True), started on first use
         self._cuda: Optional[CudaCopier] = None  # side-stream copies of CUDA tensors, made on first use
         self._closed = False
+        self._claim: Optional[dirclaim.DirClaim] = None
+        self._claimed = False  # the writer claim of checkpoint_dir was settled (see _claim_dir)
         self.last_load: Optional[LoadInfo] = None
         self.last_stats: Optional[SaveStats] = None
         t = self.options.coordination_timeout_secs
@@ -309,7 +321,7 @@ class Checkpointer:
             state_dict: any picklable object holding CPU or CUDA tensors: model and optimizer state
                 dicts, scheduler state, RNG states, counters, user objects. CUDA tensors are copied on a
                 side stream into page-locked shared memory (:mod:`snapckpt.device_copy`).
-            step: training step (int >= 0); names the directory ``step_%08d``.
+            step: training step, an ``int`` in ``[0, 2**63 - 1]``; names the directory ``step_%08d``.
             storage_type: ``MEMORY`` keeps it in the node's shared memory; ``DISK`` also writes it to
                 ``checkpoint_dir`` and commits it in the background.
 
@@ -317,6 +329,9 @@ class Checkpointer:
         the missing ranks named).
 
         Raises:
+            ValueError: ``step`` is not an ``int`` in ``[0, 2**63 - 1]`` (a bool, a float, negative, too large).
+            CheckpointDirInUseError: another job (another process) saves into ``checkpoint_dir``
+                (:mod:`snapckpt.dirclaim`); raised by the first save, on every rank; nothing was saved.
             SnapshotError: the state holds an unsupported tensor.
             InsufficientSharedMemoryError / InsufficientDiskError: preflight; nothing was changed.
             SlotBusyError: ``on_slot_busy="wait"`` and no slot freed in time.
@@ -352,6 +367,8 @@ class Checkpointer:
             validate_dirname(tracker_name)
         for name in files:
             validate_file_name(name)
+        if not self._claimed:
+            self._claim_dir()
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step)
@@ -411,6 +428,31 @@ class Checkpointer:
             self._abort(slot, sync_cuda=device_done is not None)
             raise
         return self._copied(job)
+
+    def _claim_dir(self) -> None:
+        """First save of this Checkpointer: global rank 0 claims ``checkpoint_dir`` for this job
+        (:mod:`snapckpt.dirclaim`) and every rank learns the outcome, so that all ranks raise together.
+
+        Raises:
+            CheckpointDirInUseError: another job holds the claim (on every rank; nothing was saved).
+            CheckpointDirError: the lock file cannot be used.
+        """
+        if self._closed:
+            raise SnapckptError("this Checkpointer is closed")
+        mine: Dict[str, Any] = {"ok": True}
+        err: Optional[BaseException] = None
+        if self.rank == 0:
+            try:
+                self._claim = dirclaim.claim_dir(self.checkpoint_dir, {"job_id": self.options.job_id,
+                                                                       "run_id": self.run_id})
+            except SnapckptError as e:
+                err, mine = e, {"ok": False, "type": type(e).__name__, "error": str(e)}
+        got = self._coord.all_gather("claim", mine, self.options.coordination_timeout_secs)[0]
+        if err is not None:
+            raise err
+        if not got["ok"]:
+            raise getattr(error_types, got["type"], CheckpointDirError)(got["error"])
+        self._claimed = True
 
     def _abort(self, slot: int, sync_cuda: bool = False) -> None:
         if sync_cuda:  # a queued device-to-host copy must not land in the slot after it is handed back
@@ -550,7 +592,8 @@ class Checkpointer:
         if self.rank == 0:
             for c in list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
                                     problems=problems):
-                disk.append([c.step, c.dirname, c.manifest["world_size"]])
+                saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
+                disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
             for p in problems:
                 log.warning("not a loadable checkpoint: %s", p)
         everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems},
@@ -567,6 +610,7 @@ class Checkpointer:
         disk_all = everyone[0]["disk"]
         wrong = [d for d in disk_all if d[2] != self.world_size]
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
+        self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]  # (step, dirname, saved at), see _warn_rewind
         cands: List[Tuple[int, str, Optional[str]]] = [(s, "memory", rid) for s, rid in (common or set())]
         cands += [(d[0], "disk", d[1]) for d in disk_ok]
         cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
@@ -578,9 +622,15 @@ class Checkpointer:
         return cands
 
     def latest_step(self) -> Optional[int]:
-        """Newest step complete on every rank, in memory or on disk (quick size check); ``None`` if none.
+        """Newest step complete on every rank, in memory or on disk; ``None`` if none. Collective.
 
-        Collective."""
+        It checks completeness, not content: a disk checkpoint counts when its manifest is valid and every
+        file it lists (every rank's) exists with the listed size; a memory snapshot when every rank holds
+        it. Checksums are not read here (that would read every byte): a file damaged in place (a flipped
+        byte) still counts. :meth:`load` verifies the checksums, and if the newest step fails them it loads
+        the newest step that verifies, with a warning naming the refused step and why; which step it
+        loaded is then ``last_load.step`` (not necessarily ``latest_step()``). ``snapckpt verify <dir>``
+        checks every checksum."""
         self.wait()
         cands = self._candidates()
         return cands[0][0] if cands else None
@@ -662,6 +712,8 @@ class Checkpointer:
             CheckpointNotFoundError, CheckpointCorruptError, IncompatibleCheckpointError,
             UnsafeCheckpointError: as :meth:`load`.
         """
+        if step is not None:
+            check_step(step)
         self.wait()
         t0 = time.perf_counter()
         cands = self._candidates(step)
@@ -691,20 +743,43 @@ class Checkpointer:
                 if bad:
                     break
             if not bad:
-                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0)
+                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0, tuple(errors))
                 log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
                          self.last_load.seconds)
+                if step is None and dirname is None:
+                    self._warn_rewind(cstep)
+                if errors:
+                    log.warning("rank %d: loaded step %d (%s), not the newest: %d newer checkpoint(s) refused: "
+                                "%s; `snapckpt verify %s` checks them all", self.rank, cstep, cand.tier.value,
+                                len(errors), " | ".join(errors), self.checkpoint_dir)
                 return result, cand
-            msg = f"step {cstep} ({tier}) unreadable on ranks {sorted(bad)}: " + "; ".join(
+            where = f"{tier}, {key}" if tier == "disk" else tier
+            msg = f"step {cstep} ({where}) unreadable on ranks {sorted(bad)}: " + "; ".join(
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
-        if errors:
-            raise CheckpointCorruptError("no readable checkpoint: " + " | ".join(errors))
         what = f"step {step}" if step is not None else "any step"
-        damaged = f"; skipped as damaged: {'; '.join(self._damaged)}" if self._damaged else ""
-        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}"
-                                      f"{damaged}")
+        lines = [f"  {e}" for e in errors] + [f"  {d} (skipped as damaged)" for d in self._damaged]
+        fix = (f"\nRun `snapckpt verify {self.checkpoint_dir}` to check every checkpoint there; restore or "
+               "delete the damaged ones (or start afresh in an empty directory)")
+        if errors:
+            raise CheckpointCorruptError(f"no readable checkpoint of {what} in memory or in {self.checkpoint_dir}; "
+                                         f"each one was refused:\n" + "\n".join(lines) + fix)
+        if self._damaged:
+            raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in "
+                                          f"{self.checkpoint_dir}; each one was refused:\n" + "\n".join(lines) + fix)
+        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
+
+    def _warn_rewind(self, loaded: int) -> None:
+        """Warn when a lower step than ``loaded`` was saved to disk after it (a rewind): load() picks the
+        highest step, retention keeps the most recently saved ones."""
+        later = [d for d in self._disk_saved if d[0] < loaded
+                 and d[2] > max((e[2] for e in self._disk_saved if e[0] >= loaded), default=0.0)]
+        if later and self.rank == 0:
+            newest = max(later, key=lambda d: d[2])
+            log.warning("loaded step %d, the highest step; step %d (%s) was saved after it (a rewind?). To "
+                        "resume from it pass load(step=%d), or delete the abandoned higher steps", loaded,
+                        newest[0], newest[1], newest[0])
 
     def _load_files(self, step: Optional[int] = None) -> Tuple[int, StorageType, Dict[str, Any]]:
         """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
@@ -716,7 +791,15 @@ class Checkpointer:
 
         Memory is used when every rank holds the step and it is at least as new as the newest committed
         disk checkpoint; otherwise disk, with checksums verified. A candidate that any rank cannot read
-        is skipped by all ranks together, with a warning naming the rank and the cause.
+        is skipped by all ranks together, with a warning naming the step, the rank and the cause, and
+        the next newest is tried. The step loaded, its tier and the refused newer candidates are in
+        :attr:`last_load` (a :class:`LoadInfo`): ``ck.last_load.step``.
+
+        Newest means the highest step number, as the frameworks' own resume does (the Trainer's
+        ``get_last_checkpoint``, DeepSpeed's ``latest`` that never moves back), while retention keeps
+        the ``keep_last`` most recently *saved*. After a rewind (saving lower steps than committed ones)
+        the abandoned higher steps win until retention rotates them away: a warning names the more
+        recently saved step; pass ``step=`` or delete the abandoned steps.
 
         Args:
             state_dict: if given, tensors are copied into it in place (cast to its dtypes) and other
@@ -724,9 +807,12 @@ class Checkpointer:
             step: load exactly this step.
 
         Raises:
-            CheckpointNotFoundError: nothing (or not ``step``) to load; the message names directories
-                skipped as damaged (no readable manifest, or a file of the wrong size).
-            CheckpointCorruptError: every candidate failed; the message lists each failure per rank.
+            ValueError: ``step`` is not an ``int`` in ``[0, 2**63 - 1]``.
+            CheckpointNotFoundError: nothing (or not ``step``) to load; the message lists, one line each,
+                the directories skipped as damaged (no readable manifest, or a file missing or of the
+                wrong size) and names ``snapckpt verify``.
+            CheckpointCorruptError: every candidate failed; the message lists each step tried and why it
+                was refused (per rank), one line each, then the skipped directories and the fix.
             IncompatibleCheckpointError: world size differs, or a tensor's shape differs from ``state_dict``.
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
         """
@@ -759,6 +845,8 @@ class Checkpointer:
                 self._copier.shutdown(wait=True)
             self._client.close(bye=True)
             self._maps.close()
+            if self._claim is not None:
+                self._claim.release()
             self._closed = True
         if err is not None:
             raise err
@@ -800,10 +888,17 @@ def _fs_type(path: str) -> Optional[str]:
     return best[1] if best else None
 
 
-def _check_step(step: Any) -> None:
-    """``ValueError`` unless ``step`` is an ``int >= 0`` (not a bool, float or string)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r} ({type(step).__name__})")
+MAX_STEP = 2**63 - 1  # steps are signed 64-bit integers in the arena's slot header
+
+
+def check_step(step: Any, what: str = "step") -> None:
+    """``ValueError`` unless ``step`` is an ``int`` in ``[0, 2**63 - 1]`` (not a bool, float or string);
+    ``what`` names it in the message (``"iteration"`` for Megatron)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"{what} must be an int in [0, 2**63 - 1], got {step!r} ({type(step).__name__})")
+
+
+_check_step = check_step
 
 
 def copy_into(dst: Any, src: Any, path: str = "", own: bool = False) -> Any:

@@ -14,6 +14,7 @@ __all__ = [
     "InsufficientSharedMemoryError",
     "InsufficientDiskError",
     "CheckpointDirError",
+    "CheckpointDirInUseError",
     "SnapshotError",
     "SlotBusyError",
     "PersisterError",
@@ -49,6 +50,11 @@ class InsufficientDiskError(PreflightError):
 
 class CheckpointDirError(PreflightError):
     """The checkpoint directory cannot be created or written."""
+
+
+class CheckpointDirInUseError(PreflightError):
+    """Another job (another process) is saving into the checkpoint directory; the message names it (pid,
+    host, job id, since when). Nothing was saved and no checkpoint was touched."""
 
 
 class SnapshotError(SnapckptError):

@@ -186,15 +186,16 @@ def test_C2_ranks_follow_rank0_decision(snap_env):
 
 # ------------------------------------------------------------------------------- two jobs on one host
 def test_two_jobs_on_one_host_do_not_interfere(snap_env):
-    """Three 2-rank jobs at once on one host: A and B in different directories, C in A's directory with
-    its own job_id. Right: three persisters, each job's ranks share one, and each job loads its own
-    state from memory and from disk (A's and C's checkpoints sit side by side in one directory)."""
-    dir_ac = os.path.join(snap_env.ckpt_dir, "shared")
+    """Three 2-rank jobs at once on one host, each in its own directory (C with its own job_id too; two
+    running jobs saving into one directory are refused: test_dir_claim.py). Right: three persisters, each
+    job's ranks share one, and each job loads its own state from memory and from disk."""
+    dir_a = os.path.join(snap_env.ckpt_dir, "first")
     dir_b = os.path.join(snap_env.ckpt_dir, "other")
+    dir_c = os.path.join(snap_env.ckpt_dir, "third")
     jobs = {
-        "A": launch(WORKER, 2, ["job", dir_ac, "A", "-", "10"], snap_env.env),
+        "A": launch(WORKER, 2, ["job", dir_a, "A", "-", "10"], snap_env.env),
         "B": launch(WORKER, 2, ["job", dir_b, "B", "-", "10"], snap_env.env),
-        "C": launch(WORKER, 2, ["job", dir_ac, "C", "second", "11"], snap_env.env),
+        "C": launch(WORKER, 2, ["job", dir_c, "C", "second", "11"], snap_env.env),
     }
     recs = {}
     for name, procs in jobs.items():
@@ -211,7 +212,8 @@ def test_two_jobs_on_one_host_do_not_interfere(snap_env):
         for r in rs:
             assert r["mem"] == [21, "memory", True], (name, r)
             assert r["disk"] == [step, "disk", True], (name, r)
-    assert {n for n in os.listdir(dir_ac) if n.startswith("step_")} == {"step_00000010", "step_00000011"}
+    for d, step in ((dir_a, 10), (dir_b, 10), (dir_c, 11)):
+        assert {n for n in os.listdir(d) if n.startswith("step_")} == {f"step_{step:08d}"}
 
 
 def test_two_jobs_same_dir_in_flight_save_is_not_cleaned_up(snap_env, monkeypatch):

@@ -21,6 +21,7 @@ import signal
 import pytest
 
 from _harness import finish, launch, result_lines, run_ranks, wait_until
+from snapckpt.dirclaim import LOCK_NAME
 
 WORKER = "megatron_worker.py"
 
@@ -65,7 +66,8 @@ def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
         {k: (v.relative_path, v.offset, v.length) for k, v in b.storage_data.items()}
     assert a.storage_meta.checkpoint_id == mine
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "5"
-    assert sorted(os.listdir(ck)) == [f"iter_000000{i}" for i in range(2, 6)] + ["latest_checkpointed_iteration.txt"]
+    assert sorted(set(os.listdir(ck)) - {LOCK_NAME}) == [f"iter_000000{i}" for i in range(2, 6)] + \
+        ["latest_checkpointed_iteration.txt"]
 
     outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref], snap_env.env,
                      timeout=240)
@@ -174,6 +176,7 @@ def test_bad_input_names_the_fix():
         save_checkpoint(1, [], None, None, 0)
     with pytest.raises(ValueError, match="load_dir="):
         load_checkpoint([], None, None)
-    with pytest.raises(ValueError, match="iteration must be an int >= 0"):
-        save_checkpoint(-1, [], None, None, 0, save_dir="/nonexistent/never-created")
+    for bad in (-1, 2**63, 3.0):  # P6a: the range is named
+        with pytest.raises(ValueError, match=r"iteration must be an int in \[0, 2\*\*63 - 1\]"):
+            save_checkpoint(bad, [], None, None, 0, save_dir="/nonexistent/never-created")
     assert not os.path.exists("/nonexistent/never-created")

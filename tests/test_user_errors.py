@@ -4,6 +4,7 @@ Found by a first-use trial of the README: bad steps, unsupported tensors, two jo
 directory, a rewound run and retention, paths the persister cannot use.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -12,14 +13,23 @@ from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import CheckpointDirError, CommitError, PersisterError, PreflightError, SnapshotError
 
 
-@pytest.mark.parametrize("step", ["5", 3.0, None, -1, True])
-def test_bad_step_is_a_clear_value_error(snap_env, step):
+BAD_STEPS = ["5", 3.0, None, -1, True, 2**63, -(2**63) - 1]
+
+
+def test_P6a_bad_step_is_a_clear_value_error(snap_env):
+    """A step that is not an int in [0, 2**63 - 1] (a string, a float, None, a bool, negative, 2**63) is a
+    ValueError naming the value and the range, from save and load(step=), never a bare struct.error; the
+    largest step is fine."""
     with Checkpointer(snap_env.ckpt_dir) as ck:
-        with pytest.raises(ValueError, match="step must be an int >= 0"):
-            ck.save({"a": torch.ones(2)}, step)
-        with pytest.raises(ValueError, match="step must be an int >= 0"):
-            ck.load(step=step if step is not None else "x")
-    assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+        for step in BAD_STEPS:
+            with pytest.raises(ValueError, match=r"step must be an int in \[0, 2\*\*63 - 1\], got ") as ei:
+                ck.save({"a": torch.ones(2)}, step)
+            assert repr(step) in str(ei.value)
+            with pytest.raises(ValueError, match=r"step must be an int in \[0, 2\*\*63 - 1\]"):
+                ck.load(step=step if step is not None else "x")
+        assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+        ck.save({"a": torch.ones(2)}, 2**63 - 1, StorageType.MEMORY)
+        assert ck.latest_step() == 2**63 - 1
 
 
 def test_unsupported_tensors_name_the_conversion(snap_env):
@@ -112,3 +122,93 @@ def test_memory_tier_of_a_deleted_and_recreated_dir_is_not_resurrected(snap_env)
     shutil.rmtree(snap_env.ckpt_dir)
     with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=30) as fresh:
         assert fresh.latest_step() is None
+
+
+def test_P5_file_size_limit_below_the_arena_slot_names_ulimit(snap_env):
+    """The job starts under ``ulimit -f`` of 64 KiB (RLIMIT_FSIZE, inherited by the persister) and saves a
+    1 MiB state. Right: a PreflightError that names the limit, the slot size and ``ulimit -f``, not a
+    shared-memory error; nothing is saved."""
+    import resource
+
+    from faults import limit_file_size
+
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit_file_size(64 * 1024)  # this process and the persister it starts
+    try:
+        ck = Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    with ck:
+        with pytest.raises(PreflightError) as ei:
+            ck.save({"w": torch.ones(1 << 18)}, 1, StorageType.MEMORY)
+        msg = str(ei.value)
+        assert "ulimit -f" in msg and "65536 bytes" in msg and "unlimited" in msg, msg
+        slot = int(re.search(r"slot size of rank 0 \((\d+) bytes\)", msg).group(1))
+        assert slot >= 1 << 20 and "shared-memory" not in msg, msg
+        assert ck.latest_step() is None
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_P6b_P6c_damaged_checkpoints_each_named_and_the_loaded_step_is_known(snap_env, caplog):
+    """Steps 1-4 on disk, the persister gone (no memory tier). A flipped byte in step 4: latest_step()
+    still names 4 (it checks completeness, not checksums); load() refuses 4, loads 3, warns naming step 4
+    and the cause, and last_load says step 3 with step 4 among the skipped. Then every checkpoint damaged
+    (1 and 3 flipped, 2 truncated): the error lists each step tried and why, one line each, the truncated
+    one as skipped, and names `snapckpt verify`."""
+    import logging
+
+    from snapckpt.errors import CheckpointCorruptError
+
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save({"w": torch.full((1024,), float(step))}, step).wait()
+    rank_file = lambda step: os.path.join(d, f"step_{step:08d}", "rank_00000.pt")
+    _flip(rank_file(4))
+    with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
+        assert ck.latest_step() == 4
+        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+            out = ck.load()
+        assert torch.equal(out["w"], torch.full((1024,), 3.0))
+        assert ck.last_load.step == 3 and ck.last_load.tier == StorageType.DISK
+        assert len(ck.last_load.skipped) == 1 and "step 4 (disk, step_00000004)" in ck.last_load.skipped[0]
+        warned = [r.getMessage() for r in caplog.records if "loaded step 3" in r.getMessage()]
+        assert warned and "step 4" in warned[0] and "corrupted" in warned[0], caplog.text
+        _flip(rank_file(3))
+        _flip(rank_file(1))
+        with open(rank_file(2), "r+b") as f:
+            f.truncate(10)
+        with pytest.raises(CheckpointCorruptError) as ei:
+            ck.load()
+    lines = str(ei.value).splitlines()
+    assert "each one was refused" in lines[0], lines
+    for step in (4, 3, 1):
+        (line,) = [l for l in lines if f"step {step} (disk, step_{step:08d})" in l]
+        assert "corrupted" in line and f"step_{step:08d}/rank_00000.pt" in line, line
+    (line,) = [l for l in lines if "step_00000002" in l]
+    assert "skipped as damaged" in line and "10 bytes" in line, line
+    assert f"snapckpt verify {d}" in lines[-1], lines
+
+
+def test_rewind_then_crash_loads_the_highest_step_and_warns(snap_env, caplog):
+    """Steps 100, 200, then a rewind to 5 (keep_last=3 keeps all three) and a restart. Right, as documented:
+    load() picks the highest step, 200 (as the frameworks' own resume does), and warns that step 5 was
+    saved after it and how to load it; load(step=5) loads it."""
+    import logging
+
+    with Checkpointer(snap_env.ckpt_dir, keep_last=3, persister_idle_timeout_secs=5) as ck:
+        for step in (100, 200, 5):
+            ck.save({"w": step}, step, StorageType.DISK).wait()
+    with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
+        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+            assert ck.load()["w"] == 200
+        assert any("step 5 (step_00000005) was saved after it" in r.getMessage() and "load(step=5)"
+                   in r.getMessage() for r in caplog.records), caplog.text
+        assert ck.load(step=5)["w"] == 5

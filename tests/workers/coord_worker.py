@@ -72,6 +72,9 @@ def construct(ckpt: str, rank: int, world: int) -> None:
 def misuse(ckpt: str, rank: int, world: int) -> None:
     """C5: only rank 0 calls the collective save, latest_step and load; rank 1 waits in a barrier."""
     ck = Checkpointer(ckpt, **{**OPTS, "commit_timeout_secs": 2, "coordination_timeout_secs": 2})
+    # Both ranks save once (memory): the first save settles the directory's writer claim, itself a
+    # collective step (a first save by rank 0 alone fails there with RankTimeoutError naming rank 1).
+    ck.save(state("m", 0, rank), 0, StorageType.MEMORY)
     if rank == 0:
         out = {}
         h = ck.save(state("m", 1, rank), 1, StorageType.DISK)

@@ -344,7 +344,11 @@ def main() -> None:
             for step in range(1, a.steps + 1):
                 ad.save(step, StorageType.DISK if step % a.disk_every == 0 else StorageType.MEMORY)
                 print(f"SAVED {step}", flush=True)
-                dist.barrier()
+                try:
+                    dist.barrier()
+                except RuntimeError:  # a peer rank died (of a hung persister, say): this rank's saves tell why
+                    ad.wait()
+                    raise
             ad.wait()
             ad.close()
         elif a.mode == "phases":
