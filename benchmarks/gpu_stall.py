@@ -29,20 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GiB, make_state, git_commit  # noqa: E402
+from _common import GiB, git_commit, iter_tensors, make_state  # noqa: E402
 
 from snapckpt import Checkpointer, StorageType  # noqa: E402
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def _to_cuda(obj):
@@ -69,8 +58,8 @@ def _busy_gpu(seconds: float) -> None:
 
 
 def bench(state, method: str, repeats: int, scratch: str) -> dict:
-    tensors = list(_tensors(state))
-    samples, extra = [], {}
+    tensors = list(iter_tensors(state))
+    samples = []
     if method.startswith("floor"):
         pinned = method == "floor_pinned_copy"
         bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]

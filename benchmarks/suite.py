@@ -40,7 +40,6 @@ load average (it is in the JSON and the markdown header).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import mmap
@@ -365,7 +364,7 @@ def fits(state_bytes: int, methods: list[str]) -> str | None:
     """None when a state of ``state_bytes`` fits this machine now, else the reason.
 
     Peak need (bytes): the state, plus the largest method's extra: snapckpt's arena (2 slots x
-    1.25 headroom, in /dev/shm, so RAM too), a restore's temporary copy (``torch.load``, DCP's
+    1.05 headroom, in /dev/shm, so RAM too), a restore's temporary copy (``torch.load``, DCP's
     staging) and 1 GiB of slack for the interpreter and the other processes' growth.
     """
     vm = psutil.virtual_memory()

@@ -15,9 +15,7 @@ from __future__ import annotations
 import copy
 import errno
 import logging
-import mmap
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,7 +25,6 @@ import torch
 
 from . import dirclaim, faults, layout
 from . import errors as error_types
-from .arena import map_slot, slot_file_name
 from .device_copy import CudaCopier, has_cuda_sources
 from .coordination import make_coordinator
 from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
@@ -40,6 +37,7 @@ from .manifest import (MANIFEST, check_checksums, check_sizes, list_committed, p
 from .options import CheckpointOptions
 from .progress import byte_bar
 from .persister.client import PersisterClient, job_dirs, job_key
+from .slot_maps import MappedSlot, SlotMaps
 from .snapshot import Stager, read_slot
 from .storage.posix import PosixStorage
 from .topology import Topology, host_identity
@@ -108,20 +106,10 @@ class LoadCandidate:
         return f"LoadCandidate(step={self.step}, tier={self.tier.value}, dirname={self.dirname!r})"
 
 
-@dataclass
-class _Prefault:
-    """A background mapping of a slot (:func:`_prefault`): its future, its stop flag, what it maps."""
-
-    future: Any
-    stop: threading.Event
-    path: str
-    nbytes: int
-
-
 class _CopyJob:
     """One snapshot between slot acquisition and the hand-over to the persister."""
 
-    def __init__(self, prepared, slot: int, mapped: "_MappedSlot", step: int, storage_type: StorageType,
+    def __init__(self, prepared, slot: int, mapped: MappedSlot, step: int, storage_type: StorageType,
                  dirname: str, tracker_name: str, tracker_content: str, t0: float, t1: float, t2: float):
         self.prepared, self.slot, self.mapped, self.step = prepared, slot, mapped, step
         self.storage_type, self.dirname = storage_type, dirname
@@ -132,24 +120,6 @@ class _CopyJob:
         self.fence_secs = 0.0
         self.copy_secs = 0.0
         self.device_done = None  # the event of the CUDA copies queued for this job, if any
-
-
-class _MappedSlot:
-    def __init__(self, path: str, nbytes: int) -> None:
-        self.path, self.nbytes = path, nbytes
-        self.buf = map_slot(path, nbytes)
-        self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
-        self.cuda: Optional[CudaCopier] = None  # set once the slot is page-locked for CUDA copies
-
-    def close(self) -> None:
-        if self.cuda is not None and self.tensor is not None:
-            torch.cuda.synchronize()  # no DMA may still target the mapping
-            self.cuda.unregister(self.tensor)
-        self.tensor = None
-        try:
-            self.buf.close()
-        except BufferError:  # a tensor view is still alive somewhere; the mapping goes with it
-            pass
 
 
 class Checkpointer:
@@ -175,11 +145,9 @@ class Checkpointer:
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
         self.job = job_key(self.checkpoint_dir, self.options.job_id)
         self._coord = make_coordinator(self.job)
+        self._maps = SlotMaps(self._coord.rank, self.options.slots_per_rank, self.options.slot_wait_timeout_secs)
         self._storage = PosixStorage(fsync=self.options.fsync)
         self._stager = Stager()
-        self._slots: Dict[int, _MappedSlot] = {}
-        self._prefaulting: Dict[int, _Prefault] = {}  # slot index -> its background mapping (see _prefault)
-        self._prefaulter = None  # its thread, started on first use
         self._handles: List[SaveHandle] = []
         self._listeners: List[Callable[[Event], None]] = []
         self._inflight: Optional[_CopyJob] = None  # an overlapped copy not yet fenced
@@ -292,21 +260,9 @@ class Checkpointer:
         except OSError:
             return ""
 
-    def _drop_mappings(self) -> None:
-        for job in self._prefaulting.values():
-            job.stop.set()
-        for job in self._prefaulting.values():
-            m = job.future.result() if not job.future.cancel() else None
-            if m is not None:
-                m.close()
-        self._prefaulting.clear()
-        for s in self._slots.values():
-            s.close()
-        self._slots.clear()
-
     def _connect(self) -> None:
         o = self.options
-        self._drop_mappings()
+        self._maps.drop()
         self._client.connect({
             "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
             "local_ranks": list(self.topology.local_ranks), "committer": self.rank == 0,
@@ -321,59 +277,6 @@ class Checkpointer:
         if not self._client.connected:
             self._connect()
         return self._client.request(op, **fields)
-
-    def _mapped(self, slot: int, path: str, nbytes: int) -> _MappedSlot:
-        """This rank's mapping of a slot; remapped when the slot grew. ``_connect`` drops every mapping,
-        since a new persister recreates the slot files."""
-        m = self._slots.get(slot)
-        job = self._prefaulting.pop(slot, None)
-        if job is not None:
-            wanted = (job.nbytes == nbytes and job.path == path
-                      and (m is None or m.nbytes != nbytes or m.path != path))
-            if job.future.cancel():  # still queued behind another slot's: map it here instead
-                pre = None
-            elif wanted:  # running: the persister handed the slot out at this size, so it ends soon
-                pre = job.future.result()
-            else:  # another size than this save needs: stop it (it may be waiting for a growth)
-                job.stop.set()
-                pre = job.future.result()
-                if pre is not None:
-                    pre.close()
-                    pre = None
-            if pre is not None:
-                if m is not None:
-                    m.close()
-                m = self._slots[slot] = pre
-        if m is None or m.nbytes != nbytes or m.path != path:
-            if m is not None:
-                m.close()
-            m = self._slots[slot] = _MappedSlot(path, nbytes)
-        self._prefault_others(slot, path, nbytes)
-        return m
-
-    def _prefault_others(self, slot: int, path: str, nbytes: int) -> None:
-        """Map this rank's other slots at ``nbytes`` and touch every page, on a background thread.
-
-        The first copy into a freshly mapped slot takes one page fault per 4 KiB page on the training
-        thread (measured here: 1.1-1.4 s per GiB against 0.4-0.5 s for a copy into mapped pages, on a
-        loaded 2-core VM). The persister reserves the other slots' pages after the first snapshot; this
-        maps them ahead of their first use, reading one byte per page (never writing: a slot may hold an
-        older snapshot that a load still needs).
-        """
-        for other in range(self.options.slots_per_rank):
-            if other == slot or other in self._prefaulting:
-                continue
-            have = self._slots.get(other)
-            if have is not None and have.nbytes == nbytes:
-                continue
-            other_path = os.path.join(os.path.dirname(path), slot_file_name(self.rank, other))
-            if self._prefaulter is None:
-                import concurrent.futures as cf
-
-                self._prefaulter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
-            stop = threading.Event()
-            fut = self._prefaulter.submit(_prefault, other_path, nbytes, self.options.slot_wait_timeout_secs, stop)
-            self._prefaulting[other] = _Prefault(fut, stop, other_path, nbytes)
 
     def _status(self, step: int, dirname: str) -> Dict[str, Any]:
         return self._request("status", step=step, dirname=dirname)
@@ -492,7 +395,7 @@ class Checkpointer:
             return handle
         slot = reply["slot"]
         try:
-            m = self._mapped(slot, reply["path"], reply["nbytes"])
+            m = self._maps.get(slot, reply["path"], reply["nbytes"])
         except BaseException:
             self._abort(slot)
             raise
@@ -752,7 +655,7 @@ class Checkpointer:
             if not mine:
                 raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
             s = max(mine, key=lambda x: x["seq"])
-            m = self._mapped(s["slot"], s["path"], s["nbytes"])
+            m = self._maps.get(s["slot"], s["path"], s["nbytes"])
             got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
                                         copy=not views)
             if got_step != cand.step:
@@ -941,11 +844,9 @@ class Checkpointer:
             if self._copier is not None:
                 self._copier.shutdown(wait=True)
             self._client.close(bye=True)
-            self._drop_mappings()
+            self._maps.close()
             if self._claim is not None:
                 self._claim.release()
-            if self._prefaulter is not None:
-                self._prefaulter.shutdown(wait=True)
             self._closed = True
         if err is not None:
             raise err
@@ -961,32 +862,6 @@ class Checkpointer:
                 self.close()
             except Exception:
                 log.exception("error while closing the Checkpointer after another error")
-
-
-def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event) -> Optional[_MappedSlot]:
-    """Map slot file ``path`` once the persister has grown it to ``nbytes`` and read one byte of every
-    page; ``None`` when it did not grow within ``timeout_secs``, ``stop`` was set, or it could not be
-    mapped (the save that needs it maps it itself)."""
-    deadline = time.monotonic() + timeout_secs
-    delay = 0.005
-    while True:
-        try:
-            if os.stat(path).st_size >= nbytes:
-                break
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline or stop.wait(delay):
-            return None
-        delay = min(delay * 2, 0.2)
-    try:
-        m = _MappedSlot(path, nbytes)
-    except (OSError, SnapckptError):
-        return None
-    m.tensor[::_PAGE].sum()  # a read fault per page maps it; no write, no change to the data
-    return m
-
-
-_PAGE = mmap.PAGESIZE
 
 
 def _timed_copy(prepared, slot_tensor, buf, device_done=None) -> float:

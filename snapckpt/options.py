@@ -27,7 +27,10 @@ class CheckpointOptions:
             refuses to replace a step directory that another job committed.
         slots_per_rank: arena slots per local rank (>= 2: one being written while one is held/persisted).
         slot_headroom: a slot is allocated ``slot_headroom`` times the bytes the state needs, so that
-            small growth of the state does not reallocate it.
+            small growth of the state does not reallocate it. Default 1.05: at 1 GiB, 51 MiB covers the
+            parts of a state that grow from save to save (counters, log history, pickled objects); a larger
+            change (optimizer moments that appear after the first step) regrows the slot in any case, and
+            every byte of headroom is host memory (shared memory is RAM) held for the whole job.
         on_slot_busy: what ``save`` does when every slot of the rank is held by the persister:
             ``"wait"`` (a ``slot_wait`` event and a warning, then up to ``slot_wait_timeout_secs``, then
             :class:`~snapckpt.errors.SlotBusyError`) or ``"skip"`` (no snapshot for that step; a
@@ -59,7 +62,7 @@ class CheckpointOptions:
     runtime_dir: Optional[str] = None
     job_id: Optional[str] = None
     slots_per_rank: int = 2
-    slot_headroom: float = 1.25
+    slot_headroom: float = 1.05
     on_slot_busy: Literal["wait", "skip"] = "wait"
     slot_wait_timeout_secs: float = 600.0
     request_timeout_secs: float = 60.0

@@ -138,6 +138,15 @@ def used_bytes(path: str) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def proc_status_bytes(pid: int, key: str) -> int:
+    """A ``kB`` field of ``/proc/<pid>/status`` (``RssAnon``, ``VmRSS``...) in bytes; -1 if absent."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
 def tree(path: str) -> list:
     """Every file and directory below ``path``, relative, sorted."""
     out = []
@@ -146,19 +155,28 @@ def tree(path: str) -> list:
     return sorted(out)
 
 
-def assert_equal_state(x, y, where: str = "") -> None:
+def assert_equal_state(x, y, where: str = "", strict: bool = False) -> None:
     """Assert two loaded checkpoint objects are equal: tensors by dtype and value, containers recursively,
-    numpy arrays elementwise, anything else by ``==``; ``where`` names the first difference."""
+    numpy arrays elementwise, anything else by ``==``; ``where`` names the first difference.
+
+    ``strict`` also requires the same container types, dict key order, and tensor shape, stride and
+    ``requires_grad`` (what a restore must reproduce exactly)."""
+    if strict:
+        assert type(x) is type(y), f"{where}: {type(x).__name__} != {type(y).__name__}"
     if isinstance(x, torch.Tensor):
         assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
+        if strict:
+            assert (x.shape, x.stride(), x.requires_grad) == (y.shape, y.stride(), y.requires_grad), where
     elif isinstance(x, dict):
         assert isinstance(y, dict) and x.keys() == y.keys(), where
+        if strict:
+            assert list(x) == list(y), f"{where}: key order"
         for k in x:
-            assert_equal_state(x[k], y[k], f"{where}.{k}")
+            assert_equal_state(x[k], y[k], f"{where}.{k}", strict)
     elif isinstance(x, (list, tuple)):
         assert len(x) == len(y), where
         for i, (a, b) in enumerate(zip(x, y)):
-            assert_equal_state(a, b, f"{where}[{i}]")
+            assert_equal_state(a, b, f"{where}[{i}]", strict)
     elif type(x).__module__ == "numpy":
         assert (x == y).all(), where
     else:

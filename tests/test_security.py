@@ -106,7 +106,7 @@ def test_security_owner_only_files_per_job_and_umask(snap_env):
             assert len({ck.persister_pid for ck in jobs}) == 3
             tokens = []
             for ck, (rt, arena) in zip(jobs, dirs):
-                mapped = {m.path for m in ck._slots.values()}
+                mapped = {m.path for m in ck._maps.maps.values()}
                 assert mapped and all(os.path.dirname(p) == arena for p in mapped), (arena, mapped)
                 assert stat.S_ISSOCK(os.stat(os.path.join(rt, "persister.sock")).st_mode)
                 for n in ("persister.sock", "token", "spawn.lock", "persister.pid"):

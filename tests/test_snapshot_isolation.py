@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from _harness import result_lines, run_ranks, wait_until
+from _harness import assert_equal_state, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, HookRegistry, SnapshotPolicy, StorageType
 from snapckpt.errors import IncompatibleCheckpointError
 
@@ -487,26 +487,6 @@ def _format_state():
     }
 
 
-def _assert_same_loaded(got, ref, path: str = "") -> None:
-    """Structural equality of two loaded states, tensor by tensor (type, dtype, shape, stride,
-    requires_grad, values)."""
-    assert type(got) is type(ref), f"{path}: {type(got).__name__} != {type(ref).__name__}"
-    if isinstance(ref, torch.Tensor):
-        assert (got.dtype, got.shape, got.stride(), got.requires_grad) == \
-               (ref.dtype, ref.shape, ref.stride(), ref.requires_grad), path
-        assert torch.equal(got, ref), path
-    elif isinstance(ref, dict):
-        assert list(got) == list(ref), path
-        for k in ref:
-            _assert_same_loaded(got[k], ref[k], f"{path}.{k}")
-    elif isinstance(ref, (list, tuple)):
-        assert len(got) == len(ref), path
-        for i, (a, b) in enumerate(zip(got, ref)):
-            _assert_same_loaded(a, b, f"{path}[{i}]")
-    else:
-        assert got == ref, path
-
-
 def _sharing_pattern(obj) -> list:
     """Which tensors (by path) share a storage: a partition of the tensor paths."""
     groups = collections.defaultdict(list)
@@ -541,9 +521,9 @@ def test_file_loads_with_stock_torch_load_and_equals_torch_save(snap_env, tmp_pa
         ck.save(state, 1, StorageType.DISK).wait()
         from_memory = ck.load()
     got = plain_load(snap_env.ckpt_dir, 1)
-    _assert_same_loaded(got, ref)
+    assert_equal_state(got, ref, strict=True)
     assert _sharing_pattern(got) == _sharing_pattern(ref)
-    _assert_same_loaded(from_memory, ref)
+    assert_equal_state(from_memory, ref, strict=True)
     assert _sharing_pattern(from_memory) == _sharing_pattern(ref)
 
 

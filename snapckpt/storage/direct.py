@@ -9,22 +9,41 @@ device's logical block size, while a ``torch.save`` archive is a stream of recor
 aligned blocks; the last, partial block is written padded to the alignment and the file is then cut to
 its true length (``ftruncate``). Reference: open(2), "O_DIRECT" (alignment restrictions).
 
-A filesystem that refuses ``O_DIRECT`` (tmpfs, some network filesystems) gets an ordinary buffered file.
+There are two bounce buffers per file: while one is written out (``pwrite`` on a background thread,
+which releases the GIL), the caller fills the other and computes its checksum, so that the copy and the
+checksum overlap the device write instead of adding to it (measured here at 1 GiB, on a loaded 2-core VM:
+0.98-1.34 s with one buffer against a raw ``O_DIRECT`` floor of 0.68-0.73 s).
+
+A filesystem that refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some network filesystems) gets an ordinary
+buffered file.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import fcntl
 import mmap
 import os
-from typing import BinaryIO
+import threading
+from typing import BinaryIO, Optional
 
 __all__ = ["ALIGN", "BUFFER_NBYTES", "open_direct"]
 
 #: Alignment of O_DIRECT writes (bytes): 4096 covers 512-byte and 4 KiB logical blocks.
 ALIGN = 4096
-#: Bounce buffer per open file (bytes); one write(2) per full buffer.
+#: Each of the two bounce buffers of an open file (bytes); one write(2) per full buffer.
 BUFFER_NBYTES = 16 << 20
+
+_writers: Optional[cf.ThreadPoolExecutor] = None  # the background pwrite threads, shared by all files
+_writers_lock = threading.Lock()
+
+
+def _writer_pool() -> cf.ThreadPoolExecutor:
+    global _writers
+    with _writers_lock:
+        if _writers is None:
+            _writers = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="snapckpt-direct")
+        return _writers
 
 
 def open_direct(path: str, buffered_nbytes: int = 8 << 20) -> BinaryIO:
@@ -45,22 +64,26 @@ def open_direct(path: str, buffered_nbytes: int = 8 << 20) -> BinaryIO:
 class DirectFile:
     """A write-only binary file object over an ``O_DIRECT`` descriptor (see the module docstring).
 
-    ``write`` copies into the bounce buffer and writes each full buffer at its aligned offset;
-    ``flush`` writes the partial tail padded to :data:`ALIGN` and truncates the file to the bytes written
-    so far (after it the file on disk is exactly what was written; later writes go on from there);
-    ``close`` flushes. ``fileno`` is the descriptor, for ``os.fsync``.
+    ``write`` copies into a bounce buffer and hands each full buffer to a background thread that writes it
+    at its aligned offset (at most one such write in flight per file), then fills the other buffer;
+    ``flush`` waits for it, writes the partial tail padded to :data:`ALIGN` and truncates the file to the
+    bytes written so far (after it the file on disk is exactly what was written; later writes go on from
+    there); ``close`` flushes. ``fileno`` is the descriptor, for ``os.fsync`` (after ``flush``).
 
     Raises:
-        OSError: from write(2)/ftruncate(2) (``ENOSPC``, ``EFBIG``...), unchanged.
+        OSError: from write(2)/ftruncate(2) (``ENOSPC``, ``EFBIG``...), unchanged; a background write's
+            error is raised by the next ``write``, ``flush`` or ``close``.
     """
 
     def __init__(self, fd: int, path: str) -> None:
         self.name = path
         self._fd = fd
-        self._buf = mmap.mmap(-1, BUFFER_NBYTES)  # anonymous mappings are page-aligned
-        self._view = memoryview(self._buf)
-        self._fill = 0  # bytes in the buffer
-        self._offset = 0  # file offset of the buffer's first byte (aligned)
+        self._bufs = [mmap.mmap(-1, BUFFER_NBYTES) for _ in range(2)]  # anonymous mappings are page-aligned
+        self._views = [memoryview(b) for b in self._bufs]
+        self._view = self._views[0]  # the buffer being filled
+        self._fill = 0  # bytes in it
+        self._offset = 0  # file offset of its first byte (aligned)
+        self._pending: Optional[cf.Future] = None  # the background write of the other buffer
         self._closed = False
         self._direct = True  # False once a write fell back to buffered I/O (see _write_out)
 
@@ -75,17 +98,22 @@ class DirectFile:
             self._fill += take
             pos += take
             if self._fill == BUFFER_NBYTES:
-                self._write_out(BUFFER_NBYTES)
+                self._wait()
+                self._pending = _writer_pool().submit(self._write_out, self._view, BUFFER_NBYTES, self._offset)
+                self._view = self._views[1] if self._view is self._views[0] else self._views[0]
                 self._offset += BUFFER_NBYTES
                 self._fill = 0
         return n
 
     def flush(self) -> None:
-        if self._closed or self._fill == 0:
+        if self._closed:
+            return
+        self._wait()
+        if self._fill == 0:
             return
         padded = (self._fill + ALIGN - 1) // ALIGN * ALIGN
         self._view[self._fill:padded] = bytes(padded - self._fill)
-        self._write_out(padded)
+        self._write_out(self._view, padded, self._offset)
         os.ftruncate(self._fd, self._offset + self._fill)
         # The tail stays in the buffer: a later write continues it and rewrites this block in place.
 
@@ -105,8 +133,13 @@ class DirectFile:
             self.flush()
         finally:
             self._closed = True
-            self._view.release()
-            self._buf.close()
+            if self._pending is not None:  # flush raised before waiting: let the write end, drop its error
+                cf.wait([self._pending])
+                self._pending = None
+            self._view = None
+            for v, b in zip(self._views, self._bufs):
+                v.release()
+                b.close()
             os.close(self._fd)
 
     @property
@@ -120,11 +153,18 @@ class DirectFile:
         self.close()
 
     # -- internals
-    def _write_out(self, nbytes: int) -> None:
+    def _wait(self) -> None:
+        """Wait for the background write, if any; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write_out(self, view: memoryview, nbytes: int, offset: int) -> None:
+        """Write ``view[:nbytes]`` at file offset ``offset`` (both aligned, unless the file fell back)."""
         done = 0
         while done < nbytes:
             try:
-                written = os.pwrite(self._fd, self._view[done:nbytes], self._offset + done)
+                written = os.pwrite(self._fd, view[done:nbytes], offset + done)
             except OSError as e:
                 if e.errno != errno.EINVAL or not self._direct:
                     raise

@@ -15,7 +15,6 @@ import sys
 
 import ds_common
 import deepspeed
-import torch
 import torch.distributed as dist
 
 import snapckpt.deepspeed as sd
@@ -35,7 +34,6 @@ def main():
         path, _ = engine.load_checkpoint(ckpt)
         if path is not None:
             print(f"RESUMED {engine.global_steps} {engine.snapckpt.checkpointer.last_load.tier.value}", flush=True)
-    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     for step in range(int(engine.global_steps) + 1, total + 1):
         loss = ds_common.train_step(engine, step)
         print("RESULT " + json.dumps({"step": step, "loss": loss}), flush=True)

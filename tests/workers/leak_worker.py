@@ -20,6 +20,7 @@ import psutil
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the harness
+from _harness import proc_status_bytes  # noqa: E402
 
 SAVES = 200
 DISK_EVERY = 20
@@ -28,14 +29,6 @@ OPTS = dict(persister_idle_timeout_secs=120, fsync=False, commit_timeout_secs=60
 # HF: no flush after the kill, so that the restart goes through the callback's memory-tier resume (with the
 # flush, the persister itself writes checkpoint-201 and the Trainer resumes it natively)
 HF_OPTS = dict(OPTS, flush_on_crash=False)
-
-
-def _status(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return -1
 
 
 class Sampler:
@@ -50,9 +43,9 @@ class Sampler:
         if self.persister is None or self.persister.pid != persister_pid:
             self.persister = psutil.Process(persister_pid)
         p = self.persister
-        self.rows.append({"rss": self.me.memory_info().rss, "anon": _status(self.me.pid, "RssAnon"),
+        self.rows.append({"rss": self.me.memory_info().rss, "anon": proc_status_bytes(self.me.pid, "RssAnon"),
                           "fds": self.me.num_fds(), "p_rss": p.memory_info().rss,
-                          "p_anon": _status(p.pid, "RssAnon"), "p_fds": p.num_fds(), "p_pid": p.pid})
+                          "p_anon": proc_status_bytes(p.pid, "RssAnon"), "p_fds": p.num_fds(), "p_pid": p.pid})
 
 
 def _hold(marker: str, sampler: Sampler, persister_pid: int, step: int) -> None:

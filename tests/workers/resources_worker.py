@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the harness
-from _harness import tree, used_bytes  # noqa: E402
+from _harness import proc_status_bytes, tree, used_bytes  # noqa: E402
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import InsufficientSharedMemoryError
 
@@ -96,14 +96,6 @@ def run_one_slot(ckpt: str, shm: str) -> None:
     result(phase="closed", persister_gone=wait_gone(pid))
 
 
-def _proc_status(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
 def run_churn(ckpt: str) -> None:
     me = psutil.Process()
     fds0 = me.num_fds()
@@ -120,9 +112,9 @@ def run_churn(ckpt: str) -> None:
         if tier == StorageType.DISK:
             h.wait()
         pids.add(ck.persister_pid)
-        samples.append({"rss": me.memory_info().rss, "anon": _proc_status(me.pid, "RssAnon"),
+        samples.append({"rss": me.memory_info().rss, "anon": proc_status_bytes(me.pid, "RssAnon"),
                         "fds": me.num_fds(), "p_rss": pp.memory_info().rss,
-                        "p_anon": _proc_status(pid, "RssAnon"), "p_fds": pp.num_fds()})
+                        "p_anon": proc_status_bytes(pid, "RssAnon"), "p_fds": pp.num_fds()})
     on_disk = sorted(n for n in os.listdir(ckpt) if n.startswith("step_"))
     ck.close()
     gone = wait_gone(pid)
