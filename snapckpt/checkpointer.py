@@ -591,7 +591,7 @@ class Checkpointer:
         problems: List[str] = []
         if self.rank == 0:
             for c in list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
-                                    problems=problems):
+                                    problems=problems, name_pattern=layout.STEP_DIR_PATTERN):
                 saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
                 disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
             for p in problems:

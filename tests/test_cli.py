@@ -192,6 +192,37 @@ def test_cli_B3_verify_truncated_file_and_broken_manifest(snap_env):
     assert "1 intact, 2 damaged" in r.stdout
 
 
+def test_cli_B3_deleted_manifest_is_damaged_for_verify_ls_and_load(snap_env, caplog):
+    """Fault: step 3's ``.snapckpt/manifest.json`` deleted; step 2's whole ``.snapckpt`` sidecar deleted
+    (only its ``step_00000002`` name says it is snapckpt's). Right behaviour: not a silent rollback:
+    ``verify`` counts both as DAMAGED and exits 1, ``ls`` marks both damaged, and ``load()`` loads step 1
+    with a warning naming each skipped directory."""
+    import logging
+
+    d = snap_env.ckpt_dir
+    save_steps(d, {s: small_state(s) for s in (1, 2, 3)})
+    os.remove(os.path.join(d, "step_00000003", ".snapckpt", "manifest.json"))
+    shutil.rmtree(os.path.join(d, "step_00000002", ".snapckpt"))
+    os.makedirs(os.path.join(d, "tensorboard"))  # not snapckpt's: never called damaged
+    r = cli("verify", d)
+    assert r.returncode == 1, r.stdout + r.stderr
+    for step in (2, 3):
+        assert re.search(rf"^DAMAGED\s+step_{step:08d}: \.snapckpt/manifest\.json is missing", r.stdout, re.M), r.stdout
+    assert re.search(r"^OK\s+step 1\s+step_00000001", r.stdout, re.M)
+    assert "3 checkpoint(s): 1 intact, 2 damaged" in r.stdout
+    rows = ls_rows(cli("ls", d).stdout)
+    assert rows["step_00000002"]["STATE"] == rows["step_00000003"]["STATE"] == "damaged"
+    assert "tensorboard" not in rows
+    with Checkpointer(d, **OPTS) as ck:
+        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+            out = ck.load()
+        assert ck.last_load.step == 1 and out["step"] == 1
+    warned = [r.getMessage() for r in caplog.records if "not a loadable checkpoint" in r.getMessage()]
+    for step in (2, 3):
+        assert any(f"step_{step:08d}: .snapckpt/manifest.json is missing" in w for w in warned), caplog.text
+    assert not any("tensorboard" in w for w in warned), warned
+
+
 def test_cli_verify_usage_errors_exit_2(snap_env):
     """Fault: user mistakes. Right behaviour: exit 2 with a message for a missing DIR, an unknown STEP
     (listing the committed steps), a checkpoint passed instead of its parent, and an empty directory."""
