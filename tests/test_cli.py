@@ -126,6 +126,29 @@ def test_cli_B2_ls_shows_committed_incomplete_damaged_and_latest(snap_env):
     assert "warning: latest names 'step_00000002', which is not a committed checkpoint" in r.stdout
 
 
+def test_cli_ls_lists_two_tags_committed_at_one_step(snap_env):
+    """Two directories (tags ``same`` and ``m``, the way the DeepSpeed integration names them) committed
+    at one step, plus a plain step. Right behaviour: ``ls`` lists every committed directory, both rows
+    at step 12, as ``verify`` does."""
+    from snapckpt import StorageType
+
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, **OPTS) as ck:
+        ck.save(small_state(11), 11).wait(timeout=30)
+        for tag in ("same", "m"):
+            ck._save_files({"rank_00000.pt": small_state(12)}, 12, StorageType.DISK, dirname=tag,
+                           tracker_name="latest", tracker_content=tag).wait(timeout=30)
+    r = cli("ls", d)
+    assert r.returncode == 0, r.stderr
+    rows = ls_rows(r.stdout)
+    assert set(rows) == {"step_00000011", "same", "m"}, r.stdout
+    assert rows["same"]["STEP"] == rows["m"]["STEP"] == "12", r.stdout
+    assert rows["same"]["STATE"] == rows["m"]["STATE"] == "committed", r.stdout
+    assert rows["m"]["TRACKER"] == "latest" and rows["same"]["TRACKER"] == "", r.stdout
+    v = cli("verify", d)
+    assert v.returncode == 0 and "3 checkpoint(s): 3 intact, 0 damaged" in v.stdout, v.stdout
+
+
 # -------------------------------------------------------------------------------------------- verify
 def test_cli_verify_intact_checkpoints_exit_0(snap_env):
     """No fault. Right behaviour: ``verify`` re-checksums every committed checkpoint (or one STEP),
