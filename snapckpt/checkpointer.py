@@ -283,7 +283,8 @@ class Checkpointer:
 
     def _lost_error(self, step: int) -> Exception:
         return PersisterDiedError(f"the persister no longer knows step {step} (it was restarted); that save is "
-                                  f"lost, committed checkpoints are intact; {self._context(step)}")
+                                  "lost, committed checkpoints are intact; the next call uses the new persister: "
+                                  f"repeat that save; {self._context(step)}")
 
     def _on_committed(self, handle: SaveHandle) -> None:
         log.info("rank %d: step %d committed to %s", self.rank, handle.step, self.checkpoint_dir)

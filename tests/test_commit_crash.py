@@ -304,6 +304,7 @@ def test_B2_persister_killed_mid_write_no_commit_record_then_died_error(snap_env
             bounded(lambda: ck.save(make_state(3, 0), 3) if next_call == "save" else ck.wait())
         msg = str(ei.value)
         assert str(pid) in msg and ("died" in msg or "lost" in msg), msg
+        assert "new persister" in msg and "repeat" in msg, msg  # the fix, whichever way the death was seen
         bounded(lambda: ck.save(make_state(3, 0), 3).wait())
         assert ck.persister_pid != pid
         assert tracker(d) == "step_00000003" and committed_steps(d) == [1, 3]
