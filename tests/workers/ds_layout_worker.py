@@ -57,10 +57,13 @@ def same(a, b, path=""):
 
 
 def tree(root):
+    """Files below ``root`` without snapckpt's own: ``.snapckpt`` sidecars and the writer claim."""
+    from snapckpt.dirclaim import LOCK_NAME
+
     out = []
     for d, dirs, files in os.walk(root):
         dirs[:] = [x for x in dirs if x != ".snapckpt"]
-        out += [os.path.relpath(os.path.join(d, f), root) for f in files]
+        out += [os.path.relpath(os.path.join(d, f), root) for f in files if f != LOCK_NAME]
     return sorted(out)
 
 
