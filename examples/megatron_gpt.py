@@ -140,21 +140,45 @@ def checkpoint_functions(args):
     return save, load
 
 
+def routing(args) -> str:
+    """One line saying who checkpoints. This is not Megatron-LM's ``pretrain()``: the loop below calls the
+    checkpoint functions itself, so ``snapckpt.megatron.enable`` (which rebinds Megatron-LM's own
+    functions inside ``pretrain()``) has nothing to do here and is not called."""
+    if not args.snapckpt:
+        return "--snapckpt is off: megatron-core's stock torch_dist save/load"
+    return (f"--snapckpt is on: this loop calls snapckpt.megatron_dist_ckpt.save_checkpoint/load_checkpoint "
+            f"(memory every {args.snapckpt_memory_interval or 'never'}, disk every {args.save_interval} "
+            "iterations)")
+
+
+def resumed_from(args, iteration: int) -> str:
+    """Where the resumed state came from: snapckpt's memory or disk tier, a stock directory, or nothing."""
+    if iteration == 0:
+        return "fresh start: no checkpoint"
+    if not args.snapckpt:
+        return "resumed from disk"
+    from snapckpt.megatron_dist_ckpt import get_checkpointer
+
+    last = get_checkpointer(args.load, **snapckpt.megatron.checkpointer_options(args)).last_load
+    if last is None:
+        return "resumed from disk: a directory megatron-core wrote itself"
+    return f"resumed from {last.tier.value}, iteration {last.step}"
+
+
 def main():
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args()
     initialize(args)
     rank = torch.distributed.get_rank()
-    result = snapckpt.megatron.enable(args)  # here: says Megatron-LM is not importable; this loop routes itself
     if rank == 0:
-        print(f"snapckpt.megatron.enable: enabled={result.enabled}: {result.reason}", flush=True)
+        print(f"snapckpt: {routing(args)}", flush=True)
     if args.snapckpt_disk_interval:
         args.save_interval = args.snapckpt_disk_interval
     model, optimizer, sched = build(args)
     save, load = checkpoint_functions(args)
     iteration, flops = load([model], optimizer, sched)
     if rank == 0:
-        print(f"starting at iteration {iteration}", flush=True)
+        print(f"starting at iteration {iteration} ({resumed_from(args, iteration)})", flush=True)
     from snapckpt import StorageType
 
     while iteration < args.train_iters:

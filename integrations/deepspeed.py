@@ -547,7 +547,7 @@ class DeepSpeedSnapckptConfig:
         checkpoint_dir: where DISK saves go (DeepSpeed's ``save_dir``); required when enabled.
         memory_interval_steps: MEMORY snapshot every N optimizer steps (``None``: none).
         disk_interval_steps: DISK save every N optimizer steps (``None``: only explicit saves).
-        keep_last: retention: keep the N most recently committed tags (``None``: all).
+        keep_last: retention: keep the N most recently saved tags (``None``: all).
         options: further :class:`snapckpt.CheckpointOptions` fields (``shm_dir``, timeouts...).
     """
 

@@ -29,10 +29,10 @@ def private_dir(path: str) -> None:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise PersisterError(f"{path} is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a directory'}, "
-                             "not a private directory of this user; remove it or set runtime_dir=/shm_dir= to a "
-                             "private directory")
+                             "not a private directory of this user; remove it or set runtime_dir=/shm_dir= (or "
+                             "SNAPCKPT_RUNTIME_DIR/SNAPCKPT_SHM_DIR) to a private directory")
     if st.st_uid != os.getuid():
         raise PersisterError(f"{path} belongs to uid {st.st_uid}, not to this user; remove it or set "
-                             "runtime_dir=/shm_dir= to a private directory")
+                             "runtime_dir=/shm_dir= (or SNAPCKPT_RUNTIME_DIR/SNAPCKPT_SHM_DIR) to a private directory")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)

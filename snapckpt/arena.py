@@ -118,8 +118,8 @@ class SlotFiles:
         st = os.statvfs(self.directory)
         free = st.f_bavail * st.f_frsize
         avail = mem_available_bytes()
-        hint = ("lower slots_per_rank (min 2) or slot_headroom, point shm_dir= at a larger tmpfs, "
-                "or save less state per rank")
+        hint = ("lower slots_per_rank (min 2) or slot_headroom, point shm_dir= (or the environment variable "
+                "SNAPCKPT_SHM_DIR) at a larger tmpfs, or save less state per rank")
         if need > free:
             raise InsufficientSharedMemoryError(
                 f"shared-memory directory {self.directory!r} has {free} bytes free but the snapshot slots "

@@ -135,12 +135,18 @@ class Checkpointer:
     ``torch.distributed`` (case C6).
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` cannot be created or written.
+        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), or cannot be
+            created or written.
         RankTimeoutError: some ranks did not construct theirs within ``coordination_timeout_secs``.
         PersisterError: the node persister could not be started or refused this rank.
     """
 
     def __init__(self, checkpoint_dir: "str | os.PathLike[str]", **options: Any) -> None:
+        if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+            raise CheckpointDirError(
+                f"checkpoint_dir must be a non-empty path (a str or os.PathLike naming the directory that holds "
+                f"the checkpoints, e.g. Checkpointer(\"ckpt\")), not {checkpoint_dir!r} "
+                f"({type(checkpoint_dir).__name__})")
         self.options = CheckpointOptions.from_kwargs(**options)
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
         self.job = job_key(self.checkpoint_dir, self.options.job_id)
@@ -283,7 +289,8 @@ class Checkpointer:
 
     def _lost_error(self, step: int) -> Exception:
         return PersisterDiedError(f"the persister no longer knows step {step} (it was restarted); that save is "
-                                  f"lost, committed checkpoints are intact; {self._context(step)}")
+                                  "lost, committed checkpoints are intact; the next call uses the new persister: "
+                                  f"repeat that save; {self._context(step)}")
 
     def _on_committed(self, handle: SaveHandle) -> None:
         log.info("rank %d: step %d committed to %s", self.rank, handle.step, self.checkpoint_dir)
@@ -341,10 +348,12 @@ class Checkpointer:
         _check_step(step)
         return self._save_files({layout.rank_filename(self.rank): state_dict}, step, storage_type,
                                 dirname=layout.step_dirname(step), tracker_name=layout.TRACKER,
-                                tracker_content=layout.step_dirname(step))
+                                tracker_content=layout.step_dirname(step),
+                                check_weights_only=self.options.weights_only)
 
     def _save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
-                    tracker_name: Optional[str], tracker_content: str = "") -> SaveHandle:
+                    tracker_name: Optional[str], tracker_content: str = "",
+                    check_weights_only: bool = False) -> SaveHandle:
         """Save several files of this rank as one step (the integrations' entry point); see :meth:`save`.
 
         Args:
@@ -353,6 +362,8 @@ class Checkpointer:
                 plain object (a ``TorchSave``). ``{}`` is a valid, empty part.
             dirname: the checkpoint's directory name under ``checkpoint_dir`` (a tag: one path component).
             tracker_name: tracker file replaced with ``tracker_content`` after the commit (``None``: none).
+            check_weights_only: warn once per new plan when :meth:`load` (``weights_only=True``) would
+                refuse the state (:meth:`save` sets it; integrations have their own loaders).
         """
         _check_step(step)
         storage_type = StorageType(storage_type)
@@ -371,7 +382,7 @@ class Checkpointer:
             self._claim_dir()
         t0 = time.perf_counter()
         self.poll()
-        prepared = self._stager.prepare(files, step)
+        prepared = self._stager.prepare(files, step, check_weights_only=check_weights_only)
         t1 = time.perf_counter()
         if storage_type == StorageType.DISK:
             free = self._storage.free_bytes(self.checkpoint_dir)
@@ -591,7 +602,7 @@ class Checkpointer:
         problems: List[str] = []
         if self.rank == 0:
             for c in list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
-                                    problems=problems):
+                                    problems=problems, name_pattern=layout.STEP_DIR_PATTERN):
                 saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
                 disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
             for p in problems:

@@ -16,10 +16,11 @@ States shown by ``ls``:
 - ``committed``: the manifest parses and every file it lists has the recorded size (a loader picks it);
 - ``incomplete``: a hidden in-flight directory ``.NAME.partial-RUN`` (a save in progress, or one that
   crashed); loaders never look at it, the next persister of the job removes it;
-- ``damaged``: a ``.snapckpt`` sidecar whose manifest is missing, unparseable or lacks fields, or a file
-  that is missing or of the wrong size (loaders skip it). ``verify`` also catches flipped bytes.
+- ``damaged``: a ``.snapckpt`` sidecar (or a ``step_NNNNNNNN`` directory) whose manifest is missing,
+  unparseable or lacks fields, or a file that is missing or of the wrong size (loaders skip it, with a
+  warning). ``verify`` counts each as damaged, and also catches flipped bytes.
 
-Directories without a ``.snapckpt`` sidecar are not snapckpt's and are only counted.
+Other directories without a ``.snapckpt`` sidecar are not snapckpt's and are only counted.
 
 Exit codes: 0 success (``verify``: every checkpoint intact); 1 ``verify`` found damage, or ``inspect``
 could not read a file (damaged, or refused by ``weights_only=True``); 2 usage error (no such DIR, no
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import CheckpointCorruptError
-from .layout import TRACKER
+from .layout import STEP_DIR_PATTERN, TRACKER
 from .progress import byte_bar
 from .manifest import (MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest,
                        record_checksum)
@@ -165,7 +166,8 @@ def scan(d: str) -> Tuple[List[Row], int]:
             continue
         if name.startswith(".") and _PARTIAL in name:
             rows.append(_partial_row(path, name))
-        elif not name.startswith(".") and os.path.isdir(os.path.join(path, SIDECAR)):
+        elif not name.startswith(".") and (os.path.isdir(os.path.join(path, SIDECAR))
+                                           or STEP_DIR_PATTERN.fullmatch(name)):
             rows.append(_committed_row(reader, path, name))
         elif not name.startswith("."):
             others += 1
@@ -239,7 +241,8 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     d = _checkpoint_dir(parser, args.dir)
     reader = PosixStorage()
     bad_manifests: List[str] = []
-    committed = list_committed(reader, d, quick_check=False, problems=bad_manifests)
+    committed = list_committed(reader, d, quick_check=False, problems=bad_manifests,
+                               name_pattern=STEP_DIR_PATTERN)
     if args.step is not None:
         chosen = [c for c in committed if c.step == args.step]
         if not chosen:

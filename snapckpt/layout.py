@@ -10,9 +10,13 @@ A shard loads without snapckpt: ``torch.load("ckpt/step_00000100/rank_00000.pt",
 """
 from __future__ import annotations
 
-__all__ = ["step_dirname", "rank_filename", "TRACKER"]
+import re
+
+__all__ = ["step_dirname", "rank_filename", "TRACKER", "STEP_DIR_PATTERN"]
 
 TRACKER = "latest"
+#: Names :func:`step_dirname` makes (a directory so named without a manifest is a damaged checkpoint).
+STEP_DIR_PATTERN = re.compile(r"step_\d{8,}")
 
 
 def step_dirname(step: int) -> str:

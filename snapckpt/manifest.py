@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import time
 import zlib
 from dataclasses import dataclass
@@ -258,12 +259,16 @@ class Committed:
 
 
 def list_committed(reader: StorageReader, checkpoint_dir: str, *, quick_check: bool = True,
-                   problems: Optional[List[str]] = None) -> List[Committed]:
+                   problems: Optional[List[str]] = None,
+                   name_pattern: "Optional[re.Pattern[str]]" = None) -> List[Committed]:
     """Committed checkpoints in ``checkpoint_dir``, oldest step first.
 
     Directories without a parseable manifest are not committed and are skipped; with ``quick_check``
     so are those whose files are missing or have the wrong size. Each skipped one is described in
-    ``problems`` when a list is given.
+    ``problems`` when a list is given. A directory without a manifest counts as skipped (damaged, not
+    foreign) when it is snapckpt's: it has a ``.snapckpt`` sidecar, or its whole name matches
+    ``name_pattern`` (the caller's layout, e.g. ``step_\\d{8,}``); other directories (logs, tensorboard)
+    are ignored silently.
     """
     out: List[Committed] = []
     for name in reader.listdir(checkpoint_dir):
@@ -273,7 +278,14 @@ def list_committed(reader: StorageReader, checkpoint_dir: str, *, quick_check: b
         mpath = os.path.join(path, MANIFEST)
         try:
             data = reader.read_bytes(mpath)
-        except (FileNotFoundError, NotADirectoryError):
+        except NotADirectoryError:
+            continue
+        except FileNotFoundError:
+            if problems is not None and reader.isdir(path) and (
+                    reader.isdir(os.path.join(path, SIDECAR))
+                    or (name_pattern is not None and name_pattern.fullmatch(name))):
+                problems.append(f"{name}: {MANIFEST} is missing (a snapckpt checkpoint directory without "
+                                "its commit record: deleted, or damaged by hand)")
             continue
         except OSError as e:
             if problems is not None:

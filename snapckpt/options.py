@@ -15,9 +15,9 @@ class CheckpointOptions:
     """Everything a :class:`snapckpt.Checkpointer` can be told.
 
     Attributes:
-        keep_last: retention; the ``keep_last`` most recently committed checkpoints are kept, older ones
-            are deleted after each commit (``None`` keeps everything). The newest committed checkpoint and
-            every in-flight one are never deleted.
+        keep_last: retention; the ``keep_last`` most recently *saved* checkpoints (save order, not commit
+            order nor step number) are kept, older ones are deleted after each commit (``None`` keeps
+            everything). The newest committed checkpoint and every in-flight one are never deleted.
         shm_dir: directory of a tmpfs that holds the shared-memory arena (default ``/dev/shm`` or
             ``$SNAPCKPT_SHM_DIR``).
         runtime_dir: parent directory for the persister's socket, lock and token (default

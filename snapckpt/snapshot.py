@@ -19,6 +19,7 @@ storages and unpickles.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Tuple
 
@@ -28,11 +29,14 @@ from .arena import HEADER_NBYTES, read_header, write_header
 from . import faults
 from .errors import SnapshotError
 from .formats.specs import Concat, RawBytes, TorchSave, unwrap
-from .formats.torch_zip import TensorRef, _check_supported, collect_tensors, pickle_skeleton, unpickle_skeleton
+from .formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
+                                unpickle_skeleton, weights_only_refusal)
 
 __all__ = ["Stager", "Prepared", "Plan", "read_slot", "read_index"]
 
 ALIGN = 64
+
+log = logging.getLogger(__name__)
 
 
 def _align(n: int) -> int:
@@ -164,6 +168,33 @@ class Prepared:
     persistable: bool = True  # some file of the snapshot is written to disk (not all MemoryOnly)
 
 
+def _warn_if_unsafe(name: str, pkl: bytes, warned: set) -> None:
+    """Log one warning if ``load()`` with ``weights_only=True`` would refuse this skeleton, unless the same
+    reason was already logged (``warned``: the reasons logged so far, updated)."""
+    why = weights_only_refusal(pkl)
+    if why is None or why in warned:
+        return
+    warned.add(why)
+    log.warning(
+        "%s: this state saves, but load() will refuse it: the Checkpointer loads with weights_only=True and "
+        "torch says: %s Fix: convert such values to tensors or plain types before saving (a numpy array: "
+        "torch.from_numpy(a); an argparse.Namespace: vars(ns)), or, if you trust the checkpoint directory, "
+        "pass weights_only=False to the Checkpointer or allow the class with "
+        "torch.serialization.add_safe_globals([...]) before load(). (Checked once per state layout.)",
+        name, why.split(" Please use")[0].rstrip(".") + ".")
+
+
+def _unpicklable_error(name: str, obj: Any, err: BaseException) -> SnapshotError:
+    """A :class:`SnapshotError` naming the key path of the first value of ``obj`` that cannot be pickled."""
+    found = find_unpicklable(obj)
+    where, value, cause = found if found is not None else ("state", obj, err)
+    return SnapshotError(
+        f"{name}: {where} cannot be pickled ({type(value).__name__}: {type(cause).__name__}: {cause}); a "
+        "checkpoint holds tensors, numbers, strings and containers of them (and other picklable objects): "
+        "remove that value from the state, or replace it with something picklable (a function by its name, "
+        "a config as a dict)")
+
+
 class Stager:
     """Turns ``{relative file path: object}`` into slot bytes. One per training process and rank.
 
@@ -175,8 +206,10 @@ class Stager:
         self._plans: Dict[tuple, Plan] = {}
         self._cache_size = cache_size
         self.plan_builds = 0  # how many plans were built (observable by tests of contract 3)
+        self._unsafe_warned: set = set()  # weights_only refusals already warned about
 
-    def _plan_for(self, tensors: List[torch.Tensor]) -> Plan:
+    def _plan_for(self, tensors: List[torch.Tensor]) -> Tuple[Plan, bool]:
+        """The plan of this layout and whether it was built now (not found in the cache)."""
         sig = _signature(tensors)
         plan = self._plans.get(sig)
         if plan is None:
@@ -185,26 +218,38 @@ class Stager:
             if len(self._plans) >= self._cache_size:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[sig] = plan
-        return plan
+            return plan, True
+        return plan, False
 
-    def prepare(self, files: Mapping[str, Any], step: int) -> Prepared:
+    def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
         """Plan a snapshot of ``files`` (``{relative path: value}``) at ``step``.
 
         A value is a file spec of :mod:`snapckpt.formats.specs` (a plain object is a ``TorchSave``). Every
         tensor of every file joins one plan, so a storage shared between files is copied once.
 
+        With ``check_weights_only``, the first time a plan is built (a new layout of tensors, not every
+        save) each pickled skeleton is run through PyTorch's weights-only unpickler (no tensor bytes); if
+        ``load()`` with ``weights_only=True`` would refuse it, a warning names the offending global and
+        the fix (once per distinct reason for the life of this Stager).
+
         Raises:
-            SnapshotError: an unsupported tensor or dtype-aliased storage.
+            SnapshotError: an unsupported tensor or dtype-aliased storage, or a value that cannot be pickled
+                (a lambda, a lock, an open file: the message names its key path).
         """
         specs = []
         per_file_tensors: List[List[torch.Tensor]] = []
-        for value in files.values():
+        for name, value in files.items():
             spec, persist = unwrap(value)
             if isinstance(spec, RawBytes):
                 spec = Concat([bytes(spec.data)])
             specs.append((spec, persist))
             if isinstance(spec, TorchSave):
-                per_file_tensors.append(collect_tensors(spec.obj))
+                try:
+                    per_file_tensors.append(collect_tensors(spec.obj))
+                except SnapshotError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - pickle raises PicklingError, TypeError, AttributeError...
+                    raise _unpicklable_error(name, spec.obj, e) from e
             else:
                 ts = [p for p in spec.parts if isinstance(p, torch.Tensor)]
                 for t in ts:
@@ -217,7 +262,7 @@ class Stager:
                 if id(t) not in seen:
                     seen[id(t)] = len(all_tensors)
                     all_tensors.append(t)
-        plan = self._plan_for(all_tensors)
+        plan, new_plan = self._plan_for(all_tensors)
         copies = []
         for span in plan.spans:
             copies.append([None, span.arena_offset])
@@ -235,6 +280,8 @@ class Stager:
             if isinstance(spec, TorchSave):
                 refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
                 pkl, keys = pickle_skeleton(spec.obj, refs)
+                if new_plan and check_weights_only:
+                    _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
                 records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
                 index_files.append({"path": path, "kind": "torch", "persist": persist,

@@ -126,6 +126,29 @@ def test_cli_B2_ls_shows_committed_incomplete_damaged_and_latest(snap_env):
     assert "warning: latest names 'step_00000002', which is not a committed checkpoint" in r.stdout
 
 
+def test_cli_ls_lists_two_tags_committed_at_one_step(snap_env):
+    """Two directories (tags ``same`` and ``m``, the way the DeepSpeed integration names them) committed
+    at one step, plus a plain step. Right behaviour: ``ls`` lists every committed directory, both rows
+    at step 12, as ``verify`` does."""
+    from snapckpt import StorageType
+
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, **OPTS) as ck:
+        ck.save(small_state(11), 11).wait(timeout=30)
+        for tag in ("same", "m"):
+            ck._save_files({"rank_00000.pt": small_state(12)}, 12, StorageType.DISK, dirname=tag,
+                           tracker_name="latest", tracker_content=tag).wait(timeout=30)
+    r = cli("ls", d)
+    assert r.returncode == 0, r.stderr
+    rows = ls_rows(r.stdout)
+    assert set(rows) == {"step_00000011", "same", "m"}, r.stdout
+    assert rows["same"]["STEP"] == rows["m"]["STEP"] == "12", r.stdout
+    assert rows["same"]["STATE"] == rows["m"]["STATE"] == "committed", r.stdout
+    assert rows["m"]["TRACKER"] == "latest" and rows["same"]["TRACKER"] == "", r.stdout
+    v = cli("verify", d)
+    assert v.returncode == 0 and "3 checkpoint(s): 3 intact, 0 damaged" in v.stdout, v.stdout
+
+
 # -------------------------------------------------------------------------------------------- verify
 def test_cli_verify_intact_checkpoints_exit_0(snap_env):
     """No fault. Right behaviour: ``verify`` re-checksums every committed checkpoint (or one STEP),
@@ -190,6 +213,37 @@ def test_cli_B3_verify_truncated_file_and_broken_manifest(snap_env):
     assert re.search(r"^DAMAGED\s+step_00000001: manifest is not valid JSON", r.stdout, re.M)
     assert re.search(r"^OK\s+step 2\s+step_00000002", r.stdout, re.M)
     assert "1 intact, 2 damaged" in r.stdout
+
+
+def test_cli_B3_deleted_manifest_is_damaged_for_verify_ls_and_load(snap_env, caplog):
+    """Fault: step 3's ``.snapckpt/manifest.json`` deleted; step 2's whole ``.snapckpt`` sidecar deleted
+    (only its ``step_00000002`` name says it is snapckpt's). Right behaviour: not a silent rollback:
+    ``verify`` counts both as DAMAGED and exits 1, ``ls`` marks both damaged, and ``load()`` loads step 1
+    with a warning naming each skipped directory."""
+    import logging
+
+    d = snap_env.ckpt_dir
+    save_steps(d, {s: small_state(s) for s in (1, 2, 3)})
+    os.remove(os.path.join(d, "step_00000003", ".snapckpt", "manifest.json"))
+    shutil.rmtree(os.path.join(d, "step_00000002", ".snapckpt"))
+    os.makedirs(os.path.join(d, "tensorboard"))  # not snapckpt's: never called damaged
+    r = cli("verify", d)
+    assert r.returncode == 1, r.stdout + r.stderr
+    for step in (2, 3):
+        assert re.search(rf"^DAMAGED\s+step_{step:08d}: \.snapckpt/manifest\.json is missing", r.stdout, re.M), r.stdout
+    assert re.search(r"^OK\s+step 1\s+step_00000001", r.stdout, re.M)
+    assert "3 checkpoint(s): 1 intact, 2 damaged" in r.stdout
+    rows = ls_rows(cli("ls", d).stdout)
+    assert rows["step_00000002"]["STATE"] == rows["step_00000003"]["STATE"] == "damaged"
+    assert "tensorboard" not in rows
+    with Checkpointer(d, **OPTS) as ck:
+        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+            out = ck.load()
+        assert ck.last_load.step == 1 and out["step"] == 1
+    warned = [r.getMessage() for r in caplog.records if "not a loadable checkpoint" in r.getMessage()]
+    for step in (2, 3):
+        assert any(f"step_{step:08d}: .snapckpt/manifest.json is missing" in w for w in warned), caplog.text
+    assert not any("tensorboard" in w for w in warned), warned
 
 
 def test_cli_verify_usage_errors_exit_2(snap_env):

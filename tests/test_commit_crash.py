@@ -244,7 +244,10 @@ def test_C8_rank_killed_mid_snapshot_slot_invalid_restart_loads_previous(snap_en
         kill_all(procs)
     assert rec0["error_type"] == "RankTimeoutError" and "[1]" in rec0["error"], rec0
     wait_crash_noticed(snap_env, 1)
-    assert "marked INVALID" in persister_log(snap_env, snap_env.ckpt_dir)
+    plog = persister_log(snap_env, snap_env.ckpt_dir)
+    assert "marked INVALID" in plog
+    # the log names the job's checkpoint directory (README: how to tell which persister is whose)
+    assert f"checkpoint directory {os.path.abspath(snap_env.ckpt_dir)} " in plog, plog
     recs = restart_and_load(snap_env)
     assert [r["step"] for r in recs] == [1, 1], recs
     assert all(r["state_step"] == 1 for r in recs)
@@ -304,6 +307,7 @@ def test_B2_persister_killed_mid_write_no_commit_record_then_died_error(snap_env
             bounded(lambda: ck.save(make_state(3, 0), 3) if next_call == "save" else ck.wait())
         msg = str(ei.value)
         assert str(pid) in msg and ("died" in msg or "lost" in msg), msg
+        assert "new persister" in msg and "repeat" in msg, msg  # the fix, whichever way the death was seen
         bounded(lambda: ck.save(make_state(3, 0), 3).wait())
         assert ck.persister_pid != pid
         assert tracker(d) == "step_00000003" and committed_steps(d) == [1, 3]

@@ -68,7 +68,8 @@ def test_D1_tiny_shm_fails_fast_without_sigbus(snap_env):
         assert err is not None and err["type"] == "InsufficientSharedMemoryError", out
         needed = [int(n) for n in re.findall(r"\d+", err["message"])]
         assert any(n >= 32 * MiB for n in needed), f"the message does not name the size needed: {err}"
-        assert "shm_dir" in err["message"], f"the message does not name the option to change: {err}"
+        assert "shm_dir=" in err["message"] and "SNAPCKPT_SHM_DIR" in err["message"], \
+            f"the message does not name the option and the environment variable to change: {err}"
         assert big["last_stats"] is None, "a copy happened before the error"
         assert big["shm_used_after"] - big["shm_used_before"] < MiB, "the failed save kept shared memory"
         # only the job's writer claim (snapckpt.dirclaim, taken at the first save) may be there: no data

@@ -43,6 +43,39 @@ def test_unsupported_tensors_name_the_conversion(snap_env):
         assert torch.equal(ck.load()["ok"], torch.ones(2))
 
 
+def test_bad_state_and_dir_caught_at_save_with_the_key_path_and_fix(snap_env, caplog):
+    """A lambda or a lock in the state: save raises SnapshotError naming its key path and the fix (not a
+    bare pickling error), nothing is saved. ``Checkpointer(None)``: CheckpointDirError naming the argument.
+    A numpy array (saves, but load() with weights_only=True refuses it): ONE warning at the first save of
+    that layout naming the global and the fixes, none at the next save; none with weights_only=False."""
+    import logging
+    import threading
+
+    import numpy as np
+
+    with pytest.raises(CheckpointDirError, match=r"checkpoint_dir must be a non-empty path .*not None"):
+        Checkpointer(None)
+    with Checkpointer(snap_env.ckpt_dir) as ck:
+        with pytest.raises(SnapshotError, match=r"state\['f'\] cannot be pickled \(function: .*remove that value"):
+            ck.save({"w": torch.ones(2), "f": lambda: 1}, 1)
+        with pytest.raises(SnapshotError, match=r"state\['opt'\]\['hooks'\]\[1\] cannot be pickled \(lock"):
+            ck.save({"opt": {"hooks": [1, threading.Lock()]}}, 1)
+        assert ck.latest_step() is None
+        with caplog.at_level(logging.WARNING, logger="snapckpt.snapshot"):
+            for step in (2, 3):
+                ck.save({"w": torch.ones(3), "a": np.ones(3)}, step, StorageType.MEMORY)
+        warned = [r.getMessage() for r in caplog.records if "load() will refuse it" in r.getMessage()]
+        assert len(warned) == 1, caplog.text
+        assert "numpy" in warned[0] and "torch.from_numpy" in warned[0] and "weights_only=False" in warned[0]
+        assert "add_safe_globals" in warned[0], warned[0]
+    caplog.clear()
+    with Checkpointer(snap_env.ckpt_dir, weights_only=False) as ck:
+        with caplog.at_level(logging.WARNING, logger="snapckpt.snapshot"):
+            ck.save({"w": torch.ones(3), "a": np.ones(3)}, 4, StorageType.MEMORY)
+            assert float(ck.load(step=4)["a"][0]) == 1.0
+    assert not [r for r in caplog.records if "load() will refuse it" in r.getMessage()], caplog.text
+
+
 def test_two_jobs_in_one_dir_never_overwrite_each_other(snap_env):
     """A second job (other job_id) saving the same step into the same directory is refused at commit;
     the first job's checkpoint stays as it was."""

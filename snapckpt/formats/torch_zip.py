@@ -32,7 +32,7 @@ import pickle
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,6 +41,8 @@ from ..errors import SnapshotError, UnsafeCheckpointError
 __all__ = [
     "collect_tensors",
     "pickle_skeleton",
+    "find_unpicklable",
+    "weights_only_refusal",
     "unpickle_skeleton",
     "write_torch_file",
     "TensorRef",
@@ -120,6 +122,44 @@ def collect_tensors(obj: Any) -> List[torch.Tensor]:
     c = _Collector()
     c.dump(obj)
     return c.tensors
+
+
+def _pickles(obj: Any) -> Optional[BaseException]:
+    """The error pickling ``obj`` raises (tensors stand in as ints: never copied), or ``None``."""
+    try:
+        _Collector().dump(obj)
+    except SnapshotError:
+        return None  # an unsupported tensor, reported by the caller's own pass
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the answer
+        return e
+    return None
+
+
+def find_unpicklable(obj: Any, path: str = "state") -> Optional[Tuple[str, Any, BaseException]]:
+    """The first value of ``obj`` that cannot be pickled: ``(key path, value, error)``, or ``None``.
+
+    The key path reads like the Python that reaches the value (``state['opt']['fn']``,
+    ``state['cfg'].callback``). Walks dicts, lists, tuples, sets and objects' ``__dict__``, descending
+    only into children that fail themselves; meant for error messages (run it only after pickling failed).
+    """
+    err = _pickles(obj)
+    if err is None:
+        return None
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif isinstance(obj, (set, frozenset)):
+        children = [(f"{path}{{{v!r}}}", v) for v in obj]
+    elif hasattr(obj, "__dict__") and isinstance(vars(obj), dict) and not isinstance(obj, type):
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    else:
+        children = []
+    for child_path, child in children:
+        found = find_unpicklable(child, child_path)
+        if found is not None:
+            return found
+    return path, obj, err
 
 
 _STORAGE_TYPE_CACHE: Dict[torch.dtype, Any] = {}
@@ -252,6 +292,33 @@ def unpickle_skeleton(data_pkl: bytes, storages: Mapping[str, torch.UntypedStora
                 "this checkpoint directory, pass weights_only=False to the Checkpointer"
             ) from e
         raise
+
+
+def weights_only_refusal(data_pkl: bytes) -> Optional[str]:
+    """Why ``torch.load(weights_only=True)`` would refuse this ``data.pkl``, or ``None`` if it would load.
+
+    Runs PyTorch's own weights-only unpickler on the skeleton alone: each storage is a ``meta`` storage
+    (no memory, no tensor bytes read), so the cost is that of unpickling the small skeleton.
+    """
+    from torch import _weights_only_unpickler
+
+    up = _weights_only_unpickler.Unpickler(io.BytesIO(data_pkl), encoding="utf-8")
+
+    def persistent_load(saved_id):
+        _, storage_type, _key, _location, numel = saved_id
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype,
+                                          _internal=True)
+
+    up.persistent_load = persistent_load
+    try:
+        up.load()
+    except pickle.UnpicklingError as e:
+        return str(e)
+    return None
 
 
 def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, int, int]]) -> None:

@@ -83,6 +83,11 @@ def lock_file(path: str, deadline: float, what: str) -> int:
         os.close(fd)
 
 
+#: The remedy every :class:`PersisterDiedError` names.
+RESTART_HINT = ("the next snapckpt call starts a new persister; repeat any save that was not committed "
+                "(its snapshot is lost)")
+
+
 class PersisterClient:
     """One connection from one rank of a training process to its node persister.
 
@@ -217,7 +222,7 @@ class PersisterClient:
             Any error the persister returned, rebuilt with its original type.
         """
         if self.sock is None:
-            raise PersisterDiedError("not connected to the snapckpt persister (it died or was closed)")
+            raise PersisterDiedError(f"not connected to the snapckpt persister (it died or was closed); {RESTART_HINT}")
         try:
             self.sock.sendall(P.encode({"op": op, **fields}))
             line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
@@ -230,13 +235,14 @@ class PersisterClient:
             self.close()
             raise PersisterDiedError(
                 f"lost the snapckpt persister (pid {self.persister_pid}) during {op!r}: {e}; snapshots "
-                f"it held in memory are gone, committed checkpoints are intact (log: {self.log_path})") from e
+                f"it held in memory are gone, committed checkpoints are intact; {RESTART_HINT} "
+                f"(log: {self.log_path})") from e
         if not line:
             self.close()
             raise PersisterDiedError(
                 f"the snapckpt persister (pid {self.persister_pid}) died (connection closed during {op!r}); "
-                "snapshots it held in memory are gone, committed checkpoints are intact; the next call "
-                f"starts a new one (log: {self.log_path})")
+                f"snapshots it held in memory are gone, committed checkpoints are intact; {RESTART_HINT} "
+                f"(log: {self.log_path})")
         reply = P.decode(line)
         if not reply.get("ok"):
             raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, op {op}")

@@ -1,7 +1,7 @@
 """Retention: delete old committed checkpoints after a commit, on the committer only.
 
 Only directories with a valid snapckpt manifest are ever candidates (native checkpoints snapckpt did not
-write are never touched); the ``keep_last`` most recently committed are kept (commit time, not step number: a
+write are never touched); the ``keep_last`` most recently saved are kept (save order, not commit time nor step number: a
 rewound run's new checkpoints are never rotated away in favour of abandoned higher steps), which always
 includes the newest committed one; in-flight (partial) directories are hidden and never candidates; a directory already
 deleted by someone else is not an error (case C3).

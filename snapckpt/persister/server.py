@@ -375,6 +375,8 @@ class Server:
                       None if msg["keep_last"] < 0 else msg["keep_last"], float(msg["commit_timeout_secs"]),
                       msg["flush_on_crash"], msg["fsync"], msg["dir_id"])
             self.runs[run.run_id] = run
+            log.info("job %s run %s: checkpoint directory %s (world size %d, local ranks %s)", self.job,
+                     run.run_id, run.checkpoint_dir, world, run.local_ranks)
         if msg["committer"]:
             run.committer = True
             self._clean_stale_partials(run)
