@@ -1,6 +1,7 @@
 """Shared fixtures: an isolated snapckpt environment per test, checked for leaks at teardown."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -23,7 +24,15 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     seed = config.getoption("--fault-seed")
+    if seed is None and hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller's seed
+        seed = config.workerinput["fault_seed"]
     config.fault_seed = seed if seed is not None else random.randrange(1 << 31)
+
+
+if importlib.util.find_spec("xdist") is not None:
+    def pytest_configure_node(node):
+        """pytest-xdist: every worker draws the same fault points (they must collect the same tests)."""
+        node.workerinput["fault_seed"] = node.config.fault_seed
 
 
 def pytest_report_header(config):
