@@ -70,11 +70,25 @@ class Plan:
 
 
 def _signature(tensors: List[torch.Tensor]) -> tuple:
+    """The cache key of a plan: everything :func:`_build_plan` reads, and nothing else.
+
+    Per tensor: device, storage size (bytes), storage offset, shape, stride, dtype, and which storage it
+    views, as the index of that storage in first-use order (with its data pointer standing in only for
+    the grouping). Two states whose tensors are fresh allocations of the same layout (a new
+    ``torch.get_rng_state()`` every save, optimizer state replaced by clones) get the same key and share
+    a plan; a change of aliasing (tied tensors untied), shape, stride, dtype, device or size changes the
+    key (DESIGN contract 3). The plan holds no tensor handles: :meth:`Stager.prepare` takes the copy
+    sources from the live tensors at every save, so reusing a plan across allocations is safe.
+    """
     sig = []
-    for t in tensors:
+    storage_ids: Dict[tuple, int] = {}
+    for i, t in enumerate(tensors):
         st = t.untyped_storage()
-        sig.append((str(t.device), st.data_ptr(), st.nbytes(), t.storage_offset(), tuple(t.shape),
-                    t.stride(), t.dtype))
+        ptr = st.data_ptr()
+        gkey = (str(t.device), ptr) if ptr != 0 else ("empty", i)
+        g = storage_ids.setdefault(gkey, len(storage_ids))
+        sig.append((str(t.device), g, ptr == 0, st.nbytes(), t.storage_offset(), tuple(t.shape), t.stride(),
+                    t.dtype))
     return tuple(sig)
 
 

@@ -311,7 +311,7 @@ def test_A5_stale_cache_replaced_tensors_new_groups_new_shapes(snap_env):
         from_memory = ck.load()
         assert ck.last_load.step == 30 and digest(from_memory) == expected[30]
     assert builds[11] == builds[10], "a save with an unchanged layout rebuilt its plan"
-    assert builds[20] > builds[11], "replaced optimizer tensors did not invalidate the cached plan"
+    assert builds[20] > builds[11], "untied tensors (a new aliasing) did not invalidate the cached plan"
     assert builds[30] > builds[20], "a new param group and new shapes did not invalidate the cached plan"
     for step in (10, 11, 20, 30):
         assert digest(plain_load(snap_env.ckpt_dir, step)) == expected[step], f"step {step}"
@@ -322,6 +322,40 @@ def test_A5_stale_cache_replaced_tensors_new_groups_new_shapes(snap_env):
     assert storage_of(at30["side"]["tied_a"]) != storage_of(at30["side"]["tied_b"])
     at10 = plain_load(snap_env.ckpt_dir, 10)
     assert storage_of(at10["side"]["tied_a"]) == storage_of(at10["side"]["tied_b"])
+
+
+def test_A5_fresh_allocations_of_one_layout_reuse_the_plan_and_save_their_own_values(snap_env, caplog):
+    """Contract 3, the other direction. Fault: the state holds tensors allocated anew at every save (a
+    fresh ``torch.get_rng_state()`` and RNG record, as every integration's sidecar does; optimizer state
+    replaced by clones) with an unchanged layout. A cache keyed on raw data pointers rebuilt the plan (and
+    re-ran the weights-only check, about 0.2 s on the training thread for 2,000 tensors) at every save.
+    Right behaviour: one plan for the whole run, one weights-only warning, and every checkpoint equals the
+    live state of its own step (the copy sources are the live tensors, never ones cached with the plan)."""
+    import argparse
+    import logging
+
+    from snapckpt import rng
+
+    model, opt = make_model()
+    expected = {}
+    with Checkpointer(snap_env.ckpt_dir, **OPTS) as ck, caplog.at_level(logging.WARNING, "snapckpt"):
+        for step in range(1, 7):
+            train_step(model, opt, step)
+            for st in opt.state.values():
+                st["exp_avg"] = st["exp_avg"].clone()
+            # a Namespace pickles as a global that load() (weights_only=True) refuses: warned once
+            state = {**train_state(model, opt, step, []), "rng": rng.capture(), "lr": torch.tensor(0.1 * step),
+                     "args": argparse.Namespace(step=step)}
+            expected[step] = digest(state)
+            ck.save(state, step, StorageType.DISK).wait()
+        builds = ck._stager.plan_builds
+    assert builds == 1, f"{builds} plans built for 6 saves of one layout"
+    warned = [r for r in caplog.records if "load() will refuse it" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    for step in range(1, 7):
+        got = torch.load(rank_file(snap_env.ckpt_dir, step), weights_only=False)
+        assert digest(got) == expected[step], f"step {step}"
+    assert len(set(expected.values())) == 6
 
 
 # ------------------------------------------------------------------ contract 9: aliasing from storage
