@@ -345,7 +345,9 @@ def main(argv=None) -> None:
     with Checkpointer(args.checkpoint_dir, keep_last=args.keep_last) as ckpt:
         latest = ckpt.latest_step()  # newest step complete on every rank, memory or disk
         if latest is not None:
-            ts.load_state_dict(ckpt.load(step=latest))
+            # load() verifies checksums and falls back to the newest step that verifies, with a warning;
+            # it raises CheckpointCorruptError (as latest_step() does) when checkpoints exist but all are damaged
+            ts.load_state_dict(ckpt.load())
             say(f"resumed from step {ckpt.last_load.step} (tier: {tier_name(ckpt.last_load.tier)})")
         train(ts, make_hooks(ckpt, ts, args, say), args, world_size, log)
     if log_file:

@@ -353,8 +353,6 @@ class DeepSpeedCheckpointer:
         except IncompatibleCheckpointError as e:
             raise IncompatibleCheckpointError(f"{e}. {UNIVERSAL_CHECKPOINT_ADVICE}") from e
         except CheckpointNotFoundError:
-            if tag is None and self._tracker_names_snapckpt_tag():
-                raise  # snapckpt committed the tag `latest` names and it is damaged: the error names it
             if tag is None and os.path.isfile(os.path.join(self.checkpoint_dir, TRACKER)):
                 log.info("no snapckpt commit in %s; loading the checkpoint DeepSpeed wrote natively",
                          self.checkpoint_dir)
@@ -405,16 +403,6 @@ class DeepSpeedCheckpointer:
         if os.path.exists(side):
             rng.restore(_load_sidecar(side)["rng"])
         return load_path, client_state
-
-    def _tracker_names_snapckpt_tag(self) -> bool:
-        """Whether the tracker file names a tag that snapckpt committed (it has a sidecar directory): then
-        DeepSpeed's own loader must not be tried on it when snapckpt refused it as damaged."""
-        try:
-            with open(os.path.join(self.checkpoint_dir, TRACKER)) as f:
-                latest = validate_dirname(f.read().strip())
-        except (OSError, ValueError, SnapckptError):
-            return False
-        return os.path.isdir(os.path.join(self.checkpoint_dir, latest, SIDECAR))
 
     def _native_load(self, load_dir: str, tag: Optional[str], kwargs) -> Tuple[Any, Any]:
         """DeepSpeed's own load of a directory snapckpt did not commit (no tiers, no manifest check)."""

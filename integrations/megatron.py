@@ -363,7 +363,12 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         return _stock_load(fresh, cand.path, strictness)
 
     tracker = _agreed_tracker(ck)
-    newest = ck.latest_step() if tracker["native"] else None
+    newest = None
+    if tracker["native"]:
+        try:
+            newest = ck.latest_step()
+        except CheckpointCorruptError:  # snapckpt's own are all damaged (logged), the tracker's is native
+            newest = None
     state = None
     if tracker["native"] and (newest is None or tracker["iteration"] > newest):
         source = f"directory {tracker['dirname']} written by megatron-core"

@@ -633,7 +633,12 @@ class Checkpointer:
         return cands
 
     def latest_step(self) -> Optional[int]:
-        """Newest step complete on every rank, in memory or on disk; ``None`` if none. Collective.
+        """Newest step complete on every rank, in memory or on disk; ``None`` if there is no checkpoint at
+        all (a fresh start is safe). Collective.
+
+        Raises:
+            CheckpointCorruptError: checkpoints exist but none is complete (each directory was skipped as
+                damaged); the message lists them and the fix. Not ``None``: that would start the run afresh.
 
         It checks completeness, not content: a disk checkpoint counts when its manifest is valid and every
         file it lists (every rank's) exists with the listed size; a memory snapshot when every rank holds
@@ -644,6 +649,8 @@ class Checkpointer:
         checks every checksum."""
         self.wait()
         cands = self._candidates()
+        if not cands and self._damaged:
+            self._raise_nothing_loadable(None, [])
         return cands[0][0] if cands else None
 
     def _verify_disk(self, path: str, dirname: str) -> Dict[str, Any]:
@@ -769,16 +776,21 @@ class Checkpointer:
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
+        self._raise_nothing_loadable(step, errors)
+
+    def _raise_nothing_loadable(self, step: Optional[int], errors: List[str]) -> None:
+        """Raise why nothing (of ``step``) can be loaded: :class:`CheckpointCorruptError` when checkpoints
+        exist but every one was refused (``errors``, one per candidate) or skipped as damaged
+        (``self._damaged``), :class:`CheckpointNotFoundError` only when there is truly nothing. Never "not
+        found" for damage: integrations and users rightly read that as "start afresh" or "let the
+        framework's own loader read the directory"."""
         what = f"step {step}" if step is not None else "any step"
         lines = [f"  {e}" for e in errors] + [f"  {d} (skipped as damaged)" for d in self._damaged]
         fix = (f"\nRun `snapckpt verify {self.checkpoint_dir}` to check every checkpoint there; restore or "
                "delete the damaged ones (or start afresh in an empty directory)")
-        if errors:
+        if errors or self._damaged:
             raise CheckpointCorruptError(f"no readable checkpoint of {what} in memory or in {self.checkpoint_dir}; "
                                          f"each one was refused:\n" + "\n".join(lines) + fix)
-        if self._damaged:
-            raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in "
-                                          f"{self.checkpoint_dir}; each one was refused:\n" + "\n".join(lines) + fix)
         raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
 
     def _warn_rewind(self, loaded: int) -> None:
@@ -819,11 +831,12 @@ class Checkpointer:
 
         Raises:
             ValueError: ``step`` is not an ``int`` in ``[0, 2**63 - 1]``.
-            CheckpointNotFoundError: nothing (or not ``step``) to load; the message lists, one line each,
-                the directories skipped as damaged (no readable manifest, or a file missing or of the
-                wrong size) and names ``snapckpt verify``.
-            CheckpointCorruptError: every candidate failed; the message lists each step tried and why it
-                was refused (per rank), one line each, then the skipped directories and the fix.
+            CheckpointNotFoundError: nothing (or not ``step``) to load, and nothing damaged either: a fresh
+                start is safe.
+            CheckpointCorruptError: checkpoints exist but every one was refused: it failed its checks on
+                some rank, or its directory was skipped as damaged (no readable manifest, or a file missing
+                or of the wrong size). The message lists each one and why, one line each, then the fix
+                (``snapckpt verify``). Never a fresh start: hours of training may be one repair away.
             IncompatibleCheckpointError: world size differs, or a tensor's shape differs from ``state_dict``.
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
         """

@@ -17,6 +17,7 @@ import sys
 import torch
 
 from _harness import REPO, assert_equal_state
+from faults import kill_persisters
 
 WORKER = os.path.join(REPO, "tests", "workers", "accel_worker.py")
 
@@ -64,3 +65,27 @@ def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
     again = _run({"out": out, "mode": "snap", "steps": 10, "opts": {"flush_on_crash": False}}, snap_env.env)
     assert again["resumed"] == os.path.join(out, "checkpoint_8")
     _same(again["rows"], ref, range(9, 11))
+
+
+def test_B3_accelerate_only_checkpoint_damaged_raises_instead_of_starting_afresh(snap_env):
+    """B3 for Accelerate. Fault: the only checkpoint, ``checkpoint_5``, was truncated after its commit (a
+    power loss on a filesystem without ordered data). Wrong behaviour: ``load_state()`` found "no
+    checkpoint", returned ``None`` and training started again from step 0, hours lost without a word.
+    Right behaviour: the restart fails with an error naming the damaged folder and ``snapckpt verify``;
+    the folder is left as it is (nothing deleted)."""
+    out = os.path.join(snap_env.tmp, "run")
+    _run({"out": out, "mode": "snap", "steps": 5, "save_at": 5}, snap_env.env)
+    folder = os.path.join(out, "checkpoint_5")
+    victim = max((n for n in os.listdir(folder) if n != ".snapckpt"),
+                 key=lambda n: os.path.getsize(os.path.join(folder, n)))
+    size = os.path.getsize(os.path.join(folder, victim))
+    os.truncate(os.path.join(folder, victim), size // 2)
+    cfg = {"out": out, "mode": "snap", "steps": 10, "result": out + ".again.json"}
+    p = subprocess.run([sys.executable, WORKER, json.dumps(cfg)], env={**os.environ, **snap_env.env,
+                       "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    assert p.returncode != 0, "resumed or started afresh from a damaged-only directory:\n" + p.stderr[-3000:]
+    assert "CheckpointCorruptError" in p.stderr and "checkpoint_5" in p.stderr, p.stderr[-3000:]
+    assert f"snapckpt verify {out}" in p.stderr, p.stderr[-3000:]
+    assert not os.path.exists(cfg["result"])
+    assert os.path.getsize(os.path.join(folder, victim)) == size // 2  # left for the user to inspect
+    kill_persisters(snap_env)  # the failed run left its persister idling (30 s)

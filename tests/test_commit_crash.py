@@ -25,7 +25,7 @@ import torch
 
 from _harness import launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
-from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, PersisterDiedError,
+from snapckpt.errors import (CheckpointCorruptError, PersisterDiedError,
                              PersisterTimeoutError)
 from snapckpt.manifest import MANIFEST, check_checksums, list_committed
 from snapckpt.persister.client import job_dirs, job_key
@@ -474,7 +474,8 @@ def test_B3_power_loss_damage_detected_and_falls_back(snap_env, caplog, capsys, 
     file flipped. Right: ``snapckpt verify`` reports step 2 as damaged naming the file; a new job's
     ``load()`` falls back to step 1 from disk with a warning naming step 2; ``load(step=2)`` never loads
     it: CheckpointCorruptError naming the damaged data file, or, when the manifest itself is gone (no
-    commit record), CheckpointNotFoundError saying that step 2's manifest is unreadable."""
+    commit record), CheckpointCorruptError saying that step 2's manifest is unreadable (damage, never "not
+    found")."""
     from snapckpt.cli import main as cli_main
 
     d = snap_env.ckpt_dir
@@ -501,7 +502,7 @@ def test_B3_power_loss_damage_detected_and_falls_back(snap_env, caplog, capsys, 
         warned = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
         assert "step_00000002" in warned or "step 2" in warned, warned
         if damage == "truncate_all":  # no readable commit record: not a checkpoint, and the error says why
-            with pytest.raises(CheckpointNotFoundError, match=r"step_00000002: manifest is not valid JSON"):
+            with pytest.raises(CheckpointCorruptError, match=r"step_00000002: manifest is not valid JSON"):
                 ck.load(step=2)
         else:
             with pytest.raises(CheckpointCorruptError, match=r"step_00000002/rank_00000.pt (is 0 bytes|has xxh3_64)"):

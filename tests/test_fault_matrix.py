@@ -280,7 +280,7 @@ def test_B3_megatron_only_checkpoint_damaged(snap_env):
     """B3 through the Megatron integration, found by the fault matrix: the only committed iteration lost a
     file and the persister is gone. ``load_checkpoint`` used to hand the directory named by
     ``latest_checkpointed_iteration.txt`` to megatron-core's loader anyway, which died with a bare
-    FileNotFoundError; now every rank gets CheckpointNotFoundError naming the damaged directory and the
+    FileNotFoundError; now every rank gets CheckpointCorruptError naming the damaged directory and the
     missing file, and nothing is loaded."""
     snap_env.leftover_ok = True
     procs = launch("fault_worker.py", 2, ["megatron", "run", snap_env.ckpt_dir, "--steps", "1", "--disk-every",

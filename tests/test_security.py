@@ -26,7 +26,7 @@ import xxhash
 
 from _harness import run_ranks, result_lines, wait_until
 from snapckpt import Checkpointer, StorageType
-from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, CommitTimeoutError,
+from snapckpt.errors import (CheckpointCorruptError, CommitTimeoutError,
                              PersisterError, UnsafeCheckpointError)
 from snapckpt.manifest import MANIFEST, validate_dirname
 from snapckpt.persister.client import job_dirs, job_key
@@ -300,7 +300,7 @@ def test_security_planted_pickles_in_own_records_never_run(snap_env, tmp_path):
         f.write(evil)
     assert wait_until(lambda: not snap_env.persisters(), 15)
     with Checkpointer(d, **OPTS) as ck:
-        with pytest.raises(CheckpointNotFoundError) as ei:
+        with pytest.raises(CheckpointCorruptError) as ei:
             ck.load()
         assert mpath in str(ei.value), str(ei.value)
         # (c) a memory snapshot whose index is replaced by a pickle
@@ -429,7 +429,7 @@ def test_security_manifest_naming_outside_files_is_refused(snap_env, tmp_path):
         json.dump(m, f)
     assert wait_until(lambda: not snap_env.persisters(), 15)
     with Checkpointer(d, weights_only=False, **OPTS) as ck:
-        with pytest.raises(CheckpointNotFoundError) as ei:
+        with pytest.raises(CheckpointCorruptError) as ei:
             ck.load()
         assert mpath in str(ei.value) and "outside" in str(ei.value), str(ei.value)
     assert not os.path.exists(marker)

@@ -245,3 +245,36 @@ def test_rewind_then_crash_loads_the_highest_step_and_warns(snap_env, caplog):
         assert any("step 5 (step_00000005) was saved after it" in r.getMessage() and "load(step=5)"
                    in r.getMessage() for r in caplog.records), caplog.text
         assert ck.load(step=5)["w"] == 5
+
+
+def test_B3_latest_step_and_load_raise_corrupt_not_not_found_when_all_are_damaged(snap_env):
+    """B3, the class behind a silent restart. Fault: the only checkpoints on disk are damaged in ways the
+    quick check sees (one truncated, one whose manifest was deleted) and the persister is gone. Wrong
+    behaviour: ``latest_step()`` said ``None`` and ``load()`` raised ``CheckpointNotFoundError``, which the
+    README's loop, the Accelerate integration and Megatron's read as "no checkpoint: start at step 0".
+    Right behaviour: both raise ``CheckpointCorruptError`` naming each damaged directory and ``snapckpt
+    verify``; the files are left as they are; an empty directory still means ``None`` / not found."""
+    from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+    from snapckpt.manifest import MANIFEST
+
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, persister_idle_timeout_secs=1) as ck:
+        with pytest.raises(CheckpointNotFoundError):
+            ck.load()
+        assert ck.latest_step() is None
+        for step in (1, 2):
+            ck.save({"w": torch.full((1024,), float(step))}, step).wait()
+    data = os.path.join(d, "step_00000001", "rank_00000.pt")
+    os.truncate(data, 100)
+    os.remove(os.path.join(d, "step_00000002", MANIFEST))
+    from _harness import wait_until
+
+    assert wait_until(lambda: not snap_env.persisters(), 30)  # no memory tier left
+    with Checkpointer(d, persister_idle_timeout_secs=1) as ck:
+        for call in (ck.latest_step, ck.load):
+            with pytest.raises(CheckpointCorruptError) as ei:
+                call()
+            msg = str(ei.value)
+            assert "step_00000001" in msg and "100 bytes" in msg and "step_00000002" in msg, msg
+            assert f"snapckpt verify {d}" in msg, msg
+    assert os.path.getsize(data) == 100
