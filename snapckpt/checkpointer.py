@@ -636,17 +636,18 @@ class Checkpointer:
         """Newest step complete on every rank, in memory or on disk; ``None`` if there is no checkpoint at
         all (a fresh start is safe). Collective.
 
-        Raises:
-            CheckpointCorruptError: checkpoints exist but none is complete (each directory was skipped as
-                damaged); the message lists them and the fix. Not ``None``: that would start the run afresh.
-
         It checks completeness, not content: a disk checkpoint counts when its manifest is valid and every
         file it lists (every rank's) exists with the listed size; a memory snapshot when every rank holds
         it. Checksums are not read here (that would read every byte): a file damaged in place (a flipped
         byte) still counts. :meth:`load` verifies the checksums, and if the newest step fails them it loads
         the newest step that verifies, with a warning naming the refused step and why; which step it
         loaded is then ``last_load.step`` (not necessarily ``latest_step()``). ``snapckpt verify <dir>``
-        checks every checksum."""
+        checks every checksum.
+
+        Raises:
+            CheckpointCorruptError: checkpoints exist but none is complete (each directory was skipped as
+                damaged); the message lists them and the fix. Not ``None``: that would start the run afresh.
+        """
         self.wait()
         cands = self._candidates()
         if not cands and self._damaged:
