@@ -703,8 +703,9 @@ class Server:
     def _clean_stale_partials(self, run: Run) -> None:
         """Remove partial directories left by earlier runs of this job that this persister does not know
         (crashed runs); a step directory moved aside by a replacing commit that crashed before the new
-        copy took its name is restored instead (the old copy was committed; a log line says so). Run ids start with the job key; another job sharing the directory (another
-        ``job_id``) has its own persister, and its directories in flight are never touched."""
+        copy took its name is restored instead (the old copy was committed; a log line says so). Run ids
+        start with the job key; another job sharing the directory (another ``job_id``) has its own
+        persister, and its directories in flight are never touched."""
         storage = PosixStorage()
         known = set(self.runs)
         stale = [name for name in storage.listdir(run.checkpoint_dir)
