@@ -328,12 +328,23 @@ class DeepSpeedCheckpointer:
             IncompatibleCheckpointError: the checkpoint was written at another data-parallel size (the message
                 names DeepSpeed's universal checkpoint route).
             CheckpointCorruptError: every candidate failed (the message lists each failure per rank).
+            CheckpointNotFoundError: no such ``tag``; or, with ``tag=None``, ``latest`` names a tag that
+                is not in the directory and no other checkpoint is there (a warning names ``latest`` when
+                another one is loaded instead).
             ValueError: ``tag`` is not one directory name of ``load_dir`` (``'..'``, ``'/'``...).
         """
         self._ckpt_engine.flush()
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
+        result = self._load(load_dir, tag, kwargs)
+        if result[0] is not None:
+            # the loaded step is saved already: the policy saves again at its next interval after it, never
+            # the loaded tag itself (whose re-commit would replace it, or be refused in a moved directory)
+            self._last_policy_step = int(self.engine.global_steps)
+        return result
+
+    def _load(self, load_dir, tag, kwargs) -> Tuple[Any, Any]:
         if not self._is_own_dir(load_dir):  # e.g. a pretrained checkpoint: DeepSpeed's own load, no tiers
             return self._native_load(os.fspath(load_dir), None if tag is None else str(tag), kwargs)
         try:
@@ -347,6 +358,7 @@ class DeepSpeedCheckpointer:
                 result, _ = self._checkpointer._load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
                                                           check=self._check_candidate)
                 return result
+            self._warn_missing_tracker_tag()
             result, _ = self._checkpointer._load_with(lambda c: self._load_candidate(c, kwargs),
                                                       check=self._check_candidate)
             return result
@@ -354,6 +366,12 @@ class DeepSpeedCheckpointer:
             raise IncompatibleCheckpointError(f"{e}. {UNIVERSAL_CHECKPOINT_ADVICE}") from e
         except CheckpointNotFoundError:
             if tag is None and os.path.isfile(os.path.join(self.checkpoint_dir, TRACKER)):
+                named = self._tracker_tag()
+                if named and not os.path.isdir(os.path.join(self.checkpoint_dir, named)):
+                    raise CheckpointNotFoundError(
+                        f"{os.path.join(self.checkpoint_dir, TRACKER)} names tag {named!r}, which is not in "
+                        f"{self.checkpoint_dir}, and no other checkpoint is there: restore that tag, or delete "
+                        f"{TRACKER} to start from scratch") from None
                 log.info("no snapckpt commit in %s; loading the checkpoint DeepSpeed wrote natively",
                          self.checkpoint_dir)
                 return self._native_load(self.checkpoint_dir, None, kwargs)
@@ -361,6 +379,25 @@ class DeepSpeedCheckpointer:
                 raise
             log.info("nothing to load in %s yet (no memory snapshot, no committed tag)", self.checkpoint_dir)
             return None, None
+
+    def _tracker_tag(self) -> Optional[str]:
+        """The tag ``latest`` names (stripped), or ``None`` when it cannot be read."""
+        try:
+            with open(os.path.join(self.checkpoint_dir, TRACKER), encoding="utf-8", errors="replace") as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    def _warn_missing_tracker_tag(self) -> None:
+        """Rank 0 warns when ``latest`` names a tag that is not in the directory (edited by hand, or its
+        tag deleted): snapckpt resumes from the newest intact checkpoint, stock DeepSpeed would fail."""
+        if self._checkpointer.rank != 0:
+            return
+        path = os.path.join(self.checkpoint_dir, TRACKER)
+        named = self._tracker_tag()
+        if named and not os.path.isdir(os.path.join(self.checkpoint_dir, named)):
+            log.warning("%s names tag %r, which is not in %s; resuming from the newest intact checkpoint "
+                        "instead (the next commit rewrites it)", path, named, self.checkpoint_dir)
 
     def _check_candidate(self, cand: LoadCandidate) -> None:
         """Before any rank calls DeepSpeed's loader (which runs collectives under ZeRO-3): this rank's files
@@ -431,7 +468,9 @@ class DeepSpeedCheckpointer:
         that completed step ``N``, before DeepSpeed gathers any ZeRO-3 parameter): at ``N % disk == 0`` a
         DISK save, else at ``N % memory == 0`` a MEMORY save, of tag ``global_step<N>``. Step 0 is never
         saved by policy; the last step of a run is saved by :meth:`close` when the disk policy asks for it
-        (no forward follows it; a memory snapshot then would be dropped with the persister).
+        (no forward follows it; a memory snapshot then would be dropped with the persister). Nor is the
+        step a :meth:`load_checkpoint` resumed at: after a resume at step ``N`` the first policy save is
+        at the first interval after ``N``.
         """
         self._policy = (memory_interval_steps, disk_interval_steps)
         self._last_policy_step = int(self.engine.global_steps)

@@ -24,6 +24,8 @@ point                                      process     where
 ``persist.mid_file``                       persister   a file of the part half written (occurrence K: file K)
 ``persist.before_part_marker``             persister   every file written and fsynced, no part marker yet
 ``commit.before_rename``                   persister   manifest written, partial directory not renamed
+``commit.between_renames``                 persister   re-commit of a step: old directory moved aside, new
+                                                       one not yet renamed (fires only when replacing)
 ``commit.before_tracker``                  persister   renamed, tracker not yet replaced
 ``commit.after_tracker_before_retention``  persister   tracker replaced, retention not run
 =========================================  ==========  =======================================================
@@ -54,7 +56,8 @@ from .storage.posix import PosixStorage
 __all__ = ["point", "armed", "set_rank", "storage", "FaultyStorage", "POINTS", "PHASES"]
 
 POINTS = ("snapshot.mid_copy", "snapshot.before_ready", "persist.mid_file", "persist.before_part_marker",
-          "commit.before_rename", "commit.before_tracker", "commit.after_tracker_before_retention")
+          "commit.before_rename", "commit.between_renames", "commit.before_tracker",
+          "commit.after_tracker_before_retention")
 PHASES = ("open", "write", "fsync", "part_marker", "manifest", "rename", "tracker")
 
 _specs: Optional[List[Dict[str, object]]] = None  # parsed once; [] when unset

@@ -52,6 +52,11 @@ def committed_steps(d: str) -> List[int]:
     return [c.step for c in list_committed(FS, d)]
 
 
+def steps_listed(d: str) -> List[str]:
+    """Every entry of ``d`` about a step: step directories and hidden partial/replaced/deleted ones."""
+    return sorted(n for n in FS.listdir(d) if "step_" in n)
+
+
 def partials(d: str) -> List[str]:
     return [n for n in FS.listdir(d) if ".partial-" in n]
 
@@ -444,6 +449,48 @@ def test_B2_job_killed_while_files_half_written_resume_skips_partial(snap_env):
         assert_equal_state(ck.load(), 1)
         assert (ck.last_load.step, ck.last_load.tier) == (1, StorageType.DISK)
         assert not partials(d)
+
+
+# ------------------------------------------------------------------------------- B1, replacing commit
+def test_B1_persister_killed_between_the_renames_of_a_recommit_restores_the_old_step(snap_env, monkeypatch):
+    """B1 while a step directory is replaced (a re-save of step 1, keep_last=1: the only checkpoint): the
+    persister is SIGKILLed at ``commit.between_renames``, after moving ``step_00000001`` aside to
+    ``.step_00000001.replaced-R`` and before renaming the new copy into place, so no ``step_00000001``
+    exists. Right: the next persister of the job renames the old (committed) copy back, says so in its
+    log, and discards the interrupted new copy; ``load()`` returns the old step 1. Then a hand-made
+    ``.replaced-`` leftover whose step directory exists (a crash after the second rename) is deleted and
+    the step directory kept."""
+    snap_env.leftover_ok = True
+    d = snap_env.ckpt_dir
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "commit.between_renames:step=1")
+    ck = Checkpointer(d, keep_last=1, **OPTS)
+    try:
+        ck.save(make_state(1, 0), 1).wait()
+        pid = ck.persister_pid
+        ck.save(make_state(2, 0), 1)  # other contents under the same step: tells the two copies apart
+        assert wait_until(lambda: gone(pid), timeout=60), "the fault point did not kill the persister"
+        with pytest.raises(PersisterDiedError):
+            bounded(ck.wait)
+    finally:
+        try:
+            ck.close()
+        except PersisterDiedError:
+            pass
+    names = sorted(FS.listdir(d))
+    assert "step_00000001" not in names, names
+    assert any(n.startswith(".step_00000001.replaced-") for n in names), names
+    assert any(n.startswith(".step_00000001.partial-") for n in names), names
+    monkeypatch.delenv("SNAPCKPT_FAULT_POINT")
+    with Checkpointer(d, keep_last=1, **OPTS) as ck:
+        assert "restored" in persister_log(snap_env, d) and ".step_00000001.replaced-" in persister_log(snap_env, d)
+        assert steps_listed(d) == ["step_00000001"] and tracker(d) == "step_00000001"
+        assert_equal_state(ck.load(), 1)  # the old copy, not the interrupted one (step 2's contents)
+        assert (ck.last_load.step, ck.last_load.tier) == (1, StorageType.DISK)
+    stale = os.path.join(d, ".step_00000001.replaced-" + job_key(d, None) + "f" * 12)
+    shutil.copytree(step_dir(d, 1), stale)
+    with Checkpointer(d, keep_last=1, **OPTS) as ck:
+        assert steps_listed(d) == ["step_00000001"] and tracker(d) == "step_00000001"
+        assert_equal_state(ck.load(), 1)
 
 
 # ----------------------------------------------------------------------------------------------- B3

@@ -4,6 +4,7 @@ memory and from disk, latest-after-commit under a slow persister (B1, B6), and a
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -73,7 +74,10 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
     rank (dropout on, so the RNG states round-trip too). memory: memory snapshots every step, the persister
     survives, the restart loads step 4 from memory; the snapshot copy is overlapped with forward and
     backward (overlap=True), fenced by engine.step() before the optimizer step. disk: disk saves every 2 steps (ZeRO-3), the persister
-    is killed too (node lost), the restart loads the committed step 4 from disk."""
+    is killed too (node lost), the directory is copied with ``cp -a`` (another path: another job key) and
+    its ``latest`` edited to name a missing tag; the restart from the copy loads the committed step 4 from
+    disk with a warning naming ``latest`` and never saves step 4 again (finding 5: the config entry re-saved
+    the loaded tag, which the copy refuses as another job's checkpoint), and the original is untouched."""
     stage = "2" if tier == "memory" else "3"
     ref = run_ranks("ds_resume_worker.py", 2, ["-", stage, "fp32", "8", "0", "0", "0", "0"], ENV, timeout=300)
     ckpt = snap_env.ckpt_dir
@@ -86,7 +90,17 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
         snap_env.kill_persisters(signal.SIGKILL)
         assert wait_until(lambda: not snap_env.persisters(), 10)
         assert open(os.path.join(ckpt, "latest")).read() == "global_step4"
+        original = sorted(os.listdir(ckpt))
+        subprocess.run(["cp", "-a", ckpt, ckpt + "_copy"], check=True)
+        ckpt += "_copy"
+        with open(os.path.join(ckpt, "latest"), "w") as f:
+            f.write("global_step99")
     resumed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "0", mem, disk, "0"], ENV, timeout=300)
+    if tier == "disk":
+        assert "names tag 'global_step99', which is not in" in resumed[0], resumed[0][-3000:]
+        assert os.path.join(ckpt, "latest") in resumed[0]
+        assert "was committed by another job" not in resumed[0] + resumed[1]
+        assert sorted(os.listdir(snap_env.ckpt_dir)) == original
     for rank in (0, 1):
         assert _resumed(resumed[rank]) == [["4", tier]], resumed[rank]
         got, want = _losses(resumed, rank), _losses(ref, rank)
@@ -105,7 +119,9 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     under an already persisted tag leaves its files and latest untouched. Tags that are not one path
     component, that DeepSpeed's glob-based loader could not find, that DeepSpeed strips or that name its own
     files are refused up front; so is a save to another directory through the checkpointer. Two tags at
-    one step: tag= loads that tag. A missing tag is CheckpointNotFoundError. save_16bit_model (into
+    one step: tag= loads that tag. A missing tag is CheckpointNotFoundError; so is a ``latest`` naming a
+    missing tag in a directory without any checkpoint (naming ``latest``; DeepSpeed's own loader would fail
+    on it with a bare AssertionError). save_16bit_model (into
     another directory and into the checkpoint directory) still works on every rank; engine.destroy()
     closes the checkpointer."""
     env = dict(ENV, SNAPCKPT_FAULT_WRITE_DELAY_SECS="0.05")
@@ -121,6 +137,8 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     assert "one DeepSpeedCheckpointer per checkpoint directory" in r["other_dir"]
     assert r["tag_x_path"] == "x" and r["tag_x_weights"] is True
     assert r["missing_tag"].startswith("CheckpointNotFoundError") and "nope" in r["missing_tag"]
+    assert r["stale_latest"].startswith("CheckpointNotFoundError"), r["stale_latest"]
+    assert "latest names tag 'global_step7'" in r["stale_latest"] and "delete latest" in r["stale_latest"]
     assert r["16bit_other"] is True and r["16bit_own"] is True and r["16bit_files"] == [True, True]
     assert r["closed_by_destroy"] is True
 

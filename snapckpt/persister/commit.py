@@ -8,7 +8,8 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
    or of the wrong size fails the commit: case B9);
 2. writes ``.snapckpt/manifest.json`` into the partial directory (atomic, fsynced) and fsyncs it;
 3. renames the partial directory to ``<dirname>`` (an older committed directory of the same name is
-   moved aside first and deleted after) and fsyncs the checkpoint directory;
+   moved aside first, to ``.<dirname>.replaced-<R>``, and deleted after; when a crash comes between the
+   two renames, the next persister of the job renames it back) and fsyncs the checkpoint directory;
 4. only then replaces the tracker file (``latest``...) atomically;
 5. runs retention.
 
@@ -200,6 +201,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
             aside = os.path.join(req.checkpoint_dir, f".{req.dirname}.replaced-{req.run_id}")
             storage.remove_tree(aside)
             storage.rename(req.final_dir, aside)
+            faults.point("commit.between_renames", step=req.step, rank=None)
         storage.rename(req.partial_dir, req.final_dir)
         storage.fsync_dir(req.checkpoint_dir)
     except BaseException:

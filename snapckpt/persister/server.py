@@ -702,15 +702,28 @@ class Server:
 
     def _clean_stale_partials(self, run: Run) -> None:
         """Remove partial directories left by earlier runs of this job that this persister does not know
-        (crashed runs). Run ids start with the job key; another job sharing the directory (another
-        ``job_id``) has its own persister, and its directories in flight are never touched."""
+        (crashed runs); a step directory moved aside by a replacing commit that crashed before the new
+        copy took its name is restored instead (the old copy was committed; a log line says so). Run ids
+        start with the job key; another job sharing the directory (another ``job_id``) has its own
+        persister, and its directories in flight are never touched."""
         storage = PosixStorage()
         known = set(self.runs)
-        for name in storage.listdir(run.checkpoint_dir):
-            if name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-")):
-                rid = name.rsplit("-", 1)[-1]
-                if rid not in known and rid.startswith(self.job):
-                    storage.remove_tree(os.path.join(run.checkpoint_dir, name))
+        stale = [name for name in storage.listdir(run.checkpoint_dir)
+                 if name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-"))
+                 and name.rsplit("-", 1)[-1] not in known and name.rsplit("-", 1)[-1].startswith(self.job)]
+        # a commit replacing step directory X renames X to .X.replaced-R, then .X.partial-R to X: a crash
+        # between the two leaves no X, and .X.replaced-R is the committed (intact) checkpoint: put it back
+        for name in sorted(n for n in stale if ".replaced-" in n):
+            dirname = name[1:name.rindex(".replaced-")]
+            final = os.path.join(run.checkpoint_dir, dirname)
+            if dirname and not os.path.lexists(final):
+                storage.rename(os.path.join(run.checkpoint_dir, name), final)
+                storage.fsync_dir(run.checkpoint_dir)
+                stale.remove(name)
+                log.warning("restored %s from %s: a commit replacing it was interrupted between its two renames "
+                            "(the persister died); the interrupted new copy is discarded", final, name)
+        for name in stale:
+            storage.remove_tree(os.path.join(run.checkpoint_dir, name))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -72,6 +72,22 @@ def main():
             out["missing_tag"] = "loaded"
         except Exception as e:
             out["missing_tag"] = f"{type(e).__name__}: {e}"
+        # `latest` naming a tag that is not there, and no checkpoint at all: a named error, not DeepSpeed's
+        # loader (which fails on it with a bare AssertionError)
+        stale = ckpt + "_stale"
+        if rank == 0:
+            os.makedirs(stale)
+            with open(os.path.join(stale, "latest"), "w") as f:
+                f.write("global_step7")
+        dist.barrier()
+        ck2 = DeepSpeedCheckpointer(engine, stale, persister_idle_timeout_secs=30)
+        try:
+            ck2.load_checkpoint(stale)
+            out["stale_latest"] = "loaded"
+        except Exception as e:
+            out["stale_latest"] = f"{type(e).__name__}: {e}"
+        finally:
+            ck2.close()
         # DeepSpeed's save_16bit_model goes through the checkpoint engine: written at once, on every rank
         out["16bit_other"] = engine.save_16bit_model(ckpt + "_16bit")
         out["16bit_own"] = engine.save_16bit_model(ckpt, "weights.bin")
