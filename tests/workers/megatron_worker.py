@@ -320,6 +320,16 @@ def _damage_other_world_size(a, ref) -> None:
     _write_tracker(a.native, "99")
     _expect(a, a.native, ref, 2, None, ["names iter_0000099, which does not exist"])
     print("RESULT TRACKER_MISSING_NATIVE ok", flush=True)
+    # ... and with no checkpoint at all beside it: an error naming the tracker, not a silent fresh start
+    lone = os.path.join(os.path.dirname(a.out), "lone")
+    os.makedirs(lone)
+    _write_tracker(lone, "99")
+    try:
+        load_checkpoint([model], optimizer, sched, load_dir=lone)
+        raise AssertionError("a tracker naming a missing directory started afresh")
+    except CheckpointCorruptError as e:
+        assert "names iter_0000099, which does not exist" in str(e) and "to start afresh" in str(e), str(e)
+    print("RESULT TRACKER_MISSING_ALONE ok", flush=True)
 
 
 def _damage_same_world_size(a, ref) -> None:
