@@ -1,7 +1,8 @@
 """A plain Accelerate training loop on a small GPT-2, checkpointed by snapckpt (CPU-friendly).
 
     python examples/accelerate_gpt.py --checkpoint-dir runs/acc-gpt --steps 40
-    accelerate launch --num_processes 2 --cpu examples/accelerate_gpt.py --checkpoint-dir runs/acc-gpt2
+    torchrun --nproc_per_node 2 examples/accelerate_gpt.py --checkpoint-dir runs/acc-gpt2
+    (on the CPU, ``accelerate launch --cpu --num_processes 2`` starts only one process)
 
 ``AcceleratorCheckpointer(accelerator, dir)`` writes what ``accelerator.save_state`` would write
 (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``, ``random_states_<rank>.pkl``...) into

@@ -32,6 +32,11 @@ How it plugs in (transformers 5.24, public callback events only):
    folder ``checkpoint-N`` and waits for the commit; ``train(resume_from_checkpoint=True)`` then resumes
    natively from it. (With ``flush_on_crash=True``, the default, the persister itself usually writes that
    folder as soon as the crashed ranks are gone; this covers the case it has not, or is disabled.)
+6. Damage, at the same time: the folder ``get_last_checkpoint`` would pick is verified (sizes, checksums of
+   every file, also when snapckpt's own candidates are of another world size); a damaged one is renamed
+   to a hidden ``.checkpoint-N.damaged-<time>``, down to the newest intact folder. When no intact one
+   exists, :class:`~snapckpt.errors.CheckpointCorruptError` is raised and nothing is moved, so that no
+   later start trains from step 0 while checkpoints exist.
 
 Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
 Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
@@ -48,19 +53,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils.hub import convert_file_size_to_int
 
 from snapckpt import Checkpointer, CheckpointOptions, StorageType
-from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError
+from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError
 from snapckpt.events import Event
 from snapckpt.formats import RawBytes
-from snapckpt.manifest import list_committed
+from snapckpt.manifest import MANIFEST, check_checksums, list_committed, parse_manifest
 from snapckpt.storage import PosixStorage
 
 from . import transformers_files as F
@@ -171,8 +177,7 @@ class SnapckptCallback(TrainerCallback):
         self._check_args(args)
         self._args, self._state = args, state
         self._open(args)
-        if self.resume_from_memory:
-            self._materialize_newest(args)
+        self._materialize_newest(args)  # also sets damaged folders aside
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
         self._check_args(args)
@@ -306,68 +311,153 @@ class SnapckptCallback(TrainerCallback):
                            best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
 
     def _materialize_newest(self, args) -> None:
-        """Write the newest snapshot out as ``checkpoint-N`` if it is in memory only (collective)."""
-        ck = self.checkpointer
-        # folders whose files no longer match their manifest's sizes (truncated by a power loss, a rank's
-        # files gone) are no load candidates at all: set them aside first, or get_last_checkpoint picks them
-        self._set_aside(args, self._size_damaged(args) if ck.rank == 0 else [])
-        native = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-        native_step = int(native.rsplit("-", 1)[1]) if native else -1
+        """Collective, at Trainer construction: make sure the folder the Trainer's ``get_last_checkpoint``
+        will resume from is intact, and (``resume_from_memory``) write the newest snapshot out as
+        ``checkpoint-N`` if it is held in memory only.
 
-        damaged: List[str] = []
+        Damaged folders (files missing or of the wrong size, a checksum mismatch) are moved aside (see
+        :meth:`_set_aside`) only once an intact checkpoint to resume from is known: an intact folder, a
+        folder the Trainer wrote itself (no snapckpt manifest), or the memory snapshot just written out.
+
+        Raises:
+            CheckpointCorruptError: ``checkpoint-*`` folders exist, every one of snapckpt's is damaged and
+                none is the Trainer's own; each is named with its cause and left in place, so that every
+                later start raises too instead of training from step 0.
+        """
+        ck = self.checkpointer
+        timeout = ck.options.coordination_timeout_secs
+        # folders whose files no longer match their manifest's sizes (truncated by a power loss, a rank's
+        # files gone) are no load candidates at all; rank 0 lists them for everyone
+        damaged: Dict[str, str] = ck._coord.all_gather(
+            "hf-size-damaged", {"d": self._size_damaged(args) if ck.rank == 0 else {}}, timeout)[0]["d"]
+        refused: Dict[str, str] = {}  # snapckpt's disk candidates tried: this rank's error ("" if it verified)
 
         def probe(cand):
-            if cand.tier == StorageType.MEMORY:
-                return cand.files() if cand.step > native_step else None
+            if cand.tier == StorageType.MEMORY:  # every disk candidate tried before it was refused by some rank
+                if not self.resume_from_memory:
+                    return None  # the folders are verified below
+                native = self._last_native(args, set(damaged) | set(refused))
+                return cand.files() if native is None or cand.step > _step(native) else None
+            refused[cand.dirname] = ""
             try:
                 cand.verify()
-            except Exception:
-                damaged.append(cand.dirname)
+            except Exception as e:
+                refused[cand.dirname] = f"{type(e).__name__}: {e}"
                 raise
             return None
 
+        files, cand = None, None
         try:
             files, cand = ck._load_with(probe)
-        except CheckpointNotFoundError:
-            files = None
+        except (CheckpointNotFoundError, CheckpointCorruptError):
+            pass  # no snapckpt candidate loads; the folders decide below (and name the damage)
         except IncompatibleCheckpointError as e:  # another world size: the Trainer's own resume copes
-            log.info("not resuming from snapckpt's memory tier: %s", e)
-            files = None
-        finally:
+            log.info("snapckpt's own checkpoints are of another world size (%s); checking the folder the "
+                     "Trainer resumes from", e)
+        loaded = cand.dirname if cand is not None and cand.tier == StorageType.DISK else None
+        causes: Dict[str, List[str]] = {}
+        for p in ck._coord.all_gather("hf-refused", {"r": refused}, timeout):
+            for name, error in p["r"].items():
+                causes.setdefault(name, []).extend([error] if error else [])
+        for name, errors in causes.items():
+            if name != loaded and _NATIVE.match(name):
+                damaged[name] = "; ".join(errors) or "refused by the load agreement"
+        if files is not None:  # an intact checkpoint to resume from: damaged folders may go (and free the name)
             self._set_aside(args, damaged)
-        if files is None:
-            return
-        log.warning("the newest checkpoint, step %d, is held in memory only; writing it to %s/%s-%d", cand.step,
-                    args.output_dir, PREFIX, cand.step)
-        ck._save_files(F.respec(files), cand.step, StorageType.DISK, dirname=f"{PREFIX}-{cand.step}",
-                       tracker_name=None).wait()
-        self.resumed_from = (cand.step, StorageType.MEMORY)
+            damaged = {}
+            log.warning("the newest checkpoint, step %d, is held in memory only; writing it to %s/%s-%d",
+                        cand.step, args.output_dir, PREFIX, cand.step)
+            ck._save_files(F.respec(files), cand.step, StorageType.DISK, dirname=f"{PREFIX}-{cand.step}",
+                           tracker_name=None).wait()
+            self.resumed_from = (cand.step, StorageType.MEMORY)
+        trusted = {f"{PREFIX}-{cand.step}"} if files is not None else set()
+        if loaded is not None:
+            trusted.add(loaded)  # verified by every rank in probe()
+        intact = self._newest_intact(args, damaged, trusted)
+        if intact is None and damaged:
+            self.close()
+            order = sorted(damaged, key=_step, reverse=True)
+            raise CheckpointCorruptError(
+                f"no intact checkpoint in {args.output_dir}; every checkpoint folder is damaged (none was moved):\n"
+                + "\n".join(f"  {n}: {damaged[n]}" for n in order)
+                + f"\nRun `snapckpt verify {args.output_dir}` to check them; restore or delete the damaged "
+                  "folders (or use a new output_dir to start afresh)")
+        self._set_aside(args, damaged)
 
+    def _newest_intact(self, args, damaged: Dict[str, str], trusted: set) -> Optional[str]:
+        """Collective: walk the ``checkpoint-*`` folders newest first, as ``get_last_checkpoint`` would pick
+        them, skipping ``damaged``, and return the first intact one (``None``: none). A folder in ``trusted``
+        or without a snapckpt manifest (the Trainer's own) counts as intact; any other has all its files'
+        checksums verified (each rank a share); a damaged one is added to ``damaged`` with its cause."""
+        ck = self.checkpointer
+        timeout = ck.options.coordination_timeout_secs
+        while True:
+            name = self._last_native(args, set(damaged)) if ck.rank == 0 else None
+            name = ck._coord.all_gather("hf-native", {"name": name}, timeout)[0]["name"]
+            if name is None or name in trusted:
+                return name
+            path = os.path.join(args.output_dir, name)
+            if not os.path.exists(os.path.join(path, MANIFEST)):
+                return name  # the Trainer's own folder (a snapckpt one without manifest is size-damaged)
+            error = ""
+            try:
+                m = parse_manifest(ck._storage.read_bytes(os.path.join(path, MANIFEST)), name,
+                                   source=os.path.join(path, MANIFEST))
+                share = dict(sorted(m["files"].items())[ck.rank::ck.world_size])
+                check_checksums(ck._storage, path, {**m, "files": share})
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            errors = [p["error"] for p in ck._coord.all_gather("hf-verified", {"error": error}, timeout)
+                      if p["error"]]
+            if not errors:
+                return name
+            damaged[name] = "; ".join(errors)
+            if ck.rank == 0:
+                log.warning("%s failed verification: %s", path, damaged[name])
 
     @staticmethod
-    def _size_damaged(args) -> List[str]:
-        """``checkpoint-*`` folders with a snapckpt manifest whose files are missing or of the wrong size."""
+    def _last_native(args, skip: set) -> Optional[str]:
+        """The folder name ``get_last_checkpoint`` picks once the names in ``skip`` are gone (``None``: none)."""
+        if not os.path.isdir(args.output_dir):
+            return None
+        names = [n for n in os.listdir(args.output_dir) if _NATIVE.match(n) and n not in skip
+                 and os.path.isdir(os.path.join(args.output_dir, n))]
+        return max(names, key=_step) if names else None
+
+    @staticmethod
+    def _size_damaged(args) -> Dict[str, str]:
+        """``checkpoint-*`` folders with a snapckpt manifest whose files are missing or of the wrong size (or
+        a ``.snapckpt`` sidecar without a valid manifest): ``{folder name: what is wrong}``."""
         problems: List[str] = []
         if os.path.isdir(args.output_dir):
             list_committed(PosixStorage(), args.output_dir, problems=problems)
-        return [p.split(": ", 1)[0] for p in problems if p.startswith(f"{PREFIX}-")]
+        out: Dict[str, str] = {}
+        for p in problems:
+            name, _, why = p.partition(": ")
+            if _NATIVE.match(name):
+                out[name] = why
+        return out
 
-    def _set_aside(self, args, mine: List[str]) -> None:
-        """Collective: rename committed checkpoints that failed verification on any rank to hidden
-        ``.<name>.damaged-<unix time>`` (kept, never deleted), so that the Trainer's ``get_last_checkpoint``
-        resumes from the newest intact one instead of a damaged one."""
+    def _set_aside(self, args, damaged: Dict[str, str]) -> None:
+        """Rank 0 renames the ``damaged`` checkpoint folders (``{name: cause}``, the same on every rank) to
+        hidden ``.<name>.damaged-<unix time>`` (kept, never deleted), so that the Trainer's
+        ``get_last_checkpoint`` resumes from the newest intact one; collective."""
         ck = self.checkpointer
-        everyone = ck._coord.all_gather("hf-damaged", {"damaged": sorted(set(mine))},
-                                        ck.options.coordination_timeout_secs)
-        damaged = sorted({d for p in everyone for d in p["damaged"]})
         if damaged and ck.rank == 0:
-            for name in damaged:
+            for name in sorted(damaged, key=_step, reverse=True):
                 src = os.path.join(args.output_dir, name)
                 dst = os.path.join(args.output_dir, f".{name}.damaged-{int(time.time())}")
-                log.error("%s failed verification (see the warnings above); moved aside to %s so that the "
-                          "Trainer resumes from the newest intact checkpoint", src, dst)
+                log.error("%s is damaged (%s); moved aside to %s so that the Trainer resumes from the newest "
+                          "intact checkpoint", src, damaged[name], dst)
                 os.rename(src, dst)
         ck._coord.all_gather("hf-damaged-done", {}, ck.options.coordination_timeout_secs)
+
+
+_NATIVE = re.compile(rf"^{PREFIX}-(\d+)$")  # transformers' own pattern (trainer_utils._re_checkpoint)
+
+
+def _step(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])
 
 
 def _distributed(args: Any) -> bool:

@@ -9,7 +9,9 @@ Commands (``DIR`` is the checkpoint directory given to the ``Checkpointer``, the
                                         against its manifest; OK/DAMAGED per checkpoint, naming each bad
                                         file and why
     snapckpt inspect DIR STEP [--trust] every rank file of STEP: flattened keys (``model.layer.weight``),
-                                        shapes, dtypes, bytes
+              [--rank R]                shapes, dtypes, bytes of each ``torch.save`` archive, and the
+                                        tensors of each ``.safetensors`` file (from its header); other
+                                        formats (DCP ``.distcp`` shards, JSON) are listed, not opened
 
 States shown by ``ls``:
 
@@ -23,8 +25,9 @@ States shown by ``ls``:
 Other directories without a ``.snapckpt`` sidecar are not snapckpt's and are only counted.
 
 Exit codes: 0 success (``verify``: every checkpoint intact); 1 ``verify`` found damage, or ``inspect``
-could not read a file (damaged, or refused by ``weights_only=True``); 2 usage error (no such DIR, no
-committed checkpoint of STEP, bad arguments).
+could not read a file (damaged, or refused by ``weights_only=True``: the usual case for DeepSpeed, Trainer
+and Megatron checkpoints, which pickle config objects; ``--trust`` if you trust them); 2 usage error (no
+such DIR, DIR is a file, no committed checkpoint of STEP, no files of rank R, bad arguments).
 
 ``inspect`` loads with ``torch.load(..., weights_only=True, mmap=True)``: tensor data is not read, and
 no pickled code runs. A file holding other Python objects (an ``argparse.Namespace``, a config class) is
@@ -93,7 +96,8 @@ def _bad_records(manifest: Dict[str, Any]) -> Optional[str]:
 
 def _checkpoint_dir(parser: argparse.ArgumentParser, d: str) -> str:
     if not os.path.isdir(d):
-        parser.error(f"{d}: no such directory")
+        parser.error(f"{d}: {'not a directory' if os.path.exists(d) else 'no such directory'} (pass the "
+                     "checkpoint directory: the one that holds the step directories and the tracker file)")
     if os.path.exists(os.path.join(d, MANIFEST)):
         parser.error(f"{d} is one checkpoint, not a checkpoint directory: pass its parent "
                      f"{os.path.dirname(os.path.abspath(d))}")
@@ -190,7 +194,10 @@ def _trackers(d: str, rows: List[Row]) -> Tuple[Dict[int, List[str]], List[str]]
             hits = [i for i, r in enumerate(rows) if r.state != "incomplete" and r.step == int(content)]
         for i in hits:
             named.setdefault(i, []).append(tracker)
-        if not any(rows[i].state == "committed" for i in hits):
+        if hits and not any(rows[i].state == "committed" for i in hits):
+            notes.append(f"{tracker} names {content!r}, which is damaged (see its row; `snapckpt verify` "
+                         "names the file)")
+        elif not hits:
             notes.append(f"{tracker} names {content!r}, which is not a committed checkpoint here")
     return named, notes
 
@@ -312,12 +319,48 @@ def _refusal(e: BaseException) -> Optional[str]:
     return reason.split(" Please use", 1)[0]
 
 
-def _inspect_file(args: argparse.Namespace, path: str, nbytes: int) -> Tuple[Optional[str], Optional[str]]:
-    """Print one file's listing; return ``(problem, refusal reason)`` (both ``None`` when it loaded)."""
+# bits per element of the safetensors dtype names (the format's specification, huggingface/safetensors)
+_SAFETENSORS_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8,
+                     "U64": 64, "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
+
+
+def _inspect_safetensors(path: str) -> Optional[str]:
+    """List a safetensors file's tensors from its header (no pickle); return a problem or ``None``."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            rows = [["KEY", "SHAPE", "DTYPE", "BYTES", "NOTE"]]
+            for key in f.keys():
+                sl = f.get_slice(key)
+                shape, dtype = sl.get_shape(), sl.get_dtype()
+                numel = 1
+                for n in shape:
+                    numel *= n
+                size = _SAFETENSORS_BITS.get(dtype)
+                rows.append([key, str(list(shape)), dtype, "-" if size is None else str(numel * size // 8), ""])
+    except Exception as e:  # noqa: BLE001 - reported per file
+        print(f"    cannot read the safetensors header: {type(e).__name__}: {e}")
+        return f"{path}: {type(e).__name__}: {e}"
+    print(_table(rows, indent="    "))
+    print(f"    {len(rows) - 1} tensors (safetensors)")
+    return None
+
+
+def _inspect_file(args: argparse.Namespace, path: str, nbytes: int,
+                  kind: Optional[str] = None) -> Tuple[Optional[str], Optional[str]]:
+    """Print one file's listing; return ``(problem, refusal reason)`` (both ``None`` when it loaded).
+
+    ``kind`` is the manifest record's (``"torch"``: a ``torch.save`` archive; ``"bytes"``: any other format,
+    listed only when it is a safetensors file). Other formats (DCP ``.distcp`` shards, JSON) are not
+    inspected; ``verify`` checks their checksums.
+    """
     import torch
 
-    if not zipfile.is_zipfile(path):
-        print("    (not a torch.save archive; not inspected)")
+    if path.endswith(".safetensors"):
+        return _inspect_safetensors(path), None
+    if kind not in (None, "torch") or not zipfile.is_zipfile(path):
+        print("    (not a torch.save archive: not inspected; `snapckpt verify` checks its checksum)")
         return None, None
     bar = _bar(args, nbytes, f"load {os.path.basename(path)}")
     try:
@@ -350,6 +393,11 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                      f"{committed or 'none'})")
     if args.trust:
         print("note: --trust: loading with weights_only=False (runs the files' pickles)", file=sys.stderr)
+    ranks = sorted({r.get("rank") for c in chosen for r in c.manifest["files"].values() if isinstance(r, dict)},
+                   key=str)
+    if args.rank is not None and args.rank not in ranks:
+        parser.error(f"step {args.step} in {d} has no files of rank {args.rank} (its ranks: "
+                     f"{', '.join(map(str, ranks)) or 'none'})")
     problems, refused = [], []
     for c in chosen:
         print(f"{c.dirname}: step {c.step}, world size {c.manifest['world_size']}")
@@ -368,7 +416,7 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 print(f"    damaged: {e}")
                 problems.append(str(e))
                 continue
-            problem, reason = _inspect_file(args, os.path.join(c.path, name), int(rec["nbytes"]))
+            problem, reason = _inspect_file(args, os.path.join(c.path, name), int(rec["nbytes"]), rec.get("kind"))
             problems += [problem] if problem else []
             refused += [name] if reason else []
     if refused:

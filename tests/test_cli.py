@@ -126,7 +126,7 @@ def test_cli_B2_ls_shows_committed_incomplete_damaged_and_latest(snap_env):
     r = cli("ls", d)
     assert r.returncode == 0
     assert ls_rows(r.stdout)["step_00000002"]["TRACKER"] == "latest"
-    assert "warning: latest names 'step_00000002', which is not a committed checkpoint" in r.stdout
+    assert "warning: latest names 'step_00000002', which is damaged (see its row" in r.stdout
 
 
 def test_cli_ls_lists_two_tags_committed_at_one_step(snap_env):
@@ -295,6 +295,39 @@ def test_cli_inspect_lists_keys_shapes_dtypes_bytes(snap_env):
     assert rows["extra.tied.0"] == ("[4, 8]", "float32", "128", "shares storage with model.0.weight")
     assert "rank 0  rank_00000.pt" in r.stdout and "step_00000007: step 7, world size 1" in r.stdout
     assert r.stderr == ""
+
+
+def test_cli_inspect_other_formats_and_usage_errors(snap_env):
+    """Found by a new-user trial. Fault: ``inspect`` on a Megatron checkpoint reported every DCP
+    ``.distcp`` shard as "corrupted" (a zip reader ran on a file that only embeds zip records) and exited
+    1 while ``verify`` said OK; ``--rank`` of a rank without files printed a bare header and exited 0; ``ls``
+    of a file said "no such directory". Right behaviour: a file the manifest records as raw bytes is listed,
+    not opened; a ``.safetensors`` file lists its tensors from its header (shape, dtype, bytes); a rank
+    without files and a path that is a file are usage errors (exit 2) naming what to pass."""
+    import io
+
+    from safetensors.torch import save as st_save
+
+    from snapckpt.formats.specs import RawBytes
+
+    d = snap_env.ckpt_dir
+    fake_distcp = io.BytesIO()
+    torch.save({"x": torch.ones(3)}, fake_distcp)  # a torch.save record inside a larger raw file
+    files = {"model.safetensors": RawBytes(st_save({"w": torch.zeros(4, 2), "h": torch.ones(3, dtype=torch.bfloat16)})),
+             "__0_0.distcp": RawBytes(b"DCP" + fake_distcp.getvalue() + b"tail"),
+             "metadata.json": RawBytes(b'{"a": 1}')}
+    with Checkpointer(d, **OPTS) as ck:
+        ck._save_files(files, 3, "disk", dirname="iter_0000003", tracker_name=None).wait(timeout=30)
+    r = cli("inspect", d, "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = inspect_rows(r.stdout)
+    assert rows["w"] == ("[4, 2]", "F32", "32", "") and rows["h"] == ("[3]", "BF16", "6", ""), r.stdout
+    assert r.stdout.count("not a torch.save archive: not inspected") == 2, r.stdout
+    assert "corrupt" not in r.stdout + r.stderr
+    r = cli("inspect", d, "3", "--rank", "5")
+    assert r.returncode == 2 and "no files of rank 5 (its ranks: 0)" in r.stderr, r.stderr
+    r = cli("ls", os.path.join(d, "iter_0000003", "metadata.json"))
+    assert r.returncode == 2 and "not a directory" in r.stderr and "no such" not in r.stderr, r.stderr
 
 
 class Tripwire:

@@ -14,7 +14,8 @@ the stock ``Trainer`` on CPU in worker processes (``tests/workers/hf_worker.py``
   folder is resumed and the callback's next folder equals the Trainer's;
 - F3/E1: ``from_pretrained`` loads the safetensors (sharded with an index when asked), tied embeddings
   tied again, no missing keys; E5: a ``TrainingArguments`` subclass from the user's script;
-- rotation under ``save_total_limit`` with a best model kept, the same folders as the Trainer keeps.
+- rotation under ``save_total_limit`` with a best model kept, the same folders as the Trainer keeps;
+- B3: a damaged newest folder is set aside (same or another process count); all damaged: every start raises.
 """
 import json
 import os
@@ -34,8 +35,9 @@ WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 STEPS = 12
 
 
-def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240):
-    """Run the worker (``nprocs`` > 1: under torchrun); return rank 0's facts (all ranks' for DDP)."""
+def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240, log=None):
+    """Run the worker (``nprocs`` > 1: under torchrun); return rank 0's facts (all ranks' for DDP). ``log``:
+    a list that gets the run's stderr."""
     cfg = dict(cfg, result=cfg["out"] + ".result")
     base = [WORKER, json.dumps(cfg)]
     if nprocs > 1:
@@ -46,6 +48,8 @@ def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240):
     p = subprocess.run(cmd, env={**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == expect_rc, f"rc {p.returncode} != {expect_rc}:\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+    if log is not None:
+        log.append(p.stderr)
     facts = []
     for r in range(nprocs):
         with open(f"{cfg['result']}.{r}") as f:
@@ -263,22 +267,64 @@ def test_bad_input_is_refused_with_the_fix(snap_env):
         Trainer(model=build_model(), args=args, eval_dataset=Tokens(n=4), callbacks=[SnapckptCallback()])
 
 
-def test_B3_damaged_newest_folder_is_set_aside_and_the_previous_resumed(snap_env, stock):
-    """B3 with the Trainer's own auto-resume: a committed checkpoint-12 whose model.safetensors has one
-    flipped byte. Right: the callback's agreement finds it damaged (manifest checksum) and moves it aside to
-    a hidden ``.checkpoint-12.damaged-*`` (kept, not deleted), so ``get_last_checkpoint`` and the stock
-    resume take checkpoint-10, and steps 11-12 are bitwise those of the uninterrupted run."""
-    _, ref = stock
-    out = os.path.join(snap_env.tmp, "run")
-    _run({"out": out, "steps": STEPS, "snap": True}, snap_env.env)
-    victim = os.path.join(out, "checkpoint-12", "model.safetensors")
-    with open(victim, "r+b") as f:
-        f.seek(os.path.getsize(victim) - 10)
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 10)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _start_raises(cfg, env):
+    """Start the worker once; it must fail at Trainer construction. Returns its stderr."""
+    cmd = [sys.executable, WORKER, json.dumps(dict(cfg, result=cfg["out"] + ".result"))]
+    p = subprocess.run(cmd, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode != 0, p.stderr[-4000:]
+    return p.stderr
+
+
+def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_every_start(snap_env, stock):
+    """B3 with the Trainer's own auto-resume: a committed checkpoint-12 whose model.safetensors has one
+    flipped byte. Right: the callback's agreement finds it damaged (manifest checksum) and moves it aside to
+    a hidden ``.checkpoint-12.damaged-*`` (kept, not deleted), so ``get_last_checkpoint`` and the stock
+    resume take checkpoint-10, and steps 11-12 are bitwise those of the uninterrupted run.
+
+    Resumed by another process count (2 DDP ranks; snapckpt's own candidates are then of another world
+    size and never probed), the folder the Trainer would pick is still verified, set aside with a warning
+    naming the damaged file, and the run resumes from checkpoint-10.
+
+    Every folder damaged: each start raises ``CheckpointCorruptError`` naming every folder and ``snapckpt
+    verify``, and moves nothing aside, so that a second start raises too instead of training from step 0."""
+    _, ref = stock
+    out = os.path.join(snap_env.tmp, "run")
+    _run({"out": out, "steps": STEPS, "snap": True}, snap_env.env)
+    other = os.path.join(snap_env.tmp, "other")
+    shutil.copytree(out, other)
+    _flip(os.path.join(out, "checkpoint-12", "model.safetensors"))
     facts = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
     _same_steps(_rows(facts), ref, range(11, STEPS + 1))
     names = os.listdir(out)
     assert any(n.startswith(".checkpoint-12.damaged-") for n in names), names
     assert "checkpoint-12" in names  # written again by the resumed run
+
+    # Another process count: checkpoints of 1 process, resumed by 2.
+    _flip(os.path.join(other, "checkpoint-12", "model.safetensors"))
+    cfg = {"out": other, "steps": STEPS, "snap": True, "resume": True}
+    log = []
+    ddp = _run(cfg, snap_env.env, nprocs=2, log=log)
+    assert sorted(_rows(ddp[0])) == [11, 12]  # resumed from checkpoint-10, not the damaged 12
+    victim = os.path.join(other, "checkpoint-12", "model.safetensors")
+    assert any(victim in line and "moved aside" in line for line in log[0].splitlines()), log[0][-4000:]
+    assert any(n.startswith(".checkpoint-12.damaged-") for n in os.listdir(other)), os.listdir(other)
+
+    # Every folder damaged: raise at every start, nothing moved aside.
+    for s in (5, 10, 12):
+        _flip(os.path.join(out, f"checkpoint-{s}", "model.safetensors"))
+    before = sorted(os.listdir(out))
+    for _ in range(2):
+        err = _start_raises({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
+        assert "CheckpointCorruptError" in err and "snapckpt verify" in err, err[-4000:]
+        for s in (12, 10, 5):
+            assert os.path.join(out, f"checkpoint-{s}", "model.safetensors") in err, err[-4000:]
+        assert sorted(os.listdir(out)) == before  # nothing moved aside: the next start raises too
