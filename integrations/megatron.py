@@ -25,24 +25,30 @@ collective): the snapshot is the record of step 3 with every tensor.
 
 A load agrees on the newest step with every rank (``Checkpointer._load_with``): from memory the record is
 mapped back onto a fresh sharded state dict (same parallel layout only; any mismatch falls back to disk);
-from disk through stock ``megatron.core.dist_checkpointing.load``, which reshards (e.g. DP=2 to TP=2). A
-directory megatron-core wrote natively (no snapckpt manifest), or one of another world size, is loaded
-through ``latest_checkpointed_iteration.txt`` and the stock loader.
+from disk through stock ``megatron.core.dist_checkpointing.load``, which reshards (e.g. DP=2 to TP=2).
+snapckpt's directories of another world size are loaded the same way, newest intact first, once every
+saving rank's files passed their checksums (megatron-core reads any rank's files and checks nothing). A
+directory megatron-core wrote natively (no ``.snapckpt`` sidecar at all: a sidecar without its manifest
+is snapckpt's, damaged) is loaded through ``latest_checkpointed_iteration.txt`` and the stock loader; a
+tracker naming a directory that does not exist is ignored with a warning.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+import time
 from dataclasses import asdict
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from snapckpt import Checkpointer, StorageType
-from snapckpt.checkpointer import check_step
+from snapckpt.checkpointer import LoadInfo, check_step
 from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave
+from snapckpt.manifest import MANIFEST, SIDECAR, check_checksums, list_committed, parse_manifest
 
 from .megatron_format import ArenaDistcpWriter
 from .megatron_memory import MEMORY_FILE, from_memory, memory_record
@@ -273,7 +279,14 @@ def _agree(ck: Checkpointer, name: str, error: Optional[BaseException]) -> None:
 
 def _read_tracker(directory: str) -> Dict[str, Any]:
     """What ``latest_checkpointed_iteration.txt`` names: ``{"dirname", "iteration" (-1 for a release),
-    "native" (the directory has no snapckpt manifest: megatron-core wrote it)}``; ``dirname`` None if none."""
+    "native"}``; ``dirname`` None if there is no tracker.
+
+    ``native`` is True when megatron-core wrote the directory itself: it has neither a snapckpt manifest
+    nor a ``.snapckpt`` sidecar (a sidecar without its manifest is snapckpt's, damaged: never native). A
+    tracker naming a directory that does not exist is ignored with a warning naming it; the newest native
+    directory found (``iter_*`` with megatron-core's ``.metadata`` and ``metadata.json``, no sidecar) is
+    named instead, if any (``"ignored"`` then holds the warning).
+    """
     path = os.path.join(directory, TRACKER)
     try:
         with open(path) as f:
@@ -283,8 +296,27 @@ def _read_tracker(directory: str) -> Dict[str, Any]:
     if content != "release" and not content.isdigit():
         raise CheckpointCorruptError(f"{path} holds {content!r}, not an iteration; fix or delete it")
     dirname = checkpoint_dirname(int(content), release=content == "release")
-    native = not os.path.exists(os.path.join(directory, dirname, ".snapckpt", "manifest.json"))
+    if not os.path.isdir(os.path.join(directory, dirname)):
+        natives = sorted((int(n[5:]), n) for n in os.listdir(directory)
+                         if _ITER_DIR.fullmatch(n) and _is_native(os.path.join(directory, n)))
+        msg = (f"{path} names {dirname}, which does not exist (deleted, or the tracker was edited by hand); "
+               "ignoring it: resuming from the newest intact checkpoint there")
+        log.warning("%s", msg)
+        if not natives:
+            return {"dirname": None, "iteration": -1, "native": False, "ignored": msg}
+        return {"dirname": natives[-1][1], "iteration": natives[-1][0], "native": True, "ignored": msg}
+    native = _is_native(os.path.join(directory, dirname))
     return {"dirname": dirname, "iteration": -1 if content == "release" else int(content), "native": native}
+
+
+_ITER_DIR = re.compile(r"iter_\d{7,}")
+
+
+def _is_native(path: str) -> bool:
+    """``path`` is a directory megatron-core wrote itself: no snapckpt sidecar (with or without its manifest),
+    and megatron-core's own files present."""
+    return (not os.path.exists(os.path.join(path, SIDECAR))
+            and all(os.path.exists(os.path.join(path, n)) for n in (".metadata", "metadata.json")))
 
 
 def _agreed_tracker(ck: Checkpointer) -> Dict[str, Any]:
@@ -301,6 +333,81 @@ def _agreed_tracker(ck: Checkpointer) -> Dict[str, Any]:
     return theirs
 
 
+def _other_world_sizes(ck: Checkpointer) -> Dict[str, Any]:
+    """Collective: snapckpt's committed directories saved by another number of ranks, newest first
+    (``"dirs"``: ``[step, dirname, world_size]``; files present with their sizes, checksums not read yet),
+    and its directories skipped as damaged (``"damaged"``: one line each; a ``.snapckpt`` sidecar marks
+    them, megatron-core's own directories are not listed), as rank 0 lists them."""
+    mine: Dict[str, Any] = {}
+    if ck.rank == 0:
+        problems: List[str] = []
+        dirs = [[c.step, c.dirname, c.manifest["world_size"]]
+                for c in list_committed(ck._storage, ck.checkpoint_dir, problems=problems)
+                if c.manifest["world_size"] != ck.world_size]
+        mine = {"dirs": sorted(dirs, reverse=True), "damaged": problems}
+    return ck._coord.all_gather("megatron-other-ws", mine, ck.options.coordination_timeout_secs)[0]
+
+
+def _load_resharded(ck: Checkpointer, fresh: Callable[[Dict[str, Any]], Dict[str, Any]], strictness: str
+                    ) -> Optional[Tuple[Dict[str, Any], str]]:
+    """Load the newest intact snapckpt directory saved by another number of ranks through megatron-core's
+    loader (which reshards); collective. Every rank's files of a directory are verified against its
+    manifest's checksums first (the files of saving rank ``r`` by rank ``r % world_size``), because
+    megatron-core reads any rank's files and checks nothing. A damaged directory is skipped with a warning
+    naming it and the next older one is tried.
+
+    Returns:
+        ``(state, source)``, or None when snapckpt has no directory here at all (intact or damaged).
+
+    Raises:
+        CheckpointCorruptError: snapckpt's directories exist but none is intact; names each one and why.
+    """
+    found = _other_world_sizes(ck)
+    if not found["dirs"] and not found["damaged"]:
+        return None
+    t0 = time.perf_counter()
+    refused: List[str] = []
+    for step, dirname, ws in found["dirs"]:
+        path = os.path.join(ck.checkpoint_dir, dirname)
+        error = ""
+        try:
+            m = parse_manifest(ck._storage.read_bytes(os.path.join(path, MANIFEST)), dirname)
+            for r in range(ck.rank, ws, ck.world_size):
+                check_checksums(ck._storage, path, m, rank=r)
+        except (CheckpointCorruptError, OSError) as e:
+            error = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        everyone = ck._coord.all_gather("megatron-reshard-verify", {"error": error},
+                                        ck.options.coordination_timeout_secs)
+        bad = [p["error"] for p in everyone if p["error"]]
+        if bad:
+            msg = f"iteration {step} ({dirname}, saved by {ws} ranks) is damaged: " + "; ".join(bad)
+            log.warning("%s; trying the next older checkpoint", msg)
+            refused.append(msg)
+            continue
+        if refused or found["damaged"]:
+            log.warning("loading iteration %d, not the newest: %s", step,
+                        " | ".join(refused + [f"{d} (skipped as damaged)" for d in found["damaged"]]))
+        state = _stock_load(fresh, path, strictness)
+        ck.last_load = LoadInfo(step, StorageType.DISK, time.perf_counter() - t0, tuple(refused))
+        return state, f"disk step {step} (saved by {ws} ranks, resharded by megatron-core)"
+    lines = [f"  {e}" for e in refused] + [f"  {d} (skipped as damaged)" for d in found["damaged"]]
+    raise CheckpointCorruptError(
+        f"no intact checkpoint in {ck.checkpoint_dir}; each one was refused:\n" + "\n".join(lines)
+        + f"\nRun `snapckpt verify {ck.checkpoint_dir}` to check every checkpoint there; restore or delete the "
+        "damaged ones (or start afresh in an empty directory)")
+
+
+def _newest_snapckpt(ck: Checkpointer) -> Optional[int]:
+    """Newest step snapckpt holds here of any world size (None if none, or every one is damaged); collective."""
+    try:
+        return ck.latest_step()
+    except CheckpointCorruptError:  # snapckpt's own are all damaged (logged)
+        return None
+    except IncompatibleCheckpointError:  # only directories of another world size
+        dirs = _other_world_sizes(ck)["dirs"]
+        return dirs[0][0] if dirs else None
+
+
 def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                     strict: bool = True, checkpointing_context: Optional[dict] = None,
                     skip_load_to_model_and_opt: bool = False, *, load_dir: Optional[str] = None,
@@ -309,10 +416,13 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
 
     Loads the newest iteration complete on every rank: from memory when every rank holds it and it is at
     least as new as the newest committed directory, else from disk through stock
-    ``megatron.core.dist_checkpointing.load`` (which reshards to the current parallel layout). The directory
-    named by ``latest_checkpointed_iteration.txt`` is loaded with the stock loader instead when megatron-core
-    wrote it natively and it is newer than anything snapckpt holds, or when snapckpt has no candidate of
-    this world size (a checkpoint saved by another number of ranks).
+    ``megatron.core.dist_checkpointing.load`` (which reshards to the current parallel layout). When snapckpt
+    has no candidate of this world size, its newest directory of another world size whose files (every
+    saving rank's) pass their checksums is loaded that way; damaged ones are named in warnings. The
+    directory named by ``latest_checkpointed_iteration.txt`` is loaded with the stock loader instead when
+    megatron-core wrote it natively (no ``.snapckpt`` sidecar) and it is newer than anything snapckpt
+    holds. A tracker naming a directory that does not exist is ignored with a warning naming it (then the
+    newest native ``iter_*`` directory stands for it, if any).
 
     Args (Megatron-LM's):
         ddp_model: model chunks (list) or one module, as for ``save_checkpoint``.
@@ -326,10 +436,13 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
 
     Returns:
         ``(iteration, num_floating_point_operations_so_far)``; ``(0, 0)`` when there is no checkpoint
-        (as Megatron-LM). ``Checkpointer.last_load`` tells the tier (None for a native directory).
+        (as Megatron-LM). ``Checkpointer.last_load`` tells the tier and iteration (None for a native
+        directory).
 
     Raises:
-        ValueError: no directory given. CheckpointCorruptError: every candidate failed on some rank.
+        ValueError: no directory given. CheckpointCorruptError: every candidate failed on some rank, or
+        every directory snapckpt committed is damaged (each named), or the tracker names a directory that
+        does not exist and there is no other checkpoint.
     """
     args = args if args is not None else megatron_lm_args()
     load_dir = load_dir or arg(args, load_arg, None)
@@ -363,28 +476,40 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         return _stock_load(fresh, cand.path, strictness)
 
     tracker = _agreed_tracker(ck)
-    newest = None
-    if tracker["native"]:
-        try:
-            newest = ck.latest_step()
-        except CheckpointCorruptError:  # snapckpt's own are all damaged (logged), the tracker's is native
-            newest = None
     state = None
-    if tracker["native"] and (newest is None or tracker["iteration"] > newest):
+    e: Optional[Exception] = None
+    if tracker["native"] and ((newest := _newest_snapckpt(ck)) is None or tracker["iteration"] > newest):
         source = f"directory {tracker['dirname']} written by megatron-core"
     else:
         try:
             state, cand = ck._load_with(from_candidate)
             source = f"{cand.tier.value} step {cand.step}"
-        except (CheckpointNotFoundError, IncompatibleCheckpointError) as e:
-            if tracker["dirname"] is None:
+        except (CheckpointNotFoundError, IncompatibleCheckpointError) as missed:
+            e = missed  # handled below, outside this block: its traceback would not belong to what follows
+        if e is not None:
+            # nothing of this world size: snapckpt's directories of another one, verified, then resharded
+            try:
+                got = _load_resharded(ck, fresh, strictness)
+            except CheckpointCorruptError as bad:
+                if not tracker["native"]:
+                    raise
+                log.warning("%s\nloading %s instead, which megatron-core wrote", bad, tracker["dirname"])
+                got = None
+            if got is not None:
+                state, source = got
+            elif tracker["dirname"] is None:
+                if "ignored" in tracker:
+                    raise CheckpointCorruptError(f"{tracker['ignored']}; but there is no other checkpoint in "
+                                                 f"{ck.checkpoint_dir}: restore {TRACKER}'s directory, or delete "
+                                                 f"{TRACKER} to start afresh")
                 log.warning("no checkpoint found in %s (%s); starting from iteration 0", ck.checkpoint_dir, e)
                 return 0, 0
-            if isinstance(e, CheckpointNotFoundError) and not tracker["native"]:
+            elif not tracker["native"]:
                 # the tracker names a directory snapckpt committed, yet it is no candidate: it fails its
                 # manifest checks (e names the damage); megatron-core's loader must not read it blindly
-                raise
-            source = f"directory {tracker['dirname']} ({e})"
+                raise e
+            else:
+                source = f"directory {tracker['dirname']} ({e})"
     if state is None:
         ck.last_load = None
         state = _stock_load(fresh, os.path.join(ck.checkpoint_dir, tracker["dirname"]), strictness)

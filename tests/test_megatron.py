@@ -35,13 +35,21 @@ def _files(path):
     return sorted(n for n in os.listdir(path) if n != ".snapckpt")
 
 
-def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
+def test_F1_F2_F4_B3_layout_round_trips_reshard_and_damage(snap_env):
     """F1/F2: snapckpt's iter_0000002 has exactly the files of a stock torch_dist save (the same
     ``.distcp`` sizes), loads with stock ``dist_checkpointing.load``; snapckpt loads a stock directory.
     Saves 3-5 with ``assume_constant_structure`` (cached DCP plans) load the same way; in a directory where
     megatron-core saved (natively) after snapckpt, the newer native checkpoint is the one loaded.
     F4: the newest (TP=1, DP=2) loads at TP=2, DP=1 (2 ranks) and at world size 1 with every model and
-    optimizer shard equal."""
+    optimizer shard equal.
+    B3 and tracker cases (trial 5, findings 1, 2, 7), on the same launches: at world size 1 (megatron-core
+    reshards) a corrupted file of the newest, even one only rank 1 wrote, is found by its checksum before
+    megatron-core reads it and the next older loads, with a warning naming the damaged one; when every
+    directory is damaged CheckpointCorruptError names each. A directory with a ``.snapckpt`` sidecar but no
+    manifest is snapckpt's damaged one, never megatron-core's own (at world size 1 and 2). A tracker
+    naming a missing directory is named in a warning and the newest intact checkpoint loads (snapckpt's,
+    or megatron-core's own in a native directory); with no checkpoint beside it, CheckpointCorruptError
+    names the tracker (never a silent start from iteration 0)."""
     ck, native, ref = snap_env.ckpt_dir, os.path.join(snap_env.tmp, "native"), os.path.join(snap_env.tmp, "ref.pt")
     outs = run_ranks(WORKER, 2, ["--mode", "layout", "--tp", "1", "--ckpt", ck, "--native", native, "--out", ref],
                      snap_env.env, timeout=240)
@@ -69,15 +77,18 @@ def test_F1_F2_F4_layout_round_trips_and_reshard(snap_env):
     assert sorted(set(os.listdir(ck)) - {LOCK_NAME}) == [f"iter_000000{i}" for i in range(2, 6)] + \
         ["latest_checkpointed_iteration.txt"]
 
-    outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref], snap_env.env,
-                     timeout=240)
+    outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref, "--damage"],
+                     snap_env.env, timeout=240)
     for o in outs:  # same world size: a snapckpt disk candidate, loaded by the stock loader
         got = [l for l in result_lines(o) if l.startswith("RESHARD_EQUAL")]
         assert got and int(got[0].split()[1]) > 20 and "DISK" in got[0], o
-    (o,) = run_ranks(WORKER, 1, ["--mode", "reshard", "--tp", "1", "--ckpt", ck, "--out", ref], snap_env.env,
-                     timeout=240)
-    got = [l for l in result_lines(o) if l.startswith("RESHARD_EQUAL")]  # world size 1: through the tracker
-    assert got and int(got[0].split()[1]) > 20 and got[0].endswith("None"), o
+        assert {"SIDECAR_NOT_NATIVE ok", "TRACKER_MISSING ok"} <= set(result_lines(o)), o
+    (o,) = run_ranks(WORKER, 1, ["--mode", "reshard", "--tp", "1", "--ckpt", ck, "--out", ref, "--native", native,
+                                 "--damage"], snap_env.env, timeout=240)
+    got = [l for l in result_lines(o) if l.startswith("RESHARD_EQUAL")]  # world size 1: snapckpt's, resharded
+    assert got and int(got[0].split()[1]) > 20 and "step=5" in got[0] and "DISK" in got[0], o
+    assert {"B3_RESHARD_FALLBACK ok", "SIDECAR_NOT_NATIVE_RESHARD ok", "TRACKER_MISSING_RESHARD ok",
+            "ALL_DAMAGED_RESHARD ok", "TRACKER_MISSING_NATIVE ok", "TRACKER_MISSING_ALONE ok"} <= set(result_lines(o)), o
 
 
 @pytest.mark.parametrize("tp,opt,overlap", [(1, "adam", False), (2, "megatron", True)],

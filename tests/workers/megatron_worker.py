@@ -11,9 +11,12 @@ Modes (``--mode``):
   native one restore every tensor, the iteration and the flop count; write the reference shards
   (``--out``) for ``reshard``.
 - ``reshard``: build the model at ``--tp``, load ``--ckpt`` with ``load_checkpoint`` and compare every
-  local shard (model and optimizer state) with the reference written by ``layout``.
+  local shard (model and optimizer state) with the reference written by ``layout``; with ``--damage``,
+  then damage directories and check what loads (B3, a sidecar without its manifest, a tracker naming a
+  missing directory; at world size 1 through the resharding path, at 2 on a copy of ``--ckpt``).
 """
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -203,13 +206,8 @@ def mode_layout(a):
     close_all()
 
 
-def mode_reshard(a):
-    from snapckpt.megatron_dist_ckpt import close_all, get_checkpointer, load_checkpoint
-
-    model, optimizer, sched = build(a.tp, a.opt)
-    it, flops = load_checkpoint([model], optimizer, sched, load_dir=a.ckpt)
-    assert (it, flops) == (5, 1234), (it, flops)
-    ref = torch.load(a.out)
+def _equal_ref(model, optimizer, ref) -> int:
+    """Compare every local shard with the reference (full tensors of the TP=1 save); return the count."""
     ref_by_key = {}
     for (key, off, pre), t in ref.items():
         ref_by_key.setdefault(key, []).append((off, pre, t))
@@ -221,8 +219,144 @@ def mode_reshard(a):
         sl = tuple(slice(s - b, s - b + n_) for s, b, n_ in zip(off[pre:], o[pre:], t.shape))
         assert torch.equal(full[sl], t), f"{key} at {off} differs after resharding"
         n += 1
+    return n
+
+
+def mode_reshard(a):
+    from snapckpt.megatron_dist_ckpt import close_all, get_checkpointer, load_checkpoint
+
+    model, optimizer, sched = build(a.tp, a.opt)
+    it, flops = load_checkpoint([model], optimizer, sched, load_dir=a.ckpt)
+    assert (it, flops) == (5, 1234), (it, flops)
+    ref = torch.load(a.out)
+    n = _equal_ref(model, optimizer, ref)
     print(f"RESULT RESHARD_EQUAL {n} {get_checkpointer(a.ckpt).last_load}", flush=True)
+    if a.damage:
+        (_damage_other_world_size if torch.distributed.get_world_size() == 1 else _damage_same_world_size)(a, ref)
     close_all()
+
+
+# ------------------------------------------------------------------ damaged directories (B3, tracker cases)
+class _Caught(logging.Handler):
+    """The warnings snapckpt logs during one load."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _flip(path: str) -> None:
+    """Flip 4 bytes in the middle of ``path`` (damage in place: the size is unchanged)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(4)
+        f.seek(os.path.getsize(path) // 2)
+        f.write(bytes(x ^ 0xFF for x in b))
+
+
+def _write_tracker(d: str, content: str) -> None:
+    with open(os.path.join(d, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(content)
+
+
+def _expect(a, d: str, ref, want_it: int, want_last, warns=(), rank0_warns=()) -> None:
+    """Load ``d`` afresh; the iteration, the tier/step of ``last_load`` (None: megatron-core's own
+    directory), every shard equal to the reference, and the warnings that must have been logged."""
+    from snapckpt.megatron_dist_ckpt import get_checkpointer, load_checkpoint
+
+    caught = _Caught()
+    logging.getLogger("snapckpt").addHandler(caught)
+    try:
+        model, optimizer, sched = build(a.tp, a.opt)
+        got = load_checkpoint([model], optimizer, sched, load_dir=d)
+    finally:
+        logging.getLogger("snapckpt").removeHandler(caught)
+    assert got == (want_it, 1234), (got, caught.lines)
+    last = get_checkpointer(d).last_load
+    assert (None if last is None else (last.tier.value, last.step)) == want_last, last
+    _equal_ref(model, optimizer, ref)
+    for w in list(warns) + (list(rank0_warns) if torch.distributed.get_rank() == 0 else []):
+        assert any(w in line for line in caught.lines), (w, caught.lines)
+
+
+def _damage_other_world_size(a, ref) -> None:
+    """World size 1 on --ckpt (iterations 2-5 saved by 2 ranks: the resharding path through megatron-core's
+    loader); destructive, the last use of --ckpt. Each case prints ``RESULT <case> ok``."""
+    from snapckpt.errors import CheckpointCorruptError
+    from snapckpt.megatron_dist_ckpt import load_checkpoint
+
+    d = a.ckpt
+    it = lambda i: os.path.join(d, f"iter_{i:07d}")  # noqa: E731
+    # B3: a .distcp file of the newest is corrupted: every saving rank's files are verified before
+    # megatron-core reads them; the next older one loads, with a warning naming the damaged one
+    _flip(os.path.join(it(5), "__0_1.distcp"))
+    _expect(a, d, ref, 4, ("disk", 4), ["iteration 5 (iter_0000005, saved by 2 ranks) is damaged", "corrupted"])
+    print("RESULT B3_RESHARD_FALLBACK ok", flush=True)
+    # a .snapckpt sidecar without its manifest is snapckpt's damaged directory, never megatron-core's own
+    os.remove(os.path.join(it(4), ".snapckpt", "manifest.json"))
+    _flip(os.path.join(it(4), "__0_0.distcp"))
+    _write_tracker(d, "4")
+    _expect(a, d, ref, 3, ("disk", 3), ["iter_0000004: .snapckpt/manifest.json is missing", "iter_0000005"])
+    print("RESULT SIDECAR_NOT_NATIVE_RESHARD ok", flush=True)
+    # the tracker names a directory that does not exist
+    _write_tracker(d, "99")
+    _expect(a, d, ref, 3, ("disk", 3), ["latest_checkpointed_iteration.txt names iter_0000099, which does not exist"])
+    print("RESULT TRACKER_MISSING_RESHARD ok", flush=True)
+    # every one damaged: CheckpointCorruptError naming each, nothing loaded
+    _flip(os.path.join(it(3), "__0_1.distcp"))
+    _flip(os.path.join(it(2), "common.pt"))
+    model, optimizer, sched = build(a.tp, a.opt)
+    try:
+        load_checkpoint([model], optimizer, sched, load_dir=d)
+        raise AssertionError("a directory of damaged checkpoints loaded")
+    except CheckpointCorruptError as e:
+        for i in (5, 4, 3, 2):
+            assert f"iter_{i:07d}" in str(e), (i, str(e))
+    print("RESULT ALL_DAMAGED_RESHARD ok", flush=True)
+    # a tracker naming a missing directory next to megatron-core's own directories: the newest native one
+    _write_tracker(a.native, "99")
+    _expect(a, a.native, ref, 2, None, ["names iter_0000099, which does not exist"])
+    print("RESULT TRACKER_MISSING_NATIVE ok", flush=True)
+    # ... and with no checkpoint at all beside it: an error naming the tracker, not a silent fresh start
+    lone = os.path.join(os.path.dirname(a.out), "lone")
+    os.makedirs(lone)
+    _write_tracker(lone, "99")
+    try:
+        load_checkpoint([model], optimizer, sched, load_dir=lone)
+        raise AssertionError("a tracker naming a missing directory started afresh")
+    except CheckpointCorruptError as e:
+        assert "names iter_0000099, which does not exist" in str(e) and "to start afresh" in str(e), str(e)
+    print("RESULT TRACKER_MISSING_ALONE ok", flush=True)
+
+
+def _damage_same_world_size(a, ref) -> None:
+    """The same world size (2 ranks) on a file-by-file copy of --ckpt (a copy is another directory to
+    snapckpt: no extended attributes carried); each case prints ``RESULT <case> ok``."""
+    import shutil
+
+    d = a.ckpt.rstrip("/") + "_same"
+    if torch.distributed.get_rank() == 0:
+        for root, _, names in os.walk(a.ckpt):
+            os.makedirs(os.path.join(d, os.path.relpath(root, a.ckpt)), exist_ok=True)
+            for n in names:
+                if not n.startswith(".snapckpt-"):  # the writer lock
+                    shutil.copyfile(os.path.join(root, n), os.path.join(d, os.path.relpath(root, a.ckpt), n))
+        # the newest lost its manifest (sidecar kept) and its data is damaged: snapckpt's, not native
+        os.remove(os.path.join(d, "iter_0000005", ".snapckpt", "manifest.json"))
+        _flip(os.path.join(d, "iter_0000005", "__0_0.distcp"))
+    torch.distributed.barrier()
+    _expect(a, d, ref, 4, ("disk", 4), rank0_warns=["iter_0000005: .snapckpt/manifest.json is missing"])
+    print("RESULT SIDECAR_NOT_NATIVE ok", flush=True)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        _write_tracker(d, "99")
+    torch.distributed.barrier()
+    _expect(a, d, ref, 4, ("disk", 4),
+            rank0_warns=["latest_checkpointed_iteration.txt names iter_0000099, which does not exist"])
+    print("RESULT TRACKER_MISSING ok", flush=True)
 
 
 def main():
@@ -237,6 +371,7 @@ def main():
     p.add_argument("--mem-interval", type=int, default=0)
     p.add_argument("--disk-interval", type=int, default=0)
     p.add_argument("--kill-after", type=int, default=-1)
+    p.add_argument("--damage", action="store_true", help="reshard: then the damaged-directory cases")
     p.add_argument("--overlap", action="store_true", help="Checkpointer(overlap=True): overlapped copies")
     a = p.parse_args()
     megatron_cpu.install(force=True)
