@@ -87,6 +87,29 @@ def test_two_jobs_in_one_dir_never_overwrite_each_other(snap_env):
     assert torch.equal(on_disk["w"], torch.full((4,), 1.0))
 
 
+def test_B3_a_damaged_step_of_another_job_is_replaced_by_a_resave(snap_env):
+    """Found by a new-user trial (Megatron, a moved directory). Fault: the checkpoint directory was moved
+    (so its job key, which hashes the real path, changed), its newest step was damaged (a flipped byte), the
+    job resumed from the step before and trained on; its save of the damaged step was refused as "committed
+    by another job" and the job died, although nothing loadable was there. Right behaviour: a damaged
+    directory of another job is replaced (the persister logs a warning naming the damage); an intact one is
+    still refused (the test above); the replacement loads."""
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, job_id="a") as a:
+        a.save({"w": torch.full((1024,), 1.0)}, 9).wait()
+    path = os.path.join(d, "step_00000009", "rank_00000.pt")
+    with open(path, "r+b") as f:
+        f.seek(-200, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with Checkpointer(d, job_id="b") as b:
+        b.save({"w": torch.full((1024,), 2.0)}, 9).wait()
+        assert torch.equal(b.load(step=9)["w"], torch.full((1024,), 2.0))
+    on_disk = torch.load(path, weights_only=True)
+    assert torch.equal(on_disk["w"], torch.full((1024,), 2.0))
+
+
 def test_retention_keeps_the_most_recent_commits_after_a_rewind(snap_env):
     """Steps 100, 200, then a rewind to 5, 6, 7 with keep_last=2: the rewound run's newest two survive,
     the abandoned higher steps rotate away, and the tracker names step 7."""

@@ -27,8 +27,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import faults
-from ..errors import CommitError, CommitTimeoutError
-from ..manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifest, check_sizes, parse_manifest,
+from ..errors import CheckpointCorruptError, CommitError, CommitTimeoutError
+from ..manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifest, check_checksums, check_sizes, parse_manifest,
                         partial_dirname, validate_file_name)
 from ..storage.base import StorageReader, StorageWriter
 from .client import job_of_run
@@ -139,17 +139,34 @@ def _raise_local_failure(req: CommitRequest) -> None:
 
 def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> None:
     """A commit replaces an older committed directory of the same name only if this job wrote it (a
-    re-save of a step after a rewind); another job's checkpoint is never overwritten. Run ids start
-    with the job key (:func:`snapckpt.persister.client.job_of_run`)."""
+    re-save of a step after a rewind), or if it is damaged (a file missing, of the wrong size or failing
+    its checksum: loaders refuse it, so nothing loadable is lost; a warning names it). An intact checkpoint
+    of another job is never overwritten. Run ids start with the job key
+    (:func:`snapckpt.persister.client.job_of_run`), which depends on the directory's real path: a directory
+    that was moved or copied is another job's for this check.
+
+    Raises:
+        CommitError: the directory holds another job's intact checkpoint (the message names the run and
+            the fixes).
+    """
     try:
         old = parse_manifest(reader.read_bytes(os.path.join(req.final_dir, MANIFEST)), req.dirname)
     except Exception:
         return  # no valid commit record there: not a checkpoint anyone can load
     old_run = str(old.get("run_id", ""))
-    if job_of_run(old_run) != job_of_run(req.run_id):
-        raise CommitError(
-            f"{req.final_dir} was committed by another job (run {old_run}); refusing to replace it. Two "
-            "jobs must not write the same steps into one checkpoint_dir: give each job its own directory")
+    if job_of_run(old_run) == job_of_run(req.run_id):
+        return
+    try:
+        check_checksums(reader, req.final_dir, old)
+    except CheckpointCorruptError as e:
+        log.warning("step %d: replacing %s, committed by another job (run %s) and damaged: %s", req.step,
+                    req.final_dir, old_run, e)
+        return
+    raise CommitError(
+        f"{req.final_dir} was committed by another job (run {old_run}) and is intact; refusing to replace it. "
+        "Two jobs must not write the same steps into one checkpoint_dir: give each job its own directory. "
+        "(A directory that was moved or copied since it was written counts as another job's: to save this "
+        "step again there, delete or rename that step's directory first.)")
 
 
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
