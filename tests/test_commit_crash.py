@@ -481,6 +481,8 @@ def test_B1_persister_killed_between_the_renames_of_a_recommit_restores_the_old_
     assert any(n.startswith(".step_00000001.replaced-") for n in names), names
     assert any(n.startswith(".step_00000001.partial-") for n in names), names
     monkeypatch.delenv("SNAPCKPT_FAULT_POINT")
+    moved = d + "_copied"  # the same crash state in a copied directory: another job key (found by a trial)
+    shutil.copytree(d, moved, symlinks=True)
     with Checkpointer(d, keep_last=1, **OPTS) as ck:
         assert "restored" in persister_log(snap_env, d) and ".step_00000001.replaced-" in persister_log(snap_env, d)
         assert steps_listed(d) == ["step_00000001"] and tracker(d) == "step_00000001"
@@ -491,6 +493,10 @@ def test_B1_persister_killed_between_the_renames_of_a_recommit_restores_the_old_
     with Checkpointer(d, keep_last=1, **OPTS) as ck:
         assert steps_listed(d) == ["step_00000001"] and tracker(d) == "step_00000001"
         assert_equal_state(ck.load(), 1)
+    with Checkpointer(moved, keep_last=1, **OPTS) as ck:
+        assert steps_listed(moved) == ["step_00000001"], sorted(FS.listdir(moved))
+        assert_equal_state(ck.load(), 1)
+    assert "restored" in persister_log(snap_env, moved)  # the warning keeps the log after a clean exit
 
 
 # ----------------------------------------------------------------------------------------------- B3

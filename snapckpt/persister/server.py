@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from .. import faults
 from ..arena import SlotFiles, SlotState, map_slot
 from ..errors import PersisterError, SlotBusyError
-from ..manifest import list_committed, partial_dirname, validate_dirname
+from ..manifest import MANIFEST, list_committed, partial_dirname, validate_dirname
 from ..snapshot import read_index
 from ..storage.posix import PosixStorage
 from . import protocol as P
@@ -104,6 +104,17 @@ class Result:
     writers: int = 0  # this node's writer tasks of the step still running
 
 
+class _WarningSeen(logging.Handler):
+    """Records that the persister logged a warning or an error (which is then kept in ``persister.log``)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.seen = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen = True
+
+
 class Server:
     """The persister's event loop and state (see the module docstring)."""
 
@@ -137,6 +148,9 @@ class Server:
         self.stop = False
         self.files_removed = False
         self.keep_log = False  # a crash or a failure happened: leave persister.log for the user
+        # any warning (a damaged step replaced, an interrupted re-commit restored...) keeps the log too
+        self._warned = _WarningSeen()
+        logging.getLogger("snapckpt").addHandler(self._warned)
         self.conn_pid: Dict[socket.socket, int] = {}
         self.conn_since: Dict[socket.socket, float] = {}  # accept time of connections not yet authenticated
         self.sock_path = os.path.join(runtime_dir, "persister.sock")
@@ -192,6 +206,7 @@ class Server:
         if self.files_removed:
             return
         self.files_removed = True
+        self.keep_log = self.keep_log or self._warned.seen
         names = ["persister.sock", "token"]
         if not self.keep_log:
             names += ["persister.log", "persister.pid", "spawn.lock"]
@@ -702,28 +717,43 @@ class Server:
 
     def _clean_stale_partials(self, run: Run) -> None:
         """Remove partial directories left by earlier runs of this job that this persister does not know
-        (crashed runs); a step directory moved aside by a replacing commit that crashed before the new
-        copy took its name is restored instead (the old copy was committed; a log line says so). Run ids
-        start with the job key; another job sharing the directory (another ``job_id``) has its own
+        (crashed runs), and restore interrupted re-commits.
+
+        A commit replacing step directory ``X`` renames ``X`` to ``.X.replaced-R``, then ``.X.partial-R``
+        to ``X``; a crash between the two leaves no ``X``, and ``.X.replaced-R`` is the committed
+        (intact) checkpoint: it is renamed back to ``X`` and the interrupted ``.X.partial-R`` is removed (a
+        warning says so, and keeps ``persister.log``).
+        That holds for any job's leftover that has a manifest (a directory moved or copied since has another
+        job key). Only one job writes a directory (:mod:`snapckpt.dirclaim`); should another job's live
+        commit be between its two renames at this very moment (microseconds), its rename fails and its
+        commit raises ``CommitError``, its old copy restored: nothing is lost. Other leftovers are removed only when their run id
+        starts with this job's key: another job sharing the directory (another ``job_id``) has its own
         persister, and its directories in flight are never touched."""
         storage = PosixStorage()
         known = set(self.runs)
-        stale = [name for name in storage.listdir(run.checkpoint_dir)
-                 if name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-"))
-                 and name.rsplit("-", 1)[-1] not in known and name.rsplit("-", 1)[-1].startswith(self.job)]
-        # a commit replacing step directory X renames X to .X.replaced-R, then .X.partial-R to X: a crash
-        # between the two leaves no X, and .X.replaced-R is the committed (intact) checkpoint: put it back
-        for name in sorted(n for n in stale if ".replaced-" in n):
+        names = storage.listdir(run.checkpoint_dir)
+        for name in sorted(n for n in names if n.startswith(".") and ".replaced-" in n):
+            rid = name.rsplit("-", 1)[-1]
             dirname = name[1:name.rindex(".replaced-")]
-            final = os.path.join(run.checkpoint_dir, dirname)
-            if dirname and not os.path.lexists(final):
-                storage.rename(os.path.join(run.checkpoint_dir, name), final)
-                storage.fsync_dir(run.checkpoint_dir)
-                stale.remove(name)
-                log.warning("restored %s from %s: a commit replacing it was interrupted between its two renames "
-                            "(the persister died); the interrupted new copy is discarded", final, name)
-        for name in stale:
-            storage.remove_tree(os.path.join(run.checkpoint_dir, name))
+            src, final = os.path.join(run.checkpoint_dir, name), os.path.join(run.checkpoint_dir, dirname)
+            if rid in known or not dirname or os.path.lexists(final) or not self._restorable(src):
+                continue
+            storage.rename(src, final)
+            storage.fsync_dir(run.checkpoint_dir)
+            storage.remove_tree(os.path.join(run.checkpoint_dir, partial_dirname(dirname, rid)))
+            log.warning("restored %s from %s: a commit replacing it was interrupted between its two renames "
+                        "(the persister died); the interrupted new copy is discarded", final, name)
+        for name in storage.listdir(run.checkpoint_dir):
+            rid = name.rsplit("-", 1)[-1]
+            if (name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-"))
+                    and rid not in known and rid.startswith(self.job)):
+                storage.remove_tree(os.path.join(run.checkpoint_dir, name))
+
+    @staticmethod
+    def _restorable(path: str) -> bool:
+        """Whether the moved-aside directory ``path`` is to be renamed back: it holds a manifest (a commit
+        record: it was a committed checkpoint)."""
+        return os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
