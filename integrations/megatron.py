@@ -46,7 +46,8 @@ import torch
 
 from snapckpt import Checkpointer, StorageType
 from snapckpt.checkpointer import LoadInfo, check_step
-from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError
+from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
+                             all_damaged_error)
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave
 from snapckpt.manifest import MANIFEST, SIDECAR, check_checksums, list_committed, parse_manifest
 
@@ -390,11 +391,7 @@ def _load_resharded(ck: Checkpointer, fresh: Callable[[Dict[str, Any]], Dict[str
         state = _stock_load(fresh, path, strictness)
         ck.last_load = LoadInfo(step, StorageType.DISK, time.perf_counter() - t0, tuple(refused))
         return state, f"disk step {step} (saved by {ws} ranks, resharded by megatron-core)"
-    lines = [f"  {e}" for e in refused] + [f"  {d} (skipped as damaged)" for d in found["damaged"]]
-    raise CheckpointCorruptError(
-        f"no intact checkpoint in {ck.checkpoint_dir}; each one was refused:\n" + "\n".join(lines)
-        + f"\nRun `snapckpt verify {ck.checkpoint_dir}` to check every checkpoint there; restore or delete the "
-        "damaged ones (or start afresh in an empty directory)")
+    raise all_damaged_error(ck.checkpoint_dir, refused, skipped=found["damaged"])
 
 
 def _newest_snapckpt(ck: Checkpointer) -> Optional[int]:

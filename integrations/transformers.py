@@ -63,7 +63,8 @@ from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils.hub import convert_file_size_to_int
 
 from snapckpt import Checkpointer, CheckpointOptions, StorageType
-from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError
+from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
+                             all_damaged_error)
 from snapckpt.events import Event
 from snapckpt.formats import RawBytes
 from snapckpt.manifest import MANIFEST, check_checksums, list_committed, parse_manifest
@@ -377,11 +378,8 @@ class SnapckptCallback(TrainerCallback):
         if intact is None and damaged:
             self.close()
             order = sorted(damaged, key=_step, reverse=True)
-            raise CheckpointCorruptError(
-                f"no intact checkpoint in {args.output_dir}; every checkpoint folder is damaged (none was moved):\n"
-                + "\n".join(f"  {n}: {damaged[n]}" for n in order)
-                + f"\nRun `snapckpt verify {args.output_dir}` to check them; restore or delete the damaged "
-                  "folders (or use a new output_dir to start afresh)")
+            raise all_damaged_error(args.output_dir, [f"{n}: {damaged[n]}" for n in order],
+                                    note=" (no folder was moved aside)")
         self._set_aside(args, damaged)
 
     def _newest_intact(self, args, damaged: Dict[str, str], trusted: set) -> Optional[str]:

@@ -27,7 +27,7 @@ from . import dirclaim, faults, layout
 from . import errors as error_types
 from .device_copy import CudaCopier, has_cuda_sources
 from .coordination import make_coordinator
-from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointNotFoundError,
+from .errors import (CheckpointCorruptError, all_damaged_error, CheckpointDirError, CheckpointNotFoundError,
                      IncompatibleCheckpointError, InsufficientDiskError, PersisterDiedError,
                      SlotBusyError, SnapckptError, UnsafeCheckpointError)
 from .events import Event, SaveStats, StorageType
@@ -786,12 +786,9 @@ class Checkpointer:
         found" for damage: integrations and users rightly read that as "start afresh" or "let the
         framework's own loader read the directory"."""
         what = f"step {step}" if step is not None else "any step"
-        lines = [f"  {e}" for e in errors] + [f"  {d} (skipped as damaged)" for d in self._damaged]
-        fix = (f"\nRun `snapckpt verify {self.checkpoint_dir}` to check every checkpoint there; restore or "
-               "delete the damaged ones (or start afresh in an empty directory)")
         if errors or self._damaged:
-            raise CheckpointCorruptError(f"no readable checkpoint of {what} in memory or in {self.checkpoint_dir}; "
-                                         f"each one was refused:\n" + "\n".join(lines) + fix)
+            raise all_damaged_error(self.checkpoint_dir, errors, what=what, skipped=self._damaged,
+                                    note=" (memory tier included)")
         raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
 
     def _warn_rewind(self, loaded: int) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "CoordinationError",
     "RankTimeoutError",
     "CheckpointNotFoundError",
+    "all_damaged_error",
     "CheckpointCorruptError",
     "IncompatibleCheckpointError",
     "UnsafeCheckpointError",
@@ -103,6 +104,20 @@ class CheckpointNotFoundError(SnapckptError):
 
 class CheckpointCorruptError(SnapckptError):
     """A committed checkpoint's files do not match its manifest (size or checksum)."""
+
+
+def all_damaged_error(where: str, refused: "list[str]", *, what: str = "any step",
+                      skipped: "list[str]" = (), note: str = "") -> CheckpointCorruptError:
+    """The error for "checkpoints exist in ``where`` and every one was refused": one line per checkpoint
+    tried (``refused``: why each failed) and per directory skipped as damaged (``skipped``), then the fix
+    (``snapckpt verify``). Every loader (the core's and each integration's) raises this one, never "not
+    found", which callers rightly read as "start afresh". ``note`` is added after ``where`` (e.g. "none was
+    moved")."""
+    lines = [f"  {e}" for e in refused] + [f"  {d} (skipped as damaged)" for d in skipped]
+    return CheckpointCorruptError(
+        f"no readable checkpoint of {what} in {where}{note}; each one was refused:\n" + "\n".join(lines)
+        + f"\nRun `snapckpt verify {where}` to check every checkpoint there; restore or delete the damaged "
+        "ones (or start afresh in an empty directory)")
 
 
 class IncompatibleCheckpointError(SnapckptError):
