@@ -173,9 +173,22 @@ def test_memory_tier_of_a_deleted_and_recreated_dir_is_not_resurrected(snap_env)
 
     from _harness import wait_until
 
-    # the persister flushes the crashed run's snapshot to disk; the user deletes everything after that
-    assert wait_until(lambda: os.path.isdir(os.path.join(snap_env.ckpt_dir, "step_00000007")), 30)
-    shutil.rmtree(snap_env.ckpt_dir)
+    # the persister flushes the crashed run's snapshot to disk (its commit ends with the tracker); the user
+    # deletes everything after that
+    def tracker() -> str:
+        try:
+            with open(os.path.join(snap_env.ckpt_dir, "latest")) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    assert wait_until(lambda: tracker() == "step_00000007", 30)
+
+    def removed() -> bool:  # retention may still be listing the directory: retry as a user would
+        shutil.rmtree(snap_env.ckpt_dir, ignore_errors=True)
+        return not os.path.exists(snap_env.ckpt_dir)
+
+    assert wait_until(removed, 30)
     with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=30) as fresh:
         assert fresh.latest_step() is None
 
