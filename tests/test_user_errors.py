@@ -239,6 +239,11 @@ def test_P6b_P6c_damaged_checkpoints_each_named_and_the_loaded_step_is_known(sna
     with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
         for step in (1, 2, 3, 4):
             ck.save({"w": torch.full((1024,), float(step))}, step).wait()
+    from _harness import wait_until
+
+    # The persister exits after the last clean close, but a client arriving first keeps it (and its intact
+    # memory copy of step 4) alive: wait for it to go, as the scenario says (CI caught the race).
+    assert wait_until(lambda: not snap_env.persisters(), 30)
     rank_file = lambda step: os.path.join(d, f"step_{step:08d}", "rank_00000.pt")
     _flip(rank_file(4))
     with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
