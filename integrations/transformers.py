@@ -314,7 +314,8 @@ class SnapckptCallback(TrainerCallback):
     def _materialize_newest(self, args) -> None:
         """Collective, at Trainer construction: make sure the folder the Trainer's ``get_last_checkpoint``
         will resume from is intact, and (``resume_from_memory``) write the newest snapshot out as
-        ``checkpoint-N`` if it is held in memory only.
+        ``checkpoint-N`` if it is held in memory only, or if ``checkpoint-N`` of the same step is damaged
+        (then that folder is moved aside first, and the newest complete step is resumed, not an older one).
 
         Damaged folders (files missing or of the wrong size, a checksum mismatch) are moved aside (see
         :meth:`_set_aside`) only once an intact checkpoint to resume from is known: an intact folder, a
@@ -332,12 +333,23 @@ class SnapckptCallback(TrainerCallback):
         damaged: Dict[str, str] = ck._coord.all_gather(
             "hf-size-damaged", {"d": self._size_damaged(args) if ck.rank == 0 else {}}, timeout)[0]["d"]
         refused: Dict[str, str] = {}  # snapckpt's disk candidates tried: this rank's error ("" if it verified)
+        verified: set = set()  # folders every rank verified (its share) while probing a memory candidate
 
         def probe(cand):
             if cand.tier == StorageType.MEMORY:  # every disk candidate tried before it was refused by some rank
                 if not self.resume_from_memory:
                     return None  # the folders are verified below
-                native = self._last_native(args, set(damaged) | set(refused))
+                native = self._last_native(args, set(damaged) | set(refused)) if ck.rank == 0 else None
+                native = ck._coord.all_gather("hf-native-mem", {"name": native}, timeout)[0]["name"]
+                if native is not None and cand.step == _step(native):
+                    # the folder of the same step decides: resume from it when intact, else write the memory
+                    # snapshot out in its place (the newest complete step is never given up for an older one)
+                    error = self._verify_folder(args, native)
+                    if not error:
+                        verified.add(native)
+                        return None
+                    damaged[native] = error
+                    native = self._last_native(args, set(damaged) | set(refused))
                 return cand.files() if native is None or cand.step > _step(native) else None
             refused[cand.dirname] = ""
             try:
@@ -366,12 +378,12 @@ class SnapckptCallback(TrainerCallback):
         if files is not None:  # an intact checkpoint to resume from: damaged folders may go (and free the name)
             self._set_aside(args, damaged)
             damaged = {}
-            log.warning("the newest checkpoint, step %d, is held in memory only; writing it to %s/%s-%d",
+            log.warning("the newest intact checkpoint, step %d, is held in memory only; writing it to %s/%s-%d",
                         cand.step, args.output_dir, PREFIX, cand.step)
             ck._save_files(F.respec(files), cand.step, StorageType.DISK, dirname=f"{PREFIX}-{cand.step}",
                            tracker_name=None).wait()
             self.resumed_from = (cand.step, StorageType.MEMORY)
-        trusted = {f"{PREFIX}-{cand.step}"} if files is not None else set()
+        trusted = {f"{PREFIX}-{cand.step}"} if files is not None else set(verified)
         if loaded is not None:
             trusted.add(loaded)  # verified by every rank in probe()
         intact = self._newest_intact(args, damaged, trusted)
@@ -394,10 +406,22 @@ class SnapckptCallback(TrainerCallback):
             name = ck._coord.all_gather("hf-native", {"name": name}, timeout)[0]["name"]
             if name is None or name in trusted:
                 return name
-            path = os.path.join(args.output_dir, name)
-            if not os.path.exists(os.path.join(path, MANIFEST)):
-                return name  # the Trainer's own folder (a snapckpt one without manifest is size-damaged)
-            error = ""
+            error = self._verify_folder(args, name)
+            if not error:
+                return name
+            damaged[name] = error
+            if ck.rank == 0:
+                log.warning("%s failed verification: %s", os.path.join(args.output_dir, name), error)
+
+    def _verify_folder(self, args, name: str) -> str:
+        """Collective: verify the checksums of folder ``name`` against its snapckpt manifest, each rank a
+        share of its files; return every rank's errors joined (``""``: intact, or a folder the Trainer wrote
+        itself, without a manifest: a snapckpt one that lost its manifest is size-damaged, see
+        :meth:`_size_damaged`)."""
+        ck = self.checkpointer
+        path = os.path.join(args.output_dir, name)
+        error = ""
+        if os.path.exists(os.path.join(path, MANIFEST)):
             try:
                 m = parse_manifest(ck._storage.read_bytes(os.path.join(path, MANIFEST)), name,
                                    source=os.path.join(path, MANIFEST))
@@ -405,13 +429,8 @@ class SnapckptCallback(TrainerCallback):
                 check_checksums(ck._storage, path, {**m, "files": share})
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-            errors = [p["error"] for p in ck._coord.all_gather("hf-verified", {"error": error}, timeout)
-                      if p["error"]]
-            if not errors:
-                return name
-            damaged[name] = "; ".join(errors)
-            if ck.rank == 0:
-                log.warning("%s failed verification: %s", path, damaged[name])
+        everyone = ck._coord.all_gather("hf-verified", {"error": error}, ck.options.coordination_timeout_secs)
+        return "; ".join(p["error"] for p in everyone if p["error"])
 
     @staticmethod
     def _last_native(args, skip: set) -> Optional[str]:

@@ -166,6 +166,29 @@ def test_memory_tier_resume_after_kill9(snap_env, stock):
     _same_steps(_rows(second), ref, range(8, STEPS + 1))
 
 
+def test_B3_damaged_folder_of_the_newest_memory_step_is_rewritten_from_memory(snap_env, stock):
+    """B3 against the memory tier. Fault: training is killed -9 at the end of step 11, the persister lives
+    on and commits ``checkpoint-10``, then a byte of its ``model.safetensors`` flips; memory still holds
+    step 10, intact. Wrong behaviour (found by a trial): the folder was set aside and the Trainer resumed
+    from ``checkpoint-5``, five steps lost although a complete step 10 was held. Right behaviour: the
+    damaged folder is moved aside (kept), step 10 is written out of memory in its place and the stock
+    resume continues from it with bitwise-equal losses from step 11 on."""
+    from faults import verify_all
+
+    _, ref = stock
+    out = os.path.join(snap_env.tmp, "run")
+    cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False, "overlap": True}}
+    _run({**cfg, "kill_at": 11, "die": "kill", "wait_for": "checkpoint-10"}, snap_env.env,
+         expect_rc=-signal.SIGKILL)
+    assert snap_env.persisters(), "the persister (and its memory tier) must outlive the killed training"
+    _flip(os.path.join(out, "checkpoint-10", "model.safetensors"))
+    second = _run({**cfg, "resume": True}, snap_env.env)
+    assert second["materialized"] == [10, "memory"], second.get("materialized")
+    _same_steps(_rows(second), ref, range(11, STEPS + 1))
+    assert any(n.startswith(".checkpoint-10.damaged-") for n in os.listdir(out)), os.listdir(out)
+    assert verify_all(out) == [], verify_all(out)
+
+
 def _timeless_state(folder, out):
     """trainer_state.json without wall-clock values, with the run's output_dir as "OUT"."""
     text = open(os.path.join(folder, "trainer_state.json")).read().replace(out, "OUT")
