@@ -389,13 +389,20 @@ class DeepSpeedCheckpointer:
             return None
 
     def _warn_missing_tracker_tag(self) -> None:
-        """Rank 0 warns when ``latest`` names a tag that is not in the directory (edited by hand, or its
-        tag deleted): snapckpt resumes from the newest intact checkpoint, stock DeepSpeed would fail."""
+        """Rank 0 warns when ``latest`` is empty or unreadable, or names a tag that is not in the directory
+        (edited by hand, truncated, or its tag deleted): snapckpt resumes from the newest intact checkpoint,
+        stock DeepSpeed would fail."""
         if self._checkpointer.rank != 0:
             return
         path = os.path.join(self.checkpoint_dir, TRACKER)
+        if not os.path.isfile(path):
+            return
         named = self._tracker_tag()
-        if named and not os.path.isdir(os.path.join(self.checkpoint_dir, named)):
+        if not named:
+            log.warning("%s is empty or unreadable (stock DeepSpeed could not load from it); resuming from the "
+                        "newest intact checkpoint in %s instead (the next commit rewrites it)", path,
+                        self.checkpoint_dir)
+        elif not os.path.isdir(os.path.join(self.checkpoint_dir, named)):
             log.warning("%s names tag %r, which is not in %s; resuming from the newest intact checkpoint "
                         "instead (the next commit rewrites it)", path, named, self.checkpoint_dir)
 

@@ -119,7 +119,8 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     under an already persisted tag leaves its files and latest untouched. Tags that are not one path
     component, that DeepSpeed's glob-based loader could not find, that DeepSpeed strips or that name its own
     files are refused up front; so is a save to another directory through the checkpointer. Two tags at
-    one step: tag= loads that tag. A missing tag is CheckpointNotFoundError; so is a ``latest`` naming a
+    one step: tag= loads that tag. An emptied ``latest`` loads the newest tag with a warning naming it. A
+    missing tag is CheckpointNotFoundError; so is a ``latest`` naming a
     missing tag in a directory without any checkpoint (naming ``latest``; DeepSpeed's own loader would fail
     on it with a bare AssertionError). save_16bit_model (into
     another directory and into the checkpoint directory) still works on every rank; engine.destroy()
@@ -137,6 +138,9 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     assert "one DeepSpeedCheckpointer per checkpoint directory" in r["other_dir"]
     assert r["tag_x_path"] == "x" and r["tag_x_weights"] is True
     assert r["missing_tag"].startswith("CheckpointNotFoundError") and "nope" in r["missing_tag"]
+    assert r["empty_latest"] in ("x", "y"), r["empty_latest"]  # an emptied latest: the newest intact tag
+    (warned,) = r["empty_latest_warned"]
+    assert os.path.join(snap_env.ckpt_dir, "latest") in warned and "newest intact checkpoint" in warned, warned
     assert r["stale_latest"].startswith("CheckpointNotFoundError"), r["stale_latest"]
     assert "latest names tag 'global_step7'" in r["stale_latest"] and "delete latest" in r["stale_latest"]
     assert r["16bit_other"] is True and r["16bit_own"] is True and r["16bit_files"] == [True, True]

@@ -72,6 +72,25 @@ def main():
             out["missing_tag"] = "loaded"
         except Exception as e:
             out["missing_tag"] = f"{type(e).__name__}: {e}"
+        # an emptied `latest` (a truncated write, an edit): the newest intact tag is loaded, with a warning
+        import logging
+
+        seen = []
+        catcher = logging.Handler(logging.WARNING)
+        catcher.emit = lambda record: seen.append(record.getMessage())
+        logging.getLogger("snapckpt").addHandler(catcher)
+        if rank == 0:
+            with open(os.path.join(ckpt, "latest"), "w"):
+                pass
+        dist.barrier()
+        try:
+            path, _ = ck.load_checkpoint(ckpt)
+            out["empty_latest"] = os.path.basename(os.path.dirname(path))
+        except Exception as e:
+            out["empty_latest"] = f"{type(e).__name__}: {e}"
+        finally:
+            logging.getLogger("snapckpt").removeHandler(catcher)
+        out["empty_latest_warned"] = [m for m in seen if "is empty or unreadable" in m] if rank == 0 else None
         # `latest` naming a tag that is not there, and no checkpoint at all: a named error, not DeepSpeed's
         # loader (which fails on it with a bare AssertionError)
         stale = ckpt + "_stale"
