@@ -65,6 +65,7 @@ def main() -> None:
             if step >= a.steps:
                 break
     ckpt.close()
+    acc.end_training()  # destroys the process group: its threads are joined before the interpreter exits
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ def main() -> None:
         if stalls:
             print(f"{len(stalls)} snapshots, median stall {sorted(stalls)[len(stalls) // 2] * 1e3:.1f} ms", flush=True)
         print("checkpoints:", sorted(d for d in os.listdir(a.output_dir) if d.startswith("checkpoint-")), flush=True)
+    if torch.distributed.is_initialized():
+        # the Trainer leaves the process group up; a gloo group torn down by the interpreter's exit can abort
+        # ("terminate called without an active exception") and fail the torchrun job after a good run
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ def main():
         os._exit(0)
     if ck is not None:
         ck.close()
+    acc.end_training()
 
 
 if __name__ == "__main__":

@@ -168,6 +168,8 @@ def main():
         facts["args_class"] = type(loaded).__name__
         facts["my_flag"] = loaded.my_flag
     dump(cfg, facts)
+    if torch.distributed.is_initialized():  # see examples/hf_trainer_gpt.py: no abort at interpreter exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
