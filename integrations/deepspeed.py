@@ -328,9 +328,9 @@ class DeepSpeedCheckpointer:
             IncompatibleCheckpointError: the checkpoint was written at another data-parallel size (the message
                 names DeepSpeed's universal checkpoint route).
             CheckpointCorruptError: every candidate failed (the message lists each failure per rank).
-            CheckpointNotFoundError: no such ``tag``; or, with ``tag=None``, ``latest`` names a tag that
-                is not in the directory and no other checkpoint is there (a warning names ``latest`` when
-                another one is loaded instead).
+            CheckpointNotFoundError: no such ``tag``; or, with ``tag=None``, ``latest`` is empty or names a
+                tag that is not in the directory and no other checkpoint is there (a warning names
+                ``latest`` when another one is loaded instead).
             ValueError: ``tag`` is not one directory name of ``load_dir`` (``'..'``, ``'/'``...).
         """
         self._ckpt_engine.flush()
@@ -358,16 +358,21 @@ class DeepSpeedCheckpointer:
                 result, _ = self._checkpointer._load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
                                                           check=self._check_candidate)
                 return result
-            self._warn_missing_tracker_tag()
             result, _ = self._checkpointer._load_with(lambda c: self._load_candidate(c, kwargs),
                                                       check=self._check_candidate)
+            self._warn_missing_tracker_tag()  # once something else was loaded: "instead" is then true
             return result
         except IncompatibleCheckpointError as e:
             raise IncompatibleCheckpointError(f"{e}. {UNIVERSAL_CHECKPOINT_ADVICE}") from e
         except CheckpointNotFoundError:
             if tag is None and os.path.isfile(os.path.join(self.checkpoint_dir, TRACKER)):
                 named = self._tracker_tag()
-                if named and not os.path.isdir(os.path.join(self.checkpoint_dir, named)):
+                if not named:
+                    raise CheckpointNotFoundError(
+                        f"{os.path.join(self.checkpoint_dir, TRACKER)} is empty or unreadable and no snapckpt "
+                        f"checkpoint is in {self.checkpoint_dir}, so no tag is known to load: write the tag to "
+                        f"load into {TRACKER} (or pass tag=...), or delete {TRACKER} to start from scratch") from None
+                if not os.path.isdir(os.path.join(self.checkpoint_dir, named)):
                     raise CheckpointNotFoundError(
                         f"{os.path.join(self.checkpoint_dir, TRACKER)} names tag {named!r}, which is not in "
                         f"{self.checkpoint_dir}, and no other checkpoint is there: restore that tag, or delete "
@@ -395,10 +400,14 @@ class DeepSpeedCheckpointer:
         if self._checkpointer.rank != 0:
             return
         path = os.path.join(self.checkpoint_dir, TRACKER)
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             return
         named = self._tracker_tag()
-        if not named:
+        if os.path.isdir(path) and not os.path.islink(path):
+            log.warning("%s is a directory, not DeepSpeed's tracker file; resuming from the newest intact "
+                        "checkpoint in %s instead. Remove it: a DISK save refuses to start while it is there",
+                        path, self.checkpoint_dir)
+        elif not named:
             log.warning("%s is empty or unreadable (stock DeepSpeed could not load from it); resuming from the "
                         "newest intact checkpoint in %s instead (the next commit rewrites it)", path,
                         self.checkpoint_dir)

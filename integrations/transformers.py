@@ -376,10 +376,13 @@ class SnapckptCallback(TrainerCallback):
             if name != loaded and _NATIVE.match(name):
                 damaged[name] = "; ".join(errors) or "refused by the load agreement"
         if files is not None:  # an intact checkpoint to resume from: damaged folders may go (and free the name)
+            name = f"{PREFIX}-{cand.step}"
+            was = "its folder was damaged (moved aside)" if name in damaged else "it is held in memory only"
             self._set_aside(args, damaged)
             damaged = {}
-            log.warning("the newest intact checkpoint, step %d, is held in memory only; writing it to %s/%s-%d",
-                        cand.step, args.output_dir, PREFIX, cand.step)
+            if ck.rank == 0:
+                log.warning("the newest intact checkpoint is step %d in memory; %s: writing it to %s", cand.step,
+                            was, os.path.join(args.output_dir, name))
             ck._save_files(F.respec(files), cand.step, StorageType.DISK, dirname=f"{PREFIX}-{cand.step}",
                            tracker_name=None).wait()
             self.resumed_from = (cand.step, StorageType.MEMORY)

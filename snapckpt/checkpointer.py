@@ -341,6 +341,8 @@ class Checkpointer:
                 (:mod:`snapckpt.dirclaim`); raised by the first save, on every rank; nothing was saved.
             SnapshotError: the state holds an unsupported tensor.
             InsufficientSharedMemoryError / InsufficientDiskError: preflight; nothing was changed.
+            CheckpointDirError: DISK, and the tracker file (``latest``) is a directory, which no commit could
+                replace; nothing was saved.
             SlotBusyError: ``on_slot_busy="wait"`` and no slot freed in time.
             PersisterDiedError / PersisterTimeoutError: the persister died or hangs.
             An earlier save's background failure, once, with its original type.
@@ -376,6 +378,12 @@ class Checkpointer:
                 h.wait()
         if tracker_name is not None:
             validate_dirname(tracker_name)
+            tracker = os.path.join(self.checkpoint_dir, tracker_name)
+            if storage_type == StorageType.DISK and os.path.isdir(tracker) and not os.path.islink(tracker):
+                # rename() cannot replace a directory: every commit would fail at its last step
+                raise CheckpointDirError(
+                    f"the tracker file {tracker} is a directory, so no commit could replace it: remove or rename "
+                    f"it (the checkpoints themselves are in {self.checkpoint_dir}); nothing was written")
         for name in files:
             validate_file_name(name)
         if not self._claimed:
@@ -793,9 +801,13 @@ class Checkpointer:
 
     def _warn_rewind(self, loaded: int) -> None:
         """Warn when a lower step than ``loaded`` was saved to disk after it (a rewind): load() picks the
-        highest step, retention keeps the most recently saved ones."""
-        later = [d for d in self._disk_saved if d[0] < loaded
-                 and d[2] > max((e[2] for e in self._disk_saved if e[0] >= loaded), default=0.0)]
+        highest step, retention keeps the most recently saved ones. Only disk saves carry a time (their
+        manifest's ``requested_unix``): a step loaded from memory with no disk copy at or above it is the
+        ordinary resume after a crash, never reported as a rewind."""
+        since = [e[2] for e in self._disk_saved if e[0] >= loaded]
+        if not since:
+            return
+        later = [d for d in self._disk_saved if d[0] < loaded and d[2] > max(since)]
         if later and self.rank == 0:
             newest = max(later, key=lambda d: d[2])
             log.warning("loaded step %d, the highest step; step %d (%s) was saved after it (a rewind?). To "

@@ -121,8 +121,8 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     files are refused up front; so is a save to another directory through the checkpointer. Two tags at
     one step: tag= loads that tag. An emptied ``latest`` loads the newest tag with a warning naming it. A
     missing tag is CheckpointNotFoundError; so is a ``latest`` naming a
-    missing tag in a directory without any checkpoint (naming ``latest``; DeepSpeed's own loader would fail
-    on it with a bare AssertionError). save_16bit_model (into
+    missing tag, or an empty ``latest``, in a directory without any checkpoint (naming ``latest``;
+    DeepSpeed's own loader would fail on it with a bare AssertionError). save_16bit_model (into
     another directory and into the checkpoint directory) still works on every rank; engine.destroy()
     closes the checkpointer."""
     env = dict(ENV, SNAPCKPT_FAULT_WRITE_DELAY_SECS="0.05")
@@ -143,6 +143,8 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     assert os.path.join(snap_env.ckpt_dir, "latest") in warned and "newest intact checkpoint" in warned, warned
     assert r["stale_latest"].startswith("CheckpointNotFoundError"), r["stale_latest"]
     assert "latest names tag 'global_step7'" in r["stale_latest"] and "delete latest" in r["stale_latest"]
+    assert r["empty_stale_latest"].startswith("CheckpointNotFoundError"), r["empty_stale_latest"]
+    assert "is empty or unreadable" in r["empty_stale_latest"] and "delete latest" in r["empty_stale_latest"]
     assert r["16bit_other"] is True and r["16bit_own"] is True and r["16bit_files"] == [True, True]
     assert r["closed_by_destroy"] is True
 

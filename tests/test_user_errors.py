@@ -271,6 +271,27 @@ def test_P6b_P6c_damaged_checkpoints_each_named_and_the_loaded_step_is_known(sna
     assert f"snapckpt verify {d}" in lines[-1], lines
 
 
+def test_tracker_that_is_a_directory_is_refused_before_anything_is_written(snap_env):
+    """Found by a review helper (DeepSpeed's ``latest``, the core's own is the same file). Fault: the tracker
+    path is a directory (a mistaken ``mkdir``, an unpacked archive). Wrong behaviour: every commit wrote its
+    step directory, then failed at its last step with ``IsADirectoryError`` naming a temporary file, and the
+    tracker never moved again. Right behaviour: a DISK save raises ``CheckpointDirError`` naming the tracker
+    and the fix before anything is written; a MEMORY save still works; once the directory is gone, DISK
+    saves commit and the tracker names them."""
+    d = snap_env.ckpt_dir
+    tracker = os.path.join(d, "latest")
+    os.makedirs(tracker)
+    with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
+        with pytest.raises(CheckpointDirError) as ei:
+            ck.save({"w": torch.ones(8)}, 1, StorageType.DISK)
+        assert tracker in str(ei.value) and "is a directory" in str(ei.value), ei.value
+        assert not [n for n in os.listdir(d) if "step_" in n], os.listdir(d)  # no step dir, no partial one
+        ck.save({"w": torch.ones(8)}, 2, StorageType.MEMORY).wait()
+        os.rmdir(tracker)
+        ck.save({"w": torch.ones(8)}, 3, StorageType.DISK).wait()
+        assert open(tracker).read() == "step_00000003"
+
+
 def test_rewind_then_crash_loads_the_highest_step_and_warns(snap_env, caplog):
     """Steps 100, 200, then a rewind to 5 (keep_last=3 keeps all three) and a restart. Right, as documented:
     load() picks the highest step, 200 (as the frameworks' own resume does), and warns that step 5 was

@@ -105,6 +105,16 @@ def main():
             out["stale_latest"] = "loaded"
         except Exception as e:
             out["stale_latest"] = f"{type(e).__name__}: {e}"
+        # the same with `latest` emptied: a named error too, not DeepSpeed's bare AssertionError
+        if rank == 0:
+            with open(os.path.join(stale, "latest"), "w"):
+                pass
+        dist.barrier()
+        try:
+            ck2.load_checkpoint(stale)
+            out["empty_stale_latest"] = "loaded"
+        except Exception as e:
+            out["empty_stale_latest"] = f"{type(e).__name__}: {e}"
         finally:
             ck2.close()
         # DeepSpeed's save_16bit_model goes through the checkpoint engine: written at once, on every rank
