@@ -497,6 +497,10 @@ def test_B1_persister_killed_between_the_renames_of_a_recommit_restores_the_old_
         assert steps_listed(moved) == ["step_00000001"], sorted(FS.listdir(moved))
         assert_equal_state(ck.load(), 1)
     assert "restored" in persister_log(snap_env, moved)  # the warning keeps the log after a clean exit
+    assert wait_until(lambda: not snap_env.persisters(), timeout=30)
+    rt, _ = job_dirs(snap_env.runtime_root, snap_env.shm_root, job_key(moved, None))
+    assert "restored" in persister_log(snap_env, moved)  # kept after the exit too, but not a stale pid file
+    assert not os.path.exists(os.path.join(rt, "persister.pid")), os.listdir(rt)
 
 
 # ----------------------------------------------------------------------------------------------- B3

@@ -207,9 +207,11 @@ class Server:
             return
         self.files_removed = True
         self.keep_log = self.keep_log or self._warned.seen
-        names = ["persister.sock", "token"]
+        # the pid file goes in every case: once this process is gone its pid may be reused, and the README
+        # tells users to kill the pid it names
+        names = ["persister.sock", "token", "persister.pid"]
         if not self.keep_log:
-            names += ["persister.log", "persister.pid", "spawn.lock"]
+            names += ["persister.log", "spawn.lock"]
         for name in names:
             try:
                 os.unlink(os.path.join(self.runtime_dir, name))
