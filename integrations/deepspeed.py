@@ -402,12 +402,11 @@ class DeepSpeedCheckpointer:
         path = os.path.join(self.checkpoint_dir, TRACKER)
         if not os.path.lexists(path):
             return
-        named = self._tracker_tag()
         if os.path.isdir(path) and not os.path.islink(path):
             log.warning("%s is a directory, not DeepSpeed's tracker file; resuming from the newest intact "
                         "checkpoint in %s instead. Remove it: a DISK save refuses to start while it is there",
                         path, self.checkpoint_dir)
-        elif not named:
+        elif not (named := self._tracker_tag()):
             log.warning("%s is empty or unreadable (stock DeepSpeed could not load from it); resuming from the "
                         "newest intact checkpoint in %s instead (the next commit rewrites it)", path,
                         self.checkpoint_dir)

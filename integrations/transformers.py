@@ -339,8 +339,7 @@ class SnapckptCallback(TrainerCallback):
             if cand.tier == StorageType.MEMORY:  # every disk candidate tried before it was refused by some rank
                 if not self.resume_from_memory:
                     return None  # the folders are verified below
-                native = self._last_native(args, set(damaged) | set(refused)) if ck.rank == 0 else None
-                native = ck._coord.all_gather("hf-native-mem", {"name": native}, timeout)[0]["name"]
+                native = self._agreed_last_native(args, set(damaged) | set(refused))
                 if native is not None and cand.step == _step(native):
                     # the folder of the same step decides: resume from it when intact, else write the memory
                     # snapshot out in its place (the newest complete step is never given up for an older one)
@@ -348,8 +347,8 @@ class SnapckptCallback(TrainerCallback):
                     if not error:
                         verified.add(native)
                         return None
-                    damaged[native] = error
-                    native = self._last_native(args, set(damaged) | set(refused))
+                    damaged[native] = error  # the same on every rank: the errors were gathered
+                    native = self._agreed_last_native(args, set(damaged) | set(refused))
                 return cand.files() if native is None or cand.step > _step(native) else None
             refused[cand.dirname] = ""
             try:
@@ -403,10 +402,8 @@ class SnapckptCallback(TrainerCallback):
         or without a snapckpt manifest (the Trainer's own) counts as intact; any other has all its files'
         checksums verified (each rank a share); a damaged one is added to ``damaged`` with its cause."""
         ck = self.checkpointer
-        timeout = ck.options.coordination_timeout_secs
         while True:
-            name = self._last_native(args, set(damaged)) if ck.rank == 0 else None
-            name = ck._coord.all_gather("hf-native", {"name": name}, timeout)[0]["name"]
+            name = self._agreed_last_native(args, set(damaged))
             if name is None or name in trusted:
                 return name
             error = self._verify_folder(args, name)
@@ -434,6 +431,12 @@ class SnapckptCallback(TrainerCallback):
                 error = f"{type(e).__name__}: {e}"
         everyone = ck._coord.all_gather("hf-verified", {"error": error}, ck.options.coordination_timeout_secs)
         return "; ".join(p["error"] for p in everyone if p["error"])
+
+    def _agreed_last_native(self, args, skip: set) -> Optional[str]:
+        """Collective: :meth:`_last_native` as rank 0 sees the output directory, the same on every rank."""
+        ck = self.checkpointer
+        name = self._last_native(args, skip) if ck.rank == 0 else None
+        return ck._coord.all_gather("hf-native", {"name": name}, ck.options.coordination_timeout_secs)[0]["name"]
 
     @staticmethod
     def _last_native(args, skip: set) -> Optional[str]:

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from _harness import wait_until
 
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import CheckpointDirError, CommitError, PersisterError, PreflightError, SnapshotError
@@ -171,8 +172,6 @@ def test_memory_tier_of_a_deleted_and_recreated_dir_is_not_resurrected(snap_env)
     again._client.close(bye=False)
     import shutil
 
-    from _harness import wait_until
-
     # the persister flushes the crashed run's snapshot to disk (its commit ends with the tracker); the user
     # deletes everything after that
     def tracker() -> str:
@@ -239,8 +238,6 @@ def test_P6b_P6c_damaged_checkpoints_each_named_and_the_loaded_step_is_known(sna
     with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
         for step in (1, 2, 3, 4):
             ck.save({"w": torch.full((1024,), float(step))}, step).wait()
-    from _harness import wait_until
-
     # The persister exits after the last clean close, but a client arriving first keeps it (and its intact
     # memory copy of step 4) alive: wait for it to go, as the scenario says (CI caught the race).
     assert wait_until(lambda: not snap_env.persisters(), 30)
@@ -329,8 +326,6 @@ def test_B3_latest_step_and_load_raise_corrupt_not_not_found_when_all_are_damage
     data = os.path.join(d, "step_00000001", "rank_00000.pt")
     os.truncate(data, 100)
     os.remove(os.path.join(d, "step_00000002", MANIFEST))
-    from _harness import wait_until
-
     assert wait_until(lambda: not snap_env.persisters(), 30)  # no memory tier left
     with Checkpointer(d, persister_idle_timeout_secs=1) as ck:
         for call in (ck.latest_step, ck.load):

@@ -728,8 +728,8 @@ class Server:
         That holds for any job's leftover that has a manifest (a directory moved or copied since has another
         job key). Only one job writes a directory (:mod:`snapckpt.dirclaim`); should another job's live
         commit be between its two renames at this very moment (microseconds), its rename fails and its
-        commit raises ``CommitError``, its old copy restored: nothing is lost. Other leftovers are removed only when their run id
-        starts with this job's key: another job sharing the directory (another ``job_id``) has its own
+        commit raises ``CommitError``, its old copy restored: nothing is lost. Other leftovers are removed
+        only when their run id starts with this job's key: another job sharing the directory (another ``job_id``) has its own
         persister, and its directories in flight are never touched."""
         storage = PosixStorage()
         known = set(self.runs)
