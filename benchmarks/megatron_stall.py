@@ -84,7 +84,7 @@ class Methods:
         self.queue = None
 
     def _sd(self, i):
-        from snapckpt.integrations.megatron_state import build_state_dict
+        from snapckpt.integrations.megatron.state import build_state_dict
 
         return build_state_dict(None, [self.model], self.opt, None, i, 0, False, True, True)
 

@@ -120,7 +120,7 @@ def checkpoint_functions(args):
         opts = snapckpt.megatron.checkpointer_options(args)
         return (lambda *a, **k: save_checkpoint(*a, save_dir=args.save, args=args, **opts, **k),
                 lambda *a, **k: load_checkpoint(*a, load_dir=args.load, args=args, **opts, **k))
-    from snapckpt.integrations.megatron_state import build_state_dict  # the same state dict, saved the stock way
+    from snapckpt.integrations.megatron.state import build_state_dict  # the same state dict, saved the stock way
     from megatron.core import dist_checkpointing
 
     def save(iteration, model, optimizer, sched, flops, storage_type=None):

@@ -41,9 +41,9 @@ import torch
 
 from snapckpt import Checkpointer, SaveHandle, StorageType
 from snapckpt.formats import RawBytes, TorchSave, safetensors_file
-from snapckpt.checkpointer import check_step
+from snapckpt.engine.checkpointer import check_step
 
-from .transformers_files import respec, torch_bytes
+from snapckpt.integrations.transformers.files import respec, torch_bytes
 
 __all__ = ["AcceleratorCheckpointer"]
 

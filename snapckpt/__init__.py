@@ -6,13 +6,13 @@ format and commits it crash-safely. A restarted job resumes from the freshest ti
 
 Public names are listed in ``__all__``; everything else may change.
 """
-from . import rng
-from .checkpointer import Checkpointer, LoadInfo
-from .errors import SnapckptError
-from .events import Event, SaveStats, StorageType
-from .handle import SaveHandle
-from .hooks import HookRegistry, SnapshotPolicy
-from .options import CheckpointOptions
+from snapckpt import rng
+from snapckpt.engine.checkpointer import Checkpointer, LoadInfo
+from snapckpt.errors import SnapckptError
+from snapckpt.events import Event, SaveStats, StorageType
+from snapckpt.engine.handle import SaveHandle
+from snapckpt.engine.hooks import HookRegistry, SnapshotPolicy
+from snapckpt.options import CheckpointOptions
 
 __all__ = [
     "Checkpointer",

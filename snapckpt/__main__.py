@@ -1,7 +1,7 @@
 """``python -m snapckpt``: the ``snapckpt`` command line (see :mod:`snapckpt.cli`)."""
 import sys
 
-from .cli import main
+from snapckpt.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

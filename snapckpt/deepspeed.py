@@ -9,7 +9,7 @@
 
 or ``engine, *_ = snapckpt.deepspeed.initialize(..., config={..., "snapckpt": {...}})``.
 """
-from .integrations.deepspeed import (DeepSpeedCheckpointer, DeepSpeedSnapckptConfig, SnapckptCheckpointEngine,
+from snapckpt.integrations.deepspeed import (DeepSpeedCheckpointer, DeepSpeedSnapckptConfig, SnapckptCheckpointEngine,
                                      StorageType, initialize)
 
 __all__ = ["DeepSpeedCheckpointer", "DeepSpeedSnapckptConfig", "SnapckptCheckpointEngine", "StorageType",

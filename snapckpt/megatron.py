@@ -1,4 +1,4 @@
-"""The ``--snapckpt`` flag for Megatron-LM (see :mod:`snapckpt.integrations.megatron_args`).
+"""The ``--snapckpt`` flag for Megatron-LM (see :mod:`snapckpt.integrations.megatron.args`).
 
     import snapckpt.megatron
     pretrain(..., extra_args_provider=snapckpt.megatron.add_arguments)
@@ -6,6 +6,6 @@
 
 The drop-in functions themselves are in :mod:`snapckpt.megatron_dist_ckpt`.
 """
-from .integrations.megatron_args import EnableResult, add_arguments, checkpointer_options, enable
+from snapckpt.integrations.megatron.args import EnableResult, add_arguments, checkpointer_options, enable
 
 __all__ = ["add_arguments", "enable", "EnableResult", "checkpointer_options"]

@@ -3,9 +3,9 @@
     # from megatron.training.checkpointing import save_checkpoint, load_checkpoint
     from snapckpt.megatron_dist_ckpt import save_checkpoint, load_checkpoint
 
-See :mod:`snapckpt.integrations.megatron` for the layout and the sequence of a save and a load.
+See :mod:`snapckpt.integrations.megatron.dist_ckpt` for the layout and the sequence of a save and a load.
 """
-from .events import StorageType
-from .integrations.megatron import close_all, fence, get_checkpointer, load_checkpoint, save_checkpoint
+from snapckpt.events import StorageType
+from snapckpt.integrations.megatron.dist_ckpt import close_all, fence, get_checkpointer, load_checkpoint, save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "fence", "close_all", "StorageType"]

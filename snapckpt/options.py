@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from . import _env
+from snapckpt._internal import env as _env
 
 __all__ = ["CheckpointOptions"]
 

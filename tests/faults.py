@@ -1,6 +1,6 @@
 """Fault-injection toolkit for the tests (issue 7): arm faults, kill or hang processes, damage files.
 
-The product-side seams are in :mod:`snapckpt.faults` (named fault points, a storage that fails by phase
+The product-side seams are in :mod:`snapckpt._internal.faultpoints` (named fault points, a storage that fails by phase
 and rank); this module builds their environment knobs and adds what a test does from outside:
 
 - :func:`point_env` / :func:`storage_env` / :func:`slow_env`: environment for a launch (inherited by the
@@ -31,8 +31,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import psutil
 
-from snapckpt.faults import PHASES, POINTS
-from snapckpt.manifest import check_checksums, list_committed
+from snapckpt._internal.faultpoints import PHASES, POINTS
+from snapckpt.ondisk.manifest import check_checksums, list_committed
 from snapckpt.storage import PosixStorage
 
 RANK_POINTS = ("snapshot.mid_copy", "snapshot.before_ready")
@@ -46,7 +46,7 @@ DAMAGES = ("none", "corrupt_byte", "truncate", "missing_rank")
 
 def point_env(name: str, *, rank: Optional[int] = None, step: Optional[int] = None,
               occurrence: Optional[int] = None, action: str = "kill") -> Dict[str, str]:
-    """``{"SNAPCKPT_FAULT_POINT": spec}`` arming point ``name`` (see :mod:`snapckpt.faults`)."""
+    """``{"SNAPCKPT_FAULT_POINT": spec}`` arming point ``name`` (see :mod:`snapckpt._internal.faultpoints`)."""
     assert name in POINTS, name
     spec = name + "".join(f":{k}={v}" for k, v in (("rank", rank), ("step", step), ("occurrence", occurrence))
                           if v is not None)

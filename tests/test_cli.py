@@ -240,7 +240,7 @@ def test_cli_B3_deleted_manifest_is_damaged_for_verify_ls_and_load(snap_env, cap
     assert rows["step_00000002"]["STATE"] == rows["step_00000003"]["STATE"] == "damaged"
     assert "tensorboard" not in rows
     with Checkpointer(d, **OPTS) as ck:
-        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+        with caplog.at_level(logging.WARNING, logger="snapckpt.engine.checkpointer"):
             out = ck.load()
         assert ck.last_load.step == 1 and out["step"] == 1
     warned = [r.getMessage() for r in caplog.records if "not a loadable checkpoint" in r.getMessage()]

@@ -27,7 +27,7 @@ from _harness import launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointCorruptError, PersisterDiedError,
                              PersisterTimeoutError)
-from snapckpt.manifest import MANIFEST, check_checksums, list_committed
+from snapckpt.ondisk.manifest import MANIFEST, check_checksums, list_committed
 from snapckpt.persister.client import job_dirs, job_key
 from snapckpt.storage.posix import PosixStorage
 from workers.commit_crash_worker import consistent, make_state

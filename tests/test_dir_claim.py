@@ -1,4 +1,4 @@
-"""One writer job per checkpoint directory (case P2 of a new-user trial; ``snapckpt.dirclaim``).
+"""One writer job per checkpoint directory (case P2 of a new-user trial; ``snapckpt.ondisk.dirclaim``).
 
 Two jobs (different ``job_id``, or two hosts on a shared filesystem) saving into one directory would rotate
 each other's checkpoints and could load each other's state: the second one's ``save`` is refused with
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from _harness import WORKERS, result_lines, run_ranks, wait_until
-from snapckpt import Checkpointer, StorageType, dirclaim
+from snapckpt import Checkpointer, StorageType
+from snapckpt.ondisk import dirclaim
 from snapckpt.cli import main as cli_main
 from snapckpt.errors import CheckpointDirInUseError
 
@@ -103,7 +104,7 @@ def test_P2_one_process_shares_its_claim_two_ranks_refused_and_no_flock_saves_wi
         return real_flock(fd, op)
 
     monkeypatch.setattr(dirclaim.fcntl, "flock", no_flock)
-    with caplog.at_level(logging.WARNING, logger="snapckpt.dirclaim"):
+    with caplog.at_level(logging.WARNING, logger="snapckpt.ondisk.dirclaim"):
         with Checkpointer(d, persister_idle_timeout_secs=5) as c:
             c.save({"w": torch.full((2,), 4.0)}, 4).wait()
             assert torch.equal(c.load()["w"], torch.full((2,), 4.0))

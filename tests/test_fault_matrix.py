@@ -303,7 +303,7 @@ def test_B3_megatron_only_checkpoint_damaged(snap_env):
 def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
     """The storage seam fails exactly its phase (with the errno, for the selected rank and step only) and
     a fault-point spec is parsed strictly; with no knob set the persister gets a plain PosixStorage."""
-    import snapckpt.faults as SF
+    import snapckpt._internal.faultpoints as SF
     from snapckpt.storage import PosixStorage
 
     monkeypatch.delenv("SNAPCKPT_FAULT_STORAGE", raising=False)

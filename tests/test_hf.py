@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from _harness import REPO, assert_equal_state, free_port, wait_until
-from snapckpt.dirclaim import LOCK_NAME
+from snapckpt.ondisk.dirclaim import LOCK_NAME
 
 WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 STEPS = 12
@@ -260,7 +260,7 @@ def test_E1_tied_and_untied_embeddings_in_model_files():
     sys.path.insert(0, os.path.dirname(WORKER))
     from hf_worker import build_model
 
-    from snapckpt.integrations.transformers_files import model_files
+    from snapckpt.integrations.transformers.files import model_files
 
     tied = build_model(tie=True)
     files = model_files(tied)

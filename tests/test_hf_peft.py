@@ -76,8 +76,8 @@ def test_F2_adapter_specs_equal_save_pretrained_and_second_adapter_refused(snap_
     from transformers import Trainer, TrainingArguments
 
     from snapckpt.hf import SnapckptCallback
-    from snapckpt.integrations.transformers_files import model_files
-    from snapckpt.integrations.transformers_peft import card_files
+    from snapckpt.integrations.transformers.files import model_files
+    from snapckpt.integrations.transformers.peft import card_files
 
     model = build_lora_model()
     with torch.no_grad():

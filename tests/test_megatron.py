@@ -21,7 +21,7 @@ import signal
 import pytest
 
 from _harness import finish, launch, result_lines, run_ranks, wait_until
-from snapckpt.dirclaim import LOCK_NAME
+from snapckpt.ondisk.dirclaim import LOCK_NAME
 
 WORKER = "megatron_worker.py"
 
@@ -163,7 +163,7 @@ def test_flag_memory_snapshot_schedule():
     import argparse
 
     from snapckpt import StorageType
-    from snapckpt.integrations.megatron_args import _with_memory_snapshots
+    from snapckpt.integrations.megatron.args import _with_memory_snapshots
 
     args = argparse.Namespace(snapckpt_memory_interval=2, save_interval=4, consumed_train_samples=0,
                               global_batch_size=8, num_floating_point_operations_so_far=0)

@@ -28,7 +28,7 @@ from _harness import run_ranks, result_lines, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointCorruptError, CommitTimeoutError,
                              PersisterError, UnsafeCheckpointError)
-from snapckpt.manifest import MANIFEST, validate_dirname
+from snapckpt.ondisk.manifest import MANIFEST, validate_dirname
 from snapckpt.persister.client import job_dirs, job_key
 from snapckpt.persister.commit import CommitRequest, commit
 from snapckpt.persister.server import HELLO_TIMEOUT_SECS

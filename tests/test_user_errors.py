@@ -62,7 +62,7 @@ def test_bad_state_and_dir_caught_at_save_with_the_key_path_and_fix(snap_env, ca
         with pytest.raises(SnapshotError, match=r"state\['opt'\]\['hooks'\]\[1\] cannot be pickled \(lock"):
             ck.save({"opt": {"hooks": [1, threading.Lock()]}}, 1)
         assert ck.latest_step() is None
-        with caplog.at_level(logging.WARNING, logger="snapckpt.snapshot"):
+        with caplog.at_level(logging.WARNING, logger="snapckpt.engine.stager"):
             for step in (2, 3):
                 ck.save({"w": torch.ones(3), "a": np.ones(3)}, step, StorageType.MEMORY)
         warned = [r.getMessage() for r in caplog.records if "load() will refuse it" in r.getMessage()]
@@ -71,7 +71,7 @@ def test_bad_state_and_dir_caught_at_save_with_the_key_path_and_fix(snap_env, ca
         assert "add_safe_globals" in warned[0], warned[0]
     caplog.clear()
     with Checkpointer(snap_env.ckpt_dir, weights_only=False) as ck:
-        with caplog.at_level(logging.WARNING, logger="snapckpt.snapshot"):
+        with caplog.at_level(logging.WARNING, logger="snapckpt.engine.stager"):
             ck.save({"w": torch.ones(3), "a": np.ones(3)}, 4, StorageType.MEMORY)
             assert float(ck.load(step=4)["a"][0]) == 1.0
     assert not [r for r in caplog.records if "load() will refuse it" in r.getMessage()], caplog.text
@@ -245,7 +245,7 @@ def test_P6b_P6c_damaged_checkpoints_each_named_and_the_loaded_step_is_known(sna
     _flip(rank_file(4))
     with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
         assert ck.latest_step() == 4
-        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+        with caplog.at_level(logging.WARNING, logger="snapckpt.engine.checkpointer"):
             out = ck.load()
         assert torch.equal(out["w"], torch.full((1024,), 3.0))
         assert ck.last_load.step == 3 and ck.last_load.tier == StorageType.DISK
@@ -299,7 +299,7 @@ def test_rewind_then_crash_loads_the_highest_step_and_warns(snap_env, caplog):
         for step in (100, 200, 5):
             ck.save({"w": step}, step, StorageType.DISK).wait()
     with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
-        with caplog.at_level(logging.WARNING, logger="snapckpt.checkpointer"):
+        with caplog.at_level(logging.WARNING, logger="snapckpt.engine.checkpointer"):
             assert ck.load()["w"] == 200
         assert any("step 5 (step_00000005) was saved after it" in r.getMessage() and "load(step=5)"
                    in r.getMessage() for r in caplog.records), caplog.text
@@ -314,7 +314,7 @@ def test_B3_latest_step_and_load_raise_corrupt_not_not_found_when_all_are_damage
     Right behaviour: both raise ``CheckpointCorruptError`` naming each damaged directory and ``snapckpt
     verify``; the files are left as they are; an empty directory still means ``None`` / not found."""
     from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-    from snapckpt.manifest import MANIFEST
+    from snapckpt.ondisk.manifest import MANIFEST
 
     d = snap_env.ckpt_dir
     with Checkpointer(d, persister_idle_timeout_secs=1) as ck:

@@ -21,7 +21,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import SnapshotError
+from snapckpt.errors import SnapshotError
 
 __all__ = ["TorchSave", "RawBytes", "Concat", "MemoryOnly", "safetensors_file", "unwrap"]
 

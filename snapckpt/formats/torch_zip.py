@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import SnapshotError, UnsafeCheckpointError
+from snapckpt.errors import SnapshotError, UnsafeCheckpointError
 
 __all__ = [
     "collect_tensors",

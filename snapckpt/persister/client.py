@@ -20,9 +20,9 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from .._private import private_dir
-from ..errors import PersisterDiedError, PersisterError, PersisterTimeoutError
-from . import protocol as P
+from snapckpt._internal.private_dirs import private_dir
+from snapckpt.errors import PersisterDiedError, PersisterError, PersisterTimeoutError
+from snapckpt.persister import protocol as P
 
 __all__ = ["PersisterClient", "job_key", "job_of_run", "job_dirs", "lock_file", "private_dir", "JOB_KEY_LEN"]
 

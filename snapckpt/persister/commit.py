@@ -26,14 +26,14 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from .. import faults
-from ..errors import CheckpointCorruptError, CommitError, CommitTimeoutError
-from ..manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifest, check_checksums, check_sizes, parse_manifest,
+from snapckpt._internal import faultpoints as faults
+from snapckpt.errors import CheckpointCorruptError, CommitError, CommitTimeoutError
+from snapckpt.ondisk.manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifest, check_checksums, check_sizes, parse_manifest,
                         partial_dirname, validate_file_name)
-from ..storage.base import StorageReader, StorageWriter
-from .client import job_of_run
-from .protocol import error_from_record
-from .retention import apply_retention
+from snapckpt.storage.base import StorageReader, StorageWriter
+from snapckpt.persister.client import job_of_run
+from snapckpt.persister.protocol import error_from_record
+from snapckpt.persister.retention import apply_retention
 
 __all__ = ["CommitRequest", "commit", "watch_commit", "POLL_SECS"]
 

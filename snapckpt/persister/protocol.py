@@ -16,7 +16,7 @@ import builtins
 import json
 from typing import Any, Dict
 
-from .. import errors as _errors
+from snapckpt import errors as _errors
 
 __all__ = ["REQUESTS", "MAX_MESSAGE_NBYTES", "encode", "decode", "validate_request", "error_record",
            "error_from_record", "ProtocolError"]

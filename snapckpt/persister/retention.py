@@ -18,8 +18,8 @@ import logging
 import os
 from typing import Iterable, List, Optional
 
-from ..manifest import list_committed
-from ..storage.base import StorageReader, StorageWriter
+from snapckpt.ondisk.manifest import list_committed
+from snapckpt.storage.base import StorageReader, StorageWriter
 
 __all__ = ["apply_retention", "trash_dirname"]
 

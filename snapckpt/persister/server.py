@@ -1,6 +1,6 @@
 """The node persister: one OS process per node and job, shared by every local rank.
 
-It owns the arena (:class:`~snapckpt.arena.SlotFiles`) and every slot's state, answers the control
+It owns the arena (:class:`~snapckpt.persister.arena.SlotFiles`) and every slot's state, answers the control
 requests of :mod:`snapckpt.persister.protocol`, writes parts on a thread pool, commits on the committer
 node, and outlives the training processes:
 
@@ -33,16 +33,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from .. import faults
-from ..arena import SlotFiles, SlotState, map_slot
-from ..errors import PersisterError, SlotBusyError
-from ..manifest import MANIFEST, list_committed, partial_dirname, validate_dirname
-from ..snapshot import read_index
-from ..storage.posix import PosixStorage
-from . import protocol as P
-from .client import lock_file
-from .commit import CommitRequest, commit, watch_commit
-from .writer import write_failure_marker, write_part
+from snapckpt._internal import faultpoints as faults
+from snapckpt.persister.arena import SlotFiles, SlotState, map_slot
+from snapckpt.errors import PersisterError, SlotBusyError
+from snapckpt.ondisk.manifest import MANIFEST, list_committed, partial_dirname, validate_dirname
+from snapckpt.engine.stager import read_index
+from snapckpt.storage.posix import PosixStorage
+from snapckpt.persister import protocol as P
+from snapckpt.persister.client import lock_file
+from snapckpt.persister.commit import CommitRequest, commit, watch_commit
+from snapckpt.persister.writer import write_failure_marker, write_part
 
 log = logging.getLogger("snapckpt.persister")
 
@@ -726,7 +726,7 @@ class Server:
         (intact) checkpoint: it is renamed back to ``X`` and the interrupted ``.X.partial-R`` is removed (a
         warning says so, and keeps ``persister.log``).
         That holds for any job's leftover that has a manifest (a directory moved or copied since has another
-        job key). Only one job writes a directory (:mod:`snapckpt.dirclaim`); should another job's live
+        job key). Only one job writes a directory (:mod:`snapckpt.ondisk.dirclaim`); should another job's live
         commit be between its two renames at this very moment (microseconds), its rename fails and its
         commit raises ``CommitError``, its old copy restored: nothing is lost. Other leftovers are removed
         only when their run id starts with this job's key: another job sharing the directory (another ``job_id``) has its own
@@ -762,7 +762,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m snapckpt.persister``."""
     import argparse
 
-    from .. import _env
+    from snapckpt._internal import env as _env
 
     p = argparse.ArgumentParser(prog="snapckpt.persister")
     p.add_argument("--runtime-dir", required=True)

@@ -2,7 +2,7 @@
 
 For each file listed in the slot's index (``MemoryOnly`` files excepted): create it under the partial
 directory, write it straight from the arena (a ``torch.save`` archive through :func:`write_torch_file`,
-or raw chunks back to back for ``RawBytes``/``Concat`` files), computing the checksum (:data:`~snapckpt.manifest.CHECKSUM`) on the way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
+or raw chunks back to back for ``RawBytes``/``Concat`` files), computing the checksum (:data:`~snapckpt.ondisk.manifest.CHECKSUM`) on the way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
 moment the committer may count the part. On any error the rank's files are left for the committer to
 remove with the partial directory, and a failure marker carries the error record to the committer.
 """
@@ -15,11 +15,12 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .. import _env, faults
-from ..formats.torch_zip import write_torch_file
-from ..manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
-from ..storage.base import StorageWriter
-from .protocol import error_record
+from snapckpt._internal import env as _env
+from snapckpt._internal import faultpoints as faults
+from snapckpt.formats.torch_zip import write_torch_file
+from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
+from snapckpt.storage.base import StorageWriter
+from snapckpt.persister.protocol import error_record
 
 __all__ = ["write_part", "write_failure_marker"]
 
@@ -32,7 +33,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
     Args:
         storage: where to write.
         buf: the slot's ``mmap`` (read only here).
-        index: the slot's index (:func:`snapckpt.snapshot.read_index`).
+        index: the slot's index (:func:`snapckpt.engine.stager.read_index`).
         partial_dir: the step's in-flight directory (absolute path).
         on_data_read: called once every file is written and fsynced, before the part marker: from then
             on the slot is not read any more and may be released before the commit can count the part.

@@ -1,5 +1,5 @@
 """Storage boundary: :class:`StorageWriter` and :class:`StorageReader` (local/shared POSIX filesystem)."""
-from .base import StorageReader, StorageWriter
-from .posix import PosixStorage
+from snapckpt.storage.base import StorageReader, StorageWriter
+from snapckpt.storage.posix import PosixStorage
 
 __all__ = ["StorageReader", "StorageWriter", "PosixStorage"]

@@ -7,8 +7,8 @@ import shutil
 import uuid
 from typing import BinaryIO, List
 
-from .direct import open_direct
-from .base import StorageReader, StorageWriter
+from snapckpt.storage.direct import open_direct
+from snapckpt.storage.base import StorageReader, StorageWriter
 
 __all__ = ["PosixStorage"]
 

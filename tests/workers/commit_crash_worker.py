@@ -69,7 +69,7 @@ def kill_in_copy(d: str) -> None:
     saved(1)
     dist.barrier()
     if rank == 1:
-        from snapckpt.snapshot import Stager
+        from snapckpt.engine.stager import Stager
 
         def copy_half_then_die(prepared, slot, buf, device_done=None):
             src, off = prepared.copies[0]

@@ -198,7 +198,7 @@ def job(ckpt: str, rank: int, world: int, tag: str, job_id: str, disk_step: str)
 def die_mid_copy(ckpt: str, rank: int, world: int) -> None:
     """C8/C9 first job: step 10 everywhere (memory and disk); step 20: rank 1 SIGKILLs itself halfway
     through copying into its slot, rank 0 completes it; then the job dies without close()."""
-    from snapckpt.snapshot import Stager
+    from snapckpt.engine.stager import Stager
 
     ck = Checkpointer(ckpt, **{**OPTS, "persister_idle_timeout_secs": 60})
     big = lambda step: {**state("k", step, rank), "layers": [values("k", step, rank) * i for i in range(8)]}

@@ -58,7 +58,7 @@ def same(a, b, path=""):
 
 def tree(root):
     """Files below ``root`` without snapckpt's own: ``.snapckpt`` sidecars and the writer claim."""
-    from snapckpt.dirclaim import LOCK_NAME
+    from snapckpt.ondisk.dirclaim import LOCK_NAME
 
     out = []
     for d, dirs, files in os.walk(root):

@@ -87,7 +87,7 @@ def shards(model, optimizer) -> dict:
     """{(key, global_offset): local data} of every ShardedTensor of the model and optimizer state."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from snapckpt.integrations.megatron_state import build_state_dict
+    from snapckpt.integrations.megatron.state import build_state_dict
 
     sd = build_state_dict(None, model, optimizer, None, 0, 0, is_loading=False, with_optimizer=True, with_rng=False)
     out = {}
@@ -131,7 +131,7 @@ def _equal(a: dict, b: dict, what: str) -> None:
 
 def mode_layout(a):
     from megatron.core import dist_checkpointing
-    from snapckpt.integrations.megatron_state import build_state_dict
+    from snapckpt.integrations.megatron.state import build_state_dict
     from snapckpt.megatron_dist_ckpt import close_all, load_checkpoint, save_checkpoint
 
     rank = torch.distributed.get_rank()
@@ -159,7 +159,7 @@ def mode_layout(a):
     fresh = build_state_dict(None, [m2], o2, s2, 0, 0, True, True, True)
     loaded = dist_checkpointing.load(fresh, os.path.join(a.ckpt, "iter_0000002"))
     m2.load_state_dict(loaded["model"])
-    from snapckpt.integrations.megatron_state import apply_state
+    from snapckpt.integrations.megatron.state import apply_state
 
     apply_state(loaded, [m2], o2, s2, True, True)
     assert loaded["iteration"] == 2 and loaded["num_floating_point_operations_so_far"] == 1234

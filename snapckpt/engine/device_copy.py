@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import SnapshotError
+from snapckpt.errors import SnapshotError
 
 __all__ = ["CudaCopier", "has_cuda_sources"]
 
@@ -79,7 +79,7 @@ class CudaCopier:
         (``None`` when there were none). CPU sources are left to the caller.
 
         Args:
-            copies: ``(source uint8 tensor, slot byte offset)`` pairs (:class:`~snapckpt.snapshot.Prepared`).
+            copies: ``(source uint8 tensor, slot byte offset)`` pairs (:class:`~snapckpt.engine.stager.Prepared`).
             slot: the registered uint8 CPU tensor over the slot mapping.
 
         Raises:

@@ -1,6 +1,6 @@
 """Checkpointer: the one object a training loop talks to (save / fence / load / wait / close).
 
-A save of step ``N`` on each rank: plan and pickle the skeleton (:class:`~snapckpt.snapshot.Stager`),
+A save of step ``N`` on each rank: plan and pickle the skeleton (:class:`~snapckpt.engine.stager.Stager`),
 get a slot from the node persister, copy the state into it, mark it READY; for the DISK tier also ask the
 persister to write and commit it. ``save`` returns once the copy is done: the state may then change
 freely (DESIGN contract 1). Background failures surface on the next call or on ``SaveHandle.wait``.
@@ -23,24 +23,26 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import dirclaim, faults, layout
-from . import errors as error_types
-from .device_copy import CudaCopier, has_cuda_sources
-from .coordination import make_coordinator
-from .errors import (CheckpointCorruptError, all_damaged_error, CheckpointDirError, CheckpointNotFoundError,
+from snapckpt.ondisk import dirclaim
+from snapckpt._internal import faultpoints as faults
+from snapckpt.ondisk import layout
+from snapckpt import errors as error_types
+from snapckpt.engine.device_copy import CudaCopier, has_cuda_sources
+from snapckpt.dist.coordination import make_coordinator
+from snapckpt.errors import (CheckpointCorruptError, all_damaged_error, CheckpointDirError, CheckpointNotFoundError,
                      IncompatibleCheckpointError, InsufficientDiskError, PersisterDiedError,
                      SlotBusyError, SnapckptError, UnsafeCheckpointError)
-from .events import Event, SaveStats, StorageType
-from .handle import SaveHandle
-from .manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname,
+from snapckpt.events import Event, SaveStats, StorageType
+from snapckpt.engine.handle import SaveHandle
+from snapckpt.ondisk.manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname,
                        validate_file_name)
-from .options import CheckpointOptions
-from .progress import byte_bar
-from .persister.client import PersisterClient, job_dirs, job_key
-from .slot_maps import MappedSlot, SlotMaps
-from .snapshot import Stager, read_slot
-from .storage.posix import PosixStorage
-from .topology import Topology, host_identity
+from snapckpt.options import CheckpointOptions
+from snapckpt._internal.progress import byte_bar
+from snapckpt.persister.client import PersisterClient, job_dirs, job_key
+from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
+from snapckpt.engine.stager import Stager, read_slot
+from snapckpt.storage.posix import PosixStorage
+from snapckpt.dist.topology import Topology, host_identity
 
 __all__ = ["Checkpointer", "LoadCandidate", "LoadInfo"]
 
@@ -223,7 +225,7 @@ class Checkpointer:
                                      "another path")
         shm = self.options.resolved_shm_dir
         if not os.path.isdir(shm):
-            from .errors import PreflightError
+            from snapckpt.errors import PreflightError
 
             raise PreflightError(f"shared-memory directory {shm!r} does not exist; point shm_dir= (or "
                                  "SNAPCKPT_SHM_DIR) at an existing tmpfs such as /dev/shm")
@@ -327,7 +329,7 @@ class Checkpointer:
         Args:
             state_dict: any picklable object holding CPU or CUDA tensors: model and optimizer state
                 dicts, scheduler state, RNG states, counters, user objects. CUDA tensors are copied on a
-                side stream into page-locked shared memory (:mod:`snapckpt.device_copy`).
+                side stream into page-locked shared memory (:mod:`snapckpt.engine.device_copy`).
             step: training step, an ``int`` in ``[0, 2**63 - 1]``; names the directory ``step_%08d``.
             storage_type: ``MEMORY`` keeps it in the node's shared memory; ``DISK`` also writes it to
                 ``checkpoint_dir`` and commits it in the background.
@@ -338,7 +340,7 @@ class Checkpointer:
         Raises:
             ValueError: ``step`` is not an ``int`` in ``[0, 2**63 - 1]`` (a bool, a float, negative, too large).
             CheckpointDirInUseError: another job (another process) saves into ``checkpoint_dir``
-                (:mod:`snapckpt.dirclaim`); raised by the first save, on every rank; nothing was saved.
+                (:mod:`snapckpt.ondisk.dirclaim`); raised by the first save, on every rank; nothing was saved.
             SnapshotError: the state holds an unsupported tensor.
             InsufficientSharedMemoryError / InsufficientDiskError: preflight; nothing was changed.
             CheckpointDirError: DISK, and the tracker file (``latest``) is a directory, which no commit could
@@ -450,7 +452,7 @@ class Checkpointer:
 
     def _claim_dir(self) -> None:
         """First save of this Checkpointer: global rank 0 claims ``checkpoint_dir`` for this job
-        (:mod:`snapckpt.dirclaim`) and every rank learns the outcome, so that all ranks raise together.
+        (:mod:`snapckpt.ondisk.dirclaim`) and every rank learns the outcome, so that all ranks raise together.
 
         Raises:
             CheckpointDirInUseError: another job holds the claim (on every rank; nothing was saved).

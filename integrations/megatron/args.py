@@ -122,7 +122,7 @@ def enable(args: Any) -> EnableResult:
         return result
     if not getattr(args, "save", None):
         raise ValueError("--snapckpt needs --save (the checkpoint directory)")
-    from .megatron import close_all, load_checkpoint, save_checkpoint
+    from snapckpt.integrations.megatron.dist_ckpt import close_all, load_checkpoint, save_checkpoint
 
     opts = checkpointer_options(args)
     save = functools.partial(save_checkpoint, **opts)
@@ -160,7 +160,7 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
     """
     from snapckpt import StorageType
 
-    from .megatron import fence
+    from snapckpt.integrations.megatron.dist_ckpt import fence
 
     interval = args.snapckpt_memory_interval
     flops = {"so_far": getattr(args, "num_floating_point_operations_so_far", 0) or 0}

@@ -49,12 +49,12 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .errors import CheckpointCorruptError
-from .layout import STEP_DIR_PATTERN, TRACKER
-from .progress import byte_bar
-from .manifest import (MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest,
+from snapckpt.errors import CheckpointCorruptError
+from snapckpt.ondisk.layout import STEP_DIR_PATTERN, TRACKER
+from snapckpt._internal.progress import byte_bar
+from snapckpt.ondisk.manifest import (MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest,
                        record_checksum)
-from .storage.posix import PosixStorage
+from snapckpt.storage.posix import PosixStorage
 
 __all__ = ["main"]
 

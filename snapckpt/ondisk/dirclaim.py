@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from .errors import CheckpointDirError, CheckpointDirInUseError
+from snapckpt.errors import CheckpointDirError, CheckpointDirInUseError
 
 __all__ = ["LOCK_NAME", "DirClaim", "claim_dir", "read_holder"]
 
@@ -152,7 +152,7 @@ def _flock(fd: int, real: str) -> bool:
 
 def _record(fd: int, holder: Mapping[str, Any]) -> None:
     now = time.time()
-    from .topology import host_identity
+    from snapckpt.dist.topology import host_identity
 
     rec = {"pid": os.getpid(), "host": host_identity(), "job_id": holder.get("job_id"),
            "run_id": holder.get("run_id"), "since_unix": now,
@@ -177,7 +177,7 @@ def read_holder(checkpoint_dir: str) -> Dict[str, Any]:
 
 def _exiting_here(info: Mapping[str, Any]) -> bool:
     """True when the holder runs on this host and its process is gone or a zombie."""
-    from .topology import host_identity
+    from snapckpt.dist.topology import host_identity
 
     pid = info.get("pid")
     if not isinstance(pid, int) or info.get("host") != host_identity():

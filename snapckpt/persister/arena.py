@@ -24,8 +24,8 @@ import re
 import struct
 from typing import Optional, Tuple
 
-from ._private import private_dir
-from .errors import InsufficientSharedMemoryError, PreflightError, SnapshotError
+from snapckpt._internal.private_dirs import private_dir
+from snapckpt.errors import InsufficientSharedMemoryError, PreflightError, SnapshotError
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
            "mem_available_bytes"]
@@ -82,7 +82,7 @@ class SlotFiles:
 
     Raises:
         PersisterError: ``directory`` is a symbolic link, not a directory or another user's
-            (:func:`snapckpt._private.private_dir`).
+            (:func:`snapckpt._internal.private_dirs.private_dir`).
     """
 
     def __init__(self, directory: str) -> None:

@@ -13,7 +13,7 @@ A save (collective, every rank):
    ``num_floating_point_operations_so_far``, ``checkpoint_version``, ``args`` when known), from the
    model's and optimizer's own ``sharded_state_dict()``;
 2. megatron-core's ``save_preprocess`` (factories, common part, sharding validation) and, for DISK, its
-   DCP planning with :class:`~snapckpt.integrations.megatron_format.ArenaDistcpWriter`: the ``.distcp``
+   DCP planning with :class:`~snapckpt.integrations.megatron.torch_dist.ArenaDistcpWriter`: the ``.distcp``
    files become ``Concat`` specs, rank 0 adds ``.metadata``, ``common.pt`` and ``metadata.json``;
 3. a ``MemoryOnly`` record ``snapckpt_memory.pt`` lets every rank reload its own shards from memory
    (the tensors it wrote itself are read back from its ``.distcp`` bytes; the replicas it did not write,
@@ -45,15 +45,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from snapckpt import Checkpointer, StorageType
-from snapckpt.checkpointer import LoadInfo, check_step
+from snapckpt.engine.checkpointer import LoadInfo, check_step
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
                              all_damaged_error)
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave
-from snapckpt.manifest import MANIFEST, SIDECAR, check_checksums, list_committed, parse_manifest
+from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, check_checksums, list_committed, parse_manifest
 
-from .megatron_format import ArenaDistcpWriter
-from .megatron_memory import MEMORY_FILE, from_memory, memory_record
-from .megatron_state import (CONTENT_METADATA_KEY, apply_state, arg, build_state_dict, megatron_lm_args,
+from snapckpt.integrations.megatron.torch_dist import ArenaDistcpWriter
+from snapckpt.integrations.megatron.memory import MEMORY_FILE, from_memory, memory_record
+from snapckpt.integrations.megatron.state import (CONTENT_METADATA_KEY, apply_state, arg, build_state_dict, megatron_lm_args,
                              megatron_lm_sharded_sd_metadata, restore_counters, restore_rng, same_tp_pp)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "checkpoint_dirname", "TRACKER",
@@ -207,7 +207,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
             other keywords (arguments of other Megatron-LM versions, e.g. ``ft_client``) are ignored.
 
     Returns:
-        the :class:`~snapckpt.handle.SaveHandle` (Megatron-LM's returns None): ``wait()`` blocks until
+        the :class:`~snapckpt.engine.handle.SaveHandle` (Megatron-LM's returns None): ``wait()`` blocks until
         committed (DISK) or held (MEMORY).
 
     Raises:

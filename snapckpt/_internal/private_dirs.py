@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from .errors import PersisterError
+from snapckpt.errors import PersisterError
 
 __all__ = ["private_dir"]
 

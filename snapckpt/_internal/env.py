@@ -7,10 +7,10 @@ Knobs:
 - ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``: fault injection for tests: the persister sleeps this long before
   each record it writes (a slow persister). Read by the persister process only.
 - ``SNAPCKPT_FAULT_POINT``: fault injection for tests: named points where a process SIGKILLs (or
-  SIGSTOPs) itself, with rank/step/occurrence selectors (syntax in :mod:`snapckpt.faults`).
+  SIGSTOPs) itself, with rank/step/occurrence selectors (syntax in :mod:`snapckpt._internal.faultpoints`).
 - ``SNAPCKPT_FAULT_STORAGE``: fault injection for tests: a JSON plan that makes the persister's storage
   fail in one phase (open, write, fsync, part marker, manifest, rename, tracker) with an errno
-  (:class:`snapckpt.faults.FaultyStorage`).
+  (:class:`snapckpt._internal.faultpoints.FaultyStorage`).
 """
 from __future__ import annotations
 

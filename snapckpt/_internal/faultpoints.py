@@ -1,6 +1,6 @@
 """Fault injection seams for tests: named fault points and a storage that fails on purpose.
 
-Both are armed by environment knobs (read through :mod:`snapckpt._env`, inherited by the persister
+Both are armed by environment knobs (read through :mod:`snapckpt._internal.env`, inherited by the persister
 process) and cost one global lookup when unset. Nothing here is used in production.
 
 **Fault points** (``SNAPCKPT_FAULT_POINT``): ``;``-separated specs ``NAME[:key=value]...`` with keys
@@ -50,8 +50,8 @@ import sys
 import time
 from typing import BinaryIO, Dict, List, Optional
 
-from . import _env
-from .storage.posix import PosixStorage
+from snapckpt._internal import env as _env
+from snapckpt.storage.posix import PosixStorage
 
 __all__ = ["point", "armed", "set_rank", "storage", "FaultyStorage", "POINTS", "PHASES"]
 

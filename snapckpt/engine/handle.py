@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Optional
 
-from .errors import CommitTimeoutError
-from .events import SaveStats, StorageType
-from .persister import protocol as P
+from snapckpt.errors import CommitTimeoutError
+from snapckpt.events import SaveStats, StorageType
+from snapckpt.persister import protocol as P
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
+    from snapckpt.engine.checkpointer import Checkpointer
 
 __all__ = ["SaveHandle"]
 

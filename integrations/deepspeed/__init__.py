@@ -52,11 +52,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from snapckpt import rng
-from snapckpt.checkpointer import Checkpointer, LoadCandidate, LoadInfo
+from snapckpt.engine.checkpointer import Checkpointer, LoadCandidate, LoadInfo
 from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, SnapckptError, UnsafeCheckpointError
 from snapckpt.events import StorageType
 from snapckpt.formats import MemoryOnly, TorchSave
-from snapckpt.manifest import SIDECAR, validate_dirname
+from snapckpt.ondisk.manifest import SIDECAR, validate_dirname
 from snapckpt.options import CheckpointOptions
 
 try:

@@ -2,10 +2,10 @@
 
 ``Trainer(..., callbacks=[SnapckptCallback(memory_interval_steps=10)])`` replaces the Trainer's blocking
 checkpoint save by a snapckpt snapshot; the node persister writes the same ``checkpoint-N/`` folder the
-Trainer would have written (see :mod:`snapckpt.integrations.transformers_files`), so
+Trainer would have written (see :mod:`snapckpt.integrations.transformers.files`), so
 ``trainer.train(resume_from_checkpoint=True)`` and ``from_pretrained`` work unchanged. For a
 ``peft.PeftModel`` (LoRA and the other peft methods) that folder holds the adapter only, as the Trainer's
-does (:mod:`snapckpt.integrations.transformers_peft`).
+does (:mod:`snapckpt.integrations.transformers.peft`).
 
 How it plugs in (transformers 5.24, public callback events only):
 
@@ -43,7 +43,7 @@ Trainer decides after evaluation, with no callback event in between: :class:`Val
 XLA and SageMaker model parallel runs (their saves are collective framework calls); a ``PeftModel``
 with an adapter not named ``"default"`` (peft saves those in sub-folders) and adapters added through
 transformers' own ``add_adapter``/``load_adapter`` (``NotImplementedError`` at ``train()``; see
-:mod:`snapckpt.integrations.transformers_peft`); the GradScaler's ``scaler.pt`` (fp16 mixed precision on
+:mod:`snapckpt.integrations.transformers.peft`); the GradScaler's ``scaler.pt`` (fp16 mixed precision on
 GPU; the callback has no handle on the Accelerator); hyper-parameter search run directories;
 ``save_on_each_node``. ``trainer_state.json``'s ``total_flos`` holds the FLOPs stored at the last logging
 step (the Trainer's ``store_flos`` is not reachable from a callback), and the states of
@@ -67,11 +67,11 @@ from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, In
                              all_damaged_error)
 from snapckpt.events import Event
 from snapckpt.formats import RawBytes
-from snapckpt.manifest import MANIFEST, check_checksums, list_committed, parse_manifest
+from snapckpt.ondisk.manifest import MANIFEST, check_checksums, list_committed, parse_manifest
 from snapckpt.storage import PosixStorage
 
-from . import transformers_files as F
-from . import transformers_peft as P
+from snapckpt.integrations.transformers import files as F
+from snapckpt.integrations.transformers import peft as P
 
 __all__ = ["SnapckptCallback"]
 
@@ -114,7 +114,7 @@ class SnapckptCallback(TrainerCallback):
         TypeError: an unknown option.
         NotImplementedError: (at Trainer construction) DeepSpeed, FSDP or ``save_on_each_node``; (when
             ``train()`` starts) adapters the callback cannot write
-            (:func:`~snapckpt.integrations.transformers_peft.check_supported`).
+            (:func:`~snapckpt.integrations.transformers.peft.check_supported`).
     """
 
     def __init__(self, memory_interval_steps: Optional[int] = None, *, max_shard_size: "int | str" = "50GB",

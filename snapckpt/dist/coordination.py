@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any, Dict, List
 
-from .errors import CoordinationError, RankTimeoutError
+from snapckpt.errors import CoordinationError, RankTimeoutError
 
 __all__ = ["Coordinator", "LocalCoordinator", "StoreCoordinator", "make_coordinator"]
 

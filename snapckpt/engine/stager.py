@@ -10,7 +10,7 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    pickled by the training process itself, so the persister never unpickles anything.
 2. :meth:`Stager.copy_into` copies each storage span into the slot, then writes the pickles, the index
    and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
-   (:mod:`snapckpt.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
+   (:mod:`snapckpt.engine.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
    thread, and :meth:`Checkpointer.fence` waits for both.
 
 :func:`read_slot` is the reverse (memory-tier load): it copies the spans out of the slot into fresh CPU
@@ -25,11 +25,11 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
-from .arena import HEADER_NBYTES, read_header, write_header
-from . import faults
-from .errors import SnapshotError
-from .formats.specs import Concat, RawBytes, TorchSave, unwrap
-from .formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
+from snapckpt.persister.arena import HEADER_NBYTES, read_header, write_header
+from snapckpt._internal import faultpoints as faults
+from snapckpt.errors import SnapshotError
+from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
+from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
                                 unpickle_skeleton, weights_only_refusal)
 
 __all__ = ["Stager", "Prepared", "Plan", "read_slot", "read_index"]
@@ -331,7 +331,7 @@ class Stager:
             slot: a uint8 tensor viewing the whole mapped slot (``torch.frombuffer`` of ``buf``).
             buf: the writable mapping itself (for the header and the tail bytes).
             device_done: the event of CUDA copies already queued for this snapshot
-                (:meth:`snapckpt.device_copy.CudaCopier.start`): CUDA sources are then skipped here, and
+                (:meth:`snapckpt.engine.device_copy.CudaCopier.start`): CUDA sources are then skipped here, and
                 the event is waited for before the header is written. ``None``: every span is copied here,
                 synchronously, whatever its device.
         """

@@ -22,7 +22,7 @@ tokenizer files             ``processing_class.save_pretrained``      read back 
 ==========================  ========================================  =====================================
 
 A ``peft.PeftModel`` gets ``adapter_model.safetensors``, ``adapter_config.json`` and ``README.md`` instead of
-the model files, as ``PeftModel.save_pretrained`` (:mod:`snapckpt.integrations.transformers_peft`).
+the model files, as ``PeftModel.save_pretrained`` (:mod:`snapckpt.integrations.transformers.peft`).
 
 Small pickled files are serialized to bytes in the training process (``RawBytes``) so that neither the
 persister nor a memory-tier reload ever unpickles user classes (case E5: a ``TrainingArguments``
@@ -66,7 +66,7 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
 
     Args:
         model: the unwrapped model: a ``PreTrainedModel``; a ``peft.PeftModel`` (then the adapter only, as
-            ``PeftModel.save_pretrained``: see :mod:`snapckpt.integrations.transformers_peft`); or any other
+            ``PeftModel.save_pretrained``: see :mod:`snapckpt.integrations.transformers.peft`); or any other
             ``nn.Module`` (then only ``model.safetensors`` of its ``state_dict()``, as the Trainer does).
         max_shard_size: shard threshold (bytes, or a string such as ``"5GB"``), as ``save_pretrained``.
 
@@ -75,12 +75,12 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
 
     Raises:
         NotImplementedError: the model is quantized or tensor-parallel, or its adapters cannot be written
-            (see :func:`~snapckpt.integrations.transformers_peft.adapter_files`).
+            (see :func:`~snapckpt.integrations.transformers.peft.adapter_files`).
     """
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers import PreTrainedModel
 
-    from . import transformers_peft
+    from snapckpt.integrations.transformers import peft as transformers_peft
 
     metadata = {"format": "pt"}
     if transformers_peft.is_adapter_model(model):

@@ -1,6 +1,6 @@
 """A training rank's mappings of its arena slots, and the background prefault of the slots it has not used yet.
 
-The persister creates and sizes the slot files (:mod:`snapckpt.arena`); a rank maps the slot the persister
+The persister creates and sizes the slot files (:mod:`snapckpt.persister.arena`); a rank maps the slot the persister
 hands it and copies its snapshot in. The first copy into a freshly mapped slot takes one page fault per
 4 KiB page on the training thread (measured here: 1.1-1.4 s per GiB against 0.4-0.5 s for a copy into
 mapped pages, on a loaded 2-core VM). So once a rank knows its snapshot size it maps its *other* slots at
@@ -19,9 +19,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .arena import map_slot, slot_file_name
-from .device_copy import CudaCopier
-from .errors import SnapckptError
+from snapckpt.persister.arena import map_slot, slot_file_name
+from snapckpt.engine.device_copy import CudaCopier
+from snapckpt.errors import SnapckptError
 
 __all__ = ["MappedSlot", "SlotMaps"]
 
@@ -34,7 +34,7 @@ class MappedSlot:
     Attributes:
         path: the slot file; nbytes: the mapped length (bytes).
         buf: the ``mmap``; tensor: a ``uint8`` tensor of shape ``(nbytes,)`` over it.
-        cuda: the :class:`~snapckpt.device_copy.CudaCopier` that page-locked it, once CUDA copies used it.
+        cuda: the :class:`~snapckpt.engine.device_copy.CudaCopier` that page-locked it, once CUDA copies used it.
 
     Raises (constructor): ``OSError`` / :class:`~snapckpt.errors.SnapshotError` when the file cannot be mapped.
     """
@@ -87,7 +87,7 @@ class SlotMaps:
     """This rank's slot mappings, by slot index.
 
     Args:
-        rank: the global rank (names the slot files, :func:`~snapckpt.arena.slot_file_name`).
+        rank: the global rank (names the slot files, :func:`~snapckpt.persister.arena.slot_file_name`).
         slots_per_rank: how many slots the rank has.
         wait_timeout_secs: how long a prefault waits for the persister to grow a slot (seconds).
     """

@@ -37,8 +37,8 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import xxhash
 
-from .errors import CheckpointCorruptError, CommitError
-from .storage.base import StorageReader
+from snapckpt.errors import CheckpointCorruptError, CommitError
+from snapckpt.storage.base import StorageReader
 
 __all__ = ["FORMAT_VERSION", "SIDECAR", "MANIFEST", "Committed", "build_manifest", "parse_manifest",
            "list_committed", "check_sizes", "check_checksums", "crc32_file", "record_checksum", "validate_dirname",

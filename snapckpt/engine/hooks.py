@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from .events import Event, StorageType
+from snapckpt.events import Event, StorageType
 
 __all__ = ["SnapshotPolicy", "HookRegistry"]
 

@@ -1,0 +1,2 @@
+"""Private helpers of the core (environment knobs, owner-only directories, progress bars, fault points).
+Nothing here is public API."""

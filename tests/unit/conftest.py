@@ -1,0 +1,21 @@
+"""Guards of the unit suite: a unit test starts no process (no persister, no torchrun) and imports no
+training framework. Each test is checked at teardown, so a test that breaks the rule fails by name."""
+from __future__ import annotations
+
+import sys
+
+import psutil
+import pytest
+
+FRAMEWORKS = ("deepspeed", "megatron", "transformers", "accelerate", "peft")
+
+
+@pytest.fixture(autouse=True)
+def _pure_unit_test():
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    started = [p for p in me.children(recursive=True) if p.pid not in before]
+    assert not started, f"a unit test started processes: {[(p.pid, p.name()) for p in started]}"
+    imported = sorted(m for m in sys.modules if m.split(".")[0] in FRAMEWORKS)
+    assert not imported, f"a unit test imported a training framework: {imported[:5]}"
