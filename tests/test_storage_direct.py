@@ -1,39 +1,13 @@
-"""The O_DIRECT writer (snapckpt/storage/direct.py): exact bytes for any pattern of writes and flushes, the
-background write's errors reach the caller, and a filesystem without O_DIRECT gets a buffered file."""
+"""The O_DIRECT writer (snapckpt/storage/direct.py) under a file-size limit, which needs a child process
+(RLIMIT_FSIZE); its in-process tests (exact bytes, the buffered fallback) are in tests/unit/test_direct_io.py."""
 from __future__ import annotations
 
-import errno
 import os
-import random
 import subprocess
 import sys
 import textwrap
 
-from snapckpt.storage.direct import BUFFER_NBYTES, DirectFile, open_direct
-
-
-def test_any_pattern_of_writes_and_flushes_gives_the_exact_bytes(tmp_path):
-    """Writes of 1 byte to more than one bounce buffer, flushes in between (a padded tail rewritten in
-    place by the next write), then fsync: the file is byte for byte what was written."""
-    rng = random.Random(20261130)
-    data = os.urandom(3 * BUFFER_NBYTES + 12345)
-    path = str(tmp_path / "f.bin")
-    for trial in range(6):
-        with open_direct(path) as f:
-            assert isinstance(f, DirectFile)  # ext4 takes O_DIRECT; the fallback is tested below
-            pos = 0
-            while pos < len(data):
-                n = rng.choice([1, 7, 4096, 65536, 3 << 20, BUFFER_NBYTES + 1])
-                f.write(data[pos:pos + n])
-                pos += n
-                assert f.tell() == min(pos, len(data))
-                if rng.random() < 0.2:
-                    f.flush()
-                    assert os.path.getsize(path) == f.tell()
-            f.flush()
-            os.fsync(f.fileno())
-        with open(path, "rb") as r:
-            assert r.read() == data, f"trial {trial}"
+from snapckpt.storage.direct import BUFFER_NBYTES
 
 
 def test_file_size_limit_raises_efbig_from_the_background_write(tmp_path):
@@ -57,23 +31,3 @@ def test_file_size_limit_raises_efbig_from_the_background_write(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "errno EFBIG", out.stdout + out.stderr
     assert os.path.getsize(path) <= BUFFER_NBYTES + 5000
-
-
-def test_filesystem_refusing_o_direct_gets_a_buffered_file(tmp_path, monkeypatch):
-    """A filesystem that refuses O_DIRECT answers open(2) with EINVAL (older tmpfs, some network
-    filesystems; this machine's kernel accepts it everywhere, so open(2) is made to refuse it here):
-    open_direct falls back to an ordinary buffered file with the same bytes."""
-    real_open = os.open
-
-    def refusing_open(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", refusing_open)
-    path = str(tmp_path / "b.bin")
-    with open_direct(path) as f:
-        assert not isinstance(f, DirectFile)
-        f.write(b"abc" * 1000)
-    with open(path, "rb") as r:
-        assert r.read() == b"abc" * 1000

@@ -134,10 +134,6 @@ def test_paths_the_persister_cannot_use(snap_env, tmp_path):
         Checkpointer(str(a_file))
 
 
-def test_storage_type_prints_as_its_value():
-    assert f"{StorageType.MEMORY}" == "memory" and str(StorageType.DISK) == "disk"
-
-
 def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):
     """A step saved to disk, committed, then saved again (a rewind, or the same iteration re-run): the
     second save is written and committed, not answered "committed" from the first one; loads see the new

@@ -1,0 +1,213 @@
+"""File specs (snapckpt/formats/specs.py) and the torch.save writer (snapckpt/formats/torch_zip.py), in
+process: the spec types' checks, safetensors bytes that ``safetensors`` itself reads, and archives that
+stock ``torch.load`` reads and that are byte for byte ``torch.save``'s when no two tensors share a
+storage (when some do, the same objects and the same sharing come back)."""
+from __future__ import annotations
+
+import collections
+import io
+import json
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from torch.serialization import location_tag
+
+from snapckpt.errors import SnapshotError, UnsafeCheckpointError
+from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave, safetensors_file
+from snapckpt.formats import torch_zip as Z
+from snapckpt.formats.specs import unwrap
+
+
+def concat_bytes(c: Concat) -> bytes:
+    return b"".join(p.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(p, torch.Tensor) else p for p in c.parts)
+
+
+# ------------------------------------------------------------------------------------------ specs
+def test_raw_bytes_takes_bytes_only():
+    assert RawBytes(b"x").data == b"x" and RawBytes(bytearray(b"y")).data == bytearray(b"y")
+    for bad in ("text", 3, None, [1]):
+        with pytest.raises(TypeError, match="RawBytes needs bytes"):
+            RawBytes(bad)
+
+
+def test_concat_parts_and_size():
+    t = torch.arange(6, dtype=torch.int32)
+    c = Concat([b"HE", bytearray(b"AD"), memoryview(b"!"), t])
+    assert c.parts[1] == b"AD" and type(c.parts[1]) is bytes and type(c.parts[2]) is bytes
+    assert c.nbytes == 5 + 6 * 4 == len(concat_bytes(c))
+    with pytest.raises(SnapshotError, match="part 0 .* not contiguous"):
+        Concat([torch.zeros(4, 3).t()])
+    with pytest.raises(TypeError, match="part 1 must be bytes or a tensor"):
+        Concat([b"", "str"])
+
+
+def test_unwrap_plain_values_and_memory_only():
+    spec, persist = unwrap({"w": 1})
+    assert spec == TorchSave({"w": 1}) and persist is True
+    raw = RawBytes(b"r")
+    assert unwrap(raw) == (raw, True)
+    assert unwrap(MemoryOnly(MemoryOnly(raw))) == (raw, False)
+    spec, persist = unwrap(MemoryOnly([1, 2]))
+    assert spec == TorchSave([1, 2]) and persist is False
+
+
+def test_safetensors_file_is_read_by_safetensors_with_sorted_offsets_and_metadata():
+    base = torch.arange(20, dtype=torch.float32)
+    tensors = {"z.bias": torch.ones(3, dtype=torch.bfloat16), "a.weight": torch.randn(2, 3),
+               "view": base[4:10], "mask": torch.tensor([True, False]), "empty": torch.empty(0, 4)}
+    c = safetensors_file(tensors, {"format": "pt"})
+    data = concat_bytes(c)
+    n = int.from_bytes(data[:8], "little")
+    assert n % 8 == 0 and c.nbytes == len(data)
+    header = json.loads(data[8:8 + n])
+    assert header.pop("__metadata__") == {"format": "pt"}
+    assert list(header) == sorted(tensors)  # laid out in sorted name order
+    assert header["view"] == {"dtype": "F32", "shape": [6], "data_offsets": header["view"]["data_offsets"]}
+    ends = [header[k]["data_offsets"] for k in sorted(tensors)]
+    assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+    back = st_load(data)
+    assert sorted(back) == sorted(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_safetensors_file_refusals():
+    big = torch.arange(8.0)
+    with pytest.raises(SnapshotError, match="share memory"):
+        safetensors_file({"a": big, "b": big})
+    with pytest.raises(SnapshotError, match="not contiguous"):
+        safetensors_file({"t": torch.zeros(2, 3).t()})
+    with pytest.raises(TypeError, match="dtype"):
+        safetensors_file({"c": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(TypeError, match="metadata must map str to str"):
+        safetensors_file({"a": big}, {"step": 3})
+    assert st_load(concat_bytes(safetensors_file({"a": big[:4], "b": big[4:]})))["b"].tolist() == [4, 5, 6, 7]
+
+
+# ------------------------------------------------------------------------------------------ torch_zip
+def _write(obj) -> bytes:
+    """``obj`` as snapckpt writes it: skeleton pickle plus one whole-storage record per storage."""
+    tensors = Z.collect_tensors(obj)
+    keys, refs, storages = {}, {}, {}
+    for t in tensors:
+        st = t.untyped_storage()
+        key = keys.setdefault(st.data_ptr() or id(t), str(len(keys)))
+        storages[key] = st
+        refs[id(t)] = Z.TensorRef(key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                                  location_tag(st), st.nbytes() // t.element_size())
+    data_pkl, used = Z.pickle_skeleton(obj, refs)
+    assert used == sorted(set(used), key=used.index)  # first-use order, each once
+    buf = io.BytesIO()
+    Z.write_torch_file(buf, data_pkl, [(k, storages[k], storages[k].nbytes()) for k in used])
+    return buf.getvalue()
+
+
+def _torch_save(obj) -> bytes:
+    """``torch.save`` with zip CRC-32 fields off, the setting snapckpt's writer documents it matches."""
+    buf = io.BytesIO()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(obj, buf)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    return buf.getvalue()
+
+
+def _distinct_storage_state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "weight": torch.nn.Parameter(torch.randn(4, 3, generator=g)),
+        "frozen": torch.nn.Parameter(torch.randn(2, generator=g), requires_grad=False),
+        "transposed": torch.randn(3, 5, generator=g).t(),
+        "channels_last": torch.randn(1, 2, 3, 3, generator=g).to(memory_format=torch.channels_last),
+        "bf16": torch.ones(3, dtype=torch.bfloat16), "f16": torch.zeros(2, dtype=torch.float16),
+        "int": torch.arange(5), "bool": torch.tensor([True, False]),
+        "complex": torch.randn(2, dtype=torch.complex64, generator=g),
+        "empty": torch.empty(0), "scalar": torch.tensor(3.5),
+        "nested": [(torch.ones(2), {"k": torch.zeros(1, dtype=torch.int8)})],
+        "ordered": collections.OrderedDict(a=torch.arange(3.0), b=(1, 2.5, "s", None, True)),
+        "plain": {"step": 7, "lr": 1e-3, "name": "run"},
+    }
+
+
+def test_archive_is_byte_equal_to_torch_save_when_storages_are_distinct():
+    state = _distinct_storage_state()
+    ours = _write(state)
+    assert ours == _torch_save(state)
+    back = torch.load(io.BytesIO(ours), weights_only=True)
+    assert type(back["weight"]) is torch.nn.Parameter and back["weight"].requires_grad
+    assert back["frozen"].requires_grad is False
+    assert back["transposed"].stride() == state["transposed"].stride()
+    assert back["channels_last"].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(back["complex"], state["complex"]) and back["bf16"].dtype == torch.bfloat16
+    assert back["plain"] == state["plain"] and back["ordered"]["b"] == (1, 2.5, "s", None, True)
+
+
+def test_shared_storages_load_equal_to_torch_save_with_the_same_sharing():
+    """With views of one storage the archive is not byte-equal (torch.save repeats the storage's
+    persistent id at each use, snapckpt's pickle memoizes it), but it loads to the same tensors, sharing
+    one storage exactly where torch.save's do."""
+    base = torch.arange(12, dtype=torch.float32)
+    state = {"base": base, "head": base[:4], "grid": base.view(3, 4), "other": torch.ones(2)}
+    ours = torch.load(io.BytesIO(_write(state)), weights_only=True)
+    ref = torch.load(io.BytesIO(_torch_save(state)), weights_only=True)
+    for k in state:
+        assert torch.equal(ours[k], ref[k]) and ours[k].stride() == ref[k].stride(), k
+    ptr = {k: v.untyped_storage().data_ptr() for k, v in ours.items()}
+    assert ptr["base"] == ptr["head"] == ptr["grid"] != ptr["other"]
+    ours["base"][0] = 100.0
+    assert ours["head"][0].item() == 100.0
+
+
+def test_collect_tensors_walks_like_pickle_and_dedups():
+    a, b = torch.ones(1), torch.zeros(1)
+    assert [id(t) for t in Z.collect_tensors({"x": [a, b, a], "y": (b,), "n": 3})] == [id(a), id(b)]
+
+
+@pytest.mark.parametrize("make,word", [
+    (lambda: torch.zeros(3, 3).to_sparse(), "layout"),
+    (lambda: torch.zeros(2, device="meta"), "meta tensor"),
+    (lambda: torch.randn(2, dtype=torch.complex64).conj(), "conj"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"),
+    (lambda: type("MyTensor", (torch.Tensor,), {})(), "MyTensor"),
+])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_unsupported_tensors_are_refused_with_the_fix(make, word):
+    with pytest.raises(SnapshotError, match=word):
+        Z.collect_tensors({"bad": make()})
+
+
+class _Opaque:
+    def __init__(self):
+        self.fn = lambda: None  # a lambda does not pickle
+
+
+def test_find_unpicklable_names_the_path_of_the_value():
+    state = {"model": {"w": torch.ones(1)}, "opt": [1, {"cfg": _Opaque()}]}
+    path, value, err = Z.find_unpicklable(state)
+    assert path == "state['opt'][1]['cfg'].fn" and callable(value) and isinstance(err, Exception)
+    assert Z.find_unpicklable({"ok": [torch.ones(2), 3]}) is None
+
+
+class Plain:  # a module-level class: it pickles, but weights_only refuses it
+    def __init__(self, v):
+        self.v = v
+
+
+def test_weights_only_refusal_and_memory_tier_unpickle():
+    plain = {"w": torch.arange(4.0), "n": 3}
+    tensors = Z.collect_tensors(plain)
+    t = tensors[0]
+    refs = {id(t): Z.TensorRef("0", 0, (4,), (1,), t.dtype, "cpu", 4)}
+    pkl, keys = Z.pickle_skeleton(plain, refs)
+    assert keys == ["0"] and Z.weights_only_refusal(pkl) is None
+    back = Z.unpickle_skeleton(pkl, {"0": t.untyped_storage()}, weights_only=True)
+    assert back["n"] == 3 and torch.equal(back["w"], plain["w"])
+
+    unsafe = {"obj": Plain(5)}
+    pkl, keys = Z.pickle_skeleton(unsafe, {})
+    assert keys == [] and "Plain" in Z.weights_only_refusal(pkl)
+    with pytest.raises(UnsafeCheckpointError, match="weights_only=False"):
+        Z.unpickle_skeleton(pkl, {}, weights_only=True)
+    assert Z.unpickle_skeleton(pkl, {}, weights_only=False)["obj"].v == 5

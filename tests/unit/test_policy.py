@@ -1,0 +1,147 @@
+"""The snapshot policy and the hook registry (snapckpt/engine/hooks.py): which tier each step gets, the
+validation of the intervals, and what the registry asks of its checkpointer (here a recording fake: no
+persister, no arena)."""
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError
+
+import pytest
+
+from snapckpt.engine.hooks import EVENT_KINDS, HookRegistry, SnapshotPolicy
+from snapckpt.events import Event, StorageType
+
+DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"memory_interval_steps": 0}, {"disk_interval_steps": -3}, {"disk_interval_steps": True},
+    {"memory_interval_steps": 2.0}, {"memory_interval_steps": "5"},
+    {"memory_interval_secs": 0}, {"disk_interval_secs": -1.0}, {"disk_interval_secs": float("nan")},
+    {"memory_interval_secs": "60"},
+])
+def test_invalid_intervals_are_refused(kwargs):
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=name):
+        SnapshotPolicy(**kwargs)
+
+
+def test_policy_is_frozen():
+    p = SnapshotPolicy(disk_interval_steps=10)
+    with pytest.raises(FrozenInstanceError):
+        p.disk_interval_steps = 5
+
+
+def test_step_intervals_disk_wins_when_both_are_due():
+    p = SnapshotPolicy(memory_interval_steps=2, disk_interval_steps=5)
+    got = {step: p.decide(step, 0.0, 0.0) for step in range(1, 11)}
+    assert got == {1: None, 2: MEMORY, 3: None, 4: MEMORY, 5: DISK, 6: MEMORY, 7: None, 8: MEMORY, 9: None,
+                   10: DISK}
+
+
+def test_time_intervals_use_the_elapsed_seconds_of_each_tier():
+    p = SnapshotPolicy(memory_interval_secs=10, disk_interval_secs=60)
+    assert p.decide(1, secs_since_snapshot=9.9, secs_since_disk=59.9) is None
+    assert p.decide(1, secs_since_snapshot=10.0, secs_since_disk=59.9) is MEMORY
+    assert p.decide(1, secs_since_snapshot=0.0, secs_since_disk=60.0) is DISK
+
+
+def test_default_policy_never_snapshots():
+    p = SnapshotPolicy()
+    assert [p.decide(s, 1e9, 1e9) for s in (0, 1, 100)] == [None, None, None]
+
+
+class FakeCheckpointer:
+    """Records what the registry calls; ``taken`` says whether a save's snapshot was taken."""
+
+    def __init__(self, taken: bool = True) -> None:
+        self.calls: list = []
+        self.listeners: list = []
+        self.taken = taken
+
+    def add_listener(self, fn) -> None:
+        self.listeners.append(fn)
+
+    def fence(self) -> None:
+        self.calls.append(("fence",))
+
+    def poll(self) -> None:
+        self.calls.append(("poll",))
+
+    def wait(self) -> None:
+        self.calls.append(("wait",))
+
+    def save(self, state, step, storage_type):
+        self.calls.append(("save", state, step, storage_type))
+        return type("Handle", (), {"snapshot_taken": self.taken})()
+
+    def emit(self, event: Event) -> None:
+        for fn in self.listeners:
+            fn(event)
+
+
+def test_step_end_saves_the_due_tier_and_polls_otherwise():
+    ck = FakeCheckpointer()
+    states = iter(range(100))
+    hooks = HookRegistry(ck, lambda: next(states), SnapshotPolicy(memory_interval_steps=2, disk_interval_steps=4))
+    hooks.before_optimizer_step()
+    for step in (1, 2, 3, 4):
+        hooks.step_end(step)
+    assert ck.calls == [("fence",), ("poll",), ("save", 0, 2, MEMORY), ("poll",), ("save", 1, 4, DISK)]
+
+
+def test_state_fn_is_called_only_when_a_snapshot_is_due():
+    ck = FakeCheckpointer()
+    called = []
+    hooks = HookRegistry(ck, lambda: called.append(1) or {}, SnapshotPolicy(disk_interval_steps=3))
+    for step in range(1, 7):
+        hooks.step_end(step)
+    assert len(called) == 2
+
+
+def test_train_end_saves_the_last_step_to_disk_only_if_it_is_not_there():
+    ck = FakeCheckpointer()
+    hooks = HookRegistry(ck, lambda: "S", SnapshotPolicy(disk_interval_steps=2, save_on_train_end=True))
+    hooks.step_end(1)
+    hooks.step_end(2)  # on disk already
+    hooks.train_end()
+    assert [c for c in ck.calls if c[0] != "poll"] == [("save", "S", 2, DISK), ("wait",)]
+    hooks.step_end(3)
+    ck.calls.clear()
+    hooks.train_end()
+    assert ck.calls == [("save", "S", 3, DISK), ("wait",)]
+
+
+def test_a_skipped_snapshot_does_not_count_as_the_last_disk_save():
+    ck = FakeCheckpointer(taken=False)  # e.g. on_slot_busy="skip"
+    hooks = HookRegistry(ck, lambda: "S", SnapshotPolicy(disk_interval_steps=1, save_on_train_end=True))
+    hooks.step_end(1)
+    ck.calls.clear()
+    hooks.train_end()
+    assert ck.calls == [("save", "S", 1, DISK), ("wait",)]
+
+
+def test_train_end_without_steps_or_option_only_waits():
+    ck = FakeCheckpointer()
+    HookRegistry(ck, lambda: "S", SnapshotPolicy(save_on_train_end=True)).train_end()
+    ck2 = FakeCheckpointer()
+    h2 = HookRegistry(ck2, lambda: "S", SnapshotPolicy())
+    h2.step_end(7)
+    h2.train_end()
+    assert ck.calls == [("wait",)] and ck2.calls == [("poll",), ("wait",)]
+
+
+def test_callbacks_receive_their_kind_only_and_can_be_removed():
+    ck = FakeCheckpointer()
+    hooks = HookRegistry(ck, dict, SnapshotPolicy())
+    got = []
+    remove = hooks.on("committed", lambda e: got.append(("c", e.step)))
+    hooks.on("failed", lambda e: got.append(("f", e.step)))
+    ck.emit(Event("committed", 1, DISK, 0))
+    ck.emit(Event("snapshot_taken", 2, MEMORY, 0))
+    ck.emit(Event("failed", 3, DISK, 0, error=OSError("x")))
+    remove()
+    ck.emit(Event("committed", 4, DISK, 0))
+    assert got == [("c", 1), ("f", 3)]
+    with pytest.raises(ValueError, match="unknown event 'commited'"):
+        hooks.on("commited", print)
+    assert set(EVENT_KINDS) == {"snapshot_taken", "committed", "skipped", "slot_wait", "failed"}

@@ -1,0 +1,150 @@
+"""The control protocol between a training process and the node persister
+(snapckpt/persister/protocol.py): JSON lines only, a fixed typed schema per op, refusal of any record that
+does not match it, and errors carried across the process boundary as records rebuilt with their type."""
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from snapckpt import errors
+from snapckpt.persister import protocol as P
+from snapckpt.persister.protocol import ProtocolError
+
+#: A value of each field type of the schema (int for an int/float field: JSON has no int/float split).
+SAMPLE = {int: 7, str: "s", bool: True, list: [0, 1], dict: {}, (int, float): 1.5}
+
+
+def good_request(op: str) -> dict:
+    return {"op": op, **{name: SAMPLE[typ] for name, typ in P.REQUESTS[op].items()}}
+
+
+@pytest.mark.parametrize("op", sorted(P.REQUESTS))
+def test_every_op_round_trips_through_one_json_line_and_validates(op):
+    msg = good_request(op)
+    line = P.encode(msg)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert b"pickle" not in line and line[:1] == b"{"
+    back = P.decode(line)
+    assert back == msg
+    assert P.validate_request(back) == op
+
+
+def test_encode_refuses_a_message_over_the_size_limit():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        P.encode({"op": "fail", "message": "x" * P.MAX_MESSAGE_NBYTES})
+    assert len(P.encode({"op": "ping", "pad": "x" * 1000})) < P.MAX_MESSAGE_NBYTES
+
+
+@pytest.mark.parametrize("line", [b"not json\n", b"\xff\xfe\n", b"{\"op\": \n", b"[" * 100_000 + b"]" * 100_000])
+def test_decode_refuses_non_json_with_a_protocol_error(line):
+    with pytest.raises(ProtocolError, match="not JSON") as ei:
+        P.decode(line)
+    assert ei.value.__cause__ is not None  # chained to the parser's error
+
+
+@pytest.mark.parametrize("line", [b"[1, 2]\n", b"\"ping\"\n", b"3\n", b"null\n"])
+def test_decode_refuses_json_that_is_not_an_object(line):
+    with pytest.raises(ProtocolError, match="not a JSON object"):
+        P.decode(line)
+
+
+@pytest.mark.parametrize("msg", [{}, {"op": "launch_missiles"}, {"op": 3}, {"op": None}, {"op": ["ping"]}])
+def test_unknown_or_missing_op_is_refused(msg):
+    with pytest.raises(ProtocolError, match="unknown op"):
+        P.validate_request(msg)
+
+
+def test_missing_and_extra_fields_are_refused():
+    msg = good_request("acquire")
+    del msg["nbytes"]
+    with pytest.raises(ProtocolError, match="fields"):
+        P.validate_request(msg)
+    msg = good_request("acquire")
+    msg["path"] = "/etc/passwd"
+    with pytest.raises(ProtocolError, match="fields"):
+        P.validate_request(msg)
+    with pytest.raises(ProtocolError, match="fields"):
+        P.validate_request({"op": "ping", "extra": 1})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("step", True),        # a bool is an int in Python, never in the protocol
+    ("step", 1.0),         # a float where an int is required
+    ("step", "1"),
+    ("step", None),
+    ("nbytes", [1]),
+])
+def test_mistyped_int_fields_are_refused(field, value):
+    msg = good_request("acquire")
+    msg[field] = value
+    with pytest.raises(ProtocolError, match=repr(field)):
+        P.validate_request(msg)
+
+
+def test_bool_float_and_list_fields_are_strictly_typed():
+    ready = good_request("ready")
+    ready["persist"] = 1  # an int where a bool is required
+    with pytest.raises(ProtocolError, match="'persist'"):
+        P.validate_request(ready)
+    hello = good_request("hello")
+    hello["commit_timeout_secs"] = 30  # an int is a valid float field
+    assert P.validate_request(hello) == "hello"
+    hello["commit_timeout_secs"] = False  # but not a bool
+    with pytest.raises(ProtocolError, match="got a bool"):
+        P.validate_request(hello)
+    hello = good_request("hello")
+    hello["local_ranks"] = "0,1"
+    with pytest.raises(ProtocolError, match="'local_ranks'"):
+        P.validate_request(hello)
+
+
+def test_protocol_error_is_a_persister_error():
+    assert issubclass(ProtocolError, errors.PersisterError)
+    assert issubclass(ProtocolError, errors.SnapckptError) and issubclass(ProtocolError, Exception)
+
+
+def test_os_error_round_trips_with_errno_subclass_and_filename():
+    rec = P.error_record(PermissionError(errno.EACCES, "Permission denied", "/ckpt/step_1"))
+    assert rec == {"type": "PermissionError", "message": "Permission denied", "errno": errno.EACCES,
+                   "filename": "/ckpt/step_1"}
+    json.dumps(rec)  # JSON-safe
+    exc = P.error_from_record(rec, context="rank 1, step 5")
+    assert type(exc) is PermissionError  # OSError(errno) picks the subclass
+    assert exc.errno == errno.EACCES and exc.filename == "/ckpt/step_1"
+    assert exc.__notes__ == ["rank 1, step 5"]
+    lost = P.error_from_record(P.error_record(FileNotFoundError(errno.ENOENT, "No such file")))
+    assert type(lost) is FileNotFoundError and lost.filename is None
+
+
+def test_snapckpt_and_builtin_errors_keep_their_type():
+    exc = P.error_from_record(P.error_record(errors.CommitTimeoutError("ranks [1] missing")))
+    assert type(exc) is errors.CommitTimeoutError and str(exc) == "ranks [1] missing"
+    exc = P.error_from_record(P.error_record(ValueError("bad tag")))
+    assert type(exc) is ValueError and str(exc) == "bad tag"
+    assert not hasattr(exc, "__notes__")  # no context given, no errno hint
+
+
+@pytest.mark.parametrize("typ", ["NoSuchError", "UnicodeDecodeError", "SystemExit", "KeyboardInterrupt", "int"])
+def test_unknown_odd_or_non_exception_types_become_persist_error(typ):
+    """A type this process does not know, a builtin with an unusual constructor, a BaseException that is
+    not an Exception, and a builtin that is no exception at all: all become PersistError naming the type."""
+    exc = P.error_from_record({"type": typ, "message": "boom", "errno": None, "filename": None})
+    assert type(exc) is errors.PersistError
+    assert str(exc) == f"{typ}: boom"
+
+
+@pytest.mark.parametrize("code,word", [(errno.ENOSPC, "ENOSPC"), (errno.EDQUOT, "EDQUOT"), (errno.EFBIG, "EFBIG")])
+def test_disk_full_errors_carry_a_remediation_note(code, word):
+    exc = P.error_from_record(P.error_record(OSError(code, "no room")), context="step 3")
+    assert isinstance(exc, OSError) and exc.errno == code
+    assert exc.__notes__[0] == "step 3"
+    assert exc.__notes__[1].startswith(word) and "previous checkpoint is intact" in exc.__notes__[1]
+
+
+def test_ok_and_fail_responses():
+    assert P.ok(slot=2) == {"ok": True, "slot": 2}
+    resp = P.fail(errors.SlotBusyError("all slots held"))
+    assert resp["ok"] is False and resp["error"]["type"] == "SlotBusyError"
+    assert P.decode(P.encode(resp)) == resp
