@@ -41,9 +41,9 @@ import torch
 
 from snapckpt import Checkpointer, SaveHandle, StorageType
 from snapckpt.formats import RawBytes, TorchSave, safetensors_file
-from snapckpt.engine.checkpointer import check_step
+from snapckpt import check_step
 
-from snapckpt.integrations.transformers.files import respec, torch_bytes
+from snapckpt.integrations.transformers.files import torch_bytes
 
 __all__ = ["AcceleratorCheckpointer"]
 
@@ -86,7 +86,7 @@ class AcceleratorCheckpointer:
         """
         check_step(step)
         files = self._files(step)
-        return self.checkpointer._save_files(files, step, storage_type, dirname=self.dirname(step),
+        return self.checkpointer.save_files(files, step, storage_type, dirname=self.dirname(step),
                                              tracker_name=None)
 
     def _files(self, step: int) -> Dict[str, Any]:
@@ -156,14 +156,13 @@ class AcceleratorCheckpointer:
             return None
 
         try:
-            files, cand = ck._load_with(probe)
+            files, cand = ck.load_with(probe)
         except CheckpointNotFoundError:
             return None
         path = os.path.join(ck.checkpoint_dir, self.dirname(cand.step))
         if files is not None and not os.path.isdir(path):
             log.warning("the newest snapshot, step %d, is held in memory only; writing it to %s", cand.step, path)
-            ck._save_files(respec(files), cand.step, StorageType.DISK, dirname=self.dirname(cand.step),
-                           tracker_name=None).wait()
+            ck.write_out(files, cand.step, self.dirname(cand.step))
         self.accelerator.load_state(path, **load_kwargs)
         return path
 

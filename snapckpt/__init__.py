@@ -4,10 +4,13 @@ At a step boundary each rank's state is copied into host shared memory (a *snaps
 at once, and one persister process per node writes the snapshot to storage in the framework's own
 format and commits it crash-safely. A restarted job resumes from the freshest tier, memory or disk.
 
-Public names are listed in ``__all__``; everything else may change.
+Public names are listed in ``__all__``; everything else may change. The integration seam (what
+``snapckpt.integrations`` builds on) is public too: ``Checkpointer.save_files``, ``Checkpointer.load_with``
+and its :class:`LoadCandidate`, ``Checkpointer.coordinator``, ``Checkpointer.storage``,
+``Checkpointer.verify_directory``, ``Checkpointer.write_out`` and :func:`check_step`.
 """
 from snapckpt import rng
-from snapckpt.engine.checkpointer import Checkpointer, LoadInfo
+from snapckpt.engine.checkpointer import Checkpointer, LoadCandidate, LoadInfo, check_step
 from snapckpt.errors import SnapckptError
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.engine.handle import SaveHandle
@@ -19,12 +22,14 @@ __all__ = [
     "CheckpointOptions",
     "Event",
     "HookRegistry",
+    "LoadCandidate",
     "LoadInfo",
     "SaveHandle",
     "SaveStats",
     "SnapckptError",
     "SnapshotPolicy",
     "StorageType",
+    "check_step",
     "rng",
 ]
 

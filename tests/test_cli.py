@@ -139,7 +139,7 @@ def test_cli_ls_lists_two_tags_committed_at_one_step(snap_env):
     with Checkpointer(d, **OPTS) as ck:
         ck.save(small_state(11), 11).wait(timeout=30)
         for tag in ("same", "m"):
-            ck._save_files({"rank_00000.pt": small_state(12)}, 12, StorageType.DISK, dirname=tag,
+            ck.save_files({"rank_00000.pt": small_state(12)}, 12, StorageType.DISK, dirname=tag,
                            tracker_name="latest", tracker_content=tag).wait(timeout=30)
     r = cli("ls", d)
     assert r.returncode == 0, r.stderr
@@ -317,7 +317,7 @@ def test_cli_inspect_other_formats_and_usage_errors(snap_env):
              "__0_0.distcp": RawBytes(b"DCP" + fake_distcp.getvalue() + b"tail"),
              "metadata.json": RawBytes(b'{"a": 1}')}
     with Checkpointer(d, **OPTS) as ck:
-        ck._save_files(files, 3, "disk", dirname="iter_0000003", tracker_name=None).wait(timeout=30)
+        ck.save_files(files, 3, "disk", dirname="iter_0000003", tracker_name=None).wait(timeout=30)
     r = cli("inspect", d, "3")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = inspect_rows(r.stdout)

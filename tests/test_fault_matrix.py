@@ -304,10 +304,11 @@ def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
     """The storage seam fails exactly its phase (with the errno, for the selected rank and step only) and
     a fault-point spec is parsed strictly; with no knob set the persister gets a plain PosixStorage."""
     import snapckpt._internal.faultpoints as SF
+    import snapckpt._testing.faulty_storage as FS
     from snapckpt.storage import PosixStorage
 
     monkeypatch.delenv("SNAPCKPT_FAULT_STORAGE", raising=False)
-    assert type(SF.storage(fsync=False, rank=0, step=1)) is PosixStorage
+    assert type(FS.storage(fsync=False, rank=0, step=1)) is PosixStorage
     d = str(tmp_path)
     calls = {"open": lambda s: s.open_write(f"{d}/a").close(),
              "write": lambda s: s.open_write(f"{d}/b").write(b"x" * 10),
@@ -320,9 +321,9 @@ def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
     for phase in PHASES:
         monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", F.storage_env(phase, errno.EIO, rank=1, step=3,
                                                                    after_bytes=4)["SNAPCKPT_FAULT_STORAGE"])
-        assert type(SF.storage(fsync=False, rank=0, step=3)) is PosixStorage  # another rank
-        assert type(SF.storage(fsync=False, rank=1, step=2)) is PosixStorage  # another step
-        s = SF.storage(fsync=False, rank=1, step=3)
+        assert type(FS.storage(fsync=False, rank=0, step=3)) is PosixStorage  # another rank
+        assert type(FS.storage(fsync=False, rank=1, step=2)) is PosixStorage  # another step
+        s = FS.storage(fsync=False, rank=1, step=3)
         for other, call in calls.items():
             open(f"{d}/a", "wb").close()
             also = {"open": {"write"}, "fsync": {"part_marker", "manifest", "tracker"}}.get(phase, set())
@@ -333,7 +334,7 @@ def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
             else:
                 call(s)
     monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", "@" + f"{d}/no-plan-yet")
-    assert type(SF.storage(fsync=False, rank=1, step=3)) is PosixStorage
+    assert type(FS.storage(fsync=False, rank=1, step=3)) is PosixStorage
     for bad in ("persist.nowhere", "commit.before_rename:rank=x", "commit.before_rename:when=1"):
         with pytest.raises(ValueError, match="SNAPCKPT_FAULT_POINT"):
             SF._parse(bad)

@@ -1,5 +1,5 @@
 """File specs for integrations: several native files per rank, raw and safetensors files, memory-only
-files, no tracker, and the collective ``_load_with`` fallback from one tier to the other."""
+files, no tracker, and the collective ``load_with`` fallback from one tier to the other."""
 import json
 import os
 
@@ -33,7 +33,7 @@ def test_native_files_round_trip_both_tiers(snap_env):
         "mirror.pt": MemoryOnly({"w": model[0].weight}),
     }
     with Checkpointer(snap_env.ckpt_dir) as ck:
-        h = ck._save_files(files, 3, StorageType.DISK, dirname="checkpoint-3", tracker_name=None)
+        h = ck.save_files(files, 3, StorageType.DISK, dirname="checkpoint-3", tracker_name=None)
         with torch.no_grad():  # contract 1: the files hold the values at save time
             for p in model.parameters():
                 p.add_(100.0)
@@ -69,7 +69,7 @@ def test_native_files_round_trip_both_tiers(snap_env):
             cand.verify()
             return cand.files()
 
-        files, cand = ck._load_with(read)
+        files, cand = ck.load_with(read)
         assert seen == [StorageType.MEMORY, StorageType.DISK]
         assert cand.tier == StorageType.DISK and cand.path == d and cand.step == 3 and cand.dirname == "checkpoint-3"
         assert "mirror.pt" not in files and files["model.safetensors"] == open(
@@ -79,7 +79,7 @@ def test_native_files_round_trip_both_tiers(snap_env):
 def test_empty_part_and_bad_specs(snap_env):
     model, big = _state()
     with Checkpointer(snap_env.ckpt_dir) as ck:
-        ck._save_files({}, 1, StorageType.DISK, dirname="empty", tracker_name="latest",
+        ck.save_files({}, 1, StorageType.DISK, dirname="empty", tracker_name="latest",
                        tracker_content="empty").wait()
         assert open(os.path.join(snap_env.ckpt_dir, "latest")).read() == "empty"
         assert os.listdir(os.path.join(snap_env.ckpt_dir, "empty")) == [".snapckpt"]
@@ -88,19 +88,19 @@ def test_empty_part_and_bad_specs(snap_env):
         with pytest.raises(SnapshotError, match="share memory"):
             safetensors_file({"a": big, "b": big})
         with pytest.raises(ValueError, match="one path component"):
-            ck._save_files({"../x.pt": {}}, 2, StorageType.DISK, dirname="d2", tracker_name=None)
+            ck.save_files({"../x.pt": {}}, 2, StorageType.DISK, dirname="d2", tracker_name=None)
         with pytest.raises(ValueError, match="one path component"):
-            ck._save_files({".snapckpt": {}}, 2, StorageType.DISK, dirname="d2", tracker_name=None)
+            ck.save_files({".snapckpt": {}}, 2, StorageType.DISK, dirname="d2", tracker_name=None)
         with pytest.raises(ValueError, match="single directory name"):
-            ck._save_files({"x.pt": {}}, 2, StorageType.DISK, dirname="../d2", tracker_name=None)
+            ck.save_files({"x.pt": {}}, 2, StorageType.DISK, dirname="../d2", tracker_name=None)
 
 
 def test_hidden_native_file_names(snap_env):
     """Native layouts use hidden names (torch DCP's ``.metadata``): written and listed in the manifest."""
     with Checkpointer(snap_env.ckpt_dir) as ck:
-        ck._save_files({".metadata": RawBytes(b"meta")}, 1, StorageType.DISK, dirname="iter_0000001",
+        ck.save_files({".metadata": RawBytes(b"meta")}, 1, StorageType.DISK, dirname="iter_0000001",
                        tracker_name=None).wait()
         d = os.path.join(snap_env.ckpt_dir, "iter_0000001")
         assert open(os.path.join(d, ".metadata"), "rb").read() == b"meta"
-        files, _ = ck._load_with(lambda c: c.files())
+        files, _ = ck.load_with(lambda c: c.files())
         assert files == {".metadata": b"meta"}

@@ -370,16 +370,16 @@ def test_security_odd_tags_round_trip_and_escapes_refused(snap_env):
         for kw in (dict(dirname="../escape"), dict(dirname="/abs"), dict(dirname="a\x00b"),
                    dict(dirname="ok", tracker_name="../latest"), dict(dirname="ok", tracker_name="/tmp/x")):
             with pytest.raises(ValueError):
-                ck._save_files({"rank_00000.pt": {"w": torch.ones(3)}}, 4, StorageType.DISK,
+                ck.save_files({"rank_00000.pt": {"w": torch.ones(3)}}, 4, StorageType.DISK,
                                **{"tracker_name": "latest", "tracker_content": "x", **kw})
         for name in ("../x.pt", "/etc/x.pt", "a/b.pt", "nul\x00.pt", ".snapckpt/manifest.json",
                      ".snapckpt/part_00000.json", ".snapckpt", "..", ".snapckpt/../../x"):
             with pytest.raises(ValueError):
-                ck._save_files({name: {"w": torch.ones(3)}}, 4, StorageType.DISK, dirname="ok",
+                ck.save_files({name: {"w": torch.ones(3)}}, 4, StorageType.DISK, dirname="ok",
                                tracker_name=None)
         assert set(os.listdir(parent)) == before and not os.path.exists(os.path.join(d, "ok"))
         for i, tag in enumerate(ODD_TAGS):
-            ck._save_files({"rank_00000.pt": {"w": torch.full((5,), float(i))}}, 10 + i, StorageType.DISK,
+            ck.save_files({"rank_00000.pt": {"w": torch.full((5,), float(i))}}, 10 + i, StorageType.DISK,
                            dirname=tag, tracker_name="latest", tracker_content=tag).wait()
             assert os.path.isfile(os.path.join(d, tag, MANIFEST))
             with open(os.path.join(d, "latest"), encoding="utf-8") as f:
@@ -390,7 +390,7 @@ def test_security_odd_tags_round_trip_and_escapes_refused(snap_env):
     assert wait_until(lambda: not snap_env.persisters(), 15)
     with Checkpointer(d, **OPTS) as ck:  # a new persister: memory is gone, disk remains
         for i, tag in enumerate(ODD_TAGS):
-            out, cand = ck._load_with(lambda c: c.files(), dirname=tag)
+            out, cand = ck.load_with(lambda c: c.files(), dirname=tag)
             assert cand.tier == StorageType.DISK and torch.equal(out["rank_00000.pt"]["w"],
                                                                 torch.full((5,), float(i))), tag
     on_disk = torch.load(os.path.join(d, ODD_TAGS[-1], "rank_00000.pt"), weights_only=True)

@@ -52,7 +52,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from snapckpt import rng
-from snapckpt.engine.checkpointer import Checkpointer, LoadCandidate, LoadInfo
+from snapckpt import Checkpointer, LoadCandidate, LoadInfo
 from snapckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, SnapckptError, UnsafeCheckpointError
 from snapckpt.events import StorageType
 from snapckpt.formats import MemoryOnly, TorchSave
@@ -273,7 +273,7 @@ class DeepSpeedCheckpointer:
         # a MEMORY snapshot carries the tracker too: it is only ever applied if the persister flushes the
         # snapshot to disk after a crash, and then `latest` must name it for stock DeepSpeed to find it
         tracker = TRACKER if p.save_latest else None
-        self.last_handle = self._checkpointer._save_files(
+        self.last_handle = self._checkpointer.save_files(
             files, int(self.engine.global_steps), tier, dirname=p.tag, tracker_name=tracker, tracker_content=p.tag)
 
     # -------------------------------------------------------------------------------------- save
@@ -355,10 +355,10 @@ class DeepSpeedCheckpointer:
                                                   "are loaded with tag=None)")
                 if not os.path.exists(os.path.join(self.checkpoint_dir, tag, SIDECAR, "manifest.json")):
                     return self._native_load(self.checkpoint_dir, tag, kwargs)  # DeepSpeed wrote it itself
-                result, _ = self._checkpointer._load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
+                result, _ = self._checkpointer.load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
                                                           check=self._check_candidate)
                 return result
-            result, _ = self._checkpointer._load_with(lambda c: self._load_candidate(c, kwargs),
+            result, _ = self._checkpointer.load_with(lambda c: self._load_candidate(c, kwargs),
                                                       check=self._check_candidate)
             self._warn_missing_tracker_tag()  # once something else was loaded: "instead" is then true
             return result

@@ -18,12 +18,12 @@ A save (collective, every rank):
 3. a ``MemoryOnly`` record ``snapckpt_memory.pt`` lets every rank reload its own shards from memory
    (the tensors it wrote itself are read back from its ``.distcp`` bytes; the replicas it did not write,
    its sharded objects and the common state are kept in the record);
-4. ``Checkpointer._save_files``: the copy into the arena; the persister writes and commits.
+4. ``Checkpointer.save_files``: the copy into the arena; the persister writes and commits.
 
 A MEMORY save (``storage_type=MEMORY`` or ``non_persistent_ckpt=True``) skips the DCP planning (no
 collective): the snapshot is the record of step 3 with every tensor.
 
-A load agrees on the newest step with every rank (``Checkpointer._load_with``): from memory the record is
+A load agrees on the newest step with every rank (``Checkpointer.load_with``): from memory the record is
 mapped back onto a fresh sharded state dict (same parallel layout only; any mismatch falls back to disk);
 from disk through stock ``megatron.core.dist_checkpointing.load``, which reshards (e.g. DP=2 to TP=2).
 snapckpt's directories of another world size are loaded the same way, newest intact first, once every
@@ -45,11 +45,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from snapckpt import Checkpointer, StorageType
-from snapckpt.engine.checkpointer import LoadInfo, check_step
+from snapckpt import LoadInfo, check_step
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
                              all_damaged_error)
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave
-from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, check_checksums, list_committed, parse_manifest
+from snapckpt.ondisk.manifest import SIDECAR, list_committed
 
 from snapckpt.integrations.megatron.torch_dist import ArenaDistcpWriter
 from snapckpt.integrations.megatron.memory import MEMORY_FILE, from_memory, memory_record
@@ -79,7 +79,7 @@ def get_checkpointer(checkpoint_dir: str, **options: Any) -> Checkpointer:
     """
     key = os.path.abspath(checkpoint_dir)
     ck = _checkpointers.get(key)
-    if ck is None or ck._closed:
+    if ck is None or ck.closed:
         options.setdefault("weights_only", False)
         ck = _checkpointers[key] = Checkpointer(key, **options)
     return ck
@@ -89,7 +89,7 @@ def fence() -> None:
     """Wait for the in-flight snapshot copies of every Checkpointer of this module: call it before
     ``optimizer.step()`` when the Checkpointer runs with ``overlap=True`` (a no-op otherwise)."""
     for ck in list(_checkpointers.values()):
-        if not ck._closed:
+        if not ck.closed:
             ck.fence()
 
 
@@ -237,7 +237,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     cache = _plan_caches.setdefault(ck.checkpoint_dir, _PlanCache()) if assume_constant_structure else None
     files = _step_files(sd, os.path.join(ck.checkpoint_dir, dirname), storage_type, ck.rank,
                         validate_access_integrity, preprocess_common_state_dict_fn, thread_count, cache)
-    return ck._save_files(files, iteration, storage_type, dirname=dirname, tracker_name=TRACKER,
+    return ck.save_files(files, iteration, storage_type, dirname=dirname, tracker_name=TRACKER,
                           tracker_content="release" if release else str(iteration))
 
 
@@ -258,7 +258,7 @@ def _split_options(kwargs: Dict[str, Any], where: str) -> Dict[str, Any]:
 def _context_checkpointer(context: Optional[dict], directory: str, options: Dict[str, Any]) -> Checkpointer:
     if context is not None:
         ck = context.get("snapckpt")
-        if ck is not None and not ck._closed and ck.checkpoint_dir == os.path.abspath(directory):
+        if ck is not None and not ck.closed and ck.checkpoint_dir == os.path.abspath(directory):
             return ck
     ck = get_checkpointer(directory, **options)
     if context is not None:
@@ -269,9 +269,7 @@ def _context_checkpointer(context: Optional[dict], directory: str, options: Dict
 # ------------------------------------------------------------------------------------------ load
 def _agree(ck: Checkpointer, name: str, error: Optional[BaseException]) -> None:
     """All ranks learn whether any rank failed before a collective load starts (so none is left in it)."""
-    everyone = ck._coord.all_gather(name, {"error": "" if error is None else f"{type(error).__name__}: {error}"},
-                                    ck.options.coordination_timeout_secs)
-    bad = {r: p["error"] for r, p in enumerate(everyone) if p["error"]}
+    bad = ck.coordinator.agree(name, error)
     if bad:
         if error is not None:
             raise error
@@ -328,7 +326,7 @@ def _agreed_tracker(ck: Checkpointer) -> Dict[str, Any]:
             mine = _read_tracker(ck.checkpoint_dir)
         except CheckpointCorruptError as e:
             mine = {"error": str(e)}
-    theirs = ck._coord.all_gather("megatron-tracker", mine, ck.options.coordination_timeout_secs)[0]
+    theirs = ck.coordinator.gather("megatron-tracker", mine)[0]
     if "error" in theirs:
         raise CheckpointCorruptError(theirs["error"])
     return theirs
@@ -343,10 +341,10 @@ def _other_world_sizes(ck: Checkpointer) -> Dict[str, Any]:
     if ck.rank == 0:
         problems: List[str] = []
         dirs = [[c.step, c.dirname, c.manifest["world_size"]]
-                for c in list_committed(ck._storage, ck.checkpoint_dir, problems=problems)
+                for c in list_committed(ck.storage, ck.checkpoint_dir, problems=problems)
                 if c.manifest["world_size"] != ck.world_size]
         mine = {"dirs": sorted(dirs, reverse=True), "damaged": problems}
-    return ck._coord.all_gather("megatron-other-ws", mine, ck.options.coordination_timeout_secs)[0]
+    return ck.coordinator.gather("megatron-other-ws", mine)[0]
 
 
 def _load_resharded(ck: Checkpointer, fresh: Callable[[Dict[str, Any]], Dict[str, Any]], strictness: str
@@ -370,18 +368,9 @@ def _load_resharded(ck: Checkpointer, fresh: Callable[[Dict[str, Any]], Dict[str
     refused: List[str] = []
     for step, dirname, ws in found["dirs"]:
         path = os.path.join(ck.checkpoint_dir, dirname)
-        error = ""
-        try:
-            m = parse_manifest(ck._storage.read_bytes(os.path.join(path, MANIFEST)), dirname)
-            for r in range(ck.rank, ws, ck.world_size):
-                check_checksums(ck._storage, path, m, rank=r)
-        except (CheckpointCorruptError, OSError) as e:
-            error = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
-        everyone = ck._coord.all_gather("megatron-reshard-verify", {"error": error},
-                                        ck.options.coordination_timeout_secs)
-        bad = [p["error"] for p in everyone if p["error"]]
+        bad = ck.verify_directory(path, dirname)
         if bad:
-            msg = f"iteration {step} ({dirname}, saved by {ws} ranks) is damaged: " + "; ".join(bad)
+            msg = f"iteration {step} ({dirname}, saved by {ws} ranks) is damaged: {bad}"
             log.warning("%s; trying the next older checkpoint", msg)
             refused.append(msg)
             continue
@@ -479,7 +468,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         source = f"directory {tracker['dirname']} written by megatron-core"
     else:
         try:
-            state, cand = ck._load_with(from_candidate)
+            state, cand = ck.load_with(from_candidate)
             source = f"{cand.tier.value} step {cand.step}"
         except (CheckpointNotFoundError, IncompatibleCheckpointError) as missed:
             e = missed  # handled below, outside this block: its traceback would not belong to what follows

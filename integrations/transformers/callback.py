@@ -27,7 +27,7 @@ How it plugs in (transformers 5.24, public callback events only):
    transformers' ``get_last_checkpoint`` only matches ``checkpoint-<digits>``, so auto-resume never picks
    an incomplete folder.
 5. Memory-tier resume: at ``on_init_end`` (Trainer construction, before ``train()`` looks for a
-   checkpoint) the ranks agree on the newest snapshot (:meth:`Checkpointer._load_with`). If it is held in
+   checkpoint) the ranks agree on the newest snapshot (:meth:`Checkpointer.load_with`). If it is held in
    memory only and is newer than every ``checkpoint-*`` folder, the callback writes it out as the native
    folder ``checkpoint-N`` and waits for the commit; ``train(resume_from_checkpoint=True)`` then resumes
    natively from it. (With ``flush_on_crash=True``, the default, the persister itself usually writes that
@@ -67,8 +67,8 @@ from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, In
                              all_damaged_error)
 from snapckpt.events import Event
 from snapckpt.formats import RawBytes
-from snapckpt.ondisk.manifest import MANIFEST, check_checksums, list_committed, parse_manifest
-from snapckpt.storage import PosixStorage
+from snapckpt.ondisk.manifest import list_committed
+from snapckpt.storage import open_storage
 
 from snapckpt.integrations.transformers import files as F
 from snapckpt.integrations.transformers import peft as P
@@ -287,7 +287,7 @@ class SnapckptCallback(TrainerCallback):
             files[F.TRAINER_STATE_NAME] = RawBytes(F.trainer_state_bytes(state, drop_last_log))
         if not args.save_only_model:
             files[F.rng_file_name(args.world_size, args.process_index)] = RawBytes(p.rng)
-        self.checkpointer._save_files(files, p.step, p.tier, dirname=f"{PREFIX}-{p.step}", tracker_name=None)
+        self.checkpointer.save_files(files, p.step, p.tier, dirname=f"{PREFIX}-{p.step}", tracker_name=None)
         self.stall_secs.append(time.perf_counter() - t0)
 
     def _set_best(self, args, state) -> None:
@@ -330,7 +330,7 @@ class SnapckptCallback(TrainerCallback):
         timeout = ck.options.coordination_timeout_secs
         # folders whose files no longer match their manifest's sizes (truncated by a power loss, a rank's
         # files gone) are no load candidates at all; rank 0 lists them for everyone
-        damaged: Dict[str, str] = ck._coord.all_gather(
+        damaged: Dict[str, str] = ck.coordinator.gather(
             "hf-size-damaged", {"d": self._size_damaged(args) if ck.rank == 0 else {}}, timeout)[0]["d"]
         refused: Dict[str, str] = {}  # snapckpt's disk candidates tried: this rank's error ("" if it verified)
         verified: set = set()  # folders every rank verified (its share) while probing a memory candidate
@@ -360,7 +360,7 @@ class SnapckptCallback(TrainerCallback):
 
         files, cand = None, None
         try:
-            files, cand = ck._load_with(probe)
+            files, cand = ck.load_with(probe)
         except (CheckpointNotFoundError, CheckpointCorruptError):
             pass  # no snapckpt candidate loads; the folders decide below (and name the damage)
         except IncompatibleCheckpointError as e:  # another world size: the Trainer's own resume copes
@@ -368,7 +368,7 @@ class SnapckptCallback(TrainerCallback):
                      "Trainer resumes from", e)
         loaded = cand.dirname if cand is not None and cand.tier == StorageType.DISK else None
         causes: Dict[str, List[str]] = {}
-        for p in ck._coord.all_gather("hf-refused", {"r": refused}, timeout):
+        for p in ck.coordinator.gather("hf-refused", {"r": refused}, timeout):
             for name, error in p["r"].items():
                 causes.setdefault(name, []).extend([error] if error else [])
         for name, errors in causes.items():
@@ -382,8 +382,7 @@ class SnapckptCallback(TrainerCallback):
             if ck.rank == 0:
                 log.warning("the newest intact checkpoint is step %d in memory; %s: writing it to %s", cand.step,
                             was, os.path.join(args.output_dir, name))
-            ck._save_files(F.respec(files), cand.step, StorageType.DISK, dirname=f"{PREFIX}-{cand.step}",
-                           tracker_name=None).wait()
+            ck.write_out(files, cand.step, f"{PREFIX}-{cand.step}")
             self.resumed_from = (cand.step, StorageType.MEMORY)
         trusted = {f"{PREFIX}-{cand.step}"} if files is not None else set(verified)
         if loaded is not None:
@@ -414,29 +413,16 @@ class SnapckptCallback(TrainerCallback):
                 log.warning("%s failed verification: %s", os.path.join(args.output_dir, name), error)
 
     def _verify_folder(self, args, name: str) -> str:
-        """Collective: verify the checksums of folder ``name`` against its snapckpt manifest, each rank a
-        share of its files; return every rank's errors joined (``""``: intact, or a folder the Trainer wrote
-        itself, without a manifest: a snapckpt one that lost its manifest is size-damaged, see
+        """Collective: ``checkpointer.verify_directory`` of folder ``name`` (``""``: intact, or the Trainer's
+        own folder without a manifest: a snapckpt one that lost its manifest is size-damaged, see
         :meth:`_size_damaged`)."""
-        ck = self.checkpointer
-        path = os.path.join(args.output_dir, name)
-        error = ""
-        if os.path.exists(os.path.join(path, MANIFEST)):
-            try:
-                m = parse_manifest(ck._storage.read_bytes(os.path.join(path, MANIFEST)), name,
-                                   source=os.path.join(path, MANIFEST))
-                share = dict(sorted(m["files"].items())[ck.rank::ck.world_size])
-                check_checksums(ck._storage, path, {**m, "files": share})
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        everyone = ck._coord.all_gather("hf-verified", {"error": error}, ck.options.coordination_timeout_secs)
-        return "; ".join(p["error"] for p in everyone if p["error"])
+        return self.checkpointer.verify_directory(os.path.join(args.output_dir, name), name)
 
     def _agreed_last_native(self, args, skip: set) -> Optional[str]:
         """Collective: :meth:`_last_native` as rank 0 sees the output directory, the same on every rank."""
         ck = self.checkpointer
         name = self._last_native(args, skip) if ck.rank == 0 else None
-        return ck._coord.all_gather("hf-native", {"name": name}, ck.options.coordination_timeout_secs)[0]["name"]
+        return ck.coordinator.gather("hf-native", {"name": name})[0]["name"]
 
     @staticmethod
     def _last_native(args, skip: set) -> Optional[str]:
@@ -453,7 +439,7 @@ class SnapckptCallback(TrainerCallback):
         a ``.snapckpt`` sidecar without a valid manifest): ``{folder name: what is wrong}``."""
         problems: List[str] = []
         if os.path.isdir(args.output_dir):
-            list_committed(PosixStorage(), args.output_dir, problems=problems)
+            list_committed(open_storage(args.output_dir), args.output_dir, problems=problems)
         out: Dict[str, str] = {}
         for p in problems:
             name, _, why = p.partition(": ")
@@ -473,7 +459,7 @@ class SnapckptCallback(TrainerCallback):
                 log.error("%s is damaged (%s); moved aside to %s so that the Trainer resumes from the newest "
                           "intact checkpoint", src, damaged[name], dst)
                 os.rename(src, dst)
-        ck._coord.all_gather("hf-damaged-done", {}, ck.options.coordination_timeout_secs)
+        ck.coordinator.gather("hf-damaged-done", {})
 
 
 _NATIVE = re.compile(rf"^{PREFIX}-(\d+)$")  # transformers' own pattern (trainer_utils._re_checkpoint)

@@ -1,6 +1,6 @@
 """The files of a Trainer ``checkpoint-N/`` folder, built as snapckpt file specs (no disk I/O here).
 
-Each builder returns ``{file name: spec}`` for :meth:`snapckpt.Checkpointer._save_files`; the node persister
+Each builder returns ``{file name: spec}`` for :meth:`snapckpt.Checkpointer.save_files`; the node persister
 writes them. The contents are those ``Trainer._save_checkpoint`` of transformers 5.24 writes:
 
 ==========================  ========================================  =====================================
@@ -36,14 +36,14 @@ import json
 import os
 import random
 import tempfile
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from snapckpt.formats import RawBytes, TorchSave, safetensors_file
 
-__all__ = ["model_files", "optimizer_file", "processing_class_files", "respec", "rng_file_name",
+__all__ = ["model_files", "optimizer_file", "processing_class_files", "rng_file_name",
            "rng_state_bytes", "scheduler_file", "torch_bytes", "trainer_state_bytes"]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -172,11 +172,6 @@ def processing_class_files(processing_class: Any) -> Dict[str, RawBytes]:
             with open(p, "rb") as f:
                 out[name] = RawBytes(f.read())
     return out
-
-
-def respec(files: Mapping[str, Any]) -> Dict[str, Any]:
-    """Files read back from a memory snapshot (``bytes`` or unpickled objects) as specs to save again."""
-    return {k: RawBytes(v) if isinstance(v, (bytes, bytearray)) else TorchSave(v) for k, v in files.items()}
 
 
 def optimizer_file(optimizer: Optional[Any]) -> Dict[str, Any]:

@@ -10,7 +10,7 @@ Knobs:
   SIGSTOPs) itself, with rank/step/occurrence selectors (syntax in :mod:`snapckpt._internal.faultpoints`).
 - ``SNAPCKPT_FAULT_STORAGE``: fault injection for tests: a JSON plan that makes the persister's storage
   fail in one phase (open, write, fsync, part marker, manifest, rename, tracker) with an errno
-  (:class:`snapckpt._internal.faultpoints.FaultyStorage`).
+  (:class:`snapckpt._testing.faulty_storage.FaultyStorage`).
 """
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ from snapckpt.ondisk.layout import STEP_DIR_PATTERN, TRACKER
 from snapckpt._internal.progress import byte_bar
 from snapckpt.ondisk.manifest import (MANIFEST, SIDECAR, check_checksums, check_sizes, list_committed, parse_manifest,
                        record_checksum)
-from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.base import StorageReader
+from snapckpt.storage.factory import open_storage
 
 __all__ = ["main"]
 
@@ -121,7 +122,7 @@ def _partial_row(path: str, name: str) -> Row:
     dirname, _, run_id = name[1:].rpartition(_PARTIAL)
     row = Row(dirname, "incomplete", nbytes=_dir_bytes(path))
     done, failed = [], []
-    for marker in PosixStorage().listdir(os.path.join(path, SIDECAR)):
+    for marker in open_storage().listdir(os.path.join(path, SIDECAR)):
         kind, _, rest = marker[:-len(".json")].partition("_")
         if not marker.endswith(".json") or kind not in ("part", "fail") or not rest.isdigit():
             continue
@@ -136,7 +137,7 @@ def _partial_row(path: str, name: str) -> Row:
     return row
 
 
-def _committed_row(reader: PosixStorage, path: str, name: str) -> Row:
+def _committed_row(reader: StorageReader, path: str, name: str) -> Row:
     row = Row(name, "damaged", nbytes=_dir_bytes(path))
     try:
         m = parse_manifest(reader.read_bytes(os.path.join(path, MANIFEST)), name)
@@ -162,7 +163,7 @@ def _committed_row(reader: PosixStorage, path: str, name: str) -> Row:
 
 def scan(d: str) -> Tuple[List[Row], int]:
     """Every checkpoint directory in ``d`` (sorted by step, then name) and how many others were seen."""
-    reader = PosixStorage()
+    reader = open_storage()
     rows, others = [], 0
     for name in reader.listdir(d):
         path = os.path.join(d, name)
@@ -223,7 +224,7 @@ def cmd_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # ---------------------------------------------------------------------------------------- verify
-def _verify_one(args: argparse.Namespace, reader: PosixStorage, c) -> List[str]:
+def _verify_one(args: argparse.Namespace, reader: StorageReader, c) -> List[str]:
     """Problems of one committed checkpoint, one per damaged file (empty when intact)."""
     files = c.manifest["files"]
     bad = _bad_records(c.manifest)
@@ -246,7 +247,7 @@ def _verify_one(args: argparse.Namespace, reader: PosixStorage, c) -> List[str]:
 
 def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     d = _checkpoint_dir(parser, args.dir)
-    reader = PosixStorage()
+    reader = open_storage()
     bad_manifests: List[str] = []
     committed = list_committed(reader, d, quick_check=False, problems=bad_manifests,
                                name_pattern=STEP_DIR_PATTERN)
@@ -385,7 +386,7 @@ def _inspect_file(args: argparse.Namespace, path: str, nbytes: int,
 
 def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     d = _checkpoint_dir(parser, args.dir)
-    reader = PosixStorage()
+    reader = open_storage()
     chosen = [c for c in list_committed(reader, d, quick_check=False) if c.step == args.step]
     if not chosen:
         committed = sorted({c.step for c in list_committed(reader, d, quick_check=False)})

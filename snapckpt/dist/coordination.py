@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from snapckpt.errors import CoordinationError, RankTimeoutError
 
@@ -22,10 +22,17 @@ __all__ = ["Coordinator", "LocalCoordinator", "StoreCoordinator", "make_coordina
 
 
 class Coordinator:
-    """All-gather of small JSON-able records among the ranks of a job."""
+    """All-gather of small JSON-able records among the ranks of a job, and the named operations built on
+    it (the integrations' coordination seam: ``ck.coordinator``).
+
+    Every operation is collective: all ranks call it, in the same order, with the same ``name`` (the name
+    only labels the round in errors). Payloads are JSON-able dicts of a few hundred bytes. ``timeout_secs``
+    defaults to :attr:`timeout_secs` (the Checkpointer's ``coordination_timeout_secs``).
+    """
 
     rank: int = 0
     world_size: int = 1
+    timeout_secs: float = 600.0
 
     def all_gather(self, name: str, payload: Dict[str, Any], timeout_secs: float) -> List[Dict[str, Any]]:
         """Post ``payload`` and return every rank's payload, indexed by rank.
@@ -34,6 +41,24 @@ class Coordinator:
             RankTimeoutError: some ranks did not post within ``timeout_secs`` (named in the message).
         """
         raise NotImplementedError
+
+    def gather(self, name: str, payload: Dict[str, Any], timeout_secs: Optional[float] = None
+               ) -> List[Dict[str, Any]]:
+        """:meth:`all_gather` with the default timeout: every rank's ``payload``, indexed by rank."""
+        return self.all_gather(name, payload, self.timeout_secs if timeout_secs is None else timeout_secs)
+
+    def broadcast(self, name: str, value: Any = None, timeout_secs: Optional[float] = None) -> Any:
+        """Rank 0's ``value`` (JSON-able) on every rank; other ranks' ``value`` is ignored. The way to let one
+        process decide what every rank then does (case C2: one rank looks at the shared filesystem)."""
+        return self.gather(name, {"v": value if self.rank == 0 else None}, timeout_secs)[0]["v"]
+
+    def agree(self, name: str, error: "Optional[BaseException | str]" = None,
+              timeout_secs: Optional[float] = None) -> Dict[int, str]:
+        """Every rank's error of one step, so that all ranks take the same branch afterwards: ``{rank:
+        "Type: message"}`` of the ranks that passed an error (``{}``: every rank succeeded)."""
+        text = "" if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+        everyone = self.gather(name, {"error": text}, timeout_secs)
+        return {r: p["error"] for r, p in enumerate(everyone) if p["error"]}
 
 
 class LocalCoordinator(Coordinator):
@@ -89,16 +114,20 @@ class StoreCoordinator(Coordinator):
 _instances = 0
 
 
-def make_coordinator(job: str) -> Coordinator:
+def make_coordinator(job: str, timeout_secs: float = 600.0) -> Coordinator:
     """A coordinator for a new Checkpointer of job ``job``: store-based when ``torch.distributed`` is
-    initialized, local otherwise. Every rank must create its Checkpointers in the same order."""
+    initialized, local otherwise; ``timeout_secs`` is its operations' default timeout. Every rank must
+    create its Checkpointers in the same order."""
     global _instances
     import torch.distributed as dist
 
     _instances += 1
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return LocalCoordinator()
-    from torch.distributed.distributed_c10d import _get_default_store
+        coord: Coordinator = LocalCoordinator()
+    else:
+        from torch.distributed.distributed_c10d import _get_default_store
 
-    return StoreCoordinator(_get_default_store(), dist.get_rank(), dist.get_world_size(),
-                            f"snapckpt/{job}/{_instances}/")
+        coord = StoreCoordinator(_get_default_store(), dist.get_rank(), dist.get_world_size(),
+                                 f"snapckpt/{job}/{_instances}/")
+    coord.timeout_secs = timeout_secs
+    return coord

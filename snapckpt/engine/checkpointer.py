@@ -28,11 +28,12 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.ondisk import layout
 from snapckpt import errors as error_types
 from snapckpt.engine.device_copy import CudaCopier, has_cuda_sources
-from snapckpt.dist.coordination import make_coordinator
+from snapckpt.dist.coordination import Coordinator, make_coordinator
 from snapckpt.errors import (CheckpointCorruptError, all_damaged_error, CheckpointDirError, CheckpointNotFoundError,
                      IncompatibleCheckpointError, InsufficientDiskError, PersisterDiedError,
                      SlotBusyError, SnapckptError, UnsafeCheckpointError)
 from snapckpt.events import Event, SaveStats, StorageType
+from snapckpt.formats import respec
 from snapckpt.engine.handle import SaveHandle
 from snapckpt.ondisk.manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest, validate_dirname,
                        validate_file_name)
@@ -41,6 +42,7 @@ from snapckpt._internal.progress import byte_bar
 from snapckpt.persister.client import PersisterClient, job_dirs, job_key
 from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.engine.stager import Stager, read_slot
+from snapckpt.storage.factory import check_location, open_storage
 from snapckpt.storage.posix import PosixStorage
 from snapckpt.dist.topology import Topology, host_identity
 
@@ -70,7 +72,7 @@ class LoadInfo:
 
 
 class LoadCandidate:
-    """One checkpoint the ranks agreed to try loading (see :meth:`Checkpointer._load_with`).
+    """One checkpoint the ranks agreed to try loading (see :meth:`Checkpointer.load_with`).
 
     Attributes:
         step: its step (int).
@@ -150,11 +152,11 @@ class Checkpointer:
                 f"the checkpoints, e.g. Checkpointer(\"ckpt\")), not {checkpoint_dir!r} "
                 f"({type(checkpoint_dir).__name__})")
         self.options = CheckpointOptions.from_kwargs(**options)
-        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        self.checkpoint_dir = os.path.abspath(check_location(checkpoint_dir))
         self.job = job_key(self.checkpoint_dir, self.options.job_id)
-        self._coord = make_coordinator(self.job)
+        self._coord = make_coordinator(self.job, self.options.coordination_timeout_secs)
         self._maps = SlotMaps(self._coord.rank, self.options.slots_per_rank, self.options.slot_wait_timeout_secs)
-        self._storage = PosixStorage(fsync=self.options.fsync)
+        self._storage = open_storage(self.checkpoint_dir, fsync=self.options.fsync)
         self._stager = Stager()
         self._handles: List[SaveHandle] = []
         self._listeners: List[Callable[[Event], None]] = []
@@ -201,6 +203,25 @@ class Checkpointer:
     def persister_pid(self) -> Optional[int]:
         """Process id of the node persister this rank talks to."""
         return self._client.persister_pid
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """This job's checkpoint coordination channel (never the training process group): ``gather``,
+        ``broadcast`` from rank 0 and ``agree`` on errors, each collective and bounded by
+        ``coordination_timeout_secs`` (:class:`~snapckpt.dist.coordination.Coordinator`). Integrations use
+        it to make every rank take the same decision."""
+        return self._coord
+
+    @property
+    def storage(self) -> PosixStorage:
+        """The storage reader/writer of ``checkpoint_dir`` (built once by
+        :func:`~snapckpt.storage.factory.open_storage`)."""
+        return self._storage
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run: every later save or load raises."""
+        return self._closed
 
     def add_listener(self, fn: Callable[[Event], None]) -> None:
         """Call ``fn(event)`` for every :class:`~snapckpt.events.Event` of this rank."""
@@ -350,12 +371,12 @@ class Checkpointer:
             An earlier save's background failure, once, with its original type.
         """
         _check_step(step)
-        return self._save_files({layout.rank_filename(self.rank): state_dict}, step, storage_type,
+        return self.save_files({layout.rank_filename(self.rank): state_dict}, step, storage_type,
                                 dirname=layout.step_dirname(step), tracker_name=layout.TRACKER,
                                 tracker_content=layout.step_dirname(step),
                                 check_weights_only=self.options.weights_only)
 
-    def _save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
+    def save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
                     tracker_name: Optional[str], tracker_content: str = "",
                     check_weights_only: bool = False) -> SaveHandle:
         """Save several files of this rank as one step (the integrations' entry point); see :meth:`save`.
@@ -718,7 +739,7 @@ class Checkpointer:
             futures = [(name, ex.submit(read, name, rec)) for name, rec in mine]
             return {name: fut.result() for name, fut in futures}
 
-    def _load_with(self, fn: Callable[["LoadCandidate"], Any], step: Optional[int] = None, *,
+    def load_with(self, fn: Callable[["LoadCandidate"], Any], step: Optional[int] = None, *,
                    dirname: Optional[str] = None, check: Optional[Callable[["LoadCandidate"], Any]] = None
                    ) -> Tuple[Any, "LoadCandidate"]:
         """Collective: agree on load candidates with every rank, newest first, and return
@@ -818,7 +839,7 @@ class Checkpointer:
 
     def _load_files(self, step: Optional[int] = None) -> Tuple[int, StorageType, Dict[str, Any]]:
         """Collective: agree on a step and read this rank's files; ``(step, tier, {file: object})``."""
-        files, cand = self._load_with(lambda c: c.files(), step)
+        files, cand = self.load_with(lambda c: c.files(), step)
         return cand.step, cand.tier, files
 
     def load(self, state_dict: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> Dict[str, Any]:
@@ -861,9 +882,45 @@ class Checkpointer:
         # memory map of its files (torch.load(mmap=True), after the checksums), and copied straight into
         # them: one copy, no fresh memory to fault in. Values that are not copied into a live tensor are
         # deep-copied, so nothing the caller keeps points into the arena or a file.
-        files, _ = self._load_with(lambda c: self._read_candidate(c, views=True), step)
+        files, _ = self.load_with(lambda c: self._read_candidate(c, views=True), step)
         copy_into(state_dict, files[layout.rank_filename(self.rank)], own=True)
         return state_dict
+
+    def verify_directory(self, path: "str | os.PathLike[str]", dirname: Optional[str] = None) -> str:
+        """Collective: verify every file of the committed directory ``path`` against its manifest's sizes and
+        checksums, each rank a share of the files (sorted by name, ``rank::world_size``), whatever the
+        world size that saved it.
+
+        Returns:
+            ``""`` when every file verified, or when ``path`` has no ``.snapckpt/manifest.json`` at all (a
+            directory the framework wrote itself); otherwise every failing rank's error, ``"; "``-joined
+            (``"CheckpointCorruptError: ..."``), the same string on every rank.
+        """
+        path = os.fspath(path)
+        name = dirname or os.path.basename(path.rstrip("/"))
+        mpath = os.path.join(path, MANIFEST)
+        error: Optional[str] = None
+        if os.path.exists(mpath):
+            try:
+                m = parse_manifest(self._storage.read_bytes(mpath), name, source=mpath)
+                share = dict(sorted(m["files"].items())[self.rank::self.world_size])
+                check_checksums(self._storage, path, {**m, "files": share})
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        bad = self._coord.agree(f"verify {name}", error)
+        return "; ".join(bad[r] for r in sorted(bad))
+
+    def write_out(self, files: Mapping[str, Any], step: int, dirname: str, *, tracker_name: Optional[str] = None,
+                  tracker_content: str = "") -> None:
+        """Collective: commit files read back from a snapshot (``LoadCandidate.files()`` of a MEMORY
+        candidate) as the native directory ``dirname`` of ``step``, and wait until it is committed. The way
+        an integration turns a memory-only snapshot into the folder its framework's own loader reads.
+
+        Raises:
+            Any error of :meth:`save_files` or of the commit (:meth:`SaveHandle.wait`).
+        """
+        self.save_files(respec(files), step, StorageType.DISK, dirname=dirname, tracker_name=tracker_name,
+                        tracker_content=tracker_content).wait()
 
     # --------------------------------------------------------------------------------------- close
     def close(self) -> None:

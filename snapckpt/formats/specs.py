@@ -23,7 +23,7 @@ import torch
 
 from snapckpt.errors import SnapshotError
 
-__all__ = ["TorchSave", "RawBytes", "Concat", "MemoryOnly", "safetensors_file", "unwrap"]
+__all__ = ["TorchSave", "RawBytes", "Concat", "MemoryOnly", "safetensors_file", "unwrap", "respec"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,10 @@ def safetensors_file(tensors: Mapping[str, torch.Tensor],
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return Concat([len(raw).to_bytes(8, "little"), raw] + parts)
+
+
+def respec(files: Mapping[str, Any]) -> Dict[str, Any]:
+    """Files read back from a snapshot (``LoadCandidate.files()``: ``bytes`` for raw files, unpickled objects
+    for torch files) as specs to save again: ``bytes`` become :class:`RawBytes`, anything else a
+    :class:`TorchSave`."""
+    return {k: RawBytes(v) if isinstance(v, (bytes, bytearray)) else TorchSave(v) for k, v in files.items()}

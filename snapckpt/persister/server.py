@@ -33,12 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.arena import SlotFiles, SlotState, map_slot
 from snapckpt.errors import PersisterError, SlotBusyError
 from snapckpt.ondisk.manifest import MANIFEST, list_committed, partial_dirname, validate_dirname
 from snapckpt.engine.stager import read_index
-from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.factory import open_storage
 from snapckpt.persister import protocol as P
 from snapckpt.persister.client import lock_file
 from snapckpt.persister.commit import CommitRequest, commit, watch_commit
@@ -494,7 +493,7 @@ class Server:
             return P.ok()  # nobody else waits for this save
         if len(run.local_ranks) < run.world_size:  # ranks on other nodes learn it from a failure marker
             partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
-            write_failure_marker(PosixStorage(fsync=run.fsync), partial, rank=entry.rank, run_id=run.run_id,
+            write_failure_marker(open_storage(fsync=run.fsync), partial, rank=entry.rank, run_id=run.run_id,
                                  step=step, exc=P.error_from_record(rec))
         if key not in self.commits_started:
             self.commits_started.add(key)
@@ -595,7 +594,7 @@ class Server:
         return gate
 
     def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
-        storage = faults.storage(fsync=run.fsync, rank=rank, step=step)
+        storage = open_storage(fsync=run.fsync, part=(rank, step))
         # once on_data_read released the slot, the rank may fill it with a newer snapshot: never read the
         # slot's fields after that (they describe the new one)
         key, seq = (run.run_id, step, s.dirname), s.seq
@@ -653,7 +652,7 @@ class Server:
                 s.state = SlotState.READY
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
-        storage = faults.storage(fsync=run.fsync, rank=None, step=req.step)
+        storage = open_storage(fsync=run.fsync, part=(None, req.step))
         retired: List[str] = []
         try:
             if run.committer:
@@ -683,7 +682,7 @@ class Server:
         if not run.committer or res.state != "failed" or res.writers > 0:
             return
         try:
-            PosixStorage().remove_tree(partial)
+            open_storage().remove_tree(partial)
         except OSError as e:
             log.warning("could not remove %s after a failed commit: %s", partial, e)
 
@@ -704,7 +703,7 @@ class Server:
         res = self.results.get((run.run_id, step, newest.dirname))
         if res is not None and res.state != "failed":
             return
-        storage = PosixStorage()
+        storage = open_storage()
         committed = list_committed(storage, run.checkpoint_dir)
         if committed and committed[-1].step >= step:
             return
@@ -731,7 +730,7 @@ class Server:
         commit raises ``CommitError``, its old copy restored: nothing is lost. Other leftovers are removed
         only when their run id starts with this job's key: another job sharing the directory (another ``job_id``) has its own
         persister, and its directories in flight are never touched."""
-        storage = PosixStorage()
+        storage = open_storage()
         known = set(self.runs)
         names = storage.listdir(run.checkpoint_dir)
         for name in sorted(n for n in names if n.startswith(".") and ".replaced-" in n):

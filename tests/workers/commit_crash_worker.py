@@ -210,15 +210,15 @@ def preflight_fail_one_rank(d: str) -> None:
     rank = dist.get_rank()
     ck = Checkpointer(d, **dict(OPTS, commit_timeout_secs=120))
     ck.save(make_state(1, rank), 1).wait()
-    real = ck._storage.free_bytes
+    real = ck.storage.free_bytes
     if rank == 0:
-        ck._storage.free_bytes = lambda path: 0
+        ck.storage.free_bytes = lambda path: 0
     try:
         ck.save(make_state(2, rank), 2).wait()
         err = None
     except Exception as e:
         err = f"{type(e).__name__}: {e}"
-    ck._storage.free_bytes = real
+    ck.storage.free_bytes = real
     dist.barrier()
     ck.save(make_state(3, rank), 3).wait()
     result(rank=rank, error=err, latest=ck.latest_step(), partials=[n for n in os.listdir(d) if ".partial-" in n])

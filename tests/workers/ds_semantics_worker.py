@@ -124,7 +124,7 @@ def main():
         out["16bit_files"] = [os.path.exists(os.path.join(ckpt + "_16bit", "pytorch_model.bin")),
                               os.path.exists(os.path.join(ckpt, "weights.bin"))]
         engine.destroy()  # closes the checkpointer: commits waited for, the engine's own engine given back
-        out["closed_by_destroy"] = ck._closed and type(engine.checkpoint_engine).__name__ != "SnapckptCheckpointEngine"
+        out["closed_by_destroy"] = ck.closed and type(engine.checkpoint_engine).__name__ != "SnapckptCheckpointEngine"
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()

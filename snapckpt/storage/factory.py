@@ -1,0 +1,65 @@
+"""The one place storage is built: every reader and writer of checkpoints gets its storage here.
+
+``open_storage(location)`` returns the :class:`~snapckpt.storage.base.StorageWriter` /
+:class:`~snapckpt.storage.base.StorageReader` for a checkpoint location. Today that is a local or shared
+POSIX directory (:class:`~snapckpt.storage.posix.PosixStorage`); a location with a URL scheme
+(``s3://``, ``gs://``, ``file://``...) is refused with :class:`~snapckpt.errors.CheckpointDirError`
+instead of silently creating a local folder named ``s3:`` (case H5).
+
+The persister's writes of one part (or of a commit) pass ``part=(rank, step)``: only those storages can be
+swapped for the test toolkit's failing storage when ``SNAPCKPT_FAULT_STORAGE`` is set
+(:mod:`snapckpt._testing.faulty_storage`, imported only then).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from typing import Optional, Tuple
+
+from snapckpt._internal import env as _env
+from snapckpt.errors import CheckpointDirError
+from snapckpt.storage.posix import PosixStorage
+
+__all__ = ["open_storage", "check_location"]
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_location(location: "str | os.PathLike[str]") -> str:
+    """Return ``location`` as a path string, or refuse a URL.
+
+    Raises:
+        CheckpointDirError: ``location`` has a URL scheme (``s3://bucket/run``...): object storage is not
+            supported yet; the message names the scheme and what to pass instead.
+    """
+    text = os.fspath(location)
+    m = _SCHEME.match(text) if isinstance(text, str) else None
+    if m:
+        raise CheckpointDirError(
+            f"{text!r} is a URL ({m.group(1)}://); snapckpt writes checkpoints to a local or shared filesystem "
+            "path only: pass a directory path (for file://, the path after the scheme); object stores are not "
+            "supported yet")
+    return text
+
+
+def open_storage(location: "Optional[str | os.PathLike[str]]" = None, *, fsync: bool = True,
+                 part: Optional[Tuple[Optional[int], int]] = None) -> PosixStorage:
+    """The storage for checkpoints under ``location`` (``None``: any local path, e.g. a reader of the CLI).
+
+    Args:
+        location: the checkpoint directory; checked by :func:`check_location`.
+        fsync: ``False`` skips fsync (throwaway tests only).
+        part: ``(rank, step)`` of the persister write this storage serves (``rank`` ``None`` for a
+            commit); only such storages honour ``SNAPCKPT_FAULT_STORAGE``.
+
+    Raises:
+        CheckpointDirError: ``location`` is a URL.
+        ValueError: ``SNAPCKPT_FAULT_STORAGE`` is malformed (tests only).
+    """
+    if location is not None:
+        check_location(location)
+    if part is not None and _env.fault_storage():
+        faulty = importlib.import_module("snapckpt._testing.faulty_storage")
+        return faulty.storage(fsync=fsync, rank=part[0], step=part[1])
+    return PosixStorage(fsync=fsync)

@@ -1,0 +1,39 @@
+"""The storage factory (snapckpt/storage/factory.py): a URL is refused before anything is created, a path
+gets the POSIX storage with the fsync setting asked for."""
+from __future__ import annotations
+
+import pytest
+
+from snapckpt.errors import CheckpointDirError
+from snapckpt.storage import PosixStorage
+from snapckpt.storage.factory import check_location, open_storage
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://b/x", "file:///tmp/x", "hdfs://nn/ckpt"])
+def test_factory_refuses_urls(url):
+    with pytest.raises(CheckpointDirError, match="is a URL"):
+        check_location(url)
+    with pytest.raises(CheckpointDirError):
+        open_storage(url)
+
+
+def test_factory_gives_posix_storage_for_paths(tmp_path, monkeypatch):
+    monkeypatch.delenv("SNAPCKPT_FAULT_STORAGE", raising=False)
+    assert check_location(tmp_path / "ckpt") == str(tmp_path / "ckpt")
+    assert check_location("relative/dir:with colon") == "relative/dir:with colon"
+    s = open_storage(str(tmp_path), fsync=False, part=(0, 1))
+    assert type(s) is PosixStorage and s.fsync is False
+    assert type(open_storage()) is PosixStorage and open_storage().fsync is True
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run1", "gs://bucket/run1", "file:///tmp/ckpt"])
+def test_checkpointer_refuses_a_url_before_creating_anything(url, tmp_path, monkeypatch):
+    """Case H5: a URL given as the checkpoint directory is refused by name; no local folder named ``s3:``
+    (or ``gs:``, ``file:``) appears in the working directory, and no persister is started."""
+    from snapckpt import Checkpointer
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointDirError, match="is a URL") as ei:
+        Checkpointer(url)
+    assert "pass a directory path" in str(ei.value)
+    assert list(tmp_path.iterdir()) == []
