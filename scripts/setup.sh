@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the development environment: .venv with snapckpt installed editable, plus the test extras and
-# the frameworks the integration tests run (DeepSpeed, megatron-core, transformers, accelerate).
+# the frameworks the integration tests run (DeepSpeed, megatron-core, transformers, accelerate), and the
+# documentation tools (MkDocs Material, mkdocstrings).
 #
 # Idempotent and quiet. The `test` extra pins torch==2.13.0 (the CPU wheel); never install plain
 # `torch`, which would resolve a multi-GB CUDA build. A stamp file in .venv, newer than
@@ -28,7 +29,7 @@ export DS_BUILD_OPS=0
 if ! installed; then
     echo "setup: installing snapckpt (editable) with test and framework extras into $VENV" >&2
     log="$VENV/.snapckpt-setup-pip.log"
-    if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,deepspeed,megatron,hf]' 2> "$log"; then
+    if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,deepspeed,megatron,hf,docs]' 2> "$log"; then
         cat "$log" >&2
         exit 1
     fi

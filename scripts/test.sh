@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the test suite: `.venv/bin/python -m pytest -n 2 --dist loadfile tests "$@"`.
+# Set up (scripts/setup.sh), build the docs (mkdocs build --strict), then run the test suite: `.venv/bin/python -m pytest -n 2 --dist loadfile tests "$@"`.
 #
 # Extra arguments go to pytest. When one of them names a test file or directory
 # (`bash scripts/test.sh tests/test_smoke.py::test_x -q`), only that is run instead of all of tests/.
@@ -17,6 +17,16 @@ for arg in "$@"; do
         *) if [ -e "${arg%%::*}" ]; then targets=(); fi ;;
     esac
 done
+
+# The documentation site must build without a warning (a broken link, a page missing from the nav, an
+# API name mkdocstrings cannot resolve): mkdocs build --strict, into a throwaway directory.
+site=$(mktemp -d)
+if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"; then
+    rm -rf "$site"
+    echo "test.sh: mkdocs build --strict failed (see above); fix the docs" >&2
+    exit 1
+fi
+rm -rf "$site"
 
 # Two pytest workers, one test module each at a time (--dist loadfile): most tests wait on real processes
 # (torchrun ranks, the persister), so two at once fill the 2 cores; each test has its own runtime and
