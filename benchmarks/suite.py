@@ -1,5 +1,5 @@
 """Benchmark suite: every checkpoint method side by side, with restore times, the raw floors,
-DLRover's flash checkpoint, a training-loop mode and the README's "Performance" section.
+DLRover's flash checkpoint, a training-loop mode and the "Performance" page (docs/performance.md).
 
 Three jobs, one script (run from the repo root):
 
@@ -962,10 +962,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loop-baseline-steps", type=int, default=20)
     p.add_argument("--loop-methods", default=",".join(m for m, _ in LOOP_PLAN))
     p.add_argument("--readme", action="store_true",
-                   help="rewrite README.md's perf section from --out (and loop.json next to it)")
+                   help="rewrite the perf section of --readme-path (docs/performance.md) from --out (and loop.json next to it)")
     p.add_argument("--render", action="store_true",
                    help="only re-render the markdown and PNG of an existing --out JSON (no measuring)")
-    p.add_argument("--readme-path", default=str(REPO_ROOT / "README.md"))
+    p.add_argument("--readme-path", default=str(REPO_ROOT / "docs" / "performance.md"),
+                   help="the page holding the perf markers (default: docs/performance.md)")
     p.add_argument("--readme-size-gib", type=float, default=None,
                    help="only this size in the README (default: every size in the JSON)")
     args = p.parse_args(argv)
