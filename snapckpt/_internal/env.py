@@ -4,6 +4,8 @@ Knobs:
 - ``SNAPCKPT_SHM_DIR``: default shared-memory directory for the arena (default ``/dev/shm``).
 - ``SNAPCKPT_RUNTIME_DIR``: where sockets, locks and tokens live (default ``$XDG_RUNTIME_DIR`` or ``/tmp``).
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
+- ``TORCHELASTIC_RESTART_COUNT`` (set by torchrun, not by users): the launch attempt, part of every
+  coordination key so that a restarted attempt never reads an earlier attempt's records (contract 12).
 - ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``: fault injection for tests: the persister sleeps this long before
   each record it writes (a slow persister). Read by the persister process only.
 - ``SNAPCKPT_FAULT_POINT``: fault injection for tests: named points where a process SIGKILLs (or
@@ -50,3 +52,12 @@ def fault_point() -> str:
 def fault_storage() -> str:
     """The storage fault plan, JSON (``SNAPCKPT_FAULT_STORAGE``; empty: storage never fails on purpose)."""
     return os.environ.get("SNAPCKPT_FAULT_STORAGE", "")
+
+
+def launch_attempt() -> str:
+    """The launcher's attempt number: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (``"0"`` on the first
+    attempt and when not under torchrun). Non-digits are refused: the value names store keys."""
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "") or "0"
+    if not raw.isdigit():
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={raw!r} must be a non-negative integer")
+    return raw

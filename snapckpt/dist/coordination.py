@@ -8,6 +8,10 @@ naming exactly the ranks that did not post (case C5), instead of a hang. Only th
 collective snapckpt API (``Checkpointer(...)``, ``load``, ``latest_step``) uses it; all ranks make those
 calls in the same order, which numbers the rounds.
 
+Keys are ``snapckpt/<job>/attempt<N>/<instance>/<round>/<name>/<rank>``: the launch attempt (torchrun's
+restart count) keeps a restarted attempt from reading the records of an earlier one in a store that
+survived it (contract 12).
+
 Without an initialized process group, :class:`LocalCoordinator` is a world of one.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import time
 from typing import Any, Dict, List, Optional
 
+from snapckpt._internal import env as _env
 from snapckpt.errors import CoordinationError, RankTimeoutError
 
 __all__ = ["Coordinator", "LocalCoordinator", "StoreCoordinator", "make_coordinator"]
@@ -127,7 +132,9 @@ def make_coordinator(job: str, timeout_secs: float = 600.0) -> Coordinator:
     else:
         from torch.distributed.distributed_c10d import _get_default_store
 
+        # The attempt is part of every key: torchrun's rendezvous store outlives a restart of the workers
+        # (--max_restarts), and a restarted attempt numbers its rounds from 1 again (contract 12, case G5).
         coord = StoreCoordinator(_get_default_store(), dist.get_rank(), dist.get_world_size(),
-                                 f"snapckpt/{job}/{_instances}/")
+                                 f"snapckpt/{job}/attempt{_env.launch_attempt()}/{_instances}/")
     coord.timeout_secs = timeout_secs
     return coord
