@@ -22,6 +22,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+from snapckpt import SnapshotPolicy, StorageType
+
+from snapckpt.integrations.megatron.registry import fence
+
 __all__ = ["add_arguments", "enable", "EnableResult"]
 
 log = logging.getLogger(__name__)
@@ -122,7 +126,10 @@ def enable(args: Any) -> EnableResult:
         return result
     if not getattr(args, "save", None):
         raise ValueError("--snapckpt needs --save (the checkpoint directory)")
-    from snapckpt.integrations.megatron.dist_ckpt import close_all, load_checkpoint, save_checkpoint
+    # imported here, not at the top: they import megatron-core, which snapckpt.megatron must not need
+    from snapckpt.integrations.megatron.load import load_checkpoint
+    from snapckpt.integrations.megatron.registry import close_all
+    from snapckpt.integrations.megatron.save import save_checkpoint
 
     opts = checkpointer_options(args)
     save = functools.partial(save_checkpoint, **opts)
@@ -157,11 +164,8 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
     ``num_floating_point_operations`` of each iteration since (0 where that function is missing).
     With ``overlap=True`` the copy of a snapshot is fenced at the start of the next ``train_step`` (its
     optimizer step is inside), so it overlaps only Megatron-LM's own work between two iterations.
+    The schedule is :func:`memory_policy`'s, decided on the iterations done after each ``train_step``.
     """
-    from snapckpt import StorageType
-
-    from snapckpt.integrations.megatron.dist_ckpt import fence
-
     interval = args.snapckpt_memory_interval
     flops = {"so_far": getattr(args, "num_floating_point_operations_so_far", 0) or 0}
 
@@ -173,8 +177,8 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
         flops["so_far"] = max(flops["so_far"], getattr(args, "num_floating_point_operations_so_far", 0) or 0)
         flops["so_far"] += _iteration_flops(args, batch)
         done = getattr(args, "curr_iteration", -1) + 1
-        disk = getattr(args, "save_interval", None)
-        if done > 0 and done % interval == 0 and not (disk and done % disk == 0):
+        policy = memory_policy(interval, getattr(args, "save_interval", None))
+        if done > 0 and policy.decide(done, 0.0, 0.0) == StorageType.MEMORY:
             after = argparse.Namespace(**vars(args))
             after.consumed_train_samples = (getattr(args, "consumed_train_samples", 0) or 0) + batch
             save(done, model, optimizer, opt_param_scheduler, flops["so_far"], storage_type=StorageType.MEMORY,
@@ -182,6 +186,22 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
         return out
 
     return wrapped
+
+
+def memory_policy(memory_interval: int, save_interval: Any) -> SnapshotPolicy:
+    """The wrapper's schedule as the core's :class:`~snapckpt.SnapshotPolicy`: a MEMORY snapshot every
+    ``memory_interval`` iterations, except at Megatron-LM's own disk saves (every ``save_interval``
+    iterations; None or 0: none), where ``decide`` answers DISK and the wrapper takes nothing. By steps
+    only: the seconds ``decide`` is given do not matter.
+
+    Args:
+        memory_interval: ``--snapckpt-memory-interval``, an int >= 1.
+        save_interval: Megatron-LM's ``--save-interval`` (iterations), or None.
+    Raises:
+        ValueError: ``memory_interval`` is not an int >= 1 (from :class:`~snapckpt.SnapshotPolicy`).
+    """
+    return SnapshotPolicy(memory_interval_steps=memory_interval,
+                          disk_interval_steps=abs(int(save_interval)) if save_interval else None)
 
 
 def _global_batch_size(args: Any) -> int:

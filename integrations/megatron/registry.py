@@ -1,0 +1,87 @@
+"""The Checkpointers of this process, one per Megatron checkpoint directory.
+
+Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` are plain functions called again at every save,
+so the :class:`~snapckpt.Checkpointer` (and with it the arena and the persister connection) lives here
+between calls: created on the first call for a directory (:func:`get_checkpointer`), found again through
+Megatron-LM's ``checkpointing_context`` or this registry, fenced by :func:`fence` before an optimizer step
+and closed by :func:`close_all` at the end of the job. Sits at the start of the data path: every save and
+load of :mod:`~snapckpt.integrations.megatron.save` and :mod:`~snapckpt.integrations.megatron.load` gets
+its Checkpointer from here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Dict, Optional
+
+from snapckpt import Checkpointer, CheckpointOptions
+
+__all__ = ["get_checkpointer", "fence", "close_all", "context_checkpointer", "split_options"]
+
+log = logging.getLogger(__name__)
+
+_checkpointers: Dict[str, Checkpointer] = {}
+
+
+def get_checkpointer(checkpoint_dir: str, **options: Any) -> Checkpointer:
+    """The process's :class:`~snapckpt.Checkpointer` of ``checkpoint_dir`` (created on first use; collective).
+
+    ``weights_only`` defaults to False: Megatron checkpoints hold ``argparse.Namespace`` args, numpy RNG
+    states and pickled sharded objects, and megatron-core itself loads them with ``weights_only=False``;
+    only load directories you trust.
+
+    Args:
+        checkpoint_dir: the checkpoint directory (Megatron-LM's ``--save`` / ``--load``).
+        **options: :class:`~snapckpt.CheckpointOptions` fields, used only when the Checkpointer is created.
+    """
+    key = os.path.abspath(checkpoint_dir)
+    ck = _checkpointers.get(key)
+    if ck is None or ck.closed:
+        options.setdefault("weights_only", False)
+        ck = _checkpointers[key] = Checkpointer(key, **options)
+    return ck
+
+
+def fence() -> None:
+    """Wait for the in-flight snapshot copies of every Checkpointer of this module: call it before
+    ``optimizer.step()`` when the Checkpointer runs with ``overlap=True`` (a no-op otherwise)."""
+    for ck in list(_checkpointers.values()):
+        if not ck.closed:
+            ck.fence()
+
+
+def close_all() -> None:
+    """Wait for outstanding commits and close every Checkpointer this module opened."""
+    while _checkpointers:
+        _, ck = _checkpointers.popitem()
+        ck.close()
+
+
+def split_options(kwargs: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """Checkpointer options out of ``kwargs``; other keywords are Megatron-LM arguments of other versions
+    (``ft_client``...), which the torch_dist path does not use: logged and ignored.
+
+    Args:
+        kwargs: the extra keywords of a ``save_checkpoint`` / ``load_checkpoint`` call.
+        where: ``"save"`` or ``"load"``, for the debug line.
+    """
+    names = {f.name for f in dataclasses.fields(CheckpointOptions)}
+    ignored = sorted(k for k in kwargs if k not in names)
+    if ignored:
+        log.debug("%s: ignoring Megatron-LM arguments %s", where, ignored)
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def context_checkpointer(context: Optional[dict], directory: str, options: Dict[str, Any]) -> Checkpointer:
+    """The Checkpointer of ``directory``: the one cached in Megatron-LM's ``checkpointing_context`` (key
+    ``"snapckpt"``) when it is open and of this directory, else :func:`get_checkpointer`'s, then cached
+    there."""
+    if context is not None:
+        ck = context.get("snapckpt")
+        if ck is not None and not ck.closed and ck.checkpoint_dir == os.path.abspath(directory):
+            return ck
+    ck = get_checkpointer(directory, **options)
+    if context is not None:
+        context["snapckpt"] = ck
+    return ck
