@@ -9,14 +9,16 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
 2. writes ``.snapckpt/manifest.json`` into the partial directory (atomic, fsynced) and fsyncs it;
 3. renames the partial directory to ``<dirname>`` (an older committed directory of the same name is
    moved aside first, to ``.<dirname>.replaced-<R>``, and deleted after; when a crash comes between the
-   two renames, the next persister of the job renames it back) and fsyncs the checkpoint directory;
+   two renames, the next persister of the job renames it back: :func:`recover_interrupted_commits`)
+   and fsyncs the checkpoint directory;
 4. only then replaces the tracker file (``latest``...) atomically;
 5. runs retention.
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
 to appear. On failure the committer deletes the partial directory (the node persister does it once its
 own writers of that step are done): nothing a loader would look at is left behind, and the previous
-checkpoint and tracker are untouched.
+checkpoint and tracker are untouched. Partial directories of this job's earlier, crashed runs are
+removed by :func:`recover_interrupted_commits` when the next run of the job starts.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, CommitError, CommitTimeoutError
@@ -35,7 +37,7 @@ from snapckpt.persister.client import job_of_run
 from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
-__all__ = ["CommitRequest", "commit", "watch_commit", "POLL_SECS"]
+__all__ = ["CommitRequest", "commit", "watch_commit", "recover_interrupted_commits", "POLL_SECS"]
 
 log = logging.getLogger(__name__)
 POLL_SECS = 0.02
@@ -285,3 +287,48 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
         if time.monotonic() > deadline:
             raise CommitTimeoutError(f"step {req.step}: no commit record within {req.timeout_secs:g} s")
         time.sleep(POLL_SECS)
+
+
+def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, job: str,
+                                known_runs: Set[str]) -> None:
+    """The commit's own crash recovery, run by the committer's persister when a run of ``job`` starts in
+    ``checkpoint_dir``: restore interrupted re-commits and remove partial directories left by earlier runs
+    of this job that this persister does not know (``known_runs``: the run ids it serves; others crashed).
+
+    A commit replacing step directory ``X`` renames ``X`` to ``.X.replaced-R``, then ``.X.partial-R``
+    to ``X``; a crash between the two leaves no ``X``, and ``.X.replaced-R`` is the committed
+    (intact) checkpoint: it is renamed back to ``X`` and the interrupted ``.X.partial-R`` is removed (a
+    warning says so, and keeps ``persister.log``).
+    That holds for any job's leftover that has a manifest (a directory moved or copied since has another
+    job key). Only one job writes a directory (:mod:`snapckpt.ondisk.dirclaim`); should another job's live
+    commit be between its two renames at this very moment (microseconds), its rename fails and its
+    commit raises ``CommitError``, its old copy restored: nothing is lost. Other leftovers are removed
+    only when their run id starts with this job's key: another job sharing the directory (another ``job_id``) has its own
+    persister, and its directories in flight are never touched.
+
+    Raises:
+        OSError: the filesystem failed while listing, renaming or removing.
+    """
+    names = storage.listdir(checkpoint_dir)
+    for name in sorted(n for n in names if n.startswith(".") and ".replaced-" in n):
+        rid = name.rsplit("-", 1)[-1]
+        dirname = name[1:name.rindex(".replaced-")]
+        src, final = os.path.join(checkpoint_dir, name), os.path.join(checkpoint_dir, dirname)
+        if rid in known_runs or not dirname or os.path.lexists(final) or not _restorable(src):
+            continue
+        storage.rename(src, final)
+        storage.fsync_dir(checkpoint_dir)
+        storage.remove_tree(os.path.join(checkpoint_dir, partial_dirname(dirname, rid)))
+        log.warning("restored %s from %s: a commit replacing it was interrupted between its two renames "
+                    "(the persister died); the interrupted new copy is discarded", final, name)
+    for name in storage.listdir(checkpoint_dir):
+        rid = name.rsplit("-", 1)[-1]
+        if (name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-"))
+                and rid not in known_runs and rid.startswith(job)):
+            storage.remove_tree(os.path.join(checkpoint_dir, name))
+
+
+def _restorable(path: str) -> bool:
+    """Whether the moved-aside directory ``path`` is to be renamed back: it holds a manifest (a commit
+    record: it was a committed checkpoint)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))

@@ -1,0 +1,55 @@
+"""The crash flush: write the last snapshot held in memory when the training processes die (case B8).
+
+Data path: when the last connected rank of a run has left and at least one of them left without
+``bye`` (a crash, ``kill -9``), the server (:mod:`snapckpt.persister.server`) calls
+:func:`flush_crashed_run` if the run asked for ``flush_on_crash``. The newest step that every local rank
+of the run holds in a READY (or PERSISTING) slot is handed to the scheduler
+(:mod:`snapckpt.persister.scheduler`) as a DISK save, unless that save is already pending or committed,
+or the checkpoint directory already holds a committed step at least as new. Memory-only snapshots
+(``persistable`` False) are never flushed.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Set
+
+from snapckpt.errors import PersisterError
+from snapckpt.ondisk.manifest import list_committed
+from snapckpt.persister.slots import HELD, Run, SlotTable
+from snapckpt.persister.scheduler import Scheduler
+from snapckpt.storage.factory import open_storage
+
+log = logging.getLogger("snapckpt.persister")
+
+__all__ = ["flush_crashed_run"]
+
+
+def flush_crashed_run(run: Run, slots: SlotTable, scheduler: Scheduler) -> None:
+    """Write the newest step held by every local rank of the crashed ``run`` (called with the server's
+    lock). A rank whose part cannot be scheduled is logged, not raised: the others are still written."""
+    steps: Optional[Set[int]] = None
+    for r in run.local_ranks:
+        entry = slots.ranks.get(r)
+        held = {s.step for s in entry.slots if s.state in HELD
+                and s.run_id == run.run_id and s.persistable} if entry else set()
+        steps = held if steps is None else steps & held
+    if not steps:
+        log.info("run %s crashed; no step is held by every local rank, nothing to flush", run.run_id)
+        return
+    step = max(steps)
+    newest = max((s for s in slots.ranks[run.local_ranks[0]].slots if s.step == step and s.persistable
+                  and s.state in HELD), key=lambda s: s.seq)
+    key = (run.run_id, step, newest.dirname)
+    res = scheduler.result(key)
+    if res is not None and res.state != "failed":
+        return
+    committed = list_committed(open_storage(), run.checkpoint_dir)
+    if committed and committed[-1].step >= step:
+        return
+    log.warning("run %s crashed; flushing step %d from memory to disk", run.run_id, step)
+    scheduler.forget(key)
+    for r in run.local_ranks:
+        try:
+            scheduler.persist(slots.ranks[r], step, run)
+        except PersisterError as e:
+            log.error("flush of step %d failed for rank %d: %s", step, r, e)

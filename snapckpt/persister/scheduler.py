@@ -1,0 +1,276 @@
+"""Persist scheduling: from a READY slot to a committed step on disk.
+
+Data path: once a rank's slot of step ``N`` is READY and the rank asked for a DISK save
+(:mod:`snapckpt.persister.server`), :meth:`Scheduler.persist` marks the slot PERSISTING and runs, on
+thread pools of this process:
+
+- one writer task per local rank (:func:`snapckpt.persister.writer.write_part`): the rank's native files
+  into the step's partial directory; the slot is released (READY again) as soon as its bytes are read;
+- one commit task per step and directory: the commit protocol (:func:`snapckpt.persister.commit.commit`
+  on the committer node, :func:`~snapckpt.persister.commit.watch_commit` elsewhere), behind a tracker
+  gate so that the tracker file only moves forward in request order.
+
+Each save's outcome is a :class:`Result`, read by the ``status`` requests of the ranks; a failed part is
+recorded in memory before its failure marker, so the commit of that step fails at once with its cause.
+
+Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Scheduler.result` and
+:meth:`Scheduler.forget` run with the server's lock held; the tasks take it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from snapckpt.engine.stager import read_index
+from snapckpt.errors import PersisterError
+from snapckpt.ondisk.manifest import partial_dirname
+from snapckpt.persister import protocol as P
+from snapckpt.persister.arena import SlotState, map_slot
+from snapckpt.persister.commit import CommitRequest, commit, watch_commit
+from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
+from snapckpt.persister.writer import write_failure_marker, write_part
+from snapckpt.storage.factory import open_storage
+
+log = logging.getLogger("snapckpt.persister")
+
+__all__ = ["Result", "Scheduler"]
+
+SaveKey = Tuple[str, int, str]  # (run id, step, dirname): one save
+
+
+@dataclass
+class Result:
+    """The outcome of one save on this node."""
+
+    state: str = "pending"  # pending | committed | failed
+    error: Optional[Dict[str, Any]] = None
+    part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    parts_done: Set[int] = field(default_factory=set)
+    rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
+    writers: int = 0  # this node's writer tasks of the step still running
+
+
+class Scheduler:
+    """Writer and commit tasks of every save on this node, and their results.
+
+    Args:
+        slots: the slot table (its slots are marked PERSISTING and released here).
+        lock: the server's lock (see the module docstring).
+    """
+
+    def __init__(self, slots: SlotTable, lock: threading.RLock) -> None:
+        self.slots = slots
+        self.lock = lock
+        self.results: Dict[SaveKey, Result] = {}
+        self.commits_started: Set[SaveKey] = set()
+        self.commit_seq = 0  # order of persist requests, for the tracker gate
+        self.tracker_seq: Dict[Tuple[str, str], int] = {}
+        self.tracker_lock = threading.Lock()
+        self.pending = 0  # writer and commit tasks not finished
+        self.failed = False  # a part or a commit failed: the persister keeps its log
+        self.pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-writer")
+        self.commit_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-commit")
+
+    def shutdown(self) -> None:
+        """Wait for every writer and commit task (at exit)."""
+        self.pool.shutdown(wait=True)
+        self.commit_pool.shutdown(wait=True)
+
+    def result(self, key: SaveKey) -> Optional[Result]:
+        """The result of the save ``key``, or ``None`` if this node was never asked to persist it."""
+        return self.results.get(key)
+
+    def forget(self, key: SaveKey) -> None:
+        """Drop the record of the save ``key`` (it is about to be persisted again, by the crash flush)."""
+        self.results.pop(key, None)
+        self.commits_started.discard(key)
+
+    # ------------------------------------------------------------------------------------ requests
+    def persist(self, entry: RankEntry, step: int, run: Run) -> None:
+        """Write rank ``entry``'s newest snapshot of ``step`` to disk and commit the step (once per save).
+
+        Raises:
+            PersisterError: the rank holds no snapshot of ``step``, or a save of the same step and
+                directory by this rank is still being persisted.
+        """
+        s = self.slots.newest_held(entry, step)
+        if s is None:
+            raise PersisterError(f"rank {entry.rank} holds no snapshot of step {step} to persist")
+        key = (run.run_id, step, s.dirname)
+        res = self.results.get(key)
+        if res is not None and res.rank_seq.get(entry.rank, s.seq) != s.seq:
+            # this rank saved the same step under the same directory again
+            if res.state == "pending":
+                raise PersisterError(
+                    f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
+                    "the same step to the same directory must wait for the first (Checkpointer.wait())")
+            self.results.pop(key)  # the earlier save ended: this one is a new save that replaces it
+            self.commits_started.discard(key)
+            res = None
+        if res is None:
+            res = self.results.setdefault(key, Result())
+        if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
+            return
+        res.rank_seq[entry.rank] = s.seq
+        self.slots.start_persist(s)
+        res.writers += 1
+        self.pending += 1
+        self.pool.submit(self._write_part_task, entry.rank, s, run, step)
+        if key not in self.commits_started:
+            self.commits_started.add(key)
+            self.commit_seq += 1
+            req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=s.dirname, step=step,
+                                run_id=run.run_id, world_size=run.world_size,
+                                timeout_secs=run.commit_timeout_secs, keep_last=run.keep_last,
+                                tracker_name=s.tracker_name, tracker_content=s.tracker_content,
+                                tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
+                                                                self.commit_seq),
+                                local_failure=self._local_failure(key))
+            self.pending += 1
+            self.commit_pool.submit(self._commit_task, req, run)
+
+    def fail_part(self, rank: int, run: Run, step: int, dirname: str, rec: Dict[str, Any]) -> None:
+        """Rank ``rank``'s DISK save of ``(step, dirname)`` failed before it reached the persister (error
+        record ``rec``): record it and drop a failure marker, so that the commit fails at once on every
+        node with the cause instead of waiting for this rank's part until the timeout."""
+        key = (run.run_id, step, dirname)
+        with self.lock:
+            res = self.results.setdefault(key, Result())
+            res.part_errors[rank] = rec
+        if run.world_size == 1:
+            return  # nobody else waits for this save
+        if len(run.local_ranks) < run.world_size:  # ranks on other nodes learn it from a failure marker
+            partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
+            write_failure_marker(open_storage(fsync=run.fsync), partial, rank=rank, run_id=run.run_id,
+                                 step=step, exc=P.error_from_record(rec))
+        if key not in self.commits_started:
+            self.commits_started.add(key)
+            req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
+                                world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
+                                keep_last=run.keep_last, tracker_name="", tracker_content="",
+                                local_failure=self._local_failure(key))
+            self.pending += 1
+            self.commit_pool.submit(self._commit_task, req, run)
+
+    def _local_failure(self, key: SaveKey) -> Callable[[], Optional[BaseException]]:
+        """For the commit of ``key``: the error of a local rank whose part of that save failed, if any."""
+
+        def failure() -> Optional[BaseException]:
+            with self.lock:
+                res = self.results.get(key)
+                if res is None or not res.part_errors:
+                    return None
+                rank, rec = sorted(res.part_errors.items())[0]
+            exc = P.error_from_record(rec)
+            exc.snapckpt_rank = rank  # read by the commit's message
+            return exc
+
+        return failure
+
+    def _tracker_gate(self, checkpoint_dir: str, tracker_name: str, seq: int):
+        """A gate that lets the commit of request ``seq`` write its tracker only if no later request of the
+        same tracker file has written it already (commits run in parallel and may finish out of order)."""
+        key = (checkpoint_dir, tracker_name)
+
+        def gate(write) -> None:
+            with self.tracker_lock:
+                if self.tracker_seq.get(key, 0) > seq:
+                    log.info("%s not moved back to an older save (request %d)", tracker_name, seq)
+                    return
+                write()
+                self.tracker_seq[key] = seq
+
+        return gate
+
+    # --------------------------------------------------------------------------------------- tasks
+    def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
+        storage = open_storage(fsync=run.fsync, part=(rank, step))
+        # once on_data_read released the slot, the rank may fill it with a newer snapshot: never read the
+        # slot's fields after that (they describe the new one)
+        key, seq = (run.run_id, step, s.dirname), s.seq
+        partial = os.path.join(run.checkpoint_dir, partial_dirname(s.dirname, run.run_id))
+        log.debug("rank %d step %d: writing the part", rank, step)
+        try:
+            buf = _slot_map(s)
+            try:
+                index = read_index(buf, s.path)
+                if index["step"] != step:
+                    raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
+                t0 = time.monotonic()
+                files = write_part(storage, buf, index, partial, rank=rank, run_id=run.run_id, step=step,
+                                   on_data_read=lambda: self.slots.release(s))
+                log.info("rank %d step %d: part written, %d bytes in %.3f s", rank, step,
+                         sum(f["nbytes"] for f in files.values()), time.monotonic() - t0)
+            finally:
+                del buf
+            with self.lock:
+                self.results[key].parts_done.add(rank)
+        except BaseException as e:
+            log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
+            self.failed = True
+            with self.lock:  # recorded before the marker: the commit it ends must not win the race to the trainer
+                self.results[key].part_errors[rank] = P.error_record(e)
+            write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
+        finally:
+            with self.lock:
+                self.slots.finish_persist(s, seq)
+                res = self.results.get(key)
+                if res is not None:
+                    res.writers -= 1
+                    self._remove_failed_partial(run, res, partial)
+                self.pending -= 1
+
+    def _commit_task(self, req: CommitRequest, run: Run) -> None:
+        storage = open_storage(fsync=run.fsync, part=(None, req.step))
+        retired: List[str] = []
+        try:
+            if run.committer:
+                commit(storage, storage, req, remove_partial_on_failure=False, defer_deletion=retired)
+            else:
+                watch_commit(storage, req)
+            state, err = "committed", None
+        except BaseException as e:
+            log.error("step %d: commit failed: %s", req.step, e)
+            self.failed = True
+            state, err = "failed", P.error_record(e)
+        with self.lock:
+            res = self.results[(req.run_id, req.step, req.dirname)]
+            res.state, res.error = state, err
+            self._remove_failed_partial(run, res, req.partial_dir)
+        for path in retired:  # after the commit is reported: deleting GiBs takes a while
+            try:
+                storage.remove_tree(path)
+            except OSError as e:
+                log.warning("retention: could not delete %s: %s", path, e)
+        with self.lock:
+            self.pending -= 1
+
+    @staticmethod
+    def _remove_failed_partial(run: Run, res: Result, partial: str) -> None:
+        """On the committer, once a step's commit failed and this node's writers of it are done, delete
+        its partial directory (called with the lock)."""
+        if not run.committer or res.state != "failed" or res.writers > 0:
+            return
+        try:
+            open_storage().remove_tree(partial)
+        except OSError as e:
+            log.warning("could not remove %s after a failed commit: %s", partial, e)
+
+
+def _slot_map(s: Slot):
+    """The writers' mapping of slot ``s``, made once per slot size and kept: mapping it afresh for every
+    persist costs a page fault per 4 KiB page read (about 0.3-0.7 s per GiB on this VM). Only the writer
+    of ``s`` calls this (one at a time: the slot is PERSISTING)."""
+    if s.mapping is None or len(s.mapping) != s.nbytes:
+        if s.mapping is not None:
+            try:
+                s.mapping.close()
+            except BufferError:  # a view is still alive; it goes with its last reference
+                pass
+        s.mapping = map_slot(s.path, s.nbytes)
+    return s.mapping

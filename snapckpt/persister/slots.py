@@ -1,0 +1,249 @@
+"""The persister's records of runs, ranks and slots, and the slot state machine.
+
+Data path: a training rank asks the persister (:mod:`snapckpt.persister.server`) for a slot of the
+arena, copies its snapshot into it and says it is ready; the scheduler
+(:mod:`snapckpt.persister.scheduler`) writes READY slots to disk. Every transition of a slot's state
+(:class:`~snapckpt.persister.arena.SlotState`) happens here::
+
+    FREE/INVALID/READY (not the newest) --acquire--> WRITING(N) --ready--> READY(N)
+    WRITING(N) --abort, or its rank left--> INVALID
+    READY(N) --start_persist--> PERSISTING(N) --release / finish_persist--> READY(N)
+
+A rank's newest READY slot is never handed out again (it is the memory tier's restore point); the
+other READY ones are reused oldest first once no slot is FREE (contract 2: a slot is rewritten only
+after the persister is done with it).
+
+Locking: every method runs with the server's lock held, except :meth:`SlotTable.release` (called by
+a writer thread), which takes it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+from snapckpt.errors import PersisterError
+from snapckpt.ondisk.manifest import validate_dirname
+from snapckpt.persister import protocol as P
+from snapckpt.persister.arena import SlotFiles, SlotState
+
+log = logging.getLogger("snapckpt.persister")
+
+__all__ = ["Slot", "RankEntry", "Run", "SlotTable"]
+
+HELD = (SlotState.READY, SlotState.PERSISTING)  # states of a slot that holds a complete snapshot
+
+
+@dataclass
+class Slot:
+    """One slot file of a rank's arena and what it holds (``nbytes``: the file's size in bytes)."""
+
+    index: int
+    path: str
+    nbytes: int = 0
+    state: SlotState = SlotState.FREE
+    step: int = -1
+    run_id: str = ""
+    index_offset: int = 0
+    index_nbytes: int = 0
+    dirname: str = ""
+    tracker_name: str = ""
+    tracker_content: str = ""
+    persistable: bool = True  # the snapshot has files for disk (False: a memory-only record, never flushed)
+    seq: int = 0  # order of READY transitions: the newest READY slot has the highest seq
+    growing: Optional["cf.Future[int]"] = None  # a background ensure_size of this FREE slot (its new size)
+    mapping: Any = None  # the writers' read mapping of the slot file, kept across persists (see scheduler)
+
+
+@dataclass
+class RankEntry:
+    """A local rank: its slots and the connection it is served on (``None`` while it is away)."""
+
+    rank: int
+    slots: List[Slot]
+    conn: Optional[socket.socket] = None
+    run_id: str = ""
+
+
+@dataclass
+class Run:
+    """One launch attempt of the job, as its ranks described it in their ``hello``."""
+
+    run_id: str
+    world_size: int
+    local_ranks: List[int]
+    committer: bool
+    checkpoint_dir: str
+    keep_last: Optional[int]
+    commit_timeout_secs: float
+    flush_on_crash: bool
+    fsync: bool
+    dir_id: str = ""  # device:inode of checkpoint_dir when the run started (a re-created directory differs)
+    connected: Set[int] = field(default_factory=set)
+    crashed: bool = False
+
+
+class SlotTable:
+    """The runs, ranks and slots this persister knows, and the transitions of their slots.
+
+    Args:
+        arena: the slot files (sized here).
+        lock: the server's lock (see the module docstring).
+    """
+
+    def __init__(self, arena: SlotFiles, lock: threading.RLock) -> None:
+        self.arena = arena
+        self.lock = lock
+        self.ranks: Dict[int, RankEntry] = {}
+        self.runs: Dict[str, Run] = {}
+        self.seq = 0
+        # Reserves the pages of a rank's other slots while it trains, so that the first snapshot into
+        # each of them does not pay for zeroing fresh shared memory (about 0.3 s per GiB) on the training
+        # path.
+        self.grow_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-grow")
+
+    def shutdown(self) -> None:
+        """Wait for the background growths (at exit)."""
+        self.grow_pool.shutdown(wait=True)
+
+    # ----------------------------------------------------------------------------------- records
+    def attach(self, rank: int, run: Run, conn: socket.socket, slots_per_rank: int) -> RankEntry:
+        """Serve ``rank`` of ``run`` on ``conn``; its slot records are made (or added) up to
+        ``slots_per_rank``, those it had before (a restarted rank) are kept with their snapshots."""
+        entry = self.ranks.get(rank)
+        if entry is None:
+            entry = RankEntry(rank, [Slot(i, self.arena.path(rank, i)) for i in range(slots_per_rank)])
+            self.ranks[rank] = entry
+        while len(entry.slots) < slots_per_rank:
+            entry.slots.append(Slot(len(entry.slots), self.arena.path(rank, len(entry.slots))))
+        entry.conn = conn
+        entry.run_id = run.run_id
+        return entry
+
+    def info(self, s: Slot) -> Dict[str, Any]:
+        """Slot ``s`` as the protocol describes it to a client."""
+        run = self.runs.get(s.run_id)
+        return {"slot": s.index, "path": s.path, "nbytes": s.nbytes, "state": s.state.value, "step": s.step,
+                "index_offset": s.index_offset, "index_nbytes": s.index_nbytes, "run_id": s.run_id,
+                "seq": s.seq, "world_size": run.world_size if run is not None else -1,
+                "dir_id": run.dir_id if run is not None else ""}
+
+    def slot(self, entry: RankEntry, index: int) -> Slot:
+        """Slot ``index`` of ``entry``.
+
+        Raises:
+            ProtocolError: the rank has no such slot.
+        """
+        if not (0 <= index < len(entry.slots)):
+            raise P.ProtocolError(f"no slot {index} for rank {entry.rank}")
+        return entry.slots[index]
+
+    def held(self, entry: RankEntry) -> List[Slot]:
+        """The slots of ``entry`` that hold a complete snapshot (READY or PERSISTING)."""
+        return [s for s in entry.slots if s.state in HELD]
+
+    def newest_held(self, entry: RankEntry, step: int) -> Optional[Slot]:
+        """The newest slot of ``entry`` holding a complete snapshot of ``step``, or ``None``."""
+        cands = [s for s in entry.slots if s.step == step and s.state in HELD]
+        return max(cands, key=lambda x: x.seq) if cands else None
+
+    def describe(self, entry: RankEntry) -> str:
+        """Every slot's state and step, for a busy reply (``"slot 0: READY(5), ..."``)."""
+        return ", ".join(f"slot {s.index}: {s.state.value}({s.step})" for s in entry.slots)
+
+    # ------------------------------------------------------------------------------- transitions
+    def acquire(self, entry: RankEntry, step: int, nbytes: int) -> Optional[Slot]:
+        """Hand out a slot of at least ``nbytes`` bytes for ``step`` (WRITING), or ``None`` when every
+        slot is in use (the client's policy then waits or skips).
+
+        Raises:
+            InsufficientSharedMemoryError, PreflightError: the arena cannot grow the slot.
+        """
+        ready = [s for s in entry.slots if s.state == SlotState.READY]
+        newest = max(ready, key=lambda s: s.seq) if ready else None
+        free = [s for s in entry.slots if s.state in (SlotState.FREE, SlotState.INVALID)]
+        reusable = sorted((s for s in ready if s is not newest), key=lambda s: s.seq)
+        candidates = free + reusable
+        if not candidates:
+            return None
+        slot = candidates[0]
+        self._grown(slot)
+        reserve = sum(max(0, nbytes - s.nbytes) for s in entry.slots if s is not slot)
+        slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve)
+        slot.state, slot.step, slot.run_id = SlotState.WRITING, step, entry.run_id
+        for other in entry.slots:  # reserve the other slots' pages now, off the training path
+            if (other is not slot and other.growing is None and other.nbytes < nbytes
+                    and other.state in (SlotState.FREE, SlotState.INVALID)):
+                other.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, other.index,
+                                                      nbytes, other.nbytes)
+        return slot
+
+    def _grown(self, slot: Slot) -> None:
+        """Wait for a background growth of ``slot`` and take its size (called with the lock; the growth
+        never takes it). A growth that failed is dropped: the caller's own ``ensure_size`` retries it and
+        raises with the rank's full capacity need."""
+        if slot.growing is None:
+            return
+        try:
+            slot.nbytes = max(slot.nbytes, slot.growing.result())
+        except Exception as e:
+            log.info("slot %d: reserving its pages in the background failed: %s", slot.index, e)
+        slot.growing = None
+
+    def ready(self, entry: RankEntry, index: int, step: int, *, index_offset: int, index_nbytes: int,
+              dirname: str, tracker_name: str, tracker_content: str, persistable: bool) -> Slot:
+        """WRITING(step) -> READY(step): the rank finished copying its snapshot into slot ``index``
+        (``index_offset``/``index_nbytes``: where the slot's index lies, in bytes from its start).
+
+        Raises:
+            PersisterError: the slot is not WRITING(step).
+            ValueError: ``dirname`` or ``tracker_name`` is not a plain name inside the checkpoint directory.
+        """
+        s = self.slot(entry, index)
+        if s.state != SlotState.WRITING or s.step != step:
+            raise PersisterError(f"slot {s.index} of rank {entry.rank} is {s.state.value}({s.step}), "
+                                 f"not WRITING({step})")
+        validate_dirname(dirname)
+        if tracker_name:
+            validate_dirname(tracker_name)
+        self.seq += 1
+        s.state, s.seq = SlotState.READY, self.seq
+        s.index_offset, s.index_nbytes = index_offset, index_nbytes
+        s.dirname, s.tracker_name, s.tracker_content = dirname, tracker_name, tracker_content
+        s.persistable = persistable
+        return s
+
+    def abort(self, entry: RankEntry, index: int) -> None:
+        """WRITING -> INVALID: the rank gave up copying into slot ``index``."""
+        s = self.slot(entry, index)
+        if s.state == SlotState.WRITING:
+            s.state = SlotState.INVALID
+
+    def drop_writes(self, entry: RankEntry) -> None:
+        """The rank left: a slot it was writing is not trusted (WRITING -> INVALID, case C8)."""
+        for s in entry.slots:
+            if s.state == SlotState.WRITING:
+                log.warning("rank %d left while writing step %d into slot %d: slot marked INVALID",
+                            entry.rank, s.step, s.index)
+                s.state = SlotState.INVALID
+
+    @staticmethod
+    def start_persist(s: Slot) -> None:
+        """READY -> PERSISTING: a writer is about to read slot ``s``."""
+        s.state = SlotState.PERSISTING
+
+    def release(self, s: Slot) -> None:
+        """The persister is done reading slot ``s``: PERSISTING -> READY (takes the lock)."""
+        with self.lock:
+            if s.state == SlotState.PERSISTING:
+                s.state = SlotState.READY
+
+    @staticmethod
+    def finish_persist(s: Slot, seq: int) -> None:
+        """The writer of the snapshot ``seq`` of slot ``s`` ended: PERSISTING -> READY, unless the slot
+        was released and refilled since (it then holds another snapshot)."""
+        if s.state == SlotState.PERSISTING and s.seq == seq:
+            s.state = SlotState.READY
