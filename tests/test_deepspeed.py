@@ -165,7 +165,7 @@ def test_config_section_validation(tmp_path):
     """The "snapckpt" section of the DeepSpeed config (a dict or a JSON file): unknown keys and bad values
     are clear errors; DeepSpeed gets the config without the section."""
     from snapckpt.deepspeed import DeepSpeedSnapckptConfig
-    from snapckpt.integrations.deepspeed import _split_config
+    from snapckpt.integrations.deepspeed.config import _split_config
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "snapckpt": {"checkpoint_dir": "/x", "keep_last": 2}}))
