@@ -10,7 +10,9 @@ and its :class:`LoadCandidate`, ``Checkpointer.coordinator``, ``Checkpointer.sto
 ``Checkpointer.verify_directory``, ``Checkpointer.write_out`` and :func:`check_step`.
 """
 from snapckpt import rng
-from snapckpt.engine.checkpointer import Checkpointer, LoadCandidate, LoadInfo, check_step
+from snapckpt.engine.checkpointer import Checkpointer
+from snapckpt.engine.loader import LoadCandidate, LoadInfo
+from snapckpt.engine.restore import check_step
 from snapckpt.errors import SnapckptError
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.engine.handle import SaveHandle

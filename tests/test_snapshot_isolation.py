@@ -630,7 +630,7 @@ def test_overlap_copy_failure_is_raised_at_fence(snap_env, monkeypatch):
     """A copy that fails on the copy thread (here: an injected error) is raised on the training thread at
     ``fence()`` with its own type; the slot is freed, nothing of that step is held or written, and the
     next save works."""
-    from snapckpt.engine import checkpointer as ck_mod
+    from snapckpt.engine import saver as ck_mod
 
     def boom(prepared, slot, buf, device_done=None):
         raise MemoryError("injected copy failure")

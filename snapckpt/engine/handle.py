@@ -4,20 +4,58 @@
 waiting, whether the save reached its end (committed for DISK; held in memory for MEMORY; or failed);
 ``wait()`` blocks, bounded, until then and re-raises a background failure on the caller's thread with
 its original type, annotated with rank, step and persister pid.
+
+A handle knows its owner (the save pipeline, :class:`~snapckpt.engine.saver.Saver`) only through the
+small :class:`SaveOwner` protocol below; the owner drives the handle only through its public methods
+(:meth:`SaveHandle.mark_copied`, :meth:`SaveHandle.fail`, :meth:`SaveHandle.mark_reported`).
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Dict, Optional, Protocol
 
 from snapckpt.errors import CommitTimeoutError
 from snapckpt.events import SaveStats, StorageType
 from snapckpt.persister import protocol as P
 
-if TYPE_CHECKING:
-    from snapckpt.engine.checkpointer import Checkpointer
+__all__ = ["SaveHandle", "SaveOwner"]
 
-__all__ = ["SaveHandle"]
+
+class SaveOwner(Protocol):
+    """What a :class:`SaveHandle` needs from the one that made it.
+
+    Sequence: ``wait()`` on a handle whose copy is still running (``overlap=True``) calls :meth:`fence`;
+    then ``done()`` polls :meth:`status` until the persister says ``committed`` (the handle calls
+    :meth:`on_committed`), ``failed`` (it builds the error with :meth:`context` and calls :meth:`on_failed`)
+    or ``unknown`` (the error is :meth:`lost_error`).
+    """
+
+    commit_timeout_secs: float
+    """Default bound of ``SaveHandle.wait``, before its margin (seconds)."""
+
+    def status(self, step: int, dirname: str) -> Dict[str, Any]:
+        """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ..., "error": ...}``)."""
+        ...
+
+    def on_committed(self, handle: "SaveHandle") -> None:
+        """``handle``'s step was committed (log and event)."""
+        ...
+
+    def on_failed(self, handle: "SaveHandle", exc: BaseException) -> None:
+        """``handle``'s save failed with ``exc`` (log and event)."""
+        ...
+
+    def context(self, step: int) -> str:
+        """Rank, step and persister pid, for error messages."""
+        ...
+
+    def lost_error(self, step: int) -> Exception:
+        """The error of a save the persister no longer knows (it was restarted)."""
+        ...
+
+    def fence(self) -> None:
+        """Wait for the in-flight snapshot copy and hand it to the persister."""
+        ...
 
 
 class SaveHandle:
@@ -25,7 +63,7 @@ class SaveHandle:
 
     _POLL_SECS = 0.01
 
-    def __init__(self, owner: "Checkpointer", step: int, tier: StorageType, stats: Optional[SaveStats],
+    def __init__(self, owner: SaveOwner, step: int, tier: StorageType, stats: Optional[SaveStats],
                  skipped_reason: Optional[str] = None, dirname: str = "", copying: bool = False) -> None:
         self._owner = owner
         self._copying = copying  # overlap: the copy into the arena runs until the next fence()
@@ -51,25 +89,49 @@ class SaveHandle:
         """True when no snapshot was taken for this step (no free slot with ``on_slot_busy="skip"``)."""
         return self.skipped_reason is not None
 
+    @property
+    def reported(self) -> bool:
+        """True once the failure (if any) was raised to the caller: by :meth:`wait`, or by the Checkpointer's
+        ``poll``/``fence``, which raise each failure once (:meth:`mark_reported`)."""
+        return self._reported
+
+    def mark_reported(self) -> None:
+        """The owner raised this save's failure to the caller: later calls do not raise it again."""
+        self._reported = True
+
+    def mark_copied(self, stats: SaveStats, held_in_memory: bool) -> None:
+        """The owner finished the overlapped copy of this save and handed the slot to the persister.
+
+        Args:
+            stats: the save's statistics (now known).
+            held_in_memory: a MEMORY save, which ends here (a DISK save goes on until committed).
+        """
+        self.stats = stats
+        self._copying = False
+        if held_in_memory:
+            self._state = "done"  # held in memory from now on
+
+    def fail(self, exc: BaseException) -> None:
+        """End this save with ``exc`` (its copy, if one was running, is over); the owner is told."""
+        self._copying = False
+        self._state = "failed"
+        self._error = exc
+        self._owner.on_failed(self, exc)
+
     def _poll(self) -> None:
         if self._state != "pending" or self._copying:
             return
-        reply = self._owner._status(self.step, self.dirname)
+        reply = self._owner.status(self.step, self.dirname)
         state = reply.get("state")
         if state == "committed":
             self._state = "done"
             self.committed_secs = time.monotonic() - self._created
-            self._owner._on_committed(self)
+            self._owner.on_committed(self)
         elif state == "failed":
             rec = reply.get("error") or {"type": "PersistError", "message": "unknown failure"}
-            self._fail(P.error_from_record(rec, context=self._owner._context(self.step)))
+            self.fail(P.error_from_record(rec, context=self._owner.context(self.step)))
         elif state == "unknown":
-            self._fail(self._owner._lost_error(self.step))
-
-    def _fail(self, exc: BaseException) -> None:
-        self._state = "failed"
-        self._error = exc
-        self._owner._on_failed(self, exc)
+            self.fail(self._owner.lost_error(self.step))
 
     def done(self) -> bool:
         """Whether the save has finished (committed, held in memory, skipped or failed). Never blocks
@@ -77,7 +139,7 @@ class SaveHandle:
         try:
             self._poll()
         except Exception as e:  # a dead persister ends the save too
-            self._fail(e)
+            self.fail(e)
         return self._state != "pending"
 
     def exception(self) -> Optional[BaseException]:
@@ -96,13 +158,13 @@ class SaveHandle:
         """
         if self._copying:
             self._owner.fence()
-        limit = timeout if timeout is not None else self._owner.options.commit_timeout_secs + 30.0
+        limit = timeout if timeout is not None else self._owner.commit_timeout_secs + 30.0
         deadline = time.monotonic() + limit
         delay = 0.002
         while not self.done():
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(f"step {self.step} was not committed within {limit:g} s; "
-                                         f"{self._owner._context(self.step)}")
+                                         f"{self._owner.context(self.step)}")
             time.sleep(delay)
             delay = min(delay * 2, self._POLL_SECS * 5)
         self._reported = True

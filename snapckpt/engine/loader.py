@@ -1,0 +1,359 @@
+"""Loader: the collective load of one rank, from "which step?" to the files of that step.
+
+Sequence of a load: every rank reports which steps it holds in memory, rank 0 lists the committed steps
+on disk (:meth:`Loader.candidates`), and every rank builds the same list, newest first (memory first when
+it is at least as new as disk). :meth:`Loader.load_with` then tries each :class:`LoadCandidate` on every
+rank; if any rank cannot read it (a torn memory slot, a corrupt file), all ranks move to the next
+candidate together (cases B3, C2, C9). Reading is :meth:`Loader.read` (a copy or views of the arena slot;
+disk files after :meth:`Loader.verify`). The restore into live tensors is :mod:`snapckpt.engine.restore`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from snapckpt._internal.progress import byte_bar
+from snapckpt.dist.coordination import Coordinator
+from snapckpt.dist.topology import Topology
+from snapckpt.engine.session import PersisterSession
+from snapckpt.engine.slot_maps import SlotMaps
+from snapckpt.engine.stager import read_slot
+from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
+                             UnsafeCheckpointError, all_damaged_error)
+from snapckpt.events import StorageType
+from snapckpt.ondisk import layout
+from snapckpt.ondisk.manifest import MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest
+from snapckpt.options import CheckpointOptions
+from snapckpt.storage.posix import PosixStorage
+
+__all__ = ["LoadCandidate", "LoadInfo", "Loader"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What the last ``load`` restored (``Checkpointer.last_load``).
+
+    Attributes:
+        step: the step loaded (``load`` returns the state only: this is where its step is).
+        tier: ``StorageType.MEMORY`` or ``StorageType.DISK``.
+        seconds: how long the load took.
+        skipped: newer candidates that were tried first and refused, one line each (step, tier, directory,
+            ranks and cause, e.g. a checksum mismatch); empty when the newest candidate loaded.
+    """
+
+    step: int
+    tier: StorageType
+    seconds: float
+    skipped: Tuple[str, ...] = ()
+
+
+class LoadCandidate:
+    """One checkpoint the ranks agreed to try loading (see :meth:`Checkpointer.load_with`).
+
+    Attributes:
+        step: its step (int).
+        tier: ``StorageType.MEMORY`` or ``StorageType.DISK``.
+        dirname: its directory name (the tag) for DISK, ``None`` for MEMORY.
+        path: absolute path of the committed directory for DISK, ``None`` for MEMORY.
+        run_id: the run that took the snapshot for MEMORY (the slot's owner), ``None`` for DISK.
+    """
+
+    def __init__(self, owner: "Loader", step: int, tier: StorageType, key: Optional[str]) -> None:
+        self._owner, self.step, self.tier = owner, step, tier
+        self.dirname = key if tier == StorageType.DISK else None
+        self.path = os.path.join(owner.checkpoint_dir, key) if tier == StorageType.DISK else None
+        self.run_id = key if tier == StorageType.MEMORY else None
+
+    _files: Optional[Dict[str, Any]] = None
+
+    def files(self) -> Dict[str, Any]:
+        """This rank's files: ``{name: object}`` (torch files unpickled with CPU tensors, raw files as
+        ``bytes``). MEMORY: every file of the rank's snapshot, ``MemoryOnly`` ones included. DISK: the files
+        the manifest assigns to this rank, sizes and checksums verified first. Read once, then kept.
+
+        Raises:
+            CheckpointCorruptError / CheckpointNotFoundError: damaged or vanished; UnsafeCheckpointError.
+        """
+        if self._files is None:
+            self._files = self._owner.read(self)
+        return self._files
+
+    def verify(self) -> None:
+        """DISK: check this rank's files against the manifest (sizes, and checksums unless
+        ``verify_checksums=False``); raises :class:`~snapckpt.errors.CheckpointCorruptError`. MEMORY: no-op."""
+        if self.tier == StorageType.DISK:
+            self._owner.verify(self.path, self.dirname)
+
+    def __repr__(self) -> str:
+        return f"LoadCandidate(step={self.step}, tier={self.tier.value}, dirname={self.dirname!r})"
+
+
+class Loader:
+    """The load path of one rank.
+
+    Args:
+        options: the Checkpointer's options (``weights_only``, ``verify_checksums``, timeouts).
+        checkpoint_dir: absolute path of the checkpoint directory.
+        topology: rank, world size, local rank.
+        coord: the job's coordination channel (candidates and each try are agreed on).
+        storage: the storage of ``checkpoint_dir``.
+        maps: the rank's slot mappings (memory reads).
+        session: the persister session (which slots this rank holds).
+        dir_id: the checkpoint directory's identity: memory snapshots of another identity are ignored.
+
+    Attributes:
+        last_load: a :class:`LoadInfo` of the last load, or ``None``.
+    """
+
+    def __init__(self, options: CheckpointOptions, checkpoint_dir: str, topology: Topology, coord: Coordinator,
+                 storage: PosixStorage, maps: SlotMaps, session: PersisterSession, dir_id: str) -> None:
+        self.options, self.checkpoint_dir, self._topology = options, checkpoint_dir, topology
+        self._coord, self._storage, self._maps, self._session, self._dir_id = coord, storage, maps, session, dir_id
+        self._damaged: List[str] = []  # directories skipped as damaged by the last candidates()
+        self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
+        self.last_load: Optional[LoadInfo] = None
+
+    @property
+    def rank(self) -> int:
+        return self._topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._topology.world_size
+
+    def candidates(self, step: Optional[int] = None) -> List[Tuple[int, str, Optional[str]]]:
+        """Agree with all ranks on the load candidates: ``[(step, "memory"|"disk", dirname)]``, newest first.
+
+        Directories skipped as damaged are kept in ``self._damaged`` (``"dirname: what is wrong"``). With
+        ``step``, a committed directory whose files fail the quick size check is still a candidate, so
+        that reading it fails with an error naming the damaged file instead of "not found" (case B3).
+
+        Raises:
+            IncompatibleCheckpointError: only checkpoints of another world size exist.
+        """
+        held = self._session.request("held")["slots"]
+        stale = sorted({s["step"] for s in held if s.get("dir_id") not in (None, self._dir_id)})
+        if stale:
+            log.warning("rank %d: memory snapshots of steps %s belong to an earlier %s that was deleted and "
+                        "re-created; they are ignored (a fresh start)", self.rank, stale, self.checkpoint_dir)
+        mem = sorted({(s["step"], s["run_id"]) for s in held if s.get("world_size", self.world_size)
+                      == self.world_size and s.get("dir_id") in (None, self._dir_id)})
+        disk: List[List[Any]] = []
+        problems: List[str] = []
+        if self.rank == 0:
+            for c in list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
+                                    problems=problems, name_pattern=layout.STEP_DIR_PATTERN):
+                saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
+                disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
+            for p in problems:
+                log.warning("not a loadable checkpoint: %s", p)
+        everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems},
+                                          self.options.coordination_timeout_secs)
+        self._damaged = everyone[0]["damaged"]
+        common = None
+        for p in everyone:
+            steps = {tuple(x) for x in p["mem"]}
+            common = steps if common is None else common & steps
+        if not common and any(p["mem"] for p in everyone):
+            log.warning("rank %d: ranks hold memory snapshots but no step is held by every rank (%s); "
+                        "the memory tier cannot be used", self.rank,
+                        {r: [m[0] for m in p["mem"]] for r, p in enumerate(everyone)})
+        disk_all = everyone[0]["disk"]
+        wrong = [d for d in disk_all if d[2] != self.world_size]
+        disk_ok = [d for d in disk_all if d[2] == self.world_size]
+        self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]
+        cands: List[Tuple[int, str, Optional[str]]] = [(s, "memory", rid) for s, rid in (common or set())]
+        cands += [(d[0], "disk", d[1]) for d in disk_ok]
+        cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
+        if not cands and wrong:
+            raise IncompatibleCheckpointError(
+                f"{self.checkpoint_dir} holds checkpoints written by world size "
+                f"{sorted({d[2] for d in wrong})}, this job has {self.world_size}; snapckpt does not "
+                "reshard: resume with the same number of ranks")
+        return cands
+
+    def latest_step(self) -> Optional[int]:
+        """``Checkpointer.latest_step`` after its ``wait()`` (its docstring has the details)."""
+        cands = self.candidates()
+        if not cands and self._damaged:
+            self._raise_nothing_loadable(None, [])
+        return cands[0][0] if cands else None
+
+    def verify(self, path: str, dirname: str) -> Dict[str, Any]:
+        """Check this rank's files of the committed directory ``path`` against its manifest (sizes, and
+        checksums unless ``verify_checksums=False``); return the manifest.
+
+        Raises:
+            CheckpointCorruptError: a file is missing, of the wrong size or fails its checksum.
+        """
+        mpath = os.path.join(path, MANIFEST)
+        m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
+        if self.options.verify_checksums:
+            mine = sum(int(r.get("nbytes", 0)) for r in m["files"].values() if r.get("rank") == self.rank)
+            # A bar for a long read (>= 1 GiB), on local rank 0 only, when its stderr is a terminal.
+            show = None if mine >= (1 << 30) and self._topology.local_rank == 0 else False
+            with byte_bar(mine, f"verifying {dirname}", show) as bar:
+                check_checksums(self._storage, path, m, rank=self.rank, progress=bar.update)
+        else:
+            check_sizes(self._storage, path, m, rank=self.rank)
+        return m
+
+    def read(self, cand: LoadCandidate, views: bool = False) -> Dict[str, Any]:
+        """This rank's files of ``cand`` (what :meth:`LoadCandidate.files` returns).
+
+        Args:
+            views: MEMORY: views of the arena slot instead of copies; DISK: memory-mapped torch files.
+
+        Raises:
+            CheckpointNotFoundError: the memory snapshot is no longer held.
+            CheckpointCorruptError: the slot holds another step, or a file fails its checks.
+            UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
+        """
+        if cand.tier == StorageType.MEMORY:
+            return self._read_memory(cand, views)
+        path = cand.path
+        m = self.verify(path, cand.dirname)
+        weights_only = self.options.weights_only
+
+        def read(name: str, rec: Dict[str, Any]) -> Any:
+            if rec.get("kind", "torch") == "bytes":
+                return self._storage.read_bytes(os.path.join(path, name))
+            try:
+                return torch.load(os.path.join(path, name), map_location="cpu", weights_only=weights_only,
+                                  mmap=views)
+            except Exception as e:
+                if weights_only and "weights_only" in str(e):
+                    raise UnsafeCheckpointError(
+                        f"{os.path.join(path, name)} holds objects that weights_only=True refuses; if you "
+                        "trust this checkpoint directory pass weights_only=False to the Checkpointer") from e
+                raise
+
+        mine = [(name, rec) for name, rec in sorted(m["files"].items()) if rec["rank"] == self.rank]
+        if len(mine) <= 1:
+            return {name: read(name, rec) for name, rec in mine}
+        import concurrent.futures as cf
+
+        # Several files of this rank (DeepSpeed's model and optimizer states, a Trainer's folder): read in
+        # parallel; file reads release the GIL.
+        with cf.ThreadPoolExecutor(max_workers=min(4, len(mine)), thread_name_prefix="snapckpt-load") as ex:
+            futures = [(name, ex.submit(read, name, rec)) for name, rec in mine]
+            return {name: fut.result() for name, fut in futures}
+
+    def _read_memory(self, cand: LoadCandidate, views: bool) -> Dict[str, Any]:
+        held = self._session.request("held")["slots"]
+        mine = [s for s in held if s["step"] == cand.step and s["run_id"] == cand.run_id]
+        if not mine:
+            raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
+        s = max(mine, key=lambda x: x["seq"])
+        m = self._maps.get(s["slot"], s["path"], s["nbytes"])
+        got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
+                                    copy=not views)
+        if got_step != cand.step:
+            raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
+                                         f"not {cand.step}")
+        return files
+
+    def load_with(self, fn: Callable[[LoadCandidate], Any], step: Optional[int] = None, *,
+                  dirname: Optional[str] = None, check: Optional[Callable[[LoadCandidate], Any]] = None
+                  ) -> Tuple[Any, LoadCandidate]:
+        """``Checkpointer.load_with`` after its checks and ``wait()`` (its docstring has the details)."""
+        t0 = time.perf_counter()
+        cands = self.candidates(step)
+        if step is not None:
+            cands = [c for c in cands if c[0] == step]
+        if dirname is not None:
+            cands = [c for c in cands if c[1] == "disk" and c[2] == dirname]
+        errors: List[str] = []
+        for cstep, tier, key in cands:
+            cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
+            result, bad = self._try(cand, check, fn)
+            if not bad:
+                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0, tuple(errors))
+                log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
+                         self.last_load.seconds)
+                if step is None and dirname is None:
+                    self._warn_rewind(cstep)
+                if errors:
+                    log.warning("rank %d: loaded step %d (%s), not the newest: %d newer checkpoint(s) refused: "
+                                "%s; `snapckpt verify %s` checks them all", self.rank, cstep, cand.tier.value,
+                                len(errors), " | ".join(errors), self.checkpoint_dir)
+                return result, cand
+            where = f"{tier}, {key}" if tier == "disk" else tier
+            msg = f"step {cstep} ({where}) unreadable on ranks {sorted(bad)}: " + "; ".join(
+                f"rank {r}: {e}" for r, e in sorted(bad.items()))
+            log.warning("%s; trying the next newest checkpoint", msg)
+            errors.append(msg)
+        self._raise_nothing_loadable(step, errors)
+
+    def _try(self, cand: LoadCandidate, check: Optional[Callable[[LoadCandidate], Any]],
+             fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, str]]:
+        """Run ``check`` then ``fn`` on ``cand``, each agreed on by every rank: ``(fn's result, {rank:
+        error})``, the errors of the first phase that failed on some rank (``{}``: it loaded everywhere)."""
+        result = None
+        bad: Dict[int, str] = {}
+        for phase, call in (("checked", check), ("loaded", fn)):
+            if call is None:
+                continue
+            try:
+                out = call(cand)
+                if phase == "loaded":
+                    result = out
+                mine = {"ok": True, "error": ""}
+            except Exception as e:
+                mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                if isinstance(e, UnsafeCheckpointError):  # a trust decision, not damage: no fallback
+                    raise
+            everyone = self._coord.all_gather(phase, mine, self.options.coordination_timeout_secs)
+            bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
+            if bad:
+                break
+        return result, bad
+
+    def _raise_nothing_loadable(self, step: Optional[int], errors: List[str]) -> None:
+        """Raise why nothing (of ``step``) can be loaded: :class:`CheckpointCorruptError` when checkpoints
+        exist but every one was refused (``errors``, one per candidate) or skipped as damaged
+        (``self._damaged``), :class:`CheckpointNotFoundError` only when there is truly nothing. Never "not
+        found" for damage: integrations and users rightly read that as "start afresh" or "let the
+        framework's own loader read the directory"."""
+        what = f"step {step}" if step is not None else "any step"
+        if errors or self._damaged:
+            raise all_damaged_error(self.checkpoint_dir, errors, what=what, skipped=self._damaged,
+                                    note=" (memory tier included)")
+        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
+
+    def _warn_rewind(self, loaded: int) -> None:
+        """Warn when a lower step than ``loaded`` was saved to disk after it (a rewind): load() picks the
+        highest step, retention keeps the most recently saved ones. Only disk saves carry a time (their
+        manifest's ``requested_unix``): a step loaded from memory with no disk copy at or above it is the
+        ordinary resume after a crash, never reported as a rewind."""
+        since = [e[2] for e in self._disk_saved if e[0] >= loaded]
+        if not since:
+            return
+        later = [d for d in self._disk_saved if d[0] < loaded and d[2] > max(since)]
+        if later and self.rank == 0:
+            newest = max(later, key=lambda d: d[2])
+            log.warning("loaded step %d, the highest step; step %d (%s) was saved after it (a rewind?). To "
+                        "resume from it pass load(step=%d), or delete the abandoned higher steps", loaded,
+                        newest[0], newest[1], newest[0])
+
+    def verify_directory(self, path: str, dirname: str) -> str:
+        """``Checkpointer.verify_directory`` (its docstring has the details): this rank's share of the files
+        checked, the errors agreed on; ``""`` or every failing rank's error, ``"; "``-joined."""
+        mpath = os.path.join(path, MANIFEST)
+        error: Optional[str] = None
+        if os.path.exists(mpath):
+            try:
+                m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
+                share = dict(sorted(m["files"].items())[self.rank::self.world_size])
+                check_checksums(self._storage, path, {**m, "files": share})
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        bad = self._coord.agree(f"verify {dirname}", error)
+        return "; ".join(bad[r] for r in sorted(bad))

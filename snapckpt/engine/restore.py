@@ -1,0 +1,80 @@
+"""Restore: the last hop of a load, from the files read back into the caller's live state.
+
+``Checkpointer.load(state_dict)`` reads a rank's files (:mod:`snapckpt.engine.loader`) and hands them to
+:func:`copy_into`, which checks every tensor's shape first, then copies in place. :func:`check_step` is
+the one validation of a step number, used by save and load alike (and by the integrations).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, List, Optional
+
+import torch
+
+from snapckpt.errors import IncompatibleCheckpointError
+
+__all__ = ["MAX_STEP", "check_step", "copy_into"]
+
+MAX_STEP = 2**63 - 1  # steps are signed 64-bit integers in the arena's slot header
+
+
+def check_step(step: Any, what: str = "step") -> None:
+    """``ValueError`` unless ``step`` is an ``int`` in ``[0, 2**63 - 1]`` (not a bool, float or string);
+    ``what`` names it in the message (``"iteration"`` for Megatron)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"{what} must be an int in [0, 2**63 - 1], got {step!r} ({type(step).__name__})")
+
+
+def copy_into(dst: Any, src: Any, path: str = "", own: bool = False) -> Any:
+    """Copy ``src`` into ``dst`` in place where both hold tensors at the same key; return ``dst``.
+
+    Tensors are copied with ``Tensor.copy_`` (so dtype and device follow ``dst``, as
+    ``load_state_dict`` does); other values replace ``dst``'s (deep copies of them with ``own``: ``src``
+    then views memory that is not the caller's, an arena slot; one deep-copy memo for the whole call
+    keeps tensors that share storage sharing it). Every shape is checked before anything is copied, so a
+    refused load leaves ``dst`` as it was.
+
+    Args:
+        dst: the live state (nested dicts of tensors and values), changed in place.
+        src: what was loaded, of the same nesting.
+        path: key path of ``dst`` inside the whole state, for messages (``""`` at the top).
+        own: deep-copy the values taken from ``src`` (``src`` views an arena slot or a memory-mapped file).
+
+    Raises:
+        IncompatibleCheckpointError: some tensor's shape differs (names every such key path, up to 10).
+    """
+    bad: List[str] = []
+    _shape_mismatches(dst, src, path, bad)
+    if bad:
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise IncompatibleCheckpointError(
+            f"{len(bad)} tensor(s) of the checkpoint do not fit the live state (nothing was copied):\n  "
+            + "\n  ".join(bad[:10]) + more
+            + "\nload into a model built with the checkpoint's configuration, or load without a state_dict "
+              "(ckpt.load()) to inspect what was saved")
+    return _copy_into(dst, src, own, {} if own else None)
+
+
+def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
+    """Append ``"<key path>: checkpoint shape (..) != live shape (..)"`` for every tensor ``copy_into``
+    would copy with another shape."""
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for k, v in src.items():
+            if k in dst:
+                _shape_mismatches(dst[k], v, f"{path}.{k}" if path else str(k), out)
+    elif isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape != src.shape:
+        out.append(f"{path or 'tensor'}: checkpoint shape {tuple(src.shape)} != live shape {tuple(dst.shape)}")
+
+
+def _copy_into(dst: Any, src: Any, own: bool, memo: Optional[dict]) -> Any:
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for k, v in src.items():
+            both = (k in dst and ((isinstance(dst[k], dict) and isinstance(v, dict))
+                                  or (isinstance(dst[k], torch.Tensor) and isinstance(v, torch.Tensor))))
+            dst[k] = _copy_into(dst[k], v, own, memo) if both else (copy.deepcopy(v, memo) if own else v)
+        return dst
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        with torch.no_grad():
+            dst.copy_(src)
+        return dst
+    return copy.deepcopy(src, memo) if own else src

@@ -1,0 +1,391 @@
+"""Saver: the save pipeline of one rank, from ``save_files`` to the hand-over of a slot to the persister.
+
+Sequence of one save of step ``N`` (the only part of snapckpt on the training critical path):
+
+1. checks (step, names, tracker), the first save's writer claim of ``checkpoint_dir`` (every rank learns
+   the outcome), ``poll`` for earlier failures;
+2. the Stager plans and pickles the skeleton (:meth:`~snapckpt.engine.stager.Stager.prepare`); DISK: free
+   space is checked;
+3. ``acquire`` a slot of the rank's arena from the persister (wait or skip when all are busy, contract 2);
+4. copy into the slot: at once, or with ``overlap=True`` on the copy thread until :meth:`Saver.fence`
+   (CUDA tensors on a side stream, :mod:`snapckpt.engine.device_copy`);
+5. ``ready`` (and, for DISK, persist): :meth:`Saver._copied` builds the :class:`SaveStats` and the event.
+
+A failed copy hands its slot back (``abort``). Each save's :class:`~snapckpt.engine.handle.SaveHandle` sees
+the Saver as its :class:`~snapckpt.engine.handle.SaveOwner`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+
+from snapckpt import errors as error_types
+from snapckpt._internal import faultpoints as faults
+from snapckpt.dist.coordination import Coordinator
+from snapckpt.engine.device_copy import CudaCopier, has_cuda_sources
+from snapckpt.engine.handle import SaveHandle
+from snapckpt.engine.restore import check_step
+from snapckpt.engine.session import PersisterSession
+from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
+from snapckpt.engine.stager import Stager
+from snapckpt.errors import CheckpointDirError, InsufficientDiskError, SlotBusyError, SnapckptError
+from snapckpt.events import Event, SaveStats, StorageType
+from snapckpt.ondisk import dirclaim
+from snapckpt.ondisk.manifest import validate_dirname, validate_file_name
+from snapckpt.options import CheckpointOptions
+from snapckpt.storage.posix import PosixStorage
+
+__all__ = ["Saver"]
+
+log = logging.getLogger(__name__)
+
+
+class _CopyJob:
+    """One snapshot between slot acquisition and the hand-over to the persister."""
+
+    def __init__(self, prepared, slot: int, mapped: MappedSlot, step: int, storage_type: StorageType,
+                 dirname: str, tracker_name: str, tracker_content: str, t0: float, t1: float, t2: float):
+        self.prepared, self.slot, self.mapped, self.step = prepared, slot, mapped, step
+        self.storage_type, self.dirname = storage_type, dirname
+        self.tracker_name, self.tracker_content = tracker_name, tracker_content
+        self.t0, self.t1, self.t2 = t0, t1, t2
+        self.future = None
+        self.handle: Optional[SaveHandle] = None
+        self.fence_secs = 0.0
+        self.copy_secs = 0.0
+        self.device_done = None  # the event of the CUDA copies queued for this job, if any
+
+
+def _timed_copy(prepared, slot_tensor, buf, device_done=None) -> float:
+    """The copy thread's job: copy a prepared snapshot into its slot (and wait for its queued CUDA copies);
+    returns the seconds it took."""
+    t0 = time.perf_counter()
+    Stager.copy_into(prepared, slot_tensor, buf, device_done)
+    return time.perf_counter() - t0
+
+
+class Saver:
+    """The save pipeline of one rank (the :class:`~snapckpt.engine.handle.SaveOwner` of its handles).
+
+    Args:
+        options: the Checkpointer's options.
+        checkpoint_dir: absolute path of the checkpoint directory.
+        run_id: this launch attempt's run id (recorded in the writer claim).
+        rank: global rank.
+        coord: the job's coordination channel (the writer claim's outcome).
+        storage: the storage of ``checkpoint_dir`` (free space).
+        stager: plans and copies snapshots.
+        maps: the rank's slot mappings.
+        session: the persister session.
+        emit: delivers an :class:`~snapckpt.events.Event` to the Checkpointer's listeners.
+
+    Attributes:
+        cuda: the side-stream copier of CUDA tensors, made on first use (``None`` until then).
+        last_stats: statistics of the newest snapshot taken, or ``None``.
+    """
+
+    def __init__(self, options: CheckpointOptions, checkpoint_dir: str, run_id: str, rank: int,
+                 coord: Coordinator, storage: PosixStorage, stager: Stager, maps: SlotMaps,
+                 session: PersisterSession, emit: Callable[[Event], None]) -> None:
+        self._options, self._checkpoint_dir, self._run_id, self._rank = options, checkpoint_dir, run_id, rank
+        self._coord, self._storage, self._stager, self._maps = coord, storage, stager, maps
+        self._session, self._emit = session, emit
+        self._handles: List[SaveHandle] = []  # DISK saves not yet ended or not yet reported
+        self._inflight: Optional[_CopyJob] = None  # an overlapped copy not yet fenced
+        self._copier = None  # the copy thread (overlap=True), started on first use
+        self.cuda: Optional[CudaCopier] = None
+        self._claim: Optional[dirclaim.DirClaim] = None
+        self._claimed = False  # the writer claim of checkpoint_dir was settled (see _claim_dir)
+        self.last_stats: Optional[SaveStats] = None
+
+    # ------------------------------------------------------------------- SaveOwner (for the handles)
+    @property
+    def commit_timeout_secs(self) -> float:
+        """The options' ``commit_timeout_secs``."""
+        return self._options.commit_timeout_secs
+
+    def status(self, step: int, dirname: str) -> Dict[str, Any]:
+        """The persister's state of a save (:meth:`PersisterSession.status`)."""
+        return self._session.status(step, dirname)
+
+    def context(self, step: int) -> str:
+        """Rank, step and persister pid, for error messages."""
+        return self._session.context(step)
+
+    def lost_error(self, step: int) -> Exception:
+        """The error of a save the persister no longer knows."""
+        return self._session.lost_error(step)
+
+    def on_committed(self, handle: SaveHandle) -> None:
+        """Log and emit ``committed``."""
+        log.info("rank %d: step %d committed to %s", self._rank, handle.step, self._checkpoint_dir)
+        self._emit(Event("committed", handle.step, handle.storage_type, self._rank))
+
+    def on_failed(self, handle: SaveHandle, exc: BaseException) -> None:
+        """Log and emit ``failed``."""
+        log.error("rank %d: save of step %d failed: %s", self._rank, handle.step, exc)
+        self._emit(Event("failed", handle.step, handle.storage_type, self._rank, error=exc))
+
+    # ----------------------------------------------------------------------------------- the save
+    def save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
+                   tracker_name: Optional[str], tracker_content: str = "",
+                   check_weights_only: bool = False) -> SaveHandle:
+        """``Checkpointer.save_files`` (its docstring has the arguments and errors)."""
+        check_step(step)
+        storage_type = StorageType(storage_type)
+        validate_dirname(dirname)
+        self.fence()
+        if storage_type == StorageType.DISK:
+            # the same step and directory again: the first save must end first (its commit would otherwise
+            # race the second, and ranks could decide differently)
+            for h in [h for h in self._handles if h.step == step and h.dirname == dirname]:
+                h.wait()
+        if tracker_name is not None:
+            validate_dirname(tracker_name)
+            tracker = os.path.join(self._checkpoint_dir, tracker_name)
+            if storage_type == StorageType.DISK and os.path.isdir(tracker) and not os.path.islink(tracker):
+                # rename() cannot replace a directory: every commit would fail at its last step
+                raise CheckpointDirError(
+                    f"the tracker file {tracker} is a directory, so no commit could replace it: remove or rename "
+                    f"it (the checkpoints themselves are in {self._checkpoint_dir}); nothing was written")
+        for name in files:
+            validate_file_name(name)
+        if not self._claimed:
+            self._claim_dir()
+        t0 = time.perf_counter()
+        self.poll()
+        prepared = self._stager.prepare(files, step, check_weights_only=check_weights_only)
+        t1 = time.perf_counter()
+        if storage_type == StorageType.DISK:
+            self._check_free(step, dirname, prepared.total_nbytes)
+        reply = self._acquire(step, prepared.total_nbytes, storage_type)
+        t2 = time.perf_counter()
+        if reply is None:
+            reason = f"no free arena slot for step {step} (on_slot_busy='skip')"
+            log.warning("rank %d: snapshot of step %d skipped: %s", self._rank, step, reason)
+            handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason, dirname=dirname)
+            self._emit(Event("skipped", step, storage_type, self._rank, reason=reason))
+            return handle
+        slot = reply["slot"]
+        try:
+            m = self._maps.get(slot, reply["path"], reply["nbytes"])
+        except BaseException:
+            self._abort(slot)
+            raise
+        job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
+                       tracker_content if tracker_name else "", t0, t1, t2)
+        return self._copy(job)
+
+    def _check_free(self, step: int, dirname: str, nbytes: int) -> None:
+        """DISK: raise ``InsufficientDiskError`` (and fail this step for the other ranks at once) when
+        ``checkpoint_dir`` has less than ``nbytes`` free."""
+        free = self._storage.free_bytes(self._checkpoint_dir)
+        if free < nbytes:
+            err = InsufficientDiskError(
+                f"{self._checkpoint_dir!r} has {free} bytes free; rank {self._rank}'s part of step {step} "
+                f"needs {nbytes}; free space or keep fewer checkpoints (keep_last; "
+                "save_total_limit under the Trainer); nothing was written")
+            try:  # the other ranks' saves of this step fail at once with this cause, not at a timeout
+                self._session.request("fail", step=step, dirname=dirname, type=type(err).__name__,
+                                      message=str(err))
+            except SnapckptError:
+                pass
+            raise err
+
+    def _copy(self, job: _CopyJob) -> SaveHandle:
+        """Copy ``job``'s snapshot into its slot: now, or on the copy thread until the next fence."""
+        prepared, m, slot, step, storage_type = job.prepared, job.mapped, job.slot, job.step, job.storage_type
+        device_done = None
+        if has_cuda_sources(prepared.copies):
+            # Queued on a side stream after the compute stream's work so far; never waited for here.
+            try:
+                if self.cuda is None:
+                    self.cuda = CudaCopier()
+                m.cuda = self.cuda
+                device_done = self.cuda.start(prepared.copies, m.tensor)
+            except BaseException:
+                self._abort(slot, sync_cuda=True)
+                raise
+        if self._options.overlap:
+            # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
+            # hands the slot to the persister. Until then the state must not change.
+            job.device_done = device_done
+            job.future = self._copy_thread().submit(_timed_copy, prepared, m.tensor, m.buf, device_done)
+            job.handle = SaveHandle(self, step, storage_type, None, dirname=job.dirname, copying=True)
+            self._inflight = job
+            if storage_type == StorageType.DISK:
+                self._handles.append(job.handle)
+            return job.handle
+        try:
+            Stager.copy_into(prepared, m.tensor, m.buf, device_done)
+        except BaseException:
+            self._abort(slot, sync_cuda=device_done is not None)
+            raise
+        return self._copied(job)
+
+    def _claim_dir(self) -> None:
+        """First save of this Checkpointer: global rank 0 claims ``checkpoint_dir`` for this job
+        (:mod:`snapckpt.ondisk.dirclaim`) and every rank learns the outcome, so that all ranks raise together.
+
+        Raises:
+            CheckpointDirInUseError: another job holds the claim (on every rank; nothing was saved).
+            CheckpointDirError: the lock file cannot be used.
+        """
+        if self._session.closed:
+            raise SnapckptError("this Checkpointer is closed")
+        mine: Dict[str, Any] = {"ok": True}
+        err: Optional[BaseException] = None
+        if self._rank == 0:
+            try:
+                self._claim = dirclaim.claim_dir(self._checkpoint_dir, {"job_id": self._options.job_id,
+                                                                        "run_id": self._run_id})
+            except SnapckptError as e:
+                err, mine = e, {"ok": False, "type": type(e).__name__, "error": str(e)}
+        got = self._coord.all_gather("claim", mine, self._options.coordination_timeout_secs)[0]
+        if err is not None:
+            raise err
+        if not got["ok"]:
+            raise getattr(error_types, got["type"], CheckpointDirError)(got["error"])
+        self._claimed = True
+
+    def _abort(self, slot: int, sync_cuda: bool = False) -> None:
+        if sync_cuda:  # a queued device-to-host copy must not land in the slot after it is handed back
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                log.exception("rank %d: CUDA synchronize after a failed snapshot copy", self._rank)
+        try:
+            self._session.request("abort", slot=slot)
+        except SnapckptError:
+            pass
+
+    def _copy_thread(self):
+        if self._copier is None:
+            import concurrent.futures as cf
+
+            self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-copy")
+        return self._copier
+
+    def _copied(self, job: _CopyJob) -> SaveHandle:
+        """The copy of ``job`` is complete: hand the slot to the persister (READY, and persist for DISK)."""
+        faults.point("snapshot.before_ready", step=job.step)
+        t3 = time.perf_counter()
+        p = job.prepared
+        self._session.request("ready", slot=job.slot, step=job.step, index_offset=p.index_offset,
+                              index_nbytes=p.index_nbytes, dirname=job.dirname, tracker_name=job.tracker_name,
+                              tracker_content=job.tracker_content, persistable=p.persistable,
+                              persist=job.storage_type == StorageType.DISK)
+        t4 = time.perf_counter()
+        if job.handle is None:  # synchronous copy: save blocked for all of it
+            stats = SaveStats(job.step, job.storage_type, p.tensor_nbytes, p.total_nbytes, job.t1 - job.t0,
+                              job.t2 - job.t1, t3 - job.t2, t4 - job.t0)
+        else:  # overlapped: save blocked until the copy was started, then fence() for what remained
+            stats = SaveStats(job.step, job.storage_type, p.tensor_nbytes, p.total_nbytes, job.t1 - job.t0,
+                              job.t2 - job.t1, job.copy_secs, job.t2 - job.t0 + job.fence_secs + (t4 - t3))
+        self.last_stats = stats
+        handle = job.handle
+        if handle is None:
+            handle = SaveHandle(self, job.step, job.storage_type, stats, dirname=job.dirname)
+            if job.storage_type == StorageType.DISK:
+                self._handles.append(handle)
+        else:
+            handle.mark_copied(stats, held_in_memory=job.storage_type == StorageType.MEMORY)
+        log.info("rank %d: snapshot of step %d taken (%s, %d bytes, blocked %.3f s)", self._rank, job.step,
+                 job.storage_type.value, p.tensor_nbytes, stats.blocking_secs)
+        self._emit(Event("snapshot_taken", job.step, job.storage_type, self._rank, stats=stats))
+        return handle
+
+    def _acquire(self, step: int, nbytes: int, storage_type: StorageType) -> Optional[Dict[str, Any]]:
+        o = self._options
+        want = int(nbytes * o.slot_headroom)
+        deadline = time.monotonic() + o.slot_wait_timeout_secs
+        delay = 0.001
+        logged = False
+        while True:
+            reply = self._session.request("acquire", step=step, nbytes=max(want, nbytes))
+            if not reply["busy"]:
+                return reply
+            if o.on_slot_busy == "skip":
+                return None
+            if not logged:
+                log.warning("rank %d: every arena slot is busy (%s); step %d waits for the persister",
+                            self._rank, reply.get("detail"), step)
+                self._emit(Event("slot_wait", step, storage_type, self._rank,
+                                 reason=f"waiting for a free slot ({reply.get('detail')})"))
+                logged = True
+            if time.monotonic() > deadline:
+                raise SlotBusyError(
+                    f"rank {self._rank}: no arena slot freed within {o.slot_wait_timeout_secs:g} s "
+                    f"for step {step} ({reply.get('detail')}); the persister is slower than the save "
+                    "interval: save less often, add slots_per_rank, or use on_slot_busy='skip'")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    # ------------------------------------------------------------------------ fence, wait, poll
+    def fence(self) -> None:
+        """``Checkpointer.fence``: wait for the in-flight copy, then hand its slot to the persister.
+
+        Raises:
+            The copy's own error (the snapshot is then dropped; the slot is freed).
+        """
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            t_copy = job.future.result()
+        except BaseException as e:
+            self._abort(job.slot, sync_cuda=job.device_done is not None)
+            job.handle.fail(e)
+            job.handle.mark_reported()
+            raise
+        job.fence_secs = time.perf_counter() - t0
+        job.copy_secs = t_copy
+        self._copied(job)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """``Checkpointer.wait``: fence, then wait for every DISK save; raise the first unreported failure."""
+        self.fence()
+        handles, self._handles = self._handles, []
+        first: Optional[BaseException] = None
+        for h in handles:
+            reported = h.reported
+            try:
+                h.wait(timeout)
+            except BaseException as e:
+                if first is None and not reported:
+                    first = e
+        if first is not None:
+            raise first
+
+    def poll(self) -> None:
+        """``Checkpointer.poll``: end the DISK saves the persister finished; raise the first unreported
+        failure (each once)."""
+        still = []
+        first: Optional[BaseException] = None
+        for h in self._handles:
+            if not h.done():
+                still.append(h)
+            elif h.exception() is not None and not h.reported:
+                if first is None:
+                    h.mark_reported()
+                    first = h.exception()
+                else:
+                    still.append(h)
+        self._handles = still
+        if first is not None:
+            raise first
+
+    def stop_copy_thread(self) -> None:
+        """Stop the copy thread, if one was started, after its current job (``Checkpointer.close``)."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+
+    def release_claim(self) -> None:
+        """Release the writer claim of ``checkpoint_dir`` (rank 0, if it claimed it)."""
+        if self._claim is not None:
+            self._claim.release()

@@ -1,0 +1,102 @@
+"""PersisterSession: one rank's conversation with its node persister, as the saver and the loader see it.
+
+It wraps the socket client (:class:`~snapckpt.persister.client.PersisterClient`) with what every request
+of a Checkpointer needs: refuse once the Checkpointer is closed, reconnect (and re-introduce this rank
+with its ``hello`` fields) after a persister restart, and name rank, step and persister pid in errors.
+
+Sequence: :meth:`connect` once in the Checkpointer's constructor, then :meth:`request` (``acquire``,
+``ready``, ``status``, ``held``, ``abort``, ``fail``) from the save and load paths, then :meth:`detach`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from snapckpt.dist.topology import Topology
+from snapckpt.engine.slot_maps import SlotMaps
+from snapckpt.errors import PersisterDiedError, SnapckptError
+from snapckpt.options import CheckpointOptions
+from snapckpt.persister.client import PersisterClient, job_dirs
+
+__all__ = ["PersisterSession"]
+
+
+class PersisterSession:
+    """This rank's session with the node persister of job ``job``.
+
+    Args:
+        options: the Checkpointer's options (persister timeouts, slots, retention, fsync).
+        job: the job key (:func:`~snapckpt.persister.client.job_key`).
+        checkpoint_dir: absolute path of the checkpoint directory.
+        run_id: this launch attempt's run id.
+        topology: rank, world size and local ranks of this process.
+        dir_id: the checkpoint directory's identity (``""`` where it has none).
+        maps: the rank's slot mappings, dropped on every (re)connect: a new persister has new segments.
+
+    Attributes:
+        client: the socket client (its ``persister_pid``).
+        closed: set True by the Checkpointer's ``close()`` (after :meth:`detach`): every later request raises.
+    """
+
+    def __init__(self, options: CheckpointOptions, job: str, checkpoint_dir: str, run_id: str,
+                 topology: Topology, dir_id: str, maps: SlotMaps) -> None:
+        self._options, self._checkpoint_dir, self._run_id = options, checkpoint_dir, run_id
+        self._topology, self._dir_id, self._maps = topology, dir_id, maps
+        rt, arena = job_dirs(options.resolved_runtime_dir, options.resolved_shm_dir, job)
+        self.client = PersisterClient(
+            rt, arena, job, startup_timeout_secs=options.persister_startup_timeout_secs,
+            request_timeout_secs=options.request_timeout_secs,
+            idle_timeout_secs=options.persister_idle_timeout_secs)
+        self.closed = False
+
+    @property
+    def persister_pid(self) -> Optional[int]:
+        """Process id of the node persister (``None`` before the first connect)."""
+        return self.client.persister_pid
+
+    def connect(self) -> None:
+        """(Re)connect to the node persister, starting it if needed, and introduce this rank.
+
+        Raises:
+            PersisterError: it could not be started or refused this rank.
+        """
+        o, topo = self._options, self._topology
+        self._maps.drop()
+        self.client.connect({
+            "run_id": self._run_id, "rank": topo.rank, "world_size": topo.world_size,
+            "local_ranks": list(topo.local_ranks), "committer": topo.rank == 0,
+            "pid": os.getpid(), "checkpoint_dir": self._checkpoint_dir, "slots_per_rank": o.slots_per_rank,
+            "keep_last": -1 if o.keep_last is None else o.keep_last,
+            "commit_timeout_secs": o.commit_timeout_secs, "flush_on_crash": o.flush_on_crash,
+            "fsync": o.fsync, "dir_id": self._dir_id})
+
+    def request(self, op: str, **fields: Any) -> Dict[str, Any]:
+        """Send one request (reconnecting first if the persister went away); return its reply.
+
+        Raises:
+            SnapckptError: the Checkpointer is closed.
+            PersisterDiedError / PersisterTimeoutError: the persister died or hangs; its own error records.
+        """
+        if self.closed:
+            raise SnapckptError("this Checkpointer is closed")
+        if not self.client.connected:
+            self.connect()
+        return self.client.request(op, **fields)
+
+    def status(self, step: int, dirname: str) -> Dict[str, Any]:
+        """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ...}``)."""
+        return self.request("status", step=step, dirname=dirname)
+
+    def context(self, step: int) -> str:
+        """``"rank R, step N, persister pid P"``: what every error of a save carries."""
+        return f"rank {self._topology.rank}, step {step}, persister pid {self.client.persister_pid}"
+
+    def lost_error(self, step: int) -> Exception:
+        """The error of a save the persister no longer knows (it was restarted)."""
+        return PersisterDiedError(f"the persister no longer knows step {step} (it was restarted); that save is "
+                                  "lost, committed checkpoints are intact; the next call uses the new persister: "
+                                  f"repeat that save; {self.context(step)}")
+
+    def detach(self) -> None:
+        """Say goodbye to the persister and disconnect (it exits when the last rank has closed)."""
+        self.client.close(bye=True)
