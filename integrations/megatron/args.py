@@ -128,7 +128,7 @@ def enable(args: Any) -> EnableResult:
         raise ValueError("--snapckpt needs --save (the checkpoint directory)")
     # imported here, not at the top: they import megatron-core, which snapckpt.megatron must not need
     from snapckpt.integrations.megatron.load import load_checkpoint
-    from snapckpt.integrations.megatron.registry import close_all
+    from snapckpt.integrations.megatron.registry import close_all_at_exit
     from snapckpt.integrations.megatron.save import save_checkpoint
 
     opts = checkpointer_options(args)
@@ -145,7 +145,7 @@ def enable(args: Any) -> EnableResult:
     if getattr(args, "snapckpt_memory_interval", 0) and hasattr(mtraining, "train_step"):
         mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save)
         routed.append("megatron.training.training.train_step")
-    atexit.register(close_all)
+    atexit.register(close_all_at_exit)
     result = _ENABLED = EnableResult(True, f"checkpoints go through snapckpt (memory every "
                                 f"{args.snapckpt_memory_interval or 'never'}, disk every "
                                 f"{getattr(args, 'save_interval', None)} iterations)", tuple(routed))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any, Dict, Optional
 
 from snapckpt import Checkpointer, CheckpointOptions
@@ -51,11 +52,17 @@ def fence() -> None:
             ck.fence()
 
 
-def close_all() -> None:
-    """Wait for outstanding commits and close every Checkpointer this module opened."""
+def close_all(clean: Optional[bool] = None) -> None:
+    """Close every Checkpointer this module opened (``clean``: see :meth:`snapckpt.Checkpointer.close`)."""
     while _checkpointers:
         _, ck = _checkpointers.popitem()
-        ck.close()
+        ck.close(clean=clean)
+
+
+def close_all_at_exit() -> None:
+    """The ``atexit`` handler: a program that ended by an uncaught exception (``sys.last_value`` is set
+    then) did not end cleanly, so its memory snapshots are kept and flushed (contract 11)."""
+    close_all(clean=getattr(sys, "last_value", None) is None)
 
 
 def split_options(kwargs: Dict[str, Any], where: str) -> Dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -362,33 +363,66 @@ class Checkpointer:
                         tracker_content=tracker_content).wait()
 
     # --------------------------------------------------------------------------------------- close
-    def close(self) -> None:
-        """Wait for outstanding commits, then detach from the persister (which exits when the last rank
-        has closed). Idempotent. Raises the first outstanding failure after detaching."""
+    def close(self, *, clean: Optional[bool] = None) -> None:
+        """End this rank's use of the Checkpointer; idempotent.
+
+        A clean end (the job is done) waits for outstanding commits, then detaches from the persister,
+        which exits when the last rank has closed; the first outstanding failure is raised after detaching.
+
+        A close during a failure is not a clean end (contract 11): when ``close`` runs while an exception
+        propagates (a ``with`` block left by an error, a ``finally`` or ``except`` clause) it does not wait
+        for commits (they go on in the persister) and leaves like a crashed rank: the persister keeps the
+        memory snapshots and, once every rank has left, flushes the newest one to disk, so the restart
+        resumes from it. A rank that fails first and peers that die of the collective error therefore lose
+        nothing held in memory.
+
+        Args:
+            clean: ``True``/``False`` say which it is; ``None`` (the default) decides from
+                ``sys.exc_info()``: clean unless an exception other than ``SystemExit(0)`` propagates.
+        """
         if self.closed:
             return
+        if clean is None:
+            clean = not _failing(sys.exc_info()[1])
+        if not clean:
+            log.warning("rank %d: Checkpointer closed during a failure: not a clean end; the persister keeps "
+                        "the memory snapshots and flushes the newest to disk once every rank has left",
+                        self.rank)
         err: Optional[BaseException] = None
         try:
-            self.wait()
+            if clean:
+                self.wait()
+            else:
+                self._saver.fence()  # an overlapped copy in flight: finished and handed over, never torn
         except BaseException as e:
             err = e
         finally:
             self._saver.stop_copy_thread()
-            self._session.detach()
+            self._session.detach(clean)
             self._maps.close()
             self._saver.release_claim()
             self._session.closed = True
-        if err is not None:
+        if err is not None and clean:
             raise err
+        if err is not None:
+            log.warning("rank %d: while closing during a failure: %s", self.rank, err)
 
     def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.close()
+            self.close(clean=True)
         else:  # do not mask the original error
             try:
-                self.close()
+                self.close(clean=not _failing(exc))
             except Exception:
                 log.exception("error while closing the Checkpointer after another error")
+
+
+def _failing(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` (the exception propagating, if any) makes a close a failure: any exception except
+    ``SystemExit`` with code 0 or ``None`` (a deliberate, successful exit)."""
+    if exc is None:
+        return False
+    return not (isinstance(exc, SystemExit) and exc.code in (0, None))

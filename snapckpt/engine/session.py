@@ -97,6 +97,8 @@ class PersisterSession:
                                   "lost, committed checkpoints are intact; the next call uses the new persister: "
                                   f"repeat that save; {self.context(step)}")
 
-    def detach(self) -> None:
-        """Say goodbye to the persister and disconnect (it exits when the last rank has closed)."""
-        self.client.close(bye=True)
+    def detach(self, clean: bool = True) -> None:
+        """Disconnect from the persister. ``clean``: say goodbye first (a clean end: the persister exits when
+        the last rank has closed cleanly); otherwise just drop the connection, as a crashed rank would (the
+        persister keeps the memory snapshots and runs the crash flush once every rank has left)."""
+        self.client.close(bye=clean)

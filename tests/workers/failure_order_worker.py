@@ -1,0 +1,52 @@
+"""Failures in order, on one node: one rank fails first, the others die of the collective error.
+
+``crash``: every rank trains 4 steps (a gloo all-reduce per step), saves step 2 to DISK and step 4 to
+MEMORY inside ``with Checkpointer(...)``; then rank ``FIRST`` raises (it leaves the ``with`` block through
+``close()`` during the exception) while the other ranks block in the next all-reduce and die of the
+collective error (they leave the same way). ``resume``: every rank loads and prints
+``RESULT {"step", "tier", "w"}``.
+"""
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+FIRST = 1
+
+
+def crash(ckpt_dir: str) -> None:
+    from snapckpt import Checkpointer, StorageType
+
+    state = {"w": torch.zeros(4), "step": 0}
+    with Checkpointer(ckpt_dir) as ck:
+        for step in range(1, 5):
+            dist.all_reduce(torch.ones(1))  # the training step's collective
+            state["w"] += 1
+            state["step"] = step
+            if step == 2:
+                ck.save(state, step, StorageType.DISK).wait()
+            elif step == 4:
+                ck.save(state, step, StorageType.MEMORY)
+        print("SAVED", flush=True)
+        if dist.get_rank() == FIRST:
+            raise RuntimeError(f"rank {FIRST} fails first (a bug, an OOM...)")
+        dist.all_reduce(torch.ones(1))  # its peer is gone: this raises (gloo: connection closed)
+
+
+def resume(ckpt_dir: str) -> None:
+    from snapckpt import Checkpointer
+
+    with Checkpointer(ckpt_dir) as ck:
+        state = ck.load()
+        info = ck.last_load
+        print("RESULT " + json.dumps({"step": info.step, "tier": info.tier.value, "w": state["w"].tolist()}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    mode, ckpt_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    crash(ckpt_dir) if mode == "crash" else resume(ckpt_dir)
+    dist.destroy_process_group()
