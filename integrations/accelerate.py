@@ -39,11 +39,11 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from snapckpt import Checkpointer, SaveHandle, StorageType
+from snapckpt import Checkpointer, SaveHandle, StorageType, check_step
+from snapckpt.errors import CheckpointNotFoundError
 from snapckpt.formats import RawBytes, TorchSave, safetensors_file
-from snapckpt import check_step
 
-from snapckpt.integrations.transformers.files import torch_bytes
+from snapckpt.integrations.transformers.files import torch_bytes  # no transformers import (see that module)
 
 __all__ = ["AcceleratorCheckpointer"]
 
@@ -145,8 +145,6 @@ class AcceleratorCheckpointer:
         Returns the folder loaded, or ``None`` when there is no checkpoint. ``load_kwargs`` go to
         ``accelerator.load_state``.
         """
-        from snapckpt.errors import CheckpointNotFoundError
-
         ck = self.checkpointer
 
         def probe(cand):

@@ -12,9 +12,9 @@ How it plugs in (transformers 5.24, public callback events only):
 1. ``on_step_end`` (after the Trainer's ``DefaultFlowCallback``): if the Trainer decided to save
    (``control.should_save``), the callback takes the save over and sets ``control.should_save = False``,
    so ``Trainer._save_checkpoint`` does not run; the save is *pending*. (A callback listed after this one
-   that sets ``should_save`` itself still gets the Trainer's own save: list ``SnapckptCallback`` last.) Every ``memory_interval_steps``
-   steps a memory-tier snapshot is pending the same way. The RNG states are captured here (and again in
-   ``on_evaluate``), where the Trainer would capture them.
+   that sets ``should_save`` itself still gets the Trainer's own save: list ``SnapckptCallback`` last.)
+   Every ``memory_interval_steps`` steps (:class:`~snapckpt.SnapshotPolicy`) a memory snapshot is pending
+   the same way. The RNG states are captured here (and in ``on_evaluate``), where the Trainer does.
 2. The pending snapshot is taken at the next ``on_step_begin`` / ``on_epoch_begin`` / ``on_epoch_end`` (or
    the end-of-training ``on_log``/``on_train_end``): after the step's logging and evaluation, so that
    ``trainer_state.json`` holds this step's logs, best metric and ``best_model_checkpoint``, and before
@@ -26,17 +26,8 @@ How it plugs in (transformers 5.24, public callback events only):
    flight are hidden ``.checkpoint-N.partial-*``), keeps the newest committed one and the best one.
    transformers' ``get_last_checkpoint`` only matches ``checkpoint-<digits>``, so auto-resume never picks
    an incomplete folder.
-5. Memory-tier resume: at ``on_init_end`` (Trainer construction, before ``train()`` looks for a
-   checkpoint) the ranks agree on the newest snapshot (:meth:`Checkpointer.load_with`). If it is held in
-   memory only and is newer than every ``checkpoint-*`` folder, the callback writes it out as the native
-   folder ``checkpoint-N`` and waits for the commit; ``train(resume_from_checkpoint=True)`` then resumes
-   natively from it. (With ``flush_on_crash=True``, the default, the persister itself usually writes that
-   folder as soon as the crashed ranks are gone; this covers the case it has not, or is disabled.)
-6. Damage, at the same time: the folder ``get_last_checkpoint`` would pick is verified (sizes, checksums of
-   every file, also when snapckpt's own candidates are of another world size); a damaged one is renamed
-   to a hidden ``.checkpoint-N.damaged-<time>``, down to the newest intact folder. When no intact one
-   exists, :class:`~snapckpt.errors.CheckpointCorruptError` is raised and nothing is moved, so that no
-   later start trains from step 0 while checkpoints exist.
+5. Resume (:mod:`snapckpt.integrations.transformers.resume`) at ``on_init_end``, before ``train()`` looks for
+   a checkpoint: a memory-only snapshot is written out as ``checkpoint-N``, damaged folders are set aside.
 
 Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
 Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
@@ -53,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -62,22 +52,17 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils.hub import convert_file_size_to_int
 
-from snapckpt import Checkpointer, CheckpointOptions, StorageType
-from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
-                             all_damaged_error)
-from snapckpt.events import Event
+from snapckpt import Checkpointer, CheckpointOptions, Event, SnapshotPolicy, StorageType
+from snapckpt.errors import CheckpointCorruptError
 from snapckpt.formats import RawBytes
-from snapckpt.ondisk.manifest import list_committed
-from snapckpt.storage import open_storage
 
 from snapckpt.integrations.transformers import files as F
 from snapckpt.integrations.transformers import peft as P
+from snapckpt.integrations.transformers.resume import PREFIX, materialize_newest
 
 __all__ = ["SnapckptCallback"]
 
 log = logging.getLogger(__name__)
-
-PREFIX = "checkpoint"
 
 
 @dataclass
@@ -119,9 +104,8 @@ class SnapckptCallback(TrainerCallback):
 
     def __init__(self, memory_interval_steps: Optional[int] = None, *, max_shard_size: "int | str" = "50GB",
                  resume_from_memory: bool = True, **options: Any) -> None:
-        if memory_interval_steps is not None and (isinstance(memory_interval_steps, bool) or not isinstance(
-                memory_interval_steps, int) or memory_interval_steps < 1):
-            raise ValueError(f"memory_interval_steps must be a positive int or None, got {memory_interval_steps!r}")
+        # the core's cadence rule (and its check: a positive int or None), memory tier only
+        self._policy = SnapshotPolicy(memory_interval_steps=memory_interval_steps)
         if "keep_last" in options:
             raise ValueError("SnapckptCallback does not take keep_last: set TrainingArguments(save_total_limit=...), "
                              "which the callback honours together with the best-model rule")
@@ -177,8 +161,12 @@ class SnapckptCallback(TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         self._check_args(args)
         self._args, self._state = args, state
-        self._open(args)
-        self._materialize_newest(args)  # also sets damaged folders aside
+        ck = self._open(args)
+        try:  # also sets damaged folders aside
+            self.resumed_from = materialize_newest(ck, args.output_dir, self.resume_from_memory)
+        except CheckpointCorruptError:  # every folder is damaged: Trainer construction fails
+            self.close()
+            raise
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
         self._check_args(args)
@@ -186,12 +174,9 @@ class SnapckptCallback(TrainerCallback):
         self._args, self._state = args, state
         self._open(args)
         self._pending = None
-        static: Dict[str, Any] = {}
-        if state.is_world_process_zero:
-            static[F.TRAINING_ARGS_NAME] = RawBytes(F.torch_bytes(args))
-            static.update(F.processing_class_files(processing_class))
-            static.update(P.card_files(kwargs.get("model")))
-        self._static = static
+        self._static = {F.TRAINING_ARGS_NAME: RawBytes(F.torch_bytes(args)),  # rank 0 writes them
+                        **F.processing_class_files(processing_class),
+                        **P.card_files(kwargs.get("model"))} if state.is_world_process_zero else {}
 
     def on_train_end(self, args, state, control, **kwargs):
         self._state = state
@@ -206,7 +191,7 @@ class SnapckptCallback(TrainerCallback):
         self._state = state
         self.checkpointer.poll()  # background failures surface here; commits trigger retention
         disk = bool(control.should_save)
-        mem = self.memory_interval_steps is not None and state.global_step % self.memory_interval_steps == 0
+        mem = self._policy.decide(state.global_step, 0.0, 0.0) == StorageType.MEMORY  # no time-based cadence
         if disk:
             control.should_save = False  # the Trainer's own _save_checkpoint does not run
         if disk or mem:
@@ -230,8 +215,7 @@ class SnapckptCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self._flush(args, state, control, kwargs)
 
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        self._flush(args, state, control, kwargs)
+    on_epoch_begin = on_step_begin  # take the pending snapshot before the next step either way
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and "train_runtime" in logs and self.checkpointer is not None:
@@ -310,163 +294,6 @@ class SnapckptCallback(TrainerCallback):
             return
         rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
                            best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
-
-    def _materialize_newest(self, args) -> None:
-        """Collective, at Trainer construction: make sure the folder the Trainer's ``get_last_checkpoint``
-        will resume from is intact, and (``resume_from_memory``) write the newest snapshot out as
-        ``checkpoint-N`` if it is held in memory only, or if ``checkpoint-N`` of the same step is damaged
-        (then that folder is moved aside first, and the newest complete step is resumed, not an older one).
-
-        Damaged folders (files missing or of the wrong size, a checksum mismatch) are moved aside (see
-        :meth:`_set_aside`) only once an intact checkpoint to resume from is known: an intact folder, a
-        folder the Trainer wrote itself (no snapckpt manifest), or the memory snapshot just written out.
-
-        Raises:
-            CheckpointCorruptError: ``checkpoint-*`` folders exist, every one of snapckpt's is damaged and
-                none is the Trainer's own; each is named with its cause and left in place, so that every
-                later start raises too instead of training from step 0.
-        """
-        ck = self.checkpointer
-        timeout = ck.options.coordination_timeout_secs
-        # folders whose files no longer match their manifest's sizes (truncated by a power loss, a rank's
-        # files gone) are no load candidates at all; rank 0 lists them for everyone
-        damaged: Dict[str, str] = ck.coordinator.gather(
-            "hf-size-damaged", {"d": self._size_damaged(args) if ck.rank == 0 else {}}, timeout)[0]["d"]
-        refused: Dict[str, str] = {}  # snapckpt's disk candidates tried: this rank's error ("" if it verified)
-        verified: set = set()  # folders every rank verified (its share) while probing a memory candidate
-
-        def probe(cand):
-            if cand.tier == StorageType.MEMORY:  # every disk candidate tried before it was refused by some rank
-                if not self.resume_from_memory:
-                    return None  # the folders are verified below
-                native = self._agreed_last_native(args, set(damaged) | set(refused))
-                if native is not None and cand.step == _step(native):
-                    # the folder of the same step decides: resume from it when intact, else write the memory
-                    # snapshot out in its place (the newest complete step is never given up for an older one)
-                    error = self._verify_folder(args, native)
-                    if not error:
-                        verified.add(native)
-                        return None
-                    damaged[native] = error  # the same on every rank: the errors were gathered
-                    native = self._agreed_last_native(args, set(damaged) | set(refused))
-                return cand.files() if native is None or cand.step > _step(native) else None
-            refused[cand.dirname] = ""
-            try:
-                cand.verify()
-            except Exception as e:
-                refused[cand.dirname] = f"{type(e).__name__}: {e}"
-                raise
-            return None
-
-        files, cand = None, None
-        try:
-            files, cand = ck.load_with(probe)
-        except (CheckpointNotFoundError, CheckpointCorruptError):
-            pass  # no snapckpt candidate loads; the folders decide below (and name the damage)
-        except IncompatibleCheckpointError as e:  # another world size: the Trainer's own resume copes
-            log.info("snapckpt's own checkpoints are of another world size (%s); checking the folder the "
-                     "Trainer resumes from", e)
-        loaded = cand.dirname if cand is not None and cand.tier == StorageType.DISK else None
-        causes: Dict[str, List[str]] = {}
-        for p in ck.coordinator.gather("hf-refused", {"r": refused}, timeout):
-            for name, error in p["r"].items():
-                causes.setdefault(name, []).extend([error] if error else [])
-        for name, errors in causes.items():
-            if name != loaded and _NATIVE.match(name):
-                damaged[name] = "; ".join(errors) or "refused by the load agreement"
-        if files is not None:  # an intact checkpoint to resume from: damaged folders may go (and free the name)
-            name = f"{PREFIX}-{cand.step}"
-            was = "its folder was damaged (moved aside)" if name in damaged else "it is held in memory only"
-            self._set_aside(args, damaged)
-            damaged = {}
-            if ck.rank == 0:
-                log.warning("the newest intact checkpoint is step %d in memory; %s: writing it to %s", cand.step,
-                            was, os.path.join(args.output_dir, name))
-            ck.write_out(files, cand.step, f"{PREFIX}-{cand.step}")
-            self.resumed_from = (cand.step, StorageType.MEMORY)
-        trusted = {f"{PREFIX}-{cand.step}"} if files is not None else set(verified)
-        if loaded is not None:
-            trusted.add(loaded)  # verified by every rank in probe()
-        intact = self._newest_intact(args, damaged, trusted)
-        if intact is None and damaged:
-            self.close()
-            order = sorted(damaged, key=_step, reverse=True)
-            raise all_damaged_error(args.output_dir, [f"{n}: {damaged[n]}" for n in order],
-                                    note=" (no folder was moved aside)")
-        self._set_aside(args, damaged)
-
-    def _newest_intact(self, args, damaged: Dict[str, str], trusted: set) -> Optional[str]:
-        """Collective: walk the ``checkpoint-*`` folders newest first, as ``get_last_checkpoint`` would pick
-        them, skipping ``damaged``, and return the first intact one (``None``: none). A folder in ``trusted``
-        or without a snapckpt manifest (the Trainer's own) counts as intact; any other has all its files'
-        checksums verified (each rank a share); a damaged one is added to ``damaged`` with its cause."""
-        ck = self.checkpointer
-        while True:
-            name = self._agreed_last_native(args, set(damaged))
-            if name is None or name in trusted:
-                return name
-            error = self._verify_folder(args, name)
-            if not error:
-                return name
-            damaged[name] = error
-            if ck.rank == 0:
-                log.warning("%s failed verification: %s", os.path.join(args.output_dir, name), error)
-
-    def _verify_folder(self, args, name: str) -> str:
-        """Collective: ``checkpointer.verify_directory`` of folder ``name`` (``""``: intact, or the Trainer's
-        own folder without a manifest: a snapckpt one that lost its manifest is size-damaged, see
-        :meth:`_size_damaged`)."""
-        return self.checkpointer.verify_directory(os.path.join(args.output_dir, name), name)
-
-    def _agreed_last_native(self, args, skip: set) -> Optional[str]:
-        """Collective: :meth:`_last_native` as rank 0 sees the output directory, the same on every rank."""
-        ck = self.checkpointer
-        name = self._last_native(args, skip) if ck.rank == 0 else None
-        return ck.coordinator.gather("hf-native", {"name": name})[0]["name"]
-
-    @staticmethod
-    def _last_native(args, skip: set) -> Optional[str]:
-        """The folder name ``get_last_checkpoint`` picks once the names in ``skip`` are gone (``None``: none)."""
-        if not os.path.isdir(args.output_dir):
-            return None
-        names = [n for n in os.listdir(args.output_dir) if _NATIVE.match(n) and n not in skip
-                 and os.path.isdir(os.path.join(args.output_dir, n))]
-        return max(names, key=_step) if names else None
-
-    @staticmethod
-    def _size_damaged(args) -> Dict[str, str]:
-        """``checkpoint-*`` folders with a snapckpt manifest whose files are missing or of the wrong size (or
-        a ``.snapckpt`` sidecar without a valid manifest): ``{folder name: what is wrong}``."""
-        problems: List[str] = []
-        if os.path.isdir(args.output_dir):
-            list_committed(open_storage(args.output_dir), args.output_dir, problems=problems)
-        out: Dict[str, str] = {}
-        for p in problems:
-            name, _, why = p.partition(": ")
-            if _NATIVE.match(name):
-                out[name] = why
-        return out
-
-    def _set_aside(self, args, damaged: Dict[str, str]) -> None:
-        """Rank 0 renames the ``damaged`` checkpoint folders (``{name: cause}``, the same on every rank) to
-        hidden ``.<name>.damaged-<unix time>`` (kept, never deleted), so that the Trainer's
-        ``get_last_checkpoint`` resumes from the newest intact one; collective."""
-        ck = self.checkpointer
-        if damaged and ck.rank == 0:
-            for name in sorted(damaged, key=_step, reverse=True):
-                src = os.path.join(args.output_dir, name)
-                dst = os.path.join(args.output_dir, f".{name}.damaged-{int(time.time())}")
-                log.error("%s is damaged (%s); moved aside to %s so that the Trainer resumes from the newest "
-                          "intact checkpoint", src, damaged[name], dst)
-                os.rename(src, dst)
-        ck.coordinator.gather("hf-damaged-done", {})
-
-
-_NATIVE = re.compile(rf"^{PREFIX}-(\d+)$")  # transformers' own pattern (trainer_utils._re_checkpoint)
-
-
-def _step(name: str) -> int:
-    return int(name.rsplit("-", 1)[1])
 
 
 def _distributed(args: Any) -> bool:

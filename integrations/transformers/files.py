@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from snapckpt.formats import RawBytes, TorchSave, safetensors_file
+from snapckpt.integrations.transformers import peft as transformers_peft
 
 __all__ = ["model_files", "optimizer_file", "processing_class_files", "rng_file_name",
            "rng_state_bytes", "scheduler_file", "torch_bytes", "trainer_state_bytes"]
@@ -77,10 +78,9 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
         NotImplementedError: the model is quantized or tensor-parallel, or its adapters cannot be written
             (see :func:`~snapckpt.integrations.transformers.peft.adapter_files`).
     """
+    # lazy: the Accelerate integration imports this module where transformers is not installed
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers import PreTrainedModel
-
-    from snapckpt.integrations.transformers import peft as transformers_peft
 
     metadata = {"format": "pt"}
     if transformers_peft.is_adapter_model(model):

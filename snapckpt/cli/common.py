@@ -1,0 +1,66 @@
+"""Helpers shared by the ``snapckpt`` subcommands: the checkpoint-directory argument check, plain-text
+tables, byte progress bars and the manifest's per-file record check.
+
+They sit between :mod:`snapckpt.cli.main` (which parses the arguments) and the subcommands
+(:mod:`~snapckpt.cli.ls`, :mod:`~snapckpt.cli.verify`, :mod:`~snapckpt.cli.inspect`), which read
+checkpoint directories through :func:`snapckpt.storage.factory.open_storage` only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Dict, List, Optional
+
+from snapckpt._internal.progress import byte_bar
+from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, record_checksum
+
+__all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir"]
+
+
+def bar(args: argparse.Namespace, total: int, desc: str):
+    """A byte progress bar of ``total`` bytes on stderr (tqdm), or a no-op one when ``args.progress`` turns
+    it off or tqdm is missing (``None``: shown when stderr is a terminal)."""
+    return byte_bar(total, desc, args.progress)
+
+
+def table(rows: List[List[str]], indent: str = "") -> str:
+    """``rows`` (the first is the header) as left-aligned columns two spaces apart, each line ``indent``ed."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the files under ``path``, the sidecar excluded (unreadable files count 0)."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if d != SIDECAR]
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def bad_records(manifest: Dict[str, Any]) -> Optional[str]:
+    """Why the manifest's per-file records are unusable (``None`` when each has ``nbytes`` and a checksum)."""
+    for name, rec in manifest["files"].items():
+        if not (isinstance(rec, dict) and isinstance(rec.get("nbytes"), int) and record_checksum(rec) is not None):
+            return f"manifest record of {name!r} is malformed: {rec!r}"
+    return None
+
+
+def checkpoint_dir(parser: argparse.ArgumentParser, d: str) -> str:
+    """``d`` if it is a checkpoint directory (the one holding the step directories and the tracker file).
+
+    Raises:
+        SystemExit: (exit code 2, through ``parser.error``) ``d`` is missing, a file, or one checkpoint
+            (it holds a manifest) instead of the directory of checkpoints.
+    """
+    if not os.path.isdir(d):
+        parser.error(f"{d}: {'not a directory' if os.path.exists(d) else 'no such directory'} (pass the "
+                     "checkpoint directory: the one that holds the step directories and the tracker file)")
+    if os.path.exists(os.path.join(d, MANIFEST)):
+        parser.error(f"{d} is one checkpoint, not a checkpoint directory: pass its parent "
+                     f"{os.path.dirname(os.path.abspath(d))}")
+    return d

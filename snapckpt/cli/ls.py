@@ -1,0 +1,145 @@
+"""``snapckpt ls DIR``: one row per checkpoint directory of DIR, its state, and the tracker naming it.
+
+Reads DIR only (through :func:`snapckpt.storage.factory.open_storage`): the manifests and file sizes of
+committed directories (:mod:`snapckpt.ondisk.manifest`), the part/fail markers of hidden in-flight
+``.NAME.partial-RUN`` directories, and the tracker files (``latest``, Megatron's
+``latest_checkpointed_iteration.txt``). States: ``committed``, ``incomplete``, ``damaged`` (see
+:mod:`snapckpt.cli`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from snapckpt.cli.common import bad_records, checkpoint_dir, dir_bytes, table
+from snapckpt.errors import CheckpointCorruptError
+from snapckpt.ondisk.layout import STEP_DIR_PATTERN, TRACKER
+from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, check_sizes, parse_manifest
+from snapckpt.storage.base import StorageReader
+from snapckpt.storage.factory import open_storage
+
+__all__ = ["Row", "TRACKERS", "scan", "cmd_ls"]
+
+TRACKERS = (TRACKER, "latest_checkpointed_iteration.txt")
+_PARTIAL = ".partial-"
+
+
+@dataclass
+class Row:
+    """One checkpoint directory as ``ls`` shows it (``nbytes``: bytes of its files)."""
+
+    name: str
+    state: str
+    step: Optional[int] = None
+    world_size: Optional[int] = None
+    nbytes: int = 0
+    note: str = ""
+
+
+def _partial_row(path: str, name: str) -> Row:
+    dirname, _, run_id = name[1:].rpartition(_PARTIAL)
+    row = Row(dirname, "incomplete", nbytes=dir_bytes(path))
+    done, failed = [], []
+    for marker in open_storage().listdir(os.path.join(path, SIDECAR)):
+        kind, _, rest = marker[:-len(".json")].partition("_")
+        if not marker.endswith(".json") or kind not in ("part", "fail") or not rest.isdigit():
+            continue
+        try:
+            with open(os.path.join(path, SIDECAR, marker), "rb") as f:
+                rec = json.load(f)
+            row.step = int(rec["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        (done if kind == "part" else failed).append(int(rest))
+    row.note = f"run {run_id}: parts from ranks {done}" + (f", failed ranks {failed}" if failed else "")
+    return row
+
+
+def _committed_row(reader: StorageReader, path: str, name: str) -> Row:
+    row = Row(name, "damaged", nbytes=dir_bytes(path))
+    try:
+        m = parse_manifest(reader.read_bytes(os.path.join(path, MANIFEST)), name)
+    except FileNotFoundError:
+        row.note = f"{MANIFEST} is missing"
+        return row
+    except (OSError, CheckpointCorruptError) as e:
+        row.note = str(e)
+        return row
+    row.step, row.world_size = m["step"], m["world_size"]
+    row.note = bad_records(m) or ""
+    if row.note:
+        return row
+    row.nbytes = sum(r["nbytes"] for r in m["files"].values())
+    try:
+        check_sizes(reader, path, m)
+    except CheckpointCorruptError as e:
+        row.note = str(e)
+        return row
+    row.state = "committed"
+    return row
+
+
+def scan(d: str) -> Tuple[List[Row], int]:
+    """Every checkpoint directory in ``d`` (sorted by step, then name) and how many others were seen."""
+    reader = open_storage()
+    rows, others = [], 0
+    for name in reader.listdir(d):
+        path = os.path.join(d, name)
+        if not os.path.isdir(path):
+            continue
+        if name.startswith(".") and _PARTIAL in name:
+            rows.append(_partial_row(path, name))
+        elif not name.startswith(".") and (os.path.isdir(os.path.join(path, SIDECAR))
+                                           or STEP_DIR_PATTERN.fullmatch(name)):
+            rows.append(_committed_row(reader, path, name))
+        elif not name.startswith("."):
+            others += 1
+    rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
+    return rows, others
+
+
+def _trackers(d: str, rows: List[Row]) -> Tuple[Dict[int, List[str]], List[str]]:
+    """``{row index: [tracker names naming it]}`` and notes on trackers that name nothing committed."""
+    named: Dict[int, List[str]] = {}
+    notes = []
+    for tracker in TRACKERS:
+        try:
+            with open(os.path.join(d, tracker), encoding="utf-8", errors="replace") as f:
+                content = f.read().strip()
+        except OSError:
+            continue
+        hits = [i for i, r in enumerate(rows) if r.state != "incomplete" and r.name == content]
+        if not hits and content.isdigit():
+            hits = [i for i, r in enumerate(rows) if r.state != "incomplete" and r.step == int(content)]
+        for i in hits:
+            named.setdefault(i, []).append(tracker)
+        if hits and not any(rows[i].state == "committed" for i in hits):
+            notes.append(f"{tracker} names {content!r}, which is damaged (see its row; `snapckpt verify` "
+                         "names the file)")
+        elif not hits:
+            notes.append(f"{tracker} names {content!r}, which is not a committed checkpoint here")
+    return named, notes
+
+
+def cmd_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print the table of ``args.dir`` and the tracker warnings; returns 0 (a usage error exits 2)."""
+    d = checkpoint_dir(parser, args.dir)
+    rows, others = scan(d)
+    named, notes = _trackers(d, rows)
+    if rows:
+        out = [["STEP", "NAME", "STATE", "WORLD", "BYTES", "TRACKER", "NOTE"]]
+        for i, r in enumerate(rows):
+            out.append(["-" if r.step is None else str(r.step), r.name, r.state,
+                        "-" if r.world_size is None else str(r.world_size), str(r.nbytes),
+                        ",".join(named.get(i, [])), r.note])
+        print(table(out))
+    else:
+        print(f"no checkpoint directories in {d}")
+    for n in notes:
+        print(f"warning: {n}")
+    if others:
+        print(f"({others} other director{'y' if others == 1 else 'ies'} without a {SIDECAR} sidecar not listed)")
+    return 0

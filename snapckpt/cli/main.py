@@ -1,0 +1,75 @@
+"""``snapckpt`` command line: the argument parser, the entry point and its exit codes.
+
+``main`` parses the arguments and runs one subcommand, each in its own module: ``ls``
+(:mod:`snapckpt.cli.ls`), ``verify`` (:mod:`snapckpt.cli.verify`), ``inspect``
+(:mod:`snapckpt.cli.inspect`). Exit codes: 0 success, 1 damage found or a file could not be read, 2 usage
+error (``argparse``'s own code, also used by the subcommands through ``parser.error``), 130 interrupted.
+A closed stdout (``snapckpt ls DIR | head``) ends quietly with 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from snapckpt.cli.inspect import cmd_inspect
+from snapckpt.cli.ls import cmd_ls
+from snapckpt.cli.verify import cmd_verify
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``snapckpt`` (subcommands ``ls``, ``verify``, ``inspect``)."""
+    p = argparse.ArgumentParser(
+        prog="snapckpt", description="Inspect and verify snapckpt checkpoint directories.",
+        epilog="exit codes: 0 ok, 1 damage found or a file could not be read, 2 usage error")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                          help="show progress bars on stderr (default: only when stderr is a terminal)")
+
+    ls = sub.add_parser("ls", help="list the checkpoints in DIR and their state",
+                        description="One row per checkpoint directory in DIR: step, name, state (committed, "
+                                    "incomplete, damaged), world size, total bytes, and the tracker file "
+                                    "(latest) that names it.")
+    ls.add_argument("dir", metavar="DIR", help="checkpoint directory (the one given to the Checkpointer)")
+    ls.set_defaults(func=cmd_ls, parser=ls, progress=None)
+
+    verify = sub.add_parser("verify", parents=[progress], help="re-checksum committed checkpoints",
+                            description="Re-read every file of every committed checkpoint in DIR (or only "
+                                        "STEP) and compare its size and checksum with the manifest. Exit 0 "
+                                        "when all are intact, 1 on any damage, 2 on a usage error.")
+    verify.add_argument("dir", metavar="DIR", help="checkpoint directory")
+    verify.add_argument("step", metavar="STEP", type=int, nargs="?", help="verify only this step")
+    verify.set_defaults(func=cmd_verify, parser=verify)
+
+    insp = sub.add_parser("inspect", parents=[progress], help="list the keys, shapes and dtypes of a step",
+                          description="For every rank file of committed step STEP, list its flattened keys, "
+                                      "shapes, dtypes and bytes. Loads with torch.load(weights_only=True).")
+    insp.add_argument("dir", metavar="DIR", help="checkpoint directory")
+    insp.add_argument("step", metavar="STEP", type=int, help="the step to inspect")
+    insp.add_argument("--rank", type=int, default=None, help="only this rank's files")
+    insp.add_argument("--trust", action="store_true",
+                      help="load with weights_only=False: runs the files' pickles, which can execute "
+                           "arbitrary code; only for checkpoints you trust")
+    insp.set_defaults(func=cmd_inspect, parser=insp)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``snapckpt`` console script and ``python -m snapckpt``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args, args.parser)
+    except BrokenPipeError:  # `snapckpt ls DIR | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

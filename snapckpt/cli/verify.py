@@ -1,0 +1,81 @@
+"""``snapckpt verify DIR [STEP]``: re-checksum every file of every committed checkpoint (or of STEP).
+
+Lists the committed checkpoints with :func:`snapckpt.ondisk.manifest.list_committed` (without the quick
+size check, so that every damaged file is named here), then checks each file's size and checksum against
+its manifest record, one file at a time (:func:`~snapckpt.ondisk.manifest.check_checksums`), through
+:func:`snapckpt.storage.factory.open_storage`. Prints ``OK``/``DAMAGED`` per checkpoint; exit 1 on any
+damage.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List
+
+from snapckpt.cli.common import bad_records, bar, checkpoint_dir
+from snapckpt.errors import CheckpointCorruptError
+from snapckpt.ondisk.layout import STEP_DIR_PATTERN
+from snapckpt.ondisk.manifest import check_checksums, list_committed
+from snapckpt.storage.base import StorageReader
+from snapckpt.storage.factory import open_storage
+
+__all__ = ["cmd_verify"]
+
+
+def _verify_one(args: argparse.Namespace, reader: StorageReader, c) -> List[str]:
+    """Problems of one committed checkpoint, one per damaged file (empty when intact)."""
+    files = c.manifest["files"]
+    bad = bad_records(c.manifest)
+    if bad:
+        return [f"{c.path}: {bad}"]
+    progress = bar(args, sum(int(r["nbytes"]) for r in files.values()), f"verify {c.dirname}")
+    problems = []
+    try:
+        for name, rec in sorted(files.items()):
+            try:  # one file at a time, so that every damaged file is named
+                check_checksums(reader, c.path, {"files": {name: rec}}, progress=progress.update)
+            except CheckpointCorruptError as e:
+                problems.append(str(e))
+            except OSError as e:
+                problems.append(f"{os.path.join(c.path, name)} cannot be read: {e}")
+    finally:
+        progress.close()
+    return problems
+
+
+def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Verify the committed checkpoints of ``args.dir`` (only ``args.step`` when given).
+
+    Returns 0 when every one is intact, 1 when any is damaged (a manifest that does not parse counts).
+    A usage error (no such directory, no committed checkpoint, none of ``args.step``) exits 2.
+    """
+    d = checkpoint_dir(parser, args.dir)
+    reader = open_storage()
+    bad_manifests: List[str] = []
+    committed = list_committed(reader, d, quick_check=False, problems=bad_manifests,
+                               name_pattern=STEP_DIR_PATTERN)
+    if args.step is not None:
+        chosen = [c for c in committed if c.step == args.step]
+        if not chosen:
+            parser.error(f"no committed checkpoint of step {args.step} in {d} (committed steps: "
+                         f"{sorted({c.step for c in committed}) or 'none'})")
+        bad_manifests = []
+    else:
+        chosen = committed
+        if not chosen and not bad_manifests:
+            parser.error(f"no committed checkpoint in {d} (see `snapckpt ls {d}`)")
+    damaged = len(bad_manifests)
+    for p in bad_manifests:
+        print(f"DAMAGED  {p}")
+    for c in chosen:
+        problems = _verify_one(args, reader, c)
+        files = c.manifest["files"]
+        nbytes = sum(r["nbytes"] for r in files.values() if isinstance(r, dict) and isinstance(r.get("nbytes"), int))
+        verdict = "DAMAGED" if problems else "OK"
+        print(f"{verdict:<8} step {c.step}  {c.dirname}  ({len(files)} file(s), {nbytes} bytes)")
+        for p in problems:
+            print(f"    {p}")
+        damaged += bool(problems)
+    total = len(chosen) + len(bad_manifests)
+    print(f"{total} checkpoint(s): {total - damaged} intact, {damaged} damaged")
+    return 1 if damaged else 0
