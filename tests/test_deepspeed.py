@@ -76,7 +76,7 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
     backward (overlap=True), fenced by engine.step() before the optimizer step. disk: disk saves every 2 steps (ZeRO-3), the persister
     is killed too (node lost), the directory is copied with ``cp -a`` (another path: another job key) and
     its ``latest`` edited to name a missing tag; the restart from the copy loads the committed step 4 from
-    disk with a warning naming ``latest`` and never saves step 4 again (finding 5: the config entry re-saved
+    disk with a warning naming ``latest`` and never saves step 4 again (a user trial found the config entry re-saved
     the loaded tag, which the copy refuses as another job's checkpoint), and the original is untouched."""
     stage = "2" if tier == "memory" else "3"
     ref = run_ranks("ds_resume_worker.py", 2, ["-", stage, "fp32", "8", "0", "0", "0", "0"], ENV, timeout=300)

@@ -42,7 +42,7 @@ def test_F1_F2_F4_B3_layout_round_trips_reshard_and_damage(snap_env):
     megatron-core saved (natively) after snapckpt, the newer native checkpoint is the one loaded.
     F4: the newest (TP=1, DP=2) loads at TP=2, DP=1 (2 ranks) and at world size 1 with every model and
     optimizer shard equal.
-    B3 and tracker cases (trial 5, findings 1, 2, 7), on the same launches: at world size 1 (megatron-core
+    B3 and tracker cases (the damaged-resharding and tracker cases of a user trial), on the same launches: at world size 1 (megatron-core
     reshards) a corrupted file of the newest, even one only rank 1 wrote, is found by its checksum before
     megatron-core reads it and the next older loads, with a warning naming the damaged one; when every
     directory is damaged CheckpointCorruptError names each. A directory with a ``.snapckpt`` sidecar but no
