@@ -250,7 +250,7 @@ def mean_loss(loss: torch.Tensor, world_size: int) -> float:
 
 
 class TrainState:
-    """Everything needed to continue a run identically (DESIGN contract 8), as one state dict:
+    """Everything needed to continue a run identically (contract 8 (docs/design/contracts.md)), as one state dict:
     model, optimizer, LR scheduler, RNG states, the step and the data position."""
 
     def __init__(self, args: argparse.Namespace, rank: int, world_size: int) -> None:

@@ -1,4 +1,4 @@
-"""Capture and restore every random number generator a training step touches (DESIGN contract 8).
+"""Capture and restore every random number generator a training step touches (contract 8 (docs/design/contracts.md)).
 
 The captured record holds only tensors, ints, tuples and strings, so it loads with
 ``torch.load(weights_only=True)``: python's ``random`` (state tuple), numpy's global ``RandomState`` when

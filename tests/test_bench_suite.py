@@ -1,6 +1,6 @@
 """Smoke test of the benchmark suite (benchmarks/suite.py): a tiny state, three methods, the loop mode
 with two methods and the README generator; asserts that the outputs exist with the expected fields.
-No timing assertions (DESIGN section 6): the numbers themselves are not checked, only their presence."""
+No timing assertions (docs/performance.md): the numbers themselves are not checked, only their presence."""
 import importlib
 import json
 import math

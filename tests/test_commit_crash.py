@@ -1,4 +1,4 @@
-"""Commit, tracker and crash consistency (cases B1-B9, C3, C5, C8) and DESIGN contract 4 (commit last).
+"""Commit, tracker and crash consistency (cases B1-B9, C3, C5, C8) and contract 4 (commit last).
 
 Everything here is real: persister processes, shared-memory arenas, files on disk, SIGKILL / SIGSTOP of
 ranks and of the persister, RLIMIT_FSIZE on the live persister, and a slow persister through

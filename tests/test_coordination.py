@@ -1,4 +1,4 @@
-"""Coordination and shared-filesystem cases (C1, C2, C4-C9), DESIGN contract 6, two jobs on one host (the
+"""Coordination and shared-filesystem cases (C1, C2, C4-C9), contract 6, two jobs on one host (the
 persister's security boundary: tests/test_security.py). Multi-rank tests run real gloo ranks
 (tests/workers/coord_worker.py).
 """

@@ -1,4 +1,4 @@
-"""Resources and preflight: cases D1 (tiny shared memory), D2 (flat memory, no leaks) and DESIGN contracts
+"""Resources and preflight: cases D1 (tiny shared memory), D2 (flat memory, no leaks) and design contracts
 7 (fail fast: shared memory, checkpoint directory, free disk, options, persister startup) and 10
 (no shared-memory segment, process or file descriptor outlives the job).
 

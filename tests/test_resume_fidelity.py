@@ -1,4 +1,4 @@
-"""DESIGN contract 8: an interrupted and resumed run produces the same losses as one that was not.
+"""contract 8 (docs/design/contracts.md): an interrupted and resumed run produces the same losses as one that was not.
 
 Cases E2 (dropout and a shuffled DataLoader: bitwise-equal per-step losses on CPU) and E3 (StepLR: the
 learning rate after resume equals the uninterrupted run's), from the memory tier and from the disk tier;

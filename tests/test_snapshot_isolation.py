@@ -1,6 +1,6 @@
 """Snapshot isolation, slot reuse, stale caches, aliasing and the torch.save round trip.
 
-Cases A1-A5, D3, E1 (aliasing), E4, E5/E6 of ``/work/shared/cases/README.md`` and DESIGN contracts 1
+Cases A1-A5, D3, E1 (aliasing), E4, E5/E6 of ``docs/design/cases.md`` and design contracts (docs/design/contracts.md) 1
 (snapshot isolation), 2 (no slot reuse before release), 3 (no stale caches) and 9 (aliasing from storage).
 
 The reference for "what the checkpoint must hold" is always a SHA-256 of every tensor's bytes (plus dtype

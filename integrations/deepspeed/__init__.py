@@ -1,6 +1,6 @@
 """DeepSpeed integration: snapckpt behind DeepSpeed's checkpoint-engine seam, in DeepSpeed's native layout.
 
-Two ways in (DESIGN section 1):
+Two ways in (docs/index.md):
 
 - by hand: ``DeepSpeedCheckpointer(engine, checkpoint_dir)`` then ``save_checkpoint(dir, tag=...,
   storage_type=StorageType.MEMORY or DISK)`` / ``load_checkpoint(dir)``;
@@ -28,7 +28,7 @@ paths) and serves the objects from the snapshot through the engine's ``load``.
 
 Also saved, in the sidecar ``<tag>/.snapckpt/deepspeed_rank_XXXXX.pt`` (ignored by DeepSpeed's loaders): the
 tag and this rank's RNG states (python, numpy, torch, CUDA), restored on load so that dropout continues
-identically (DESIGN contract 8).
+identically (contract 8 (docs/design/contracts.md)).
 
 Trust. DeepSpeed's files hold config objects and optimizer classes, and DeepSpeed itself loads them with
 ``weights_only=False``; this integration does the same by default (``weights_only=False``): point it only at

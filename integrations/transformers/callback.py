@@ -152,11 +152,12 @@ class SnapckptCallback(TrainerCallback):
             self.checkpointer.add_listener(self._on_event)
         return self.checkpointer
 
-    def close(self) -> None:
-        """Wait for outstanding commits and detach from the persister (idempotent; ``on_train_end`` calls it)."""
+    def close(self, *, clean: Optional[bool] = None) -> None:
+        """Wait for outstanding commits and detach from the persister (idempotent; ``on_train_end`` calls it).
+        ``clean``: see :meth:`snapckpt.Checkpointer.close` (``None``: a close during an exception is a failure)."""
         ck, self.checkpointer = self.checkpointer, None
         if ck is not None:
-            ck.close()
+            ck.close(clean=clean)
 
     def on_init_end(self, args, state, control, **kwargs):
         self._check_args(args)
@@ -165,7 +166,7 @@ class SnapckptCallback(TrainerCallback):
         try:  # also sets damaged folders aside
             self.resumed_from = materialize_newest(ck, args.output_dir, self.resume_from_memory)
         except CheckpointCorruptError:  # every folder is damaged: Trainer construction fails
-            self.close()
+            self.close(clean=True)  # a refusal to start, not a crash: nothing in memory to keep
             raise
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):

@@ -1,4 +1,4 @@
-"""Checkpoint coordination between ranks, on its own channel (DESIGN contract 6).
+"""Checkpoint coordination between ranks, on its own channel (contract 6 (docs/design/contracts.md)).
 
 snapckpt never runs a collective on the training process group. Ranks agree through the
 ``torch.distributed`` key-value store that the process group was created with (a ``PrefixStore`` under

@@ -3,7 +3,7 @@
 A thin facade over the engine's parts, one job each: :mod:`~snapckpt.engine.preflight` (directory checks
 at construction), :mod:`~snapckpt.engine.session` (the conversation with the node persister),
 :mod:`~snapckpt.engine.saver` (the save pipeline: snapshot into an arena slot, hand it to the persister,
-which commits it in the background; DESIGN contract 1), :mod:`~snapckpt.engine.loader` (the collective
+which commits it in the background; contract 1), :mod:`~snapckpt.engine.loader` (the collective
 load: all ranks agree on the newest step complete everywhere, memory or disk, and move on together when
 any rank cannot read it; cases B3, C2, C9) and :mod:`~snapckpt.engine.restore` (the copy into live tensors).
 """

@@ -22,7 +22,7 @@ from snapckpt.dist.coordination import Coordinator
 from snapckpt.dist.topology import Topology
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
-from snapckpt.engine.stager import read_slot
+from snapckpt.persister.slot_index import read_slot
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
                              UnsafeCheckpointError, all_damaged_error)
 from snapckpt.events import StorageType

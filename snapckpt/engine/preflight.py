@@ -1,4 +1,4 @@
-"""Preflight of a Checkpointer's directories, before the first byte of a snapshot moves (DESIGN contract 7).
+"""Preflight of a Checkpointer's directories, before the first byte of a snapshot moves (contract 7).
 
 The Checkpointer's constructor runs :func:`preflight_dir` on every rank (the checkpoint directory exists
 or can be created, and is writable; the shared-memory directory exists and is a tmpfs), then rank 0 reads

@@ -4,8 +4,8 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
 
 1. :meth:`Stager.prepare` walks the state once to find its tensors (:func:`collect_tensors`), groups them
    by the storage they live in, and looks up a :class:`Plan` for that exact layout. A plan is cached keyed
-   on every tensor's storage pointer, storage size, offset, shape, stride, dtype and device (DESIGN
-   contract 3), so a changed layout (a replaced optimizer tensor, a new parameter group, a new shape)
+   on every tensor's storage pointer, storage size, offset, shape, stride, dtype and device (contract
+   3), so a changed layout (a replaced optimizer tensor, a new parameter group, a new shape)
    always gets a new plan. The skeleton (``data.pkl``) of each file is pickled here, with user objects
    pickled by the training process itself, so the persister never unpickles anything.
 2. :meth:`Stager.copy_into` copies each storage span into the slot, then writes the pickles, the index
@@ -13,8 +13,7 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    (:mod:`snapckpt.engine.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
    thread, and :meth:`Checkpointer.fence` waits for both.
 
-:func:`read_slot` is the reverse (memory-tier load): it copies the spans out of the slot into fresh CPU
-storages and unpickles.
+:func:`snapckpt.persister.slot_index.read_slot` is the reverse (memory-tier load).
 """
 from __future__ import annotations
 
@@ -25,14 +24,14 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
-from snapckpt.persister.arena import HEADER_NBYTES, read_header, write_header
+from snapckpt.persister.arena import HEADER_NBYTES, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
-                                unpickle_skeleton, weights_only_refusal)
+                                weights_only_refusal)
 
-__all__ = ["Stager", "Prepared", "Plan", "read_slot", "read_index"]
+__all__ = ["Stager", "Prepared", "Plan"]
 
 ALIGN = 64
 
@@ -77,7 +76,7 @@ def _signature(tensors: List[torch.Tensor]) -> tuple:
     the grouping). Two states whose tensors are fresh allocations of the same layout (a new
     ``torch.get_rng_state()`` every save, optimizer state replaced by clones) get the same key and share
     a plan; a change of aliasing (tied tensors untied), shape, stride, dtype, device or size changes the
-    key (DESIGN contract 3). The plan holds no tensor handles: :meth:`Stager.prepare` takes the copy
+    key (contract 3 (docs/design/contracts.md)). The plan holds no tensor handles: :meth:`Stager.prepare` takes the copy
     sources from the live tensors at every save, so reusing a plan across allocations is safe.
     """
     sig = []
@@ -347,53 +346,6 @@ class Stager:
         if device_done is not None:
             device_done.synchronize()
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
-
-
-def read_index(buf, source: str = "arena slot") -> Dict[str, Any]:
-    """Parse the header and index of a slot (JSON only, never a pickle); ``SnapshotError`` naming
-    ``source`` (the slot file's path) when they are damaged."""
-    try:
-        step, off, n = read_header(buf)
-    except SnapshotError as e:
-        raise SnapshotError(f"{e} ({source})") from e
-    try:
-        index = json.loads(bytes(buf[off:off + n]))
-    except (ValueError, RecursionError) as e:
-        raise SnapshotError(f"arena slot index of step {step} in {source} is damaged: {str(e)[:200]}") from e
-    if not isinstance(index, dict) or not isinstance(index.get("files"), list):
-        raise SnapshotError(f"arena slot index of step {step} in {source} is not a snapckpt index")
-    if index.get("step") != step:
-        raise SnapshotError(f"arena slot header of {source} says step {step} but its index says {index.get('step')}")
-    return index
-
-
-def read_slot(buf, slot: torch.Tensor, *, weights_only: bool, source: str = "arena slot",
-              copy: bool = True) -> Tuple[int, Dict[str, Any]]:
-    """Copy a snapshot out of a slot: ``(step, {relative path: object})`` with CPU tensors.
-
-    ``TorchSave`` files come back unpickled (``weights_only``: the trust decision, as ``torch.load``);
-    ``RawBytes``/``Concat`` files as ``bytes`` (the whole file). ``source`` (the slot file) is named in errors.
-    With ``copy=False`` the tensors are views of the slot itself (no copy, no fresh memory): for a caller
-    that copies them into live tensors at once and drops them before the slot can be reused.
-    """
-    index = read_index(buf, source)
-    out: Dict[str, Any] = {}
-    for f in index["files"]:
-        if f.get("kind", "torch") == "bytes":
-            out[f["path"]] = b"".join(bytes(buf[o:o + n]) for o, n in f["chunks"])
-            continue
-        storages = {}
-        for key, off, n in f["records"]:
-            if not copy:
-                storages[key] = (torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off) if n
-                                 else torch.empty(0, dtype=torch.uint8)).untyped_storage()
-                continue
-            dst = torch.empty(n, dtype=torch.uint8)
-            dst.copy_(slot[off:off + n])
-            storages[key] = dst.untyped_storage()
-        po, pn = f["pkl"]
-        out[f["path"]] = unpickle_skeleton(bytes(buf[po:po + pn]), storages, weights_only=weights_only)
-    return index["step"], out
 
 
 def _check_concat_tensor(t: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The commit protocol: one strategy in one place (DESIGN contract 4).
+"""The commit protocol: one strategy in one place (contract 4 (docs/design/contracts.md)).
 
 The committer is the persister that serves global rank 0. For a step ``N`` of run ``R`` it:
 

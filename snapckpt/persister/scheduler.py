@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from snapckpt.engine.stager import read_index
+from snapckpt.persister.slot_index import read_index
 from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import partial_dirname
 from snapckpt.persister import protocol as P

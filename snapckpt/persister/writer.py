@@ -33,7 +33,7 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
     Args:
         storage: where to write.
         buf: the slot's ``mmap`` (read only here).
-        index: the slot's index (:func:`snapckpt.engine.stager.read_index`).
+        index: the slot's index (:func:`snapckpt.persister.slot_index.read_index`).
         partial_dir: the step's in-flight directory (absolute path).
         on_data_read: called once every file is written and fsynced, before the part marker: from then
             on the slot is not read any more and may be released before the commit can count the part.
