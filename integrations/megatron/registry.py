@@ -17,6 +17,7 @@ import sys
 from typing import Any, Dict, Optional
 
 from snapckpt import Checkpointer, CheckpointOptions
+from snapckpt.storage.factory import check_location
 
 __all__ = ["get_checkpointer", "fence", "close_all", "context_checkpointer", "split_options"]
 
@@ -36,7 +37,7 @@ def get_checkpointer(checkpoint_dir: str, **options: Any) -> Checkpointer:
         checkpoint_dir: the checkpoint directory (Megatron-LM's ``--save`` / ``--load``).
         **options: :class:`~snapckpt.CheckpointOptions` fields, used only when the Checkpointer is created.
     """
-    key = os.path.abspath(checkpoint_dir)
+    key = os.path.abspath(check_location(checkpoint_dir))  # a URL is refused before abspath hides it
     ck = _checkpointers.get(key)
     if ck is None or ck.closed:
         options.setdefault("weights_only", False)

@@ -58,6 +58,6 @@ def launch_attempt() -> str:
     """The launcher's attempt number: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (``"0"`` on the first
     attempt and when not under torchrun). Non-digits are refused: the value names store keys."""
     raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "") or "0"
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         raise ValueError(f"TORCHELASTIC_RESTART_COUNT={raw!r} must be a non-negative integer")
     return raw

@@ -61,7 +61,8 @@ class Checkpointer:
     """
 
     def __init__(self, checkpoint_dir: "str | os.PathLike[str]", **options: Any) -> None:
-        if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+        if not isinstance(checkpoint_dir, (str, os.PathLike)) or not isinstance(os.fspath(checkpoint_dir), str) \
+                or not os.fspath(checkpoint_dir):
             raise CheckpointDirError(
                 f"checkpoint_dir must be a non-empty path (a str or os.PathLike naming the directory that holds "
                 f"the checkpoints, e.g. Checkpointer(\"ckpt\")), not {checkpoint_dir!r} "
@@ -398,7 +399,8 @@ class Checkpointer:
             err = e
         finally:
             self._saver.stop_copy_thread()
-            self._session.detach(clean)
+            # a KeyboardInterrupt or SystemExit while waiting for the commits ends the job as a failure
+            self._session.detach(clean and (err is None or isinstance(err, Exception)))
             self._maps.close()
             self._saver.release_claim()
             self._session.closed = True

@@ -23,7 +23,8 @@ from snapckpt.storage.posix import PosixStorage
 
 __all__ = ["open_storage", "check_location"]
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# a scheme of two or more letters and ':/': also what pathlib leaves of a URL (Path("s3://b/r") is "s3:/b/r")
+_SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]+):/")
 
 
 def check_location(location: "str | os.PathLike[str]") -> str:
@@ -37,7 +38,7 @@ def check_location(location: "str | os.PathLike[str]") -> str:
     m = _SCHEME.match(text) if isinstance(text, str) else None
     if m:
         raise CheckpointDirError(
-            f"{text!r} is a URL ({m.group(1)}://); snapckpt writes checkpoints to a local or shared filesystem "
+            f"{text!r} is a URL ({m.group(1)}://, also when a pathlib.Path made it {m.group(1)}:/); snapckpt writes checkpoints to a local or shared filesystem "
             "path only: pass a directory path (for file://, the path after the scheme); object stores are not "
             "supported yet")
     return text

@@ -9,7 +9,8 @@ from snapckpt.storage import PosixStorage
 from snapckpt.storage.factory import check_location, open_storage
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://b/x", "file:///tmp/x", "hdfs://nn/ckpt"])
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://b/x", "file:///tmp/x", "hdfs://nn/ckpt", "S3://x",
+                                 " s3://lead/space", "s3:/bucket/run"])
 def test_factory_refuses_urls(url):
     with pytest.raises(CheckpointDirError, match="is a URL"):
         check_location(url)
@@ -37,3 +38,21 @@ def test_checkpointer_refuses_a_url_before_creating_anything(url, tmp_path, monk
         Checkpointer(url)
     assert "pass a directory path" in str(ei.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_url_through_pathlib_or_an_integration_is_refused_too(tmp_path, monkeypatch):
+    """``Path("s3://b/r")`` collapses to ``s3:/b/r``: still a URL. Megatron's registry resolves its
+    directory to an absolute path first, which would hide the scheme: it checks before. A plain relative
+    path with a colon in a name stays a path."""
+    from pathlib import Path
+
+    from snapckpt.integrations.megatron.registry import get_checkpointer
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointDirError, match="is a URL"):
+        check_location(Path("s3://bucket/run"))
+    for url in ("s3://bucket/run", "gs://bucket/run"):
+        with pytest.raises(CheckpointDirError, match="is a URL"):
+            get_checkpointer(url)
+    assert list(tmp_path.iterdir()) == []
+    assert check_location("a:b/c") == "a:b/c" and check_location("./s3://x") == "./s3://x"

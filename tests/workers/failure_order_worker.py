@@ -4,10 +4,13 @@
 MEMORY inside ``with Checkpointer(...)``; then rank ``FIRST`` raises (it leaves the ``with`` block through
 ``close()`` during the exception) while the other ranks block in the next all-reduce and die of the
 collective error (they leave the same way). ``resume``: every rank loads and prints
-``RESULT {"step", "tier", "w"}``.
+``RESULT {"step", "tier", "w"}``. ``interrupted_close``: a Ctrl-C while the clean close waits for a commit.
 """
 import json
+import os
+import signal
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -35,6 +38,24 @@ def crash(ckpt_dir: str) -> None:
         dist.all_reduce(torch.ones(1))  # its peer is gone: this raises (gloo: connection closed)
 
 
+def interrupted_close(ckpt_dir: str) -> None:
+    """Step 2 to DISK (its commit slowed by the persister), step 4 to MEMORY, then a normal end: the clean
+    close waits for step 2's commit and a Ctrl-C (SIGINT) arrives during that wait."""
+    from snapckpt import Checkpointer, StorageType
+
+    state = {"w": torch.zeros(4), "step": 0}
+    with Checkpointer(ckpt_dir) as ck:
+        for step in range(1, 5):
+            dist.all_reduce(torch.ones(1))
+            state["w"] += 1
+            state["step"] = step
+            if step in (2, 4):
+                ck.save(state, step, StorageType.DISK if step == 2 else StorageType.MEMORY)
+        print("SAVED", flush=True)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    print("CLOSED", flush=True)  # not reached: the KeyboardInterrupt leaves through close()
+
+
 def resume(ckpt_dir: str) -> None:
     from snapckpt import Checkpointer
 
@@ -48,5 +69,5 @@ def resume(ckpt_dir: str) -> None:
 if __name__ == "__main__":
     mode, ckpt_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    crash(ckpt_dir) if mode == "crash" else resume(ckpt_dir)
+    {"crash": crash, "interrupted_close": interrupted_close, "resume": resume}[mode](ckpt_dir)
     dist.destroy_process_group()
