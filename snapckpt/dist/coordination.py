@@ -2,13 +2,14 @@
 
 snapckpt never runs a collective on the training process group. Ranks agree through the
 ``torch.distributed`` key-value store that the process group was created with (a ``PrefixStore`` under
-``snapckpt/``): each rank posts a small JSON record under its own key and bumps a counter; readers poll the
-counter with a deadline, so a rank that never arrives yields :class:`~snapckpt.errors.RankTimeoutError`
-naming exactly the ranks that did not post (case C5), instead of a hang. Only the thread that called the
+``snapckpt/``): each rank appends a small JSON record to the round's key and bumps a counter, the last
+rank marks the round done, and every rank waits for that mark on the store's server with a deadline
+(O(N) store operations per round, see :class:`StoreCoordinator`), so a rank that never arrives yields
+:class:`~snapckpt.errors.RankTimeoutError` naming exactly the ranks that did not post (case C5), instead of a hang. Only the thread that called the
 collective snapckpt API (``Checkpointer(...)``, ``load``, ``latest_step``) uses it; all ranks make those
 calls in the same order, which numbers the rounds.
 
-Keys are ``snapckpt/<job>/attempt<N>/<instance>/<round>/<name>/<rank>``: the launch attempt (torchrun's
+Keys are ``snapckpt/<job>/attempt<N>/<instance>/<round>/<name>/{records,count,done}``: the launch attempt (torchrun's
 restart count) keeps a restarted attempt from reading the records of an earlier one in a store that
 survived it (contract 12).
 
@@ -17,7 +18,6 @@ Without an initialized process group, :class:`LocalCoordinator` is a world of on
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Dict, List, Optional
 
 from snapckpt._internal import env as _env
@@ -74,15 +74,21 @@ class LocalCoordinator(Coordinator):
 
 
 class StoreCoordinator(Coordinator):
-    """All-gather through a ``torch.distributed.Store``.
+    """All-gather through a ``torch.distributed.Store`` in O(N) store operations per round.
+
+    Each rank appends its record to one key of the round and bumps the round's counter (2 operations);
+    the rank whose increment reaches ``world_size`` marks the round done; every rank waits for that mark
+    on the store's server (no polling) and reads the records with one ``get``. A round therefore costs
+    about ``4 N + 1`` store operations in all, instead of the ``N**2`` reads of a key per rank; its
+    records are ``O(N)`` bytes read once by each rank. The last rank of round ``k`` also deletes the keys
+    of round ``k - 1`` (every rank has read them: it posted in round ``k``), so a long job leaves two
+    rounds of keys behind, not every round.
 
     Args:
         store: the process group's store (``TCPStore``/``FileStore``, possibly prefixed).
         rank, world_size: this process's global rank and the world size.
-        prefix: key namespace of this Checkpointer instance (job key and instance number).
+        prefix: key namespace of this Checkpointer instance (job key, launch attempt and instance number).
     """
-
-    POLL_SECS = 0.005
 
     def __init__(self, store, rank: int, world_size: int, prefix: str) -> None:
         import torch.distributed as dist
@@ -91,29 +97,55 @@ class StoreCoordinator(Coordinator):
         self.rank = rank
         self.world_size = world_size
         self.round = 0
+        self._prev_base: Optional[str] = None
 
     def all_gather(self, name: str, payload: Dict[str, Any], timeout_secs: float) -> List[Dict[str, Any]]:
+        from datetime import timedelta
+
         self.round += 1
         base = f"{self.round}/{name}"
-        self.store.set(f"{base}/{self.rank}", json.dumps(payload))
-        self.store.add(f"{base}/count", 1)
-        deadline = time.monotonic() + timeout_secs
-        delay = self.POLL_SECS
-        while self.store.add(f"{base}/count", 0) < self.world_size:
-            if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if not self.store.check([f"{base}/{r}"])]
-                raise RankTimeoutError(
-                    f"ranks {missing} did not reach snapckpt's {name!r} within {timeout_secs:g} s (this is "
-                    f"rank {self.rank}); the call is collective: every rank must make it, in the same order")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        out = []
-        for r in range(self.world_size):
-            try:
-                out.append(json.loads(self.store.get(f"{base}/{r}")))
-            except Exception as e:
-                raise CoordinationError(f"could not read rank {r}'s record for {name!r}: {e}") from e
-        return out
+        prev, self._prev_base = self._prev_base, base
+        # one line per rank; json.dumps never emits a raw newline
+        self.store.append(f"{base}/records", json.dumps({"r": self.rank, "p": payload}) + "\n")
+        if self.store.add(f"{base}/count", 1) == self.world_size:
+            self.store.set(f"{base}/done", "1")
+            if prev is not None:
+                for key in ("records", "count", "done"):
+                    self.store.delete_key(f"{prev}/{key}")
+        try:
+            self.store.wait([f"{base}/done"], timedelta(seconds=max(timeout_secs, 0.001)))
+        except Exception as e:  # the store's timeout error (DistStoreError), or the store went away
+            raise self._timeout_error(base, name, timeout_secs, e) from e
+        try:
+            lines = self.store.get(f"{base}/records").decode().splitlines()
+            records = [json.loads(line) for line in lines if line]
+        except Exception as e:
+            raise CoordinationError(f"could not read the records of snapckpt's {name!r}: {e}") from e
+        out: List[Optional[Dict[str, Any]]] = [None] * self.world_size
+        for rec in records:
+            out[rec["r"]] = rec["p"]
+        if any(p is None for p in out) or len(records) != self.world_size:
+            raise CoordinationError(
+                f"snapckpt's {name!r} got {len(records)} records for a world of {self.world_size} (this is rank "
+                f"{self.rank}): two jobs share a store prefix, or ranks call snapckpt's collectives out of order")
+        return out  # type: ignore[return-value]
+
+    def _timeout_error(self, base: str, name: str, timeout_secs: float, cause: BaseException) -> BaseException:
+        """The error of a round that did not complete: the ranks that did not post, by name."""
+        try:
+            posted = set()
+            if self.store.check([f"{base}/records"]):
+                for line in self.store.get(f"{base}/records").decode().splitlines():
+                    if line:
+                        posted.add(json.loads(line)["r"])
+        except Exception as e:
+            return CoordinationError(f"snapckpt's {name!r} failed: the store is unreachable ({cause}; then {e})")
+        missing = [r for r in range(self.world_size) if r not in posted]
+        if not missing:
+            return CoordinationError(f"snapckpt's {name!r} did not complete although every rank posted ({cause})")
+        return RankTimeoutError(
+            f"ranks {missing} did not reach snapckpt's {name!r} within {timeout_secs:g} s (this is "
+            f"rank {self.rank}); the call is collective: every rank must make it, in the same order")
 
 
 _instances = 0
