@@ -130,6 +130,34 @@ class StoreCoordinator(Coordinator):
                 f"{self.rank}): two jobs share a store prefix, or ranks call snapckpt's collectives out of order")
         return out  # type: ignore[return-value]
 
+    def broadcast(self, name: str, value: Any = None, timeout_secs: Optional[float] = None) -> Any:
+        """Rank 0's ``value`` on every rank, in at most 3 store operations per rank: rank 0 sets the
+        round's value and goes on without waiting; every other rank waits for it on the store's server,
+        reads it and acknowledges; the rank whose acknowledgement completes the round deletes its keys.
+
+        Raises:
+            RankTimeoutError: rank 0 did not post within ``timeout_secs``.
+        """
+        from datetime import timedelta
+
+        timeout = self.timeout_secs if timeout_secs is None else timeout_secs
+        self.round += 1
+        base = f"{self.round}/{name}"
+        if self.rank == 0:
+            self.store.set(f"{base}/value", json.dumps({"v": value}))
+            return json.loads(json.dumps(value))
+        try:
+            self.store.wait([f"{base}/value"], timedelta(seconds=max(timeout, 0.001)))
+            got = json.loads(self.store.get(f"{base}/value"))["v"]
+        except Exception as e:
+            raise RankTimeoutError(
+                f"ranks [0] did not reach snapckpt's {name!r} within {timeout:g} s (this is rank {self.rank}); "
+                f"the call is collective: every rank must make it, in the same order ({e})") from e
+        if self.store.add(f"{base}/acks", 1) == self.world_size - 1:
+            self.store.delete_key(f"{base}/value")
+            self.store.delete_key(f"{base}/acks")
+        return got
+
     def _timeout_error(self, base: str, name: str, timeout_secs: float, cause: BaseException) -> BaseException:
         """The error of a round that did not complete: the ranks that did not post, by name."""
         try:
