@@ -185,3 +185,16 @@ def test_config_section_validation(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_dir.*required"):
         DeepSpeedSnapckptConfig.from_dict({"memory_interval_steps": 1})
     assert not DeepSpeedSnapckptConfig.from_dict({"enabled": False}).enabled
+
+
+def test_a_module_instead_of_the_engine_is_a_clear_type_error(tmp_path):
+    """``DeepSpeedCheckpointer(model, dir)`` with the plain module (not the engine ``deepspeed.initialize``
+    returns) is a TypeError that says what to pass, raised before anything is created."""
+    import torch
+
+    from snapckpt.deepspeed import DeepSpeedCheckpointer
+
+    with pytest.raises(TypeError, match=r"needs the engine that deepspeed.initialize returns.*torch.nn.modules"
+                                        r".linear.Linear"):
+        DeepSpeedCheckpointer(torch.nn.Linear(2, 2), tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
