@@ -189,3 +189,18 @@ def test_four_nodes_every_trainer_killed_resumes_from_memory(rig):
     _trim_log(log, PAUSE)
     _resume_and_compare(rig, 1, log)
 
+
+def test_node_local_checkpoint_dir_is_refused_at_start(rig):
+    """G7: node 1 sees its own (private) directory at the checkpoint path. Every rank's Checkpointer fails
+    at construction with a CheckpointDirError naming the rank and node that do not see rank 0's directory
+    and the fix; nothing is left in the shared directory and no persister was started."""
+    rig.start(2, private_paths={1: [rig.ckpt_dir]})
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir)[1:], 1)
+    for n, r in enumerate(runs):
+        assert r.wait(90) != 0, f"node{n} ran with a node-local checkpoint directory:\n{r.output()}"
+        out = r.output()
+        assert "CheckpointDirError" in out and "is not the same directory on every node" in out, out
+        assert "rank(s) 1 on node1" in out and "(on node0)" in out and "filesystem every node mounts" in out
+        assert "step 1 loss" not in out
+    assert os.listdir(rig.ckpt_dir) == []  # the probe is removed; nothing else was written
+    assert not rig.nodes[1].run(["ls", "-A", rig.ckpt_dir]).strip()
