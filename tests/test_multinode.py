@@ -106,7 +106,7 @@ def test_rig_lose_and_replace_node(rig):
     a.run(["rm", f"{rig.shm_dir}/mem"])  # the fixture checks every node's memory is empty at the end
 
 
-def test_commit_across_two_nodes(rig):
+def test_G2_commit_across_two_nodes(rig):
     """G2: 2 nodes x 2 ranks: placement really differs, each node has its own persister, commits complete
     with the tracker last and ``snapckpt verify`` passes; at a clean end every persister exits and no
     node keeps shared memory (checked by the fixture)."""
@@ -132,7 +132,7 @@ def test_commit_across_two_nodes(rig):
     assert str(STEPS) in out
 
 
-def test_every_trainer_killed_at_once_resumes_from_memory(rig):
+def test_G2_every_trainer_killed_at_once_resumes_from_memory(rig):
     """G2: every trainer of both nodes (one rank each) killed at the same instant (the persisters live): the restart resumes
     from memory at the newest step (9, disk holds 6) with losses bitwise equal to an uninterrupted run."""
     rig.start(2)
@@ -148,7 +148,7 @@ def test_every_trainer_killed_at_once_resumes_from_memory(rig):
     _resume_and_compare(rig, 1, log)
 
 
-def test_one_node_dies_first_others_by_exception(rig):
+def test_G1_G2_one_node_dies_first_the_other_by_exception_resumes_from_memory(rig):
     """G1 across nodes: node 1's trainers are killed first; node 0's ranks then die of the gloo error and
     leave ``with Checkpointer`` by exception (not a clean end). Both persisters keep their memory and the
     restart resumes from memory at step 9 with bitwise-equal losses."""
@@ -176,7 +176,7 @@ def _trim_log(log, step):
         f.write("".join(l + "\n" for l in lines))
 
 
-def test_four_nodes_every_trainer_killed_resumes_from_memory(rig):
+def test_G2_four_nodes_every_trainer_killed_resumes_from_memory(rig):
     """G2 at 4 nodes (one rank each): every trainer killed at once, the restart resumes from memory at step 9
     on every node, losses bitwise equal to an uninterrupted 4-rank run (DDP without bucket rebuild)."""
     rig.start(4)
@@ -190,7 +190,7 @@ def test_four_nodes_every_trainer_killed_resumes_from_memory(rig):
     _resume_and_compare(rig, 1, log)
 
 
-def test_node_local_checkpoint_dir_is_refused_at_start(rig):
+def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
     """G7: node 1 sees its own (private) directory at the checkpoint path. Every rank's Checkpointer fails
     at construction with a CheckpointDirError naming the rank and node that do not see rank 0's directory
     and the fix; nothing is left in the shared directory and no persister was started."""
