@@ -204,3 +204,30 @@ def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
         assert "step 1 loss" not in out
     assert os.listdir(rig.ckpt_dir) == []  # the probe is removed; nothing else was written
     assert not rig.nodes[1].run(["ls", "-A", rig.ckpt_dir]).strip()
+
+
+def test_G3_node_lost_without_replicas_resumes_from_disk(rig):
+    """G3 with no peer-memory tier (today): every rank paused at step 9 (memory; disk holds 6), node 1 is
+    lost (processes, persister and memory) and node 0's trainers die; a fresh node1 joins. The restart
+    agrees on disk step 6 on every rank (node 0's memory alone is not a complete step) and trains on with
+    losses bitwise equal to an uninterrupted run. The steps held only in memory (7..9) are lost."""
+    rig.start(2)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    extra = ["--commit-timeout", "20"]  # node 0's crash flush of step 9 can never commit: give up soon
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1)
+    _wait_paused(runs, 2)
+    assert wait_until(lambda: os.path.exists(os.path.join(rig.ckpt_dir, "latest")), 30)
+    rig.lose_node(1)
+    rig.kill_trainers(0)
+    assert rig.nodes[0].persisters() and rig.nodes[0].shm_files()  # node 0 still holds step 9 in memory
+    fresh = rig.replace_node(1)
+    assert fresh.shm_files() == [] and not fresh.persisters()
+    _trim_log(log, DISK)
+    outs = _run_all(rig, _args(rig.ckpt_dir, *extra, loss_log=log), 1)
+    resumed = _results(outs, "RESUMED")
+    assert sorted((r["rank"], r["step"], r["tier"]) for r in resumed) == [(0, DISK, "disk"), (1, DISK, "disk")], \
+        outs
+    with open(log) as f:
+        got = loss_lines(f.read())
+    assert got == reference_losses(rig, 2)

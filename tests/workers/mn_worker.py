@@ -1,7 +1,7 @@
 """A small DDP training loop for the multi-node rig (tests/test_multinode.py), run under torchrun.
 
 ``mn_worker.py CKPT_DIR --steps S [--memory-interval M] [--disk-interval D] [--pause-at K] [--hold-ranks R,..]
-[--loss-log FILE]``
+[--loss-log FILE] [--commit-timeout SECS]``
 
 A tiny MLP with dropout (its masks come from the RNG, part of the checkpoint), AdamW, data drawn per
 (rank, step) from a seeded generator; ``HookRegistry`` snapshots to memory every M steps and to disk every D.
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--pause-at", type=int, default=None)
     p.add_argument("--hold-ranks", default="")
     p.add_argument("--loss-log", default=None)
+    p.add_argument("--commit-timeout", type=float, default=600.0, help="commit_timeout_secs, seconds")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -59,7 +60,7 @@ def main() -> None:
         return {"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng.capture(), "step": ts["step"]}
 
     log = open(args.loss_log, "a") if rank == 0 and args.loss_log else None
-    with Checkpointer(args.ckpt_dir, keep_last=2) as ck:
+    with Checkpointer(args.ckpt_dir, keep_last=2, commit_timeout_secs=args.commit_timeout) as ck:
         topo = ck.topology
         print("RESULT " + json.dumps({"host": socket.gethostname(), "rank": rank, "num_nodes": topo.num_nodes,
                                       "node_index": topo.node_index, "local_ranks": list(topo.local_ranks)}),
