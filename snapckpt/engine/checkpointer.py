@@ -55,7 +55,8 @@ class Checkpointer:
 
     Raises:
         CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), or cannot be
-            created or written.
+            created or written; or the job spans several nodes and some ranks see another directory at
+            that path (node-local by mistake; raised on every rank, naming them: case G7).
         RankTimeoutError: some ranks did not construct theirs within ``coordination_timeout_secs``.
         PersisterError: the node persister could not be started or refused this rank.
     """
