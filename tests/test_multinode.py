@@ -1,7 +1,8 @@
 """Jobs that span several (simulated) nodes: the rig of tests/multinode.py, real torchrun over gloo.
 
 Every node has its own host name, ``/dev/shm`` and runtime directory (so its own persister and memory
-tier) and all share the checkpoint directory. Cases G1, G2 and G7 of docs/design/cases.md.
+tier) and all share the checkpoint directory. Cases G1, G2, G3 and G7 of docs/design/cases.md (every trainer
+killed at once: tests/test_multinode_kill_all.py).
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from _harness import REPO, WORKERS, result_lines, wait_until
 from multinode import loss_lines
@@ -132,22 +132,6 @@ def test_G2_commit_across_two_nodes(rig):
     assert str(STEPS) in out
 
 
-def test_G2_every_trainer_killed_at_once_resumes_from_memory(rig):
-    """G2: every trainer of both nodes (one rank each) killed at the same instant (the persisters live): the restart resumes
-    from memory at the newest step (9, disk holds 6) with losses bitwise equal to an uninterrupted run."""
-    rig.start(2)
-    rig.leftover_ok = True
-    log = os.path.join(rig.tmp, "losses.log")
-    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), loss_log=log)[1:], 1)
-    _wait_paused(runs, 2)
-    persisters = [n.persisters() for n in rig.nodes]
-    assert all(len(p) == 1 for p in persisters), persisters
-    rig.kill_all_trainers()
-    assert [n.persisters() for n in rig.nodes] == persisters  # the memory tier lives on
-    _trim_log(log, PAUSE)
-    _resume_and_compare(rig, 1, log)
-
-
 def test_G1_G2_one_node_dies_first_the_other_by_exception_resumes_from_memory(rig):
     """G1 across nodes: node 1's trainers are killed first; node 0's ranks then die of the gloo error and
     leave ``with Checkpointer`` by exception (not a clean end). Both persisters keep their memory and the
@@ -174,20 +158,6 @@ def _trim_log(log, step):
     assert [int(l.split()[1]) for l in lines] == list(range(1, step + 1)), lines
     with open(log, "w") as f:
         f.write("".join(l + "\n" for l in lines))
-
-
-def test_G2_four_nodes_every_trainer_killed_resumes_from_memory(rig):
-    """G2 at 4 nodes (one rank each): every trainer killed at once, the restart resumes from memory at step 9
-    on every node, losses bitwise equal to an uninterrupted 4-rank run (DDP without bucket rebuild)."""
-    rig.start(4)
-    rig.leftover_ok = True
-    log = os.path.join(rig.tmp, "losses.log")
-    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), loss_log=log)[1:], 1)
-    _wait_paused(runs, 4)
-    assert all(len(n.persisters()) == 1 for n in rig.nodes)
-    rig.kill_all_trainers()
-    _trim_log(log, PAUSE)
-    _resume_and_compare(rig, 1, log)
 
 
 def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
