@@ -5,13 +5,14 @@ its own host name (``node0``, ``node1``...), a private tmpfs on ``/dev/shm`` (it
 snapckpt runtime directory (its persister's socket, lock and token), and optionally private tmpfs mounts
 over other paths (a checkpoint directory that is node-local by mistake, case G7). Commands run inside a
 node through ``nsenter --target <holder> --uts --mount``; the network namespace stays shared, so every
-node reaches the rendezvous on 127.0.0.1. Every process of a node is found by its mount namespace,
+node reaches the rendezvous on 127.0.0.1 (nodes with their own addresses, network namespaces and veth
+pairs, are not built yet). Every process of a node is found by its mount namespace,
 whoever started it (torchrun, its workers, the persister the first rank spawned).
 
 * :meth:`Rig.lose_node` kills every process of the node with SIGKILL (trainers, agent, persister, holder);
   with its last process its mount namespace and its tmpfs mounts disappear: a lost node.
 * :meth:`Rig.kill_trainers` kills the node's training processes (torchrun and its workers) only; its
-  persister lives on.
+  persister lives on. :meth:`Rig.kill_all_trainers` does it for every node in one sweep.
 * :meth:`Rig.replace_node` starts a fresh node under the same name (empty memory).
 
 Needs root (``unshare --mount`` and ``nsenter``), as CI runs. Use the ``rig`` fixture of
