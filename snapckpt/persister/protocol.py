@@ -17,6 +17,7 @@ import json
 from typing import Any, Dict
 
 from snapckpt import errors as _errors
+from snapckpt._internal.compat import add_note
 
 __all__ = ["REQUESTS", "MAX_MESSAGE_NBYTES", "encode", "decode", "validate_request", "error_record",
            "error_from_record", "ProtocolError"]
@@ -113,10 +114,10 @@ def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
     else:
         exc = _errors.PersistError(f"{typ}: {msg}")
     if context:
-        exc.add_note(context)
+        add_note(exc, context)
     hint = _DISK_FULL_HINTS.get(errno_) if errno_ is not None else None
     if hint:
-        exc.add_note(hint)
+        add_note(exc, hint)
     return exc
 
 
