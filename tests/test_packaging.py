@@ -58,7 +58,7 @@ def test_wheel_contents_and_metadata(wheel):
         assert licenses, names
         assert "Apache License" in z.read(licenses[0]).decode() and "Version 2.0" in z.read(licenses[0]).decode()
     assert "snapckpt/py.typed" in names
-    for pkg in ("snapckpt/cli/main.py", "snapckpt/persister/server.py", "snapckpt/integrations/deepspeed/engine.py",
+    for pkg in ("snapckpt/cli/ps.py", "snapckpt/persister/control.py", "snapckpt/integrations/deepspeed/engine.py",
                 "snapckpt/integrations/megatron/save.py", "snapckpt/integrations/transformers/callback.py",
                 "snapckpt/integrations/accelerate.py"):
         assert pkg in names, pkg
@@ -74,7 +74,7 @@ def test_wheel_contents_and_metadata(wheel):
 
 def test_wheel_installs_and_runs_in_a_fresh_venv(wheel, tmp_path):
     """Installed in a new venv, every public module of snapckpt and snapckpt.integrations imports (the
-    frameworks are installed here), the console script runs ``--help`` and
+    frameworks are installed here), the console script runs ``--version`` (the wheel's version) and
     ``ls`` on a checkpoint directory, and nothing is imported from this source tree."""
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
@@ -110,16 +110,18 @@ print(json.dumps({"file": snapckpt.__file__, "mods": mods, "failed": failed,
     assert res["file"].startswith(site), res["file"]  # the installed wheel, not this tree
     assert res["typed"]
     assert res["failed"] == {}, res["failed"]
-    for m in ("snapckpt.cli.main", "snapckpt.persister.server", "snapckpt.deepspeed",
+    for m in ("snapckpt.cli.main", "snapckpt.cli.ps", "snapckpt.persister.server", "snapckpt.deepspeed",
               "snapckpt.hf", "snapckpt.megatron", "snapckpt.integrations.deepspeed.engine",
               "snapckpt.integrations.megatron.save", "snapckpt.integrations.transformers.callback",
               "snapckpt.integrations.accelerate"):
         assert m in res["mods"], (m, res["mods"])
 
     script = str(env_dir / "bin" / "snapckpt")
-    r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-    assert r.returncode == 0 and "verify" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == f"snapckpt {snapckpt.__version__}", r.stdout + r.stderr
     empty = tmp_path / "ckpts"
     empty.mkdir()
-    r = subprocess.run([script, "ls", str(empty)], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-    assert r.returncode == 0 and r.stdout.strip() == f"no checkpoint directories in {empty}", r.stdout + r.stderr
+    r = subprocess.run([script, "ls", str(empty), "--json"], capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout) == {"dir": str(empty), "checkpoints": [], "warnings": [], "other_directories": 0}
