@@ -190,6 +190,9 @@ def make_coordinator(job: str, timeout_secs: float = 600.0) -> Coordinator:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         coord: Coordinator = LocalCoordinator()
     else:
+        from snapckpt._internal.compat import check_torch
+
+        check_torch([("torch.distributed.distributed_c10d", "_get_default_store")])
         from torch.distributed.distributed_c10d import _get_default_store
 
         # The attempt is part of every key: torchrun's rendezvous store outlives a restart of the workers
