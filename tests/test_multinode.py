@@ -198,6 +198,9 @@ def test_G3_node_lost_without_replicas_resumes_from_disk(rig):
     resumed = _results(outs, "RESUMED")
     assert sorted((r["rank"], r["step"], r["tier"]) for r in resumed) == [(0, DISK, "disk"), (1, DISK, "disk")], \
         outs
+    # and rank 0 says what was lost: step 9 held by rank 0 only
+    assert any("step 9 is held in memory by ranks [0] but not by ranks [1]" in o and "steps after it are lost"
+               in o for o in outs), outs
     with open(log) as f:
         got = loss_lines(f.read())
     assert got == reference_losses(rig, 2)
