@@ -9,15 +9,45 @@ Public names are listed in ``__all__``; everything else may change. The integrat
 and its :class:`LoadCandidate`, ``Checkpointer.coordinator``, ``Checkpointer.storage``,
 ``Checkpointer.verify_directory``, ``Checkpointer.write_out`` and :func:`check_step`.
 """
-from snapckpt import rng
-from snapckpt.engine.checkpointer import Checkpointer
-from snapckpt.engine.loader import LoadCandidate, LoadInfo
-from snapckpt.engine.restore import check_step
-from snapckpt.errors import SnapckptError
-from snapckpt.events import Event, SaveStats, StorageType
-from snapckpt.engine.handle import SaveHandle
-from snapckpt.engine.hooks import HookRegistry, SnapshotPolicy
-from snapckpt.options import CheckpointOptions
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from snapckpt import rng
+    from snapckpt.engine.checkpointer import Checkpointer
+    from snapckpt.engine.handle import SaveHandle
+    from snapckpt.engine.hooks import HookRegistry, SnapshotPolicy
+    from snapckpt.engine.loader import LoadCandidate, LoadInfo
+    from snapckpt.engine.restore import check_step
+    from snapckpt.errors import SnapckptError
+    from snapckpt.events import Event, SaveStats, StorageType
+    from snapckpt.options import CheckpointOptions
+
+# Public names are imported on first use (PEP 562), so that `snapckpt ls`/`verify`/`ps` and the persister
+# start without importing torch (seconds on a busy node).
+_LAZY = {
+    "Checkpointer": "snapckpt.engine.checkpointer", "SaveHandle": "snapckpt.engine.handle",
+    "HookRegistry": "snapckpt.engine.hooks", "SnapshotPolicy": "snapckpt.engine.hooks",
+    "LoadCandidate": "snapckpt.engine.loader", "LoadInfo": "snapckpt.engine.loader",
+    "check_step": "snapckpt.engine.restore", "SnapckptError": "snapckpt.errors", "Event": "snapckpt.events",
+    "SaveStats": "snapckpt.events", "StorageType": "snapckpt.events", "CheckpointOptions": "snapckpt.options",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name == "rng":
+        return importlib.import_module("snapckpt.rng")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'snapckpt' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Checkpointer",
