@@ -68,3 +68,23 @@ def snap_env(tmp_path, monkeypatch):
         wait_until(lambda: not se.persisters(), timeout=5)
         shutil.rmtree(runtime_root, ignore_errors=True)
         shutil.rmtree(shm_root, ignore_errors=True)
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A fresh bucket on the session's S3 server (moto on 127.0.0.1, tests/s3server.py), with the standard
+    AWS variables set for this process and every child it starts (ranks, persisters)."""
+    import s3server
+    bucket = s3server.new_bucket()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", bucket.endpoint)
+    for k, v in s3server.CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "SNAPCKPT_REMOTE_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    yield bucket
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+    if "s3server" in sys.modules:
+        sys.modules["s3server"].stop()

@@ -27,7 +27,7 @@ from snapckpt.engine.saver import Saver
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
-from snapckpt.errors import CheckpointDirError
+from snapckpt.errors import CheckpointDirError, RemoteStorageError
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.formats import respec
 from snapckpt.ondisk import layout
@@ -35,6 +35,7 @@ from snapckpt.options import CheckpointOptions
 from snapckpt.persister.client import job_key
 from snapckpt.storage.factory import check_location, open_storage
 from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.remote import RemoteStore
 
 __all__ = ["Checkpointer", "LoadCandidate", "LoadInfo", "check_step"]
 
@@ -54,8 +55,10 @@ class Checkpointer:
     ``torch.distributed`` (case C6).
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), or cannot be
-            created or written.
+        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL (an
+            object store is a remote tier: ``remote_dir="s3://..."``), or cannot be created or written.
+        RemoteStorageError: ``remote_dir`` is set and cannot be used (missing bucket, refused credentials,
+            unreachable endpoint, no fsspec implementation); raised on every rank, before training.
         RankTimeoutError: some ranks did not construct theirs within ``coordination_timeout_secs``.
         PersisterError: the node persister could not be started or refused this rank.
     """
@@ -83,6 +86,7 @@ class Checkpointer:
         faults.set_rank(self._coord.rank)
         self.run_id = everyone[0]["run_id"]
         preflight_dir(self.checkpoint_dir, self.options.resolved_shm_dir, self.run_id, self.rank)
+        remote = self._open_remote(t)
         # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
         # since belong to another run and are never loaded (inode numbers are reused: a random id instead).
         mine = dir_identity(self.checkpoint_dir) if self._coord.rank == 0 else ""
@@ -93,9 +97,27 @@ class Checkpointer:
         self._saver = Saver(self.options, self.checkpoint_dir, self.run_id, self.rank, self._coord,
                             self._storage, self._stager, self._maps, self._session, self._emit)
         self._loader = Loader(self.options, self.checkpoint_dir, self.topology, self._coord, self._storage,
-                              self._maps, self._session, dir_id)
+                              self._maps, self._session, dir_id, remote)
         self._session.connect()
         self._coord.all_gather("connected", {"ok": True}, t)
+
+    def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
+        """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every
+        rank raises the same :class:`RemoteStorageError` when it cannot be used. ``None`` without one."""
+        url = self.options.resolved_remote_dir
+        if not url:
+            return None
+        store, error = None, ""
+        if self._coord.rank == 0:
+            try:
+                store = RemoteStore(url)
+                store.check_access()
+            except RemoteStorageError as e:
+                error = str(e)
+        error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]
+        if error:
+            raise RemoteStorageError(error)
+        return store
 
     # ---------------------------------------------------------------------------------- properties
     @property
