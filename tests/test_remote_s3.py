@@ -106,3 +106,66 @@ def test_missing_bucket_is_refused_at_start(snap_env, s3_bucket):
         assert line[0].startswith("ERROR RemoteStorageError"), line
         assert url in line[0] and "bucket does not exist" in line[0] and "create it" in line[0]
         assert os.environ["AWS_SECRET_ACCESS_KEY"] not in o and os.environ["AWS_ACCESS_KEY_ID"] not in o
+
+
+def _local_checkpoint(root: str, step: int, files: dict) -> tuple:
+    """A committed local checkpoint ``root/step_N`` of ``files`` ({name: bytes}, rank 0); return (path,
+    manifest)."""
+    import xxhash
+    from snapckpt.ondisk.manifest import MANIFEST, build_manifest
+    d = os.path.join(root, f"step_{step:08d}")
+    os.makedirs(os.path.join(d, ".snapckpt"))
+    for name, data in files.items():
+        open(os.path.join(d, name), "wb").write(data)
+    m = build_manifest(step=step, dirname=os.path.basename(d), world_size=1, run_id="r",
+                       parts={0: {n: {"nbytes": len(b), "xxh3_64": xxhash.xxh3_64(b).hexdigest(), "kind": "bytes"}
+                                  for n, b in files.items()}})
+    open(os.path.join(d, MANIFEST), "w").write(json.dumps(m))
+    return d, m
+
+
+def test_store_commit_record_retention_and_corrupt_download(tmp_path, s3_bucket):
+    """The store's rules, in-process: a prefix without a manifest object is not a checkpoint; a file changed
+    since its local commit is not uploaded (nothing committed remotely); retention deletes the oldest
+    (manifest first, no prefix left); a download of an object damaged in the store fails its checksum and
+    leaves nothing in the local directory."""
+    from snapckpt.errors import CheckpointCorruptError
+    from snapckpt.storage.remote import RemoteStore
+    store = RemoteStore(s3_bucket.url("run"))
+    src = str(tmp_path / "src")
+    for step in (1, 2, 3):
+        d, m = _local_checkpoint(src, step, {"a.bin": bytes([step]) * 1000, "b.bin": b"x" * step})
+        store.upload(d, os.path.basename(d), m, run_id="r", tracker_name="latest", tracker_content=os.path.basename(d))
+    assert [c.step for c in store.list_committed()] == [1, 2, 3]
+    assert s3_bucket.get("run/latest") == b"step_00000003"
+
+    # an interrupted upload: data and marker, no manifest
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="run/step_00000009/a.bin", Body=b"half")
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="run/step_00000009/.snapckpt/remote.json", Body=b"{}")
+    assert [c.step for c in store.list_committed()] == [1, 2, 3]
+
+    # a local file changed after its commit: refused, no manifest object written for it
+    d4, m4 = _local_checkpoint(src, 4, {"a.bin": b"good"})
+    open(os.path.join(d4, "a.bin"), "wb").write(b"evil")
+    with pytest.raises(CheckpointCorruptError, match="changed since it was committed"):
+        store.upload(d4, "step_00000004", m4, run_id="r")
+    assert "run/step_00000004/.snapckpt/manifest.json" not in s3_bucket.keys("run/")
+    assert not s3_bucket.multipart_uploads()
+
+    assert store.apply_retention(2, protect=["step_00000003"]) == ["step_00000001"]
+    assert not [k for k in s3_bucket.keys("run/") if k.startswith("run/step_00000001/")]
+    assert store.clean_orphans() == ["step_00000004", "step_00000009"]
+    assert sorted({k.split("/")[1] for k in s3_bucket.keys("run/")}) == ["latest", "step_00000002", "step_00000003"]
+
+    # damage an object in the store, keeping its size: the download refuses it, nothing is left locally
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="run/step_00000003/a.bin", Body=b"\0" * 1000)
+    dest = str(tmp_path / "dest")
+    os.makedirs(dest)
+    c3 = [c for c in store.list_committed() if c.step == 3][0]
+    with pytest.raises(CheckpointCorruptError, match="a.bin"):
+        store.download(c3, dest, fsync=False)
+    assert os.listdir(dest) == []
+    c2 = [c for c in store.list_committed() if c.step == 2][0]
+    store.download(c2, dest, fsync=False)
+    assert open(os.path.join(dest, "step_00000002", "a.bin"), "rb").read() == bytes([2]) * 1000
+    assert open(os.path.join(dest, "latest")).read() == "step_00000002"
