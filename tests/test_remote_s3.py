@@ -169,3 +169,31 @@ def test_store_commit_record_retention_and_corrupt_download(tmp_path, s3_bucket)
     store.download(c2, dest, fsync=False)
     assert open(os.path.join(dest, "step_00000002", "a.bin"), "rb").read() == bytes([2]) * 1000
     assert open(os.path.join(dest, "latest")).read() == "step_00000002"
+
+
+def test_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
+    """Uploads slower than saves: the upload of step 1 is held up (a fault point sleeps 8 s before its
+    manifest) while steps 1-5 are committed locally without waiting for it. The queue keeps 2 waiting
+    uploads and drops the oldest waiting one when a newer arrives (which ones depends on when the uploader
+    thread took step 1; at least one is dropped): every dropped step is an ``upload_skipped`` event on both
+    ranks and a warning in the persister's log, and is not on the server; every other step is committed
+    there; the newest (5) always is, and the tracker object names it."""
+    url = s3_bucket.url("run")
+    env = dict(snap_env.env, SNAPCKPT_FAULT_POINT="remote.before_manifest:step=1:action=sleep:secs=8")
+    res = _results(run_ranks("remote_worker.py", 2, ["save", snap_env.ckpt_dir, url, "1,2,3,4,5"], env,
+                             timeout=90))
+    skipped = sorted(s for k, s in res[0]["events"] if k == "upload_skipped")
+    for r in res:
+        assert sorted(s for k, s in r["events"] if k == "upload_skipped") == skipped, r["events"]
+        assert sorted(s for k, s in r["events"] if k == "committed") == [1, 2, 3, 4, 5]
+    assert skipped and 5 not in skipped, res[0]["events"]
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)
+    keys = _remote_layout(s3_bucket)
+    committed = sorted(int(k[5:13]) for k in keys if k.endswith(".snapckpt/manifest.json"))
+    assert committed == sorted(set(range(1, 6)) - set(skipped)), (keys, skipped)
+    assert s3_bucket.get("run/latest") == b"step_00000005"
+    log = _persister_logs(snap_env)
+    for s in skipped:
+        assert f"upload of step {s} " in log and "skipped" in log
+    assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if not n.startswith(".")) == \
+        ["latest"] + [f"step_{s:08d}" for s in range(1, 6)]  # the local tier has every step
