@@ -197,3 +197,28 @@ def test_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
         assert f"upload of step {s} " in log and "skipped" in log
     assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if not n.startswith(".")) == \
         ["latest"] + [f"step_{s:08d}" for s in range(1, 6)]  # the local tier has every step
+
+
+def test_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, monkeypatch):
+    """The persister's uploader, in-process: an upload to a bucket that disappeared is retried, then given
+    up with an ``upload_failed`` note naming the URL and the cause (no credential); a checkpoint retired by
+    local retention before its turn is an ``upload_skipped`` note, not a failure; every job ends (the
+    persister's count of pending work returns to zero)."""
+    from snapckpt.persister import uploader as U
+    monkeypatch.setattr(U, "BACKOFF_SECS", 0.01)
+    src = str(tmp_path / "src")
+    d, m = _local_checkpoint(src, 1, {"a.bin": b"a" * 100})
+    done = []
+    up = U.Uploader(lambda: done.append(1))
+    gone = f"s3://{s3_bucket.name}-gone/run"
+    up.submit(U.UploadJob("run1", gone, d, "step_00000001", m, None, "latest", "step_00000001"))
+    up.submit(U.UploadJob("run1", s3_bucket.url("run"), str(tmp_path / "retired"), "step_00000002",
+                          {**m, "step": 2}, None))
+    up.shutdown()
+    notes = up.notes_for("run1")
+    assert [(n["kind"], n["step"]) for n in notes] == [("upload_failed", 1), ("upload_skipped", 2)], notes
+    assert notes[0]["reason"] == f"{gone}: FileNotFoundError: The specified bucket does not exist"
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(notes)
+    assert "deleted by retention" in notes[1]["reason"]
+    assert len(done) == 2
+    assert not s3_bucket.keys("run/")

@@ -270,8 +270,9 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------------------------- load
     def latest_step(self) -> Optional[int]:
-        """Newest step complete on every rank, in memory or on disk; ``None`` if there is no checkpoint at
-        all (a fresh start is safe). Collective.
+        """Newest step complete on every rank, in memory, on disk or in the remote tier (``remote_dir``; a
+        remote step newer than every local one is downloaded into ``checkpoint_dir`` first, checksums
+        verified); ``None`` if there is no checkpoint at all (a fresh start is safe). Collective.
 
         It checks completeness, not content: a disk checkpoint counts when its manifest is valid and every
         file it lists (every rank's) exists with the listed size; a memory snapshot when every rank holds
@@ -320,7 +321,9 @@ class Checkpointer:
         """Restore the newest step complete on every rank (or ``step``); collective.
 
         Memory is used when every rank holds the step and it is at least as new as the newest committed
-        disk checkpoint; otherwise disk, with checksums verified. A candidate that any rank cannot read
+        disk checkpoint; otherwise disk, with checksums verified. With ``remote_dir``, a remote step newer
+        than both is downloaded into ``checkpoint_dir`` by rank 0 first (checksums verified) and loaded
+        from there (``last_load.tier`` is ``DISK``). A candidate that any rank cannot read
         is skipped by all ranks together, with a warning naming the step, the rank and the cause, and
         the next newest is tried. The step loaded, its tier and the refused newer candidates are in
         :attr:`last_load` (a :class:`LoadInfo`): ``ck.last_load.step``.

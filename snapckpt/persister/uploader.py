@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -153,6 +154,12 @@ class Uploader:
         delay = BACKOFF_SECS
         for attempt in range(RETRIES + 1):
             t0 = time.monotonic()
+            if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
+                reason = (f"{job.local_dir} was deleted by retention (keep_last={job.keep_last}) before its upload "
+                          "began; a newer checkpoint is uploaded instead")
+                log.warning("remote: upload of step %d to %s skipped: %s", step, job.remote_dir, reason)
+                self._note(job, "upload_skipped", reason)
+                return
             try:
                 store.upload(job.local_dir, job.dirname, job.manifest, run_id=job.run_id,
                              tracker_name=job.tracker_name, tracker_content=job.tracker_content)
