@@ -222,3 +222,38 @@ def test_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, 
     assert "deleted by retention" in notes[1]["reason"]
     assert len(done) == 2
     assert not s3_bucket.keys("run/")
+
+
+def test_newest_step_across_disk_and_remote_with_keep_last(snap_env, s3_bucket):
+    """One process, keep_last=2 on both tiers: steps 1-3 are saved and uploaded, the remote tier keeps
+    steps 2 and 3. With local step 3 lost (step 2 still on disk, no memory tier), the remote's step 3 is the
+    newest complete step: it is downloaded next to step 2 and loaded, bitwise equal. When disk holds a newer
+    step than the remote tier, disk wins and nothing is downloaded."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+    url = s3_bucket.url("run")
+    opts = dict(remote_dir=url, keep_last=2, persister_idle_timeout_secs=20)
+    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2, 3, 4)}
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        for s in (1, 2, 3):
+            ck.save(states[s], s, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    remote = sorted({k.split("/")[1] for k in s3_bucket.keys("run/") if k.endswith("manifest.json")})
+    assert remote == ["step_00000002", "step_00000003"]  # remote retention: manifest first, then the data
+    assert not [k for k in s3_bucket.keys("run/") if k.startswith("run/step_00000001/")]
+
+    shutil.rmtree(os.path.join(snap_env.ckpt_dir, "step_00000003"))
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        assert ck.latest_step() == 3
+        got = ck.load()
+        assert ck.last_load.step == 3 and ck.last_load.tier == StorageType.DISK
+        assert torch.equal(got["w"], states[3]["w"]) and got["step"] == 3
+        assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")) == \
+            ["step_00000002", "step_00000003"]
+        ck.save(states[4], 4, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)
+    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key="run/step_00000004/.snapckpt/manifest.json")
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        got = ck.load()
+        assert ck.last_load.step == 4 and torch.equal(got["w"], states[4]["w"])
