@@ -9,8 +9,8 @@ Layout under the remote URL (the same native layout as ``checkpoint_dir``)::
 
 **Commit without rename.** An object store has no atomic rename of a prefix, so the manifest object is the
 commit record: it is written only after every data object is complete (each streamed from the local
-committed copy, its XXH3-64 recomputed on the way and compared with the local manifest, its size read back
-from the store), then the tracker object. Readers (:meth:`RemoteStore.list_committed`) ignore every
+committed copy after its XXH3-64 was recomputed from the same open file and compared with the local
+manifest, its size read back from the store), then the tracker object. Readers (:meth:`RemoteStore.list_committed`) ignore every
 prefix without a manifest that parses, or whose objects have the wrong size. Retention deletes the
 manifest first, then the data: a half-deleted checkpoint is never taken for a committed one. An upload
 that was interrupted (the persister killed, the connection lost) leaves a prefix with ``remote.json`` and
@@ -21,9 +21,10 @@ Credentials come from the standard places only (the provider's environment varia
 ``AWS_ENDPOINT_URL`` for an S3-compatible endpoint): snapckpt never writes or logs them, and its error
 messages name the URL, never a key.
 
-The library is fsspec (with s3fs for ``s3://``): one interface for every object store fsspec knows, files
-streamed in blocks (multipart uploads of ``BLOCK_NBYTES`` parts, ranged reads), so a checkpoint never has a
-second full copy in RAM.
+The library is fsspec (with s3fs for ``s3://``): one interface for every object store fsspec knows; s3fs's
+``put_file`` sends parts of ``block_nbytes`` concurrently (multipart upload), downloads stream in blocks,
+several files at once, so a checkpoint never has a second full copy in RAM (``benchmarks/remote_s3.py``
+measures both against plain clients).
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ REMOTE_MARKER = f"{SIDECAR}/remote.json"
 BLOCK_NBYTES = 16 << 20
 #: Files of one checkpoint uploaded or downloaded at once.
 PARALLEL_FILES = 4
+#: Parts of one file in flight at once (S3): with the files, at most
+#: ``PARALLEL_FILES * PART_CONCURRENCY * block_nbytes`` bytes (256 MiB by default) of a checkpoint in memory.
+PART_CONCURRENCY = 4
 
 
 def is_remote_url(text: str) -> bool:
@@ -236,31 +240,34 @@ class RemoteStore:
         log.info("remote: committed step %d as %s (%d files)", step, self.display(dirname), len(manifest["files"]))
 
     def _put_file(self, local: str, dirname: str, name: str, rec: Dict[str, Any], step: int) -> None:
+        """Upload one committed file: its checksum is recomputed from an open descriptor, then the same
+        inode (``/proc/self/fd``: a re-commit that renamed another file into place meanwhile cannot swap
+        the bytes) is sent by s3fs's ``put_file``: parts of ``block_nbytes`` uploaded :data:`PART_CONCURRENCY`
+        at a time (a multipart upload, aborted by s3fs on an error), a single PUT below two parts."""
         known = record_checksum(rec)
         if known is None:
             raise CheckpointCorruptError(f"{local}: its manifest record holds no known checksum")
         algo, want = known
         h = CHECKSUMS[algo]()
         n = 0
-        with open(local, "rb") as src:
-            dst = self.fs.open(self._path(dirname, name), "wb", block_size=self.block_nbytes)
-            try:
-                while True:
-                    chunk = src.read(self.block_nbytes)
-                    if not chunk:
-                        break
-                    h.update(chunk)
-                    dst.write(chunk)
-                    n += len(chunk)
-                    faults.point("remote.mid_upload", step=step, rank=None)
-                if n != rec["nbytes"] or h.hexdigest() != want:
-                    raise CheckpointCorruptError(
-                        f"{local} changed since it was committed ({n} bytes, {algo} {h.hexdigest()}; the manifest "
-                        f"says {rec['nbytes']} bytes, {want}); not uploaded")
-            except BaseException:
-                _discard(dst)  # never complete a half-written object; abort its multipart upload
-                raise
-            dst.close()  # completes the multipart upload (or sends the single PUT)
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            while True:
+                chunk = os.read(fd, self.block_nbytes)
+                if not chunk:
+                    break
+                h.update(chunk)
+                n += len(chunk)
+            if n != rec["nbytes"] or h.hexdigest() != want:
+                raise CheckpointCorruptError(
+                    f"{local} changed since it was committed ({n} bytes, {algo} {h.hexdigest()}; the manifest "
+                    f"says {rec['nbytes']} bytes, {want}); not uploaded")
+            kwargs: Dict[str, Any] = {}
+            if "s3" in _protocols(self.fs):
+                kwargs = {"chunksize": self.block_nbytes, "max_concurrency": PART_CONCURRENCY}
+            self.fs.put_file(f"/proc/self/fd/{fd}", self._path(dirname, name), callback=_part_point(step), **kwargs)
+        finally:
+            os.close(fd)
 
     # ----------------------------------------------------------------------------------- download
     def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True) -> str:
@@ -369,7 +376,7 @@ class RemoteStore:
     def _abort_multipart(self) -> None:
         """Abort unfinished S3 multipart uploads under the remote directory (they cost storage until
         aborted). Other stores: nothing to do."""
-        if "s3" not in (self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)):
+        if "s3" not in _protocols(self.fs):
             return
         bucket, _, key = self.root.partition("/")
         prefix = key + "/" if key else ""
@@ -397,17 +404,19 @@ class RemoteStore:
         self.fs.invalidate_cache()
 
 
-def _discard(f) -> None:
-    """Abandon a file being written to the store without completing it (s3fs: abort its multipart upload)."""
-    try:
-        if hasattr(f, "discard"):
-            f.discard()
-    except Exception as e:  # the orphan clean-up of the next persister is the backstop
-        log.warning("remote: could not abort the upload of %s: %s", getattr(f, "path", "?"), _cause(e))
-    try:
-        f.closed = True  # nothing more is sent: close() would complete the upload
-    except Exception:
-        pass
+def _protocols(fs) -> tuple:
+    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+
+
+def _part_point(step: int):
+    """An fsspec callback that runs the ``remote.mid_upload`` fault point after each part sent."""
+    from fsspec.callbacks import Callback
+
+    class PartPoint(Callback):
+        def relative_update(self, inc=1) -> None:  # s3fs: once per part sent
+            faults.point("remote.mid_upload", step=step, rank=None)
+
+    return PartPoint()
 
 
 def _cause(e: BaseException) -> str:
