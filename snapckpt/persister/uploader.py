@@ -169,6 +169,10 @@ class Uploader:
                     log.error("remote: upload of step %d (%s) to %s failed after %d attempts: %s; the local "
                               "checkpoint is intact", step, job.dirname, job.remote_dir, attempt + 1, cause)
                     self._note(job, "upload_failed", f"{job.remote_dir}: {cause}")
+                    try:  # what the failed attempts left (no manifest): nothing else uploads meanwhile
+                        store.clean_orphans()
+                    except Exception as e2:
+                        log.warning("remote: could not clean up after the failed upload of step %d: %s", step, e2)
                     return
                 log.warning("remote: upload of step %d to %s failed (%s); retrying in %g s", step,
                             job.remote_dir, cause, delay)

@@ -195,8 +195,9 @@ class RemoteStore:
     def upload(self, local_dir: str, dirname: str, manifest: Dict[str, Any], *, run_id: str,
                tracker_name: str = "", tracker_content: str = "") -> None:
         """Upload the committed local checkpoint ``local_dir`` (manifest ``manifest``) as ``<url>/<dirname>``
-        and commit it there: marker, data objects (checksums recomputed while streaming, sizes read back),
-        manifest object, then the tracker object ``tracker_name`` (if given).
+        and commit it there: marker, data objects (each file's checksum recomputed and compared with the
+        manifest just before it is sent; sizes read back), manifest object, then the tracker object
+        ``tracker_name`` (if given).
 
         A prefix already committed with the same files (same sizes and checksums) is left as it is (only
         the tracker is written). A different one (a re-save of the step) loses its manifest first.
@@ -212,6 +213,8 @@ class RemoteStore:
         try:
             old = parse_manifest(self._read(mpath), dirname)
             same = old["files"] == manifest["files"]
+            if same:
+                self._check_sizes(dirname, old)  # an object lost since: upload again
         except FileNotFoundError:
             pass
         except CheckpointCorruptError:
