@@ -92,3 +92,79 @@ def new_bucket() -> Bucket:
     name = f"snap-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=name)
     return Bucket(name, ep, client)
+
+
+class FaultProxy:
+    """A TCP proxy on 127.0.0.1 in front of the S3 server that fails on demand: ``mode`` is ``"pass"``
+    (bytes piped both ways), ``"503"`` (each request answered ``503 Slow Down``, then the connection
+    closed) or ``"reset"`` (each connection closed at once, a reset for the client). ``requests`` counts
+    the connections it failed."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        host, port = target.rsplit("//", 1)[1].split(":")
+        self.target = (host, int(port))
+        self.mode = "pass"
+        self.failed = 0
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        import socket
+        import struct
+        mode = self.mode
+        if mode == "reset":
+            self.failed += 1
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+            conn.close()
+            return
+        if mode == "503":
+            self.failed += 1
+            conn.settimeout(5)
+            try:
+                head = conn.recv(65536)
+                body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                             + (b"" if head.startswith(b"HEAD ") else body))  # a HEAD answer has no body
+            except OSError:
+                pass
+            conn.close()
+            return
+        up = socket.create_connection(self.target)
+
+        def pipe(a, b):
+            try:
+                while True:
+                    data = a.recv(1 << 16)
+                    if not data:
+                        break
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (a, b):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
+        pipe(conn, up)

@@ -257,3 +257,44 @@ def test_newest_step_across_disk_and_remote_with_keep_last(snap_env, s3_bucket):
     with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
         got = ck.load()
         assert ck.last_load.step == 4 and torch.equal(got["w"], states[4]["w"])
+
+
+@pytest.mark.parametrize("fault", ["503", "reset"])
+def test_server_errors_are_retried_then_reported_and_the_next_upload_recovers(tmp_path, s3_bucket, monkeypatch,
+                                                                             fault):
+    """A fault proxy in front of the server answers every request with 503 Slow Down (or resets every
+    connection): the uploader retries (botocore's own retries, then its backoff), then gives up with an
+    ``upload_failed`` note naming the URL and the cause; the local checkpoint is untouched. Once the server
+    answers again, the next upload commits normally."""
+    import s3server
+    from snapckpt.persister import uploader as U
+    monkeypatch.setattr(U, "BACKOFF_SECS", 0.01)
+    monkeypatch.setattr(U, "RETRIES", 1)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore's retries per request (default 5 in s3fs)
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        src = str(tmp_path / "src")
+        d1, m1 = _local_checkpoint(src, 1, {"a.bin": b"a" * 1000})
+        before = open(os.path.join(d1, "a.bin"), "rb").read()
+        url = s3_bucket.url("run")
+        proxy.mode = fault
+        up = U.Uploader(lambda: None)
+        up.submit(U.UploadJob("run1", url, d1, "step_00000001", m1, None, "latest", "step_00000001"))
+        up.shutdown()
+        notes = up.notes_for("run1")
+        assert [(n["kind"], n["step"]) for n in notes] == [("upload_failed", 1)], notes
+        assert notes[0]["reason"].startswith(url + ": "), notes
+        assert {"503": "Service Unavailable", "reset": "EndpointConnectionError"}[fault] in notes[0]["reason"], notes
+        assert proxy.failed >= 2  # retried
+        assert open(os.path.join(d1, "a.bin"), "rb").read() == before
+        proxy.mode = "pass"
+        assert not s3_bucket.keys("run/step_00000001/.snapckpt/manifest.json")
+        d2, m2 = _local_checkpoint(src, 2, {"a.bin": b"b" * 1000})
+        up = U.Uploader(lambda: None)
+        up.submit(U.UploadJob("run1", url, d2, "step_00000002", m2, None, "latest", "step_00000002"))
+        up.shutdown()
+        assert up.notes_for("run1") == []
+        assert s3_bucket.get("run/latest") == b"step_00000002"
+    finally:
+        proxy.close()
