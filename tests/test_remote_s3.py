@@ -30,7 +30,7 @@ def _persister_logs(snap_env) -> str:
     return "\n".join(out)
 
 
-def test_round_trip_native_layout_and_fresh_node_resume(snap_env, s3_bucket):
+def test_H1_H4_round_trip_native_layout_and_fresh_node_resume(snap_env, s3_bucket):
     """2 ranks save steps 1 and 2 to disk with remote_dir set: the server holds both in the native layout,
     each with its manifest object (sizes and checksums equal to the local manifest) and the tracker object
     naming step 2. With the local directory deleted (a fresh node), a restart resumes step 2 from the remote
@@ -62,7 +62,7 @@ def test_round_trip_native_layout_and_fresh_node_resume(snap_env, s3_bucket):
     assert not [n for n in os.listdir(snap_env.ckpt_dir) if ".download-" in n]
 
 
-def test_kill_persister_mid_upload_keeps_previous_remote_checkpoint(snap_env, s3_bucket):
+def test_H3_kill_persister_mid_upload_keeps_previous_remote_checkpoint(snap_env, s3_bucket):
     """The persister is SIGKILLed in the middle of uploading step 2 (a multipart upload in flight: 12 MiB
     rank files in 5 MiB parts). Step 1 stays committed remotely; the half-uploaded step 2 has no manifest
     and is never taken for a checkpoint: a fresh node resumes step 1, bitwise equal, and its persister
@@ -124,7 +124,7 @@ def _local_checkpoint(root: str, step: int, files: dict) -> tuple:
     return d, m
 
 
-def test_store_commit_record_retention_and_corrupt_download(tmp_path, s3_bucket):
+def test_H1_store_commit_record_retention_and_corrupt_download(tmp_path, s3_bucket):
     """The store's rules, in-process: a prefix without a manifest object is not a checkpoint; a file changed
     since its local commit is not uploaded (nothing committed remotely); retention deletes the oldest
     (manifest first, no prefix left); a download of an object damaged in the store fails its checksum and
@@ -171,7 +171,7 @@ def test_store_commit_record_retention_and_corrupt_download(tmp_path, s3_bucket)
     assert open(os.path.join(dest, "latest")).read() == "step_00000002"
 
 
-def test_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
+def test_H2_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
     """Uploads slower than saves: the upload of step 1 is held up (a fault point sleeps 8 s before its
     manifest) while steps 1-5 are committed locally without waiting for it. The queue keeps 2 waiting
     uploads and drops the oldest waiting one when a newer arrives (which ones depends on when the uploader
@@ -199,7 +199,7 @@ def test_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
         ["latest"] + [f"step_{s:08d}" for s in range(1, 6)]  # the local tier has every step
 
 
-def test_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, monkeypatch):
+def test_H2_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, monkeypatch):
     """The persister's uploader, in-process: an upload to a bucket that disappeared is retried, then given
     up with an ``upload_failed`` note naming the URL and the cause (no credential); a checkpoint retired by
     local retention before its turn is an ``upload_skipped`` note, not a failure; every job ends (the
@@ -224,7 +224,7 @@ def test_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, 
     assert not s3_bucket.keys("run/")
 
 
-def test_newest_step_across_disk_and_remote_with_keep_last(snap_env, s3_bucket):
+def test_H4_newest_step_across_disk_and_remote_with_keep_last(snap_env, s3_bucket):
     """One process, keep_last=2 on both tiers: steps 1-3 are saved and uploaded, the remote tier keeps
     steps 2 and 3. With local step 3 lost (step 2 still on disk, no memory tier), the remote's step 3 is the
     newest complete step: it is downloaded next to step 2 and loaded, bitwise equal. When disk holds a newer
@@ -260,7 +260,7 @@ def test_newest_step_across_disk_and_remote_with_keep_last(snap_env, s3_bucket):
 
 
 @pytest.mark.parametrize("fault", ["503", "reset"])
-def test_server_errors_are_retried_then_reported_and_the_next_upload_recovers(tmp_path, s3_bucket, monkeypatch,
+def test_H2_server_errors_are_retried_then_reported_and_the_next_upload_recovers(tmp_path, s3_bucket, monkeypatch,
                                                                              fault):
     """A fault proxy in front of the server answers every request with 503 Slow Down (or resets every
     connection): the uploader retries (botocore's own retries, then its backoff), then gives up with an
