@@ -15,7 +15,8 @@ What it shows:
   part of the checkpoint;
 * ``HookRegistry`` snapshots into host memory every ``--memory-interval`` steps and to disk every
   ``--disk-interval`` steps; the state holds model, optimizer, LR scheduler, RNG states, the step
-  and the data position, so an interrupted run resumes with bitwise the same losses (CPU).
+  and the data position, so an interrupted run resumes with bitwise the same losses (CPU), at any
+  rank count (DDP keeps its initial gradient buckets: see ``train``).
 
 On start the script asks ``ckpt.latest_step()``; when a checkpoint exists it loads it (from memory
 if the node's persister survived, from disk otherwise) and prints
@@ -303,7 +304,11 @@ def make_hooks(ckpt: Checkpointer, ts: TrainState, args: argparse.Namespace, say
 
 def train(ts: TrainState, hooks: HookRegistry, args, world_size: int, log) -> None:
     """Train until ``args.steps``; ``log`` receives one ``step N loss X`` line per step."""
-    ddp_model = DDP(ts.model) if world_size > 1 else ts.model
+    # find_unused_parameters=True: DDP then never rebuilds its gradient buckets after the first iteration.
+    # With a rebuild, a resumed run's first step reduces in the initial bucket order and the uninterrupted
+    # run in the rebuilt one; with 3+ ranks gloo sums in another order and the losses differ in the last
+    # bits. Without it a resume is bitwise equal at any rank count (every parameter is used: no error).
+    ddp_model = DDP(ts.model, find_unused_parameters=True) if world_size > 1 else ts.model
     ddp_model.train()
     while ts.step < args.steps:
         inputs, targets = ts.data.next_batch()

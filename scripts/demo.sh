@@ -13,7 +13,11 @@
 #
 # Exits non-zero when the resume did not happen, came from another tier, did not finish, or
 # produced different losses. Knobs (environment): STEPS, MEMORY_INTERVAL, DISK_INTERVAL,
-# SLEEP_PER_STEP, RUN_DIR.
+# SLEEP_PER_STEP, RUN_DIR, NODES.
+#
+# NODES=2 (needs root): the same job on two simulated nodes of the test rig (tests/multinode.py: own
+# host name, /dev/shm and persister each, one shared checkpoint directory), one rank each under
+# torchrun --nnodes 2; steps 2-3 kill every trainer of both nodes (scripts/demo_nodes.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -23,11 +27,16 @@ STEPS=${STEPS:-60}
 MEMORY_INTERVAL=${MEMORY_INTERVAL:-10}
 DISK_INTERVAL=${DISK_INTERVAL:-30}
 SLEEP_PER_STEP=${SLEEP_PER_STEP:-0.2}
+NODES=${NODES:-1}
 KILL_AFTER_STEP=$((MEMORY_INTERVAL + MEMORY_INTERVAL / 2))
 RUN_DIR=${RUN_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)-$$}
 PY=.venv/bin/python
 export OMP_NUM_THREADS=1 # what torchrun would set anyway, minus its warning
 
+if [ "$NODES" != 1 ] && [ "$NODES" != 2 ]; then
+    echo "demo: NODES must be 1 or 2" >&2
+    exit 2
+fi
 if [ "$KILL_AFTER_STEP" -ge "$DISK_INTERVAL" ] || [ "$KILL_AFTER_STEP" -ge "$STEPS" ]; then
     echo "demo: need MEMORY_INTERVAL * 1.5 < DISK_INTERVAL and < STEPS" >&2
     exit 2
@@ -58,46 +67,57 @@ cleanup() { # never leave our own torchrun or its workers behind
 }
 trap cleanup EXIT
 
-# ---- run 1: train, then kill -9 past the first memory snapshot --------------------------------
-train_cmd "$(free_port)"
-echo "demo: run 1: ${TRAIN[*]}"
-"${TRAIN[@]}" > "$RUN_DIR/run1.out" 2>&1 &
-TORCHRUN=$!
+one_node() { # runs 1 and 2 on this machine; sets status
+    # ---- run 1: train, then kill -9 past the first memory snapshot --------------------------------
+    train_cmd "$(free_port)"
+    echo "demo: run 1: ${TRAIN[*]}"
+    "${TRAIN[@]}" > "$RUN_DIR/run1.out" 2>&1 &
+    TORCHRUN=$!
 
-deadline=$((SECONDS + 180))
-while [ "$(last_step "$RUN_DIR/run1.out")" -lt "$KILL_AFTER_STEP" ]; do
-    if ! kill -0 "$TORCHRUN" 2> /dev/null; then
-        echo "demo: run 1 ended before step $KILL_AFTER_STEP; its output:" >&2
-        cat "$RUN_DIR/run1.out" >&2
-        exit 1
-    fi
-    if [ "$SECONDS" -ge "$deadline" ]; then
-        echo "demo: run 1 did not reach step $KILL_AFTER_STEP in time" >&2
-        exit 1
-    fi
-    sleep 0.1
-done
+    deadline=$((SECONDS + 180))
+    while [ "$(last_step "$RUN_DIR/run1.out")" -lt "$KILL_AFTER_STEP" ]; do
+        if ! kill -0 "$TORCHRUN" 2> /dev/null; then
+            echo "demo: run 1 ended before step $KILL_AFTER_STEP; its output:" >&2
+            cat "$RUN_DIR/run1.out" >&2
+            exit 1
+        fi
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            echo "demo: run 1 did not reach step $KILL_AFTER_STEP in time" >&2
+            exit 1
+        fi
+        sleep 0.1
+    done
 
-WORKERS=$(pgrep -P "$TORCHRUN" | paste -sd ' ' || true)
-kill -9 "$TORCHRUN" $WORKERS
-{ wait "$TORCHRUN" || true; } 2> /dev/null
-alive() { # running, not merely a zombie waiting to be reaped
-    local state
-    state=$(ps -o stat= -p "$1" 2> /dev/null || true)
-    [ -n "$state" ] && [ "${state:0:1}" != Z ]
+    WORKERS=$(pgrep -P "$TORCHRUN" | paste -sd ' ' || true)
+    kill -9 "$TORCHRUN" $WORKERS
+    { wait "$TORCHRUN" || true; } 2> /dev/null
+    alive() { # running, not merely a zombie waiting to be reaped
+        local state
+        state=$(ps -o stat= -p "$1" 2> /dev/null || true)
+        [ -n "$state" ] && [ "${state:0:1}" != Z ]
+    }
+    for pid in $WORKERS; do
+        while alive "$pid"; do sleep 0.05; done
+    done
+    grep -E '^(snapshot of|checkpoint of)' "$RUN_DIR/run1.out" | sed 's/^/  | /' || true
+    echo "demo: kill -9 torchrun ($TORCHRUN) and workers ($WORKERS) after step $(last_step "$RUN_DIR/run1.out")"
+    TORCHRUN=""
+
+    # ---- run 2: the same command resumes ----------------------------------------------------------
+    train_cmd "$(free_port)"
+    echo "demo: run 2: ${TRAIN[*]}"
+    "${TRAIN[@]}" > "$RUN_DIR/run2.out" 2>&1 || status=$?
 }
-for pid in $WORKERS; do
-    while alive "$pid"; do sleep 0.05; done
-done
-grep -E '^(snapshot of|checkpoint of)' "$RUN_DIR/run1.out" | sed 's/^/  | /' || true
-echo "demo: kill -9 torchrun ($TORCHRUN) and workers ($WORKERS) after step $(last_step "$RUN_DIR/run1.out")"
-TORCHRUN=""
 
-# ---- run 2: the same command resumes ----------------------------------------------------------
-train_cmd "$(free_port)"
-echo "demo: run 2: ${TRAIN[*]}"
 status=0
-"${TRAIN[@]}" > "$RUN_DIR/run2.out" 2>&1 || status=$?
+if [ "$NODES" = 2 ]; then
+    "$PY" scripts/demo_nodes.py --run-dir "$RUN_DIR" --steps "$STEPS" --memory-interval "$MEMORY_INTERVAL" \
+        --disk-interval "$DISK_INTERVAL" --sleep-per-step "$SLEEP_PER_STEP" \
+        --kill-after-step "$KILL_AFTER_STEP" || status=$?
+    [ -f "$RUN_DIR/run2.out" ] || { echo "demo: FAILED: no run 2 (status $status)" >&2; exit 1; }
+else
+    one_node
+fi
 grep -E '^(resumed from|snapshot of|checkpoint of)' "$RUN_DIR/run2.out" | sed 's/^/  | /' || true
 
 fail() {

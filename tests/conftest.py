@@ -71,6 +71,37 @@ def snap_env(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def rig(tmp_path):
+    """The multi-node rig (``tests/multinode.py``): call ``rig.start(n)``; the checkpoint directory
+    ``rig.ckpt_dir`` is shared by every node.
+
+    At teardown every node's persister must have exited and its memory tier must be empty, unless the test
+    sets ``rig.leftover_ok = True`` (kill tests); then every process of every node is killed and the rig's
+    directories removed, and no process of any node may be left.
+    """
+    from multinode import Rig, rig_available
+
+    why = rig_available()
+    if why:
+        pytest.fail(why)  # CI runs as root; a skip would hide the multi-node tests
+    r = Rig(str(tmp_path), str(tmp_path / "ckpt"))
+    r.leftover_ok = False
+    try:
+        yield r
+        if not r.leftover_ok:
+            for node in r.nodes:
+                if node.alive:
+                    assert wait_until(lambda: not node.persisters(), timeout=15), \
+                        f"{node.name}: persister outlived the test: {node.persisters()}"
+                    assert wait_until(lambda: not node.shm_files(), timeout=5), \
+                        f"{node.name}: shared-memory files outlived the test: {node.shm_files()}"
+    finally:
+        r.close()
+        stray = [n.name for n in r._all if n.pids()]
+        assert not stray, f"processes of {stray} outlived the rig's teardown"
+
+
+@pytest.fixture
 def s3_bucket(monkeypatch):
     """A fresh bucket on the session's S3 server (moto on 127.0.0.1, tests/s3server.py), with the standard
     AWS variables set for this process and every child it starts (ranks, persisters)."""

@@ -16,7 +16,10 @@ import sys
 
 import torch
 
+from _harness import wait_until
 from snapckpt import Checkpointer
+from snapckpt.cli import main
+from snapckpt.cli.common import human_bytes
 
 OPTS = dict(persister_idle_timeout_secs=2, commit_timeout_secs=10, request_timeout_secs=10,
             coordination_timeout_secs=10)
@@ -51,7 +54,7 @@ def ls_rows(out: str) -> dict:
     """``{name: {column: value}}`` from the ``ls`` table (NOTE may contain spaces; it is the rest)."""
     lines = out.splitlines()
     header = lines[0].split()
-    assert header[:6] == ["STEP", "NAME", "STATE", "WORLD", "BYTES", "TRACKER"], out
+    assert header[:6] == ["STEP", "NAME", "STATE", "WORLD", "SIZE", "TRACKER"], out
     starts = [lines[0].index(h) for h in header]
     rows = {}
     for line in lines[1:]:
@@ -63,9 +66,9 @@ def ls_rows(out: str) -> dict:
 
 
 def inspect_rows(out: str) -> dict:
-    """``{key: (shape, dtype, bytes, note)}`` from ``inspect``'s per-file tables."""
+    """``{key: (shape, dtype, size, note)}`` from ``inspect``'s per-file tables."""
     rows = {}
-    for m in re.finditer(r"^    (\S+)\s+(\[[^\]]*\]|-)\s+(\S+)\s+(\d+|-)[ \t]*(.*)$", out, re.M):
+    for m in re.finditer(r"^    (\S+)\s+(\[[^\]]*\]|-)\s+(\S+)\s+(\d+ B|\d+\.\d \wiB|-)[ \t]*(.*)$", out, re.M):
         if m.group(1) != "KEY":
             rows[m.group(1)] = (m.group(2), m.group(3), m.group(4), m.group(5).strip())
     return rows
@@ -108,17 +111,31 @@ def test_cli_B2_ls_shows_committed_incomplete_damaged_and_latest(snap_env):
     rows = ls_rows(r.stdout)
     assert set(rows) == {"step_00000001", "step_00000002", "step_00000003", "step_00000004"}, r.stdout
     assert rows["step_00000003"] == {"STEP": "3", "NAME": "step_00000003", "STATE": "committed", "WORLD": "1",
-                                     "BYTES": str(sizes[3]), "TRACKER": "latest", "NOTE": ""}
+                                     "SIZE": human_bytes(sizes[3]), "TRACKER": "latest", "NOTE": ""}
     assert rows["step_00000001"]["STATE"] == "damaged"
     assert "world_size" in rows["step_00000001"]["NOTE"]
     assert rows["step_00000002"]["STATE"] == "damaged"
-    assert rows["step_00000002"]["STEP"] == "2" and rows["step_00000002"]["BYTES"] == str(sizes[2])
+    assert rows["step_00000002"]["STEP"] == "2" and rows["step_00000002"]["SIZE"] == human_bytes(sizes[2])
     assert "is 100 bytes, the manifest says" in rows["step_00000002"]["NOTE"]
     inc = rows["step_00000004"]
-    assert (inc["STATE"], inc["STEP"], inc["WORLD"], inc["BYTES"]) == ("incomplete", "4", "-", "777")
+    assert (inc["STATE"], inc["STEP"], inc["WORLD"], inc["SIZE"]) == ("incomplete", "4", "-", "777 B")
     assert "0123abcd4567" in inc["NOTE"] and "[0]" in inc["NOTE"]
     assert [n for n, row in rows.items() if row["TRACKER"]] == ["step_00000003"]
     assert "1 other directory" in r.stdout
+
+    # --json: the same facts, machine-readable, exact byte counts
+    r = cli("ls", d, "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["dir"] == d and doc["other_directories"] == 1 and doc["warnings"] == []
+    by_name = {c["name"]: c for c in doc["checkpoints"]}
+    assert by_name["step_00000003"] == {"name": "step_00000003", "state": "committed", "step": 3, "world_size": 1,
+                                        "bytes": sizes[3], "trackers": ["latest"], "note": ""}
+    assert (by_name["step_00000002"]["state"], by_name["step_00000002"]["bytes"]) == ("damaged", sizes[2])
+    assert "is 100 bytes, the manifest says" in by_name["step_00000002"]["note"]
+    assert (by_name["step_00000004"]["state"], by_name["step_00000004"]["step"], by_name["step_00000004"]["bytes"],
+            by_name["step_00000004"]["world_size"]) == ("incomplete", 4, 777, None)
+    assert by_name["step_00000001"]["state"] == "damaged" and by_name["step_00000001"]["step"] is None
 
     # the tracker naming a damaged checkpoint is called out
     with open(os.path.join(d, "latest"), "w") as f:
@@ -197,6 +214,15 @@ def test_cli_B3_verify_flipped_byte_names_the_file(snap_env):
     assert f"{path} has xxh3_64" in r.stdout and "(corrupted)" in r.stdout
     assert "1 intact, 1 damaged" in r.stdout
     assert cli("verify", d, "1").returncode == 0
+    r = cli("verify", d, "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["dir"], doc["intact"], doc["damaged"]) == (d, 1, 1)
+    c1, c2 = doc["checkpoints"]
+    assert c1 == {"name": "step_00000001", "step": 1, "state": "intact", "files": 1,
+                  "bytes": os.path.getsize(rank_file(d, 1)), "problems": []}
+    assert (c2["name"], c2["step"], c2["state"], c2["bytes"]) == ("step_00000002", 2, "damaged", size)
+    assert len(c2["problems"]) == 1 and f"{path} has xxh3_64" in c2["problems"][0]
 
 
 def test_cli_B3_verify_truncated_file_and_broken_manifest(snap_env):
@@ -284,17 +310,35 @@ def test_cli_inspect_lists_keys_shapes_dtypes_bytes(snap_env):
     r = cli("inspect", d, "7")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = inspect_rows(r.stdout)
-    assert rows["model.0.weight"] == ("[4, 8]", "float32", "128", "")
-    assert rows["model.1.bias"] == ("[2]", "float32", "8", "")
-    assert rows["optimizer.state.0.exp_avg"] == ("[4, 8]", "float32", "128", "")
-    assert rows["optimizer.state.3.exp_avg_sq"] == ("[2]", "float32", "8", "")
+    assert rows["model.0.weight"] == ("[4, 8]", "float32", "128 B", "")
+    assert rows["model.1.bias"] == ("[2]", "float32", "8 B", "")
+    assert rows["optimizer.state.0.exp_avg"] == ("[4, 8]", "float32", "128 B", "")
+    assert rows["optimizer.state.3.exp_avg_sq"] == ("[2]", "float32", "8 B", "")
     assert rows["optimizer.param_groups.0.lr"][:3] == ("-", "float", "-")
     assert rows["step"] == ("-", "int", "-", "7")
-    assert rows["extra.bf16"] == ("[5, 3]", "bfloat16", "30", "")
-    assert rows["extra.scalar"] == ("[]", "int64", "8", "")
-    assert rows["extra.tied.0"] == ("[4, 8]", "float32", "128", "shares storage with model.0.weight")
-    assert "rank 0  rank_00000.pt" in r.stdout and "step_00000007: step 7, world size 1" in r.stdout
+    assert rows["extra.bf16"] == ("[5, 3]", "bfloat16", "30 B", "")
+    assert rows["extra.scalar"] == ("[]", "int64", "8 B", "")
+    assert rows["extra.tied.0"] == ("[4, 8]", "float32", "128 B", "shares storage with model.0.weight")
+    nbytes = os.path.getsize(rank_file(d, 7))
+    assert f"rank 0  rank_00000.pt  {human_bytes(nbytes)}" in r.stdout
+    assert "step_00000007: step 7, world size 1" in r.stdout
     assert r.stderr == ""
+
+    r = cli("inspect", d, "7", "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["dir"], doc["step"], doc["problems"], doc["refused"]) == (d, 7, [], [])
+    (ck,) = doc["checkpoints"]
+    assert (ck["name"], ck["step"], ck["world_size"], ck["problem"]) == ("step_00000007", 7, 1, None)
+    (f,) = ck["files"]
+    assert (f["name"], f["rank"], f["bytes"], f["kind"], f["status"], f["error"]) == (
+        "rank_00000.pt", 0, nbytes, "torch", "ok", None)
+    keys = {k["key"]: k for k in f["keys"]}
+    assert keys["model.0.weight"] == {"key": "model.0.weight", "type": "Tensor", "shape": [4, 8], "dtype": "float32",
+                                      "bytes": 128, "shares_storage_with": None, "value": None}
+    assert keys["extra.tied.0"]["shares_storage_with"] == "model.0.weight"
+    assert keys["step"] == {"key": "step", "type": "int", "shape": None, "dtype": None, "bytes": None,
+                            "shares_storage_with": None, "value": "7"}
 
 
 def test_cli_inspect_other_formats_and_usage_errors(snap_env):
@@ -321,7 +365,7 @@ def test_cli_inspect_other_formats_and_usage_errors(snap_env):
     r = cli("inspect", d, "3")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = inspect_rows(r.stdout)
-    assert rows["w"] == ("[4, 2]", "F32", "32", "") and rows["h"] == ("[3]", "BF16", "6", ""), r.stdout
+    assert rows["w"] == ("[4, 2]", "F32", "32 B", "") and rows["h"] == ("[3]", "BF16", "6 B", ""), r.stdout
     assert r.stdout.count("not a torch.save archive: not inspected") == 2, r.stdout
     assert "corrupt" not in r.stdout + r.stderr
     r = cli("inspect", d, "3", "--rank", "5")
@@ -363,7 +407,7 @@ def test_cli_E6_inspect_weights_only_refusal_and_trust(snap_env):
     r = cli("inspect", d, "2", "--trust")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = inspect_rows(r.stdout)
-    assert rows["model.weight"] == ("[4, 8]", "float32", "128", "")
+    assert rows["model.weight"] == ("[4, 8]", "float32", "128 B", "")
     assert rows["args"][:3] == ("-", "Namespace", "-") and "lr=0.5" in rows["args"][3]
     assert "weights_only=False" in r.stderr
     assert os.path.exists(tripwire)  # the trust decision is real: the pickle ran
@@ -399,3 +443,107 @@ def test_cli_entry_points_and_no_framework_import(snap_env):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "CODES [0, 0, 0]" in r.stdout, r.stdout + r.stderr
     assert "LOADED []" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------------------------------ ps, stop
+PS_WORKER = r"""
+import sys
+import torch
+from snapckpt import Checkpointer, StorageType
+ck = Checkpointer(sys.argv[1], persister_idle_timeout_secs=600, commit_timeout_secs=10, request_timeout_secs=10,
+                  coordination_timeout_secs=10)
+ck.save({"w": torch.arange(1000, dtype=torch.float32), "step": 1}, 1).wait(timeout=30)
+ck.save({"w": torch.arange(1000, dtype=torch.float32) * 2, "step": 2}, 2, StorageType.MEMORY).wait(timeout=30)
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_cli_ps_and_stop_flush_the_memory_snapshot_and_end_the_persister(snap_env, capsys):
+    """An operator's view of a running job: a training process (a real Checkpointer in a subprocess)
+    committed step 1 to disk, holds step 2 in memory only, and stays connected (hung, from the operator's
+    side). Right behaviour: ``ps`` lists its persister (pid, directory, memory held, steps held, ranks
+    connected); a request with a wrong token is refused; ``stop DIR`` writes step 2, which is newer than
+    disk, commits it, and the persister exits although the rank is still connected; ``ps`` then lists
+    nothing, and a new Checkpointer loads step 2 from disk."""
+    import socket
+
+    from snapckpt.persister import protocol as P
+
+    d = snap_env.ckpt_dir
+    worker = subprocess.Popen([sys.executable, "-c", PS_WORKER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert worker.stdout.readline().strip() == "READY"
+        (persister,) = snap_env.persisters()
+
+        r = cli("ps", "--json")
+        assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["runtime_root"] == snap_env.env["SNAPCKPT_RUNTIME_DIR"]
+        (p,) = doc["persisters"]
+        assert p["pid"] == persister.pid and p["error"] is None and not p["stopping"]
+        (run,) = p["runs"]
+        assert os.path.realpath(run["checkpoint_dir"]) == os.path.realpath(d)
+        assert run["connected_ranks"] == [0] and run["local_ranks"] == [0] and run["world_size"] == 1
+        assert 2 in p["steps_held"] and p["memory_bytes"] >= 2 * 4000, p
+        assert p["memory_bytes"] == sum(s["nbytes"] for s in p["slots"])
+        assert 0 <= p["age_secs"] < 600
+        assert main(["ps"]) == 0  # in this process: one torch import less
+        header, row = capsys.readouterr().out.splitlines()
+        assert header.split() == ["PID", "JOB", "AGE", "MEMORY", "STEPS", "RANKS", "DIR"]
+        assert row.split()[:2] == [str(persister.pid), p["job"]] and row.endswith(run["checkpoint_dir"])
+        assert human_bytes(p["memory_bytes"]) in row and " 1/1 " in row
+
+        # the operator requests are authenticated like a rank's hello
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(os.path.join(p["runtime_dir"], "persister.sock"))
+        s.sendall(P.encode({"op": "stop", "token": "0" * 32, "job": p["job"]}))
+        reply = P.decode(s.makefile("rb").readline())
+        s.close()
+        assert not reply["ok"] and "authentication failed" in reply["error"]["message"]
+        assert persister.is_running()
+
+        r = cli("stop", d, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        (stopped,) = doc["stopped"]
+        assert stopped["pid"] == persister.pid and stopped["exited"] and stopped["error"] is None
+        assert [(f["step"], f["committed"]) for f in stopped["flushed"]] == [(2, True)]
+        assert not snap_env.persisters()
+        assert worker.poll() is None  # the training process is still there: only the persister stopped
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+    assert main(["ls", d, "--json"]) == 0
+    committed = {c["step"] for c in json.loads(capsys.readouterr().out)["checkpoints"] if c["state"] == "committed"}
+    assert committed == {1, 2}
+    assert main(["ps", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["persisters"] == []
+    with Checkpointer(d, **OPTS) as ck:
+        out = ck.load()
+        assert ck.last_load.step == 2 and torch.equal(out["w"], torch.arange(1000, dtype=torch.float32) * 2)
+
+
+def test_cli_stop_without_a_persister_version_and_empty_ps(snap_env, capsys):
+    """``stop`` of a directory no persister serves exits 3 naming the directory; ``ps`` with none running
+    says so and exits 0; ``--version`` prints the installed version; a bad ``--timeout`` is a usage error."""
+    import snapckpt
+
+    d = snap_env.ckpt_dir
+    os.makedirs(d)
+    r = cli("stop", d)
+    assert r.returncode == 3 and f"no persister of this user serves {d}" in r.stderr, r.stdout + r.stderr
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"snapckpt {snapckpt.__version__}", r.stdout + r.stderr
+    assert main(["ps"]) == 0
+    assert "no snapckpt persister of this user runs here" in capsys.readouterr().out
+    try:
+        main(["stop", d, "--timeout", "0"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("--timeout 0 was accepted")
+    assert "--timeout must be positive" in capsys.readouterr().err
+

@@ -242,3 +242,13 @@ def test_two_jobs_same_dir_in_flight_save_is_not_cleaned_up(snap_env, monkeypatc
         h.wait()
         assert torch.equal(a.load(step=10)["w"], torch.arange(1 << 16, dtype=torch.float32))
     assert {n for n in os.listdir(d) if n.startswith("step_")} == {"step_00000010", "step_00000011"}
+
+
+# ------------------------------------------------------------------------------- time-based policy
+def test_a_time_based_policy_is_one_decision_shared_by_every_rank(snap_env):
+    """Rank 1's hooks start 0.35 s after rank 0's (ranks start at different moments and keep their own
+    clocks); a memory snapshot is due every 0.5 s. Right: rank 0 decides and every rank snapshots the same
+    steps (before, each rank followed its own clock and the ranks snapshotted different steps)."""
+    recs = results(run_ranks(WORKER, 2, ["timed_policy", snap_env.ckpt_dir], snap_env.env, timeout=120))
+    assert recs[0]["taken"], recs
+    assert recs[0]["taken"] == recs[1]["taken"], recs

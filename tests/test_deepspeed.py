@@ -190,3 +190,16 @@ def test_config_section_validation(tmp_path):
         DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "remote_dir": "/not/a/url"})
     with pytest.raises(ValueError, match="options.remote_dir.*is not an option"):
         DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "options": {"remote_dir": "s3://b/run"}})
+
+
+def test_a_module_instead_of_the_engine_is_a_clear_type_error(tmp_path):
+    """``DeepSpeedCheckpointer(model, dir)`` with the plain module (not the engine ``deepspeed.initialize``
+    returns) is a TypeError that says what to pass, raised before anything is created."""
+    import torch
+
+    from snapckpt.deepspeed import DeepSpeedCheckpointer
+
+    with pytest.raises(TypeError, match=r"needs the engine that deepspeed.initialize returns.*torch.nn.modules"
+                                        r".linear.Linear"):
+        DeepSpeedCheckpointer(torch.nn.Linear(2, 2), tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

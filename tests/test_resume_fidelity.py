@@ -52,8 +52,8 @@ def test_E2_E3_resume_is_bitwise_identical(snap_env, tier):
     snap_env.leftover_ok = tier == "disk"
 
 
-def _torchrun(ckpt, log, steps, env, extra=()):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+def _torchrun(ckpt, log, steps, env, extra=(), nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), os.path.join(REPO, "examples", "train_gpt.py"), "--checkpoint-dir", ckpt,
            "--steps", str(steps), "--memory-interval", "4", "--disk-interval", "4", "--loss-log", log,
            "--data-bytes", "200000", *extra]
@@ -111,5 +111,31 @@ def test_E2_main_job_kill9_and_resume(snap_env, lose_memory):
     assert f"resumed from step 4 (tier: {tier})" in out, out
     expected, got = _REFERENCE["main_job"], _log(log)
     assert sorted(got) == list(range(5, 11))
+    for step in got:
+        assert got[step] == expected[step], f"step {step}: {got[step]} != {expected[step]}"
+
+
+def test_E2_main_job_four_ranks_resume_is_bitwise(snap_env):
+    """The main job with 4 ranks on one node: kill -9 after step 6, resume from memory at step 4, losses
+    bitwise equal to an uninterrupted 4-rank run. examples/train_gpt.py keeps DDP's initial gradient
+    buckets (find_unused_parameters=True) so that a resumed run reduces in the same order at 3+ ranks.
+    (Measured 2026-12-02 with torch 2.13: this model's losses stayed bitwise with a bucket rebuild too, so
+    this test guards the 4-rank resume, not the rebuild itself.)"""
+    small = ["--batch-size", "2"]
+    ref_log, log = os.path.join(snap_env.tmp, "ref4.log"), os.path.join(snap_env.tmp, "run4.log")
+    ref = _torchrun(os.path.join(snap_env.tmp, "ref4"), ref_log, 8, snap_env.env, small, nproc=4)
+    job = _torchrun(snap_env.ckpt_dir, log, 8, snap_env.env, small + ["--sleep-per-step", "0.5"], nproc=4)
+    assert wait_until(lambda: max(_log(log), default=0) >= 6 or job.poll() is not None, 240)
+    assert job.poll() is None, "the job ended before it could be killed"
+    _kill_job(job)
+    out = ref.communicate(timeout=300)[0]  # the uninterrupted run, beside the job (own persister)
+    assert ref.returncode == 0, out
+    os.unlink(log)
+    again = _torchrun(snap_env.ckpt_dir, log, 8, snap_env.env, small, nproc=4)
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out
+    assert "resumed from step 4 (tier: memory)" in out, out
+    expected, got = _log(ref_log), _log(log)
+    assert sorted(got) == list(range(5, 9))
     for step in got:
         assert got[step] == expected[step], f"step {step}: {got[step]} != {expected[step]}"

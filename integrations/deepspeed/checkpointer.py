@@ -232,9 +232,16 @@ def _check_engine(engine) -> None:
     """Refuse what this integration cannot save natively.
 
     Raises:
+        TypeError: not a DeepSpeed engine (a plain module, or the optimizer of ``deepspeed.initialize``).
         NotImplementedError: a ``PipelineEngine``, an MoE model, or ZeRO-Infinity NVMe optimizer offload.
     """
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(f"DeepSpeedCheckpointer needs the engine that deepspeed.initialize returns (its first "
+                        f"value: engine, optimizer, _, _ = deepspeed.initialize(...)), got a "
+                        f"{type(engine).__module__}.{type(engine).__qualname__}")
 
     if isinstance(engine, PipelineEngine):
         raise NotImplementedError("snapckpt does not support DeepSpeed's PipelineEngine yet (it writes per-layer "

@@ -66,16 +66,30 @@ def close_all_at_exit() -> None:
     close_all(clean=getattr(sys, "last_value", None) is None)
 
 
+#: Keywords that Megatron-LM versions other than the one this signature follows pass to ``save_checkpoint``
+#: / ``load_checkpoint`` (fault-tolerance client, explicit process groups); the torch_dist path here does
+#: not need them, so they are accepted and ignored.
+OTHER_VERSION_KEYWORDS = frozenset({"ft_client", "tp_group", "pp_group", "dp_group", "cp_group", "dp_cp_group",
+                                    "ep_group", "model_parallel_group", "content_metadata"})
+
+
 def split_options(kwargs: Dict[str, Any], where: str) -> Dict[str, Any]:
-    """Checkpointer options out of ``kwargs``; other keywords are Megatron-LM arguments of other versions
-    (``ft_client``...), which the torch_dist path does not use: logged and ignored.
+    """Checkpointer options out of ``kwargs``; keywords of other Megatron-LM versions
+    (:data:`OTHER_VERSION_KEYWORDS`), which the torch_dist path does not use, are logged and ignored.
 
     Args:
         kwargs: the extra keywords of a ``save_checkpoint`` / ``load_checkpoint`` call.
-        where: ``"save"`` or ``"load"``, for the debug line.
+        where: ``"save"`` or ``"load"``, for the messages.
+
+    Raises:
+        TypeError: any other keyword (a typo of an option, as the replaced function would raise).
     """
     names = {f.name for f in dataclasses.fields(CheckpointOptions)}
-    ignored = sorted(k for k in kwargs if k not in names)
+    unknown = sorted(k for k in kwargs if k not in names and k not in OTHER_VERSION_KEYWORDS)
+    if unknown:
+        raise TypeError(f"{where}_checkpoint() got unexpected keyword arguments {unknown}: neither Megatron-LM "
+                        f"arguments nor snapckpt options (CheckpointOptions: {sorted(names)})")
+    ignored = sorted(k for k in kwargs if k in OTHER_VERSION_KEYWORDS)
     if ignored:
         log.debug("%s: ignoring Megatron-LM arguments %s", where, ignored)
     return {k: v for k, v in kwargs.items() if k in names}

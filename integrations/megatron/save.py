@@ -150,7 +150,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
             ``args`` when it is importable, else None: megatron-core's defaults); saved as the checkpoint's
             ``content_metadata``.
         **checkpointer_options: options for the Checkpointer created on first use (``keep_last``...);
-            other keywords (arguments of other Megatron-LM versions, e.g. ``ft_client``) are ignored.
+            arguments of other Megatron-LM versions (``ft_client``, process groups: ``OTHER_VERSION_KEYWORDS``
+            in ``registry.py``) are ignored; any other keyword raises ``TypeError``.
 
     Returns:
         the :class:`~snapckpt.SaveHandle` (Megatron-LM's returns None): ``wait()`` blocks until

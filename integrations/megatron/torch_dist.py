@@ -38,12 +38,17 @@ from typing import Any, Dict, List, Tuple
 import torch
 from megatron.core.dist_checkpointing.strategies.filesystem_async import (
     FileSystemWriterAsync, _split_by_size_and_type)
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint import filesystem as _dcp_fs
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 __all__ = ["torch_save_parts", "ArenaDistcpWriter"]
+
+# The version FileSystemWriter.finish records in the metadata; PyTorch added it after 2.7
+# (pytorch/pytorch#155343); on older releases their own writer records none, and so does this one.
+_DCP_VERSION = getattr(_dcp_fs, "CURRENT_DCP_VERSION", None)
 
 _TEMPLATES: Dict[Tuple[torch.dtype, Tuple[int, ...]], Tuple[bytes, bytes]] = {}
 _TEMPLATE_LOCK = threading.Lock()
@@ -161,7 +166,8 @@ class ArenaDistcpWriter(FileSystemWriterAsync):
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         """Coordinator: complete ``metadata`` as ``FileSystemWriter.finish`` does and keep its pickle."""
-        metadata.version = CURRENT_DCP_VERSION
+        if _DCP_VERSION is not None:
+            metadata.version = _DCP_VERSION
         storage_md = {}
         for wr_list in results:
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})

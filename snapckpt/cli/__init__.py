@@ -12,6 +12,15 @@ Commands (``DIR`` is the checkpoint directory given to the ``Checkpointer``, the
               [--rank R]                shapes, dtypes, bytes of each ``torch.save`` archive, and the
                                         tensors of each ``.safetensors`` file (from its header); other
                                         formats (DCP ``.distcp`` shards, JSON) are listed, not opened
+    snapckpt ps                         this user's persisters on this host: pid, job, age, shared memory
+                                        held, steps held, ranks connected, checkpoint directory
+    snapckpt stop DIR [--timeout S]     flush what the persister serving DIR holds newer than disk, then
+                                        stop it (:mod:`snapckpt.cli.ps`)
+    snapckpt --version                  the installed version
+
+``ls``, ``verify``, ``inspect``, ``ps`` and ``stop`` take ``--json`` (one JSON object on stdout; the keys
+are in each command's module docstring and in docs/operations.md). Text output shows sizes for people
+(``1.2 GiB``).
 
 States shown by ``ls``:
 
@@ -24,10 +33,12 @@ States shown by ``ls``:
 
 Other directories without a ``.snapckpt`` sidecar are not snapckpt's and are only counted.
 
-Exit codes: 0 success (``verify``: every checkpoint intact); 1 ``verify`` found damage, or ``inspect``
+Exit codes: 0 success (``verify``: every checkpoint intact; ``stop``: the persister exited and what it
+flushed is committed); 1 ``stop`` did not end cleanly, ``verify`` found damage, or ``inspect``
 could not read a file (damaged, or refused by ``weights_only=True``: the usual case for DeepSpeed, Trainer
 and Megatron checkpoints, which pickle config objects; ``--trust`` if you trust them); 2 usage error (no
-such DIR, DIR is a file, no committed checkpoint of STEP, no files of rank R, bad arguments).
+such DIR, DIR is a file, no committed checkpoint of STEP, no files of rank R, bad arguments); 3 ``stop``
+found no persister of this user serving DIR.
 
 ``inspect`` loads with ``torch.load(..., weights_only=True, mmap=True)``: tensor data is not read, and
 no pickled code runs. A file holding other Python objects (an ``argparse.Namespace``, a config class) is
@@ -39,7 +50,7 @@ is a terminal or with ``--progress``; ``--no-progress`` turns them off. The CLI 
 never imports a training framework.
 
 Modules: :mod:`~snapckpt.cli.main` (parser, entry point, exit codes), :mod:`~snapckpt.cli.ls`,
-:mod:`~snapckpt.cli.verify`, :mod:`~snapckpt.cli.inspect` (one per subcommand) and
+:mod:`~snapckpt.cli.verify`, :mod:`~snapckpt.cli.inspect`, :mod:`~snapckpt.cli.ps` (one per subcommand) and
 :mod:`~snapckpt.cli.common` (helpers they share). The console script is ``snapckpt.cli:main``.
 """
 from snapckpt.cli.main import build_parser, main

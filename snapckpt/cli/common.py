@@ -8,13 +8,36 @@ checkpoint directories through :func:`snapckpt.storage.factory.open_storage` onl
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from typing import Any, Dict, List, Optional
 
 from snapckpt._internal.progress import byte_bar
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, record_checksum
 
-__all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir"]
+__all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir", "human_bytes", "print_json"]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def human_bytes(n: Optional[int]) -> str:
+    """``n`` bytes for a person: ``"512 B"``, ``"1.2 GiB"`` (powers of 1024, one decimal); ``"-"`` for ``None``."""
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    value, unit = float(n), 0
+    while unit < len(_UNITS) - 1 and round(value, 1) >= 1024:
+        value /= 1024
+        unit += 1
+    return f"{value:.1f} {_UNITS[unit]}"
+
+
+def print_json(obj: Any) -> None:
+    """Write ``obj`` to stdout as one JSON document (``--json``; key order kept, ends with a newline)."""
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 def bar(args: argparse.Namespace, total: int, desc: str):

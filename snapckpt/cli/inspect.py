@@ -8,6 +8,14 @@ containers flattened to dotted keys (:func:`flatten`); a ``.safetensors`` file i
 other formats (DCP ``.distcp`` shards, JSON) are named only. Manifests and sizes are read through
 :func:`snapckpt.storage.factory.open_storage`; torch and safetensors are imported only when a file needs
 them.
+
+``--json`` prints one object instead of the listing: ``{"dir", "step", "checkpoints": [{"name", "step",
+"world_size", "problem" (str or null: the manifest's records are unusable), "files": [{"name", "rank",
+"bytes", "kind" ("torch", "safetensors", "other" or null when not opened), "status" ("ok", "damaged",
+"unreadable", "refused" by weights_only, "not inspected"), "error" (str or null), "keys": [{"key",
+"type" ("Tensor" or the Python type's name), "shape" (list or null), "dtype" (str or null), "bytes" (int
+or null), "shares_storage_with" (the key whose storage it shares, or null), "value" (repr of a
+non-tensor, or null)}]}]}], "problems": [str], "refused": [file names]}``; the exit codes are the same.
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import sys
 import zipfile
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from snapckpt.cli.common import bad_records, bar, checkpoint_dir, table
+from snapckpt.cli.common import bad_records, bar, checkpoint_dir, human_bytes, print_json, table
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.manifest import check_sizes, list_committed
 from snapckpt.storage.factory import open_storage
@@ -38,23 +46,37 @@ def flatten(obj: Any, prefix: str = "", _seen: Optional[set] = None) -> Iterator
     yield prefix or "<root>", obj
 
 
-def _describe(key: str, leaf: Any, storages: Dict[Tuple[int, int], str]) -> List[str]:
+def _describe(key: str, leaf: Any, storages: Dict[Tuple[int, int], str]) -> Dict[str, Any]:
+    """One key's record (see the module docstring's ``--json`` schema)."""
     import torch
 
     if not isinstance(leaf, torch.Tensor):
         text = repr(leaf)
-        return [key, "-", type(leaf).__name__, "-", text if len(text) <= 60 else text[:57] + "..."]
-    note = ""
+        return {"key": key, "type": type(leaf).__name__, "shape": None, "dtype": None, "bytes": None,
+                "shares_storage_with": None, "value": text if len(text) <= 60 else text[:57] + "..."}
+    shares = None
     try:
         st = leaf.untyped_storage()
         if st.nbytes():
             skey = (st.data_ptr(), st.nbytes())
-            note = f"shares storage with {storages[skey]}" if skey in storages else ""
+            shares = storages.get(skey)
             storages.setdefault(skey, key)
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
         pass
-    return [key, str(list(leaf.shape)), str(leaf.dtype).replace("torch.", ""),
-            str(leaf.numel() * leaf.element_size()), note]
+    return {"key": key, "type": "Tensor", "shape": list(leaf.shape), "dtype": str(leaf.dtype).replace("torch.", ""),
+            "bytes": leaf.numel() * leaf.element_size(), "shares_storage_with": shares, "value": None}
+
+
+def _print_keys(keys: List[Dict[str, Any]], what: str) -> None:
+    rows = [["KEY", "SHAPE", "DTYPE", "SIZE", "NOTE"]]
+    for k in keys:
+        note = (f"shares storage with {k['shares_storage_with']}" if k["shares_storage_with"]
+                else k["value"] if k["value"] is not None else "")
+        rows.append([k["key"], "-" if k["shape"] is None else str(k["shape"]), k["dtype"] or k["type"],
+                     human_bytes(k["bytes"]), note])
+    print(table(rows, indent="    "))
+    tensor_bytes = sum(k["bytes"] or 0 for k in keys if not k["shares_storage_with"])
+    print(f"    {len(keys)} {what}, {human_bytes(tensor_bytes)} of tensor data ({tensor_bytes} bytes)")
 
 
 def _refusal(e: BaseException) -> Optional[str]:
@@ -72,13 +94,13 @@ _SAFETENSORS_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I3
                      "U64": 64, "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
 
 
-def _inspect_safetensors(path: str) -> Optional[str]:
-    """List a safetensors file's tensors from its header (no pickle); return a problem or ``None``."""
+def _inspect_safetensors(path: str, rec: Dict[str, Any]) -> None:
+    """Fill ``rec`` with a safetensors file's tensors, read from its header (no pickle)."""
     from safetensors import safe_open
 
+    rec["kind"] = "safetensors"
     try:
         with safe_open(path, framework="pt") as f:
-            rows = [["KEY", "SHAPE", "DTYPE", "BYTES", "NOTE"]]
             for key in f.keys():
                 sl = f.get_slice(key)
                 shape, dtype = sl.get_shape(), sl.get_dtype()
@@ -86,18 +108,16 @@ def _inspect_safetensors(path: str) -> Optional[str]:
                 for n in shape:
                     numel *= n
                 size = _SAFETENSORS_BITS.get(dtype)
-                rows.append([key, str(list(shape)), dtype, "-" if size is None else str(numel * size // 8), ""])
+                rec["keys"].append({"key": key, "type": "Tensor", "shape": list(shape), "dtype": dtype,
+                                    "bytes": None if size is None else numel * size // 8,
+                                    "shares_storage_with": None, "value": None})
     except Exception as e:  # noqa: BLE001 - reported per file
-        print(f"    cannot read the safetensors header: {type(e).__name__}: {e}")
-        return f"{path}: {type(e).__name__}: {e}"
-    print(table(rows, indent="    "))
-    print(f"    {len(rows) - 1} tensors (safetensors)")
-    return None
+        rec["status"], rec["error"] = "unreadable", f"cannot read the safetensors header: {type(e).__name__}: {e}"
 
 
-def _inspect_file(args: argparse.Namespace, path: str, nbytes: int,
-                  kind: Optional[str] = None) -> Tuple[Optional[str], Optional[str]]:
-    """Print one file's listing; return ``(problem, refusal reason)`` (both ``None`` when it loaded).
+def _inspect_file(args: argparse.Namespace, path: str, rec: Dict[str, Any], kind: Optional[str] = None) -> None:
+    """Fill the file record ``rec`` (``status`` "ok", "unreadable", "refused" or "not inspected", its
+    ``keys``) from the file at ``path``.
 
     ``kind`` is the manifest record's (``"torch"``: a ``torch.save`` archive; ``"bytes"``: any other format,
     listed only when it is a safetensors file). Other formats (DCP ``.distcp`` shards, JSON) are not
@@ -106,29 +126,43 @@ def _inspect_file(args: argparse.Namespace, path: str, nbytes: int,
     import torch
 
     if path.endswith(".safetensors"):
-        return _inspect_safetensors(path), None
+        _inspect_safetensors(path, rec)
+        return
     if kind not in (None, "torch") or not zipfile.is_zipfile(path):
-        print("    (not a torch.save archive: not inspected; `snapckpt verify` checks its checksum)")
-        return None, None
-    progress = bar(args, nbytes, f"load {os.path.basename(path)}")
+        rec["kind"], rec["status"] = "other", "not inspected"
+        return
+    rec["kind"] = "torch"
+    progress = bar(args, int(rec["bytes"]), f"load {os.path.basename(path)}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not args.trust, mmap=True)
     except Exception as e:  # noqa: BLE001 - reported per file, the others are still listed
         reason = None if args.trust else _refusal(e)
         if reason is not None:
-            print(f"    refused by torch.load(weights_only=True): {reason}")
-            return None, reason
-        print(f"    cannot load: {type(e).__name__}: {e}")
-        return f"{path}: {type(e).__name__}: {e}", None
+            rec["status"], rec["error"] = "refused", reason
+        else:
+            rec["status"], rec["error"] = "unreadable", f"cannot load: {type(e).__name__}: {e}"
+        return
     finally:
         progress.close()
     storages: Dict[Tuple[int, int], str] = {}
-    rows = [["KEY", "SHAPE", "DTYPE", "BYTES", "NOTE"]]
-    rows += [_describe(k, v, storages) for k, v in flatten(obj)]
-    print(table(rows, indent="    "))
-    tensor_bytes = sum(int(r[3]) for r in rows[1:] if r[3] != "-" and not r[4].startswith("shares"))
-    print(f"    {len(rows) - 1} keys, {tensor_bytes} bytes of tensor data")
-    return None, None
+    rec["keys"] = [_describe(k, v, storages) for k, v in flatten(obj)]
+
+
+def _print_file(rec: Dict[str, Any]) -> None:
+    print(f"  rank {rec['rank']}  {rec['name']}  {human_bytes(rec['bytes'])}")
+    status = rec["status"]
+    if status == "damaged":
+        print(f"    damaged: {rec['error']}")
+    elif status == "refused":
+        print(f"    refused by torch.load(weights_only=True): {rec['error']}")
+    elif status == "unreadable":
+        print(f"    {rec['error']}")
+    elif status == "not inspected":
+        print("    (not a torch.save archive: not inspected; `snapckpt verify` checks its checksum)")
+    elif rec["kind"] == "safetensors":
+        _print_keys(rec["keys"], "tensors (safetensors)")
+    else:
+        _print_keys(rec["keys"], "keys")
 
 
 def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -152,27 +186,41 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.rank is not None and args.rank not in ranks:
         parser.error(f"step {args.step} in {d} has no files of rank {args.rank} (its ranks: "
                      f"{', '.join(map(str, ranks)) or 'none'})")
-    problems, refused = [], []
+    as_json = getattr(args, "json", False)
+    problems, refused, out = [], [], []
     for c in chosen:
-        print(f"{c.dirname}: step {c.step}, world size {c.manifest['world_size']}")
+        entry: Dict[str, Any] = {"name": c.dirname, "step": c.step, "world_size": c.manifest["world_size"],
+                                 "problem": None, "files": []}
+        out.append(entry)
+        if not as_json:
+            print(f"{c.dirname}: step {c.step}, world size {c.manifest['world_size']}")
         bad = bad_records(c.manifest)
         if bad:
-            print(f"  damaged: {bad}")
+            entry["problem"] = bad
+            if not as_json:
+                print(f"  damaged: {bad}")
             problems.append(bad)
             continue
         for name, rec in sorted(c.manifest["files"].items(), key=lambda kv: (kv[1].get("rank", 0), kv[0])):
             if args.rank is not None and rec.get("rank") != args.rank:
                 continue
-            print(f"  rank {rec.get('rank')}  {name}  {rec['nbytes']} bytes")
+            frec: Dict[str, Any] = {"name": name, "rank": rec.get("rank"), "bytes": int(rec["nbytes"]),
+                                    "kind": None, "status": "ok", "error": None, "keys": []}
+            entry["files"].append(frec)
             try:
                 check_sizes(reader, c.path, {"files": {name: rec}})
             except CheckpointCorruptError as e:
-                print(f"    damaged: {e}")
-                problems.append(str(e))
-                continue
-            problem, reason = _inspect_file(args, os.path.join(c.path, name), int(rec["nbytes"]), rec.get("kind"))
-            problems += [problem] if problem else []
-            refused += [name] if reason else []
+                frec["status"], frec["error"] = "damaged", str(e)
+            else:
+                _inspect_file(args, os.path.join(c.path, name), frec, rec.get("kind"))
+            if frec["status"] in ("damaged", "unreadable"):
+                problems.append(f"{os.path.join(c.path, name)}: {frec['error']}")
+            refused += [name] if frec["status"] == "refused" else []
+            if not as_json:
+                _print_file(frec)
+    if as_json:
+        print_json({"dir": args.dir, "step": args.step, "checkpoints": out, "problems": problems,
+                    "refused": refused})
     if refused:
         print(f"snapckpt: {len(refused)} file(s) hold pickled Python objects beyond tensors and plain "
               f"containers, which torch.load(weights_only=True) refuses ({', '.join(refused)}). Loading them "

@@ -5,6 +5,10 @@ committed directories (:mod:`snapckpt.ondisk.manifest`), the part/fail markers o
 ``.NAME.partial-RUN`` directories, and the tracker files (``latest``, Megatron's
 ``latest_checkpointed_iteration.txt``). States: ``committed``, ``incomplete``, ``damaged`` (see
 :mod:`snapckpt.cli`).
+
+``--json`` prints one object instead of the table: ``{"dir": DIR as given, "checkpoints": [{"name",
+"state", "step" (int or null), "world_size" (int or null), "bytes" (int), "trackers" (list of tracker file
+names naming it), "note" (str)}], "warnings": [str], "other_directories": int}``.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from snapckpt.cli.common import bad_records, checkpoint_dir, dir_bytes, table
+from snapckpt.cli.common import bad_records, checkpoint_dir, dir_bytes, human_bytes, print_json, table
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN, TRACKER
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, check_sizes, parse_manifest
@@ -125,15 +129,23 @@ def _trackers(d: str, rows: List[Row]) -> Tuple[Dict[int, List[str]], List[str]]
 
 
 def cmd_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Print the table of ``args.dir`` and the tracker warnings; returns 0 (a usage error exits 2)."""
+    """Print the table of ``args.dir`` and the tracker warnings (or, with ``args.json``, one JSON object);
+    returns 0 (a usage error exits 2)."""
     d = checkpoint_dir(parser, args.dir)
     rows, others = scan(d)
     named, notes = _trackers(d, rows)
+    if getattr(args, "json", False):
+        print_json({"dir": args.dir,
+                    "checkpoints": [{"name": r.name, "state": r.state, "step": r.step, "world_size": r.world_size,
+                                     "bytes": r.nbytes, "trackers": named.get(i, []), "note": r.note}
+                                    for i, r in enumerate(rows)],
+                    "warnings": notes, "other_directories": others})
+        return 0
     if rows:
-        out = [["STEP", "NAME", "STATE", "WORLD", "BYTES", "TRACKER", "NOTE"]]
+        out = [["STEP", "NAME", "STATE", "WORLD", "SIZE", "TRACKER", "NOTE"]]
         for i, r in enumerate(rows):
             out.append(["-" if r.step is None else str(r.step), r.name, r.state,
-                        "-" if r.world_size is None else str(r.world_size), str(r.nbytes),
+                        "-" if r.world_size is None else str(r.world_size), human_bytes(r.nbytes),
                         ",".join(named.get(i, [])), r.note])
         print(table(out))
     else:

@@ -5,6 +5,11 @@ size check, so that every damaged file is named here), then checks each file's s
 its manifest record, one file at a time (:func:`~snapckpt.ondisk.manifest.check_checksums`), through
 :func:`snapckpt.storage.factory.open_storage`. Prints ``OK``/``DAMAGED`` per checkpoint; exit 1 on any
 damage.
+
+``--json`` prints one object instead: ``{"dir": DIR as given, "checkpoints": [{"name" (the directory's
+name, or the path of a manifest that does not parse), "step" (int or null), "state" ("intact" or
+"damaged"), "files" (int), "bytes" (int, as the manifest records), "problems" ([str], one per damaged
+file)}], "intact": int, "damaged": int}``; the exit codes are the same.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import argparse
 import os
 from typing import List
 
-from snapckpt.cli.common import bad_records, bar, checkpoint_dir
+from snapckpt.cli.common import bad_records, bar, checkpoint_dir, human_bytes, print_json
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN
 from snapckpt.ondisk.manifest import check_checksums, list_committed
@@ -64,18 +69,28 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         chosen = committed
         if not chosen and not bad_manifests:
             parser.error(f"no committed checkpoint in {d} (see `snapckpt ls {d}`)")
+    as_json = getattr(args, "json", False)
     damaged = len(bad_manifests)
-    for p in bad_manifests:
-        print(f"DAMAGED  {p}")
+    results = [{"name": p, "step": None, "state": "damaged", "files": 0, "bytes": 0, "problems": [p]}
+               for p in bad_manifests]
+    if not as_json:
+        for p in bad_manifests:
+            print(f"DAMAGED  {p}")
     for c in chosen:
         problems = _verify_one(args, reader, c)
         files = c.manifest["files"]
         nbytes = sum(r["nbytes"] for r in files.values() if isinstance(r, dict) and isinstance(r.get("nbytes"), int))
-        verdict = "DAMAGED" if problems else "OK"
-        print(f"{verdict:<8} step {c.step}  {c.dirname}  ({len(files)} file(s), {nbytes} bytes)")
-        for p in problems:
-            print(f"    {p}")
+        results.append({"name": c.dirname, "step": c.step, "state": "damaged" if problems else "intact",
+                        "files": len(files), "bytes": nbytes, "problems": problems})
         damaged += bool(problems)
+        if not as_json:
+            verdict = "DAMAGED" if problems else "OK"
+            print(f"{verdict:<8} step {c.step}  {c.dirname}  ({len(files)} file(s), {human_bytes(nbytes)})")
+            for p in problems:
+                print(f"    {p}")
     total = len(chosen) + len(bad_manifests)
-    print(f"{total} checkpoint(s): {total - damaged} intact, {damaged} damaged")
+    if as_json:
+        print_json({"dir": args.dir, "checkpoints": results, "intact": total - damaged, "damaged": damaged})
+    else:
+        print(f"{total} checkpoint(s): {total - damaged} intact, {damaged} damaged")
     return 1 if damaged else 0

@@ -2,13 +2,14 @@
 
 snapckpt never runs a collective on the training process group. Ranks agree through the
 ``torch.distributed`` key-value store that the process group was created with (a ``PrefixStore`` under
-``snapckpt/``): each rank posts a small JSON record under its own key and bumps a counter; readers poll the
-counter with a deadline, so a rank that never arrives yields :class:`~snapckpt.errors.RankTimeoutError`
-naming exactly the ranks that did not post (case C5), instead of a hang. Only the thread that called the
+``snapckpt/``): each rank appends a small JSON record to the round's key and bumps a counter, the last
+rank marks the round done, and every rank waits for that mark on the store's server with a deadline
+(O(N) store operations per round, see :class:`StoreCoordinator`), so a rank that never arrives yields
+:class:`~snapckpt.errors.RankTimeoutError` naming exactly the ranks that did not post (case C5), instead of a hang. Only the thread that called the
 collective snapckpt API (``Checkpointer(...)``, ``load``, ``latest_step``) uses it; all ranks make those
 calls in the same order, which numbers the rounds.
 
-Keys are ``snapckpt/<job>/attempt<N>/<instance>/<round>/<name>/<rank>``: the launch attempt (torchrun's
+Keys are ``snapckpt/<job>/attempt<N>/<instance>/<round>/<name>/{records,count,done}``: the launch attempt (torchrun's
 restart count) keeps a restarted attempt from reading the records of an earlier one in a store that
 survived it (contract 12).
 
@@ -17,7 +18,6 @@ Without an initialized process group, :class:`LocalCoordinator` is a world of on
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Dict, List, Optional
 
 from snapckpt._internal import env as _env
@@ -74,15 +74,21 @@ class LocalCoordinator(Coordinator):
 
 
 class StoreCoordinator(Coordinator):
-    """All-gather through a ``torch.distributed.Store``.
+    """All-gather through a ``torch.distributed.Store`` in O(N) store operations per round.
+
+    Each rank appends its record to one key of the round and bumps the round's counter (2 operations);
+    the rank whose increment reaches ``world_size`` marks the round done; every rank waits for that mark
+    on the store's server (no polling) and reads the records with one ``get``. A round therefore costs
+    about ``4 N + 1`` store operations in all, instead of the ``N**2`` reads of a key per rank; its
+    records are ``O(N)`` bytes read once by each rank. The last rank of round ``k`` also deletes the keys
+    of round ``k - 1`` (every rank has read them: it posted in round ``k``), so a long job leaves two
+    rounds of keys behind, not every round.
 
     Args:
         store: the process group's store (``TCPStore``/``FileStore``, possibly prefixed).
         rank, world_size: this process's global rank and the world size.
-        prefix: key namespace of this Checkpointer instance (job key and instance number).
+        prefix: key namespace of this Checkpointer instance (job key, launch attempt and instance number).
     """
-
-    POLL_SECS = 0.005
 
     def __init__(self, store, rank: int, world_size: int, prefix: str) -> None:
         import torch.distributed as dist
@@ -91,29 +97,83 @@ class StoreCoordinator(Coordinator):
         self.rank = rank
         self.world_size = world_size
         self.round = 0
+        self._prev_base: Optional[str] = None
 
     def all_gather(self, name: str, payload: Dict[str, Any], timeout_secs: float) -> List[Dict[str, Any]]:
+        from datetime import timedelta
+
         self.round += 1
         base = f"{self.round}/{name}"
-        self.store.set(f"{base}/{self.rank}", json.dumps(payload))
-        self.store.add(f"{base}/count", 1)
-        deadline = time.monotonic() + timeout_secs
-        delay = self.POLL_SECS
-        while self.store.add(f"{base}/count", 0) < self.world_size:
-            if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if not self.store.check([f"{base}/{r}"])]
-                raise RankTimeoutError(
-                    f"ranks {missing} did not reach snapckpt's {name!r} within {timeout_secs:g} s (this is "
-                    f"rank {self.rank}); the call is collective: every rank must make it, in the same order")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        out = []
-        for r in range(self.world_size):
-            try:
-                out.append(json.loads(self.store.get(f"{base}/{r}")))
-            except Exception as e:
-                raise CoordinationError(f"could not read rank {r}'s record for {name!r}: {e}") from e
-        return out
+        prev, self._prev_base = self._prev_base, base
+        # one line per rank; json.dumps never emits a raw newline
+        self.store.append(f"{base}/records", json.dumps({"r": self.rank, "p": payload}) + "\n")
+        if self.store.add(f"{base}/count", 1) == self.world_size:
+            self.store.set(f"{base}/done", "1")
+            if prev is not None:
+                for key in ("records", "count", "done"):
+                    self.store.delete_key(f"{prev}/{key}")
+        try:
+            self.store.wait([f"{base}/done"], timedelta(seconds=max(timeout_secs, 0.001)))
+        except Exception as e:  # the store's timeout error (DistStoreError), or the store went away
+            raise self._timeout_error(base, name, timeout_secs, e) from e
+        try:
+            lines = self.store.get(f"{base}/records").decode().splitlines()
+            records = [json.loads(line) for line in lines if line]
+        except Exception as e:
+            raise CoordinationError(f"could not read the records of snapckpt's {name!r}: {e}") from e
+        out: List[Optional[Dict[str, Any]]] = [None] * self.world_size
+        for rec in records:
+            out[rec["r"]] = rec["p"]
+        if any(p is None for p in out) or len(records) != self.world_size:
+            raise CoordinationError(
+                f"snapckpt's {name!r} got {len(records)} records for a world of {self.world_size} (this is rank "
+                f"{self.rank}): two jobs share a store prefix, or ranks call snapckpt's collectives out of order")
+        return out  # type: ignore[return-value]
+
+    def broadcast(self, name: str, value: Any = None, timeout_secs: Optional[float] = None) -> Any:
+        """Rank 0's ``value`` on every rank, in at most 3 store operations per rank: rank 0 sets the
+        round's value and goes on without waiting; every other rank waits for it on the store's server,
+        reads it and acknowledges; the rank whose acknowledgement completes the round deletes its keys.
+
+        Raises:
+            RankTimeoutError: rank 0 did not post within ``timeout_secs``.
+        """
+        from datetime import timedelta
+
+        timeout = self.timeout_secs if timeout_secs is None else timeout_secs
+        self.round += 1
+        base = f"{self.round}/{name}"
+        if self.rank == 0:
+            self.store.set(f"{base}/value", json.dumps({"v": value}))
+            return json.loads(json.dumps(value))
+        try:
+            self.store.wait([f"{base}/value"], timedelta(seconds=max(timeout, 0.001)))
+            got = json.loads(self.store.get(f"{base}/value"))["v"]
+        except Exception as e:
+            raise RankTimeoutError(
+                f"ranks [0] did not reach snapckpt's {name!r} within {timeout:g} s (this is rank {self.rank}); "
+                f"the call is collective: every rank must make it, in the same order ({e})") from e
+        if self.store.add(f"{base}/acks", 1) == self.world_size - 1:
+            self.store.delete_key(f"{base}/value")
+            self.store.delete_key(f"{base}/acks")
+        return got
+
+    def _timeout_error(self, base: str, name: str, timeout_secs: float, cause: BaseException) -> BaseException:
+        """The error of a round that did not complete: the ranks that did not post, by name."""
+        try:
+            posted = set()
+            if self.store.check([f"{base}/records"]):
+                for line in self.store.get(f"{base}/records").decode().splitlines():
+                    if line:
+                        posted.add(json.loads(line)["r"])
+        except Exception as e:
+            return CoordinationError(f"snapckpt's {name!r} failed: the store is unreachable ({cause}; then {e})")
+        missing = [r for r in range(self.world_size) if r not in posted]
+        if not missing:
+            return CoordinationError(f"snapckpt's {name!r} did not complete although every rank posted ({cause})")
+        return RankTimeoutError(
+            f"ranks {missing} did not reach snapckpt's {name!r} within {timeout_secs:g} s (this is "
+            f"rank {self.rank}); the call is collective: every rank must make it, in the same order")
 
 
 _instances = 0
@@ -130,6 +190,9 @@ def make_coordinator(job: str, timeout_secs: float = 600.0) -> Coordinator:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         coord: Coordinator = LocalCoordinator()
     else:
+        from snapckpt._internal.compat import check_torch
+
+        check_torch([("torch.distributed.distributed_c10d", "_get_default_store")])
         from torch.distributed.distributed_c10d import _get_default_store
 
         # The attempt is part of every key: torchrun's rendezvous store outlives a restart of the workers

@@ -21,7 +21,7 @@ from snapckpt.dist.topology import Topology, host_identity
 from snapckpt.engine.device_copy import CudaCopier
 from snapckpt.engine.handle import SaveHandle
 from snapckpt.engine.loader import LoadCandidate, LoadInfo, Loader
-from snapckpt.engine.preflight import dir_identity, preflight_dir
+from snapckpt.engine.preflight import check_shared_dir, dir_identity, preflight_dir
 from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.session import PersisterSession
@@ -56,7 +56,9 @@ class Checkpointer:
 
     Raises:
         CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL (an
-            object store is a remote tier: ``remote_dir="s3://..."``), or cannot be created or written.
+            object store is a remote tier: ``remote_dir="s3://..."``), or cannot be created or written; or the
+            job spans several nodes and some ranks see another directory at that path (node-local by mistake;
+            raised on every rank, naming them: case G7).
         RemoteStorageError: ``remote_dir`` is set and cannot be used (missing bucket, refused credentials,
             unreachable endpoint, no fsspec implementation); raised on every rank, before training.
         RankTimeoutError: some ranks did not construct theirs within ``coordination_timeout_secs``.
@@ -86,6 +88,8 @@ class Checkpointer:
         faults.set_rank(self._coord.rank)
         self.run_id = everyone[0]["run_id"]
         preflight_dir(self.checkpoint_dir, self.options.resolved_shm_dir, self.run_id, self.rank)
+        check_shared_dir(self.checkpoint_dir, self.run_id, self._coord, self.topology,
+                         [p["host"] for p in everyone], t)  # case G7, only when the job spans nodes
         remote = self._open_remote(t)
         # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
         # since belong to another run and are never loaded (inode numbers are reused: a random id instead).

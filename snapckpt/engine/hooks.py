@@ -36,6 +36,10 @@ class SnapshotPolicy:
         memory_interval_secs: memory snapshot when this many seconds passed since the last snapshot.
         disk_interval_secs: disk snapshot when this many seconds passed since the last disk save.
         save_on_train_end: a final DISK save at :meth:`HookRegistry.train_end` if the last step is not on disk.
+
+    With a time-based interval and several ranks, :class:`HookRegistry` follows rank 0's clock: rank 0
+    decides at every step and broadcasts the decision through the coordinator (one store round per step,
+    rank 0 never waits for it), so that every rank snapshots the same steps.
     """
 
     memory_interval_steps: Optional[int] = None
@@ -85,6 +89,9 @@ class HookRegistry:
         self._last_step: Optional[int] = None
         self._last_disk_step: Optional[int] = None
         checkpointer.add_listener(self._dispatch)
+        timed = policy.memory_interval_secs is not None or policy.disk_interval_secs is not None
+        # one store round per step, only with a time-based interval and several ranks
+        self._shared_clock = timed and checkpointer.coordinator.world_size > 1
 
     def on(self, kind: str, callback: Callable[[Event], None]) -> Callable[[], None]:
         """Register ``callback(event)`` for ``kind``; return a function that removes it."""
@@ -106,6 +113,11 @@ class HookRegistry:
         earlier saves (their ``committed``/``failed`` events fire here, on the training thread)."""
         now = time.monotonic()
         tier = self.policy.decide(step, now - self._last_snapshot, now - self._last_disk)
+        if self._shared_clock:
+            # a time-based decision is rank 0's, so that every rank saves the same steps (ranks start
+            # and run on clocks that differ by more than a step)
+            decided = self.checkpointer.coordinator.broadcast("policy", tier.name if tier else None)
+            tier = StorageType[decided] if decided else None
         self._last_step = step
         if tier is None:
             self.checkpointer.poll()  # (save polls by itself)

@@ -178,6 +178,7 @@ class Loader:
         cands: List[Tuple[int, str, Optional[str]]] = [(s, "memory", rid) for s, rid in (common or set())]
         cands += [(d[0], "disk", d[1]) for d in disk_ok]
         cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
+        self._warn_lost_memory(everyone, cands)
         fetched = self._fetch_remote(everyone[0]["remote"], disk_all, cands, step)
         if fetched is not None:
             cands.insert(0, (fetched[0], "disk", fetched[1]))
@@ -227,6 +228,20 @@ class Loader:
                             best[0], best[1], error)
         agreed = self._coord.all_gather("remote fetch", {"error": error}, self.options.coordination_timeout_secs)
         return None if agreed[0]["error"] else (best[0], best[1])
+
+    def _warn_lost_memory(self, everyone: List[Dict[str, Any]], cands: List[Tuple[int, str, Optional[str]]]) -> None:
+        """Rank 0 names what a restart loses when some ranks hold a newer memory snapshot than the newest
+        step complete on every rank (the other ranks' node was lost, or restarted without its memory)."""
+        newest = max((m[0] for p in everyone for m in p["mem"]), default=None)
+        best = cands[0][0] if cands else None
+        if self.rank != 0 or newest is None or (best is not None and best >= newest):
+            return
+        holders = [r for r, p in enumerate(everyone) if any(m[0] == newest for m in p["mem"])]
+        missing = [r for r in range(self.world_size) if r not in holders]
+        log.warning("step %d is held in memory by ranks %s but not by ranks %s (their node was lost or restarted "
+                    "without its memory); the newest step complete on every rank is %s: the steps after it are "
+                    "lost on this restart", newest, holders, missing,
+                    "none (a fresh start)" if best is None else f"{best} ({cands[0][1]})")
 
     def latest_step(self) -> Optional[int]:
         """``Checkpointer.latest_step`` after its ``wait()`` (its docstring has the details)."""

@@ -3,7 +3,8 @@
 The Checkpointer's constructor runs :func:`preflight_dir` on every rank (the checkpoint directory exists
 or can be created, and is writable; the shared-memory directory exists and is a tmpfs), then rank 0 reads
 the directory's identity (:func:`dir_identity`), which every memory snapshot is tagged with so that a
-deleted and re-created directory never loads another run's snapshots.
+deleted and re-created directory never loads another run's snapshots. When the job spans several nodes,
+:func:`check_shared_dir` proves that every rank sees the same checkpoint directory (case G7).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional
 
 from snapckpt.errors import CheckpointDirError, PreflightError
 
-__all__ = ["DIR_ID_XATTR", "dir_identity", "fs_type", "preflight_dir"]
+__all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "preflight_dir"]
 
 DIR_ID_XATTR = "user.snapckpt.dir_id"  # random id of a checkpoint directory, an extended attribute of it
 
@@ -83,6 +84,65 @@ def dir_identity(checkpoint_dir: str) -> str:
         return os.getxattr(d, DIR_ID_XATTR).decode("ascii")
     except OSError:
         return ""
+
+
+def check_shared_dir(checkpoint_dir: str, run_id: str, coord, topology, hosts: list,
+                     timeout_secs: float) -> None:
+    """Collective, for a job on several nodes: every rank must see the checkpoint directory rank 0 sees
+    (case G7: a node-local path by mistake, the same path on different disks, would otherwise surface only
+    as parts missing at the first commit). Rank 0 writes a probe file holding a random token, every rank
+    reads it back, rank 0 removes it. Costs three coordination rounds; skipped on one node.
+
+    Args:
+        checkpoint_dir: absolute path of the checkpoint directory (already created by :func:`preflight_dir`).
+        run_id: this launch attempt's run id (names the probe file).
+        coord: the job's :class:`~snapckpt.dist.coordination.Coordinator`.
+        topology: this rank's :class:`~snapckpt.dist.topology.Topology`.
+        hosts: every rank's host identity (``hostname/boot_id``), indexed by rank.
+        timeout_secs: timeout of each coordination round, seconds.
+
+    Raises:
+        CheckpointDirError: on every rank, when some ranks do not see rank 0's probe (named with their
+            nodes), or rank 0 cannot write it.
+    """
+    if topology.num_nodes <= 1:
+        return
+    d = checkpoint_dir
+    probe = os.path.join(d, f".snapckpt-shared-{run_id}")
+    token = uuid.uuid4().hex if coord.rank == 0 else ""
+    err = ""
+    if coord.rank == 0:
+        try:
+            with open(probe, "w") as f:
+                f.write(token)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            err = f"rank 0 cannot write a probe file in {d!r}: {e.strerror or e}"
+    token = coord.all_gather("shared_dir_probe", {"token": token, "err": err}, timeout_secs)[0]
+    if token["err"]:
+        raise CheckpointDirError(token["err"])
+    try:
+        with open(probe) as f:
+            seen = f.read() == token["token"]
+    except OSError:
+        seen = False
+    seen_all = coord.all_gather("shared_dir_seen", {"seen": seen}, timeout_secs)
+    if coord.rank == 0:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    blind = [r for r, p in enumerate(seen_all) if not p["seen"]]
+    if blind:
+        nodes = sorted({hosts[r].split("/")[0] for r in blind})
+        raise CheckpointDirError(
+            f"checkpoint directory {d!r} is not the same directory on every node: rank(s) "
+            f"{', '.join(map(str, blind))} on {', '.join(nodes)} do not see the probe file rank 0 wrote there "
+            f"(on {hosts[0].split('/')[0]}); the directory seems node-local. Put checkpoint_dir on a "
+            "filesystem every node mounts at the same path (NFS, Lustre, GPFS, a shared volume), or "
+            "every commit would wait for parts written on other nodes")
+    coord.all_gather("shared_dir_done", {"ok": True}, timeout_secs)
 
 
 def fs_type(path: str) -> Optional[str]:

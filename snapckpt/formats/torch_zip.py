@@ -36,7 +36,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from snapckpt._internal.compat import check_torch, torch_file_writer
 from snapckpt.errors import SnapshotError, UnsafeCheckpointError
+
+check_torch()  # the private PyTorch names used below exist (else UnsupportedTorchError naming the range)
 
 __all__ = [
     "collect_tensors",
@@ -331,7 +334,7 @@ def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, int,
             persister, a view of the arena span) whose first ``nbytes`` are written as ``data/<key>``
             without an intermediate copy.
     """
-    writer = torch._C.PyTorchFileWriter(fileobj, False, STORAGE_ALIGNMENT)  # see "Checksums" above
+    writer = torch_file_writer(fileobj, STORAGE_ALIGNMENT)  # no per-record CRC-32: see "Checksums" above
     try:
         writer.write_record("data.pkl", data_pkl, len(data_pkl))
         writer.write_record(".format_version", "1", 1)

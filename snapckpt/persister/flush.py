@@ -7,6 +7,9 @@ of the run holds in a READY (or PERSISTING) slot is handed to the scheduler
 (:mod:`snapckpt.persister.scheduler`) as a DISK save, unless that save is already pending or committed,
 or the checkpoint directory already holds a committed step at least as new. Memory-only snapshots
 (``persistable`` False) are never flushed.
+
+The same flush runs for every run when an operator stops the persister (``snapckpt stop DIR``, the
+``stop`` request of :mod:`snapckpt.persister.server`): :func:`flush_newest`.
 """
 from __future__ import annotations
 
@@ -21,12 +24,20 @@ from snapckpt.storage.factory import open_storage
 
 log = logging.getLogger("snapckpt.persister")
 
-__all__ = ["flush_crashed_run"]
+__all__ = ["flush_crashed_run", "flush_newest"]
 
 
 def flush_crashed_run(run: Run, slots: SlotTable, scheduler: Scheduler) -> None:
     """Write the newest step held by every local rank of the crashed ``run`` (called with the server's
     lock). A rank whose part cannot be scheduled is logged, not raised: the others are still written."""
+    flush_newest(run, slots, scheduler, "crashed")
+
+
+def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str) -> Optional[int]:
+    """Write the newest step held by every local rank of ``run`` if it is newer than the newest committed
+    step of its checkpoint directory (called with the server's lock; ``why`` goes into the log: "crashed",
+    "stop requested"). Returns the step handed to the writers, or ``None`` when there is nothing newer
+    than disk (or its save is already pending or committed)."""
     steps: Optional[Set[int]] = None
     for r in run.local_ranks:
         entry = slots.ranks.get(r)
@@ -34,22 +45,23 @@ def flush_crashed_run(run: Run, slots: SlotTable, scheduler: Scheduler) -> None:
                 and s.run_id == run.run_id and s.persistable} if entry else set()
         steps = held if steps is None else steps & held
     if not steps:
-        log.info("run %s crashed; no step is held by every local rank, nothing to flush", run.run_id)
-        return
+        log.info("run %s %s; no step is held by every local rank, nothing to flush", run.run_id, why)
+        return None
     step = max(steps)
     newest = max((s for s in slots.ranks[run.local_ranks[0]].slots if s.step == step and s.persistable
                   and s.state in HELD), key=lambda s: s.seq)
     key = (run.run_id, step, newest.dirname)
     res = scheduler.result(key)
     if res is not None and res.state != "failed":
-        return
+        return None
     committed = list_committed(open_storage(), run.checkpoint_dir)
     if committed and committed[-1].step >= step:
-        return
-    log.warning("run %s crashed; flushing step %d from memory to disk", run.run_id, step)
+        return None
+    log.warning("run %s %s; flushing step %d from memory to disk", run.run_id, why, step)
     scheduler.forget(key)
     for r in run.local_ranks:
         try:
             scheduler.persist(slots.ranks[r], step, run)
         except PersisterError as e:
             log.error("flush of step %d failed for rank %d: %s", step, r, e)
+    return step

@@ -17,8 +17,9 @@ import json
 from typing import Any, Dict
 
 from snapckpt import errors as _errors
+from snapckpt._internal.compat import add_note
 
-__all__ = ["REQUESTS", "MAX_MESSAGE_NBYTES", "encode", "decode", "validate_request", "error_record",
+__all__ = ["REQUESTS", "OPERATOR_OPS", "MAX_MESSAGE_NBYTES", "encode", "decode", "validate_request", "error_record",
            "error_from_record", "ProtocolError"]
 
 MAX_MESSAGE_NBYTES = 1 << 20
@@ -41,7 +42,13 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "held": {},
     "ping": {},
     "bye": {},
+    # Operator requests (``snapckpt ps`` / ``snapckpt stop``), each alone on its own connection instead of
+    # after a hello, authenticated the same way: the job key and the secret token of the runtime directory.
+    "info": {"token": _STR, "job": _STR},
+    "stop": {"token": _STR, "job": _STR},
 }
+#: Requests a connection may send without a hello (then the connection is closed after the answer).
+OPERATOR_OPS = ("info", "stop")
 
 
 class ProtocolError(_errors.PersisterError):
@@ -113,10 +120,10 @@ def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
     else:
         exc = _errors.PersistError(f"{typ}: {msg}")
     if context:
-        exc.add_note(context)
+        add_note(exc, context)
     hint = _DISK_FULL_HINTS.get(errno_) if errno_ is not None else None
     if hint:
-        exc.add_note(hint)
+        add_note(exc, hint)
     return exc
 
 

@@ -14,7 +14,11 @@ and outlives the training processes:
 - restarted ranks of the same job find this process through the socket in the job's runtime directory
   and read the READY slots (memory-tier restore);
 - it exits when every client closed cleanly and no work is pending, or after ``idle_timeout_secs``
-  without a client; the arena files, socket and token are removed on exit.
+  without a client; the arena files, socket and token are removed on exit;
+- an operator (``snapckpt ps`` / ``snapckpt stop``, :mod:`snapckpt.persister.control`) may ask, on a
+  connection of its own and with the same token, for a description of the job (``info``) or for the
+  newest snapshot of each run that is newer than disk to be written and committed, after which the
+  process exits whoever is still connected (``stop``).
 
 Startup: ``python -m snapckpt.persister --runtime-dir D --arena-dir A --job KEY --idle-timeout-secs S``.
 The process holds an exclusive ``flock`` on ``D/persister.pid`` while alive, writes the secret
@@ -40,10 +44,10 @@ from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles
 from snapckpt.persister.commit import recover_interrupted_commits
-from snapckpt.persister.flush import flush_crashed_run
+from snapckpt.persister.flush import flush_crashed_run, flush_newest
 from snapckpt.persister.runtime_files import listen, lock_pid_file, lock_spawn, remove_runtime_files, write_token
 from snapckpt.persister.scheduler import Scheduler
-from snapckpt.persister.slots import RankEntry, Run, SlotTable
+from snapckpt.persister.slots import HELD, RankEntry, Run, SlotTable
 from snapckpt.storage.factory import open_storage
 
 log = logging.getLogger("snapckpt.persister")
@@ -88,6 +92,8 @@ class Server:
         self.empty_since: Optional[float] = time.monotonic()
         self.sel = selectors.DefaultSelector()
         self.stop = False
+        self.stop_requested = False  # an operator's stop: exit once the flush it started is done
+        self.started_at = time.time()  # wall clock, for the age `snapckpt ps` shows
         self.files_removed = False
         self.keep_log = False  # a crash or a failure happened: leave persister.log for the user
         # any warning (a damaged step replaced, an interrupted re-commit restored...) keeps the log too
@@ -113,6 +119,8 @@ class Server:
                         self._readable(key.fileobj)
                 self._drop_silent_connections()
                 if self._should_exit(listener):
+                    if self.stop_requested:
+                        log.info("persister pid %d stopping at an operator's request", os.getpid())
                     break
         finally:
             self.scheduler.shutdown()
@@ -138,21 +146,22 @@ class Server:
 
     def _should_exit(self, listener: socket.socket) -> bool:
         with self.lock:
-            if self.buffers or self.scheduler.pending:
+            if self.scheduler.pending or (self.buffers and not self.stop_requested):
                 return False
             if self.empty_since is None:
                 self.empty_since = time.monotonic()
             idle = time.monotonic() - self.empty_since
-            if self.crashed_since_empty and idle < self.idle_timeout_secs and not self.stop:
+            waiting = not self.stop and not self.stop_requested
+            if self.crashed_since_empty and idle < self.idle_timeout_secs and waiting:
                 return False
-            if not self.crashed_since_empty and not self.slots.runs and idle < self.idle_timeout_secs:
+            if not self.crashed_since_empty and not self.slots.runs and idle < self.idle_timeout_secs and waiting:
                 return False  # nobody ever came yet
         # Take the clients' spawn lock so no client is between "found the socket" and "connected".
         lock_fd = lock_spawn(self.runtime_dir)
         try:
             ready = selectors.DefaultSelector()
             ready.register(listener, selectors.EVENT_READ)
-            if ready.select(timeout=0):
+            if ready.select(timeout=0) and not self.stop_requested:
                 return False  # a client is knocking: keep serving
             self.sel.unregister(listener)
             listener.close()
@@ -226,6 +235,13 @@ class Server:
         try:
             msg = P.decode(line)
             op = P.validate_request(msg)
+            if op in P.OPERATOR_OPS:
+                if rank is not None:
+                    raise P.ProtocolError(f"{op!r} is an operator request: send it on a connection of its own")
+                with self.lock:
+                    reply = self._operator(op, msg)
+                self._send(conn, reply)
+                return True  # one request per operator connection
             if op != "hello" and rank is None:
                 raise P.ProtocolError("the first request must be hello")
             if op == "bye":
@@ -277,6 +293,9 @@ class Server:
     def _op_hello(self, conn: socket.socket, _rank: Optional[int], msg: Dict[str, Any]) -> Dict[str, Any]:
         if not secrets.compare_digest(msg["token"], self.token) or msg["job"] != self.job:
             raise PersisterError("authentication failed: wrong job or token")
+        if self.stop_requested:
+            raise PersisterError("this job's persister is stopping (`snapckpt stop` was run for its checkpoint "
+                                 "directory); retry once it has exited: the next connection starts a new one")
         rank, world = msg["rank"], msg["world_size"]
         if not (0 <= rank < world):
             raise P.ProtocolError(f"rank {rank} outside world size {world}")
@@ -312,6 +331,39 @@ class Server:
         self.conn_rank[conn] = rank
         self.crashed_since_empty = False
         return P.ok(persister_pid=os.getpid(), slots=[self.slots.info(s) for s in entry.slots])
+
+    def _operator(self, op: str, msg: Dict[str, Any]) -> Dict[str, Any]:
+        """Answer an operator's ``info`` or ``stop`` (called with the lock)."""
+        if not secrets.compare_digest(msg["token"], self.token) or msg["job"] != self.job:
+            raise PersisterError("authentication failed: wrong job or token")
+        if op == "stop":
+            flushing = []
+            for run in list(self.slots.runs.values()):
+                step = flush_newest(run, self.slots, self.scheduler, "stop requested")
+                if step is not None:
+                    flushing.append({"checkpoint_dir": run.checkpoint_dir, "run_id": run.run_id, "step": step})
+            self.stop_requested = True
+            log.warning("stop requested by an operator; flushing %s, then exiting (%d rank(s) connected)",
+                        [f["step"] for f in flushing] or "nothing", len(self.conn_rank))
+            return P.ok(flushing=flushing, connected_ranks=len(self.conn_rank), **self._info())
+        return P.ok(**self._info())
+
+    def _info(self) -> Dict[str, Any]:
+        """This persister as ``snapckpt ps`` shows it: its runs (checkpoint directory, ranks), the snapshots
+        it holds (per rank and slot) and the shared memory its arena holds, in bytes."""
+        slots = []
+        for rank, entry in sorted(self.slots.ranks.items()):
+            for s in entry.slots:
+                slots.append({"rank": rank, "slot": s.index, "state": s.state.value, "step": s.step,
+                              "nbytes": s.nbytes, "run_id": s.run_id, "held": s.state in HELD,
+                              "persistable": s.persistable})
+        runs = [{"run_id": r.run_id, "checkpoint_dir": r.checkpoint_dir, "world_size": r.world_size,
+                 "local_ranks": list(r.local_ranks), "connected_ranks": sorted(r.connected), "crashed": r.crashed}
+                for r in self.slots.runs.values()]
+        return {"pid": os.getpid(), "job": self.job, "started_at": self.started_at, "runs": runs, "slots": slots,
+                "memory_bytes": sum(s["nbytes"] for s in slots),
+                "steps_held": sorted({s["step"] for s in slots if s["held"]}),
+                "pending_tasks": self.scheduler.pending, "stopping": self.stop_requested}
 
     def _op_ping(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         return P.ok(persister_pid=os.getpid())

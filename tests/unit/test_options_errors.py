@@ -106,3 +106,13 @@ def test_all_damaged_error_lists_each_refusal_and_the_fix():
                           "  step_00000003 (skipped as damaged)"]
     assert lines[4].startswith("Run `snapckpt verify /ckpt` to check every checkpoint there")
     assert "step 7 in /x;" in str(errors.all_damaged_error("/x", [], what="step 7"))
+
+
+def test_megatron_drop_in_functions_refuse_an_unknown_keyword_like_the_functions_they_replace():
+    """A typo of an option (``keep_lsat``) is a TypeError naming it, as Megatron-LM's own
+    ``save_checkpoint`` would raise; keywords of other Megatron-LM versions are still accepted."""
+    from snapckpt.integrations.megatron.registry import split_options
+
+    assert split_options({"keep_last": 2, "ft_client": None, "tp_group": None}, "save") == {"keep_last": 2}
+    with pytest.raises(TypeError, match=r"save_checkpoint\(\) got unexpected keyword arguments \['keep_lsat'\]"):
+        split_options({"keep_lsat": 2}, "save")

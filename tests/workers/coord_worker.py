@@ -232,8 +232,34 @@ def restart(ckpt: str, rank: int, world: int) -> None:
     ck.close()
 
 
+def timed_policy(ckpt: str, rank: int, world: int) -> None:
+    """A time-based policy on clocks that differ: rank 1 starts its hooks 0.35 s after rank 0; steps take
+    0.1 s each (a barrier keeps them in lockstep, as a data-parallel all-reduce does). Reports the steps
+    each rank snapshotted."""
+    import time
+
+    from snapckpt.engine.hooks import HookRegistry, SnapshotPolicy
+
+    ck = Checkpointer(ckpt, **OPTS)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.35)
+    hooks = HookRegistry(ck, lambda: {"w": torch.zeros(64)}, SnapshotPolicy(memory_interval_secs=0.5))
+    taken = []
+    hooks.on("snapshot_taken", lambda e: taken.append(e.step))
+    for step in range(1, 21):
+        time.sleep(0.1)
+        dist.barrier()
+        hooks.step_end(step)
+    hooks.train_end()
+    result(rank=rank, taken=taken)
+    dist.barrier()
+    ck.close()
+
+
 SCENARIOS = {"construct": construct, "misuse": misuse, "busy_group": busy_group, "disagree": disagree,
-             "job": job, "die_mid_copy": die_mid_copy, "restart": restart}
+             "job": job, "die_mid_copy": die_mid_copy, "restart": restart,
+             "timed_policy": timed_policy}
 
 if __name__ == "__main__":
     scenario, ckpt, *rest = sys.argv[1:]

@@ -1,0 +1,206 @@
+"""Jobs that span several (simulated) nodes: the rig of tests/multinode.py, real torchrun over gloo.
+
+Every node has its own host name, ``/dev/shm`` and runtime directory (so its own persister and memory
+tier) and all share the checkpoint directory. Cases G1, G2, G3 and G7 of docs/design/cases.md (every trainer
+killed at once: tests/test_multinode_kill_all.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+from _harness import REPO, WORKERS, result_lines, wait_until
+from multinode import loss_lines
+
+WORKER = os.path.join(WORKERS, "mn_worker.py")
+STEPS = 12
+# memory every 3 steps, disk every 6: the pause at step 9 holds step 9 in memory and step 6 on disk
+MEM, DISK, PAUSE = 3, 6, 9
+
+_reference = {}  # world size -> {step: loss} of an uninterrupted run
+
+
+def _args(ckpt_dir, *extra, loss_log=None):
+    a = [WORKER, ckpt_dir, "--steps", str(STEPS), "--memory-interval", str(MEM), "--disk-interval", str(DISK)]
+    if loss_log:
+        a += ["--loss-log", loss_log]
+    return a + list(extra)
+
+
+def _run_all(rig, args, nproc, timeout=120):
+    """Run ``args`` on every node of the rig; assert every agent exits 0; return their outputs."""
+    runs = rig.torchrun_all(args[0], args[1:], nproc)
+    codes = [r.wait(timeout) for r in runs]
+    outs = [r.output() for r in runs]
+    for n, (c, o) in enumerate(zip(codes, outs)):
+        assert c == 0, f"node{n} exited {c}:\n{o}"
+    return outs
+
+
+def _results(outs, tag="RESULT"):
+    return [json.loads(l) for o in outs for l in result_lines(o, tag)]
+
+
+def reference_losses(rig, world):
+    """Losses of an uninterrupted run of ``world`` ranks, computed once per world size on node 0 alone
+    (the losses do not depend on placement: the resumed multi-node runs are compared with it)."""
+    if world not in _reference:
+        ref_dir, ref_log = os.path.join(rig.tmp, "ref-ckpt"), os.path.join(rig.tmp, "ref.log")
+        run = rig.nodes[0].run_torchrun(WORKER, _args(ref_dir, loss_log=ref_log)[1:], world, 1, 0, rig.port())
+        assert run.wait(120) == 0, run.output()
+        with open(ref_log) as f:
+            _reference[world] = loss_lines(f.read())
+        assert sorted(_reference[world]) == list(range(1, STEPS + 1))
+    return _reference[world]
+
+
+def _wait_paused(runs, nranks, timeout=90):
+    """Until ``PAUSED`` was printed by ``nranks`` ranks (every agent's output together)."""
+    ok = wait_until(lambda: sum(r.output().count(f"PAUSED {PAUSE}") for r in runs) >= nranks, timeout, 0.1)
+    assert ok, "the ranks did not reach the pause:\n" + "\n".join(r.output() for r in runs)
+
+
+def _resume_and_compare(rig, nproc, log):
+    """Restart the job on every node; every rank resumes from memory at step PAUSE; losses bitwise equal."""
+    outs = _run_all(rig, _args(rig.ckpt_dir, loss_log=log), nproc)
+    resumed = _results(outs, "RESUMED")
+    assert len(resumed) == len(rig.nodes) * nproc, outs
+    assert {(r["step"], r["tier"]) for r in resumed} == {(PAUSE, "memory")}, resumed
+    with open(log) as f:
+        text = f.read()
+    got = loss_lines(text)
+    ref = reference_losses(rig, len(rig.nodes) * nproc)
+    assert got == ref, f"losses differ from the uninterrupted run:\n{got}\n{ref}"
+    # the resumed run's own lines start right after the resumed step
+    assert [int(l.split()[1]) for l in text.splitlines()][PAUSE:] == list(range(PAUSE + 1, STEPS + 1))
+
+
+def _verify(ckpt_dir):
+    cp = subprocess.run([sys.executable, "-m", "snapckpt", "verify", ckpt_dir], capture_output=True, text=True,
+                        cwd=REPO)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    return cp.stdout
+
+
+def test_rig_lose_and_replace_node(rig):
+    """The rig itself: nodes have their own host name and memory; losing a node kills every process in it
+    and its memory goes with it; a replacement under the same name starts empty."""
+    a, b = rig.start(2)
+    assert [n.run(["hostname"]).strip() for n in rig.nodes] == ["node0", "node1"]
+    for n in rig.nodes:
+        n.run(["bash", "-c", f"echo {n.name} > {rig.shm_dir}/mem && echo sock > {rig.runtime_dir}/sock"])
+    assert open(a.path(f"{rig.shm_dir}/mem")).read() == "node0\n"  # private: each node its own file
+    assert open(b.path(f"{rig.shm_dir}/mem")).read() == "node1\n"
+    assert not os.path.exists(f"{rig.shm_dir}/mem") and not os.listdir(rig.runtime_dir)  # not on the host
+    sleeper = b.popen(["sleep", "600"], "sleeper.log")
+    assert wait_until(lambda: len(b.pids()) == 2, 10)
+    rig.lose_node(1)
+    assert sleeper.proc.poll() is not None and not b.alive and not b.pids()
+    assert a.shm_files() == [f"{rig.shm_dir}/mem"]  # the other node keeps its memory
+    c = rig.replace_node(1)
+    assert c.run(["hostname"]).strip() == "node1" and c.shm_files() == [] and rig.nodes[1] is c
+    assert c.run(["ls", "-A", rig.runtime_dir]) == ""
+    a.run(["rm", f"{rig.shm_dir}/mem"])  # the fixture checks every node's memory is empty at the end
+
+
+def test_G2_commit_across_two_nodes(rig):
+    """G2: 2 nodes x 2 ranks: placement really differs, each node has its own persister, commits complete
+    with the tracker last and ``snapckpt verify`` passes; at a clean end every persister exits and no
+    node keeps shared memory (checked by the fixture)."""
+    rig.start(2)
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir)[1:], 2)
+    seen = {}  # node -> persister pids seen while training
+    wait_until(lambda: all(n.persisters() for n in rig.nodes) or any(r.returncode is not None for r in runs),
+               60, 0.05)
+    for n in rig.nodes:
+        seen[n.name] = n.persisters()
+    for n, r in enumerate(runs):
+        assert r.wait(120) == 0, f"node{n}:\n{r.output()}"
+    res = sorted(_results([r.output() for r in runs]), key=lambda x: x["rank"])
+    assert [r["host"] for r in res] == ["node0", "node0", "node1", "node1"], res
+    assert {r["num_nodes"] for r in res} == {2}
+    assert [r["node_index"] for r in res] == [0, 0, 1, 1]
+    assert [r["local_ranks"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(len(p) == 1 for p in seen.values()), f"one persister per node expected: {seen}"
+    # the tracker names the last step; the directory verifies (manifest, every rank's part, checksums)
+    with open(os.path.join(rig.ckpt_dir, "latest")) as f:
+        assert f.read().strip().endswith(str(STEPS))
+    out = _verify(rig.ckpt_dir)
+    assert str(STEPS) in out
+
+
+def test_G1_G2_one_node_dies_first_the_other_by_exception_resumes_from_memory(rig):
+    """G1 across nodes: node 1's trainers are killed first; node 0's ranks then die of the gloo error and
+    leave ``with Checkpointer`` by exception (not a clean end). Both persisters keep their memory and the
+    restart resumes from memory at step 9 with bitwise-equal losses."""
+    rig.start(2)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), "--hold-ranks", "1",
+                                          loss_log=log)[1:], 1)
+    _wait_paused(runs, 2)
+    rig.kill_trainers(1)
+    assert runs[0].wait(90) != 0  # node 0's ranks failed by exception (the agent reports the failure)
+    out0 = runs[0].output()
+    assert "barrier with a held rank returned" not in out0
+    assert all(n.persisters() for n in rig.nodes), "a persister exited: it took the failure for a clean end"
+    _trim_log(log, PAUSE)
+    _resume_and_compare(rig, 1, log)
+
+
+def _trim_log(log, step):
+    """Keep the interrupted run's lines up to ``step`` (the ones after it were never checkpointed)."""
+    with open(log) as f:
+        lines = [l for l in f.read().splitlines() if int(l.split()[1]) <= step]
+    assert [int(l.split()[1]) for l in lines] == list(range(1, step + 1)), lines
+    with open(log, "w") as f:
+        f.write("".join(l + "\n" for l in lines))
+
+
+def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
+    """G7: node 1 sees its own (private) directory at the checkpoint path. Every rank's Checkpointer fails
+    at construction with a CheckpointDirError naming the rank and node that do not see rank 0's directory
+    and the fix; nothing is left in the shared directory and no persister was started."""
+    rig.start(2, private_paths={1: [rig.ckpt_dir]})
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir)[1:], 1)
+    for n, r in enumerate(runs):
+        assert r.wait(90) != 0, f"node{n} ran with a node-local checkpoint directory:\n{r.output()}"
+        out = r.output()
+        assert "CheckpointDirError" in out and "is not the same directory on every node" in out, out
+        assert "rank(s) 1 on node1" in out and "(on node0)" in out and "filesystem every node mounts" in out
+        assert "step 1 loss" not in out
+    assert os.listdir(rig.ckpt_dir) == []  # the probe is removed; nothing else was written
+    assert not rig.nodes[1].run(["ls", "-A", rig.ckpt_dir]).strip()
+
+
+def test_G3_node_lost_without_replicas_resumes_from_disk(rig):
+    """G3 with no peer-memory tier (today): every rank paused at step 9 (memory; disk holds 6), node 1 is
+    lost (processes, persister and memory) and node 0's trainers die; a fresh node1 joins. The restart
+    agrees on disk step 6 on every rank (node 0's memory alone is not a complete step) and trains on with
+    losses bitwise equal to an uninterrupted run. The steps held only in memory (7..9) are lost."""
+    rig.start(2)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    extra = ["--commit-timeout", "20"]  # node 0's crash flush of step 9 can never commit: give up soon
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1)
+    _wait_paused(runs, 2)
+    assert wait_until(lambda: os.path.exists(os.path.join(rig.ckpt_dir, "latest")), 30)
+    rig.lose_node(1)
+    rig.kill_trainers(0)
+    assert rig.nodes[0].persisters() and rig.nodes[0].shm_files()  # node 0 still holds step 9 in memory
+    fresh = rig.replace_node(1)
+    assert fresh.shm_files() == [] and not fresh.persisters()
+    _trim_log(log, DISK)
+    outs = _run_all(rig, _args(rig.ckpt_dir, *extra, loss_log=log), 1)
+    resumed = _results(outs, "RESUMED")
+    assert sorted((r["rank"], r["step"], r["tier"]) for r in resumed) == [(0, DISK, "disk"), (1, DISK, "disk")], \
+        outs
+    # and rank 0 says what was lost: step 9 held by rank 0 only
+    assert any("step 9 is held in memory by ranks [0] but not by ranks [1]" in o and "steps after it are lost"
+               in o for o in outs), outs
+    with open(log) as f:
+        got = loss_lines(f.read())
+    assert got == reference_losses(rig, 2)

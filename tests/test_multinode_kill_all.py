@@ -1,0 +1,40 @@
+"""Every trainer of a multi-node job killed at once (case G2), at 2 and 4 simulated nodes: the restart
+resumes from memory with losses bitwise equal to an uninterrupted run. The rig and the worker are those of
+tests/test_multinode.py (split in two modules so that ``pytest -n 2 --dist loadfile`` runs them side by side).
+"""
+from __future__ import annotations
+
+import os
+
+from test_multinode import PAUSE, WORKER, _args, _resume_and_compare, _trim_log, _wait_paused
+
+
+def test_G2_every_trainer_killed_at_once_resumes_from_memory(rig):
+    """G2: every trainer of both nodes (one rank each) killed at the same instant (the persisters live): the restart resumes
+    from memory at the newest step (9, disk holds 6) with losses bitwise equal to an uninterrupted run."""
+    rig.start(2)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), loss_log=log)[1:], 1)
+    _wait_paused(runs, 2)
+    persisters = [n.persisters() for n in rig.nodes]
+    assert all(len(p) == 1 for p in persisters), persisters
+    rig.kill_all_trainers()
+    assert [n.persisters() for n in rig.nodes] == persisters  # the memory tier lives on
+    _trim_log(log, PAUSE)
+    _resume_and_compare(rig, 1, log)
+
+
+def test_G2_four_nodes_every_trainer_killed_resumes_from_memory(rig):
+    """G2 at 4 nodes (one rank each): every trainer killed at once, the restart resumes from memory at step 9
+    on every node, losses bitwise equal to an uninterrupted 4-rank run (DDP without bucket rebuild)."""
+    rig.start(4)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), loss_log=log)[1:], 1)
+    _wait_paused(runs, 4)
+    assert all(len(n.persisters()) == 1 for n in rig.nodes)
+    rig.kill_all_trainers()
+    _trim_log(log, PAUSE)
+    _resume_and_compare(rig, 1, log)
+
