@@ -15,6 +15,7 @@ __all__ = [
     "InsufficientDiskError",
     "CheckpointDirError",
     "CheckpointDirInUseError",
+    "RemoteStorageError",
     "SnapshotError",
     "SlotBusyError",
     "PersisterError",
@@ -51,6 +52,12 @@ class InsufficientDiskError(PreflightError):
 
 class CheckpointDirError(PreflightError):
     """The checkpoint directory cannot be created or written."""
+
+
+class RemoteStorageError(PreflightError):
+    """The remote tier (``remote_dir``, an object store URL) cannot be used: no fsspec implementation of its
+    scheme, a missing bucket, refused or missing credentials, an unreachable endpoint. The message names the
+    URL, the cause and the fix, never a credential."""
 
 
 class CheckpointDirInUseError(PreflightError):

@@ -49,10 +49,13 @@ class SaveStats:
 
 @dataclass(frozen=True)
 class Event:
-    """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait`` or ``failed``.
+    """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait``, ``failed``,
+    ``upload_skipped`` or ``upload_failed``.
 
     ``skipped`` means no snapshot was taken for the step; ``slot_wait`` means the save is waiting for a
-    free arena slot (``on_slot_busy="wait"``) and its snapshot is still to come.
+    free arena slot (``on_slot_busy="wait"``) and its snapshot is still to come. ``upload_skipped`` /
+    ``upload_failed`` (remote tier, on the committer node's ranks): a committed step was not uploaded to
+    ``remote_dir`` (the upload queue was full, or the store kept failing); the local copy is intact.
 
     Attributes:
         kind: what happened.
@@ -60,7 +63,7 @@ class Event:
         tier: the requested ``StorageType``.
         rank: global rank that observed it.
         stats: for ``snapshot_taken``.
-        reason: for ``skipped`` and ``slot_wait``.
+        reason: for ``skipped``, ``slot_wait``, ``upload_skipped`` and ``upload_failed``.
         error: for ``failed``.
     """
 

@@ -55,6 +55,12 @@ class CheckpointOptions:
             returns before the copy is done, and the state must not change until :meth:`fence` (which
             the hooks and every integration call before the optimizer step). ``False``: ``save`` copies
             before it returns, and the state may change at once.
+        remote_dir: the remote tier, an object store URL (``"s3://bucket/run1"``, any fsspec URL; default
+            ``$SNAPCKPT_REMOTE_DIR``, unset: no remote tier). Every committed DISK checkpoint is uploaded by
+            the persister in the background, in the same layout, committed there by its manifest object;
+            ``load`` takes the newest complete step across memory, disk and remote, downloading it into
+            ``checkpoint_dir`` first when remote is newest. Access is checked at construction
+            (:class:`~snapckpt.errors.RemoteStorageError`). See docs/remote.md.
     """
 
     keep_last: Optional[int] = None
@@ -75,6 +81,7 @@ class CheckpointOptions:
     weights_only: bool = True
     fsync: bool = True
     overlap: bool = False
+    remote_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -92,6 +99,9 @@ class CheckpointOptions:
                 value = getattr(self, f.name)
                 if not isinstance(value, (int, float)) or not value > 0:  # NaN too
                     raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
+        if self.remote_dir is not None and (not isinstance(self.remote_dir, str) or "://" not in self.remote_dir):
+            raise ValueError(f"remote_dir must be an object store URL such as 's3://bucket/run1', got "
+                             f"{self.remote_dir!r}")
         if self.job_id is not None and (not self.job_id or "/" in self.job_id or "\x00" in self.job_id):
             raise ValueError(f"job_id must be a non-empty string without '/', got {self.job_id!r}")
 
@@ -104,6 +114,11 @@ class CheckpointOptions:
     def resolved_runtime_dir(self) -> str:
         """The runtime directory in force (option, then environment, then ``/tmp``)."""
         return self.runtime_dir or _env.runtime_dir()
+
+    @property
+    def resolved_remote_dir(self) -> Optional[str]:
+        """The remote tier's URL in force (option, then ``$SNAPCKPT_REMOTE_DIR``), or ``None``."""
+        return self.remote_dir or _env.remote_dir() or None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "CheckpointOptions":

@@ -99,3 +99,23 @@ def rig(tmp_path):
         r.close()
         stray = [n.name for n in r._all if n.pids()]
         assert not stray, f"processes of {stray} outlived the rig's teardown"
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A fresh bucket on the session's S3 server (moto on 127.0.0.1, tests/s3server.py), with the standard
+    AWS variables set for this process and every child it starts (ranks, persisters)."""
+    import s3server
+    bucket = s3server.new_bucket()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", bucket.endpoint)
+    for k, v in s3server.CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "SNAPCKPT_REMOTE_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    yield bucket
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+    if "s3server" in sys.modules:
+        sys.modules["s3server"].stop()

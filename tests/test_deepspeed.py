@@ -185,6 +185,11 @@ def test_config_section_validation(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_dir.*required"):
         DeepSpeedSnapckptConfig.from_dict({"memory_interval_steps": 1})
     assert not DeepSpeedSnapckptConfig.from_dict({"enabled": False}).enabled
+    assert DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "remote_dir": "s3://b/run"}).remote_dir == "s3://b/run"
+    with pytest.raises(ValueError, match="remote_dir.*object store URL"):
+        DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "remote_dir": "/not/a/url"})
+    with pytest.raises(ValueError, match="options.remote_dir.*is not an option"):
+        DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "options": {"remote_dir": "s3://b/run"}})
 
 
 def test_a_module_instead_of_the_engine_is_a_clear_type_error(tmp_path):

@@ -356,3 +356,28 @@ def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_eve
         for s in (12, 10, 5):
             assert os.path.join(out, f"checkpoint-{s}", "model.safetensors") in err, err[-4000:]
         assert sorted(os.listdir(out)) == before  # nothing moved aside: the next start raises too
+
+
+def test_H4_fresh_node_resumes_a_trainer_from_the_remote_tier(snap_env, stock, s3_bucket):
+    """The callback with ``remote_dir`` (a Checkpointer option it forwards): the Trainer's checkpoint-5 is
+    uploaded by the persister in the native folder layout; the run dies at step 7, the node is lost
+    (persister killed, output_dir deleted). A new Trainer with the same callback finds checkpoint-5 on the
+    remote tier, downloaded (checksums verified) before the stock resume reads it, and continues with
+    losses bitwise equal to the uninterrupted run from step 6 on."""
+    _, ref = stock
+    snap_env.leftover_ok = True  # the lost node's persister is killed
+    out = os.path.join(snap_env.tmp, "run")
+    url = s3_bucket.url("hf")
+    cfg = {"out": out, "steps": STEPS, "snap": True, "opts": {"flush_on_crash": False, "remote_dir": url}}
+    first = _run({**cfg, "kill_at": 7, "die": "exit"}, snap_env.env)
+    _same_steps(_rows(first), ref, range(1, 8))
+    manifest = "hf/checkpoint-5/.snapckpt/manifest.json"
+    assert wait_until(lambda: manifest in s3_bucket.keys("hf/"), 60)
+    local = sorted(os.listdir(os.path.join(out, "checkpoint-5")))
+    assert sorted({k.split("/")[2] for k in s3_bucket.keys("hf/checkpoint-5/")}) == local
+    snap_env.kill_persisters()
+    assert wait_until(lambda: not snap_env.persisters(), 15)
+    shutil.rmtree(out)
+    second = _run({**cfg, "resume": True}, snap_env.env)
+    _same_steps(_rows(second), ref, range(6, STEPS + 1))
+    assert sorted(os.listdir(os.path.join(out, "checkpoint-5"))) == local

@@ -143,8 +143,10 @@ def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
     off = parser.parse_args([])
     assert (off.snapckpt, off.snapckpt_memory_interval, off.snapckpt_disk_interval) == (False, 0, 0)
     on = parser.parse_args(["--snapckpt", "--snapckpt-memory-interval", "5", "--snapckpt-disk-interval", "50",
-                            "--snapckpt-keep-last", "2", "--snapckpt-on-slot-busy", "skip", "--snapckpt-overlap"])
-    assert sm.checkpointer_options(on) == {"on_slot_busy": "skip", "keep_last": 2, "overlap": True}
+                            "--snapckpt-keep-last", "2", "--snapckpt-on-slot-busy", "skip", "--snapckpt-overlap",
+                            "--snapckpt-remote-dir", "s3://bucket/run1"])
+    assert sm.checkpointer_options(on) == {"on_slot_busy": "skip", "keep_last": 2, "overlap": True,
+                                           "remote_dir": "s3://bucket/run1"}
     with pytest.raises(SystemExit):
         parser.parse_args(["--snapckpt-memory-interval", "-1"])
     r = sm.enable(off)

@@ -32,6 +32,9 @@ class DeepSpeedSnapckptConfig:
         memory_interval_steps: MEMORY snapshot every N optimizer steps (``None``: none).
         disk_interval_steps: DISK save every N optimizer steps (``None``: only explicit saves).
         keep_last: retention: keep the N most recently saved tags (``None``: all).
+        remote_dir: the remote tier, an object store URL (``"s3://bucket/run1"``): every committed tag is also
+            uploaded there, and a fresh node resumes from it (docs/remote.md). ``None``: none (or
+            ``$SNAPCKPT_REMOTE_DIR``).
         options: further :class:`snapckpt.CheckpointOptions` fields (``shm_dir``, timeouts...).
     """
 
@@ -40,6 +43,7 @@ class DeepSpeedSnapckptConfig:
     memory_interval_steps: Optional[int] = None
     disk_interval_steps: Optional[int] = None
     keep_last: Optional[int] = None
+    remote_dir: Optional[str] = None
     options: Optional[Dict[str, Any]] = None
 
     @classmethod
@@ -60,10 +64,13 @@ class DeepSpeedSnapckptConfig:
                 raise ValueError(f'"snapckpt.{key}" must be a positive integer or null, got {v!r}')
         if cfg.enabled and (not isinstance(cfg.checkpoint_dir, str) or not cfg.checkpoint_dir):
             raise ValueError('"snapckpt.checkpoint_dir" is required (a directory path) when snapckpt is enabled')
+        if cfg.remote_dir is not None and (not isinstance(cfg.remote_dir, str) or "://" not in cfg.remote_dir):
+            raise ValueError(f'"snapckpt.remote_dir" must be an object store URL such as "s3://bucket/run1", got '
+                             f'{cfg.remote_dir!r}')
         if cfg.options is not None:
             if not isinstance(cfg.options, Mapping):
                 raise ValueError('"snapckpt.options" must be an object of snapckpt CheckpointOptions fields')
-            for key in ("checkpoint_dir", "keep_last"):
+            for key in ("checkpoint_dir", "keep_last", "remote_dir"):
                 if key in cfg.options:
                     raise ValueError(f'"snapckpt.options.{key}" is not an option: set "snapckpt.{key}" instead')
             try:
@@ -125,6 +132,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         options = dict(section.options or {})
         if section.keep_last is not None:
             options["keep_last"] = section.keep_last
+        if section.remote_dir is not None:
+            options["remote_dir"] = section.remote_dir
         ck = DeepSpeedCheckpointer(engine, section.checkpoint_dir, **options)
         ck.attach(section.memory_interval_steps, section.disk_interval_steps)
         engine.snapckpt = ck

@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ``--save-interval``; 0: keep ``--save-interval``), ``--snapckpt-keep-last K`` (committed checkpoints
     kept; default all), ``--snapckpt-shm-dir PATH`` (shared-memory directory, default ``/dev/shm``),
     ``--snapckpt-on-slot-busy {wait,skip}`` (what a snapshot does when the persister is behind),
-    ``--snapckpt-overlap`` (the snapshot copy runs on a copy thread; see :func:`snapckpt.megatron_dist_ckpt.fence`).
+    ``--snapckpt-overlap`` (the snapshot copy runs on a copy thread; see :func:`snapckpt.megatron_dist_ckpt.fence`),
+    ``--snapckpt-remote-dir URL`` (the remote tier, ``s3://bucket/run1``: every committed checkpoint is also
+    uploaded there, and a fresh node resumes from it; docs/remote.md).
     """
     g = parser.add_argument_group("snapckpt", "asynchronous checkpoints to memory and disk (snapckpt)")
     g.add_argument("--snapckpt", action="store_true", help="route save/load_checkpoint through snapckpt")
@@ -72,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="when every arena slot is busy: wait for the persister, or skip the snapshot")
     g.add_argument("--snapckpt-overlap", action="store_true",
                    help="copy snapshots on a copy thread while training goes on (fenced before the next step)")
+    g.add_argument("--snapckpt-remote-dir", default=None, metavar="URL",
+                   help="remote tier, an object store URL such as s3://bucket/run1 (default: $SNAPCKPT_REMOTE_DIR)")
     return parser
 
 
@@ -94,6 +98,8 @@ def checkpointer_options(args: Any) -> dict:
         opts["shm_dir"] = args.snapckpt_shm_dir
     if getattr(args, "snapckpt_overlap", False):
         opts["overlap"] = True
+    if getattr(args, "snapckpt_remote_dir", None):
+        opts["remote_dir"] = args.snapckpt_remote_dir
     return opts
 
 

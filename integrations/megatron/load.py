@@ -75,6 +75,8 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     if not load_dir:
         raise ValueError(f"load_checkpoint needs a directory: pass load_dir=... (Megatron-LM's args.{load_arg} "
                          "is not available)")
+    if arg(args, "snapckpt_remote_dir", None):  # --snapckpt-remote-dir: a fresh node resumes from it
+        checkpointer_options.setdefault("remote_dir", arg(args, "snapckpt_remote_dir", None))
     ck = context_checkpointer(checkpointing_context, load_dir, split_options(checkpointer_options, "load"))
     finetune = arg(args, "finetune", False)
     with_opt = not (arg(args, "no_load_optim", False) or finetune)

@@ -171,6 +171,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     keep_last = arg(args, "snapckpt_keep_last", None)
     if keep_last is not None:
         checkpointer_options.setdefault("keep_last", keep_last)
+    if arg(args, "snapckpt_remote_dir", None):  # --snapckpt-remote-dir: the remote tier
+        checkpointer_options.setdefault("remote_dir", arg(args, "snapckpt_remote_dir", None))
     ck = context_checkpointer(checkpointing_context, save_dir, split_options(checkpointer_options, "save"))
     if sharded_sd_metadata is None and args is not None:
         sharded_sd_metadata = megatron_lm_sharded_sd_metadata(args)

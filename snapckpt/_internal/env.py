@@ -3,6 +3,9 @@
 Knobs:
 - ``SNAPCKPT_SHM_DIR``: default shared-memory directory for the arena (default ``/dev/shm``).
 - ``SNAPCKPT_RUNTIME_DIR``: where sockets, locks and tokens live (default ``$XDG_RUNTIME_DIR`` or ``/tmp``).
+- ``SNAPCKPT_REMOTE_DIR``: default remote tier URL (``s3://bucket/run1``), the ``remote_dir`` option.
+- ``SNAPCKPT_REMOTE_BLOCK_NBYTES``: multipart part size of remote uploads and block size of downloads
+  (bytes, at least 5 MiB, S3's smallest part; default 16 MiB).
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
 - ``TORCHELASTIC_RESTART_COUNT`` (set by torchrun, not by users): the launch attempt, part of every
   coordination key so that a restarted attempt never reads an earlier attempt's records (contract 12).
@@ -26,6 +29,22 @@ def shm_dir() -> str:
 def runtime_dir() -> str:
     """Default parent directory for the persister's socket, lock and token (short path: AF_UNIX limit)."""
     return os.environ.get("SNAPCKPT_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+
+
+def remote_dir() -> str:
+    """Default remote tier URL (``SNAPCKPT_REMOTE_DIR``; empty: no remote tier)."""
+    return os.environ.get("SNAPCKPT_REMOTE_DIR", "").strip()
+
+
+def remote_block_nbytes() -> int:
+    """Part size of remote uploads, bytes (``SNAPCKPT_REMOTE_BLOCK_NBYTES``; default 16 MiB, at least 5 MiB)."""
+    raw = os.environ.get("SNAPCKPT_REMOTE_BLOCK_NBYTES", "")
+    if not raw:
+        return 16 << 20
+    value = int(raw)
+    if value < (5 << 20):
+        raise ValueError(f"SNAPCKPT_REMOTE_BLOCK_NBYTES={raw!r} must be at least 5 MiB (5242880), S3's smallest part")
+    return value
 
 
 def log_level() -> str:

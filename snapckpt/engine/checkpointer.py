@@ -27,7 +27,7 @@ from snapckpt.engine.saver import Saver
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
-from snapckpt.errors import CheckpointDirError
+from snapckpt.errors import CheckpointDirError, RemoteStorageError
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.formats import respec
 from snapckpt.ondisk import layout
@@ -35,6 +35,7 @@ from snapckpt.options import CheckpointOptions
 from snapckpt.persister.client import job_key
 from snapckpt.storage.factory import check_location, open_storage
 from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.remote import RemoteStore
 
 __all__ = ["Checkpointer", "LoadCandidate", "LoadInfo", "check_step"]
 
@@ -54,9 +55,12 @@ class Checkpointer:
     ``torch.distributed`` (case C6).
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), or cannot be
-            created or written; or the job spans several nodes and some ranks see another directory at
-            that path (node-local by mistake; raised on every rank, naming them: case G7).
+        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL (an
+            object store is a remote tier: ``remote_dir="s3://..."``), or cannot be created or written; or the
+            job spans several nodes and some ranks see another directory at that path (node-local by mistake;
+            raised on every rank, naming them: case G7).
+        RemoteStorageError: ``remote_dir`` is set and cannot be used (missing bucket, refused credentials,
+            unreachable endpoint, no fsspec implementation); raised on every rank, before training.
         RankTimeoutError: some ranks did not construct theirs within ``coordination_timeout_secs``.
         PersisterError: the node persister could not be started or refused this rank.
     """
@@ -86,6 +90,7 @@ class Checkpointer:
         preflight_dir(self.checkpoint_dir, self.options.resolved_shm_dir, self.run_id, self.rank)
         check_shared_dir(self.checkpoint_dir, self.run_id, self._coord, self.topology,
                          [p["host"] for p in everyone], t)  # case G7, only when the job spans nodes
+        remote = self._open_remote(t)
         # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
         # since belong to another run and are never loaded (inode numbers are reused: a random id instead).
         mine = dir_identity(self.checkpoint_dir) if self._coord.rank == 0 else ""
@@ -96,9 +101,27 @@ class Checkpointer:
         self._saver = Saver(self.options, self.checkpoint_dir, self.run_id, self.rank, self._coord,
                             self._storage, self._stager, self._maps, self._session, self._emit)
         self._loader = Loader(self.options, self.checkpoint_dir, self.topology, self._coord, self._storage,
-                              self._maps, self._session, dir_id)
+                              self._maps, self._session, dir_id, remote)
         self._session.connect()
         self._coord.all_gather("connected", {"ok": True}, t)
+
+    def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
+        """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every
+        rank raises the same :class:`RemoteStorageError` when it cannot be used. ``None`` without one."""
+        url = self.options.resolved_remote_dir
+        if not url:
+            return None
+        store, error = None, ""
+        if self._coord.rank == 0:
+            try:
+                store = RemoteStore(url)
+                store.check_access()
+            except RemoteStorageError as e:
+                error = str(e)
+        error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]
+        if error:
+            raise RemoteStorageError(error)
+        return store
 
     # ---------------------------------------------------------------------------------- properties
     @property
@@ -251,8 +274,9 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------------------------- load
     def latest_step(self) -> Optional[int]:
-        """Newest step complete on every rank, in memory or on disk; ``None`` if there is no checkpoint at
-        all (a fresh start is safe). Collective.
+        """Newest step complete on every rank, in memory, on disk or in the remote tier (``remote_dir``; a
+        remote step newer than every local one is downloaded into ``checkpoint_dir`` first, checksums
+        verified); ``None`` if there is no checkpoint at all (a fresh start is safe). Collective.
 
         It checks completeness, not content: a disk checkpoint counts when its manifest is valid and every
         file it lists (every rank's) exists with the listed size; a memory snapshot when every rank holds
@@ -301,7 +325,9 @@ class Checkpointer:
         """Restore the newest step complete on every rank (or ``step``); collective.
 
         Memory is used when every rank holds the step and it is at least as new as the newest committed
-        disk checkpoint; otherwise disk, with checksums verified. A candidate that any rank cannot read
+        disk checkpoint; otherwise disk, with checksums verified. With ``remote_dir``, a remote step newer
+        than both is downloaded into ``checkpoint_dir`` by rank 0 first (checksums verified) and loaded
+        from there (``last_load.tier`` is ``DISK``). A candidate that any rank cannot read
         is skipped by all ranks together, with a warning naming the step, the rank and the cause, and
         the next newest is tried. The step loaded, its tier and the refused newer candidates are in
         :attr:`last_load` (a :class:`LoadInfo`): ``ck.last_load.step``.

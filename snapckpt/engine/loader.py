@@ -30,6 +30,7 @@ from snapckpt.ondisk import layout
 from snapckpt.ondisk.manifest import MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest
 from snapckpt.options import CheckpointOptions
 from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.remote import RemoteStore
 
 __all__ = ["LoadCandidate", "LoadInfo", "Loader"]
 
@@ -107,18 +108,21 @@ class Loader:
         maps: the rank's slot mappings (memory reads).
         session: the persister session (which slots this rank holds).
         dir_id: the checkpoint directory's identity: memory snapshots of another identity are ignored.
+        remote: the remote tier on rank 0 (:class:`~snapckpt.storage.remote.RemoteStore`), or ``None``.
 
     Attributes:
         last_load: a :class:`LoadInfo` of the last load, or ``None``.
     """
 
     def __init__(self, options: CheckpointOptions, checkpoint_dir: str, topology: Topology, coord: Coordinator,
-                 storage: PosixStorage, maps: SlotMaps, session: PersisterSession, dir_id: str) -> None:
+                 storage: PosixStorage, maps: SlotMaps, session: PersisterSession, dir_id: str,
+                 remote: "Optional[RemoteStore]" = None) -> None:
         self.options, self.checkpoint_dir, self._topology = options, checkpoint_dir, topology
         self._coord, self._storage, self._maps, self._session, self._dir_id = coord, storage, maps, session, dir_id
         self._damaged: List[str] = []  # directories skipped as damaged by the last candidates()
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self.last_load: Optional[LoadInfo] = None
+        self._remote = remote
 
     @property
     def rank(self) -> int:
@@ -154,7 +158,9 @@ class Loader:
                 disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
             for p in problems:
                 log.warning("not a loadable checkpoint: %s", p)
-        everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems},
+        remote = self._remote_listing() if self.rank == 0 else []
+        everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems,
+                                                         "remote": remote},
                                           self.options.coordination_timeout_secs)
         self._damaged = everyone[0]["damaged"]
         common = None
@@ -173,12 +179,55 @@ class Loader:
         cands += [(d[0], "disk", d[1]) for d in disk_ok]
         cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
         self._warn_lost_memory(everyone, cands)
+        fetched = self._fetch_remote(everyone[0]["remote"], disk_all, cands, step)
+        if fetched is not None:
+            cands.insert(0, (fetched[0], "disk", fetched[1]))
         if not cands and wrong:
             raise IncompatibleCheckpointError(
                 f"{self.checkpoint_dir} holds checkpoints written by world size "
                 f"{sorted({d[2] for d in wrong})}, this job has {self.world_size}; snapckpt does not "
                 "reshard: resume with the same number of ranks")
         return cands
+
+    def _remote_listing(self) -> List[List[Any]]:
+        """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` (``[]`` without a
+        remote tier, or when it cannot be listed: a warning, and the local tiers go on)."""
+        if self._remote is None:
+            return []
+        try:
+            return [[c.step, c.dirname, c.manifest["world_size"]] for c in self._remote.list_committed()]
+        except Exception as e:
+            log.warning("remote tier %s cannot be listed (%s: %s); loading from memory and %s only",
+                        self._remote.url, type(e).__name__, str(e)[:300], self.checkpoint_dir)
+            return []
+
+    def _fetch_remote(self, remote: List[List[Any]], disk_all: List[List[Any]],
+                      cands: List[Tuple[int, str, Optional[str]]], step: Optional[int]) -> Optional[Tuple[int, str]]:
+        """When the remote tier's newest step (of this world size, or ``step``) is newer than every memory and
+        disk candidate and ``checkpoint_dir`` has no directory of its name, rank 0 downloads it into
+        ``checkpoint_dir`` (checksums verified, committed the local way) while the other ranks wait; return
+        ``(step, dirname)`` once every rank knows it is there, ``None`` when nothing was fetched (a failed
+        download is a warning: the local candidates are still tried)."""
+        local = {d[1] for d in disk_all}
+        pick = [r for r in remote if r[2] == self.world_size and r[1] not in local and (step is None or r[0] == step)]
+        if not pick:
+            return None
+        best = max(pick, key=lambda r: r[0])
+        if cands and cands[0][0] >= best[0]:
+            return None
+        error = ""
+        if self.rank == 0:
+            try:
+                t0 = time.perf_counter()
+                c = next(c for c in self._remote.list_committed() if c.dirname == best[1])
+                self._remote.download(c, self.checkpoint_dir, fsync=self.options.fsync)
+                log.info("rank 0: step %d downloaded from %s in %.3f s", best[0], c.url, time.perf_counter() - t0)
+            except Exception as e:
+                error = f"{type(e).__name__}: {str(e)[:500]}"
+                log.warning("downloading step %d (%s) from the remote tier failed: %s; trying the local tiers",
+                            best[0], best[1], error)
+        agreed = self._coord.all_gather("remote fetch", {"error": error}, self.options.coordination_timeout_secs)
+        return None if agreed[0]["error"] else (best[0], best[1])
 
     def _warn_lost_memory(self, everyone: List[Dict[str, Any]], cands: List[Tuple[int, str, Optional[str]]]) -> None:
         """Rank 0 names what a restart loses when some ranks hold a newer memory snapshot than the newest

@@ -101,6 +101,7 @@ class Saver:
         self._claim: Optional[dirclaim.DirClaim] = None
         self._claimed = False  # the writer claim of checkpoint_dir was settled (see _claim_dir)
         self.last_stats: Optional[SaveStats] = None
+        self._remote_seen = 0  # remote-tier notes of the persister already emitted as events
 
     # ------------------------------------------------------------------- SaveOwner (for the handles)
     @property
@@ -109,8 +110,17 @@ class Saver:
         return self._options.commit_timeout_secs
 
     def status(self, step: int, dirname: str) -> Dict[str, Any]:
-        """The persister's state of a save (:meth:`PersisterSession.status`)."""
-        return self._session.status(step, dirname)
+        """The persister's state of a save (:meth:`PersisterSession.status`); the remote tier's notes it
+        carries (uploads skipped or failed) become ``upload_skipped`` / ``upload_failed`` events."""
+        reply = self._session.status(step, dirname)
+        notes = reply.get("remote") or []
+        for n in notes[self._remote_seen:]:
+            log.warning("rank %d: remote tier: %s of step %s: %s", self._rank, n.get("kind"), n.get("step"),
+                        n.get("reason"))
+            self._emit(Event(str(n.get("kind")), int(n.get("step", -1)), StorageType.DISK, self._rank,
+                             reason=str(n.get("reason", ""))))
+        self._remote_seen = max(self._remote_seen, len(notes))
+        return reply
 
     def context(self, step: int) -> str:
         """Rank, step and persister pid, for error messages."""

@@ -30,7 +30,7 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "hello": {"token": _STR, "job": _STR, "run_id": _STR, "rank": _INT, "world_size": _INT,
               "local_ranks": _LIST, "committer": _BOOL, "pid": _INT, "checkpoint_dir": _STR,
               "slots_per_rank": _INT, "keep_last": _INT, "commit_timeout_secs": _FLOAT,
-              "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR},
+              "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR, "remote_dir": _STR},
     "acquire": {"step": _INT, "nbytes": _INT},
     "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
               "persistable": _BOOL, "persist": _BOOL,

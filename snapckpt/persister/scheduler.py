@@ -33,6 +33,7 @@ from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import CommitRequest, commit, watch_commit
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
+from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.writer import write_failure_marker, write_part
 from snapckpt.storage.factory import open_storage
 
@@ -75,11 +76,22 @@ class Scheduler:
         self.failed = False  # a part or a commit failed: the persister keeps its log
         self.pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-writer")
         self.commit_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-commit")
+        self.uploader = Uploader(self._upload_done)  # the remote tier (runs with a remote_dir only)
 
     def shutdown(self) -> None:
-        """Wait for every writer and commit task (at exit)."""
+        """Wait for every writer, commit and upload task (at exit)."""
         self.pool.shutdown(wait=True)
         self.commit_pool.shutdown(wait=True)
+        self.uploader.shutdown()
+
+    def _upload_done(self) -> None:
+        with self.lock:
+            self.pending -= 1
+
+    def clean_remote(self, run: Run) -> None:
+        """Queue the clean-up of interrupted uploads under ``run.remote_dir`` (called with the lock)."""
+        self.pending += 1
+        self.uploader.submit(UploadJob(run.run_id, run.remote_dir, "", "", None, run.keep_last))
 
     def result(self, key: SaveKey) -> Optional[Result]:
         """The result of the save ``key``, or ``None`` if this node was never asked to persist it."""
@@ -230,7 +242,13 @@ class Scheduler:
         retired: List[str] = []
         try:
             if run.committer:
-                commit(storage, storage, req, remove_partial_on_failure=False, defer_deletion=retired)
+                manifest = commit(storage, storage, req, remove_partial_on_failure=False, defer_deletion=retired)
+                if run.remote_dir:  # in the background: neither the commit's answer nor training waits
+                    with self.lock:
+                        self.pending += 1
+                    self.uploader.submit(UploadJob(run.run_id, run.remote_dir, req.final_dir, req.dirname,
+                                                   manifest, req.keep_last, req.tracker_name,
+                                                   req.tracker_content))
             else:
                 watch_commit(storage, req)
             state, err = "committed", None

@@ -316,7 +316,7 @@ class Server:
         if run is None:
             run = Run(msg["run_id"], world, list(msg["local_ranks"]), False, msg["checkpoint_dir"],
                       None if msg["keep_last"] < 0 else msg["keep_last"], float(msg["commit_timeout_secs"]),
-                      msg["flush_on_crash"], msg["fsync"], msg["dir_id"])
+                      msg["flush_on_crash"], msg["fsync"], msg["dir_id"], msg["remote_dir"])
             self.slots.runs[run.run_id] = run
             log.info("job %s run %s: checkpoint directory %s (world size %d, local ranks %s)", self.job,
                      run.run_id, run.checkpoint_dir, world, run.local_ranks)
@@ -324,6 +324,8 @@ class Server:
             run.committer = True
             recover_interrupted_commits(open_storage(), run.checkpoint_dir, job=self.job,
                                         known_runs=set(self.slots.runs))
+            if run.remote_dir:  # remove what an interrupted upload of an earlier persister left
+                self.scheduler.clean_remote(run)
         run.connected.add(rank)
         entry = self.slots.attach(rank, run, conn, msg["slots_per_rank"])
         self.conn_rank[conn] = rank
@@ -405,7 +407,8 @@ class Server:
             return P.ok(state="held" if held else "unknown")
         if entry.rank in res.part_errors:
             return P.ok(state="failed", error=res.part_errors[entry.rank], where="part")
-        return P.ok(state=res.state, error=res.error, where="commit")
+        return P.ok(state=res.state, error=res.error, where="commit",
+                    remote=self.scheduler.uploader.notes_for(entry.run_id))
 
     def _op_held(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         return P.ok(slots=[self.slots.info(s) for s in self.slots.held(entry)])

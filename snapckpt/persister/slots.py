@@ -82,6 +82,7 @@ class Run:
     flush_on_crash: bool
     fsync: bool
     dir_id: str = ""  # device:inode of checkpoint_dir when the run started (a re-created directory differs)
+    remote_dir: str = ""  # the remote tier's URL ("": none); the committer uploads every commit there
     connected: Set[int] = field(default_factory=set)
     crashed: bool = False
 

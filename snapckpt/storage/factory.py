@@ -39,8 +39,9 @@ def check_location(location: "str | os.PathLike[str]") -> str:
     if m:
         raise CheckpointDirError(
             f"{text!r} is a URL ({m.group(1)}://, also when a pathlib.Path made it {m.group(1)}:/); snapckpt writes checkpoints to a local or shared filesystem "
-            "path only: pass a directory path (for file://, the path after the scheme); object stores are not "
-            "supported yet")
+            "path only: pass a directory path (for file://, the path after the scheme); an object store is "
+            "a remote tier next to a local directory: Checkpointer(\"ckpt\", remote_dir=\"s3://bucket/run1\") "
+            "(a remote-only mode without a local directory is not supported yet)")
     return text
 
 

@@ -30,6 +30,7 @@ def test_defaults_are_valid_and_frozen():
     ({"slot_wait_timeout_secs": float("nan")}, "slot_wait_timeout_secs"),
     ({"persister_idle_timeout_secs": "60"}, "persister_idle_timeout_secs"),
     ({"job_id": ""}, "job_id"), ({"job_id": "a/b"}, "job_id"), ({"job_id": "nul\x00"}, "job_id"),
+    ({"remote_dir": "/a/local/path"}, "remote_dir must be an object store URL"), ({"remote_dir": 3}, "remote_dir"),
 ])
 def test_invalid_options_are_refused_naming_the_field(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -41,6 +42,14 @@ def test_valid_non_defaults_are_kept_unchanged():
                           commit_timeout_secs=1, job_id="job-1", fsync=False)
     assert (o.keep_last, o.slots_per_rank, o.slot_headroom, o.on_slot_busy, o.commit_timeout_secs, o.job_id,
             o.fsync) == (3, 4, 1.0, "skip", 1, "job-1", False)
+
+
+def test_remote_dir_option_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("SNAPCKPT_REMOTE_DIR", " s3://env-bucket/run ")
+    assert CheckpointOptions().resolved_remote_dir == "s3://env-bucket/run"
+    assert CheckpointOptions(remote_dir="s3://opt/run").resolved_remote_dir == "s3://opt/run"
+    monkeypatch.delenv("SNAPCKPT_REMOTE_DIR")
+    assert CheckpointOptions().resolved_remote_dir is None
 
 
 def test_from_kwargs_refuses_unknown_names_listing_valid_ones():

@@ -56,3 +56,18 @@ def test_a_url_through_pathlib_or_an_integration_is_refused_too(tmp_path, monkey
             get_checkpointer(url)
     assert list(tmp_path.iterdir()) == []
     assert check_location("a:b/c") == "a:b/c" and check_location("./s3://x") == "./s3://x"
+
+
+@pytest.mark.parametrize("url, words", [
+    ("gs://b/x", "not installed (Please install gcsfs"),
+    ("nope://b/x", "Protocol not known: nope"),
+    ("/local/dir", "is not a URL"),
+])
+def test_remote_store_refuses_unusable_urls_naming_the_fix(url, words):
+    """The remote tier's store: a scheme without its fsspec package, an unknown scheme or a plain path is a
+    RemoteStorageError naming the URL (checked before any request)."""
+    from snapckpt.errors import RemoteStorageError
+    from snapckpt.storage.remote import RemoteStore
+    with pytest.raises(RemoteStorageError) as ei:
+        RemoteStore(url)
+    assert words in str(ei.value) and repr(url) in str(ei.value)

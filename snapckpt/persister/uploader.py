@@ -1,0 +1,189 @@
+"""The persister's uploader: committed DISK checkpoints copied to the remote tier in the background.
+
+After the committer's local commit of a step (:mod:`snapckpt.persister.commit`) the scheduler hands the
+committed directory to :meth:`Uploader.submit`; one uploader thread per persister uploads one checkpoint
+at a time (its files in parallel) with :meth:`snapckpt.storage.remote.RemoteStore.upload`, then runs the
+remote retention. Nothing waits for it: not training, not the next DISK save, not the commit's answer.
+
+The queue is bounded (:data:`QUEUE_DEPTH` checkpoints waiting): when a new checkpoint arrives and the queue
+is full, the oldest waiting one is dropped (a newer one will be uploaded instead). A dropped upload, and an
+upload that failed after :data:`RETRIES` retries with backoff, is a warning or error in the persister's
+log and a note that the ranks' next status request carries; the Checkpointer turns each note into an
+``upload_skipped`` / ``upload_failed`` :class:`~snapckpt.events.Event`. The local tier is never touched.
+
+The first job of a remote directory in this persister deletes what interrupted uploads left there
+(:meth:`~snapckpt.storage.remote.RemoteStore.clean_orphans`): only one persister per job uploads (the
+committer's), and a new one starts after the previous one is gone.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Set
+
+from snapckpt.storage.remote import RemoteStore
+
+__all__ = ["Uploader", "UploadJob", "QUEUE_DEPTH", "RETRIES"]
+
+log = logging.getLogger("snapckpt.persister")
+
+#: Checkpoints waiting for upload (beyond the one being uploaded); the oldest is dropped past it.
+QUEUE_DEPTH = 2
+#: Retries of a failed upload (backoff 1, 2, 4... seconds) before it is given up.
+RETRIES = 3
+BACKOFF_SECS = 1.0
+
+
+@dataclass
+class UploadJob:
+    """One committed checkpoint to upload (``manifest`` is ``None`` for a clean-up only job)."""
+
+    run_id: str
+    remote_dir: str
+    local_dir: str
+    dirname: str
+    manifest: Optional[Dict[str, Any]]
+    keep_last: Optional[int]
+    tracker_name: str = ""
+    tracker_content: str = ""
+
+
+class Uploader:
+    """The upload queue and its thread.
+
+    Args:
+        on_done: called with no argument (from the uploader thread) each time a submitted job ends,
+            uploaded, failed or dropped: the scheduler's count of pending work.
+    """
+
+    def __init__(self, on_done) -> None:
+        self._on_done = on_done
+        self._cond = threading.Condition()
+        self._queue: Deque[UploadJob] = collections.deque()
+        self._thread: Optional[threading.Thread] = None
+        self._stores: Dict[str, RemoteStore] = {}
+        self._cleaned: Set[str] = set()
+        self._stop = False
+        self.notes: Dict[str, List[Dict[str, Any]]] = {}  # run id -> upload_skipped/upload_failed notes
+
+    def submit(self, job: UploadJob) -> None:
+        """Queue ``job``; drop the oldest waiting checkpoint when :data:`QUEUE_DEPTH` are waiting."""
+        dropped: Optional[UploadJob] = None
+        with self._cond:
+            waiting = [j for j in self._queue if j.manifest is not None]
+            if job.manifest is not None and len(waiting) >= QUEUE_DEPTH:
+                dropped = waiting[0]
+                self._queue.remove(dropped)
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="snapckpt-uploader", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        if dropped is not None:
+            reason = (f"the upload queue was full ({QUEUE_DEPTH} waiting); step {job.manifest['step']} "
+                      "will be uploaded instead")
+            log.warning("remote: upload of step %d (%s) to %s skipped: %s", dropped.manifest["step"],
+                        dropped.dirname, dropped.remote_dir, reason)
+            self._note(dropped, "upload_skipped", reason)
+            self._on_done()
+
+    def shutdown(self) -> None:
+        """Let the queued uploads finish, then stop the thread (at exit)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def notes_for(self, run_id: str) -> List[Dict[str, Any]]:
+        """The notes of run ``run_id``, oldest first (the list only grows)."""
+        with self._cond:
+            return list(self.notes.get(run_id, ()))
+
+    def _note(self, job: UploadJob, kind: str, reason: str) -> None:
+        with self._cond:
+            self.notes.setdefault(job.run_id, []).append(
+                {"kind": kind, "step": job.manifest["step"] if job.manifest else -1, "reason": reason})
+
+    def _store(self, url: str) -> RemoteStore:
+        store = self._stores.get(url)
+        if store is None:
+            store = self._stores[url] = RemoteStore(url)
+        return store
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            try:
+                self._do(job)
+            except BaseException as e:  # never let the thread die: the queue would stall
+                log.error("remote: unexpected error in the uploader: %s", e)
+            finally:
+                self._on_done()
+
+    def _do(self, job: UploadJob) -> None:
+        try:
+            store = self._store(job.remote_dir)
+        except Exception as e:
+            log.error("remote: %s", e)
+            if job.manifest is not None:
+                self._note(job, "upload_failed", str(e))
+            return
+        if job.remote_dir not in self._cleaned:
+            try:
+                removed = store.clean_orphans()
+                self._cleaned.add(job.remote_dir)
+                if removed:
+                    log.warning("remote: removed %d interrupted upload(s) under %s: %s", len(removed),
+                                job.remote_dir, removed)
+            except Exception as e:
+                log.warning("remote: could not clean interrupted uploads under %s: %s", job.remote_dir, e)
+        if job.manifest is None:
+            return
+        step = job.manifest["step"]
+        delay = BACKOFF_SECS
+        for attempt in range(RETRIES + 1):
+            t0 = time.monotonic()
+            if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
+                reason = (f"{job.local_dir} was deleted by retention (keep_last={job.keep_last}) before its upload "
+                          "began; a newer checkpoint is uploaded instead")
+                log.warning("remote: upload of step %d to %s skipped: %s", step, job.remote_dir, reason)
+                self._note(job, "upload_skipped", reason)
+                return
+            try:
+                store.upload(job.local_dir, job.dirname, job.manifest, run_id=job.run_id,
+                             tracker_name=job.tracker_name, tracker_content=job.tracker_content)
+            except Exception as e:
+                cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                if attempt == RETRIES:
+                    log.error("remote: upload of step %d (%s) to %s failed after %d attempts: %s; the local "
+                              "checkpoint is intact", step, job.dirname, job.remote_dir, attempt + 1, cause)
+                    self._note(job, "upload_failed", f"{job.remote_dir}: {cause}")
+                    try:  # what the failed attempts left (no manifest): nothing else uploads meanwhile
+                        store.clean_orphans()
+                    except Exception as e2:
+                        log.warning("remote: could not clean up after the failed upload of step %d: %s", step, e2)
+                    return
+                log.warning("remote: upload of step %d to %s failed (%s); retrying in %g s", step,
+                            job.remote_dir, cause, delay)
+                time.sleep(delay)
+                delay *= 2
+                continue
+            nbytes = sum(int(r["nbytes"]) for r in job.manifest["files"].values())
+            log.info("remote: uploaded step %d (%d bytes) to %s in %.3f s", step, nbytes, job.remote_dir,
+                     time.monotonic() - t0)
+            break
+        try:
+            store.apply_retention(job.keep_last, protect=[job.dirname])
+        except Exception as e:  # retention never fails an upload that happened
+            log.warning("remote retention after step %d failed: %s", step, e)

@@ -1,0 +1,447 @@
+"""The remote tier: committed checkpoints copied to an object store (``s3://``, any fsspec URL).
+
+Layout under the remote URL (the same native layout as ``checkpoint_dir``)::
+
+    <remote_dir>/step_00000100/rank_00000.pt               data objects, uploaded first
+    <remote_dir>/step_00000100/.snapckpt/remote.json       written before the data: a snapckpt upload began
+    <remote_dir>/step_00000100/.snapckpt/manifest.json     the commit record, written last
+    <remote_dir>/latest                                    tracker object, written after the manifest
+
+**Commit without rename.** An object store has no atomic rename of a prefix, so the manifest object is the
+commit record: it is written only after every data object is complete (each streamed from the local
+committed copy after its XXH3-64 was recomputed from the same open file and compared with the local
+manifest, its size read back from the store), then the tracker object. Readers (:meth:`RemoteStore.list_committed`) ignore every
+prefix without a manifest that parses, or whose objects have the wrong size. Retention deletes the
+manifest first, then the data: a half-deleted checkpoint is never taken for a committed one. An upload
+that was interrupted (the persister killed, the connection lost) leaves a prefix with ``remote.json`` and
+no manifest, and maybe an unfinished multipart upload: :meth:`RemoteStore.clean_orphans` (run by the next
+persister of the job) deletes both.
+
+Credentials come from the standard places only (the provider's environment variables and config files;
+``AWS_ENDPOINT_URL`` for an S3-compatible endpoint): snapckpt never writes or logs them, and its error
+messages name the URL, never a key.
+
+The library is fsspec (with s3fs for ``s3://``): one interface for every object store fsspec knows; s3fs's
+``put_file`` sends parts of ``block_nbytes`` concurrently (multipart upload), downloads stream in blocks,
+several files at once, so a checkpoint never has a second full copy in RAM (``benchmarks/remote_s3.py``
+measures both against plain clients).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import os
+import posixpath
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from snapckpt._internal import env as _env
+from snapckpt._internal import faultpoints as faults
+from snapckpt.errors import CheckpointCorruptError, RemoteStorageError
+from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum)
+
+__all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url"]
+
+log = logging.getLogger(__name__)
+
+#: Marker of a snapckpt upload in a checkpoint prefix (written before the data objects).
+REMOTE_MARKER = f"{SIDECAR}/remote.json"
+#: Default multipart part size of uploads and block size of downloads (bytes); also the memory one stream
+#: holds (``SNAPCKPT_REMOTE_BLOCK_NBYTES`` changes it).
+BLOCK_NBYTES = 16 << 20
+#: Files of one checkpoint uploaded or downloaded at once.
+PARALLEL_FILES = 4
+#: Parts of one file in flight at once (S3): with the files, at most
+#: ``PARALLEL_FILES * PART_CONCURRENCY * block_nbytes`` bytes (256 MiB by default) of a checkpoint in memory.
+PART_CONCURRENCY = 4
+
+
+def is_remote_url(text: str) -> bool:
+    """Whether ``text`` looks like ``scheme://...`` with a scheme of two or more characters."""
+    head, sep, _ = text.partition("://")
+    return bool(sep) and len(head) >= 2 and head.replace("+", "").replace("-", "").replace(".", "").isalnum()
+
+
+@dataclass(frozen=True)
+class RemoteCommitted:
+    """A checkpoint committed in the remote tier: step, directory name, URL of its prefix, manifest."""
+
+    step: int
+    dirname: str
+    url: str
+    manifest: Dict[str, Any]
+
+
+class RemoteStore:
+    """One remote checkpoint location (``s3://bucket/prefix``...), through fsspec.
+
+    Args:
+        url: the remote directory, any fsspec URL with a scheme (``s3://bucket/run1``).
+
+    Raises:
+        RemoteStorageError: the URL has no scheme, or fsspec has no implementation for it installed
+            (the message names the package to install: ``pip install snapckpt[s3]`` for ``s3://``).
+    """
+
+    def __init__(self, url: str) -> None:
+        if not isinstance(url, str) or not is_remote_url(url.strip()):
+            raise RemoteStorageError(f"remote_dir {url!r} is not a URL: pass e.g. remote_dir=\"s3://bucket/run1\"")
+        self.url = url.strip().rstrip("/")
+        try:
+            import fsspec
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)
+        except ImportError as e:
+            raise RemoteStorageError(
+                f"remote_dir {self.url!r}: the fsspec implementation for this scheme is not installed ({e}); "
+                "for s3:// install the s3 extra: pip install 'snapckpt[s3]'") from e
+        except ValueError as e:  # an unknown protocol
+            raise RemoteStorageError(f"remote_dir {self.url!r}: {e}") from e
+        self.root = self.root.rstrip("/")
+        self.block_nbytes = _env.remote_block_nbytes()
+
+    # ----------------------------------------------------------------------------------- helpers
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def display(self, *parts: str) -> str:
+        """The URL of ``parts`` under the remote directory (for messages)."""
+        return posixpath.join(self.url, *parts)
+
+    def _read(self, path: str) -> bytes:
+        with self.fs.open(path, "rb") as f:
+            return f.read()
+
+    def _write(self, path: str, data: bytes) -> None:
+        with self.fs.open(path, "wb") as f:
+            f.write(data)
+
+    # ------------------------------------------------------------------------------------ checks
+    def check_access(self) -> None:
+        """Check that the remote directory can be listed and written (a small probe object is written and
+        deleted). Called by :class:`~snapckpt.Checkpointer` at start, before training.
+
+        Raises:
+            RemoteStorageError: the bucket does not exist, the credentials are missing or refused, or the
+                endpoint cannot be reached; the message names the URL, the cause and the fix, never a key.
+        """
+        probe = self._path(f".snapckpt-probe-{uuid.uuid4().hex[:12]}")
+        try:
+            self._write(probe, b"snapckpt access probe\n")
+            self.fs.rm_file(probe)
+            self.fs.invalidate_cache()
+        except FileNotFoundError as e:
+            raise RemoteStorageError(
+                f"remote_dir {self.url!r}: the bucket does not exist ({_cause(e)}); create it (e.g. "
+                f"`aws s3 mb {self.url.split('/')[0]}//{self.url.split('/')[2]}`) or fix the URL") from e
+        except PermissionError as e:
+            raise RemoteStorageError(
+                f"remote_dir {self.url!r}: access denied ({_cause(e)}); check the credentials in the standard "
+                "places (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials, the instance "
+                "role) and that they may write this prefix") from e
+        except Exception as e:  # no credentials, endpoint down, DNS...
+            raise RemoteStorageError(
+                f"remote_dir {self.url!r}: cannot write a probe object: {_cause(e)}; check the endpoint "
+                "(AWS_ENDPOINT_URL for an S3-compatible store), the network and the credentials in the "
+                "standard places") from e
+
+    # ------------------------------------------------------------------------------------ listing
+    def _dirs(self) -> List[str]:
+        try:
+            entries = self.fs.ls(self.root, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+
+    def list_committed(self, problems: Optional[List[str]] = None) -> List[RemoteCommitted]:
+        """Committed remote checkpoints, oldest step first: prefixes whose manifest object parses and whose
+        data objects all exist with the recorded sizes. Prefixes without a manifest (an upload in flight,
+        or interrupted) are skipped silently; damaged ones are described in ``problems``."""
+        out: List[RemoteCommitted] = []
+        self.fs.invalidate_cache()
+        for name in self._dirs():
+            if name.startswith("."):
+                continue
+            try:
+                data = self._read(self._path(name, MANIFEST))
+            except FileNotFoundError:
+                continue
+            try:
+                m = parse_manifest(data, name, source=self.display(name, MANIFEST))
+                self._check_sizes(name, m)
+            except CheckpointCorruptError as e:
+                if problems is not None:
+                    problems.append(f"{self.display(name)}: {e}")
+                continue
+            out.append(RemoteCommitted(m["step"], name, self.display(name), m))
+        out.sort(key=lambda c: (c.step, c.manifest.get("created_unix", 0)))
+        return out
+
+    def _check_sizes(self, dirname: str, manifest: Dict[str, Any]) -> None:
+        sizes: Dict[str, int] = {}
+        base = self._path(dirname)
+        for path, info in self.fs.find(base, detail=True).items():
+            sizes[posixpath.relpath(path, base)] = int(info.get("size", -1))
+        for name, rec in manifest["files"].items():
+            if name not in sizes:
+                raise CheckpointCorruptError(f"{self.display(dirname, name)} is missing (listed in the manifest)")
+            if sizes[name] != rec["nbytes"]:
+                raise CheckpointCorruptError(f"{self.display(dirname, name)} is {sizes[name]} bytes, the manifest "
+                                             f"says {rec['nbytes']}")
+
+    # ------------------------------------------------------------------------------------- upload
+    def upload(self, local_dir: str, dirname: str, manifest: Dict[str, Any], *, run_id: str,
+               tracker_name: str = "", tracker_content: str = "") -> None:
+        """Upload the committed local checkpoint ``local_dir`` (manifest ``manifest``) as ``<url>/<dirname>``
+        and commit it there: marker, data objects (each file's checksum recomputed and compared with the
+        manifest just before it is sent; sizes read back), manifest object, then the tracker object
+        ``tracker_name`` (if given).
+
+        A prefix already committed with the same files (same sizes and checksums) is left as it is (only
+        the tracker is written). A different one (a re-save of the step) loses its manifest first.
+
+        Raises:
+            CheckpointCorruptError: a local file no longer matches its manifest (nothing committed remotely).
+            OSError / the store's errors: the upload failed (nothing committed remotely).
+        """
+        step = manifest["step"]
+        prefix = self._path(dirname)
+        mpath = self._path(dirname, MANIFEST)
+        same = False
+        try:
+            old = parse_manifest(self._read(mpath), dirname)
+            same = old["files"] == manifest["files"]
+            if same:
+                self._check_sizes(dirname, old)  # an object lost since: upload again
+        except FileNotFoundError:
+            pass
+        except CheckpointCorruptError:
+            pass
+        if not same:
+            if self.fs.exists(prefix):
+                self._rm_quiet(mpath)  # the commit record goes first: never a manifest over mixed data
+                self._rm_tree(prefix)
+            self._write(self._path(dirname, REMOTE_MARKER),
+                        json.dumps({"run_id": run_id, "step": step, "started_unix": time.time(),
+                                    "tracker_name": tracker_name, "tracker_content": tracker_content}).encode())
+            names = sorted(manifest["files"])
+            with cf.ThreadPoolExecutor(max_workers=min(PARALLEL_FILES, max(1, len(names))),
+                                       thread_name_prefix="snapckpt-upload") as ex:
+                futs = [ex.submit(self._put_file, os.path.join(local_dir, n), dirname, n, manifest["files"][n],
+                                  step) for n in names]
+                for f in futs:
+                    f.result()
+            self.fs.invalidate_cache()
+            self._check_sizes(dirname, manifest)
+            faults.point("remote.before_manifest", step=step, rank=None)
+            self._write(mpath, json.dumps(manifest, indent=1).encode())
+        if tracker_name:
+            faults.point("remote.before_tracker", step=step, rank=None)
+            self._write(self._path(tracker_name), tracker_content.encode())
+        log.info("remote: committed step %d as %s (%d files)", step, self.display(dirname), len(manifest["files"]))
+
+    def _put_file(self, local: str, dirname: str, name: str, rec: Dict[str, Any], step: int) -> None:
+        """Upload one committed file: its checksum is recomputed from an open descriptor, then the same
+        inode (``/proc/self/fd``: a re-commit that renamed another file into place meanwhile cannot swap
+        the bytes) is sent by s3fs's ``put_file``: parts of ``block_nbytes`` uploaded :data:`PART_CONCURRENCY`
+        at a time (a multipart upload, aborted by s3fs on an error), a single PUT below two parts."""
+        known = record_checksum(rec)
+        if known is None:
+            raise CheckpointCorruptError(f"{local}: its manifest record holds no known checksum")
+        algo, want = known
+        h = CHECKSUMS[algo]()
+        n = 0
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            while True:
+                chunk = os.read(fd, self.block_nbytes)
+                if not chunk:
+                    break
+                h.update(chunk)
+                n += len(chunk)
+            if n != rec["nbytes"] or h.hexdigest() != want:
+                raise CheckpointCorruptError(
+                    f"{local} changed since it was committed ({n} bytes, {algo} {h.hexdigest()}; the manifest "
+                    f"says {rec['nbytes']} bytes, {want}); not uploaded")
+            kwargs: Dict[str, Any] = {}
+            if "s3" in _protocols(self.fs):
+                kwargs = {"chunksize": self.block_nbytes, "max_concurrency": PART_CONCURRENCY}
+            self.fs.put_file(f"/proc/self/fd/{fd}", self._path(dirname, name), callback=_part_point(step), **kwargs)
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------------------------- download
+    def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True) -> str:
+        """Download the remote checkpoint ``c`` into ``<checkpoint_dir>/<dirname>`` with every checksum
+        verified, the local way: a hidden partial directory, the manifest written last, a rename; then the
+        tracker file the upload recorded (if any). Return the local path.
+
+        Raises:
+            CheckpointCorruptError: a remote object fails its size or checksum (nothing is left locally).
+            FileExistsError: ``<checkpoint_dir>/<dirname>`` already exists.
+        """
+        final = os.path.join(checkpoint_dir, c.dirname)
+        if os.path.exists(final):
+            raise FileExistsError(f"{final} exists; not overwritten by the download of {c.url}")
+        partial = os.path.join(checkpoint_dir, f".{c.dirname}.download-{uuid.uuid4().hex[:12]}")
+        os.makedirs(os.path.join(partial, SIDECAR), exist_ok=True)
+        try:
+            names = sorted(c.manifest["files"])
+            with cf.ThreadPoolExecutor(max_workers=min(PARALLEL_FILES, max(1, len(names))),
+                                       thread_name_prefix="snapckpt-download") as ex:
+                futs = [ex.submit(self._get_file, c, n, partial, fsync) for n in names]
+                for f in futs:
+                    f.result()
+            _write_local(os.path.join(partial, MANIFEST), json.dumps(c.manifest, indent=1).encode(), fsync)
+            os.rename(partial, final)
+            _fsync_dir(checkpoint_dir, fsync)
+        except BaseException:
+            import shutil
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        try:
+            info = json.loads(self._read(self._path(c.dirname, REMOTE_MARKER)))
+            tname, tcontent = info.get("tracker_name"), info.get("tracker_content")
+        except (OSError, ValueError):
+            tname = tcontent = None
+        if isinstance(tname, str) and tname and "/" not in tname and isinstance(tcontent, str):
+            tmp = os.path.join(checkpoint_dir, f".{tname}.tmp-{uuid.uuid4().hex[:12]}")
+            _write_local(tmp, tcontent.encode(), fsync)
+            os.replace(tmp, os.path.join(checkpoint_dir, tname))
+            _fsync_dir(checkpoint_dir, fsync)
+        log.info("remote: downloaded step %d from %s into %s", c.step, c.url, final)
+        return final
+
+    def _get_file(self, c: RemoteCommitted, name: str, partial: str, fsync: bool) -> None:
+        rec = c.manifest["files"][name]
+        known = record_checksum(rec)
+        if known is None:
+            raise CheckpointCorruptError(f"{c.url}/{name}: its manifest record holds no known checksum")
+        algo, want = known
+        h = CHECKSUMS[algo]()
+        dest = os.path.join(partial, name)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        n = 0
+        with self.fs.open(self._path(c.dirname, name), "rb", block_size=self.block_nbytes) as src, \
+                open(dest, "wb") as dst:
+            while True:
+                chunk = src.read(self.block_nbytes)
+                if not chunk:
+                    break
+                h.update(chunk)
+                dst.write(chunk)
+                n += len(chunk)
+            dst.flush()
+            if fsync:
+                os.fsync(dst.fileno())
+        if n != rec["nbytes"] or h.hexdigest() != want:
+            raise CheckpointCorruptError(f"{c.url}/{name} is {n} bytes with {algo} {h.hexdigest()}; the manifest "
+                                         f"says {rec['nbytes']} bytes, {want} (corrupted in the store)")
+
+    # ---------------------------------------------------------------------------- retention, orphans
+    def apply_retention(self, keep_last: Optional[int], protect: List[str] = ()) -> List[str]:
+        """Delete remote checkpoints beyond the ``keep_last`` most recently saved (manifest first, then
+        the data); return the deleted directory names."""
+        if keep_last is None:
+            return []
+        committed = self.list_committed()
+        committed.sort(key=lambda c: float(c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))))
+        keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
+        deleted = []
+        for c in committed:
+            if c.dirname in keep:
+                continue
+            self._rm_quiet(self._path(c.dirname, MANIFEST))
+            self._rm_tree(self._path(c.dirname))
+            deleted.append(c.dirname)
+            log.info("remote retention: deleted %s (step %d), keeping the newest %d", c.url, c.step, keep_last)
+        return deleted
+
+    def clean_orphans(self) -> List[str]:
+        """Delete what interrupted uploads left: prefixes holding snapckpt's upload marker but no manifest,
+        and unfinished multipart uploads under the remote directory (S3). Only for the job's one uploader,
+        when no upload of its own is in flight. Return the prefixes deleted."""
+        removed = []
+        for name in self._dirs():
+            if name.startswith("."):
+                continue
+            if self.fs.exists(self._path(name, MANIFEST)) or not self.fs.exists(self._path(name, REMOTE_MARKER)):
+                continue
+            self._rm_tree(self._path(name))
+            removed.append(name)
+            log.warning("remote: deleted %s, an upload that was interrupted (no manifest)", self.display(name))
+        self._abort_multipart()
+        self.fs.invalidate_cache()
+        return removed
+
+    def _abort_multipart(self) -> None:
+        """Abort unfinished S3 multipart uploads under the remote directory (they cost storage until
+        aborted). Other stores: nothing to do."""
+        if "s3" not in _protocols(self.fs):
+            return
+        bucket, _, key = self.root.partition("/")
+        prefix = key + "/" if key else ""
+        try:
+            from fsspec.asyn import sync
+            reply = sync(self.fs.loop, self.fs._call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+            for up in reply.get("Uploads", []):
+                sync(self.fs.loop, self.fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=up["Key"],
+                     UploadId=up["UploadId"])
+                log.warning("remote: aborted an unfinished multipart upload of s3://%s/%s", bucket, up["Key"])
+        except Exception as e:  # best effort: a bucket lifecycle rule is the backstop
+            log.warning("remote: could not list or abort multipart uploads under %s: %s", self.url, _cause(e))
+
+    def _rm_quiet(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+    def _rm_tree(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache()
+
+
+def _protocols(fs) -> tuple:
+    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+
+
+def _part_point(step: int):
+    """An fsspec callback that runs the ``remote.mid_upload`` fault point after each part sent."""
+    from fsspec.callbacks import Callback
+
+    class PartPoint(Callback):
+        def relative_update(self, inc=1) -> None:  # s3fs: once per part sent
+            faults.point("remote.mid_upload", step=step, rank=None)
+
+    return PartPoint()
+
+
+def _cause(e: BaseException) -> str:
+    """A short description of a store error (the exception's type and first line; fsspec errors carry
+    no credentials)."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def _write_local(path: str, data: bytes, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str, fsync: bool) -> None:
+    if not fsync:
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
