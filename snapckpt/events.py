@@ -35,6 +35,12 @@ class SaveStats:
         wait_slot_secs: waiting for a free slot (seconds).
         copy_secs: copying into the slot (seconds).
         blocking_secs: total time ``save`` blocked the caller (seconds).
+        durable_secs: ``committed`` events only: seconds from the ``save`` call to this rank learning that
+            the step is committed (durable on storage, tracker replaced); ``None`` on other events. An upper
+            bound: a rank learns of a commit at its next ``poll``, ``save`` or ``wait`` (``HookRegistry`` and
+            the integrations poll at every step).
+        persist_gbps: ``committed`` events only: ``slot_nbytes / durable_secs / 1e9`` (GB/s, decimal) for
+            this rank's part; ``None`` on other events.
     """
 
     step: int
@@ -45,6 +51,8 @@ class SaveStats:
     wait_slot_secs: float
     copy_secs: float
     blocking_secs: float
+    durable_secs: Optional[float] = None
+    persist_gbps: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,7 @@ class Event:
         step: the step concerned.
         tier: the requested ``StorageType``.
         rank: global rank that observed it.
-        stats: for ``snapshot_taken``.
+        stats: for ``snapshot_taken``; for ``committed`` too, with ``durable_secs`` and ``persist_gbps`` set.
         reason: for ``skipped``, ``slot_wait``, ``upload_skipped`` and ``upload_failed``.
         error: for ``failed``.
     """

@@ -203,3 +203,29 @@ def test_a_module_instead_of_the_engine_is_a_clear_type_error(tmp_path):
                                         r".linear.Linear"):
         DeepSpeedCheckpointer(torch.nn.Linear(2, 2), tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_checkpoint_metrics_reach_deepspeeds_csv_monitor(snap_env):
+    """A DeepSpeed config with ``csv_monitor`` enabled; a DISK save at step 2 and a MEMORY save at step 3.
+    Right behaviour: DeepSpeed's own CSV monitor files hold every metric snapckpt emitted, under the shared
+    names (``snapckpt_stall_secs.csv``...), at the step saved, with the values of the events: stall and bytes
+    for both saves, durable time and GB/s for the committed one only."""
+    import csv
+
+    from snapckpt import metrics as M
+
+    csv_dir = os.path.join(snap_env.tmp, "csv")
+    outs = run_ranks("ds_metrics_worker.py", 1, [snap_env.ckpt_dir, csv_dir], ENV, timeout=240)
+    (r,) = _results(outs)
+    expected = {}
+    for e in r["seen"]:
+        for name, value in e["metrics"].items():
+            expected.setdefault(name, []).append((e["step"], value))
+    assert sorted(expected) == sorted([M.STALL_SECS, M.BYTES, M.DURABLE_SECS, M.PERSIST_GBPS]), expected
+    assert [s for s, _ in expected[M.STALL_SECS]] == [2, 3] and [s for s, _ in expected[M.DURABLE_SECS]] == [2]
+    for name, rows in expected.items():
+        path = os.path.join(csv_dir, "job", name.replace("/", "_") + ".csv")
+        with open(path) as f:
+            got = list(csv.reader(f))
+        assert got[0] == ["step", name.split("/")[-1]], got
+        assert [(int(s), float(v)) for s, v in got[1:]] == rows, (name, got)

@@ -5,6 +5,11 @@ directory, the save side (:class:`~.save.DeepSpeedSaver`), the framework seam in
 ``engine.checkpoint_engine`` (:class:`~.engine.SnapckptCheckpointEngine`), and the load side
 (:class:`~.load.DeepSpeedLoader`). With :meth:`DeepSpeedCheckpointer.attach` it also takes snapshots at step
 boundaries by the core's :class:`snapckpt.SnapshotPolicy`.
+
+When the DeepSpeed config enables a monitor (``"tensorboard"``, ``"csv_monitor"``, ``"wandb"``, ``"comet"``),
+each checkpoint's metrics (:mod:`snapckpt.metrics`: ``snapckpt/stall_secs``, ``snapckpt/durable_secs``...)
+go to ``engine.monitor.write_events`` as ``(name, value, step)``, ``step`` being the step saved; DeepSpeed's
+monitor writes rank 0's.
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ import torch
 
 from snapckpt import Checkpointer, SnapshotPolicy
 from snapckpt.errors import SnapckptError
-from snapckpt.events import StorageType
+from snapckpt.events import Event, StorageType
+from snapckpt.metrics import event_metrics
 
 from snapckpt.integrations.deepspeed.engine import SnapckptCheckpointEngine
 from snapckpt.integrations.deepspeed.layout import same_directory
@@ -64,6 +70,16 @@ class DeepSpeedCheckpointer:
         self._hook = None
         self._policy: Optional[SnapshotPolicy] = None
         self._last_policy_step: Optional[int] = None
+        monitor = getattr(engine, "monitor", None)
+        if monitor is not None and getattr(monitor, "enabled", False):
+            self._monitor = monitor
+            self._checkpointer.add_listener(self._report)
+
+    def _report(self, event: Event) -> None:
+        """Write an event's metrics to the DeepSpeed monitor (on the training thread, where events fire)."""
+        m = event_metrics(event)
+        if m:
+            self._monitor.write_events([(name, value, event.step) for name, value in m.items()])
 
     # -------------------------------------------------------------------------------- properties
     @property

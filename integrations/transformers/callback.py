@@ -28,6 +28,14 @@ How it plugs in (transformers 5.24, public callback events only):
    an incomplete folder.
 5. Resume (:mod:`snapckpt.integrations.transformers.resume`) at ``on_init_end``, before ``train()`` looks for
    a checkpoint: a memory-only snapshot is written out as ``checkpoint-N``, damaged folders are set aside.
+6. Metrics (:mod:`snapckpt.metrics`), after :meth:`SnapckptCallback.attach`: each checkpoint's
+   ``snapckpt/*`` values go through the public ``Trainer.log``, so they reach ``state.log_history`` and
+   every ``report_to`` integration (TensorBoard, W&B, ...), which see them as ``train/snapckpt/...``. A
+   callback gets no handle on the Trainer, and the reporting callbacks run before user callbacks on the
+   ``logs`` of ``on_log`` (which ``log_history`` holds a copy of), so there is no other public path.
+   They are logged at the ``on_step_begin`` after they are known (never in ``on_step_end``: a
+   ``Trainer.log`` there would clear the ``should_log`` that the Trainer's own loss logging of that step
+   needs), and the last commits at the end-of-training summary, after it.
 
 Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
 Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
@@ -55,6 +63,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from snapckpt import Checkpointer, CheckpointOptions, Event, SnapshotPolicy, StorageType
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.formats import RawBytes
+from snapckpt.metrics import event_metrics
 
 from snapckpt.integrations.transformers import files as F
 from snapckpt.integrations.transformers import peft as P
@@ -91,6 +100,8 @@ class SnapckptCallback(TrainerCallback):
         checkpointer: the :class:`~snapckpt.Checkpointer` (``None`` before Trainer construction and after
             training ends).
         stall_secs: seconds each snapshot blocked training (list, one per snapshot taken).
+        metrics: every ``{name: value}`` record of :mod:`snapckpt.metrics` this rank saw, in order (list;
+            what :meth:`attach` sends to ``Trainer.log``).
         resumed_from: ``(step, tier)`` of the snapshot the callback wrote out at construction, else ``None``.
 
     Raises:
@@ -125,6 +136,10 @@ class SnapckptCallback(TrainerCallback):
         self.checkpointer: Optional[Checkpointer] = None
         self.stall_secs: List[float] = []
         self.resumed_from: Optional[tuple] = None
+        self.metrics: List[Dict[str, float]] = []
+        self._unlogged: List[Dict[str, float]] = []  # metrics not yet sent to Trainer.log
+        self._trainer: Any = None
+        self._logging = False  # inside our own Trainer.log call
         self._pending: Optional[_Pending] = None
         self._disk_steps: set = set()
         self._static: Dict[str, Any] = {}
@@ -132,6 +147,36 @@ class SnapckptCallback(TrainerCallback):
         self._state: Any = None
 
     # ------------------------------------------------------------------------------- lifecycle
+    def attach(self, trainer: Any) -> Any:
+        """Send each checkpoint's metrics through ``trainer.log``: to ``trainer.state.log_history`` and every
+        ``report_to`` integration (TensorBoard, W&B, MLflow, ...), under the names of :mod:`snapckpt.metrics`.
+
+        Call it once after constructing the Trainer with this callback::
+
+            cb = SnapckptCallback(memory_interval_steps=10)
+            trainer = cb.attach(Trainer(model=model, args=args, callbacks=[cb]))
+
+        Without it, checkpoints are taken just the same and the values are only in :attr:`metrics`.
+
+        Args:
+            trainer: the ``transformers.Trainer`` whose callbacks hold this callback.
+
+        Returns:
+            ``trainer``.
+
+        Raises:
+            ValueError: ``trainer`` is not a Trainer, or this callback is not among its callbacks (pass it in
+                ``Trainer(callbacks=[...])``, so that it also sees the Trainer's construction).
+        """
+        handler = getattr(trainer, "callback_handler", None)
+        if not callable(getattr(trainer, "log", None)) or handler is None:
+            raise ValueError(f"attach() takes the transformers.Trainer, got {type(trainer).__name__}")
+        if not any(cb is self for cb in handler.callbacks):
+            raise ValueError("this SnapckptCallback is not among the Trainer's callbacks: pass it as "
+                             "Trainer(..., callbacks=[callback]) and then call callback.attach(trainer)")
+        self._trainer = trainer
+        return trainer
+
     def _check_args(self, args: Any) -> None:
         for what, on in (("DeepSpeed (TrainingArguments.deepspeed)", getattr(args, "deepspeed", None)),
                          ("FSDP (TrainingArguments.fsdp)", getattr(args, "fsdp", None)),
@@ -186,6 +231,7 @@ class SnapckptCallback(TrainerCallback):
             self.checkpointer.wait()
             self._rotate()
         self.close()
+        self._log_metrics()
 
     # ------------------------------------------------------------------------------ save points
     def on_step_end(self, args, state, control, **kwargs):
@@ -215,6 +261,7 @@ class SnapckptCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._flush(args, state, control, kwargs)
+        self._log_metrics()
 
     on_epoch_begin = on_step_begin  # take the pending snapshot before the next step either way
 
@@ -224,6 +271,7 @@ class SnapckptCallback(TrainerCallback):
             self._flush(args, state, control, kwargs, drop_last_log=True)
             self.checkpointer.wait()
             self._rotate()
+            self._log_metrics()  # the last commits, before on_train_end closes the reporting writers
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.checkpointer is not None:
@@ -286,8 +334,33 @@ class SnapckptCallback(TrainerCallback):
             state.best_model_checkpoint = path
 
     def _on_event(self, event: Event) -> None:
+        m = event_metrics(event)
+        if m:
+            self.metrics.append(m)
+            self._unlogged.append(m)
         if event.kind == "committed" and event.tier == StorageType.DISK:
             self._rotate()
+
+    def _log_metrics(self) -> None:
+        """Send the metrics not yet logged through ``Trainer.log`` (after :meth:`attach`): records merged
+        into as few calls as their names allow (one value per name per call)."""
+        if self._trainer is None or self._logging or not self._unlogged:
+            return
+        batches: List[Dict[str, float]] = [{}]
+        for m in self._unlogged:
+            if batches[-1].keys() & m.keys():
+                batches.append({})
+            batches[-1].update(m)
+        self._unlogged = []
+        control = self._trainer.control
+        should_log = control.should_log  # Trainer.log clears it (CallbackHandler.on_log): keep the Trainer's
+        self._logging = True
+        try:
+            for b in batches:
+                self._trainer.log(dict(b))
+        finally:
+            self._logging = False
+            control.should_log = should_log
 
     def _rotate(self) -> None:
         args, state = self._args, self._state

@@ -64,7 +64,8 @@ class SaveHandle:
     _POLL_SECS = 0.01
 
     def __init__(self, owner: SaveOwner, step: int, tier: StorageType, stats: Optional[SaveStats],
-                 skipped_reason: Optional[str] = None, dirname: str = "", copying: bool = False) -> None:
+                 skipped_reason: Optional[str] = None, dirname: str = "", copying: bool = False,
+                 started: Optional[float] = None) -> None:
         self._owner = owner
         self._copying = copying  # overlap: the copy into the arena runs until the next fence()
         self.step = step
@@ -76,7 +77,9 @@ class SaveHandle:
         self._error: Optional[BaseException] = None
         self._reported = False
         self._created = time.monotonic()
+        self._started = self._created if started is None else started  # time.monotonic() of the save call
         self.committed_secs: Optional[float] = None  # seconds from snapshot to commit
+        self.durable_secs: Optional[float] = None  # seconds from the save call to the commit being known
 
     @property
     def snapshot_taken(self) -> bool:
@@ -125,7 +128,9 @@ class SaveHandle:
         state = reply.get("state")
         if state == "committed":
             self._state = "done"
-            self.committed_secs = time.monotonic() - self._created
+            now = time.monotonic()
+            self.committed_secs = now - self._created
+            self.durable_secs = now - self._started
             self._owner.on_committed(self)
         elif state == "failed":
             rec = reply.get("error") or {"type": "PersistError", "message": "unknown failure"}

@@ -16,6 +16,7 @@ the Saver as its :class:`~snapckpt.engine.handle.SaveOwner`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.engine.stager import Stager
 from snapckpt.errors import CheckpointDirError, InsufficientDiskError, SlotBusyError, SnapckptError
 from snapckpt.events import Event, SaveStats, StorageType
+from snapckpt.metrics import summary_line
 from snapckpt.ondisk import dirclaim
 from snapckpt.ondisk.manifest import validate_dirname, validate_file_name
 from snapckpt.options import CheckpointOptions
@@ -42,17 +44,20 @@ from snapckpt.storage.posix import PosixStorage
 __all__ = ["Saver"]
 
 log = logging.getLogger(__name__)
+summary_log = logging.getLogger("snapckpt.metrics")  # one line per checkpoint, global rank 0
 
 
 class _CopyJob:
     """One snapshot between slot acquisition and the hand-over to the persister."""
 
     def __init__(self, prepared, slot: int, mapped: MappedSlot, step: int, storage_type: StorageType,
-                 dirname: str, tracker_name: str, tracker_content: str, t0: float, t1: float, t2: float):
+                 dirname: str, tracker_name: str, tracker_content: str, t0: float, t1: float, t2: float,
+                 started: float):
         self.prepared, self.slot, self.mapped, self.step = prepared, slot, mapped, step
         self.storage_type, self.dirname = storage_type, dirname
         self.tracker_name, self.tracker_content = tracker_name, tracker_content
         self.t0, self.t1, self.t2 = t0, t1, t2
+        self.started = started  # time.monotonic() of the save call (durable_secs counts from it)
         self.future = None
         self.handle: Optional[SaveHandle] = None
         self.fence_secs = 0.0
@@ -131,9 +136,21 @@ class Saver:
         return self._session.lost_error(step)
 
     def on_committed(self, handle: SaveHandle) -> None:
-        """Log and emit ``committed``."""
+        """Log and emit ``committed``, its stats with ``durable_secs`` and ``persist_gbps``."""
         log.info("rank %d: step %d committed to %s", self._rank, handle.step, self._checkpoint_dir)
-        self._emit(Event("committed", handle.step, handle.storage_type, self._rank))
+        stats = handle.stats
+        if stats is not None and handle.durable_secs is not None:
+            secs = handle.durable_secs
+            stats = dataclasses.replace(stats, durable_secs=secs,
+                                        persist_gbps=stats.slot_nbytes / secs / 1e9 if secs > 0 else None)
+        self._emit_and_summarise(Event("committed", handle.step, handle.storage_type, self._rank, stats=stats))
+
+    def _emit_and_summarise(self, event: Event) -> None:
+        if self._rank == 0:
+            line = summary_line(event)
+            if line is not None:
+                summary_log.info("snapckpt: %s", line)
+        self._emit(event)
 
     def on_failed(self, handle: SaveHandle, exc: BaseException) -> None:
         """Log and emit ``failed``."""
@@ -148,6 +165,7 @@ class Saver:
         check_step(step)
         storage_type = StorageType(storage_type)
         validate_dirname(dirname)
+        started = time.monotonic()
         self.fence()
         if storage_type == StorageType.DISK:
             # the same step and directory again: the first save must end first (its commit would otherwise
@@ -187,7 +205,7 @@ class Saver:
             self._abort(slot)
             raise
         job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
-                       tracker_content if tracker_name else "", t0, t1, t2)
+                       tracker_content if tracker_name else "", t0, t1, t2, started)
         return self._copy(job)
 
     def _check_free(self, step: int, dirname: str, nbytes: int) -> None:
@@ -225,7 +243,8 @@ class Saver:
             # hands the slot to the persister. Until then the state must not change.
             job.device_done = device_done
             job.future = self._copy_thread().submit(_timed_copy, prepared, m.tensor, m.buf, device_done)
-            job.handle = SaveHandle(self, step, storage_type, None, dirname=job.dirname, copying=True)
+            job.handle = SaveHandle(self, step, storage_type, None, dirname=job.dirname, copying=True,
+                                    started=job.started)
             self._inflight = job
             if storage_type == StorageType.DISK:
                 self._handles.append(job.handle)
@@ -299,14 +318,14 @@ class Saver:
         self.last_stats = stats
         handle = job.handle
         if handle is None:
-            handle = SaveHandle(self, job.step, job.storage_type, stats, dirname=job.dirname)
+            handle = SaveHandle(self, job.step, job.storage_type, stats, dirname=job.dirname, started=job.started)
             if job.storage_type == StorageType.DISK:
                 self._handles.append(handle)
         else:
             handle.mark_copied(stats, held_in_memory=job.storage_type == StorageType.MEMORY)
         log.info("rank %d: snapshot of step %d taken (%s, %d bytes, blocked %.3f s)", self._rank, job.step,
                  job.storage_type.value, p.tensor_nbytes, stats.blocking_secs)
-        self._emit(Event("snapshot_taken", job.step, job.storage_type, self._rank, stats=stats))
+        self._emit_and_summarise(Event("snapshot_taken", job.step, job.storage_type, self._rank, stats=stats))
         return handle
 
     def _acquire(self, step: int, nbytes: int, storage_type: StorageType) -> Optional[Dict[str, Any]]:

@@ -1,0 +1,90 @@
+"""The checkpoint metrics every integration reports, under one set of names.
+
+Each integration (the Trainer callback, DeepSpeed's monitor, ...) maps the :class:`~snapckpt.events.Event`
+records of its rank through :func:`event_metrics` and hands the ``{name: value}`` result to the
+framework's own logger, so a dashboard shows the same names whichever framework trains:
+
+| name | unit | meaning (event) |
+|---|---|---|
+| ``snapckpt/stall_secs`` | seconds | time ``save`` blocked training (``snapshot_taken``) |
+| ``snapckpt/bytes`` | bytes | this rank's snapshot: tensor data and pickled objects (``snapshot_taken``) |
+| ``snapckpt/durable_secs`` | seconds | from the ``save`` call to this rank learning of the commit (``committed``) |
+| ``snapckpt/persist_gbps`` | GB/s | ``bytes / durable_secs / 1e9`` (``committed``) |
+| ``snapckpt/skipped`` | count | 1 for a step whose snapshot was skipped: no free slot (``skipped``) |
+
+Each value is reported once per checkpoint, when it becomes known: stall and bytes when the snapshot is
+taken, durable time and throughput when the commit is learnt (a step or more later). Values are this
+rank's (integrations report rank 0's). :func:`summary_line` is the one INFO line per checkpoint that
+global rank 0 logs on the ``snapckpt.metrics`` logger.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+from snapckpt.events import Event, StorageType
+
+__all__ = ["STALL_SECS", "BYTES", "DURABLE_SECS", "PERSIST_GBPS", "SKIPPED", "METRICS", "event_metrics",
+           "summary_line"]
+
+STALL_SECS = "snapckpt/stall_secs"
+BYTES = "snapckpt/bytes"
+DURABLE_SECS = "snapckpt/durable_secs"
+PERSIST_GBPS = "snapckpt/persist_gbps"
+SKIPPED = "snapckpt/skipped"
+
+#: ``(name, unit, meaning)`` of every metric, in the order of the docs' table.
+METRICS: Tuple[Tuple[str, str, str], ...] = (
+    (STALL_SECS, "seconds", "time save blocked training"),
+    (BYTES, "bytes", "this rank's snapshot: tensor data and pickled objects"),
+    (DURABLE_SECS, "seconds", "from the save call to this rank learning of the commit"),
+    (PERSIST_GBPS, "GB/s", "bytes / durable_secs / 1e9"),
+    (SKIPPED, "count", "1 for a step whose snapshot was skipped (no free arena slot)"),
+)
+
+
+def event_metrics(event: Event) -> Dict[str, float]:
+    """The metrics an event carries, ``{name: value}`` (floats; names above).
+
+    Args:
+        event: any :class:`~snapckpt.events.Event`.
+
+    Returns:
+        ``snapshot_taken``: stall (seconds) and bytes; ``committed``: durable time (seconds) and
+        throughput (GB/s); ``skipped``: ``{SKIPPED: 1.0}``; any other event (``slot_wait``, ``failed``),
+        or one without the statistics: ``{}``.
+    """
+    st = event.stats
+    if event.kind == "skipped":
+        return {SKIPPED: 1.0}
+    if st is None:
+        return {}
+    if event.kind == "snapshot_taken":
+        return {STALL_SECS: float(st.blocking_secs), BYTES: float(st.slot_nbytes)}
+    if event.kind == "committed" and st.durable_secs is not None:
+        out = {DURABLE_SECS: float(st.durable_secs)}
+        if st.persist_gbps is not None:
+            out[PERSIST_GBPS] = float(st.persist_gbps)
+        return out
+    return {}
+
+
+def summary_line(event: Event) -> Optional[str]:
+    """The one-line summary of a checkpoint, or ``None`` for an event that ends none.
+
+    A DISK checkpoint is summarised at its ``committed`` event, a MEMORY one at its ``snapshot_taken``::
+
+        step 200 (disk): 1.2 GiB, stall 0.031 s, durable 2.40 s, 0.54 GB/s
+        step 210 (memory): 1.2 GiB, stall 0.029 s
+    """
+    from snapckpt.cli.common import human_bytes  # (no import cycle at module load)
+
+    st = event.stats
+    if st is None:
+        return None
+    if event.kind == "committed" and st.durable_secs is not None:
+        gbps = "" if st.persist_gbps is None else f", {st.persist_gbps:.2f} GB/s"
+        return (f"step {event.step} ({event.tier}): {human_bytes(st.slot_nbytes)}, stall {st.blocking_secs:.3f} s, "
+                f"durable {st.durable_secs:.2f} s{gbps}")
+    if event.kind == "snapshot_taken" and event.tier == StorageType.MEMORY:
+        return f"step {event.step} ({event.tier}): {human_bytes(st.slot_nbytes)}, stall {st.blocking_secs:.3f} s"
+    return None
