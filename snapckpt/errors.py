@@ -24,6 +24,7 @@ __all__ = [
     "PersistError",
     "CommitError",
     "CommitTimeoutError",
+    "PeerLostError",
     "CoordinationError",
     "RankTimeoutError",
     "CheckpointNotFoundError",
@@ -95,6 +96,12 @@ class CommitError(SnapckptError):
 
 class CommitTimeoutError(CommitError):
     """Not every rank's part arrived before the commit timeout; the message names the missing ranks."""
+
+
+class PeerLostError(CommitError):
+    """A commit was abandoned because a part it waits for can never come: the rank's process died before
+    handing it over, or the persister of the rank's node is gone (its lease went stale). The message names
+    the step, the rank(s), their pid and host (see :mod:`snapckpt.persister.peers`)."""
 
 
 class CoordinationError(SnapckptError):

@@ -41,6 +41,11 @@ class CheckpointOptions:
         commit_timeout_secs: bound on the wait for every rank's part of a DISK save (and for
             ``SaveHandle.wait()`` without a timeout), seconds; past it the commit fails with
             :class:`~snapckpt.errors.CommitTimeoutError` naming the missing ranks.
+        peer_timeout_secs: how long a node persister's liveness lease may go unrenewed before a commit
+            waiting for that node's ranks is abandoned with :class:`~snapckpt.errors.PeerLostError`
+            (the node is taken for lost), seconds. ``None`` (default): ``$SNAPCKPT_PEER_TIMEOUT_SECS``, else
+            10. A rank whose process died is detected at once, without this bound
+            (:mod:`snapckpt.persister.peers`). Raise it where a shared filesystem may stall writes longer.
         coordination_timeout_secs: bound on the rank agreement of ``load``/``latest_step``/construction.
         persister_startup_timeout_secs: bound on starting or finding the node persister.
         persister_idle_timeout_secs: the persister exits after this long with no client (it keeps the
@@ -73,6 +78,7 @@ class CheckpointOptions:
     slot_wait_timeout_secs: float = 600.0
     request_timeout_secs: float = 60.0
     commit_timeout_secs: float = 600.0
+    peer_timeout_secs: Optional[float] = None
     coordination_timeout_secs: float = 300.0
     persister_startup_timeout_secs: float = 60.0
     persister_idle_timeout_secs: float = 300.0
@@ -97,6 +103,8 @@ class CheckpointOptions:
                 raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
             if f.name.endswith("_secs"):
                 value = getattr(self, f.name)
+                if value is None and f.name == "peer_timeout_secs":
+                    continue  # resolved from the environment
                 if not isinstance(value, (int, float)) or not value > 0:  # NaN too
                     raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
         if self.remote_dir is not None and (not isinstance(self.remote_dir, str) or "://" not in self.remote_dir):
@@ -119,6 +127,15 @@ class CheckpointOptions:
     def resolved_remote_dir(self) -> Optional[str]:
         """The remote tier's URL in force (option, then ``$SNAPCKPT_REMOTE_DIR``), or ``None``."""
         return self.remote_dir or _env.remote_dir() or None
+
+    @property
+    def resolved_peer_timeout_secs(self) -> float:
+        """The peer timeout in force, seconds (option, then ``SNAPCKPT_PEER_TIMEOUT_SECS``, then 10).
+
+        Raises:
+            ValueError: the environment variable is not a positive number.
+        """
+        return float(self.peer_timeout_secs) if self.peer_timeout_secs is not None else _env.peer_timeout_secs()
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "CheckpointOptions":

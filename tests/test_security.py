@@ -190,7 +190,8 @@ def _hello(token: str, job: str, ckpt: str) -> dict:
     return {"op": "hello", "token": token, "job": job, "run_id": job + "0" * 12, "rank": 0, "world_size": 1,
             "local_ranks": [0], "committer": True, "pid": os.getpid(), "checkpoint_dir": ckpt,
             "slots_per_rank": 2, "keep_last": -1, "commit_timeout_secs": 5.0, "flush_on_crash": False,
-            "fsync": False, "dir_id": "", "remote_dir": ""}
+            "fsync": False, "dir_id": "", "remote_dir": "",
+            "peer_timeout_secs": 10.0}
 
 
 def _attack(sock_path: str, payload: bytes) -> tuple:

@@ -6,6 +6,8 @@ Knobs:
 - ``SNAPCKPT_REMOTE_DIR``: default remote tier URL (``s3://bucket/run1``), the ``remote_dir`` option.
 - ``SNAPCKPT_REMOTE_BLOCK_NBYTES``: multipart part size of remote uploads and block size of downloads
   (bytes, at least 5 MiB, S3's smallest part; default 16 MiB).
+- ``SNAPCKPT_PEER_TIMEOUT_SECS``: default of the ``peer_timeout_secs`` option (default 10): how long a
+  node persister's liveness lease may go unrenewed before a commit waiting for its ranks is abandoned.
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
 - ``TORCHELASTIC_RESTART_COUNT`` (set by torchrun, not by users): the launch attempt, part of every
   coordination key so that a restarted attempt never reads an earlier attempt's records (contract 12).
@@ -44,6 +46,28 @@ def remote_block_nbytes() -> int:
     value = int(raw)
     if value < (5 << 20):
         raise ValueError(f"SNAPCKPT_REMOTE_BLOCK_NBYTES={raw!r} must be at least 5 MiB (5242880), S3's smallest part")
+    return value
+
+
+DEFAULT_PEER_TIMEOUT_SECS = 10.0
+
+
+def peer_timeout_secs() -> float:
+    """Default ``peer_timeout_secs`` (``SNAPCKPT_PEER_TIMEOUT_SECS``, else 10), seconds.
+
+    Raises:
+        ValueError: the variable is set but not a positive number of seconds.
+    """
+    raw = os.environ.get("SNAPCKPT_PEER_TIMEOUT_SECS", "").strip()
+    if not raw:
+        return DEFAULT_PEER_TIMEOUT_SECS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"SNAPCKPT_PEER_TIMEOUT_SECS={raw!r} must be a positive number of seconds "
+                         "(or unset for the default, 10)")
     return value
 
 

@@ -67,7 +67,8 @@ class PersisterSession:
             "local_ranks": list(topo.local_ranks), "committer": topo.rank == 0,
             "pid": os.getpid(), "checkpoint_dir": self._checkpoint_dir, "slots_per_rank": o.slots_per_rank,
             "keep_last": -1 if o.keep_last is None else o.keep_last,
-            "commit_timeout_secs": o.commit_timeout_secs, "flush_on_crash": o.flush_on_crash,
+            "commit_timeout_secs": o.commit_timeout_secs, "peer_timeout_secs": o.resolved_peer_timeout_secs,
+            "flush_on_crash": o.flush_on_crash,
             "fsync": o.fsync, "dir_id": self._dir_id, "remote_dir": o.resolved_remote_dir or ""})
 
     def request(self, op: str, **fields: Any) -> Dict[str, Any]:

@@ -5,7 +5,9 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
 1. waits until the partial directory ``.<dirname>.partial-<R>`` holds a part marker from exactly the
    ranks ``0 .. world_size-1`` (a failure marker ends the wait at once with that rank's error; a marker
    from an unexpected rank, a missing rank at the deadline, or a file the marker lists that is missing
-   or of the wrong size fails the commit: case B9);
+   or of the wrong size fails the commit: case B9; a missing rank whose process died before handing its
+   part over, or whose node's persister is lost, ends the wait in seconds with ``PeerLostError``:
+   :mod:`snapckpt.persister.peers`);
 2. writes ``.snapckpt/manifest.json`` into the partial directory (atomic, fsynced) and fsyncs it;
 3. renames the partial directory to ``<dirname>`` (an older committed directory of the same name is
    moved aside first, to ``.<dirname>.replaced-<R>``, and deleted after; when a crash comes between the
@@ -15,7 +17,7 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
 5. runs retention.
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
-to appear. On failure the committer deletes the partial directory (the node persister does it once its
+to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node). On failure the committer deletes the partial directory (the node persister does it once its
 own writers of that step are done): nothing a loader would look at is left behind, and the previous
 checkpoint and tracker are untouched. Partial directories of this job's earlier, crashed runs are
 removed by :func:`recover_interrupted_commits` when the next run of the job starts.
@@ -29,7 +31,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from snapckpt._internal import faultpoints as faults
-from snapckpt.errors import CheckpointCorruptError, CommitError, CommitTimeoutError
+from snapckpt.errors import CheckpointCorruptError, CommitError, CommitTimeoutError, PeerLostError
 from snapckpt.ondisk.manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifest, check_checksums, check_sizes, parse_manifest,
                         partial_dirname, validate_file_name)
 from snapckpt.storage.base import StorageReader, StorageWriter
@@ -50,7 +52,8 @@ class CommitRequest:
                  timeout_secs: float, keep_last: Optional[int], tracker_name: str, tracker_content: str,
                  tracker_gate: Optional[Callable[[Callable[[], None]], None]] = None,
                  local_failure: Optional[Callable[[], Optional[BaseException]]] = None,
-                 requested_unix: Optional[float] = None):
+                 requested_unix: Optional[float] = None,
+                 peer_check: Optional[Callable[..., None]] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -69,6 +72,9 @@ class CommitRequest:
         # when the save was requested (the first persist request of the step, Unix seconds): the order of
         # saves, which retention follows; commits of one job run in parallel and may finish out of order
         self.requested_unix = time.time() if requested_unix is None else requested_unix
+        # peer_check(step, dirname, missing_ranks, persisters_of) raises PeerLostError when a missing part
+        # can never come: its rank's process died, or its node's lease went stale (persister/peers.py)
+        self.peer_check = peer_check
 
     @property
     def partial_dir(self) -> str:
@@ -185,6 +191,8 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
 
     Raises:
         CommitTimeoutError: ranks missing at the deadline (named in the message).
+        PeerLostError: a missing part can never come: its rank died before handing it over, or its
+            node's persister is lost (``req.peer_check``, :mod:`snapckpt.persister.peers`).
         CommitError: a rank failed, an unexpected rank wrote a part, or a listed file is damaged.
         OSError: the filesystem failed while committing.
     """
@@ -201,6 +209,8 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
             missing = sorted(set(range(req.world_size)) - set(parts))
             if not missing:
                 break
+            if req.peer_check is not None:
+                req.peer_check(req.step, req.dirname, missing, ())
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(
                     f"step {req.step}: ranks {missing} did not write their part within "
@@ -257,6 +267,7 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
 
     Raises:
         CommitTimeoutError: no manifest by the deadline.
+        PeerLostError: a missing part can never come, or the committer's node is lost (``req.peer_check``).
         CommitError: the partial directory vanished without a commit (the committer aborted), or a rank
             wrote a failure marker.
     """
@@ -278,12 +289,22 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
         _raise_local_failure(req)
         if reader.isdir(req.partial_dir):
             seen_partial = True
-            _collect_parts(reader, req)  # raises on a failure marker
+            parts = _collect_parts(reader, req)  # raises on a failure marker
         elif seen_partial:
             m = committed()  # the rename may have happened between the two checks
             if m is not None:
                 return m
             raise CommitError(f"step {req.step}: the committer aborted the commit (see rank 0's error)")
+        else:
+            parts = {}
+        if req.peer_check is not None:  # the committer (rank 0's persister) must live to finish it, too
+            try:
+                req.peer_check(req.step, req.dirname, sorted(set(range(req.world_size)) - set(parts)), (0,))
+            except PeerLostError:
+                m = committed()  # the parts were listed while the committer renamed the directory
+                if m is not None:
+                    return m
+                raise
         if time.monotonic() > deadline:
             raise CommitTimeoutError(f"step {req.step}: no commit record within {req.timeout_secs:g} s")
         time.sleep(POLL_SECS)
@@ -323,7 +344,7 @@ def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, 
                     "(the persister died); the interrupted new copy is discarded", final, name)
     for name in storage.listdir(checkpoint_dir):
         rid = name.rsplit("-", 1)[-1]
-        if (name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-"))
+        if (name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-", ".peers-"))
                 and rid not in known_runs and rid.startswith(job)):
             storage.remove_tree(os.path.join(checkpoint_dir, name))
 

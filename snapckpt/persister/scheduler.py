@@ -12,6 +12,8 @@ thread pools of this process:
 
 Each save's outcome is a :class:`Result`, read by the ``status`` requests of the ranks; a failed part is
 recorded in memory before its failure marker, so the commit of that step fails at once with its cause.
+A part that can never come (its rank died before handing it over, or its node is lost) ends the commit
+in seconds too, through the run's :class:`~snapckpt.persister.peers.PeerWatch`.
 
 Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Scheduler.result` and
 :meth:`Scheduler.forget` run with the server's lock held; the tasks take it.
@@ -32,6 +34,7 @@ from snapckpt.ondisk.manifest import partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import CommitRequest, commit, watch_commit
+from snapckpt.persister.peers import PeerWatch
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.writer import write_failure_marker, write_part
@@ -74,6 +77,7 @@ class Scheduler:
         self.tracker_lock = threading.Lock()
         self.pending = 0  # writer and commit tasks not finished
         self.failed = False  # a part or a commit failed: the persister keeps its log
+        self.watches: Dict[str, PeerWatch] = {}  # run id -> its dead-peer view (persister/peers.py)
         self.pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-writer")
         self.commit_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-commit")
         self.uploader = Uploader(self._upload_done)  # the remote tier (runs with a remote_dir only)
@@ -142,7 +146,7 @@ class Scheduler:
                                 tracker_name=s.tracker_name, tracker_content=s.tracker_content,
                                 tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
                                                                 self.commit_seq),
-                                local_failure=self._local_failure(key))
+                                local_failure=self._local_failure(key), peer_check=self._peer_check(run))
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
 
@@ -165,9 +169,29 @@ class Scheduler:
             req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
                                 world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
                                 keep_last=run.keep_last, tracker_name="", tracker_content="",
-                                local_failure=self._local_failure(key))
+                                local_failure=self._local_failure(key), peer_check=self._peer_check(run))
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
+
+    def _peer_check(self, run: Run) -> Callable[..., None]:
+        """The dead-peer check of ``run``'s commits (one :class:`PeerWatch` per run; called with the lock)."""
+        watch = self.watches.get(run.run_id)
+        if watch is None:
+            def local_gone() -> Dict[int, Dict[str, Any]]:
+                with self.lock:
+                    return dict(run.gone)
+
+            watch = PeerWatch(open_storage(), run.checkpoint_dir, run.run_id, run.peer_timeout_secs,
+                              local_gone=local_gone)
+            self.watches[run.run_id] = watch
+        return watch.check
+
+    def pending_parts(self, run: Run, rank: int) -> Set[Tuple[int, str]]:
+        """The saves ``(step, dirname)`` of ``run`` whose part of ``rank`` this node has accepted to write
+        (its writer is queued, running or done; called with the lock)."""
+        return {(step, dirname) for (rid, step, dirname), res in self.results.items()
+                if rid == run.run_id and (rank in res.rank_seq or rank in res.parts_done
+                                          or rank in res.part_errors)}
 
     def _local_failure(self, key: SaveKey) -> Callable[[], Optional[BaseException]]:
         """For the commit of ``key``: the error of a local rank whose part of that save failed, if any."""

@@ -9,6 +9,9 @@ over :mod:`~snapckpt.persister.writer` and :mod:`~snapckpt.persister.commit`), a
 and outlives the training processes:
 
 - a client that disconnects without ``bye`` crashed: the slot it was writing becomes INVALID (case C8);
+  it is recorded as gone, so that commits waiting for a part it never handed over are abandoned at once,
+  on this node and on others; while the job spans several nodes this process also refreshes a liveness
+  lease, so that a lost node is detected in seconds (:mod:`snapckpt.persister.peers`);
   once no rank of that run is connected, the newest step held in memory by every local rank is written
   to disk and committed if it is newer than the last commit (``flush_on_crash``, case B8);
 - restarted ranks of the same job find this process through the socket in the job's runtime directory
@@ -45,6 +48,7 @@ from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles
 from snapckpt.persister.commit import recover_interrupted_commits
 from snapckpt.persister.flush import flush_crashed_run, flush_newest
+from snapckpt.persister import peers
 from snapckpt.persister.runtime_files import listen, lock_pid_file, lock_spawn, remove_runtime_files, write_token
 from snapckpt.persister.scheduler import Scheduler
 from snapckpt.persister.slots import HELD, RankEntry, Run, SlotTable
@@ -102,6 +106,10 @@ class Server:
         self.conn_pid: Dict[socket.socket, int] = {}
         self.conn_since: Dict[socket.socket, float] = {}  # accept time of connections not yet authenticated
         self.sock_path = os.path.join(runtime_dir, "persister.sock")
+        self.host = socket.gethostname()
+        self.leases: Dict[str, Run] = {}  # run id -> run whose node lease this persister refreshes
+        self.lease_seq = 0
+        self.lease_stop = threading.Event()
 
     # ----------------------------------------------------------------------------------- lifecycle
     def serve(self) -> None:
@@ -110,6 +118,8 @@ class Server:
         listener = listen(self.sock_path)
         self.sel.register(listener, selectors.EVENT_READ, None)
         log.info("persister pid %d serving job %s at %s", os.getpid(), self.job, self.sock_path)
+        beat = threading.Thread(target=self._beat, name="snapckpt-lease", daemon=True)
+        beat.start()
         try:
             while not self.stop:
                 for key, _ in self.sel.select(timeout=0.2):
@@ -123,7 +133,10 @@ class Server:
                         log.info("persister pid %d stopping at an operator's request", os.getpid())
                     break
         finally:
-            self.scheduler.shutdown()
+            self.scheduler.shutdown()  # the lease still beats: other nodes may wait for these commits
+            self.lease_stop.set()
+            beat.join()
+            self._end_leases()
             self.slots.shutdown()
             for s in list(self.conn_rank) + [c for c in self.buffers if c not in self.conn_rank]:
                 try:
@@ -132,6 +145,64 @@ class Server:
                     pass
             self._remove_files()
             log.info("persister pid %d exiting", os.getpid())
+
+    # ------------------------------------------------------------------------ liveness (peers.py)
+    def _beat(self) -> None:
+        """Refresh this node's lease of every multi-node run it serves, every :data:`peers.LEASE_SECS`
+        (a thread: the socket loop may be busy; writers and commits run on their own pools)."""
+        created = set()
+        first = True
+        while not self.lease_stop.wait(0 if first else peers.LEASE_SECS):
+            first = False
+            with self.lock:
+                runs = list(self.leases.values())
+                self.lease_seq += 1
+                seq = self.lease_seq
+            storage = open_storage(fsync=False)  # liveness, not durability
+            for run in runs:
+                try:
+                    peers.write_lease(storage, run.checkpoint_dir, run.run_id, run.local_ranks, seq,
+                                      create=run.run_id not in created)
+                    created.add(run.run_id)
+                except FileNotFoundError:  # its directory was removed: that run is over
+                    with self.lock:
+                        self.leases.pop(run.run_id, None)
+                except OSError as e:
+                    log.warning("could not refresh the node lease of run %s: %s", run.run_id, e)
+
+    def _end_leases(self) -> None:
+        """At exit: remove this node's leases (a clean exit is not a lost node); the committer's persister
+        also removes the peer directory of each run that ended without a dead rank."""
+        with self.lock:
+            runs = list(self.slots.runs.values())
+        for run in runs:
+            if not run.multi_node:
+                continue  # a one-node run wrote no peer records
+            peers.remove_lease(run.checkpoint_dir, run.run_id, run.local_ranks)
+            if run.committer and not run.crashed:
+                try:
+                    open_storage().remove_tree(peers.peers_dir(run.checkpoint_dir, run.run_id))
+                except OSError as e:
+                    log.warning("could not remove the peer records of run %s: %s", run.run_id, e)
+
+    def _record_gone(self, run: Run) -> None:
+        """(Re)write the gone records of ``run``'s dead local ranks (called with the lock): the saves each
+        one's part will still be written for (accepted by the writers; until the node's last rank has
+        left and the crash flush has decided, also the snapshots it holds in memory, which that flush
+        may write). Files only for a multi-node run; a one-node committer reads ``run.gone``."""
+        final = not run.connected
+        storage = open_storage(fsync=False)
+        for rank, info in run.gone.items():
+            pending = self.scheduler.pending_parts(run, rank)
+            entry = self.slots.ranks.get(rank)
+            if not final and run.flush_on_crash and entry is not None:
+                pending |= {(s.step, s.dirname) for s in entry.slots
+                            if s.state in HELD and s.run_id == run.run_id and s.persistable}
+            rec = peers.gone_record(rank=rank, run_id=run.run_id, pid=info["pid"], host=self.host,
+                                    since_unix=info["since_unix"], pending=pending, final=final)
+            run.gone[rank] = rec
+            if run.multi_node:
+                peers.write_gone(storage, run.checkpoint_dir, rec)
 
     def _remove_files(self) -> None:
         """Delete the socket, the token and the arena (once); after a clean life, the whole runtime
@@ -269,7 +340,7 @@ class Server:
         conn.close()
         with self.lock:
             self.buffers.pop(conn, None)
-            self.conn_pid.pop(conn, None)
+            pid = self.conn_pid.pop(conn, None)
             self.conn_since.pop(conn, None)
             rank = self.conn_rank.pop(conn, None)
             if rank is not None:
@@ -283,9 +354,14 @@ class Server:
                         run.crashed = True
                         self.crashed_since_empty = True
                         self.keep_log = True
-                        log.warning("rank %d (run %s) disconnected without close()", rank, run.run_id)
+                        log.warning("rank %d (run %s, pid %s) disconnected without close(): its process is "
+                                    "gone; commits waiting for a part it never handed over are abandoned",
+                                    rank, run.run_id, pid)
+                        run.gone[rank] = {"pid": pid, "since_unix": time.time()}
                     if not run.connected and run.crashed and run.flush_on_crash:
                         flush_crashed_run(run, self.slots, self.scheduler)
+                    if run.gone:  # after the flush: the parts it accepted are still coming
+                        self._record_gone(run)
             if not self.buffers:
                 self.empty_since = time.monotonic()
 
@@ -316,8 +392,11 @@ class Server:
         if run is None:
             run = Run(msg["run_id"], world, list(msg["local_ranks"]), False, msg["checkpoint_dir"],
                       None if msg["keep_last"] < 0 else msg["keep_last"], float(msg["commit_timeout_secs"]),
-                      msg["flush_on_crash"], msg["fsync"], msg["dir_id"], msg["remote_dir"])
+                      msg["flush_on_crash"], msg["fsync"], msg["dir_id"], msg["remote_dir"],
+                      peer_timeout_secs=float(msg["peer_timeout_secs"]))
             self.slots.runs[run.run_id] = run
+            if run.multi_node and run.local_ranks:
+                self.leases[run.run_id] = run
             log.info("job %s run %s: checkpoint directory %s (world size %d, local ranks %s)", self.job,
                      run.run_id, run.checkpoint_dir, world, run.local_ranks)
         if msg["committer"]:
@@ -326,6 +405,8 @@ class Server:
                                         known_runs=set(self.slots.runs))
             if run.remote_dir:  # remove what an interrupted upload of an earlier persister left
                 self.scheduler.clean_remote(run)
+        if run.gone.pop(rank, None) is not None:  # the rank is back (a new connection of the same run)
+            peers.remove_gone(run.checkpoint_dir, run.run_id, rank)
         run.connected.add(rank)
         entry = self.slots.attach(rank, run, conn, msg["slots_per_rank"])
         self.conn_rank[conn] = rank

@@ -85,6 +85,14 @@ class Run:
     remote_dir: str = ""  # the remote tier's URL ("": none); the committer uploads every commit there
     connected: Set[int] = field(default_factory=set)
     crashed: bool = False
+    peer_timeout_secs: float = 10.0  # a node lease unrenewed this long is a lost node (persister/peers.py)
+    # local ranks whose process died (disconnected without bye): rank -> gone record (persister/peers.py)
+    gone: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether ranks of this run live on other nodes (their persisters need files to learn things)."""
+        return len(self.local_ranks) < self.world_size
 
 
 class SlotTable:

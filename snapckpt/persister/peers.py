@@ -1,0 +1,269 @@
+"""Dead peers: a commit that can never finish is abandoned in seconds, not at the commit timeout.
+
+A commit waits for a part of every rank (:mod:`snapckpt.persister.commit`). When a rank's process dies
+before it handed its part of step ``N`` to its node's persister, or a whole node is lost with its
+persister, that part never comes: without this module the committer (and every ``close()`` behind it)
+would wait ``commit_timeout_secs`` (600 s by default). Two records, in a place every node already shares
+(the checkpoint directory), tell the waiting persisters instead::
+
+    <checkpoint_dir>/.snapckpt.peers-<run_id>/
+        gone_00003.json    rank 3's process is gone (written by its node's persister)
+        lease_00002.json   the persister serving ranks 2 and 3 is alive (named by its first local rank)
+
+- **A rank's process gone.** A local rank that disconnects from its node's persister without ``close()``
+  (``kill -9``, a crash) is gone: its persister writes ``gone_<rank>`` at once, for the whole run (steps
+  it knows and steps the rank never requested), with the rank's pid and host and ``pending``: the saves
+  ``[step, dirname]`` whose part that persister will still write for the dead rank (the DISK saves the
+  rank handed over before it died, and, until the node's last rank has left and the crash flush has
+  decided, the snapshots the rank holds in memory, which that flush may write; ``final`` is true once it
+  has). A rank that connects again to the same run (same rank, new connection) removes its record.
+- **A node's persister gone.** Each persister of a run that spans several nodes refreshes
+  ``lease_<first local rank>`` every :data:`LEASE_SECS` (its pid, host, the ranks it serves and a
+  counter). A waiting persister remembers, on its own monotonic clock, when it last saw each lease's
+  counter change (never comparing clocks of two hosts); a lease unchanged for ``peer_timeout_secs``
+  (option, ``SNAPCKPT_PEER_TIMEOUT_SECS``, default 10 s) means that node is lost. A lease that is absent
+  (never written yet, or removed at a clean exit) proves nothing: the commit timeout still covers it.
+  Should the waiting persister itself stall (no check for half the peer timeout), it judges no lease
+  on that round (everyone else's lease looks stale after its own pause).
+
+The committer (:func:`~snapckpt.persister.commit.commit`) abandons step ``N`` with
+:class:`~snapckpt.errors.PeerLostError` (a ``CommitError``) when a rank whose part is missing is gone and
+``[N, dirname]`` is not in its ``pending``, or the lease of the node serving it went stale; the message
+names the step, the rank(s), the pid and host. A non-committing persister
+(:func:`~snapckpt.persister.commit.watch_commit`) runs the same check on the missing parts and on the
+committer's own node (rank 0's lease), so it stops waiting too, even when the committer died with its
+node. The survivors' ``wait()``/``close()`` then raise that error at once; the previous checkpoint and the
+tracker are untouched (nothing is renamed), and later saves of the run commit normally as long as no rank
+they need is gone.
+
+A job on one node writes no file here: its committer is the persister that saw the rank go, and reads
+the same record from memory (``local_gone``). The directory of a run that ended cleanly is removed by the
+committer's persister at exit; after a crash it stays (the records say who died) until the next run of
+the job starts (:func:`~snapckpt.persister.commit.recover_interrupted_commits`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from snapckpt.errors import PeerLostError
+from snapckpt.storage.base import StorageReader, StorageWriter
+
+__all__ = ["PEERS_PREFIX", "LEASE_SECS", "peers_dir", "gone_name", "lease_name", "gone_record", "write_gone",
+           "remove_gone", "write_lease", "remove_lease", "PeerWatch"]
+
+log = logging.getLogger(__name__)
+
+PEERS_PREFIX = ".snapckpt.peers-"
+LEASE_SECS = 1.0  # how often a persister refreshes its lease (seconds)
+CHECK_SECS = 0.25  # a waiting persister reads the records at most this often (seconds)
+
+SaveId = Tuple[int, str]  # (step, dirname)
+
+
+def peers_dir(checkpoint_dir: str, run_id: str) -> str:
+    """The run's directory of peer records: ``<checkpoint_dir>/.snapckpt.peers-<run_id>``."""
+    return os.path.join(checkpoint_dir, f"{PEERS_PREFIX}{run_id}")
+
+
+def gone_name(rank: int) -> str:
+    return f"gone_{rank:05d}.json"
+
+
+def lease_name(first_rank: int) -> str:
+    return f"lease_{first_rank:05d}.json"
+
+
+def gone_record(*, rank: int, run_id: str, pid: Optional[int], host: str, since_unix: float,
+                pending: Iterable[SaveId], final: bool) -> Dict[str, Any]:
+    """The record of a gone rank (see the module docstring); ``pending``: ``(step, dirname)`` pairs."""
+    return {"rank": rank, "run_id": run_id, "pid": pid, "host": host, "since_unix": since_unix,
+            "pending": sorted([int(s), str(d)] for s, d in pending), "final": final}
+
+
+def write_gone(storage: StorageWriter, checkpoint_dir: str, rec: Dict[str, Any]) -> None:
+    """Write (or replace) the gone record ``rec``; best effort (a full disk only costs the timeout)."""
+    d = peers_dir(checkpoint_dir, rec["run_id"])
+    try:
+        storage.makedirs(d)
+        storage.write_atomic(os.path.join(d, gone_name(rec["rank"])), json.dumps(rec).encode())
+    except OSError as e:
+        log.warning("could not record that rank %d is gone in %s: %s", rec["rank"], d, e)
+
+
+def remove_gone(checkpoint_dir: str, run_id: str, rank: int) -> None:
+    """Remove rank ``rank``'s gone record (it connected again)."""
+    try:
+        os.unlink(os.path.join(peers_dir(checkpoint_dir, run_id), gone_name(rank)))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("could not remove the gone record of rank %d: %s", rank, e)
+
+
+def write_lease(storage: StorageWriter, checkpoint_dir: str, run_id: str, ranks: List[int], seq: int,
+                *, create: bool) -> None:
+    """Refresh this persister's lease of ``run_id`` (serving ``ranks``), counter ``seq``.
+
+    Args:
+        create: make the run's directory first (the first lease of the run); afterwards a missing
+            directory (removed at the end of the run) is left missing.
+
+    Raises:
+        OSError: the lease could not be written (the caller logs it and tries again next beat).
+    """
+    d = peers_dir(checkpoint_dir, run_id)
+    if create:
+        storage.makedirs(d)
+    rec = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(), "ranks": sorted(ranks),
+           "seq": seq, "beat_unix": time.time()}
+    storage.write_atomic(os.path.join(d, lease_name(min(ranks))), json.dumps(rec).encode())
+
+
+def remove_lease(checkpoint_dir: str, run_id: str, ranks: List[int]) -> None:
+    """Remove this persister's lease (a clean exit: it is not lost)."""
+    try:
+        os.unlink(os.path.join(peers_dir(checkpoint_dir, run_id), lease_name(min(ranks))))
+    except OSError:
+        pass
+
+
+class PeerWatch:
+    """A waiting persister's view of one run's peers: which awaited ranks can never deliver their part.
+
+    One per run, shared by the run's commit threads (thread-safe). A lease is judged by what this
+    watcher saw while it was checking: a node lost before a commit starts is judged stale
+    ``peer_timeout_secs`` after the first check that sees its lease.
+
+    Args:
+        reader: reads the run's peer directory.
+        checkpoint_dir, run_id: the run.
+        peer_timeout_secs: a lease unchanged this long (seconds, this host's monotonic clock) is stale.
+        local_gone: ``rank -> gone record`` of this node's own gone ranks, known in memory (a job on one
+            node writes no files); ``None``: files only.
+        clock: monotonic seconds (tests may pass their own).
+    """
+
+    def __init__(self, reader: StorageReader, checkpoint_dir: str, run_id: str, peer_timeout_secs: float,
+                 local_gone: Optional[Callable[[], Dict[int, Dict[str, Any]]]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.reader = reader
+        self.dir = peers_dir(checkpoint_dir, run_id)
+        self.run_id = run_id
+        self.peer_timeout_secs = float(peer_timeout_secs)
+        self.local_gone = local_gone
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen: Dict[str, Tuple[Any, float]] = {}  # lease file -> (counter, when it last changed)
+        self._last_check: Optional[float] = None
+        self._last_read = -1e18
+        self._gone: Dict[int, Dict[str, Any]] = {}
+        self._leases: Dict[str, Dict[str, Any]] = {}
+
+    def _refresh(self, force: bool = False) -> bool:
+        """Re-read the records (at most every :data:`CHECK_SECS` unless ``force``); return whether leases
+        may be judged on this round (False after a pause of this process longer than half the peer
+        timeout)."""
+        now = self.clock()
+        judge = self._last_check is None or now - self._last_check <= self.peer_timeout_secs / 2
+        self._last_check = now
+        if not judge:  # we were not running: nobody's lease can be judged against that pause
+            self._seen = {k: (c, now) for k, (c, _) in self._seen.items()}
+        if now - self._last_read < CHECK_SECS and judge and not force:
+            return judge
+        self._last_read = now
+        gone: Dict[int, Dict[str, Any]] = {}
+        leases: Dict[str, Dict[str, Any]] = {}
+        for name in self.reader.listdir(self.dir):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            kind, _, num = name[:-5].partition("_")
+            if kind not in ("gone", "lease") or not num.isdigit():
+                continue
+            try:
+                rec = json.loads(self.reader.read_bytes(os.path.join(self.dir, name)))
+            except (OSError, ValueError):
+                continue  # being replaced, or just removed: next round
+            if not isinstance(rec, dict) or rec.get("run_id") != self.run_id:
+                continue
+            if kind == "gone":
+                gone[int(num)] = rec
+            else:
+                leases[name] = rec
+                seen = self._seen.get(name)
+                if seen is None or seen[0] != rec.get("seq"):
+                    self._seen[name] = (rec.get("seq"), now)
+        for name in list(self._seen):
+            if name not in leases:
+                del self._seen[name]  # removed at a clean exit: not lost
+        if self.local_gone is not None:
+            gone.update(self.local_gone())
+        self._gone, self._leases = gone, leases
+        return judge
+
+    def _stale(self, needed: List[int], now: float) -> bool:
+        return any(now - self._seen[name][1] > self.peer_timeout_secs
+                   for name, rec in self._leases.items() if set(needed) & set(rec.get("ranks") or []))
+
+    def check(self, step: int, dirname: str, missing: Iterable[int], persisters_of: Iterable[int] = ()) -> None:
+        """Raise if a part of save ``(step, dirname)`` can never come.
+
+        Args:
+            missing: ranks whose part of the save has not arrived.
+            persisters_of: ranks whose node's persister must stay alive for the save to finish although
+                their part is not awaited (a watcher passes rank 0: the committer).
+
+        Raises:
+            PeerLostError: a rank in ``missing`` is gone and its persister will not write that part, or
+                the lease of a node serving a rank in ``missing`` or ``persisters_of`` is stale (names
+                the step, the ranks, the pid and host).
+        """
+        missing = sorted(set(missing))
+        needed = sorted(set(missing) | set(persisters_of))
+        if not needed:
+            return
+        with self._lock:
+            judge = self._refresh()
+            now = self.clock()
+            for r in missing:
+                rec = self._gone.get(r)
+                if rec is None:
+                    continue
+                if [step, dirname] in [list(p) for p in rec.get("pending", [])]:
+                    continue  # its persister writes that part from memory (or fails it with a marker)
+                raise PeerLostError(
+                    f"step {step}: rank {r} (pid {rec.get('pid')} on host {rec.get('host')}) died before handing "
+                    f"over its part of {dirname} (its process left its node's persister without close()); "
+                    f"the commit of step {step} is abandoned: the previous checkpoint and the tracker are "
+                    "untouched. Restart the job (it resumes from the newest complete checkpoint or memory "
+                    "snapshot); see the log of the dead rank for why it died")
+            if not judge:
+                return
+            if self._stale(needed, now):
+                judge = self._refresh(force=True)  # judge on what the files say now, not on a cached read
+                now = self.clock()
+                if not judge:
+                    return
+            for name, rec in sorted(self._leases.items()):
+                ranks = rec.get("ranks") or []
+                hit = sorted(set(needed) & set(ranks))
+                if not hit:
+                    continue
+                age = now - self._seen[name][1]
+                if age > self.peer_timeout_secs:
+                    waited = [r for r in hit if r in missing]
+                    what = (f"ranks {waited} can never deliver their part" if waited
+                            else f"the committer (rank {hit[0]}'s persister) can never finish the commit")
+                    raise PeerLostError(
+                        f"step {step}: the node persister of ranks {ranks} (pid {rec.get('pid')} on host "
+                        f"{rec.get('host')}) has not renewed its lease for {age:.1f} s (peer_timeout_secs="
+                        f"{self.peer_timeout_secs:g}): that node is lost or its persister died; {what}; the "
+                        f"commit of step {step} is abandoned: the previous checkpoint and the tracker are "
+                        "untouched. Restart the job on healthy nodes (a persister that is alive but stalls "
+                        "for longer, e.g. on a hung filesystem, needs a larger peer_timeout_secs / "
+                        "SNAPCKPT_PEER_TIMEOUT_SECS)")

@@ -1,0 +1,91 @@
+"""Dead peers are detected in seconds, not after the commit timeout (issue 15; snapckpt.persister.peers).
+
+Three ranks on one node; rank 1's process is killed with SIGKILL while a commit waits for it. Every rank
+runs with ``commit_timeout_secs=600``: a save that ends within this test's time limit ended because the
+dead rank was detected, not because the timeout passed.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+
+import pytest
+
+from _harness import finish, launch, result_lines, wait_until
+from faults import committed, slow_env, verify_all
+
+WORKER = "dead_peer_worker.py"
+
+
+def _kill_victim(sig_dir: str, procs, survivors=()) -> int:
+    """Wait until rank 1 waits to be killed (and ``survivors`` saved step 2), then SIGKILL it; its pid."""
+    need = [os.path.join(sig_dir, "victim")] + [os.path.join(sig_dir, f"saved-{r}") for r in survivors]
+    ok = wait_until(lambda: all(os.path.exists(p) for p in need) or any(p.poll() is not None for p in procs), 120)
+    assert ok and all(os.path.exists(p) for p in need), \
+        f"the ranks did not reach the kill point: {os.listdir(sig_dir)}; {[p.poll() for p in procs]}"
+    pid = int(open(need[0]).read())
+    assert pid == procs[1].pid
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_before_its_part_abandons_the_commit_at_once_and_the_job_restarts(snap_env):
+    sig = os.path.join(snap_env.tmp, "sig")
+    os.makedirs(sig)
+    procs = launch(WORKER, 3, ["never_saves", snap_env.ckpt_dir, sig], snap_env.env)
+    pid = _kill_victim(sig, procs, survivors=(0, 2))
+    outs = finish(procs, timeout=180)
+    assert procs[1].returncode == -signal.SIGKILL
+    for r in (0, 2):
+        assert procs[r].returncode == 0, outs[r]
+        res = json.loads(result_lines(outs[r])[0])
+        # the waiting save ends with the dead rank named, pid included (the commit timeout is 600 s)
+        err, _secs = res["wait2"]
+        assert err.startswith("PeerLostError: step 2: rank 1 (pid %d on host " % pid), err
+        assert "abandoned" in err and "previous checkpoint and the tracker are untouched" in err, err
+        # the job goes on: the next save needs rank 1 too and ends the same way, at once
+        err3, _ = res["wait3"]
+        assert err3.startswith("PeerLostError: step 3: rank 1 (pid %d" % pid), err3
+        # and close() returns (nothing outstanding waits for the dead rank)
+        assert res["close"][0] == "ok", res
+    # the previous checkpoint is intact and the tracker did not move
+    assert committed(snap_env.ckpt_dir) == {1: "step_00000001"}
+    assert verify_all(snap_env.ckpt_dir) == []
+    assert open(os.path.join(snap_env.ckpt_dir, "latest")).read().strip() == "step_00000001"
+    assert not [n for n in os.listdir(snap_env.ckpt_dir) if ".partial-" in n]
+    # the restarted job resumes from step 1 and commits step 2: nothing was left stuck
+    outs = finish(launch(WORKER, 3, ["resume", snap_env.ckpt_dir, sig], snap_env.env), timeout=180)
+    for r, out in enumerate(outs):
+        res = json.loads(result_lines(out)[0])
+        assert res["loaded"][0] == 1 and res["loaded"][2] == r * 100 + 1, out
+        assert res["wait2"][0] == "ok", out
+    assert committed(snap_env.ckpt_dir) == {1: "step_00000001", 2: "step_00000002"}
+    assert open(os.path.join(snap_env.ckpt_dir, "latest")).read().strip() == "step_00000002"
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_after_handing_over_its_part_still_commits(snap_env):
+    """No false alarm: a rank that dies after ``save()`` handed its DISK snapshot to the persister has its
+    part written from shared memory; the commit of that step succeeds."""
+    sig = os.path.join(snap_env.tmp, "sig")
+    os.makedirs(sig)
+    procs = launch(WORKER, 3, ["handed_over", snap_env.ckpt_dir, sig], {**snap_env.env, **slow_env(0.1)})
+    _kill_victim(sig, procs)
+    outs = finish(procs, timeout=180)
+    assert procs[1].returncode == -signal.SIGKILL
+    for r in (0, 2):
+        assert procs[r].returncode == 0, outs[r]
+        res = json.loads(result_lines(outs[r])[0])
+        assert res["wait2"][0] == "ok" and res["close"][0] == "ok", res
+    assert committed(snap_env.ckpt_dir) == {1: "step_00000001", 2: "step_00000002"}
+    assert verify_all(snap_env.ckpt_dir) == []
+    assert open(os.path.join(snap_env.ckpt_dir, "latest")).read().strip() == "step_00000002"
+    # the part really was in flight when rank 1 died: the persister wrote it after the disconnect
+    logs = glob.glob(os.path.join(snap_env.runtime_root, "**", "persister.log"), recursive=True)
+    assert len(logs) == 1, logs
+    text = open(logs[0]).read()
+    gone, written = text.find("rank 1 (run "), text.find("rank 1 step 2: part written")
+    assert 0 <= gone < written, text

@@ -1,0 +1,194 @@
+"""Dead peers (snapckpt.persister.peers): the committer's and the watchers' wait ends in seconds when a
+part can never come, driven here with real record files in a real checkpoint directory.
+
+Each commit below is given a commit timeout of 600 s: ending with ``PeerLostError`` proves the detection,
+not the timeout. The same logic runs in the node persister (tests/test_dead_peers.py kills real ranks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from snapckpt.errors import CommitTimeoutError, PeerLostError
+from snapckpt.ondisk.manifest import partial_dirname
+from snapckpt.persister import peers
+from snapckpt.persister.commit import CommitRequest, commit, watch_commit
+from snapckpt.storage.posix import PosixStorage
+
+RUN = "a" * 16 + "0123456789ab"
+
+
+def _req(ckpt: str, watch: peers.PeerWatch, step: int = 7, world: int = 4, timeout: float = 600.0) -> CommitRequest:
+    return CommitRequest(checkpoint_dir=ckpt, dirname=f"step_{step:08d}", step=step, run_id=RUN, world_size=world,
+                         timeout_secs=timeout, keep_last=None, tracker_name="latest", tracker_content=str(step),
+                         peer_check=watch.check)
+
+
+def _lease(ckpt: str, ranks, seq: int, create: bool = True) -> None:
+    peers.write_lease(PosixStorage(fsync=False), ckpt, RUN, list(ranks), seq, create=create)
+
+
+def _part(ckpt: str, req: CommitRequest, rank: int) -> None:
+    """Rank ``rank``'s part of the save: one small file and its part marker, as the writer leaves them."""
+    from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR
+
+    d = os.path.join(ckpt, partial_dirname(req.dirname, RUN))
+    os.makedirs(os.path.join(d, SIDECAR), exist_ok=True)
+    name = f"rank{rank}.bin"
+    with open(os.path.join(d, name), "wb") as f:
+        cw = ChecksumWriter(f)
+        cw.write(bytes([rank]) * 100)
+    marker = {"rank": rank, "run_id": RUN, "step": req.step,
+              "files": {name: {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": "bytes"}}}
+    with open(os.path.join(d, SIDECAR, f"part_{rank:05d}.json"), "w") as f:
+        json.dump(marker, f)
+
+
+def _beat(ckpt: str, ranks, stop: threading.Event) -> threading.Thread:
+    """A live node persister's lease: refreshed every 0.1 s until ``stop``."""
+    def run():
+        seq = 0
+        while not stop.wait(0.1):
+            seq += 1
+            _lease(ckpt, ranks, seq)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_stale_node_lease_abandons_the_commit_naming_that_nodes_ranks(tmp_path):
+    ckpt = str(tmp_path)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.5)
+    req = _req(ckpt, watch)
+    for r in (0, 1):
+        _part(ckpt, req, r)
+    stop = threading.Event()
+    _beat(ckpt, [0, 1], stop)  # node 0 (the committer's) stays alive
+    _lease(ckpt, [2, 3], seq=1)  # node 1 wrote its lease once, then was lost
+    try:
+        with pytest.raises(PeerLostError) as ei:
+            commit(PosixStorage(fsync=False), PosixStorage(), req)
+    finally:
+        stop.set()
+    msg = str(ei.value)
+    assert "step 7" in msg and "ranks [2, 3]" in msg and f"pid {os.getpid()}" in msg and "lease" in msg, msg
+    assert "peer_timeout_secs=0.5" in msg, msg
+    # nothing a loader looks at: no step directory, no tracker, the partial directory removed
+    assert not os.path.exists(os.path.join(ckpt, "step_00000007"))
+    assert not os.path.exists(os.path.join(ckpt, "latest"))
+    assert not os.path.exists(req.partial_dir)
+
+
+def test_live_leases_keep_the_commit_waiting_until_the_parts_arrive(tmp_path):
+    ckpt = str(tmp_path)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=1.0)
+    req = _req(ckpt, watch)
+    stop = threading.Event()
+    _beat(ckpt, [0, 1], stop)
+    _beat(ckpt, [2, 3], stop)
+    for r in (0, 1, 2):
+        _part(ckpt, req, r)
+    # rank 3's part comes after two peer timeouts: its node is alive (its lease moves), so it is awaited
+    timer = threading.Timer(2.0, _part, (ckpt, req, 3))
+    timer.start()
+    try:
+        manifest = commit(PosixStorage(fsync=False), PosixStorage(), req)
+    finally:
+        stop.set()
+        timer.join()
+    assert manifest["step"] == 7 and len(manifest["files"]) == 4
+    assert open(os.path.join(ckpt, "latest")).read() == "7"
+
+
+def test_a_gone_rank_abandons_at_once_unless_its_persister_still_writes_that_part(tmp_path):
+    ckpt = str(tmp_path)
+    storage = PosixStorage(fsync=False)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=600)  # leases play no part here
+    # rank 2 died after handing over its part of step 7 (the persister writes it from memory)
+    peers.write_gone(storage, ckpt, peers.gone_record(rank=2, run_id=RUN, pid=4242, host="node1", since_unix=0.0,
+                                                      pending=[(7, "step_00000007")], final=True))
+    req = _req(ckpt, watch, step=7, timeout=1.0)
+    with pytest.raises(CommitTimeoutError):  # awaited (here nobody writes it: the timeout ends it)
+        commit(storage, PosixStorage(), req)
+    # step 8 was never handed over by rank 2: abandoned at once, with a 600 s timeout
+    req = _req(ckpt, watch, step=8)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError) as ei:
+        commit(storage, PosixStorage(), req)
+    msg = str(ei.value)
+    assert "step 8" in msg and "rank 2 (pid 4242 on host node1)" in msg and "abandoned" in msg, msg
+    assert time.monotonic() - t0 < 60  # far below the commit timeout it was given (600 s)
+    # the rank came back (connected again): its record is removed and step 8 is awaited again
+    peers.remove_gone(ckpt, RUN, 2)
+    watch2 = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=600)
+    with pytest.raises(CommitTimeoutError):
+        commit(storage, PosixStorage(), _req(ckpt, watch2, step=8, timeout=0.5))
+
+
+def test_a_watcher_stops_waiting_when_the_committers_node_is_lost(tmp_path):
+    ckpt = str(tmp_path)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.5)
+    req = _req(ckpt, watch)
+    for r in range(4):  # every part is there: only the committer is missing
+        _part(ckpt, req, r)
+    stop = threading.Event()
+    _beat(ckpt, [2, 3], stop)  # this watcher's own node
+    _lease(ckpt, [0, 1], seq=1)  # the committer's node, lost
+    try:
+        with pytest.raises(PeerLostError) as ei:
+            watch_commit(PosixStorage(), req)
+    finally:
+        stop.set()
+    msg = str(ei.value)
+    assert "ranks [0, 1]" in msg and "committer" in msg and "step 7" in msg, msg
+
+
+def test_a_pause_of_the_waiting_persister_itself_is_not_taken_for_lost_peers(tmp_path):
+    ckpt = str(tmp_path)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.4)
+    _lease(ckpt, [2, 3], seq=1)
+    watch.check(7, "step_00000007", [2])  # first sight of the lease
+    time.sleep(0.6)  # this process did not run (a stall): longer than the peer timeout
+    watch.check(7, "step_00000007", [2])  # no verdict on that pause
+    _lease(ckpt, [2, 3], seq=2)  # the node beats again
+    time.sleep(0.3)
+    watch.check(7, "step_00000007", [2])
+    # and a lease that really stops is still judged afterwards
+    deadline = time.monotonic() + 5
+    with pytest.raises(PeerLostError, match=r"ranks \[2, 3\]"):
+        while time.monotonic() < deadline:
+            watch.check(7, "step_00000007", [2])
+            time.sleep(0.05)
+
+
+def test_a_lease_removed_at_a_clean_exit_is_not_a_lost_node(tmp_path):
+    ckpt = str(tmp_path)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.3)
+    _lease(ckpt, [2, 3], seq=1)
+    watch.check(7, "step_00000007", [2])
+    peers.remove_lease(ckpt, RUN, [2, 3])
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # three peer timeouts: no verdict without a lease
+        watch.check(7, "step_00000007", [2])
+        time.sleep(0.05)
+
+
+def test_peer_timeout_option_and_environment(monkeypatch):
+    from snapckpt.options import CheckpointOptions
+
+    monkeypatch.delenv("SNAPCKPT_PEER_TIMEOUT_SECS", raising=False)
+    assert CheckpointOptions().resolved_peer_timeout_secs == 10.0
+    monkeypatch.setenv("SNAPCKPT_PEER_TIMEOUT_SECS", "3.5")
+    assert CheckpointOptions().resolved_peer_timeout_secs == 3.5
+    assert CheckpointOptions(peer_timeout_secs=2).resolved_peer_timeout_secs == 2.0  # the option wins
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("SNAPCKPT_PEER_TIMEOUT_SECS", bad)
+        with pytest.raises(ValueError, match="SNAPCKPT_PEER_TIMEOUT_SECS"):
+            CheckpointOptions().resolved_peer_timeout_secs
+    with pytest.raises(ValueError, match="peer_timeout_secs"):
+        CheckpointOptions(peer_timeout_secs=0)
