@@ -1,8 +1,9 @@
 """Dead peers are detected in seconds, not after the commit timeout (issue 15; snapckpt.persister.peers).
 
-Three ranks on one node; rank 1's process is killed with SIGKILL while a commit waits for it. Every rank
-runs with ``commit_timeout_secs=600``: a save that ends within this test's time limit ended because the
-dead rank was detected, not because the timeout passed.
+Three ranks on one node: rank 1's process is killed with SIGKILL while a commit waits for it. Two nodes
+on the multi-node rig (tests/multinode.py): node 1 is lost whole (trainers and persister) while node 0's
+committer waits. Every rank runs with ``commit_timeout_secs=600``: a save that ends within this test's
+time limit ended because the dead peer was detected, not because the timeout passed.
 """
 from __future__ import annotations
 
@@ -89,3 +90,48 @@ def test_a_rank_killed_after_handing_over_its_part_still_commits(snap_env):
     text = open(logs[0]).read()
     gone, written = text.find("rank 1 (run "), text.find("rank 1 step 2: part written")
     assert 0 <= gone < written, text
+
+
+@pytest.mark.timeout(300)
+def test_a_node_lost_whole_while_the_committer_waits_is_abandoned_naming_its_ranks(rig):
+    """Node 1 (ranks 2 and 3, and its persister) is lost while node 0's committer waits for their parts of
+    step 2: its lease stops, and the commit is abandoned once it is ``peer_timeout_secs`` (3 s) old,
+    naming node 1's ranks and host; node 0's ranks get the error and close at once."""
+    rig.leftover_ok = True  # node 0's torchrun agent waits at its exit barrier for node 1's: killed below
+    rig.start(2)
+    sig = os.path.join(rig.tmp, "sig")
+    os.makedirs(sig)
+    runs = rig.torchrun_all(f"tests/workers/{WORKER}", ["node_lost", rig.ckpt_dir, sig], nproc_per_node=2)
+    need = [os.path.join(sig, n) for n in ("held-2", "held-3", "saved-0", "saved-1")]
+    ok = wait_until(lambda: all(os.path.exists(p) for p in need) or any(r.returncode is not None for r in runs), 150)
+    assert ok and all(os.path.exists(p) for p in need), \
+        f"not at the kill point: {os.listdir(sig)}\n{runs[0].output()}\n{runs[1].output()}"
+    persister1 = rig.nodes[1].persisters()
+    assert len(persister1) == 1, persister1
+    rig.lose_node(1)
+
+    def results():
+        return [json.loads(l) for l in result_lines(runs[0].output())]
+
+    def diag() -> str:
+        """Node 0's output, the peer records and node 0's persister log."""
+        out = [runs[0].output()]
+        for f in glob.glob(os.path.join(rig.ckpt_dir, ".snapckpt.peers-*", "*")):
+            out.append(f + ": " + open(f).read())
+        for f in glob.glob(rig.nodes[0].path(rig.runtime_dir) + "/**/persister.log", recursive=True):
+            out.append(open(f).read())
+        return "\n".join(out)
+
+    assert wait_until(lambda: len(results()) == 2, 120), diag()
+    for res in results():
+        assert res["host"] == "node0" and res["rank"] in (0, 1), res
+        err = res["wait2"][0]
+        assert err.startswith("PeerLostError: step 2: the node persister of ranks [2, 3] (pid %d on host node1)"
+                              % persister1[0]), err
+        assert "ranks [2, 3] can never deliver their part" in err and "peer_timeout_secs=3" in err, err
+        assert res["close"][0] == "ok", res
+    assert committed(rig.ckpt_dir) == {1: "step_00000001"}
+    assert verify_all(rig.ckpt_dir) == []
+    assert open(os.path.join(rig.ckpt_dir, "latest")).read().strip() == "step_00000001"
+    assert not [n for n in os.listdir(rig.ckpt_dir) if ".partial-" in n]
+    rig.kill_trainers(0)

@@ -150,25 +150,26 @@ class Server:
     def _beat(self) -> None:
         """Refresh this node's lease of every multi-node run it serves, every :data:`peers.LEASE_SECS`
         (a thread: the socket loop may be busy; writers and commits run on their own pools)."""
-        created = set()
-        first = True
-        while not self.lease_stop.wait(0 if first else peers.LEASE_SECS):
-            first = False
+        while not self.lease_stop.wait(peers.LEASE_SECS):
             with self.lock:
                 runs = list(self.leases.values())
-                self.lease_seq += 1
-                seq = self.lease_seq
-            storage = open_storage(fsync=False)  # liveness, not durability
             for run in runs:
-                try:
-                    peers.write_lease(storage, run.checkpoint_dir, run.run_id, run.local_ranks, seq,
-                                      create=run.run_id not in created)
-                    created.add(run.run_id)
-                except FileNotFoundError:  # its directory was removed: that run is over
-                    with self.lock:
-                        self.leases.pop(run.run_id, None)
-                except OSError as e:
-                    log.warning("could not refresh the node lease of run %s: %s", run.run_id, e)
+                self._write_lease(run, create=False)
+
+    def _write_lease(self, run: Run, create: bool) -> None:
+        """Write this node's lease of ``run`` once (``create``: the run's first, at its first ``hello``, so
+        that a node lost within its first second is still seen; the directory is made then)."""
+        with self.lock:
+            self.lease_seq += 1
+            seq = self.lease_seq
+        try:
+            peers.write_lease(open_storage(fsync=False), run.checkpoint_dir, run.run_id, run.local_ranks, seq,
+                              create=create)  # liveness, not durability: no fsync
+        except FileNotFoundError:  # its directory was removed: that run is over
+            with self.lock:
+                self.leases.pop(run.run_id, None)
+        except OSError as e:
+            log.warning("could not refresh the node lease of run %s: %s", run.run_id, e)
 
     def _end_leases(self) -> None:
         """At exit: remove this node's leases (a clean exit is not a lost node); the committer's persister
@@ -397,6 +398,7 @@ class Server:
             self.slots.runs[run.run_id] = run
             if run.multi_node and run.local_ranks:
                 self.leases[run.run_id] = run
+                self._write_lease(run, create=True)
             log.info("job %s run %s: checkpoint directory %s (world size %d, local ranks %s)", self.job,
                      run.run_id, run.checkpoint_dir, world, run.local_ranks)
         if msg["committer"]:

@@ -9,6 +9,10 @@ Modes (argv: mode, checkpoint dir, signal dir; every rank commits step 1 to DISK
 - ``handed_over``: every rank saves step 2 to DISK (the test slows the persister's writes); rank 1 then
   writes ``victim`` and sleeps (killed with its part in flight); the others wait for the commit and print
   ``RESULT {"wait2", ...}``: the persister writes the dead rank's part from memory, the commit succeeds.
+- ``node_lost`` (two nodes of two ranks under torchrun, on the multi-node rig): after step 1 is
+  committed, node 1's ranks (2 and 3) write ``held-<rank>`` and sleep (the test loses node 1 whole);
+  node 0's ranks save step 2 to DISK, write ``saved-<rank>``, wait for the commit and close:
+  ``RESULT {"rank", "host", "wait2", "close"}`` (``peer_timeout_secs=3``).
 - ``resume``: every rank loads (printing the step), saves step 2 to DISK, waits, closes:
   ``RESULT {"loaded", "wait2"}``.
 """
@@ -84,6 +88,28 @@ def handed_over(ckpt: str, sig_dir: str) -> None:
     print("RESULT " + json.dumps({"wait2": wait2, "close": close}), flush=True)
 
 
+def node_lost(ckpt: str, sig_dir: str) -> None:
+    import socket
+
+    from snapckpt import Checkpointer, StorageType
+
+    rank = dist.get_rank()
+    ck = Checkpointer(ckpt, **{**OPTS, "peer_timeout_secs": 3})
+    assert ck.topology.num_nodes == 2, ck.topology
+    ck.save(_state(rank, 1), 1, StorageType.DISK).wait()
+    dist.barrier()
+    if rank >= 2:
+        _signal(sig_dir, f"held-{rank}", str(os.getpid()))
+        time.sleep(600)  # node 1 is lost with this process
+        sys.exit(3)
+    h = ck.save(_state(rank, 2), 2, StorageType.DISK)
+    _signal(sig_dir, f"saved-{rank}")
+    wait2 = _timed(h.wait)
+    close = _timed(ck.close)
+    print("RESULT " + json.dumps({"rank": rank, "host": socket.gethostname(), "wait2": wait2, "close": close}),
+          flush=True)
+
+
 def resume(ckpt: str, sig_dir: str) -> None:
     from snapckpt import Checkpointer, StorageType
 
@@ -98,7 +124,7 @@ def resume(ckpt: str, sig_dir: str) -> None:
 if __name__ == "__main__":
     mode, ckpt_dir, sig = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    {"never_saves": never_saves, "handed_over": handed_over, "resume": resume}[mode](ckpt_dir, sig)
+    {"never_saves": never_saves, "handed_over": handed_over, "node_lost": node_lost, "resume": resume}[mode](ckpt_dir, sig)
     if mode == "resume":
         dist.destroy_process_group()
     # after a peer died, no collective (destroy included) is made: the survivors just exit
