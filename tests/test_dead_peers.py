@@ -92,46 +92,78 @@ def test_a_rank_killed_after_handing_over_its_part_still_commits(snap_env):
     assert 0 <= gone < written, text
 
 
+def _lose_a_node_while_the_other_waits(rig, lost: int):
+    """Two nodes of two ranks; step 1 committed; node ``lost``'s ranks hold while the other node's ranks
+    save step 2 and wait; node ``lost`` is lost whole. Returns (the survivors' RESULT records, the lost
+    node's persister pid, the survivors' run)."""
+    rig.leftover_ok = True  # the survivor's torchrun agent waits at its exit barrier for the lost one's: killed
+    rig.start(2)
+    sig = os.path.join(rig.tmp, "sig")
+    os.makedirs(sig)
+    runs = rig.torchrun_all(f"tests/workers/{WORKER}", ["node_lost", rig.ckpt_dir, sig, str(lost)],
+                            nproc_per_node=2)
+    held = [2 * lost, 2 * lost + 1]
+    saved = [r for r in range(4) if r not in held]
+    need = [os.path.join(sig, f"held-{r}") for r in held] + [os.path.join(sig, f"saved-{r}") for r in saved]
+    ok = wait_until(lambda: all(os.path.exists(p) for p in need) or any(r.returncode is not None for r in runs), 150)
+    assert ok and all(os.path.exists(p) for p in need), \
+        f"not at the kill point: {os.listdir(sig)}\n{runs[0].output()}\n{runs[1].output()}"
+    lost_persister = rig.nodes[lost].persisters()
+    assert len(lost_persister) == 1, lost_persister
+    rig.lose_node(lost)
+    survivor = runs[1 - lost]
+
+    def results():
+        return [json.loads(l) for l in result_lines(survivor.output())]
+
+    def diag() -> str:
+        """The survivor's output, the peer records and the surviving node's persister log."""
+        out = [survivor.output()]
+        for f in glob.glob(os.path.join(rig.ckpt_dir, ".snapckpt.peers-*", "*")):
+            out.append(f + ": " + open(f).read())
+        for f in glob.glob(rig.nodes[1 - lost].path(rig.runtime_dir) + "/**/persister.log", recursive=True):
+            out.append(open(f).read())
+        return "\n".join(out)
+
+    assert wait_until(lambda: len(results()) == 2, 120), diag()
+    assert committed(rig.ckpt_dir) == {1: "step_00000001"}
+    assert verify_all(rig.ckpt_dir) == []
+    assert open(os.path.join(rig.ckpt_dir, "latest")).read().strip() == "step_00000001"
+    out = results()
+    rig.kill_trainers(1 - lost)
+    return out, lost_persister[0]
+
+
 @pytest.mark.timeout(300)
 def test_a_node_lost_whole_while_the_committer_waits_is_abandoned_naming_its_ranks(rig):
     """Node 1 (ranks 2 and 3, and its persister) is lost while node 0's committer waits for their parts of
     step 2: its lease stops, and the commit is abandoned once it is ``peer_timeout_secs`` (3 s) old,
     naming node 1's ranks and host; node 0's ranks get the error and close at once."""
-    rig.leftover_ok = True  # node 0's torchrun agent waits at its exit barrier for node 1's: killed below
-    rig.start(2)
-    sig = os.path.join(rig.tmp, "sig")
-    os.makedirs(sig)
-    runs = rig.torchrun_all(f"tests/workers/{WORKER}", ["node_lost", rig.ckpt_dir, sig], nproc_per_node=2)
-    need = [os.path.join(sig, n) for n in ("held-2", "held-3", "saved-0", "saved-1")]
-    ok = wait_until(lambda: all(os.path.exists(p) for p in need) or any(r.returncode is not None for r in runs), 150)
-    assert ok and all(os.path.exists(p) for p in need), \
-        f"not at the kill point: {os.listdir(sig)}\n{runs[0].output()}\n{runs[1].output()}"
-    persister1 = rig.nodes[1].persisters()
-    assert len(persister1) == 1, persister1
-    rig.lose_node(1)
-
-    def results():
-        return [json.loads(l) for l in result_lines(runs[0].output())]
-
-    def diag() -> str:
-        """Node 0's output, the peer records and node 0's persister log."""
-        out = [runs[0].output()]
-        for f in glob.glob(os.path.join(rig.ckpt_dir, ".snapckpt.peers-*", "*")):
-            out.append(f + ": " + open(f).read())
-        for f in glob.glob(rig.nodes[0].path(rig.runtime_dir) + "/**/persister.log", recursive=True):
-            out.append(open(f).read())
-        return "\n".join(out)
-
-    assert wait_until(lambda: len(results()) == 2, 120), diag()
-    for res in results():
+    results, pid = _lose_a_node_while_the_other_waits(rig, lost=1)
+    for res in results:
         assert res["host"] == "node0" and res["rank"] in (0, 1), res
         err = res["wait2"][0]
         assert err.startswith("PeerLostError: step 2: the node persister of ranks [2, 3] (pid %d on host node1)"
-                              % persister1[0]), err
+                              % pid), err
         assert "ranks [2, 3] can never deliver their part" in err and "peer_timeout_secs=3" in err, err
         assert res["close"][0] == "ok", res
-    assert committed(rig.ckpt_dir) == {1: "step_00000001"}
-    assert verify_all(rig.ckpt_dir) == []
-    assert open(os.path.join(rig.ckpt_dir, "latest")).read().strip() == "step_00000001"
+    # the committer removed the abandoned step's partial directory
     assert not [n for n in os.listdir(rig.ckpt_dir) if ".partial-" in n]
-    rig.kill_trainers(0)
+
+
+@pytest.mark.timeout(300)
+def test_the_committers_node_lost_whole_the_other_node_stops_waiting(rig):
+    """Node 0 (the committer's: ranks 0 and 1, and the persister of rank 0) is lost while node 1's ranks
+    wait for the commit of step 2: node 1's persister (``watch_commit``) sees node 0's lease stop and
+    gives up, naming ranks 0 and 1 and host node0."""
+    results, pid = _lose_a_node_while_the_other_waits(rig, lost=0)
+    for res in results:
+        assert res["host"] == "node1" and res["rank"] in (2, 3), res
+        err = res["wait2"][0]
+        assert err.startswith("PeerLostError: step 2: the node persister of ranks [0, 1] (pid %d on host node0)"
+                              % pid), err
+        assert "ranks [0, 1] can never deliver their part" in err, err
+        assert res["close"][0] == "ok", res
+    # node 1's parts stay in the hidden partial directory (only the committer removes it; the next run
+    # of the job does): no loader looks there, and step 2 has no directory
+    assert not os.path.exists(os.path.join(rig.ckpt_dir, "step_00000002"))

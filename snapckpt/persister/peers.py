@@ -17,9 +17,9 @@ would wait ``commit_timeout_secs`` (600 s by default). Two records, in a place e
   rank handed over before it died, and, until the node's last rank has left and the crash flush has
   decided, the snapshots the rank holds in memory, which that flush may write; ``final`` is true once it
   has). A rank that connects again to the same run (same rank, new connection) removes its record.
-- **A node's persister gone.** Each persister of a run that spans several nodes refreshes
-  ``lease_<first local rank>`` every :data:`LEASE_SECS` (its pid, host, the ranks it serves and a
-  counter). A waiting persister remembers, on its own monotonic clock, when it last saw each lease's
+- **A node's persister gone.** Each persister of a run that spans several nodes writes
+  ``lease_<first local rank>`` at the run's first ``hello`` and refreshes it every :data:`LEASE_SECS`
+  (its pid, host, the ranks it serves and a counter). A waiting persister remembers, on its own monotonic clock, when it last saw each lease's
   counter change (never comparing clocks of two hosts); a lease unchanged for ``peer_timeout_secs``
   (option, ``SNAPCKPT_PEER_TIMEOUT_SECS``, default 10 s) means that node is lost. A lease that is absent
   (never written yet, or removed at a clean exit) proves nothing: the commit timeout still covers it.
