@@ -146,17 +146,20 @@ class PeerWatch:
         peer_timeout_secs: a lease unchanged this long (seconds, this host's monotonic clock) is stale.
         local_gone: ``rank -> gone record`` of this node's own gone ranks, known in memory (a job on one
             node writes no files); ``None``: files only.
+        own_lease: the file name of this node's own lease, never judged (this process is alive; a
+            stall of its lease thread must not make it declare its own node lost).
         clock: monotonic seconds (tests may pass their own).
     """
 
     def __init__(self, reader: StorageReader, checkpoint_dir: str, run_id: str, peer_timeout_secs: float,
                  local_gone: Optional[Callable[[], Dict[int, Dict[str, Any]]]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 own_lease: Optional[str] = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.reader = reader
         self.dir = peers_dir(checkpoint_dir, run_id)
         self.run_id = run_id
         self.peer_timeout_secs = float(peer_timeout_secs)
         self.local_gone = local_gone
+        self.own_lease = own_lease
         self.clock = clock
         self._lock = threading.Lock()
         self._seen: Dict[str, Tuple[Any, float]] = {}  # lease file -> (counter, when it last changed)
@@ -183,7 +186,7 @@ class PeerWatch:
             if not name.endswith(".json") or name.startswith("."):
                 continue
             kind, _, num = name[:-5].partition("_")
-            if kind not in ("gone", "lease") or not num.isdigit():
+            if kind not in ("gone", "lease") or not num.isdigit() or name == self.own_lease:
                 continue
             try:
                 rec = json.loads(self.reader.read_bytes(os.path.join(self.dir, name)))

@@ -34,7 +34,7 @@ from snapckpt.ondisk.manifest import partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import CommitRequest, commit, watch_commit
-from snapckpt.persister.peers import PeerWatch
+from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.writer import write_failure_marker, write_part
@@ -182,7 +182,8 @@ class Scheduler:
                     return dict(run.gone)
 
             watch = PeerWatch(open_storage(), run.checkpoint_dir, run.run_id, run.peer_timeout_secs,
-                              local_gone=local_gone)
+                              local_gone=local_gone,
+                              own_lease=lease_name(min(run.local_ranks)) if run.local_ranks else None)
             self.watches[run.run_id] = watch
         return watch.check
 

@@ -166,6 +166,20 @@ def test_a_pause_of_the_waiting_persister_itself_is_not_taken_for_lost_peers(tmp
             time.sleep(0.05)
 
 
+def test_a_watchers_own_lease_is_never_judged(tmp_path):
+    """A persister never declares its own node lost (its lease thread may lag behind its commit thread)."""
+    ckpt = str(tmp_path)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.3, own_lease=peers.lease_name(0))
+    _lease(ckpt, [0, 1], seq=1)  # its own, never refreshed here
+    _lease(ckpt, [2, 3], seq=1)
+    with pytest.raises(PeerLostError, match=r"ranks \[2, 3\]"):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            watch.check(7, "step_00000007", [1])  # only its own rank missing: no verdict
+            watch.check(7, "step_00000007", [1, 2])
+            time.sleep(0.05)
+
+
 def test_a_lease_removed_at_a_clean_exit_is_not_a_lost_node(tmp_path):
     ckpt = str(tmp_path)
     watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.3)
