@@ -1,8 +1,8 @@
 """Dead peers are detected in seconds, not after the commit timeout (issue 15; snapckpt.persister.peers).
 
 Three ranks on one node: rank 1's process is killed with SIGKILL while a commit waits for it. Two nodes
-on the multi-node rig (tests/multinode.py): node 1 is lost whole (trainers and persister) while node 0's
-committer waits. Every rank runs with ``commit_timeout_secs=600``: a save that ends within this test's
+of two ranks on the multi-node rig (tests/multinode.py): a rank of node 1 is killed, or node 1 is lost
+whole (trainers and persister), while node 0's committer waits; node 0 is lost while node 1 waits. Every rank runs with ``commit_timeout_secs=600``: a save that ends within this test's
 time limit ended because the dead peer was detected, not because the timeout passed.
 """
 from __future__ import annotations
@@ -92,17 +92,19 @@ def test_a_rank_killed_after_handing_over_its_part_still_commits(snap_env):
     assert 0 <= gone < written, text
 
 
-def _lose_a_node_while_the_other_waits(rig, lost: int):
-    """Two nodes of two ranks; step 1 committed; node ``lost``'s ranks hold while the other node's ranks
-    save step 2 and wait; node ``lost`` is lost whole. Returns (the survivors' RESULT records, the lost
-    node's persister pid, the survivors' run)."""
+def _lose_a_node_while_the_other_waits(rig, lost: int, held=None):
+    """Two nodes of two ranks; step 1 committed; the ``held`` ranks (default: node ``lost``'s) hold while
+    the others save step 2 and wait; node ``lost`` is lost whole, or (``held`` given) only the held ranks'
+    processes are killed. Returns (the RESULT records of node ``1 - lost``, the pid of node ``lost``'s
+    persister, or of the killed rank)."""
     rig.leftover_ok = True  # the survivor's torchrun agent waits at its exit barrier for the lost one's: killed
     rig.start(2)
     sig = os.path.join(rig.tmp, "sig")
     os.makedirs(sig)
-    runs = rig.torchrun_all(f"tests/workers/{WORKER}", ["node_lost", rig.ckpt_dir, sig, str(lost)],
+    kill_ranks = held is not None
+    held = held if kill_ranks else [2 * lost, 2 * lost + 1]
+    runs = rig.torchrun_all(f"tests/workers/{WORKER}", ["node_lost", rig.ckpt_dir, sig, ",".join(map(str, held))],
                             nproc_per_node=2)
-    held = [2 * lost, 2 * lost + 1]
     saved = [r for r in range(4) if r not in held]
     need = [os.path.join(sig, f"held-{r}") for r in held] + [os.path.join(sig, f"saved-{r}") for r in saved]
     ok = wait_until(lambda: all(os.path.exists(p) for p in need) or any(r.returncode is not None for r in runs), 150)
@@ -110,7 +112,13 @@ def _lose_a_node_while_the_other_waits(rig, lost: int):
         f"not at the kill point: {os.listdir(sig)}\n{runs[0].output()}\n{runs[1].output()}"
     lost_persister = rig.nodes[lost].persisters()
     assert len(lost_persister) == 1, lost_persister
-    rig.lose_node(lost)
+    if kill_ranks:
+        pids = [int(open(os.path.join(sig, f"held-{r}")).read()) for r in held]
+        assert set(pids) <= set(rig.nodes[lost].trainers()), pids
+        rig.nodes[lost].kill(pids)
+        lost_persister = pids
+    else:
+        rig.lose_node(lost)
     survivor = runs[1 - lost]
 
     def results():
@@ -131,6 +139,8 @@ def _lose_a_node_while_the_other_waits(rig, lost: int):
     assert open(os.path.join(rig.ckpt_dir, "latest")).read().strip() == "step_00000001"
     out = results()
     rig.kill_trainers(1 - lost)
+    if kill_ranks:
+        rig.kill_trainers(lost)
     return out, lost_persister[0]
 
 
@@ -167,3 +177,17 @@ def test_the_committers_node_lost_whole_the_other_node_stops_waiting(rig):
     # node 1's parts stay in the hidden partial directory (only the committer removes it; the next run
     # of the job does): no loader looks there, and step 2 has no directory
     assert not os.path.exists(os.path.join(rig.ckpt_dir, "step_00000002"))
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_on_another_node_than_the_committer_is_named_at_once(rig):
+    """Rank 3 (node 1) is killed with SIGKILL while node 0's committer waits for its part of step 2: node
+    1's persister records it as gone in the checkpoint directory, and the committer on node 0 abandons the
+    commit at once (no lease involved: node 1's persister lives), naming rank 3, its pid and host."""
+    results, pid = _lose_a_node_while_the_other_waits(rig, lost=1, held=[3])
+    assert sorted(r["rank"] for r in results) == [0, 1], results
+    for res in results:
+        err = res["wait2"][0]
+        assert err.startswith("PeerLostError: step 2: rank 3 (pid %d on host node1) died before handing over"
+                              % pid), err
+        assert res["close"][0] == "ok", res

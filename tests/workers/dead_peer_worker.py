@@ -9,10 +9,11 @@ Modes (argv: mode, checkpoint dir, signal dir; every rank commits step 1 to DISK
 - ``handed_over``: every rank saves step 2 to DISK (the test slows the persister's writes); rank 1 then
   writes ``victim`` and sleeps (killed with its part in flight); the others wait for the commit and print
   ``RESULT {"wait2", ...}``: the persister writes the dead rank's part from memory, the commit succeeds.
-- ``node_lost`` (two nodes of two ranks under torchrun, on the multi-node rig; argv[4]: the node to
-  lose, ``LOST``): after step 1 is committed, node ``LOST``'s ranks write ``held-<rank>`` and sleep (the
-  test loses that node whole); the other node's ranks save step 2 to DISK, write ``saved-<rank>``, wait
-  for the commit and close: ``RESULT {"rank", "host", "wait2", "close"}`` (``peer_timeout_secs=3``).
+- ``node_lost`` (two nodes of two ranks under torchrun, on the multi-node rig; argv[4]: the held ranks,
+  ``R,R``): after step 1 is committed, the held ranks write ``held-<rank>`` (their pid) and sleep (the
+  test kills them, or loses their node whole); the other ranks save step 2 to DISK, write
+  ``saved-<rank>``, wait for the commit and close: ``RESULT {"rank", "host", "wait2", "close"}``
+  (``peer_timeout_secs=3``).
 - ``resume``: every rank loads (printing the step), saves step 2 to DISK, waits, closes:
   ``RESULT {"loaded", "wait2"}``.
 """
@@ -93,14 +94,14 @@ def node_lost(ckpt: str, sig_dir: str) -> None:
 
     from snapckpt import Checkpointer, StorageType
 
-    rank, lost = dist.get_rank(), int(sys.argv[4])
+    rank, held = dist.get_rank(), {int(r) for r in sys.argv[4].split(",")}
     ck = Checkpointer(ckpt, **{**OPTS, "peer_timeout_secs": 3})
     assert ck.topology.num_nodes == 2, ck.topology
     ck.save(_state(rank, 1), 1, StorageType.DISK).wait()
     dist.barrier()
-    if rank // 2 == lost:
+    if rank in held:
         _signal(sig_dir, f"held-{rank}", str(os.getpid()))
-        time.sleep(600)  # lost with its node
+        time.sleep(600)  # killed, or lost with its node
         sys.exit(3)
     h = ck.save(_state(rank, 2), 2, StorageType.DISK)
     _signal(sig_dir, f"saved-{rank}")
