@@ -43,6 +43,7 @@ def test_a_rank_killed_before_its_part_abandons_the_commit_at_once_and_the_job_r
     for r in (0, 2):
         assert procs[r].returncode == 0, outs[r]
         res = json.loads(result_lines(outs[r])[0])
+        print(f"rank {r}: {res}")  # the seconds each call took (shown with -s)
         # the waiting save ends with the dead rank named, pid included (the commit timeout is 600 s)
         err, _secs = res["wait2"]
         assert err.startswith("PeerLostError: step 2: rank 1 (pid %d on host " % pid), err
@@ -138,6 +139,7 @@ def _lose_a_node_while_the_other_waits(rig, lost: int, held=None):
     assert verify_all(rig.ckpt_dir) == []
     assert open(os.path.join(rig.ckpt_dir, "latest")).read().strip() == "step_00000001"
     out = results()
+    print(out)  # the seconds each call took (shown with -s)
     rig.kill_trainers(1 - lost)
     if kill_ranks:
         rig.kill_trainers(lost)
