@@ -535,6 +535,8 @@ def test_cli_stop_without_a_persister_version_and_empty_ps(snap_env, capsys):
     os.makedirs(d)
     r = cli("stop", d)
     assert r.returncode == 3 and f"no persister of this user serves {d}" in r.stderr, r.stdout + r.stderr
+    r = cli("stop", d, "--json")  # a script parsing stdout gets an object here too
+    assert r.returncode == 3 and json.loads(r.stdout) == {"dir": d, "stopped": []}, r.stdout + r.stderr
     r = cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"snapckpt {snapckpt.__version__}", r.stdout + r.stderr
     assert main(["ps"]) == 0

@@ -112,6 +112,8 @@ def cmd_stop(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     targets = [(e, rec) for e in find_persisters(_root(args)) for rec in [_describe(e)] if _serves(rec, d)]
     if not targets:
         print(f"snapckpt: no persister of this user serves {args.dir} (see `snapckpt ps`)", file=sys.stderr)
+        if as_json:  # a script parsing stdout gets an object in every case
+            print_json({"dir": args.dir, "stopped": []})
         return EXIT_NO_PERSISTER
     failed = False
     stopped: List[Dict[str, Any]] = []
