@@ -63,3 +63,44 @@ def test_checkpoint_metrics_reach_log_history_and_tensorboard(snap_env, monkeypa
         got = scalars.get("train/" + name)
         assert got is not None, f"train/{name} not in TensorBoard's scalars {sorted(scalars)}"
         assert got == pytest.approx(values, rel=1e-6), name  # TensorBoard stores float32
+
+
+def test_on_save_fires_for_every_callback_as_the_trainers_own_save_does(snap_env):
+    """With the callback attached, a user callback's ``on_save`` fires for the same steps as with the
+    Trainer's own save, once ``checkpoint-N`` is complete (its ``trainer_state.json`` readable, naming step
+    N), with ``state.global_step == N``. Before, the callback's take-over skipped ``on_save`` altogether
+    (W&B, MLflow, Neptune, ClearML and DVCLive hook it)."""
+    import json
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hf_worker import Tokens, build_model
+    from snapckpt.hf import SnapckptCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_save(self, args, state, control, **kwargs):
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            with open(os.path.join(folder, "trainer_state.json")) as f:
+                self.seen.append((state.global_step, json.load(f)["global_step"]))
+
+    def run(out, snap):
+        args = TrainingArguments(output_dir=out, max_steps=5, save_steps=2, save_strategy="steps",
+                                 per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                                 dataloader_num_workers=0, disable_tqdm=True, seed=7)
+        rec = Recorder()
+        cbs = [rec]
+        if snap:
+            cb = SnapckptCallback(persister_idle_timeout_secs=2, commit_timeout_secs=60)
+            cbs.append(cb)
+        trainer = Trainer(model=build_model(), args=args, train_dataset=Tokens(n=24), callbacks=cbs)
+        if snap:
+            cb.attach(trainer)
+        trainer.train()
+        return rec.seen
+
+    stock = run(os.path.join(snap_env.tmp, "stock"), snap=False)
+    assert stock == [(2, 2), (4, 4), (5, 5)], stock  # the Trainer saves the last step too
+    assert run(snap_env.ckpt_dir, snap=True) == stock

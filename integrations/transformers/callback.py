@@ -13,6 +13,8 @@ How it plugs in (transformers 5.24, public callback events only):
    (``control.should_save``), the callback takes the save over and sets ``control.should_save = False``,
    so ``Trainer._save_checkpoint`` does not run; the save is *pending*. (A callback listed after this one
    that sets ``should_save`` itself still gets the Trainer's own save: list ``SnapckptCallback`` last.)
+   The Trainer's ``on_save`` then fires (after :meth:`SnapckptCallback.attach`) when the folder is
+   committed.
    Every ``memory_interval_steps`` steps (:class:`~snapckpt.SnapshotPolicy`) a memory snapshot is pending
    the same way. The RNG states are captured here (and in ``on_evaluate``), where the Trainer does.
 2. The pending snapshot is taken at the next ``on_step_begin`` / ``on_epoch_begin`` / ``on_epoch_end`` (or
@@ -50,6 +52,7 @@ step (the Trainer's ``store_flos`` is not reachable from a callback), and the st
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -139,6 +142,7 @@ class SnapckptCallback(TrainerCallback):
         self.metrics: List[Dict[str, float]] = []
         self._unlogged: List[Dict[str, float]] = []  # metrics not yet sent to Trainer.log
         self._trainer: Any = None
+        self._saved_states: Dict[int, Any] = {}  # step -> (args, TrainerState at that step), for on_save
         self._logging = False  # inside our own Trainer.log call
         self._pending: Optional[_Pending] = None
         self._disk_steps: set = set()
@@ -149,14 +153,22 @@ class SnapckptCallback(TrainerCallback):
     # ------------------------------------------------------------------------------- lifecycle
     def attach(self, trainer: Any) -> Any:
         """Send each checkpoint's metrics through ``trainer.log``: to ``trainer.state.log_history`` and every
-        ``report_to`` integration (TensorBoard, W&B, MLflow, ...), under the names of :mod:`snapckpt.metrics`.
+        ``report_to`` integration (TensorBoard, W&B, MLflow, ...), under the names of :mod:`snapckpt.metrics`;
+        and fire the Trainer's ``on_save`` event for every callback, as the Trainer's own save does.
+
+        ``on_save`` fires when a disk checkpoint is committed (the folder ``checkpoint-N`` is complete, as
+        after the Trainer's own save), on the training thread at the next step boundary, with the
+        ``TrainerState`` as it was at step ``N`` (a copy: ``state.global_step == N``, so callbacks that
+        look for ``checkpoint-{state.global_step}`` find it). The callbacks' returned control is merged
+        into the Trainer's.
 
         Call it once after constructing the Trainer with this callback::
 
             cb = SnapckptCallback(memory_interval_steps=10)
             trainer = cb.attach(Trainer(model=model, args=args, callbacks=[cb]))
 
-        Without it, checkpoints are taken just the same and the values are only in :attr:`metrics`.
+        Without it, checkpoints are taken just the same, the values are only in :attr:`metrics`, and
+        ``on_save`` does not fire (a callback has no public handle on the Trainer to fire it with).
 
         Args:
             trainer: the ``transformers.Trainer`` whose callbacks hold this callback.
@@ -306,6 +318,8 @@ class SnapckptCallback(TrainerCallback):
         if p.tier == StorageType.DISK:
             self._disk_steps.add(p.step)
             self._set_best(args, state)
+            if self._trainer is not None:  # what on_save will see once this step is committed
+                self._saved_states[p.step] = (args, copy.deepcopy(state))
         files: Dict[str, Any] = {}
         if state.is_world_process_zero:
             files.update(F.model_files(kwargs["model"], self.max_shard_size))
@@ -340,6 +354,21 @@ class SnapckptCallback(TrainerCallback):
             self._unlogged.append(m)
         if event.kind == "committed" and event.tier == StorageType.DISK:
             self._rotate()
+            self._fire_on_save(event.step)
+        elif event.kind == "failed":
+            self._saved_states.pop(event.step, None)
+
+    def _fire_on_save(self, step: int) -> None:
+        """The Trainer's ``on_save`` for the committed step ``step`` (after :meth:`attach`)."""
+        saved = self._saved_states.pop(step, None)
+        if self._trainer is None or saved is None:
+            return
+        args, state = saved
+        control = self._trainer.control
+        handler = self._trainer.callback_handler
+        should_save = control.should_save  # CallbackHandler.on_save clears it: a save requested now stays
+        handler.on_save(args, state, control)  # updates the same control object
+        control.should_save = should_save
 
     def _log_metrics(self) -> None:
         """Send the metrics not yet logged through ``Trainer.log`` (after :meth:`attach`): records merged
