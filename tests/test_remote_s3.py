@@ -298,3 +298,47 @@ def test_H2_server_errors_are_retried_then_reported_and_the_next_upload_recovers
         assert s3_bucket.get("run/latest") == b"step_00000002"
     finally:
         proxy.close()
+
+
+def test_H3_a_damaged_newest_remote_step_falls_back_to_the_next_intact_one(snap_env, s3_bucket):
+    """A fresh node (empty local directory, no memory tier) whose newest remote checkpoint was damaged in
+    the store (a data object overwritten with zeros of the same size): the download of step 2 fails its
+    checksum, is named in a warning, and step 1 is downloaded and loaded bitwise; never a fresh start while
+    an intact checkpoint exists. With every remote step damaged, latest_step() raises
+    CheckpointCorruptError naming them (not None, which would start training from step 0). A hidden
+    directory left by a killed download is removed at the next start."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.errors import CheckpointCorruptError
+
+    url = s3_bucket.url("run")
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
+    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        for s in (1, 2):
+            ck.save(states[s], s, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+
+    def damage(step):
+        data = [k for k in s3_bucket.keys(f"run/step_{step:08d}/") if "/.snapckpt/" not in k]
+        assert data, s3_bucket.keys("run/")
+        size = s3_bucket.client.head_object(Bucket=s3_bucket.name, Key=data[0])["ContentLength"]
+        s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=data[0], Body=b"\0" * size)
+
+    damage(2)
+    shutil.rmtree(snap_env.ckpt_dir)
+    leftover = os.path.join(snap_env.ckpt_dir, ".step_00000002.download-0123456789ab")  # a killed download's
+    os.makedirs(os.path.join(leftover, ".snapckpt"))
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        assert ck.latest_step() == 1
+        assert not os.path.exists(leftover)
+        got = ck.load()
+        assert ck.last_load.step == 1 and torch.equal(got["w"], states[1]["w"])
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)
+
+    damage(1)
+    shutil.rmtree(snap_env.ckpt_dir)
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        with pytest.raises(CheckpointCorruptError, match="step_00000002"):
+            ck.latest_step()

@@ -30,7 +30,7 @@ from snapckpt.ondisk import layout
 from snapckpt.ondisk.manifest import MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest
 from snapckpt.options import CheckpointOptions
 from snapckpt.storage.posix import PosixStorage
-from snapckpt.storage.remote import RemoteStore
+from snapckpt.storage.remote import RemoteStore, remove_download_leftovers
 
 __all__ = ["LoadCandidate", "LoadInfo", "Loader"]
 
@@ -194,6 +194,7 @@ class Loader:
         remote tier, or when it cannot be listed: a warning, and the local tiers go on)."""
         if self._remote is None:
             return []
+        remove_download_leftovers(self.checkpoint_dir)  # of a download killed in an earlier run
         try:
             return [[c.step, c.dirname, c.manifest["world_size"]] for c in self._remote.list_committed()]
         except Exception as e:
@@ -203,31 +204,40 @@ class Loader:
 
     def _fetch_remote(self, remote: List[List[Any]], disk_all: List[List[Any]],
                       cands: List[Tuple[int, str, Optional[str]]], step: Optional[int]) -> Optional[Tuple[int, str]]:
-        """When the remote tier's newest step (of this world size, or ``step``) is newer than every memory and
-        disk candidate and ``checkpoint_dir`` has no directory of its name, rank 0 downloads it into
-        ``checkpoint_dir`` (checksums verified, committed the local way) while the other ranks wait; return
-        ``(step, dirname)`` once every rank knows it is there, ``None`` when nothing was fetched (a failed
-        download is a warning: the local candidates are still tried)."""
+        """When the remote tier holds steps (of this world size, or ``step``) newer than every memory and disk
+        candidate that ``checkpoint_dir`` has no directory of, rank 0 downloads the newest of them into
+        ``checkpoint_dir`` (checksums verified, committed the local way) while the other ranks wait; a step
+        whose download fails (damaged in the store, unreachable) is a warning and the next newest is tried.
+        Return ``(step, dirname)`` once every rank knows it is there, ``None`` when nothing was fetched; the
+        steps that failed are added to the damaged list (so that no checkpoint at all is an error, never a
+        silent fresh start, when the remote tier held some)."""
         local = {d[1] for d in disk_all}
-        pick = [r for r in remote if r[2] == self.world_size and r[1] not in local and (step is None or r[0] == step)]
+        floor = cands[0][0] if cands else -1
+        pick = sorted((r for r in remote if r[2] == self.world_size and r[1] not in local and r[0] > floor
+                       and (step is None or r[0] == step)), key=lambda r: r[0], reverse=True)
         if not pick:
             return None
-        best = max(pick, key=lambda r: r[0])
-        if cands and cands[0][0] >= best[0]:
-            return None
-        error = ""
+        got: Optional[List[Any]] = None
+        failed: List[str] = []
         if self.rank == 0:
-            try:
-                t0 = time.perf_counter()
-                c = next(c for c in self._remote.list_committed() if c.dirname == best[1])
-                self._remote.download(c, self.checkpoint_dir, fsync=self.options.fsync)
-                log.info("rank 0: step %d downloaded from %s in %.3f s", best[0], c.url, time.perf_counter() - t0)
-            except Exception as e:
-                error = f"{type(e).__name__}: {str(e)[:500]}"
-                log.warning("downloading step %d (%s) from the remote tier failed: %s; trying the local tiers",
-                            best[0], best[1], error)
-        agreed = self._coord.all_gather("remote fetch", {"error": error}, self.options.coordination_timeout_secs)
-        return None if agreed[0]["error"] else (best[0], best[1])
+            committed = {c.dirname: c for c in self._remote.list_committed()}
+            for best in pick:
+                try:
+                    t0 = time.perf_counter()
+                    c = committed[best[1]]
+                    self._remote.download(c, self.checkpoint_dir, fsync=self.options.fsync)
+                    log.info("rank 0: step %d downloaded from %s in %.3f s", best[0], c.url, time.perf_counter() - t0)
+                    got = [best[0], best[1]]
+                    break
+                except Exception as e:
+                    error = f"{type(e).__name__}: {str(e)[:500]}"
+                    failed.append(f"{self._remote.url}/{best[1]}: {error}")
+                    log.warning("downloading step %d (%s) from the remote tier failed: %s; trying the next newest "
+                                "checkpoint", best[0], best[1], error)
+        agreed = self._coord.all_gather("remote fetch", {"got": got, "failed": failed},
+                                        self.options.coordination_timeout_secs)[0]
+        self._damaged = list(self._damaged) + agreed["failed"]
+        return None if agreed["got"] is None else (agreed["got"][0], agreed["got"][1])
 
     def _warn_lost_memory(self, everyone: List[Dict[str, Any]], cands: List[Tuple[int, str, Optional[str]]]) -> None:
         """Rank 0 names what a restart loses when some ranks hold a newer memory snapshot than the newest

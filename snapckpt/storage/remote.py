@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import posixpath
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -90,6 +91,18 @@ class RemoteStore:
         if not isinstance(url, str) or not is_remote_url(url.strip()):
             raise RemoteStorageError(f"remote_dir {url!r} is not a URL: pass e.g. remote_dir=\"s3://bucket/run1\"")
         self.url = url.strip().rstrip("/")
+        scheme, _, rest = self.url.partition("://")
+        bucket, _, prefix = rest.partition("/")
+        if "@" in bucket or "?" in rest:  # credentials or options pasted into the URL: never echo them
+            raise RemoteStorageError(
+                f"remote_dir for {scheme}:// carries credentials or query options in the URL; pass only "
+                f"{scheme}://bucket/prefix and give credentials through the environment (docs/remote.md)")
+        if not bucket or not prefix.strip("/"):
+            # a bucket root is shared with other data: the clean-up of interrupted uploads would touch it
+            raise RemoteStorageError(
+                f"remote_dir {self.url!r} names no {'bucket' if not bucket else 'prefix in the bucket'}: pass "
+                f"{scheme or 's3'}://bucket/prefix (one prefix per job, e.g. {scheme or 's3'}://"
+                f"{bucket or 'bucket'}/run1)")
         try:
             import fsspec
             self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)
@@ -285,6 +298,7 @@ class RemoteStore:
         final = os.path.join(checkpoint_dir, c.dirname)
         if os.path.exists(final):
             raise FileExistsError(f"{final} exists; not overwritten by the download of {c.url}")
+        remove_download_leftovers(checkpoint_dir)
         partial = os.path.join(checkpoint_dir, f".{c.dirname}.download-{uuid.uuid4().hex[:12]}")
         os.makedirs(os.path.join(partial, SIDECAR), exist_ok=True)
         try:
@@ -445,3 +459,21 @@ def _fsync_dir(path: str, fsync: bool) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_download_leftovers(checkpoint_dir: str) -> List[str]:
+    """Delete the hidden ``.<dirname>.download-*`` directories a killed download left in ``checkpoint_dir``
+    (only rank 0 of the job owning the directory downloads, one step at a time, so none is in progress
+    when it calls this); return their paths."""
+    gone = []
+    try:
+        names = os.listdir(checkpoint_dir)
+    except FileNotFoundError:
+        return gone
+    for n in names:
+        if n.startswith(".") and ".download-" in n:
+            p = os.path.join(checkpoint_dir, n)
+            shutil.rmtree(p, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted download from the remote tier", p)
+            gone.append(p)
+    return gone

@@ -71,3 +71,21 @@ def test_remote_store_refuses_unusable_urls_naming_the_fix(url, words):
     with pytest.raises(RemoteStorageError) as ei:
         RemoteStore(url)
     assert words in str(ei.value) and repr(url) in str(ei.value)
+
+
+@pytest.mark.parametrize("url, words", [
+    ("s3://", "names no bucket"),
+    ("s3://bucket", "names no prefix in the bucket"),
+    ("s3://bucket/", "names no prefix in the bucket"),
+    ("s3://KEY:SECRET@bucket/run", "carries credentials"),
+    ("s3://bucket/run?secret=x", "carries credentials"),
+])
+def test_remote_store_needs_a_bucket_and_a_prefix_and_never_echoes_credentials(url, words):
+    """``s3://`` became the local relative path ``s3:`` (an IndexError, or a local folder as the 'remote'
+    tier); a bucket root made the clean-up of interrupted uploads abort other applications' multipart
+    uploads; credentials pasted into the URL were echoed in the error. Each is a RemoteStorageError now."""
+    from snapckpt.errors import RemoteStorageError
+    from snapckpt.storage.remote import RemoteStore
+    with pytest.raises(RemoteStorageError, match=words) as ei:
+        RemoteStore(url)
+    assert "SECRET" not in str(ei.value) and "secret=x" not in str(ei.value)
