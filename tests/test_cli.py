@@ -284,6 +284,10 @@ def test_cli_verify_usage_errors_exit_2(snap_env):
     assert r.returncode == 2 and "no such directory" in r.stderr
     r = cli("verify", d, "7")
     assert r.returncode == 2 and "no committed checkpoint of step 7" in r.stderr and "[5]" in r.stderr
+    r = cli("verify", d, "7", "--json")  # a script parsing stdout gets an object too
+    assert r.returncode == 2 and "no committed checkpoint of step 7" in json.loads(r.stdout)["error"], r.stdout
+    r = cli("ls", os.path.join(snap_env.tmp, "nope"), "--json")
+    assert r.returncode == 2 and json.loads(r.stdout)["exit"] == 2 and "no such directory" in r.stderr
     r = cli("verify", os.path.join(d, "step_00000005"))
     assert r.returncode == 2 and "pass its parent" in r.stderr
     empty = os.path.join(snap_env.tmp, "empty")

@@ -99,10 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _json_usage_errors(sub: argparse.ArgumentParser) -> None:
+    """With ``--json``, a subcommand's usage error (exit 2: a missing directory, an unknown step) also
+    prints ``{"error": message, "exit": 2}`` on stdout, so that a script parsing stdout always gets an
+    object; the message still goes to stderr as argparse prints it."""
+    from snapckpt.cli.common import print_json
+
+    def error(message: str) -> None:
+        print_json({"error": message, "exit": 2})
+        sub.print_usage(sys.stderr)
+        sys.stderr.write(f"{sub.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+    sub.error = error  # type: ignore[method-assign]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``snapckpt`` console script and ``python -m snapckpt``; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "json", False):
+        _json_usage_errors(args.parser)
     try:
         return args.func(args, args.parser)
     except BrokenPipeError:  # `snapckpt ls DIR | head`

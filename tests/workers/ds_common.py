@@ -95,3 +95,19 @@ def full_params(engine):
 def model_file(stage: int, rank: int = 0) -> str:
     """DeepSpeed's model-states file name of ``rank`` (ZeRO-3 writes one per rank)."""
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def exit_after_barrier() -> None:
+    """End a DeepSpeed worker once every rank printed its results: a barrier, then ``os._exit(0)``. The
+    gloo/DeepSpeed teardown at interpreter exit aborts now and then ("terminate called without an active
+    exception", SIGABRT: seen in CI on the stock DeepSpeed run after its last step), which would fail a
+    run whose results are complete."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

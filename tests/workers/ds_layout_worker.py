@@ -168,8 +168,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     for cfg in cfgs:
         run(root, cfg)
-    dist.barrier()
-    dist.destroy_process_group()
+    ds_common.exit_after_barrier()
 
 
 if __name__ == "__main__":

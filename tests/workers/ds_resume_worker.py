@@ -45,8 +45,7 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
     if ckpt != "-":
         engine.snapckpt.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    ds_common.exit_after_barrier()
 
 
 if __name__ == "__main__":

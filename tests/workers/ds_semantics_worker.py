@@ -127,8 +127,7 @@ def main():
         out["closed_by_destroy"] = ck.closed and type(engine.checkpoint_engine).__name__ != "SnapckptCheckpointEngine"
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    ds_common.exit_after_barrier()
 
 
 if __name__ == "__main__":
