@@ -342,3 +342,27 @@ def test_H3_a_damaged_newest_remote_step_falls_back_to_the_next_intact_one(snap_
     with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
         with pytest.raises(CheckpointCorruptError, match="step_00000002"):
             ck.latest_step()
+
+
+def test_two_jobs_on_one_remote_directory_the_second_is_refused_at_start(snap_env, s3_bucket):
+    """Job A (checkpoint_dir A) owns s3://.../shared once it started there; job B (another checkpoint_dir)
+    pointed at the same remote directory is refused at start with RemoteStorageError naming A's directory
+    and the fix (before: B's checkpoints replaced A's and a fresh node of A loaded B's state). Job A on a
+    fresh node (same path, empty) is still the same job."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.errors import RemoteStorageError
+
+    url = s3_bucket.url("shared")
+    a, b = os.path.join(snap_env.tmp, "job_a"), os.path.join(snap_env.tmp, "job_b")
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
+    with Checkpointer(a, **opts) as ck:
+        ck.save({"w": torch.ones(4)}, 1, StorageType.DISK).wait()
+    with pytest.raises(RemoteStorageError, match="is the remote tier of another job") as ei:
+        Checkpointer(b, **opts)
+    assert os.path.realpath(a) in str(ei.value) and ".snapckpt-owner.json" in str(ei.value)
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)
+    shutil.rmtree(a)
+    with Checkpointer(a, **opts) as ck:  # a fresh node of job A
+        assert ck.latest_step() == 1

@@ -116,6 +116,7 @@ class Checkpointer:
             try:
                 store = RemoteStore(url)
                 store.check_access()
+                store.claim(self.checkpoint_dir, self.options.job_id)
             except RemoteStorageError as e:
                 error = str(e)
         error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]

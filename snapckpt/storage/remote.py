@@ -34,6 +34,7 @@ import logging
 import os
 import posixpath
 import shutil
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -159,6 +160,35 @@ class RemoteStore:
                 f"remote_dir {self.url!r}: cannot write a probe object: {_cause(e)}; check the endpoint "
                 "(AWS_ENDPOINT_URL for an S3-compatible store), the network and the credentials in the "
                 "standard places") from e
+
+    OWNER = ".snapckpt-owner.json"
+
+    def claim(self, checkpoint_dir: str, job_id: Optional[str]) -> None:
+        """Record the job that owns this remote directory, or check that it is this one: a job is
+        ``(realpath(checkpoint_dir), job_id)``, as for the local directory (a fresh node resuming the same
+        job at the same path is the same job). The record is the object ``<remote_dir>/.snapckpt-owner.json``.
+
+        Raises:
+            RemoteStorageError: another job owns the directory (its checkpoints would replace this job's,
+                and a fresh node would load the other job's state); the message names it and the fix.
+        """
+        me = {"checkpoint_dir": os.path.realpath(checkpoint_dir), "job_id": job_id or ""}
+        path = self._path(self.OWNER)
+        try:
+            owner = json.loads(self._read(path))
+        except FileNotFoundError:
+            owner = None
+        except (ValueError, UnicodeDecodeError):
+            owner = None  # unreadable: rewritten below
+        if owner is not None and {k: owner.get(k) for k in me} != me:
+            raise RemoteStorageError(
+                f"remote_dir {self.url!r} is the remote tier of another job (checkpoint_dir "
+                f"{owner.get('checkpoint_dir')!r}, job_id {owner.get('job_id') or None!r}, host "
+                f"{owner.get('host')!r}); this job ({me['checkpoint_dir']!r}, job_id {job_id!r}) would replace "
+                f"its checkpoints: give each job its own remote_dir, or delete {self.display(self.OWNER)} if that "
+                "job is gone (also when this job's local directory moved)")
+        if owner is None:
+            self._write(path, json.dumps({**me, "host": socket.gethostname(), "created_unix": time.time()}).encode())
 
     # ------------------------------------------------------------------------------------ listing
     def _dirs(self) -> List[str]:
