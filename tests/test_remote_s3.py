@@ -219,7 +219,7 @@ def test_H2_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucke
     assert [(n["kind"], n["step"]) for n in notes] == [("upload_failed", 1), ("upload_skipped", 2)], notes
     assert notes[0]["reason"] == f"{gone}: FileNotFoundError: The specified bucket does not exist"
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(notes)
-    assert "deleted by retention" in notes[1]["reason"]
+    assert "deleted before its upload began (by retention" in notes[1]["reason"]
     assert len(done) == 2
     assert not s3_bucket.keys("run/")
 

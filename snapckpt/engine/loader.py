@@ -120,6 +120,7 @@ class Loader:
         self.options, self.checkpoint_dir, self._topology = options, checkpoint_dir, topology
         self._coord, self._storage, self._maps, self._session, self._dir_id = coord, storage, maps, session, dir_id
         self._damaged: List[str] = []  # directories skipped as damaged by the last candidates()
+        self._warned_lost: Optional[Tuple[Any, Any]] = None  # the last _warn_lost_memory warning
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
@@ -248,9 +249,12 @@ class Loader:
             return
         holders = [r for r, p in enumerate(everyone) if any(m[0] == newest for m in p["mem"])]
         missing = [r for r in range(self.world_size) if r not in holders]
+        if (newest, best) == self._warned_lost:  # latest_step() and load() of one restart: said once
+            return
+        self._warned_lost = (newest, best)
         log.warning("step %d is held in memory by ranks %s but not by ranks %s (their node was lost or restarted "
-                    "without its memory); the newest step complete on every rank is %s: the steps after it are "
-                    "lost on this restart", newest, holders, missing,
+                    "without its memory, or they died before their snapshot of it); the newest step complete on "
+                    "every rank is %s: the steps after it are lost on this restart", newest, holders, missing,
                     "none (a fresh start)" if best is None else f"{best} ({cands[0][1]})")
 
     def latest_step(self) -> Optional[int]:

@@ -155,8 +155,8 @@ class Uploader:
         for attempt in range(RETRIES + 1):
             t0 = time.monotonic()
             if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
-                reason = (f"{job.local_dir} was deleted by retention (keep_last={job.keep_last}) before its upload "
-                          "began; a newer checkpoint is uploaded instead")
+                reason = (f"{job.local_dir} was deleted before its upload began (by retention, keep_last="
+                          f"{job.keep_last}, or by hand); a newer checkpoint is uploaded instead")
                 log.warning("remote: upload of step %d to %s skipped: %s", step, job.remote_dir, reason)
                 self._note(job, "upload_skipped", reason)
                 return
