@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -150,14 +151,20 @@ def _lose_a_node_while_the_other_waits(rig, lost: int, held=None):
 def test_a_node_lost_whole_while_the_committer_waits_is_abandoned_naming_its_ranks(rig):
     """Node 1 (ranks 2 and 3, and its persister) is lost while node 0's committer waits for their parts of
     step 2: its lease stops, and the commit is abandoned once it is ``peer_timeout_secs`` (3 s) old,
-    naming node 1's ranks and host; node 0's ranks get the error and close at once."""
+    naming node 1's ranks and host; node 0's ranks get the error and close at once. (The kill of node 1's
+    processes is not atomic: when its persister outlives its ranks by a moment it records them as gone,
+    and the commit is abandoned at once naming a dead rank of node1 instead; both are right.)"""
     results, pid = _lose_a_node_while_the_other_waits(rig, lost=1)
     for res in results:
         assert res["host"] == "node0" and res["rank"] in (0, 1), res
         err = res["wait2"][0]
-        assert err.startswith("PeerLostError: step 2: the node persister of ranks [2, 3] (pid %d on host node1)"
-                              % pid), err
-        assert "ranks [2, 3] can never deliver their part" in err and "peer_timeout_secs=3" in err, err
+        by_lease = err.startswith("PeerLostError: step 2: the node persister of ranks [2, 3] (pid %d on host "
+                                  "node1)" % pid)
+        if by_lease:
+            assert "ranks [2, 3] can never deliver their part" in err and "peer_timeout_secs=3" in err, err
+        else:
+            assert re.match(r"PeerLostError: step 2: rank [23] \(pid \d+ on host node1\) died before handing over "
+                            r"its part of step_00000002", err), err
         assert res["close"][0] == "ok", res
     # the committer removed the abandoned step's partial directory
     assert not [n for n in os.listdir(rig.ckpt_dir) if ".partial-" in n]
