@@ -40,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from snapckpt.storage.posix import PosixStorage
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError
@@ -340,7 +341,7 @@ class RemoteStore:
                     f.result()
             _write_local(os.path.join(partial, MANIFEST), json.dumps(c.manifest, indent=1).encode(), fsync)
             os.rename(partial, final)
-            _fsync_dir(checkpoint_dir, fsync)
+            PosixStorage(fsync=fsync).fsync_dir(checkpoint_dir)
         except BaseException:
             import shutil
             shutil.rmtree(partial, ignore_errors=True)
@@ -354,7 +355,7 @@ class RemoteStore:
             tmp = os.path.join(checkpoint_dir, f".{tname}.tmp-{uuid.uuid4().hex[:12]}")
             _write_local(tmp, tcontent.encode(), fsync)
             os.replace(tmp, os.path.join(checkpoint_dir, tname))
-            _fsync_dir(checkpoint_dir, fsync)
+            PosixStorage(fsync=fsync).fsync_dir(checkpoint_dir)
         log.info("remote: downloaded step %d from %s into %s", c.step, c.url, final)
         return final
 
@@ -479,16 +480,6 @@ def _write_local(path: str, data: bytes, fsync: bool) -> None:
         f.flush()
         if fsync:
             os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str, fsync: bool) -> None:
-    if not fsync:
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove_download_leftovers(checkpoint_dir: str) -> List[str]:
