@@ -3,7 +3,8 @@
 Two jobs (different ``job_id``, or two hosts on a shared filesystem) saving into one directory would rotate
 each other's checkpoints and could load each other's state: the second one's ``save`` is refused with
 ``CheckpointDirInUseError`` naming the first; loading from the directory stays allowed; a restart after
-``kill -9`` of the first just works; a filesystem without ``flock`` saves without a claim, with a warning.
+``kill -9`` of the first just works; a filesystem without ``flock`` saves without a claim, with a warning. The claim is an ``flock`` on the
+directory itself (no entry added), with a lock file only where a directory cannot be locked (NFS).
 """
 import errno
 import json
@@ -65,7 +66,7 @@ def test_P2_second_job_refused_first_keeps_saving_restart_after_kill9(snap_env, 
             assert torch.equal(second.load(step=9)["w"], torch.full((4,), 9.0))
             holder = dirclaim.read_holder(d)
             assert holder["pid"] == os.getpid() and holder["job_id"] == "second", holder
-        assert os.stat(os.path.join(d, dirclaim.LOCK_NAME)).st_mode & 0o777 == 0o600
+        assert not os.path.exists(os.path.join(d, dirclaim.LOCK_NAME))  # the claim added no entry to d
     finally:
         if first.poll() is None:
             first.kill()
@@ -76,7 +77,8 @@ def test_P2_one_process_shares_its_claim_two_ranks_refused_and_no_flock_saves_wi
         snap_env, monkeypatch, caplog):
     """Two Checkpointers of one process on one directory share the claim (closing one keeps it); a 2-rank
     job saving into it meanwhile is refused on both ranks (rank 1 learns it from rank 0, no hang); on a
-    filesystem without flock (ENOLCK) a save goes ahead without a claim and a one-line warning says so."""
+    filesystem whose directories cannot be locked (NFS: EBADF) the claim is a lock file holding the record;
+    on one without flock (ENOLCK) a save goes ahead without a claim and a one-line warning says so."""
     d = snap_env.ckpt_dir
     with Checkpointer(d, persister_idle_timeout_secs=5) as a, Checkpointer(d, job_id="b",
                                                                           persister_idle_timeout_secs=5) as b:
@@ -98,15 +100,33 @@ def test_P2_one_process_shares_its_claim_two_ranks_refused_and_no_flock_saves_wi
 
     real_flock = dirclaim.fcntl.flock
 
+    def nfs_flock(fd, op):  # NFS: flock is a byte-range lock, refused on a descriptor not open for writing
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(dirclaim.fcntl, "flock", nfs_flock)
+    with Checkpointer(d, persister_idle_timeout_secs=5) as c:
+        c.save({"w": torch.full((2,), 4.0)}, 4).wait()
+        # the claim fell back to a lock file holding the record, and it still excludes another job
+        assert json.load(open(os.path.join(d, dirclaim.LOCK_NAME)))["pid"] == os.getpid()
+        assert dirclaim.read_holder(d)["pid"] == os.getpid()
+        other = os.open(os.path.join(d, dirclaim.LOCK_NAME), os.O_RDWR)  # another open file description
+        try:
+            with pytest.raises(BlockingIOError):
+                real_flock(other, dirclaim.fcntl.LOCK_EX | dirclaim.fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+
     def no_flock(fd, op):  # the checkpoint directory's filesystem has no flock (the runtime dir's has)
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(dirclaim.LOCK_NAME):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(dirclaim.LOCK_NAME) or path == os.path.realpath(d):
             raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
         return real_flock(fd, op)
 
     monkeypatch.setattr(dirclaim.fcntl, "flock", no_flock)
     with caplog.at_level(logging.WARNING, logger="snapckpt.ondisk.dirclaim"):
         with Checkpointer(d, persister_idle_timeout_secs=5) as c:
-            c.save({"w": torch.full((2,), 4.0)}, 4).wait()
-            assert torch.equal(c.load()["w"], torch.full((2,), 4.0))
+            c.save({"w": torch.full((2,), 5.0)}, 5).wait()
+            assert torch.equal(c.load()["w"], torch.full((2,), 5.0))
     assert any("does not support flock" in r.getMessage() for r in caplog.records), caplog.text
-    assert json.load(open(os.path.join(d, dirclaim.LOCK_NAME)))["pid"] == os.getpid()

@@ -29,7 +29,6 @@ import torch
 from safetensors.torch import load_file
 
 from _harness import REPO, assert_equal_state, free_port, wait_until
-from snapckpt.ondisk.dirclaim import LOCK_NAME
 
 WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 STEPS = 12
@@ -119,7 +118,7 @@ def test_E2_E3_F1_F2_F3_kill9_node_during_persist(snap_env, stock):
     # 3. Resume again: from checkpoint-5, bitwise equal to the uninterrupted run to the end.
     third = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
     _same_steps(_rows(third), ref, range(6, STEPS + 1))
-    assert sorted(set(os.listdir(out)) - {LOCK_NAME}) == ["checkpoint-10", "checkpoint-12", "checkpoint-5"]  # partials cleaned
+    assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-12", "checkpoint-5"]  # partials cleaned
     for step in (10, 12):
         _assert_same_folder(os.path.join(out, f"checkpoint-{step}"), os.path.join(ref_dir, f"checkpoint-{step}"))
     # F3/E1: from_pretrained loads snapckpt's safetensors, tied again, nothing missing.
@@ -209,7 +208,7 @@ def test_rotation_best_model_E5_sharded(snap_env, tmp_path):
     ref = _run({**cfg, "out": stock_out}, {})
     mine = _run({**cfg, "out": out, "snap": True, "subclass_args": True, "shard": "40KB"}, snap_env.env)
     _same_steps(_rows(mine), _rows(ref), range(1, 9))
-    assert sorted(set(os.listdir(out)) - {LOCK_NAME}) == sorted(os.listdir(stock_out))  # same folders rotated away and kept
+    assert sorted(os.listdir(out)) == sorted(os.listdir(stock_out))  # same folders rotated away and kept
     assert ref["best"] and os.path.basename(mine["best"]) == os.path.basename(ref["best"])
     assert os.path.basename(ref["best"]) != "checkpoint-8"  # the best is kept although older
     assert mine["final_wte"] == ref["final_wte"]  # load_best_model_at_end found the committed folder

@@ -3,18 +3,22 @@
 Two jobs saving into one directory (two job ids on one host, or two hosts on a shared filesystem) would
 rotate each other's checkpoints, since retention counts every checkpoint of the directory, and a restart
 could load the other job's state. So global rank 0 of a job claims the directory at its first save: an
-exclusive, non-blocking ``flock`` on ``<checkpoint_dir>/.snapckpt-writer.lock`` (mode ``0600``, created if
-missing, never deleted), whose content is a small JSON record of the holder::
+exclusive, non-blocking ``flock`` on the checkpoint directory itself, so that the claim adds no entry to
+a directory the user (or the Trainer's ``output_dir``) owns. A small JSON record of the holder goes into
+the directory's extended attribute ``user.snapckpt.writer`` (read back for the error message)::
 
     {"pid": 1234, "host": "node7/<boot id>", "job_id": "a", "run_id": "...", "since_unix": 1.7e9,
      "since": "2026-11-30T13:40:00Z"}
 
-The kernel drops the lock when the holder's process exits, ``kill -9`` included, so a restart just works;
-:meth:`DirClaim.release` (``Checkpointer.close``) drops it earlier. Loading takes no claim: an evaluation
-job may read a directory while training writes it. Several Checkpointers of one process on one
-directory share one claim (counted per ``realpath``). A forked child closes its inherited descriptor, so a
-DataLoader worker never keeps a dead trainer's claim alive. Where the filesystem has no ``flock``
-(``ENOLCK``, ``EOPNOTSUPP``, ``ENOSYS``) no claim is taken, with a one-line warning.
+Where a directory cannot be locked (NFS emulates ``flock`` with byte-range locks, which need a descriptor
+open for writing: ``EBADF``), the claim falls back to a lock file, ``<checkpoint_dir>/.snapckpt-writer.lock``
+(mode ``0600``, created if missing, never deleted), whose content is the record. The kernel drops the lock
+when the holder's process exits, ``kill -9`` included, so a restart just works; :meth:`DirClaim.release`
+(``Checkpointer.close``) drops it earlier. Loading takes no claim: an evaluation job may read a directory
+while training writes it. Several Checkpointers of one process on one directory share one claim (counted
+per ``realpath``). A forked child closes its inherited descriptor, so a DataLoader worker never keeps a
+dead trainer's claim alive. Where the filesystem has no ``flock`` at all (``ENOLCK``, ``EOPNOTSUPP``,
+``ENOSYS``) no claim is taken, with a one-line warning.
 """
 from __future__ import annotations
 
@@ -23,15 +27,18 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
 from snapckpt.errors import CheckpointDirError, CheckpointDirInUseError
 
-__all__ = ["LOCK_NAME", "DirClaim", "claim_dir", "read_holder"]
+__all__ = ["LOCK_NAME", "RECORD_XATTR", "DirClaim", "claim_dir", "read_holder"]
 
-LOCK_NAME = ".snapckpt-writer.lock"
+LOCK_NAME = ".snapckpt-writer.lock"  # only where the directory itself cannot be locked (NFS)
+RECORD_XATTR = "user.snapckpt.writer"
+_DIR_LOCK_REFUSED = {errno.EBADF, errno.EINVAL}  # flock on a directory descriptor refused: use a lock file
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.ENOSYS}
 _DEAD_HOLDER_GRACE_SECS = 5.0  # a holder that is exiting (zombie) on this host: wait for the kernel to unlock
 _ANY_HOLDER_GRACE_SECS = 1.0  # any other holder: a job killed just before this one started may still be exiting
@@ -68,7 +75,7 @@ def claim_dir(checkpoint_dir: str, holder: Mapping[str, Any]) -> Optional[DirCla
 
     Args:
         checkpoint_dir: the directory.
-        holder: ``job_id`` and ``run_id`` of the job, written into the lock file with pid, host and time.
+        holder: ``job_id`` and ``run_id`` of the job, recorded with pid, host and time.
 
     Returns:
         a :class:`DirClaim`, or ``None`` where the filesystem does not support ``flock`` (a one-line warning).
@@ -76,24 +83,33 @@ def claim_dir(checkpoint_dir: str, holder: Mapping[str, Any]) -> Optional[DirCla
     Raises:
         CheckpointDirInUseError: another process holds the claim; the message names it (pid, host, job id,
             since when) and the fix.
-        CheckpointDirError: the lock file is a symbolic link or cannot be opened.
+        CheckpointDirError: the directory or the lock file cannot be opened, or the lock file is a
+            symbolic link.
     """
     real = os.path.realpath(checkpoint_dir)
-    path = os.path.join(real, LOCK_NAME)
     with _lock:
         entry = _held.get(real)
-        if entry is not None and _same_file(entry[0], path):
+        if entry is not None and any(_same_file(entry[0], p) for p in (real, os.path.join(real, LOCK_NAME))):
             entry[1] += 1
             return DirClaim(real, entry)
-        # not held, or held on a lock file that was deleted since (the directory was re-created)
-        fd = _open(path)
+        # not held, or held on a directory (lock file) that was deleted and re-created since
+        fd = _open_dir(real)
         try:
-            if not _flock(fd, real):
-                os.close(fd)
-                return None
+            locked = _flock(fd, real, fallback=True)
         except BaseException:
             os.close(fd)
             raise
+        if locked is None:  # the directory cannot be locked here (NFS): a lock file in it
+            os.close(fd)
+            fd = _open(os.path.join(real, LOCK_NAME))
+            try:
+                locked = _flock(fd, real, fallback=False)
+            except BaseException:
+                os.close(fd)
+                raise
+        if not locked:
+            os.close(fd)
+            return None
         _record(fd, holder)
         entry = _held[real] = [fd, 1]
         _install_fork_hook()
@@ -106,6 +122,14 @@ def _same_file(fd: int, path: str) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _open_dir(real: str) -> int:
+    try:
+        return os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointDirError(f"cannot open the checkpoint directory {real}: {e.strerror}; fix its "
+                                 "permissions or pick another checkpoint directory") from e
 
 
 def _open(path: str) -> int:
@@ -126,8 +150,9 @@ def _open(path: str) -> int:
                                  "permissions or pick another checkpoint directory") from e
 
 
-def _flock(fd: int, real: str) -> bool:
-    """Lock ``fd``; False where flock is unsupported; CheckpointDirInUseError when another process holds it."""
+def _flock(fd: int, real: str, fallback: bool) -> Optional[bool]:
+    """Lock ``fd``: True when locked; False where flock is unsupported; None (``fallback`` only) where a
+    directory descriptor cannot be locked; CheckpointDirInUseError when another process holds it."""
     start = time.monotonic()
     while True:
         try:
@@ -143,6 +168,8 @@ def _flock(fd: int, real: str) -> bool:
                 continue
             raise CheckpointDirInUseError(_in_use_message(real, info)) from None
         except OSError as e:
+            if fallback and e.errno in _DIR_LOCK_REFUSED:
+                return None
             if e.errno in _NO_FLOCK:
                 log.warning("checkpoint directory %s: its filesystem does not support flock (%s); no writer "
                             "claim is taken: make sure no other job saves into it", real, os.strerror(e.errno))
@@ -159,20 +186,30 @@ def _record(fd: int, holder: Mapping[str, Any]) -> None:
            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}
     data = (json.dumps(rec) + "\n").encode()
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-    except OSError:  # read-only descriptor (another user's file): the claim holds, the record is older
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.setxattr(fd, RECORD_XATTR, data)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+    except OSError:  # no user xattrs here, or a read-only lock file: the claim holds, the record is older
         pass
 
 
 def read_holder(checkpoint_dir: str) -> Dict[str, Any]:
-    """The JSON record of the lock file of ``checkpoint_dir`` (``{}`` when missing, empty or damaged)."""
-    try:
-        with open(os.path.join(checkpoint_dir, LOCK_NAME), "rb") as f:
-            rec = json.loads(f.read(4096) or b"{}")
-        return rec if isinstance(rec, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    """The holder record of ``checkpoint_dir``'s claim (``{}`` when missing, empty or damaged): the
+    directory's ``user.snapckpt.writer`` attribute, or the lock file where the claim fell back to one
+    (the newer of the two where both exist)."""
+    found = []
+    for read in (lambda: os.getxattr(checkpoint_dir, RECORD_XATTR),
+                 lambda: open(os.path.join(checkpoint_dir, LOCK_NAME), "rb").read(4096)):
+        try:
+            rec = json.loads(read() or b"{}")
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec:
+            found.append(rec)
+    since = lambda r: r.get("since_unix") if isinstance(r.get("since_unix"), (int, float)) else 0  # noqa: E731
+    return max(found, key=since, default={})
 
 
 def _exiting_here(info: Mapping[str, Any]) -> bool:
@@ -198,7 +235,8 @@ def _in_use_message(real: str, info: Mapping[str, Any]) -> str:
     return (f"checkpoint directory {real} is in use by another job: {who}. Two jobs saving into one directory "
             "would rotate each other's checkpoints and could load each other's state, so this save was "
             "refused and nothing in the directory was touched. Give each job its own checkpoint directory, or "
-            f"stop the other job first (its claim, {LOCK_NAME}, is released when it exits or calls close())")
+            "stop the other job first (its claim, an flock on the directory, is released when it exits or calls "
+            "close())")
 
 
 def _install_fork_hook() -> None:

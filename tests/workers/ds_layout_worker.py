@@ -57,13 +57,11 @@ def same(a, b, path=""):
 
 
 def tree(root):
-    """Files below ``root`` without snapckpt's own: ``.snapckpt`` sidecars and the writer claim."""
-    from snapckpt.ondisk.dirclaim import LOCK_NAME
-
+    """Files below ``root`` without snapckpt's own ``.snapckpt`` sidecars."""
     out = []
     for d, dirs, files in os.walk(root):
         dirs[:] = [x for x in dirs if x != ".snapckpt"]
-        out += [os.path.relpath(os.path.join(d, f), root) for f in files if f != LOCK_NAME]
+        out += [os.path.relpath(os.path.join(d, f), root) for f in files]
     return sorted(out)
 
 
