@@ -6,6 +6,6 @@
 
 The drop-in functions themselves are in :mod:`snapckpt.megatron_dist_ckpt`.
 """
-from snapckpt.integrations.megatron.args import EnableResult, add_arguments, checkpointer_options, enable
+from snapckpt.integrations.megatron.args import EnableResult, add_arguments, checkpointer_options, enable, resolve_flags
 
-__all__ = ["add_arguments", "enable", "EnableResult", "checkpointer_options"]
+__all__ = ["add_arguments", "enable", "EnableResult", "checkpointer_options", "resolve_flags"]

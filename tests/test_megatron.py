@@ -21,7 +21,6 @@ import signal
 import pytest
 
 from _harness import finish, launch, result_lines, run_ranks, wait_until
-from snapckpt.ondisk.dirclaim import LOCK_NAME
 
 WORKER = "megatron_worker.py"
 
@@ -74,7 +73,7 @@ def test_F1_F2_F4_B3_layout_round_trips_reshard_and_damage(snap_env):
         {k: (v.relative_path, v.offset, v.length) for k, v in b.storage_data.items()}
     assert a.storage_meta.checkpoint_id == mine
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "5"
-    assert sorted(set(os.listdir(ck)) - {LOCK_NAME}) == [f"iter_000000{i}" for i in range(2, 6)] + \
+    assert sorted(os.listdir(ck)) == [f"iter_000000{i}" for i in range(2, 6)] + \
         ["latest_checkpointed_iteration.txt"]
 
     outs = run_ranks(WORKER, 2, ["--mode", "reshard", "--tp", "2", "--ckpt", ck, "--out", ref, "--damage"],
@@ -155,6 +154,27 @@ def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
         r = sm.enable(on)
     assert not r.enabled and "Megatron-LM is not importable" in r.reason and r.routed == ()
     assert "not importable" in caplog.text
+
+
+def test_flag_megatron_lm_own_flags_map_onto_the_tiers():
+    """Megatron-LM's ``--non-persistent-save-interval`` (any ``--non-persistent-ckpt-type``) is the memory
+    tier, taken by Megatron-LM's own loop (no ``train_step`` wrapper, so no snapshot twice);
+    ``--snapckpt-memory-interval`` is its alias (the wrapper takes them); both with different values are
+    refused naming both; ``--async-save`` is named as served by the disk tier."""
+    import argparse
+
+    from snapckpt.megatron import resolve_flags
+
+    ns = argparse.Namespace
+    assert resolve_flags(ns(snapckpt_memory_interval=0)) == (0, False, "")
+    assert resolve_flags(ns(snapckpt_memory_interval=5)) == (5, True, "")
+    interval, wrap, said = resolve_flags(ns(snapckpt_memory_interval=0, non_persistent_save_interval=10,
+                                            non_persistent_ckpt_type="local", async_save=True))
+    assert (interval, wrap) == (10, False)
+    assert "--non-persistent-ckpt-type local" in said and "memory tier" in said and "--async-save" in said, said
+    assert resolve_flags(ns(snapckpt_memory_interval=10, non_persistent_save_interval=10))[:2] == (10, False)
+    with pytest.raises(ValueError, match=r"--snapckpt-memory-interval 5 and --non-persistent-save-interval 10"):
+        resolve_flags(ns(snapckpt_memory_interval=5, non_persistent_save_interval=10))
 
 
 def test_flag_memory_snapshot_schedule():

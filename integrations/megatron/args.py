@@ -7,6 +7,12 @@ Megatron-LM has no checkpoint-engine hook: its training loop calls ``save_checkp
 iterations. ``--snapckpt-disk-interval`` becomes Megatron-LM's ``--save-interval``: its own loop saves to
 disk, through snapckpt, at those iterations.
 
+Megatron-LM's own flags map onto the tiers (see :func:`resolve_flags`): ``--non-persistent-save-interval N``
+(any ``--non-persistent-ckpt-type``) is the memory tier, taken by Megatron-LM's own loop every N
+iterations (its ``save_checkpoint(..., non_persistent_ckpt=True)`` becomes a MEMORY snapshot), so
+``--snapckpt-memory-interval`` is its alias; ``--async-save`` is what snapckpt's disk tier does anyway
+(Megatron-LM's async queue stays empty; its finalize calls return at once).
+
 Usage in a Megatron-LM pretraining script::
 
     import snapckpt.megatron
@@ -26,7 +32,7 @@ from snapckpt import SnapshotPolicy, StorageType
 
 from snapckpt.integrations.megatron.registry import fence
 
-__all__ = ["add_arguments", "enable", "EnableResult"]
+__all__ = ["add_arguments", "enable", "EnableResult", "resolve_flags"]
 
 log = logging.getLogger(__name__)
 _ENABLED: Optional["EnableResult"] = None  # the result of the enable() that routed, once it has
@@ -103,6 +109,35 @@ def checkpointer_options(args: Any) -> dict:
     return opts
 
 
+def resolve_flags(args: Any) -> Tuple[int, bool, str]:
+    """How Megatron-LM's checkpoint flags map onto snapckpt's tiers.
+
+    Returns ``(memory_interval, wrap_train_step, description)``: iterations between MEMORY snapshots (0:
+    none); whether :func:`enable` must take them itself by wrapping ``train_step`` (``--snapckpt-memory-
+    interval``) or Megatron-LM's loop takes them (``--non-persistent-save-interval``, whose non-persistent
+    saves the routed ``save_checkpoint`` turns into MEMORY snapshots, whatever ``--non-persistent-ckpt-type``
+    says); and one sentence for the log.
+
+    Raises:
+        ValueError: ``--snapckpt-memory-interval`` and ``--non-persistent-save-interval`` are both set and
+            differ (two schedules for one tier): the message names both and the fix.
+    """
+    ours = getattr(args, "snapckpt_memory_interval", 0) or 0
+    theirs = getattr(args, "non_persistent_save_interval", None) or 0
+    if ours and theirs and ours != theirs:
+        raise ValueError(f"--snapckpt-memory-interval {ours} and --non-persistent-save-interval {theirs} both set "
+                         "the memory tier's schedule: give one of them (they are aliases with --snapckpt)")
+    notes = []
+    if theirs:
+        kind = getattr(args, "non_persistent_ckpt_type", None) or "global"
+        notes.append(f"--non-persistent-save-interval {theirs} (--non-persistent-ckpt-type {kind}) is served by "
+                     "snapckpt's memory tier")
+    if getattr(args, "async_save", False):
+        notes.append("--async-save is what snapckpt's disk tier does (Megatron-LM's async queue stays empty)")
+    interval = theirs or ours
+    return interval, bool(ours) and not theirs, "; ".join(notes)
+
+
 def enable(args: Any) -> EnableResult:
     """Route Megatron-LM's checkpointing through snapckpt when ``args.snapckpt`` is set; say what happened.
 
@@ -112,7 +147,8 @@ def enable(args: Any) -> EnableResult:
     ``load_checkpoint`` from your own loop.
 
     Raises:
-        ValueError: the flag is on but ``args`` has no ``save`` directory.
+        ValueError: the flag is on but ``args`` has no ``save`` directory, or two flags set the memory
+            tier's schedule (:func:`resolve_flags`).
     """
     global _ENABLED
     if _ENABLED is not None:  # model_provider may run more than once (virtual pipeline chunks)
@@ -132,6 +168,7 @@ def enable(args: Any) -> EnableResult:
         return result
     if not getattr(args, "save", None):
         raise ValueError("--snapckpt needs --save (the checkpoint directory)")
+    memory_interval, wrap, mapped = resolve_flags(args)
     # imported here, not at the top: they import megatron-core, which snapckpt.megatron must not need
     from snapckpt.integrations.megatron.load import load_checkpoint
     from snapckpt.integrations.megatron.registry import close_all_at_exit
@@ -148,13 +185,14 @@ def enable(args: Any) -> EnableResult:
                 routed.append(f"{name}.{fn_name}")
     if getattr(args, "snapckpt_disk_interval", 0):
         args.save_interval = args.snapckpt_disk_interval
-    if getattr(args, "snapckpt_memory_interval", 0) and hasattr(mtraining, "train_step"):
+    if wrap and hasattr(mtraining, "train_step"):
         mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save)
         routed.append("megatron.training.training.train_step")
     atexit.register(close_all_at_exit)
     result = _ENABLED = EnableResult(True, f"checkpoints go through snapckpt (memory every "
-                                f"{args.snapckpt_memory_interval or 'never'}, disk every "
-                                f"{getattr(args, 'save_interval', None)} iterations)", tuple(routed))
+                                f"{memory_interval or 'never'}, disk every "
+                                f"{getattr(args, 'save_interval', None)} iterations)"
+                                + (f"; {mapped}" if mapped else ""), tuple(routed))
     log.info("snapckpt: %s; rebound %s", result.reason, ", ".join(routed))
     return result
 
