@@ -66,8 +66,8 @@ def test_checkpoint_metrics_reach_log_history_and_tensorboard(snap_env, monkeypa
 
 
 def test_on_save_fires_for_every_callback_as_the_trainers_own_save_does(snap_env):
-    """With the callback attached, a user callback's ``on_save`` fires for the same steps as with the
-    Trainer's own save, once ``checkpoint-N`` is complete (its ``trainer_state.json`` readable, naming step
+    """With the callback only passed in ``Trainer(callbacks=[...])`` (no ``attach``: it finds its Trainer at
+    construction), a user callback's ``on_save`` fires for the same steps as with the Trainer's own save, once ``checkpoint-N`` is complete (its ``trainer_state.json`` readable, naming step
     N), with ``state.global_step == N``. Before, the callback's take-over skipped ``on_save`` altogether
     (W&B, MLflow, Neptune, ClearML and DVCLive hook it)."""
     import json
@@ -97,7 +97,7 @@ def test_on_save_fires_for_every_callback_as_the_trainers_own_save_does(snap_env
             cbs.append(cb)
         trainer = Trainer(model=build_model(), args=args, train_dataset=Tokens(n=24), callbacks=cbs)
         if snap:
-            cb.attach(trainer)
+            assert cb._found is trainer and cb._trainer is None  # found at the Trainer's construction
         trainer.train()
         return rec.seen
 

@@ -14,7 +14,8 @@ How it plugs in (transformers 5.24, public callback events only):
    so ``Trainer._save_checkpoint`` does not run; the save is *pending*. (A callback listed after this one
    that sets ``should_save`` itself still gets the Trainer's own save: list ``SnapckptCallback`` last.)
    The Trainer's ``on_save`` then fires (after :meth:`SnapckptCallback.attach`) when the folder is
-   committed.
+   committed (the callback finds its Trainer at construction, or is given it by
+   :meth:`SnapckptCallback.attach`).
    Every ``memory_interval_steps`` steps (:class:`~snapckpt.SnapshotPolicy`) a memory snapshot is pending
    the same way. The RNG states are captured here (and in ``on_evaluate``), where the Trainer does.
 2. The pending snapshot is taken at the next ``on_step_begin`` / ``on_epoch_begin`` / ``on_epoch_end`` (or
@@ -55,6 +56,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -141,7 +143,8 @@ class SnapckptCallback(TrainerCallback):
         self.resumed_from: Optional[tuple] = None
         self.metrics: List[Dict[str, float]] = []
         self._unlogged: List[Dict[str, float]] = []  # metrics not yet sent to Trainer.log
-        self._trainer: Any = None
+        self._trainer: Any = None  # attach(): on_save and metrics through Trainer.log
+        self._found: Any = None  # the Trainer found at construction: on_save only
         self._saved_states: Dict[int, Any] = {}  # step -> (args, TrainerState at that step), for on_save
         self._logging = False  # inside our own Trainer.log call
         self._pending: Optional[_Pending] = None
@@ -167,8 +170,11 @@ class SnapckptCallback(TrainerCallback):
             cb = SnapckptCallback(memory_interval_steps=10)
             trainer = cb.attach(Trainer(model=model, args=args, callbacks=[cb]))
 
-        Without it, checkpoints are taken just the same, the values are only in :attr:`metrics`, and
-        ``on_save`` does not fire (a callback has no public handle on the Trainer to fire it with).
+        Unattached, checkpoints are taken just the same and the values are only in :attr:`metrics`
+        (``log_history`` and ``trainer_state.json`` stay exactly the Trainer's own); ``on_save`` fires all
+        the same, since the callback finds its Trainer when the Trainer's construction calls its
+        ``on_init_end`` (among the callers of that event: a callback has no public handle on it; where
+        that fails a warning says so, and ``attach`` is needed for ``on_save`` too).
 
         Args:
             trainer: the ``transformers.Trainer`` whose callbacks hold this callback.
@@ -188,6 +194,25 @@ class SnapckptCallback(TrainerCallback):
                              "Trainer(..., callbacks=[callback]) and then call callback.attach(trainer)")
         self._trainer = trainer
         return trainer
+
+    def _on_save_trainer(self) -> Any:
+        return self._trainer if self._trainer is not None else self._found
+
+    def _find_trainer(self) -> Any:
+        """The Trainer whose construction called this ``on_init_end`` (transformers: ``Trainer.__init__`` ->
+        ``CallbackHandler.on_init_end`` -> ``call_event``), found as ``self`` of a calling frame that is a
+        Trainer holding this callback; None when there is none."""
+        frame = sys._getframe(1)
+        for _ in range(8):
+            if frame is None:
+                return None
+            obj = frame.f_locals.get("self")
+            handler = getattr(obj, "callback_handler", None)
+            if obj is not self and callable(getattr(obj, "log", None)) and \
+                    any(cb is self for cb in getattr(handler, "callbacks", ())):
+                return obj
+            frame = frame.f_back
+        return None
 
     def _check_args(self, args: Any) -> None:
         for what, on in (("DeepSpeed (TrainingArguments.deepspeed)", getattr(args, "deepspeed", None)),
@@ -218,6 +243,11 @@ class SnapckptCallback(TrainerCallback):
 
     def on_init_end(self, args, state, control, **kwargs):
         self._check_args(args)
+        if self._trainer is None and self._found is None:
+            self._found = self._find_trainer()
+            if self._found is None:
+                log.warning("SnapckptCallback could not find its Trainer: the Trainer's on_save event will not fire "
+                            "for other callbacks; call callback.attach(trainer) after constructing the Trainer")
         self._args, self._state = args, state
         ck = self._open(args)
         try:  # also sets damaged folders aside
@@ -318,7 +348,7 @@ class SnapckptCallback(TrainerCallback):
         if p.tier == StorageType.DISK:
             self._disk_steps.add(p.step)
             self._set_best(args, state)
-            if self._trainer is not None:  # what on_save will see once this step is committed
+            if self._on_save_trainer() is not None:  # what on_save will see once this step is committed
                 self._saved_states[p.step] = (args, copy.deepcopy(state))
         files: Dict[str, Any] = {}
         if state.is_world_process_zero:
@@ -361,11 +391,12 @@ class SnapckptCallback(TrainerCallback):
     def _fire_on_save(self, step: int) -> None:
         """The Trainer's ``on_save`` for the committed step ``step`` (after :meth:`attach`)."""
         saved = self._saved_states.pop(step, None)
-        if self._trainer is None or saved is None:
+        trainer = self._on_save_trainer()
+        if trainer is None or saved is None:
             return
         args, state = saved
-        control = self._trainer.control
-        handler = self._trainer.callback_handler
+        control = trainer.control
+        handler = trainer.callback_handler
         should_save = control.should_save  # CallbackHandler.on_save clears it: a save requested now stays
         handler.on_save(args, state, control)  # updates the same control object
         control.should_save = should_save
