@@ -55,7 +55,9 @@ class AcceleratorCheckpointer:
 
     Args:
         accelerator: the ``Accelerator`` whose prepared objects are saved (call after ``prepare``).
-        checkpoint_dir: directory of the ``checkpoint_<step>`` folders.
+        checkpoint_dir: directory of the ``checkpoint_<step>`` folders; None: ``<project_dir>/checkpoints``
+            of the accelerator's ``ProjectConfiguration(automatic_checkpoint_naming=True)``, whose
+            ``total_limit`` is then the default ``keep_last`` (accelerate's own rotation).
         **options: :class:`~snapckpt.options.CheckpointOptions` fields (``keep_last``, ``shm_dir``...).
 
     Collective like the :class:`~snapckpt.Checkpointer` it holds (``self.checkpointer``).
@@ -63,13 +65,25 @@ class AcceleratorCheckpointer:
     Raises:
         NotImplementedError: FSDP, DeepSpeed, Megatron-LM or XLA distributed types; (at ``save_state``)
             ``save_state`` pre-hooks registered.
+        ValueError: no ``checkpoint_dir`` and no automatic checkpoint naming.
     """
 
-    def __init__(self, accelerator: Any, checkpoint_dir: "str | os.PathLike[str]", **options: Any) -> None:
+    def __init__(self, accelerator: Any, checkpoint_dir: "str | os.PathLike[str] | None" = None,
+                 **options: Any) -> None:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if kind.upper() in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
             raise NotImplementedError(f"AcceleratorCheckpointer does not support distributed_type {kind}: its "
                                       "save_state is a collective framework call; use accelerator.save_state")
+        config = accelerator.project_configuration
+        self.automatic_naming = bool(config.automatic_checkpoint_naming)
+        if checkpoint_dir is None:
+            if not self.automatic_naming:
+                raise ValueError("AcceleratorCheckpointer needs a checkpoint_dir, or an Accelerator with "
+                                 "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True) (then "
+                                 "the folders go to <project_dir>/checkpoints, as accelerator.save_state() puts them)")
+            checkpoint_dir = os.path.join(accelerator.project_dir, "checkpoints")
+        if self.automatic_naming and config.total_limit is not None:
+            options.setdefault("keep_last", config.total_limit)
         self.accelerator = accelerator
         self.checkpointer = Checkpointer(checkpoint_dir, **options)
 
@@ -78,16 +92,30 @@ class AcceleratorCheckpointer:
         """The folder name of ``step``: ``checkpoint_<step>`` (accelerate's automatic naming)."""
         return f"checkpoint_{step}"
 
-    def save_state(self, step: int, storage_type: StorageType = StorageType.DISK) -> SaveHandle:
+    def save_state(self, step: Optional[int] = None, storage_type: StorageType = StorageType.DISK) -> SaveHandle:
         """Snapshot the accelerator's state as ``checkpoint_<step>``; returns once the state may change.
 
-        Collective. ``storage_type=MEMORY`` keeps it in the node's memory only. Call before the next
-        ``optimizer.step()`` mutates the state (``self.checkpointer.fence()`` there, once copies overlap).
+        Collective. ``step`` None: ``accelerator.save_iteration``, the iteration of accelerate's automatic
+        naming (``ProjectConfiguration(automatic_checkpoint_naming=True)``), advanced by one afterwards as
+        ``accelerator.save_state()`` advances it; with automatic naming and a ``step`` given, the iteration
+        becomes ``step + 1``. ``storage_type=MEMORY`` keeps it in the node's memory only. Call before the
+        next ``optimizer.step()`` mutates the state (``self.checkpointer.fence()`` there, once copies overlap).
+
+        Raises:
+            ValueError: ``step`` None without automatic naming, or a bad ``step``.
         """
+        if step is None:
+            if not self.automatic_naming:
+                raise ValueError("save_state() without a step needs ProjectConfiguration(automatic_checkpoint_"
+                                 "naming=True) on the Accelerator; pass the step (an int >= 0)")
+            step = self.accelerator.save_iteration
         check_step(step)
         files = self._files(step)
-        return self.checkpointer.save_files(files, step, storage_type, dirname=self.dirname(step),
-                                             tracker_name=None)
+        handle = self.checkpointer.save_files(files, step, storage_type, dirname=self.dirname(step),
+                                              tracker_name=None)
+        if self.automatic_naming:
+            self.accelerator.project_configuration.iteration = step + 1
+        return handle
 
     def _files(self, step: int) -> Dict[str, Any]:
         from accelerate.utils.other import clean_state_dict_for_safetensors
@@ -143,7 +171,9 @@ class AcceleratorCheckpointer:
 
         A memory-only snapshot newer than every committed folder is first written out as its folder.
         Returns the folder loaded, or ``None`` when there is no checkpoint. ``load_kwargs`` go to
-        ``accelerator.load_state``.
+        ``accelerator.load_state``. With automatic naming, ``accelerator.save_iteration`` becomes the
+        loaded step + 1, so that the next ``save_state()`` names a new folder (accelerate's own
+        ``load_state`` leaves it at 0 and the next save then finds its folder taken).
         """
         ck = self.checkpointer
 
@@ -162,6 +192,8 @@ class AcceleratorCheckpointer:
             log.warning("the newest snapshot, step %d, is held in memory only; writing it to %s", cand.step, path)
             ck.write_out(files, cand.step, self.dirname(cand.step))
         self.accelerator.load_state(path, **load_kwargs)
+        if self.automatic_naming:
+            self.accelerator.project_configuration.iteration = cand.step + 1
         return path
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from _harness import REPO, assert_equal_state
@@ -89,3 +90,46 @@ def test_B3_accelerate_only_checkpoint_damaged_raises_instead_of_starting_afresh
     assert not os.path.exists(cfg["result"])
     assert os.path.getsize(os.path.join(folder, victim)) == size // 2  # left for the user to inspect
     kill_persisters(snap_env)  # the failed run left its persister idling (30 s)
+
+
+def test_project_configuration_automatic_naming_and_total_limit_as_stock(snap_env, tmp_path):
+    """``AcceleratorCheckpointer(accelerator)`` with ``ProjectConfiguration(automatic_checkpoint_naming=True,
+    total_limit=2)`` follows ``accelerator.save_state()``: folders ``<project_dir>/checkpoints/checkpoint_<i>``
+    named by the accelerator's iteration (advanced per save), the same ones kept as the stock rotation
+    keeps; ``load_state()`` resumes the newest and moves the iteration past it (the stock ``load_state``
+    leaves it at 0); without automatic naming a directory is required, and so is a step."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from snapckpt.hf import AcceleratorCheckpointer
+
+    def accelerator(project):
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+            project_dir=project, automatic_checkpoint_naming=True, total_limit=2))
+        model = acc.prepare(torch.nn.Linear(4, 2))
+        return acc, model
+
+    stock, _ = accelerator(str(tmp_path / "stock"))
+    for _ in range(3):
+        stock.save_state()
+    acc, model = accelerator(os.path.join(snap_env.tmp, "proj"))
+    ck = AcceleratorCheckpointer(acc, persister_idle_timeout_secs=5)
+    for i in range(3):
+        with torch.no_grad():
+            model.weight.fill_(float(i))
+        ck.save_state().wait()
+    ck.checkpointer.wait()
+    mine = os.path.join(snap_env.tmp, "proj", "checkpoints")
+    assert ck.checkpointer.checkpoint_dir == mine
+    assert acc.save_iteration == stock.save_iteration == 3
+    listed = lambda d: sorted(n for n in os.listdir(d) if not n.startswith("."))  # noqa: E731
+    assert listed(mine) == listed(str(tmp_path / "stock" / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+    ck.close()
+
+    again, model2 = accelerator(os.path.join(snap_env.tmp, "proj"))
+    ck2 = AcceleratorCheckpointer(again, persister_idle_timeout_secs=5)
+    assert ck2.load_state() == os.path.join(mine, "checkpoint_2")
+    assert torch.equal(model2.weight, torch.full((2, 4), 2.0)) and again.save_iteration == 3
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming"):
+        AcceleratorCheckpointer(Accelerator(cpu=True))
+    ck2.close()
