@@ -31,6 +31,10 @@ from safetensors.torch import load_file
 from _harness import REPO, assert_equal_state, free_port, wait_until
 from snapckpt.ondisk.dirclaim import LOCK_NAME
 
+# scripts/test.sh hands out tests one by one (--dist loadgroup); these share the module-scoped `stock` run:
+# one worker runs them all, so it is made once
+pytestmark = pytest.mark.xdist_group("test_hf")
+
 WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 STEPS = 12
 
