@@ -345,29 +345,6 @@ def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
         {"name": "persist.mid_file", "rank": 1, "step": 4, "occurrence": 2, "action": "stop"}]
 
 
-def test_B3_hf_truncated_newest_folder_is_set_aside(snap_env):
-    """B3 through the HF callback, found by the fault matrix: the newest ``checkpoint-N`` was truncated
-    (power loss) and the persister is gone. Its sizes no longer match the manifest, so it was no load
-    candidate and was never set aside: ``get_last_checkpoint`` picked it and the Trainer died on an empty
-    ``config.json``. Now it is moved aside and the Trainer resumes the previous folder, whole."""
-    snap_env.leftover_ok = True
-    procs = launch("fault_worker.py", 1, ["hf", "run", snap_env.ckpt_dir, "--steps", "4", "--disk-every", "2",
-                                          "--keep-last", "0"], snap_env.env)
-    outs = finish(procs, 240)
-    assert procs[0].returncode == 0, outs
-    F.kill_persisters(snap_env)
-    assert sorted(F.committed(snap_env.ckpt_dir)) == [2, 4]
-    F.damage(os.path.join(snap_env.ckpt_dir, "checkpoint-4"), "truncate")
-    procs = launch("fault_worker.py", 1, ["hf", "resume", snap_env.ckpt_dir, "--steps", "4", "--keep-last", "0"],
-                   snap_env.env)
-    outs = finish(procs, 240)
-    assert procs[0].returncode == 0, outs
-    (res,) = [json.loads(x) for x in result_lines(outs[0])]
-    assert res == {"step": 2, "tier": "disk", "consistent": True}, (res, outs)
-    assert any(n.startswith(".checkpoint-4.damaged-") for n in os.listdir(snap_env.ckpt_dir))
-    F.kill_persisters(snap_env)
-
-
 def test_D1_small_shm_dir_from_the_toolkit(snap_env, tmp_path):
     """The toolkit's small shared-memory directory (a 16 MiB tmpfs as root) as ``shm_dir``: a 32 MiB state
     is refused up front with InsufficientSharedMemoryError naming the directory and the option, never a
