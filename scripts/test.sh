@@ -30,8 +30,8 @@ rm -rf "$site"
 
 # Three pytest workers: most tests wait on real processes (torchrun ranks, the persister, sleeps and
 # timeouts), so on 2 cores two workers left about 40% of the CPU idle (measured: 1.2 cores busy on average
-# over a full run). Tests are handed out one by one (--dist loadgroup), so that no worker is left with a
-# whole slow module at the end while the others idle (--dist loadfile did that); a module whose tests
+# over a full run). Tests are handed out one by one (--dist loadgroup): with --dist loadfile a worker that
+# drew a slow module late ran all of it while the others had nothing left to do. A module whose tests
 # share a module-scoped fixture or cache marks itself `pytestmark = pytest.mark.xdist_group(...)` and runs
 # on one worker. Each test has its own runtime and shared-memory directories (tests/conftest.py snap_env).
 .venv/bin/python -m pytest -n 3 --dist loadgroup "${targets[@]}" "$@"
