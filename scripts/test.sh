@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), build the docs (mkdocs build --strict), then run the test suite: `.venv/bin/python -m pytest -n 3 --dist loadfile tests "$@"`.
+# Set up (scripts/setup.sh), build the docs (mkdocs build --strict), then run the test suite: `.venv/bin/python -m pytest -n 3 --dist loadgroup tests "$@"`.
 #
 # Extra arguments go to pytest. When one of them names a test file or directory
 # (`bash scripts/test.sh tests/test_smoke.py::test_x -q`), only that is run instead of all of tests/.
@@ -28,11 +28,13 @@ if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$
 fi
 rm -rf "$site"
 
-# Three pytest workers, one test module each at a time (--dist loadfile): most tests wait on real processes
-# (torchrun ranks, the persister, sleeps and timeouts), so on 2 cores two workers left about 40% of the
-# CPU idle (measured: 1.2 cores busy on average over a full run); each test has its own runtime and
-# shared-memory directories (tests/conftest.py snap_env).
-.venv/bin/python -m pytest -n 3 --dist loadfile "${targets[@]}" "$@"
+# Three pytest workers: most tests wait on real processes (torchrun ranks, the persister, sleeps and
+# timeouts), so on 2 cores two workers left about 40% of the CPU idle (measured: 1.2 cores busy on average
+# over a full run). Tests are handed out one by one (--dist loadgroup): with --dist loadfile a worker that
+# drew a slow module late ran all of it while the others had nothing left to do. A module whose tests
+# share a module-scoped fixture or cache marks itself `pytestmark = pytest.mark.xdist_group(...)` and runs
+# on one worker. Each test has its own runtime and shared-memory directories (tests/conftest.py snap_env).
+.venv/bin/python -m pytest -n 3 --dist loadgroup "${targets[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; treating that as a failure" >&2

@@ -8,7 +8,9 @@ step every rank held in memory, not from an older disk checkpoint.
 """
 from __future__ import annotations
 
+import glob
 import json
+import re
 
 from _harness import finish, launch, result_lines, wait_until
 from faults import committed, slow_env
@@ -42,3 +44,38 @@ def test_G1_ctrl_c_while_the_clean_close_waits_for_a_commit_keeps_the_memory_tie
     got = [json.loads(result_lines(o)[0]) for o in outs]
     assert [g["step"] for g in got] == [4, 4], outs
     assert wait_until(lambda: {2, 4} <= set(committed(snap_env.ckpt_dir)), 60), committed(snap_env.ckpt_dir)
+
+
+CRASH_AFTER_MEMORY_ONLY = """
+import os, sys, torch
+from snapckpt import Checkpointer, StorageType
+from snapckpt.formats import MemoryOnly
+ck = Checkpointer(sys.argv[1], persister_idle_timeout_secs=1)
+ck.save({"w": torch.ones(4)}, 1, StorageType.DISK)
+ck.wait()
+for step in (2, 3):  # Megatron's memory record: a snapshot no flush can write
+    ck.save_files({"rec.pt": MemoryOnly({"w": torch.full((4,), float(step))})}, step, StorageType.MEMORY,
+                  dirname=f"step_{step:08d}", tracker_name=None)
+print("SAVED", flush=True)
+os._exit(1)
+"""
+
+
+def test_memory_only_snapshots_dropped_at_the_idle_exit_are_named(snap_env):
+    """A crashed job's memory-only snapshots (Megatron's memory record: the crash flush cannot write them)
+    live only as long as the persister, which exits ``persister_idle_timeout_secs`` after the crash when no
+    rank comes back. That exit is not silent: ``persister.log`` (kept) names the run, the steps dropped
+    (newer than disk, newest first) and the option to raise. Found by the fault matrix (Megatron,
+    ``snapshot.before_ready`` at step 2, a restart slower than the worker's idle timeout)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", CRASH_AFTER_MEMORY_ONLY, snap_env.ckpt_dir],
+                       env={**__import__("os").environ, **snap_env.env}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "SAVED" in p.stdout, (p.stdout, p.stderr)
+    assert wait_until(lambda: not snap_env.persisters(), 30)
+    (log,) = glob.glob(f"{snap_env.runtime_root}/**/persister.log", recursive=True)
+    text = open(log).read()
+    assert re.search(r"memory snapshots of steps \[3, 2\] are dropped .*persister_idle_timeout_secs \(now 1 s\)",
+                     text), text
+    assert sorted(committed(snap_env.ckpt_dir)) == [1]

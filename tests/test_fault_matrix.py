@@ -85,6 +85,9 @@ def check_after_fault(snap_env, integration: str, outs: List[str], *, persister_
     disk = max((s for s in before if s != dstep), default=-1)
     memory = min(_saved(o) for o in outs) if persister_alive else -1
     expected = max(disk, memory)
+    # the premise of ``memory``: the crashed job's persister still holds its memory tier (the workers' idle
+    # timeout outlasts any restart; with 6 s a Megatron restart found it gone, seed 269359519)
+    assert not persister_alive or snap_env.persisters(), f"{what}: the persister exited before the restart"
     results = resume_job(snap_env, integration)
     steps = {r["step"] for r in results}
     assert len(steps) == 1, f"{what}: ranks loaded different steps {results}"
@@ -340,29 +343,6 @@ def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
             SF._parse(bad)
     assert SF._parse("persist.mid_file:rank=1:step=4:occurrence=2:action=stop") == [
         {"name": "persist.mid_file", "rank": 1, "step": 4, "occurrence": 2, "action": "stop"}]
-
-
-def test_B3_hf_truncated_newest_folder_is_set_aside(snap_env):
-    """B3 through the HF callback, found by the fault matrix: the newest ``checkpoint-N`` was truncated
-    (power loss) and the persister is gone. Its sizes no longer match the manifest, so it was no load
-    candidate and was never set aside: ``get_last_checkpoint`` picked it and the Trainer died on an empty
-    ``config.json``. Now it is moved aside and the Trainer resumes the previous folder, whole."""
-    snap_env.leftover_ok = True
-    procs = launch("fault_worker.py", 1, ["hf", "run", snap_env.ckpt_dir, "--steps", "4", "--disk-every", "2",
-                                          "--keep-last", "0"], snap_env.env)
-    outs = finish(procs, 240)
-    assert procs[0].returncode == 0, outs
-    F.kill_persisters(snap_env)
-    assert sorted(F.committed(snap_env.ckpt_dir)) == [2, 4]
-    F.damage(os.path.join(snap_env.ckpt_dir, "checkpoint-4"), "truncate")
-    procs = launch("fault_worker.py", 1, ["hf", "resume", snap_env.ckpt_dir, "--steps", "4", "--keep-last", "0"],
-                   snap_env.env)
-    outs = finish(procs, 240)
-    assert procs[0].returncode == 0, outs
-    (res,) = [json.loads(x) for x in result_lines(outs[0])]
-    assert res == {"step": 2, "tier": "disk", "consistent": True}, (res, outs)
-    assert any(n.startswith(".checkpoint-4.damaged-") for n in os.listdir(snap_env.ckpt_dir))
-    F.kill_persisters(snap_env)
 
 
 def test_D1_small_shm_dir_from_the_toolkit(snap_env, tmp_path):

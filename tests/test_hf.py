@@ -30,6 +30,10 @@ from safetensors.torch import load_file
 
 from _harness import REPO, assert_equal_state, free_port, wait_until
 
+# scripts/test.sh hands out tests one by one (--dist loadgroup); these share the module-scoped `stock` run:
+# one worker runs them all, so it is made once
+pytestmark = pytest.mark.xdist_group("test_hf")
+
 WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 STEPS = 12
 
@@ -312,10 +316,12 @@ def _start_raises(cfg, env):
 
 
 def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_every_start(snap_env, stock):
-    """B3 with the Trainer's own auto-resume: a committed checkpoint-12 whose model.safetensors has one
-    flipped byte. Right: the callback's agreement finds it damaged (manifest checksum) and moves it aside to
-    a hidden ``.checkpoint-12.damaged-*`` (kept, not deleted), so ``get_last_checkpoint`` and the stock
-    resume take checkpoint-10, and steps 11-12 are bitwise those of the uninterrupted run.
+    """B3 with the Trainer's own auto-resume, the persister gone: the newest committed checkpoint-12 was
+    truncated (every file 0 bytes: power loss; its sizes no longer match the manifest, so it is no load
+    candidate, yet ``get_last_checkpoint`` would pick it: found by the fault matrix), and checkpoint-10's
+    model.safetensors has one flipped byte (found by its manifest checksum). Right: the callback moves both
+    aside to hidden ``.checkpoint-N.damaged-*`` folders (kept, not deleted), so ``get_last_checkpoint`` and
+    the stock resume take checkpoint-5, and steps 6-12 are bitwise those of the uninterrupted run.
 
     Resumed by another process count (2 DDP ranks; snapckpt's own candidates are then of another world
     size and never probed), the folder the Trainer would pick is still verified, set aside with a warning
@@ -328,12 +334,17 @@ def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_eve
     _run({"out": out, "steps": STEPS, "snap": True}, snap_env.env)
     other = os.path.join(snap_env.tmp, "other")
     shutil.copytree(out, other)
-    _flip(os.path.join(out, "checkpoint-12", "model.safetensors"))
+    for root, _, files in os.walk(os.path.join(out, "checkpoint-12")):
+        for name in files:
+            if ".snapckpt" not in root:
+                os.truncate(os.path.join(root, name), 0)
+    _flip(os.path.join(out, "checkpoint-10", "model.safetensors"))
     facts = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
-    _same_steps(_rows(facts), ref, range(11, STEPS + 1))
+    _same_steps(_rows(facts), ref, range(6, STEPS + 1))
     names = os.listdir(out)
-    assert any(n.startswith(".checkpoint-12.damaged-") for n in names), names
-    assert "checkpoint-12" in names  # written again by the resumed run
+    for s in (12, 10):
+        assert any(n.startswith(f".checkpoint-{s}.damaged-") for n in names), names
+    assert {"checkpoint-10", "checkpoint-12"} <= set(names)  # written again by the resumed run
 
     # Another process count: checkpoints of 1 process, resumed by 2.
     _flip(os.path.join(other, "checkpoint-12", "model.safetensors"))

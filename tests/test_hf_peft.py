@@ -25,6 +25,10 @@ import torch
 
 from test_hf import WORKER, _assert_same_folder, _files, _rows, _run, _same_steps
 
+# scripts/test.sh hands out tests one by one (--dist loadgroup); these share the module-scoped `stock_lora` run:
+# one worker runs them all, so it is made once
+pytestmark = pytest.mark.xdist_group("test_hf_peft")
+
 STEPS = 12
 ADAPTER_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "rng_state.pth",
                  "scheduler.pt", "trainer_state.json", "training_args.bin"]

@@ -11,9 +11,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from _harness import REPO, WORKERS, result_lines, wait_until
 from multinode import loss_lines
+
+# scripts/test.sh hands out tests one by one (--dist loadgroup); these share the reference runs in `_reference`:
+# one worker runs them all, so it is made once
+pytestmark = pytest.mark.xdist_group("test_multinode")
 
 WORKER = os.path.join(WORKERS, "mn_worker.py")
 STEPS = 12

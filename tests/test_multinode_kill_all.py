@@ -1,6 +1,6 @@
 """Every trainer of a multi-node job killed at once (case G2), at 2 and 4 simulated nodes: the restart
 resumes from memory with losses bitwise equal to an uninterrupted run. The rig and the worker are those of
-tests/test_multinode.py (split in two modules so that ``pytest -n 2 --dist loadfile`` runs them side by side).
+tests/test_multinode.py (split in two modules so that two pytest workers can run them side by side).
 """
 from __future__ import annotations
 

@@ -23,6 +23,10 @@ import pytest
 
 import snapckpt
 
+# scripts/test.sh hands out tests one by one (--dist loadgroup); these share the module-scoped `wheel` build:
+# one worker runs them all, so it is made once
+pytestmark = pytest.mark.xdist_group("test_packaging")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -10,11 +10,15 @@ or the checkpoint directory already holds a committed step at least as new. Memo
 
 The same flush runs for every run when an operator stops the persister (``snapckpt stop DIR``, the
 ``stop`` request of :mod:`snapckpt.persister.server`): :func:`flush_newest`.
+
+What no flush wrote (memory-only snapshots such as Megatron's memory record, or ``flush_on_crash=False``)
+lives only as long as the persister: :func:`unwritten_steps` names it when the persister exits, so that the
+loss is said, not silent (contract 7).
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional, Set
+from typing import List, Optional, Set
 
 from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import list_committed
@@ -24,7 +28,7 @@ from snapckpt.storage.factory import open_storage
 
 log = logging.getLogger("snapckpt.persister")
 
-__all__ = ["flush_crashed_run", "flush_newest"]
+__all__ = ["flush_crashed_run", "flush_newest", "unwritten_steps"]
 
 
 def flush_crashed_run(run: Run, slots: SlotTable, scheduler: Scheduler) -> None:
@@ -65,3 +69,25 @@ def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str) -> 
         except PersisterError as e:
             log.error("flush of step %d failed for rank %d: %s", step, r, e)
     return step
+
+
+def unwritten_steps(run: Run, slots: SlotTable) -> List[int]:
+    """The steps of the crashed ``run`` held in memory by every local rank and newer than the newest step
+    committed in its checkpoint directory, newest first: what the memory tier holds and the disk does not,
+    lost when this persister exits (called with the server's lock, at exit). ``[]`` for a run that did not
+    crash or whose directory cannot be listed."""
+    if not run.crashed:
+        return []
+    steps: Optional[Set[int]] = None
+    for r in run.local_ranks:
+        entry = slots.ranks.get(r)
+        held = {s.step for s in entry.slots if s.state in HELD and s.run_id == run.run_id} if entry else set()
+        steps = held if steps is None else steps & held
+    if not steps:
+        return []
+    try:
+        committed = list_committed(open_storage(), run.checkpoint_dir)
+    except OSError:
+        return []
+    newest = committed[-1].step if committed else -1
+    return sorted((s for s in steps if s > newest), reverse=True)

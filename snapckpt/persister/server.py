@@ -47,7 +47,7 @@ from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles
 from snapckpt.persister.commit import recover_interrupted_commits
-from snapckpt.persister.flush import flush_crashed_run, flush_newest
+from snapckpt.persister.flush import flush_crashed_run, flush_newest, unwritten_steps
 from snapckpt.persister import peers
 from snapckpt.persister.runtime_files import listen, lock_pid_file, lock_spawn, remove_runtime_files, write_token
 from snapckpt.persister.scheduler import Scheduler
@@ -237,10 +237,27 @@ class Server:
                 return False  # a client is knocking: keep serving
             self.sel.unregister(listener)
             listener.close()
+            if self.crashed_since_empty:  # no rank came back after a crash: its memory tier ends here
+                self._warn_unwritten()
             self._remove_files()
             return True
         finally:
             os.close(lock_fd)
+
+    def _warn_unwritten(self) -> None:
+        """At exit: warn about snapshots of crashed runs that only this persister holds (memory-only ones
+        the crash flush cannot write, or every one with ``flush_on_crash=False``): a restart from now on
+        resumes from disk without them."""
+        with self.lock:
+            runs = list(self.slots.runs.values())
+            lost = {run.run_id: (run, unwritten_steps(run, self.slots)) for run in runs}
+        for run, steps in lost.values():
+            if steps:
+                log.warning("exiting with no rank back after run %s crashed: its memory snapshots of steps %s "
+                            "are dropped (no flush wrote them to %s: memory-only records such as Megatron's, or "
+                            "flush_on_crash=False); a restart from now on resumes from disk. Raise "
+                            "persister_idle_timeout_secs (now %g s) if restarts take longer", run.run_id, steps,
+                            run.checkpoint_dir, self.idle_timeout_secs)
 
     # --------------------------------------------------------------------------------- connections
     def _accept(self, listener: socket.socket) -> None:

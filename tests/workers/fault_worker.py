@@ -327,7 +327,9 @@ def main() -> None:
     p.add_argument("--disk-every", type=int, default=2)
     p.add_argument("--keep-last", type=int, default=2, help="0: keep everything")
     p.add_argument("--big-numel", type=int, default=64 * 1024)
-    p.add_argument("--idle-secs", type=float, default=6.0)
+    # the memory tier of a crashed job lives this long: longer than a restart takes (Megatron's imports alone
+    # take 10+ s of CPU per rank on a busy machine); the tests kill the persisters they leave behind
+    p.add_argument("--idle-secs", type=float, default=120.0)
     p.add_argument("--request-timeout", type=float, default=15.0)
     p.add_argument("--job-id", default=None)
     p.add_argument("--plan", default="", help="phases: the storage fault plan file (SNAPCKPT_FAULT_STORAGE=@PLAN)")

@@ -220,7 +220,7 @@ def resume_hf(ckpt: str) -> dict:
 
 # ---------------------------------------------------------------------------------------- Megatron
 def _megatron():
-    import megatron_cpu
+    import megatron_cpu  # first: it imports megatron-core without compiling its fusions
     import torch
 
     megatron_cpu.install(force=True)
@@ -233,6 +233,7 @@ def _megatron():
 
 
 def churn_megatron(ckpt: str, marker: str) -> None:
+    import megatron_cpu  # noqa: F401  (first: megatron-core imported without compiling its fusions)
     from snapckpt import StorageType
     from snapckpt.megatron_dist_ckpt import get_checkpointer, save_checkpoint
 
@@ -250,6 +251,7 @@ def churn_megatron(ckpt: str, marker: str) -> None:
 
 
 def resume_megatron(ckpt: str) -> dict:
+    import megatron_cpu  # noqa: F401  (first: megatron-core imported without compiling its fusions)
     from snapckpt import StorageType
     from snapckpt.megatron_dist_ckpt import close_all, get_checkpointer, load_checkpoint, save_checkpoint
 
