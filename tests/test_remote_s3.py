@@ -125,6 +125,31 @@ def test_missing_bucket_is_refused_at_start(snap_env, s3_bucket):
         assert os.environ["AWS_SECRET_ACCESS_KEY"] not in o and os.environ["AWS_ACCESS_KEY_ID"] not in o
 
 
+def test_wrong_credentials_are_refused_at_start(snap_env, s3_bucket, monkeypatch):
+    """A key the server does not know (moto with its IAM authentication on, answering 403
+    InvalidAccessKeyId as AWS does): the Checkpointer raises RemoteStorageError at construction, before any
+    training or persister, naming the URL, the cause and where credentials come from, never the key or the
+    secret; nothing was written, locally or in the bucket."""
+    import s3server
+    from snapckpt import Checkpointer
+    from snapckpt.errors import RemoteStorageError
+
+    url = s3_bucket.url("run")
+    key, secret = "AKIAWRONGKEY00000000", "wrong-secret-0123456789abcdefghijklmnopqrst"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    with s3server.enforce_auth():
+        with pytest.raises(RemoteStorageError) as ei:
+            Checkpointer(snap_env.ckpt_dir, remote_dir=url, persister_idle_timeout_secs=20)
+    msg = str(ei.value)
+    assert msg.startswith(f"remote_dir {url!r}: access denied (PermissionError: "), msg
+    assert "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY" in msg and "~/.aws/credentials" in msg
+    assert key not in msg and secret not in msg
+    assert not snap_env.persisters()
+    assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+    assert not s3_bucket.keys("run/")  # no probe, no owner record: nothing was written with the wrong key
+
+
 def _local_checkpoint(root: str, step: int, files: dict) -> tuple:
     """A committed local checkpoint ``root/step_N`` of ``files`` ({name: bytes}, rank 0); return (path,
     manifest)."""
