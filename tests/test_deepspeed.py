@@ -3,6 +3,7 @@ bf16 (F1, F2), LoRA-style frozen layers, string tags, the config entry, resume f
 memory and from disk, latest-after-commit under a slow persister (B1, B6), and a changed data-parallel size."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 
@@ -111,6 +112,40 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
         tags = sorted(n for n in os.listdir(ckpt) if n.startswith("global_step"))
         assert tags == ["global_step6", "global_step8"], tags
         assert open(os.path.join(ckpt, "latest")).read() == "global_step8"
+
+
+def test_H1_H4_remote_tier_round_trip_and_fresh_node_resume(snap_env, s3_bucket):
+    """The config section's ``remote_dir`` (ZeRO-2, disk saves every 2 steps, keep_last=2): the server holds
+    the newest two tags in DeepSpeed's own layout (each tag's files, byte sizes and checksums equal to the
+    local ones, the ``latest`` object naming the newest). With tag 6's upload undone (its manifest object
+    removed: the commit record of an interrupted upload) and the node lost (persister killed, local
+    directory deleted), a restart's stock ``engine.load_checkpoint`` resumes tag 4, downloaded from the
+    server, and the losses of steps 5 and 6 equal the first run's bit for bit."""
+    url = s3_bucket.url("ds")
+    args = [snap_env.ckpt_dir, "2", "fp32", "6", "0", "0", "2", "0", url]
+    first = run_ranks("ds_resume_worker.py", 2, args, ENV, timeout=300)
+    snap_env.leftover_ok = True  # the lost node's persister is killed below
+    assert wait_until(lambda: s3_bucket.keys("ds/latest") and s3_bucket.get("ds/latest") == b"global_step6", 60)
+    keys = s3_bucket.keys("ds/")
+    assert sorted({k.split("/")[1] for k in keys}) == [".snapckpt-owner.json", "global_step4", "global_step6",
+                                                        "latest"], keys
+    for tag in ("global_step4", "global_step6"):
+        local = json.load(open(os.path.join(snap_env.ckpt_dir, tag, ".snapckpt", "manifest.json")))
+        assert json.loads(s3_bucket.get(f"ds/{tag}/.snapckpt/manifest.json"))["files"] == local["files"]
+        native = {n: os.path.getsize(os.path.join(snap_env.ckpt_dir, tag, n))
+                  for n in os.listdir(os.path.join(snap_env.ckpt_dir, tag)) if n != ".snapckpt"}
+        assert "mp_rank_00_model_states.pt" in native and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in native
+        assert {k[len(f"ds/{tag}/"):]: v for k, v in keys.items()
+                if k.startswith(f"ds/{tag}/") and "/.snapckpt/" not in k} == native
+    snap_env.kill_persisters()
+    assert wait_until(lambda: not snap_env.persisters(), 15)
+    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key="ds/global_step6/.snapckpt/manifest.json")
+    shutil.rmtree(snap_env.ckpt_dir)
+    second = run_ranks("ds_resume_worker.py", 2, args, ENV, timeout=300)
+    for rank in (0, 1):
+        assert _resumed(second[rank]) == [["4", "disk"]], second[rank][-3000:]
+        got, want = _losses(second, rank), _losses(first, rank)
+        assert sorted(got) == [5, 6] and all(got[s] == want[s] for s in got), (rank, got, want)
 
 
 def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):

@@ -14,8 +14,10 @@ CPU (``DistributedOptimizer`` checks ``param.type()`` against ``torch.cuda.Float
 ``torch.cuda.HalfTensor`` / ``torch.cuda.BFloat16Tensor`` and raises for CPU tensors, PLATFORM.md), so its
 flattened-range shards are saved by the same code path (megatron-core's planner) but untested here.
 """
+import json
 import os
 import pickle
+import shutil
 import signal
 
 import pytest
@@ -129,6 +131,39 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
         assert got == {k: ref[r][k] for k in ("5", "6", "7", "8")}, (r, got, ref[r])
     assert open(os.path.join(snap_env.ckpt_dir, "latest_checkpointed_iteration.txt")).read() == "8"
     assert os.path.exists(os.path.join(snap_env.ckpt_dir, "iter_0000008", ".metadata"))
+
+
+def test_H1_H4_remote_tier_round_trip_and_fresh_node_resume(snap_env, s3_bucket):
+    """``SNAPCKPT_REMOTE_DIR`` (TP=1/DP=2, disk saves at iterations 2 and 4): the server holds both
+    iterations in the torch_dist layout (the files, sizes and checksums of the local directories) and the
+    tracker ``latest_checkpointed_iteration.txt`` naming 4. With iteration 4's upload undone (its manifest
+    object removed) and the node lost (persister killed, local directory deleted), a restart's
+    ``load_checkpoint`` resumes iteration 2, downloaded from the server with its tracker, and the losses of
+    iterations 3 and 4 equal the first run's bit for bit."""
+    snap_env.leftover_ok = True  # the lost node's persister is killed below
+    env = dict(snap_env.env, SNAPCKPT_REMOTE_DIR=s3_bucket.url("mg"))
+    args = ["--mode", "train", "--tp", "1", "--opt", "adam", "--steps", "4", "--disk-interval", "2",
+            "--ckpt", snap_env.ckpt_dir]
+    first = run_ranks(WORKER, 2, args, env, timeout=240)
+    tracker = "mg/latest_checkpointed_iteration.txt"
+    assert wait_until(lambda: s3_bucket.keys(tracker) and s3_bucket.get(tracker) == b"4", 60)
+    keys = s3_bucket.keys("mg/")
+    for it in ("iter_0000002", "iter_0000004"):
+        local = json.load(open(os.path.join(snap_env.ckpt_dir, it, ".snapckpt", "manifest.json")))
+        assert json.loads(s3_bucket.get(f"mg/{it}/.snapckpt/manifest.json"))["files"] == local["files"]
+        remote = sorted(k[len(f"mg/{it}/"):] for k in keys if k.startswith(f"mg/{it}/") and "/.snapckpt/" not in k)
+        assert remote == _files(os.path.join(snap_env.ckpt_dir, it)) == \
+            [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
+    snap_env.kill_persisters()
+    assert wait_until(lambda: not snap_env.persisters(), 15)
+    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key="mg/iter_0000004/.snapckpt/manifest.json")
+    shutil.rmtree(snap_env.ckpt_dir)
+    second = run_ranks(WORKER, 2, args, env, timeout=240)
+    for r in (0, 1):
+        assert "RESUMED 2 disk" in result_lines(second[r]), second[r][-3000:]
+        want = dict(l.split() for l in _rank_results([first[r]], "LOSS")[0])
+        got = dict(l.split() for l in _rank_results([second[r]], "LOSS")[0])
+        assert got == {k: want[k] for k in ("3", "4")}, (r, got, want)
 
 
 def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
