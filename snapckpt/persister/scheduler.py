@@ -97,7 +97,7 @@ class Scheduler:
         checkpoints it lacks (called with the lock)."""
         self.pending += 1
         self.uploader.submit(UploadJob(run.run_id, run.remote_dir, "", "", None, run.keep_last,
-                                       checkpoint_dir=run.checkpoint_dir))
+                                       checkpoint_dir=run.checkpoint_dir, before_unix=time.time()))
 
     def result(self, key: SaveKey) -> Optional[Result]:
         """The result of the save ``key``, or ``None`` if this node was never asked to persist it."""

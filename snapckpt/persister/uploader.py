@@ -61,6 +61,9 @@ class UploadJob:
     tracker_name: str = ""
     tracker_content: str = ""
     checkpoint_dir: str = ""
+    #: a clean-up job catches up only checkpoints committed before this time (Unix seconds): those of the
+    #: run that queued it are submitted by their own commits (and may be dropped from the queue on purpose)
+    before_unix: float = 0.0
 
 
 class Uploader:
@@ -166,9 +169,10 @@ class Uploader:
         self._upload(store, job)
 
     def _catch_up(self, store: RemoteStore, job: UploadJob) -> None:
-        """Upload the newest checkpoints committed in ``job.checkpoint_dir`` that are newer than the newest
-        remote one (an earlier persister was killed after their local commit, before or during the upload;
-        what that upload left was just removed), oldest first, so the tracker object ends at the newest."""
+        """Upload the newest checkpoints committed in ``job.checkpoint_dir`` before ``job.before_unix`` that
+        are newer than the newest remote one (an earlier persister was killed after their local commit,
+        before or during the upload; what that upload left was just removed), oldest first, so the tracker
+        object ends at the newest."""
         try:
             remote = store.list_committed()
             local = list_committed(open_storage(), job.checkpoint_dir)
@@ -178,7 +182,8 @@ class Uploader:
             return
         newest = max((c.step for c in remote), default=-1)
         limit = QUEUE_DEPTH + 1 if job.keep_last is None else max(1, min(job.keep_last, QUEUE_DEPTH + 1))
-        todo = [c for c in local if c.step > newest][-limit:]
+        todo = [c for c in local if c.step > newest
+                and float(c.manifest.get("created_unix", 0.0)) < job.before_unix][-limit:]
         for c in todo:
             tracker = c.manifest.get("tracker") if isinstance(c.manifest.get("tracker"), dict) else {}
             name, content = tracker.get("name", ""), tracker.get("content", "")
