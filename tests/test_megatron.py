@@ -93,14 +93,23 @@ def test_F1_F2_F4_B3_layout_round_trips_reshard_and_damage(snap_env):
             "ALL_DAMAGED_RESHARD ok", "TRACKER_MISSING_NATIVE ok", "TRACKER_MISSING_ALONE ok"} <= set(result_lines(o)), o
 
 
-@pytest.mark.parametrize("tp,opt,overlap", [(1, "adam", False), (2, "megatron", True)],
-                         ids=["tp1dp2-adam", "tp2dp1-mcore-opt-overlap"])
-def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overlap):
+@pytest.mark.parametrize("tp,opt,overlap,remote", [(1, "adam", False, True), (2, "megatron", True, False)],
+                         ids=["tp1dp2-adam-remote", "tp2dp1-mcore-opt-overlap"])
+def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overlap, remote, request):
     """Uninterrupted 8 iterations vs: memory snapshots every iteration and disk every 4; every rank is
     SIGKILLed after iteration 6, restarted (resumes from memory at 6), SIGKILLed after 7; then the persister
     is killed too (the node lost its memory) and the restart resumes from disk at 4. Every rank's loss of
     every iteration after a resume equals the uninterrupted run's, bit for bit. The second configuration
-    copies snapshots on the core's copy thread (``overlap=True``, fenced before each optimizer step)."""
+    copies snapshots on the core's copy thread (``overlap=True``, fenced before each optimizer step).
+
+    The first has the remote tier (``SNAPCKPT_REMOTE_DIR``, the S3 server): iteration 4 is on the server in
+    the torch_dist layout (the local directory's files, sizes and checksums) with the tracker
+    ``latest_checkpointed_iteration.txt``; the whole node is lost (persister killed, local directory
+    deleted), and the last restart downloads iteration 4 before ``load_checkpoint`` reads it."""
+    env = dict(snap_env.env)
+    if remote:
+        bucket = request.getfixturevalue("s3_bucket")
+        env["SNAPCKPT_REMOTE_DIR"] = bucket.url("mg")
     base = ["--mode", "train", "--tp", str(tp), "--opt", opt, "--steps", "8", "--mem-interval", "1",
             "--disk-interval", "4"] + (["--overlap"] if overlap else [])
     straight = run_ranks(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")], snap_env.env,
@@ -109,8 +118,7 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
     assert all(len(r) == 8 for r in ref)
 
     def run(kill_after):
-        procs = launch(WORKER, 2, base + ["--ckpt", snap_env.ckpt_dir, "--kill-after", str(kill_after)],
-                       snap_env.env)
+        procs = launch(WORKER, 2, base + ["--ckpt", snap_env.ckpt_dir, "--kill-after", str(kill_after)], env)
         outs = finish(procs, timeout=240)
         want = -signal.SIGKILL if kill_after > 0 else 0
         assert [p.returncode for p in procs] == [want, want], outs
@@ -122,8 +130,18 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
     for r, o in enumerate(outs):
         assert "RESUMED 6 memory" in result_lines(o), o
         assert dict(l.split() for l in _rank_results([o], "LOSS")[0]) == {"7": ref[r]["7"]}
+    if remote:
+        tracker = "mg/latest_checkpointed_iteration.txt"
+        assert wait_until(lambda: bucket.keys(tracker) and bucket.get(tracker) == b"4", 60)
+        local = json.load(open(os.path.join(snap_env.ckpt_dir, "iter_0000004", ".snapckpt", "manifest.json")))
+        assert json.loads(bucket.get("mg/iter_0000004/.snapckpt/manifest.json"))["files"] == local["files"]
+        assert sorted(k[len("mg/iter_0000004/"):] for k in bucket.keys("mg/iter_0000004/") if "/.snapckpt/" not in k) \
+            == _files(os.path.join(snap_env.ckpt_dir, "iter_0000004")) == \
+            [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
     snap_env.kill_persisters()
     assert wait_until(lambda: not snap_env.persisters(), 10)
+    if remote:
+        shutil.rmtree(snap_env.ckpt_dir)  # the node lost whole: the remote tier alone holds iteration 4
     outs = run(-1)  # memory lost: the newest committed directory is iter_0000004
     for r, o in enumerate(outs):
         assert "RESUMED 4 disk" in result_lines(o), o
@@ -131,39 +149,9 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
         assert got == {k: ref[r][k] for k in ("5", "6", "7", "8")}, (r, got, ref[r])
     assert open(os.path.join(snap_env.ckpt_dir, "latest_checkpointed_iteration.txt")).read() == "8"
     assert os.path.exists(os.path.join(snap_env.ckpt_dir, "iter_0000008", ".metadata"))
-
-
-def test_H1_H4_remote_tier_round_trip_and_fresh_node_resume(snap_env, s3_bucket):
-    """``SNAPCKPT_REMOTE_DIR`` (TP=1/DP=2, disk saves at iterations 2 and 4): the server holds both
-    iterations in the torch_dist layout (the files, sizes and checksums of the local directories) and the
-    tracker ``latest_checkpointed_iteration.txt`` naming 4. With iteration 4's upload undone (its manifest
-    object removed) and the node lost (persister killed, local directory deleted), a restart's
-    ``load_checkpoint`` resumes iteration 2, downloaded from the server with its tracker, and the losses of
-    iterations 3 and 4 equal the first run's bit for bit."""
-    snap_env.leftover_ok = True  # the lost node's persister is killed below
-    env = dict(snap_env.env, SNAPCKPT_REMOTE_DIR=s3_bucket.url("mg"))
-    args = ["--mode", "train", "--tp", "1", "--opt", "adam", "--steps", "4", "--disk-interval", "2",
-            "--ckpt", snap_env.ckpt_dir]
-    first = run_ranks(WORKER, 2, args, env, timeout=240)
-    tracker = "mg/latest_checkpointed_iteration.txt"
-    assert wait_until(lambda: s3_bucket.keys(tracker) and s3_bucket.get(tracker) == b"4", 60)
-    keys = s3_bucket.keys("mg/")
-    for it in ("iter_0000002", "iter_0000004"):
-        local = json.load(open(os.path.join(snap_env.ckpt_dir, it, ".snapckpt", "manifest.json")))
-        assert json.loads(s3_bucket.get(f"mg/{it}/.snapckpt/manifest.json"))["files"] == local["files"]
-        remote = sorted(k[len(f"mg/{it}/"):] for k in keys if k.startswith(f"mg/{it}/") and "/.snapckpt/" not in k)
-        assert remote == _files(os.path.join(snap_env.ckpt_dir, it)) == \
-            [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
-    snap_env.kill_persisters()
-    assert wait_until(lambda: not snap_env.persisters(), 15)
-    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key="mg/iter_0000004/.snapckpt/manifest.json")
-    shutil.rmtree(snap_env.ckpt_dir)
-    second = run_ranks(WORKER, 2, args, env, timeout=240)
-    for r in (0, 1):
-        assert "RESUMED 2 disk" in result_lines(second[r]), second[r][-3000:]
-        want = dict(l.split() for l in _rank_results([first[r]], "LOSS")[0])
-        got = dict(l.split() for l in _rank_results([second[r]], "LOSS")[0])
-        assert got == {k: want[k] for k in ("3", "4")}, (r, got, want)
+    if remote:  # the resumed run's save is uploaded too (its persister exits once it is)
+        assert wait_until(lambda: bucket.get(tracker) == b"8", 60)
+        assert wait_until(lambda: not snap_env.persisters(), 60)
 
 
 def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
