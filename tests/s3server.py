@@ -3,12 +3,14 @@
 Each test gets its own bucket (:func:`s3_bucket` in conftest.py) and the standard AWS variables in its
 environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``),
 which the ranks and their persister inherit: snapckpt reaches the server the way it reaches any
-S3-compatible store, with no test hook. moto does not check credentials (PLATFORM.md): tests check a
-missing bucket instead of a wrong key.
+S3-compatible store, with no test hook. moto accepts any credentials by default; :func:`enforce_auth`
+turns on its IAM authentication (``/moto-api/reset-auth``) for a test of wrong credentials.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -47,6 +49,25 @@ def stop() -> None:
         if _server is not None:
             _server.stop()
             _server = None
+
+
+@contextlib.contextmanager
+def enforce_auth():
+    """While inside, the server authenticates every S3 request against its IAM users (moto's
+    ``INITIAL_NO_AUTH_ACTION_COUNT``, set through ``POST /moto-api/reset-auth``): no key is known to it, so
+    every key is refused with ``403 InvalidAccessKeyId``, as AWS refuses a wrong key. Afterwards it
+    accepts any key again."""
+    def reset(count: str) -> None:
+        # text/plain: a form content type would leave moto's request.data empty
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint()}/moto-api/reset-auth", data=count.encode(),
+                                                      headers={"Content-Type": "text/plain"}, method="POST"),
+                               timeout=10).read()
+
+    reset("0")
+    try:
+        yield
+    finally:
+        reset("inf")
 
 
 @dataclass

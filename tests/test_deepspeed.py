@@ -3,6 +3,7 @@ bf16 (F1, F2), LoRA-style frozen layers, string tags, the config entry, resume f
 memory and from disk, latest-after-commit under a slow persister (B1, B6), and a changed data-parallel size."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 
@@ -68,7 +69,7 @@ def _resumed(out):
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
-def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
+def test_resume_fidelity_after_kill9_config_entry(snap_env, tier, request):
     """The config entry ("snapckpt" section, no further code change): 8 steps straight vs 5 steps, kill -9 of
     every rank at the end of step 5, restart, engine.load_checkpoint, steps 5-8: identical per-step losses on every
     rank (dropout on, so the RNG states round-trip too). memory: memory snapshots every step, the persister
@@ -77,16 +78,34 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
     is killed too (node lost), the directory is copied with ``cp -a`` (another path: another job key) and
     its ``latest`` edited to name a missing tag; the restart from the copy loads the committed step 4 from
     disk with a warning naming ``latest`` and never saves step 4 again (a user trial found the config entry re-saved
-    the loaded tag, which the copy refuses as another job's checkpoint), and the original is untouched."""
+    the loaded tag, which the copy refuses as another job's checkpoint), and the original is untouched.
+    disk also has the config section's ``remote_dir`` (the S3 server): the tags are on the server in
+    DeepSpeed's layout (the local files, sizes and checksums) with ``latest``; then the original's node is
+    lost whole (its directory deleted) and a restart there downloads global_step4 before the stock
+    ``engine.load_checkpoint`` reads it: steps 5-8 again equal the uninterrupted run's."""
     stage = "2" if tier == "memory" else "3"
     ref = run_ranks("ds_resume_worker.py", 2, ["-", stage, "fp32", "8", "0", "0", "0", "0"], ENV, timeout=300)
     ckpt = snap_env.ckpt_dir
     mem, disk, wait = ("1", "0", "0") if tier == "memory" else ("0", "2", "1")
     snap_env.leftover_ok = tier == "disk"
-    killed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "4", mem, disk, wait], ENV,
+    remote = []
+    if tier == "disk":
+        bucket = request.getfixturevalue("s3_bucket")
+        remote = [bucket.url("ds")]
+    killed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "4", mem, disk, wait] + remote, ENV,
                        timeout=300, check=False)
     assert all("RESULT" in o for o in killed) and max(_losses(killed, 0)) == 5, killed
     if tier == "disk":
+        assert wait_until(lambda: bucket.keys("ds/latest") and bucket.get("ds/latest") == b"global_step4", 60)
+        keys = bucket.keys("ds/")
+        for tag in ("global_step2", "global_step4"):
+            local = json.load(open(os.path.join(ckpt, tag, ".snapckpt", "manifest.json")))
+            assert json.loads(bucket.get(f"ds/{tag}/.snapckpt/manifest.json"))["files"] == local["files"]
+            native = {n: os.path.getsize(os.path.join(ckpt, tag, n)) for n in os.listdir(os.path.join(ckpt, tag))
+                      if n != ".snapckpt"}
+            assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in native, native
+            assert {k[len(f"ds/{tag}/"):]: v for k, v in keys.items()
+                    if k.startswith(f"ds/{tag}/") and "/.snapckpt/" not in k} == native
         snap_env.kill_persisters(signal.SIGKILL)
         assert wait_until(lambda: not snap_env.persisters(), 10)
         assert open(os.path.join(ckpt, "latest")).read() == "global_step4"
@@ -111,6 +130,13 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier):
         tags = sorted(n for n in os.listdir(ckpt) if n.startswith("global_step"))
         assert tags == ["global_step6", "global_step8"], tags
         assert open(os.path.join(ckpt, "latest")).read() == "global_step8"
+        shutil.rmtree(snap_env.ckpt_dir)  # the original's node lost whole: the server alone holds its tags
+        fresh = run_ranks("ds_resume_worker.py", 2, [snap_env.ckpt_dir, stage, "fp32", "8", "0", mem, disk, "0"]
+                          + remote, ENV, timeout=300)
+        for rank in (0, 1):
+            assert _resumed(fresh[rank]) == [["4", "disk"]], fresh[rank][-3000:]
+            got, want = _losses(fresh, rank), _losses(ref, rank)
+            assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got), (rank, got, want)
 
 
 def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):

@@ -14,8 +14,10 @@ CPU (``DistributedOptimizer`` checks ``param.type()`` against ``torch.cuda.Float
 ``torch.cuda.HalfTensor`` / ``torch.cuda.BFloat16Tensor`` and raises for CPU tensors, PLATFORM.md), so its
 flattened-range shards are saved by the same code path (megatron-core's planner) but untested here.
 """
+import json
 import os
 import pickle
+import shutil
 import signal
 
 import pytest
@@ -90,14 +92,23 @@ def test_F1_F2_F4_B3_layout_round_trips_reshard_and_damage(snap_env):
             "ALL_DAMAGED_RESHARD ok", "TRACKER_MISSING_NATIVE ok", "TRACKER_MISSING_ALONE ok"} <= set(result_lines(o)), o
 
 
-@pytest.mark.parametrize("tp,opt,overlap", [(1, "adam", False), (2, "megatron", True)],
-                         ids=["tp1dp2-adam", "tp2dp1-mcore-opt-overlap"])
-def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overlap):
+@pytest.mark.parametrize("tp,opt,overlap,remote", [(1, "adam", False, True), (2, "megatron", True, False)],
+                         ids=["tp1dp2-adam-remote", "tp2dp1-mcore-opt-overlap"])
+def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overlap, remote, request):
     """Uninterrupted 8 iterations vs: memory snapshots every iteration and disk every 4; every rank is
     SIGKILLed after iteration 6, restarted (resumes from memory at 6), SIGKILLed after 7; then the persister
     is killed too (the node lost its memory) and the restart resumes from disk at 4. Every rank's loss of
     every iteration after a resume equals the uninterrupted run's, bit for bit. The second configuration
-    copies snapshots on the core's copy thread (``overlap=True``, fenced before each optimizer step)."""
+    copies snapshots on the core's copy thread (``overlap=True``, fenced before each optimizer step).
+
+    The first has the remote tier (``SNAPCKPT_REMOTE_DIR``, the S3 server): iteration 4 is on the server in
+    the torch_dist layout (the local directory's files, sizes and checksums) with the tracker
+    ``latest_checkpointed_iteration.txt``; the whole node is lost (persister killed, local directory
+    deleted), and the last restart downloads iteration 4 before ``load_checkpoint`` reads it."""
+    env = dict(snap_env.env)
+    if remote:
+        bucket = request.getfixturevalue("s3_bucket")
+        env["SNAPCKPT_REMOTE_DIR"] = bucket.url("mg")
     base = ["--mode", "train", "--tp", str(tp), "--opt", opt, "--steps", "8", "--mem-interval", "1",
             "--disk-interval", "4"] + (["--overlap"] if overlap else [])
     straight = run_ranks(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")], snap_env.env,
@@ -106,8 +117,7 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
     assert all(len(r) == 8 for r in ref)
 
     def run(kill_after):
-        procs = launch(WORKER, 2, base + ["--ckpt", snap_env.ckpt_dir, "--kill-after", str(kill_after)],
-                       snap_env.env)
+        procs = launch(WORKER, 2, base + ["--ckpt", snap_env.ckpt_dir, "--kill-after", str(kill_after)], env)
         outs = finish(procs, timeout=240)
         want = -signal.SIGKILL if kill_after > 0 else 0
         assert [p.returncode for p in procs] == [want, want], outs
@@ -119,8 +129,18 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
     for r, o in enumerate(outs):
         assert "RESUMED 6 memory" in result_lines(o), o
         assert dict(l.split() for l in _rank_results([o], "LOSS")[0]) == {"7": ref[r]["7"]}
+    if remote:
+        tracker = "mg/latest_checkpointed_iteration.txt"
+        assert wait_until(lambda: bucket.keys(tracker) and bucket.get(tracker) == b"4", 60)
+        local = json.load(open(os.path.join(snap_env.ckpt_dir, "iter_0000004", ".snapckpt", "manifest.json")))
+        assert json.loads(bucket.get("mg/iter_0000004/.snapckpt/manifest.json"))["files"] == local["files"]
+        assert sorted(k[len("mg/iter_0000004/"):] for k in bucket.keys("mg/iter_0000004/") if "/.snapckpt/" not in k) \
+            == _files(os.path.join(snap_env.ckpt_dir, "iter_0000004")) == \
+            [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
     snap_env.kill_persisters()
     assert wait_until(lambda: not snap_env.persisters(), 10)
+    if remote:
+        shutil.rmtree(snap_env.ckpt_dir)  # the node lost whole: the remote tier alone holds iteration 4
     outs = run(-1)  # memory lost: the newest committed directory is iter_0000004
     for r, o in enumerate(outs):
         assert "RESUMED 4 disk" in result_lines(o), o
@@ -128,6 +148,9 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
         assert got == {k: ref[r][k] for k in ("5", "6", "7", "8")}, (r, got, ref[r])
     assert open(os.path.join(snap_env.ckpt_dir, "latest_checkpointed_iteration.txt")).read() == "8"
     assert os.path.exists(os.path.join(snap_env.ckpt_dir, "iter_0000008", ".metadata"))
+    if remote:  # the resumed run's save is uploaded too (its persister exits once it is)
+        assert wait_until(lambda: bucket.get(tracker) == b"8", 60)
+        assert wait_until(lambda: not snap_env.persisters(), 60)
 
 
 def test_flag_add_arguments_and_enable_says_what_it_did(caplog):

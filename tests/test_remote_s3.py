@@ -66,7 +66,9 @@ def test_H3_kill_persister_mid_upload_keeps_previous_remote_checkpoint(snap_env,
     """The persister is SIGKILLed in the middle of uploading step 2 (a multipart upload in flight: 12 MiB
     rank files in 5 MiB parts). Step 1 stays committed remotely; the half-uploaded step 2 has no manifest
     and is never taken for a checkpoint: a fresh node resumes step 1, bitwise equal, and its persister
-    deletes the orphan prefix and aborts the stuck multipart upload."""
+    deletes the orphan prefix and aborts the stuck multipart upload. Back on the first node (its local
+    directory with step 2, committed there but never uploaded), the next persister catches up: step 2 is
+    uploaded at its start (the same manifest as the local one, the tracker object names it)."""
     snap_env.leftover_ok = True  # the killed persister leaves its arena behind by design
     url = s3_bucket.url("run")
     env = dict(snap_env.env, SNAPCKPT_REMOTE_BLOCK_NBYTES=str(5 << 20),
@@ -82,7 +84,8 @@ def test_H3_kill_persister_mid_upload_keeps_previous_remote_checkpoint(snap_env,
     assert s3_bucket.multipart_uploads("run/"), f"no multipart upload in flight at the kill; log: {log[-2000:]}"
     assert s3_bucket.get("run/latest") == b"step_00000001"
 
-    shutil.rmtree(snap_env.ckpt_dir)
+    aside = snap_env.ckpt_dir + ".first-node"
+    os.rename(snap_env.ckpt_dir, aside)  # a fresh node: an empty local directory
     env.pop("SNAPCKPT_FAULT_POINT")
     res = _results(run_ranks("remote_worker.py", 2, ["load", snap_env.ckpt_dir, url, "", str(nbytes)], env,
                              timeout=90))
@@ -92,6 +95,20 @@ def test_H3_kill_persister_mid_upload_keeps_previous_remote_checkpoint(snap_env,
     assert not [k for k in keys if k.startswith("step_00000002/")], keys
     assert not s3_bucket.multipart_uploads("run/")
     assert "step_00000001/.snapckpt/manifest.json" in keys
+
+    shutil.rmtree(snap_env.ckpt_dir)
+    os.rename(aside, snap_env.ckpt_dir)  # the first node again: step 2 committed locally, never uploaded
+    res = _results(run_ranks("remote_worker.py", 2, ["load", snap_env.ckpt_dir, url, "", str(nbytes)], env,
+                             timeout=90))
+    assert all(r == {"latest": 2, "step": 2, "tier": "disk", "equal": True} for r in res), res
+    # the tracker object is written last (the persister, idle, is killed at teardown)
+    assert wait_until(lambda: s3_bucket.get("run/latest") == b"step_00000002", timeout=60)
+    local = json.load(open(os.path.join(snap_env.ckpt_dir, "step_00000002", ".snapckpt", "manifest.json")))
+    assert json.loads(s3_bucket.get("run/step_00000002/.snapckpt/manifest.json"))["files"] == local["files"]
+    assert local["tracker"] == {"name": "latest", "content": "step_00000002"}
+    assert s3_bucket.get("run/latest") == b"step_00000002"
+    assert not s3_bucket.multipart_uploads("run/")
+    assert "step 2 (step_00000002) was committed locally but never uploaded" in _persister_logs(snap_env)
 
 
 def test_missing_bucket_is_refused_at_start(snap_env, s3_bucket):
@@ -106,6 +123,31 @@ def test_missing_bucket_is_refused_at_start(snap_env, s3_bucket):
         assert line[0].startswith("ERROR RemoteStorageError"), line
         assert url in line[0] and "bucket does not exist" in line[0] and "create it" in line[0]
         assert os.environ["AWS_SECRET_ACCESS_KEY"] not in o and os.environ["AWS_ACCESS_KEY_ID"] not in o
+
+
+def test_wrong_credentials_are_refused_at_start(snap_env, s3_bucket, monkeypatch):
+    """A key the server does not know (moto with its IAM authentication on, answering 403
+    InvalidAccessKeyId as AWS does): the Checkpointer raises RemoteStorageError at construction, before any
+    training or persister, naming the URL, the cause and where credentials come from, never the key or the
+    secret; nothing was written, locally or in the bucket."""
+    import s3server
+    from snapckpt import Checkpointer
+    from snapckpt.errors import RemoteStorageError
+
+    url = s3_bucket.url("run")
+    key, secret = "AKIAWRONGKEY00000000", "wrong-secret-0123456789abcdefghijklmnopqrst"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    with s3server.enforce_auth():
+        with pytest.raises(RemoteStorageError) as ei:
+            Checkpointer(snap_env.ckpt_dir, remote_dir=url, persister_idle_timeout_secs=20)
+    msg = str(ei.value)
+    assert msg.startswith(f"remote_dir {url!r}: access denied (PermissionError: "), msg
+    assert "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY" in msg and "~/.aws/credentials" in msg
+    assert key not in msg and secret not in msg
+    assert not snap_env.persisters()
+    assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+    assert not s3_bucket.keys("run/")  # no probe, no owner record: nothing was written with the wrong key
 
 
 def _local_checkpoint(root: str, step: int, files: dict) -> tuple:
@@ -202,26 +244,55 @@ def test_H2_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
 def test_H2_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, monkeypatch):
     """The persister's uploader, in-process: an upload to a bucket that disappeared is retried, then given
     up with an ``upload_failed`` note naming the URL and the cause (no credential); a checkpoint retired by
-    local retention before its turn is an ``upload_skipped`` note, not a failure; every job ends (the
-    persister's count of pending work returns to zero)."""
+    local retention before its turn is an ``upload_skipped`` note, not a failure; one retired during its
+    upload (its directory renamed away, as retention does, after the first file was opened) is skipped at
+    once (no retry) and what it had sent is removed; a transient read error of a local file (EIO) is
+    retried as a network fault is, and the checkpoint is committed; every job ends (the persister's count
+    of pending work returns to zero)."""
+    import errno
+
     from snapckpt.persister import uploader as U
+    from snapckpt.storage.remote import RemoteStore
     monkeypatch.setattr(U, "BACKOFF_SECS", 0.01)
+    monkeypatch.setattr(U, "QUEUE_DEPTH", 4)  # the four jobs wait together: none is dropped
     src = str(tmp_path / "src")
     d, m = _local_checkpoint(src, 1, {"a.bin": b"a" * 100})
+    d3, m3 = _local_checkpoint(src, 3, {"a.bin": b"c" * 100, "b.bin": b"d" * 100})
+    d4, m4 = _local_checkpoint(src, 4, {"a.bin": b"e" * 100})
+    calls = []
+    real_put = RemoteStore._put_file
+
+    def put(self, local, dirname, name, rec, step):
+        calls.append((step, name))
+        if step == 3 and calls.count((3, name)) == 1 and name == "a.bin":
+            os.rename(d3, d3 + ".retired")  # local retention retires step 3 in the middle of its upload
+        if step == 4 and calls.count((4, name)) == 1:
+            raise OSError(errno.EIO, "Input/output error", local)  # a transient read error of the local disk
+        return real_put(self, local, dirname, name, rec, step)
+
+    monkeypatch.setattr(RemoteStore, "_put_file", put)
     done = []
     up = U.Uploader(lambda: done.append(1))
     gone = f"s3://{s3_bucket.name}-gone/run"
     up.submit(U.UploadJob("run1", gone, d, "step_00000001", m, None, "latest", "step_00000001"))
     up.submit(U.UploadJob("run1", s3_bucket.url("run"), str(tmp_path / "retired"), "step_00000002",
                           {**m, "step": 2}, None))
+    up.submit(U.UploadJob("run1", s3_bucket.url("run"), d3, "step_00000003", m3, None, "latest", "step_00000003"))
+    up.submit(U.UploadJob("run1", s3_bucket.url("run"), d4, "step_00000004", m4, None, "latest", "step_00000004"))
     up.shutdown()
     notes = up.notes_for("run1")
-    assert [(n["kind"], n["step"]) for n in notes] == [("upload_failed", 1), ("upload_skipped", 2)], notes
+    assert [(n["kind"], n["step"]) for n in notes] == [("upload_failed", 1), ("upload_skipped", 2),
+                                                        ("upload_skipped", 3)], notes
     assert notes[0]["reason"] == f"{gone}: FileNotFoundError: The specified bucket does not exist"
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(notes)
     assert "deleted before its upload began (by retention" in notes[1]["reason"]
-    assert len(done) == 2
-    assert not s3_bucket.keys("run/")
+    assert "deleted during its upload (by retention" in notes[2]["reason"]
+    assert calls.count((3, "a.bin")) == 1  # not retried
+    assert calls.count((4, "a.bin")) == 2  # retried once, then sent
+    assert len(done) == 4
+    assert sorted(s3_bucket.keys("run/")) == ["run/latest", "run/step_00000004/.snapckpt/manifest.json",
+                                              "run/step_00000004/.snapckpt/remote.json", "run/step_00000004/a.bin"]
+    assert s3_bucket.get("run/step_00000004/a.bin") == b"e" * 100
 
 
 def test_H4_newest_step_across_disk_and_remote_with_keep_last(snap_env, s3_bucket):

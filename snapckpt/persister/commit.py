@@ -220,6 +220,8 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         manifest = build_manifest(step=req.step, dirname=req.dirname, world_size=req.world_size,
                                   requested_unix=req.requested_unix,
                                   run_id=req.run_id, parts=parts)
+        if req.tracker_name:  # the remote tier's catch-up upload and a download rebuild the tracker from it
+            manifest["tracker"] = {"name": req.tracker_name, "content": req.tracker_content}
         check_sizes(reader, req.partial_dir, manifest)
         storage.write_atomic(os.path.join(req.partial_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
         storage.fsync_dir(req.partial_dir)

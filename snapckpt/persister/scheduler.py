@@ -93,9 +93,11 @@ class Scheduler:
             self.pending -= 1
 
     def clean_remote(self, run: Run) -> None:
-        """Queue the clean-up of interrupted uploads under ``run.remote_dir`` (called with the lock)."""
+        """Queue the clean-up of interrupted uploads under ``run.remote_dir``, then the upload of the local
+        checkpoints it lacks (called with the lock)."""
         self.pending += 1
-        self.uploader.submit(UploadJob(run.run_id, run.remote_dir, "", "", None, run.keep_last))
+        self.uploader.submit(UploadJob(run.run_id, run.remote_dir, "", "", None, run.keep_last,
+                                       checkpoint_dir=run.checkpoint_dir, before_unix=time.time()))
 
     def result(self, key: SaveKey) -> Optional[Result]:
         """The result of the save ``key``, or ``None`` if this node was never asked to persist it."""

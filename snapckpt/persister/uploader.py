@@ -13,7 +13,14 @@ log and a note that the ranks' next status request carries; the Checkpointer tur
 
 The first job of a remote directory in this persister deletes what interrupted uploads left there
 (:meth:`~snapckpt.storage.remote.RemoteStore.clean_orphans`): only one persister per job uploads (the
-committer's), and a new one starts after the previous one is gone.
+committer's), and a new one starts after the previous one is gone. That job (queued when the committer
+connects) then **catches up**: the newest checkpoints committed in ``checkpoint_dir`` but not in the remote
+tier (a persister killed after a local commit, before or during its upload) are uploaded, newer than the
+newest remote step only, at most :data:`QUEUE_DEPTH` + 1 (and ``keep_last``) of them.
+
+A checkpoint whose local directory disappears before or during its upload (local retention retired it) is
+skipped cleanly (``upload_skipped``, what it had sent is removed); any other error, a network fault or a
+transient read error of a local file alike, is retried.
 """
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Set
 
+from snapckpt.ondisk.manifest import list_committed
+from snapckpt.storage.factory import open_storage
 from snapckpt.storage.remote import RemoteStore
 
 __all__ = ["Uploader", "UploadJob", "QUEUE_DEPTH", "RETRIES"]
@@ -40,7 +49,8 @@ BACKOFF_SECS = 1.0
 
 @dataclass
 class UploadJob:
-    """One committed checkpoint to upload (``manifest`` is ``None`` for a clean-up only job)."""
+    """One committed checkpoint to upload (``manifest`` is ``None`` for a clean-up job, which also catches
+    up the checkpoints of ``checkpoint_dir`` that the remote tier lacks when ``checkpoint_dir`` is set)."""
 
     run_id: str
     remote_dir: str
@@ -50,6 +60,10 @@ class UploadJob:
     keep_last: Optional[int]
     tracker_name: str = ""
     tracker_content: str = ""
+    checkpoint_dir: str = ""
+    #: a clean-up job catches up only checkpoints committed before this time (Unix seconds): those of the
+    #: run that queued it are submitted by their own commits (and may be dropped from the queue on purpose)
+    before_unix: float = 0.0
 
 
 class Uploader:
@@ -149,21 +163,65 @@ class Uploader:
             except Exception as e:
                 log.warning("remote: could not clean interrupted uploads under %s: %s", job.remote_dir, e)
         if job.manifest is None:
+            if job.checkpoint_dir:
+                self._catch_up(store, job)
             return
+        self._upload(store, job)
+
+    def _catch_up(self, store: RemoteStore, job: UploadJob) -> None:
+        """Upload the newest checkpoints committed in ``job.checkpoint_dir`` before ``job.before_unix`` that
+        are newer than the newest remote one (an earlier persister was killed after their local commit,
+        before or during the upload; what that upload left was just removed), oldest first, so the tracker
+        object ends at the newest."""
+        try:
+            remote = store.list_committed()
+            local = list_committed(open_storage(), job.checkpoint_dir)
+        except Exception as e:  # the next commit's upload still happens
+            log.warning("remote: could not compare %s with %s for uploads to catch up: %s", job.checkpoint_dir,
+                        job.remote_dir, e)
+            return
+        newest = max((c.step for c in remote), default=-1)
+        limit = QUEUE_DEPTH + 1 if job.keep_last is None else max(1, min(job.keep_last, QUEUE_DEPTH + 1))
+        todo = [c for c in local if c.step > newest
+                and float(c.manifest.get("created_unix", 0.0)) < job.before_unix][-limit:]
+        for c in todo:
+            tracker = c.manifest.get("tracker") if isinstance(c.manifest.get("tracker"), dict) else {}
+            name, content = tracker.get("name", ""), tracker.get("content", "")
+            if not (isinstance(name, str) and isinstance(content, str) and "/" not in name
+                    and not name.startswith(".")):
+                name = content = ""
+            log.warning("remote: step %d (%s) was committed locally but never uploaded (the persister that "
+                        "committed it ended first); uploading it now to %s", c.step, c.dirname, job.remote_dir)
+            self._upload(store, UploadJob(job.run_id, job.remote_dir, c.path, c.dirname, c.manifest,
+                                          job.keep_last, name, content))
+
+    def _skip_retired(self, job: UploadJob, when: str) -> None:
+        reason = (f"{job.local_dir} was deleted {when} (by retention, keep_last={job.keep_last}, or by hand); "
+                  "a newer checkpoint is uploaded instead")
+        log.warning("remote: upload of step %d to %s skipped: %s", job.manifest["step"], job.remote_dir, reason)
+        self._note(job, "upload_skipped", reason)
+
+    def _upload(self, store: RemoteStore, job: UploadJob) -> None:
+        """Upload one checkpoint with retries, then apply the remote retention."""
         step = job.manifest["step"]
         delay = BACKOFF_SECS
         for attempt in range(RETRIES + 1):
             t0 = time.monotonic()
             if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
-                reason = (f"{job.local_dir} was deleted before its upload began (by retention, keep_last="
-                          f"{job.keep_last}, or by hand); a newer checkpoint is uploaded instead")
-                log.warning("remote: upload of step %d to %s skipped: %s", step, job.remote_dir, reason)
-                self._note(job, "upload_skipped", reason)
+                self._skip_retired(job, "before its upload began")
                 return
             try:
                 store.upload(job.local_dir, job.dirname, job.manifest, run_id=job.run_id,
                              tracker_name=job.tracker_name, tracker_content=job.tracker_content)
             except Exception as e:
+                if not os.path.isdir(job.local_dir):
+                    # retired meanwhile (retention renames the directory away at once): not a fault to retry
+                    self._skip_retired(job, "during its upload")
+                    try:  # what it had sent (no manifest): nothing else uploads meanwhile
+                        store.clean_orphans()
+                    except Exception as e2:
+                        log.warning("remote: could not clean up after the skipped upload of step %d: %s", step, e2)
+                    return
                 cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 if attempt == RETRIES:
                     log.error("remote: upload of step %d (%s) to %s failed after %d attempts: %s; the local "

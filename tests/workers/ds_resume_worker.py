@@ -1,12 +1,12 @@
 """Resume fidelity through the config entry (``snapckpt.deepspeed.initialize`` + a "snapckpt" section).
 
-Usage: ds_resume_worker.py CKPT STAGE DTYPE TOTAL KILL_AT MEM_EVERY DISK_EVERY WAIT
+Usage: ds_resume_worker.py CKPT STAGE DTYPE TOTAL KILL_AT MEM_EVERY DISK_EVERY WAIT [REMOTE_DIR]
 With memory snapshots (MEM_EVERY > 0) the copy is overlapped (``overlap``: it runs during forward and
 backward, and DeepSpeed's pre-optimizer-step call fences it). ``CKPT=-`` trains without snapckpt (the uninterrupted reference). Otherwise the engine resumes with
 ``engine.load_checkpoint(CKPT)`` (memory tier first) and trains to TOTAL; with ``KILL_AT > 0`` every rank
 SIGKILLs itself at the end of step KILL_AT+1 (the policy snapshot of step KILL_AT was taken at that step's
 forward and fenced by its ``engine.step()``; with WAIT=1 after waiting for its commit). Prints ``RESULT {"step", "loss"}``
-per step and ``RESUMED <step> <tier>``.
+per step and ``RESUMED <step> <tier>``. REMOTE_DIR (an ``s3://`` URL) goes into the section as ``remote_dir``.
 """
 import json
 import os
@@ -30,6 +30,8 @@ def main():
         section = {"checkpoint_dir": ckpt, "memory_interval_steps": mem or None,
                    "disk_interval_steps": disk or None, "keep_last": 2,
                    "options": {"persister_idle_timeout_secs": 30, "overlap": mem > 0}}
+        if len(sys.argv) > 9:
+            section["remote_dir"] = sys.argv[9]
         engine = ds_common.build(stage, dtype, initialize=sd.initialize, snapckpt=section)
         path, _ = engine.load_checkpoint(ckpt)
         if path is not None:
