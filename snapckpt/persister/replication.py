@@ -69,7 +69,7 @@ class _Sender(threading.Thread):
 
     def __init__(self, owner: "Replicator", run: Run, node: int, addr: str, port: int) -> None:
         super().__init__(name=f"snapckpt-replica-{node}", daemon=True)
-        self.owner, self.run, self.node, self.addr, self.port = owner, run, node, addr, port
+        self.owner, self.job_run, self.node, self.addr, self.port = owner, run, node, addr, port
         self.queue: Dict[int, Tuple[Slot, int]] = {}  # rank -> (slot, seq) waiting to be sent
         self.cv = threading.Condition(owner.lock)
         self.sock: Optional[socket.socket] = None
@@ -125,8 +125,8 @@ class _Sender(threading.Thread):
                 for attempt in (0, 1):  # a kept connection may have been dropped by the peer: once more
                     try:
                         if self.sock is None:
-                            self.sock = channel.connect(self.addr, self.port, self.run.run_id,
-                                                        owner.secrets[self.run.run_id])
+                            self.sock = channel.connect(self.addr, self.port, self.job_run.run_id,
+                                                        owner.secrets[self.job_run.run_id])
                         checksum = _put(self.sock, rank, meta, memoryview(m)[:nbytes])
                         break
                     except (channel.AuthError, PersisterError):
