@@ -282,6 +282,12 @@ class Replicator:
             r = self.replicas.get(rank)
         return r if r is not None and r.meta["step"] == step and r.meta["run_id"] == run_id else None
 
+    def replicas_of_step(self, run_id: str, step: int, dirname: str) -> List[Replica]:
+        """The complete replicas of ``step`` saved as ``dirname`` by run ``run_id`` (persistable ones)."""
+        with self.lock:
+            return [r for r in self.replicas.values() if r.meta["run_id"] == run_id and r.meta["step"] == step
+                    and r.meta["dirname"] == dirname and r.meta["persistable"]]
+
     # ----------------------------------------------------------------------------------------- fetch
     def fetch(self, entry: RankEntry, run: Run, rank: int, step: int, run_id: str, addr: str, port: int) -> Slot:
         """Get ``rank``'s snapshot of ``step`` (run ``run_id``) from the persister at ``addr:port`` into a

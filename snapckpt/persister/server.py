@@ -367,7 +367,7 @@ class Server:
                                     rank, run.run_id, pid)
                         run.gone[rank] = {"pid": pid, "since_unix": time.time()}
                     if not run.connected and run.crashed and run.flush_on_crash:
-                        flush_crashed_run(run, self.slots, self.scheduler)
+                        flush_crashed_run(run, self.slots, self.scheduler, self.replicator, self.host)
                     if run.gone:  # after the flush: the parts it accepted are still coming
                         self._record_gone(run)
             if not self.buffers:
@@ -429,7 +429,7 @@ class Server:
         if op == "stop":
             flushing = []
             for run in list(self.slots.runs.values()):
-                step = flush_newest(run, self.slots, self.scheduler, "stop requested")
+                step = flush_newest(run, self.slots, self.scheduler, "stop requested", self.replicator, self.host)
                 if step is not None:
                     flushing.append({"checkpoint_dir": run.checkpoint_dir, "run_id": run.run_id, "step": step})
             self.stop_requested = True
