@@ -82,3 +82,22 @@ def test_replica_replaced_only_when_complete(replicator):
     with open(path, "rb") as f:
         assert f.read() == data
     assert not os.path.exists(path + ".part")
+
+
+def test_a_snapshot_replaced_while_still_queued_is_reported_lagging(replicator):
+    """A sender holds one snapshot per rank besides the one in flight: a newer snapshot of the rank replaces
+    a queued one, which is then never sent and reported as ``replica_lagging`` (for the rank's events)."""
+    from snapckpt.persister.replication import _Sender
+    from snapckpt.persister.slots import Slot
+
+    rep, port = replicator
+    run = Run(RUN, 2, [0], True, "/nonexistent", None, 60.0, True, False)
+    sender = _Sender(rep, run, 1, "127.0.0.1", port)  # not started: as if a send were in flight
+    older, newer = Slot(0, "s0", step=3, seq=1), Slot(1, "s1", step=6, seq=2)
+    sender.offer(0, older)
+    assert rep.drain_notes(0) == []
+    sender.offer(0, newer)
+    notes = rep.drain_notes(0)
+    assert [(n["kind"], n["step"]) for n in notes] == [("replica_lagging", 3)]
+    assert "still in flight when step 6 came" in notes[0]["reason"]
+    assert sender.queue == {0: (newer, 2, 6)}

@@ -70,7 +70,7 @@ class _Sender(threading.Thread):
     def __init__(self, owner: "Replicator", run: Run, node: int, addr: str, port: int) -> None:
         super().__init__(name=f"snapckpt-replica-{node}", daemon=True)
         self.owner, self.job_run, self.node, self.addr, self.port = owner, run, node, addr, port
-        self.queue: Dict[int, Tuple[Slot, int]] = {}  # rank -> (slot, seq) waiting to be sent
+        self.queue: Dict[int, Tuple[Slot, int, int]] = {}  # rank -> (slot, seq, step) waiting to be sent
         self.cv = threading.Condition(owner.lock)
         self.sock: Optional[socket.socket] = None
         self.stopping = False
@@ -79,11 +79,11 @@ class _Sender(threading.Thread):
         """Queue ``slot`` (READY) of ``rank``; a snapshot still queued for that rank is dropped (lagging)."""
         with self.cv:
             old = self.queue.get(rank)
-            self.queue[rank] = (slot, slot.seq)
+            self.queue[rank] = (slot, slot.seq, slot.step)
             self.cv.notify()
         if old is not None:
-            self.owner.note(rank, "replica_lagging", old[0].step if old[0].seq == old[1] else -1,
-                            f"not replicated to node {self.node}: the previous snapshot's send was still in flight")
+            self.owner.note(rank, "replica_lagging", old[2], f"not replicated to node {self.node}: the previous "
+                            f"snapshot's send was still in flight when step {slot.step} came")
 
     def run(self) -> None:  # noqa: D401 (thread body)
         while True:
@@ -93,7 +93,7 @@ class _Sender(threading.Thread):
                 if self.stopping:
                     break
                 rank = min(self.queue)
-                slot, seq = self.queue.pop(rank)
+                slot, seq, _ = self.queue.pop(rank)
             try:
                 self._send(rank, slot, seq)
             except Exception as e:

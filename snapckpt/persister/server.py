@@ -18,6 +18,10 @@ and outlives the training processes:
   and read the READY slots (memory-tier restore);
 - it exits when every client closed cleanly and no work is pending, or after ``idle_timeout_secs``
   without a client; the arena files, socket and token are removed on exit;
+- with peer replicas (a run on several nodes), it sends its ranks' READY snapshots to the persisters of
+  the next nodes and holds theirs, over an authenticated TCP channel, and fetches a rank's snapshot from
+  a peer on request (:mod:`snapckpt.persister.replication`, requests ``replica_listen``,
+  ``replica_peers``, ``holdings``, ``fetch``);
 - an operator (``snapckpt ps`` / ``snapckpt stop``, :mod:`snapckpt.persister.control`) may ask, on a
   connection of its own and with the same token, for a description of the job (``info``) or for the
   newest snapshot of each run that is newer than disk to be written and committed, after which the
