@@ -2,10 +2,11 @@
 
 Three figures, each for a snapshot of ``--mib`` MiB held in shared memory (``/dev/shm``):
 
-- **throughput**: one replica ``put`` (HMAC handshake on a kept connection, framed header, ``sendall`` of
+- **throughput**: one replica ``put`` (on a kept, authenticated connection: framed header, ``sendall`` of
   the slot's mapping in 16 MiB slices with XXH3-64 on both sides, the receiver's ``recv_into`` a fresh
   tmpfs file, checksum compare, rename) against a plain TCP ``sendall`` of the same bytes into a
-  ``recv_into`` of a preallocated tmpfs mapping (no checksum, no file);
+  ``recv_into`` of a warm, preallocated tmpfs mapping (no checksum), and into a fresh tmpfs file
+  allocated and mapped for that receive (what a replica needs: its cost is the fresh pages);
 - **time until replicated**: a new connection (connect + HMAC handshake) and one put, as the sender of a
   persister does for its first snapshot (later ones reuse the connection);
 - **recovery**: a rank's part fetched from a peer's replica into the rank's arena slot (``Replicator.fetch``:
@@ -66,14 +67,23 @@ def _holder(arena: str, q) -> None:
 
 
 def _plain_receiver(path: str, nbytes: int, q) -> None:
-    """A plain TCP receiver: ``recv_into`` a preallocated tmpfs mapping, then one byte back."""
+    """A plain TCP receiver: ``recv_into`` a tmpfs mapping, then one byte back. The first byte the client
+    sends picks the mapping: ``w`` the same warm one every time, ``f`` a fresh file (allocated and mapped
+    for this receive, as a replica is)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     os.posix_fallocate(fd, 0, nbytes)
-    m = mmap.mmap(fd, nbytes)
+    warm = mmap.mmap(fd, nbytes)
+    os.close(fd)
     srv = socket.create_server(("127.0.0.1", 0))
     q.put(srv.getsockname()[1])
     while True:
         conn, _ = srv.accept()
+        m = warm
+        if conn.recv(1) == b"f":
+            fd = os.open(path + ".fresh", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.posix_fallocate(fd, 0, nbytes)
+            m = mmap.mmap(fd, nbytes)
+            os.close(fd)
         view, got = memoryview(m), 0
         while got < nbytes:
             k = conn.recv_into(view[got:], min(nbytes - got, channel.CHUNK_NBYTES))
@@ -82,6 +92,9 @@ def _plain_receiver(path: str, nbytes: int, q) -> None:
             got += k
         conn.sendall(b"k")
         conn.close()
+        view = None
+        if m is not warm:
+            m.close()
 
 
 def _snapshot(path: str, nbytes: int) -> mmap.mmap:
@@ -123,17 +136,19 @@ def main() -> None:
     pport = q.get(timeout=60)
     snap = _snapshot(os.path.join(shm, "slot"), nbytes)
     index_nbytes = len(json.dumps({"step": 7, "files": []}).encode())
-    out = {"mib": a.mib, "repeats": a.repeats, "plain_s": [], "put_s": [], "first_put_s": [], "fetch_s": [],
+    out = {"mib": a.mib, "repeats": a.repeats, "plain_s": [], "plain_fresh_s": [], "put_s": [], "first_put_s": [], "fetch_s": [],
            "disk_s": []}
     try:
         view = memoryview(snap)
         for _ in range(a.repeats):
-            t0 = time.perf_counter()
-            s = socket.create_connection(("127.0.0.1", pport))
-            s.sendall(view)
-            s.recv(1)
-            s.close()
-            out["plain_s"].append(time.perf_counter() - t0)
+            for mode, key in ((b"w", "plain_s"), (b"f", "plain_fresh_s")):
+                t0 = time.perf_counter()
+                s = socket.create_connection(("127.0.0.1", pport))
+                s.sendall(mode)
+                s.sendall(view)
+                s.recv(1)
+                s.close()
+                out[key].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             sock = channel.connect("127.0.0.1", hport, RUN, SECRET)  # a new connection: the first snapshot
             _put(sock, 1, _meta(nbytes, index_nbytes), view)
@@ -186,16 +201,18 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in out.items() if isinstance(v, list)}
     mb = nbytes / 1e6
     out["median_s"] = med
-    out["mb_per_s"] = {"plain": mb / med["plain_s"], "put": mb / med["put_s"], "fetch": mb / med["fetch_s"],
+    out["mb_per_s"] = {"plain": mb / med["plain_s"], "plain_fresh": mb / med["plain_fresh_s"], "put": mb / med["put_s"], "fetch": mb / med["fetch_s"],
                        "disk_cold": mb / med["disk_s"]}
     out["put_vs_plain"] = med["put_s"] / med["plain_s"]
+    out["put_vs_plain_fresh"] = med["put_s"] / med["plain_fresh_s"]
     out["fetch_vs_disk"] = med["fetch_s"] / med["disk_s"]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "replication.json").write_text(json.dumps(out, indent=1))
     print(f"{a.mib} MiB, median of {a.repeats}:")
     print(f"  plain socket send      {med['plain_s']:.3f} s  {out['mb_per_s']['plain']:.0f} MB/s")
+    print(f"  plain, fresh tmpfs     {med['plain_fresh_s']:.3f} s  {out['mb_per_s']['plain_fresh']:.0f} MB/s")
     print(f"  replica put (kept)     {med['put_s']:.3f} s  {out['mb_per_s']['put']:.0f} MB/s  "
-          f"({out['put_vs_plain']:.2f}x plain)")
+          f"({out['put_vs_plain']:.2f}x plain, {out['put_vs_plain_fresh']:.2f}x plain into fresh tmpfs)")
     print(f"  time until replicated  {med['first_put_s']:.3f} s  (new connection + handshake + put)")
     print(f"  recovery: fetch        {med['fetch_s']:.3f} s  {out['mb_per_s']['fetch']:.0f} MB/s")
     print(f"  recovery: disk (cold)  {med['disk_s']:.3f} s  {out['mb_per_s']['disk_cold']:.0f} MB/s  "
