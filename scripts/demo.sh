@@ -17,7 +17,9 @@
 #
 # NODES=2 (needs root): the same job on two simulated nodes of the test rig (tests/multinode.py: own
 # host name, /dev/shm and persister each, one shared checkpoint directory), one rank each under
-# torchrun --nnodes 2; steps 2-3 kill every trainer of both nodes (scripts/demo_nodes.py).
+# torchrun --nnodes 2; steps 2-3 lose node 1 whole (processes and memory) and kill node 0's trainers, bring
+# up a replacement node 1 and resume from memory, node 1's rank from node 0's peer replica
+# (scripts/demo_nodes.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

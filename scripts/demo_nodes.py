@@ -2,10 +2,12 @@
 
 Two nodes of the test rig (``tests/multinode.py``: each its own host name, ``/dev/shm`` and persister,
 sharing ``RUN_DIR/checkpoints``; needs root), one rank each under ``torchrun --nnodes 2``. Run 1 trains
-until ``--kill-after-step``, then every trainer of both nodes is killed with SIGKILL (the persisters live);
-run 2, the same command, resumes. Rank 0's output goes to ``RUN_DIR/run1.out`` and ``RUN_DIR/run2.out``
-for demo.sh's checks; exits with run 2's status. A lost node (memory gone) falls back to disk today: the
-peer-memory tier is not implemented yet.
+until ``--kill-after-step``; then node 1 is lost whole (its trainers, persister and memory, SIGKILL) and
+node 0's trainers are killed; a replacement node1 with empty memory comes up, and run 2, the same command,
+resumes from memory: rank 0 from its own node's snapshot, rank 1 from the peer replica that node 0's
+persister holds (the peer-memory tier, on by default across nodes), fetched into the new node's memory.
+Rank 0's output goes to ``RUN_DIR/run1.out`` and ``RUN_DIR/run2.out`` for demo.sh's checks (rank 1's run 2
+to ``RUN_DIR/run2-node1.out``); exits with run 2's status, or 1 when rank 1 did not resume from the replica.
 """
 import argparse
 import os
@@ -52,19 +54,30 @@ def main() -> int:
                       file=sys.stderr)
                 return 1
             time.sleep(0.1)
-        rig.kill_all_trainers()
+        step = last_step(runs[0].output())
+        rig.lose_node(1)
+        rig.kill_trainers(0)
         for r in runs:
             r.proc.wait(10)
         shutil.copy(runs[0].log_path, os.path.join(run_dir, "run1.out"))
-        print(f"demo: kill -9 every trainer of node0 and node1 after step {last_step(runs[0].output())}; "
-              f"persisters alive: {[n.persisters() for n in rig.nodes]}")
+        print(f"demo: node1 lost whole (trainers, persister, memory) and node0's trainers killed after step {step}; "
+              f"node0's persister alive: {rig.nodes[0].persisters()}")
+        rig.replace_node(1)
+        print("demo: a replacement node1 is up (empty memory)")
         runs = rig.torchrun_all(script, args, 1)
         print("demo: run 2: the same command on both nodes")
         codes = [r.wait(600) for r in runs]
         shutil.copy(runs[0].log_path, os.path.join(run_dir, "run2.out"))
+        shutil.copy(runs[1].log_path, os.path.join(run_dir, "run2-node1.out"))
         for n, (c, r) in enumerate(zip(codes, runs)):
             if c:
                 print(f"demo: node{n} exited {c}:\n{r.output()[-4000:]}", file=sys.stderr)
+        fetched = [l for l in runs[1].output().splitlines() if "fetched from node 0 (replica)" in l]
+        if not max(codes) and not fetched:
+            print("demo: rank 1 on the new node1 did not resume from node0's peer replica:\n"
+                  + runs[1].output()[-4000:], file=sys.stderr)
+            return 1
+        print(f"demo: node1 (replaced): {fetched[0].strip() if fetched else '(no fetch)'}")
         return max(codes)
     finally:
         rig.close()

@@ -58,12 +58,16 @@ class SaveStats:
 @dataclass(frozen=True)
 class Event:
     """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait``, ``failed``,
-    ``upload_skipped`` or ``upload_failed``.
+    ``upload_skipped``, ``upload_failed``, ``replicated`` or ``replica_lagging``.
 
     ``skipped`` means no snapshot was taken for the step; ``slot_wait`` means the save is waiting for a
     free arena slot (``on_slot_busy="wait"``) and its snapshot is still to come. ``upload_skipped`` /
     ``upload_failed`` (remote tier, on the committer node's ranks): a committed step was not uploaded to
     ``remote_dir`` (the upload queue was full, or the store kept failing); the local copy is intact.
+    ``replicated`` / ``replica_lagging`` (peer-memory tier, several nodes): the rank's memory snapshot of
+    ``step`` is held complete by another node's persister (``reason`` names the node and the seconds), or
+    was never sent because a newer one replaced it while the previous send was still in flight; reported
+    at the rank's next snapshot.
 
     Attributes:
         kind: what happened.
@@ -71,7 +75,8 @@ class Event:
         tier: the requested ``StorageType``.
         rank: global rank that observed it.
         stats: for ``snapshot_taken``; for ``committed`` too, with ``durable_secs`` and ``persist_gbps`` set.
-        reason: for ``skipped``, ``slot_wait``, ``upload_skipped`` and ``upload_failed``.
+        reason: for ``skipped``, ``slot_wait``, ``upload_skipped``, ``upload_failed``, ``replicated`` and
+            ``replica_lagging``.
         error: for ``failed``.
     """
 

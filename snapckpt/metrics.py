@@ -11,6 +11,8 @@ framework's own logger, so a dashboard shows the same names whichever framework 
 | ``snapckpt/durable_secs`` | seconds | from the ``save`` call to this rank learning of the commit (``committed``) |
 | ``snapckpt/persist_gbps`` | GB/s | ``bytes / durable_secs / 1e9`` (``committed``) |
 | ``snapckpt/skipped`` | count | 1 for a step whose snapshot was skipped: no free slot (``skipped``) |
+| ``snapckpt/replicated`` | count | 1 for a memory snapshot held complete by a peer node (``replicated``) |
+| ``snapckpt/replica_lagging`` | count | 1 for a memory snapshot never replicated: the previous send was in flight (``replica_lagging``) |
 
 Each value is reported once per checkpoint, when it becomes known: stall and bytes when the snapshot is
 taken, durable time and throughput when the commit is learnt (a step or more later). Values are this
@@ -23,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 from snapckpt.events import Event, StorageType
 
-__all__ = ["STALL_SECS", "BYTES", "DURABLE_SECS", "PERSIST_GBPS", "SKIPPED", "METRICS", "event_metrics",
+__all__ = ["STALL_SECS", "BYTES", "DURABLE_SECS", "PERSIST_GBPS", "SKIPPED", "REPLICATED", "REPLICA_LAGGING", "METRICS", "event_metrics",
            "summary_line"]
 
 STALL_SECS = "snapckpt/stall_secs"
@@ -31,6 +33,8 @@ BYTES = "snapckpt/bytes"
 DURABLE_SECS = "snapckpt/durable_secs"
 PERSIST_GBPS = "snapckpt/persist_gbps"
 SKIPPED = "snapckpt/skipped"
+REPLICATED = "snapckpt/replicated"
+REPLICA_LAGGING = "snapckpt/replica_lagging"
 
 #: ``(name, unit, meaning)`` of every metric, in the order of the docs' table.
 METRICS: Tuple[Tuple[str, str, str], ...] = (
@@ -39,6 +43,8 @@ METRICS: Tuple[Tuple[str, str, str], ...] = (
     (DURABLE_SECS, "seconds", "from the save call to this rank learning of the commit"),
     (PERSIST_GBPS, "GB/s", "bytes / durable_secs / 1e9"),
     (SKIPPED, "count", "1 for a step whose snapshot was skipped (no free arena slot)"),
+    (REPLICATED, "count", "1 for a memory snapshot held complete by a peer node"),
+    (REPLICA_LAGGING, "count", "1 for a memory snapshot never replicated (the previous send was in flight)"),
 )
 
 
@@ -50,12 +56,17 @@ def event_metrics(event: Event) -> Dict[str, float]:
 
     Returns:
         ``snapshot_taken``: stall (seconds) and bytes; ``committed``: durable time (seconds) and
-        throughput (GB/s); ``skipped``: ``{SKIPPED: 1.0}``; any other event (``slot_wait``, ``failed``),
+        throughput (GB/s); ``skipped``: ``{SKIPPED: 1.0}``; ``replicated`` / ``replica_lagging``: ``{REPLICATED: 1.0}`` /
+        ``{REPLICA_LAGGING: 1.0}``; any other event (``slot_wait``, ``failed``),
         or one without the statistics: ``{}``.
     """
     st = event.stats
     if event.kind == "skipped":
         return {SKIPPED: 1.0}
+    if event.kind == "replicated":
+        return {REPLICATED: 1.0}
+    if event.kind == "replica_lagging":
+        return {REPLICA_LAGGING: 1.0}
     if st is None:
         return {}
     if event.kind == "snapshot_taken":

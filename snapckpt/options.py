@@ -66,6 +66,11 @@ class CheckpointOptions:
             ``load`` takes the newest complete step across memory, disk and remote, downloading it into
             ``checkpoint_dir`` first when remote is newest. Access is checked at construction
             (:class:`~snapckpt.errors.RemoteStorageError`). See docs/remote.md.
+        replicas: the peer-memory tier: how many other nodes (the next ones in ring order of node index)
+            hold a copy of each node's memory snapshots, sent by the node persisters in the background over
+            a channel authenticated with a secret of the run. ``None`` (default): ``$SNAPCKPT_REPLICAS``,
+            else 1 when the job spans several nodes; ``0`` turns it off; a one-node job has none. Costs one
+            replica slot per peer rank in each holder's shared memory (see docs/multinode.md).
     """
 
     keep_last: Optional[int] = None
@@ -88,6 +93,7 @@ class CheckpointOptions:
     fsync: bool = True
     overlap: bool = False
     remote_dir: Optional[str] = None
+    replicas: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -110,6 +116,9 @@ class CheckpointOptions:
         if self.remote_dir is not None and (not isinstance(self.remote_dir, str) or "://" not in self.remote_dir):
             raise ValueError(f"remote_dir must be an object store URL such as 's3://bucket/run1', got "
                              f"{self.remote_dir!r}")
+        if self.replicas is not None and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
+                                          or self.replicas < 0):
+            raise ValueError(f"replicas must be a non-negative int (0: off) or None, got {self.replicas!r}")
         if self.job_id is not None and (not self.job_id or "/" in self.job_id or "\x00" in self.job_id):
             raise ValueError(f"job_id must be a non-empty string without '/', got {self.job_id!r}")
 
@@ -136,6 +145,16 @@ class CheckpointOptions:
             ValueError: the environment variable is not a positive number.
         """
         return float(self.peer_timeout_secs) if self.peer_timeout_secs is not None else _env.peer_timeout_secs()
+
+    def resolved_replicas(self, num_nodes: int) -> int:
+        """The number of peer replicas in force for a job of ``num_nodes`` nodes (option, then
+        ``SNAPCKPT_REPLICAS``, then 1), at most ``num_nodes - 1`` (0 on one node).
+
+        Raises:
+            ValueError: the environment variable is not a non-negative integer.
+        """
+        n = self.replicas if self.replicas is not None else _env.replicas()
+        return max(0, min(1 if n is None else n, num_nodes - 1))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "CheckpointOptions":

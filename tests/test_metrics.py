@@ -63,6 +63,9 @@ def test_event_metrics_of_skipped_and_other_events():
         assert M.event_metrics(Event(kind, 3, StorageType.DISK, 0)) == {}
     st = SaveStats(3, StorageType.DISK, 10, 64, 0.1, 0.0, 0.2, 0.3)  # a commit without durable time
     assert M.event_metrics(Event("committed", 3, StorageType.DISK, 0, stats=st)) == {}
+    assert M.event_metrics(Event("replicated", 3, StorageType.MEMORY, 0, reason="to node 1")) == {M.REPLICATED: 1.0}
+    assert M.event_metrics(Event("replica_lagging", 3, StorageType.MEMORY, 0)) == {M.REPLICA_LAGGING: 1.0}
     names = [m[0] for m in M.METRICS]
-    assert names == [M.STALL_SECS, M.BYTES, M.DURABLE_SECS, M.PERSIST_GBPS, M.SKIPPED]
+    assert names == [M.STALL_SECS, M.BYTES, M.DURABLE_SECS, M.PERSIST_GBPS, M.SKIPPED, M.REPLICATED,
+                     M.REPLICA_LAGGING]
     assert all(n.startswith("snapckpt/") for n in names)

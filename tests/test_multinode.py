@@ -6,6 +6,7 @@ killed at once: tests/test_multinode_kill_all.py).
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -182,17 +183,19 @@ def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
 
 
 def test_G3_node_lost_without_replicas_resumes_from_disk(rig):
-    """G3 with no peer-memory tier (today): every rank paused at step 9 (memory; disk holds 6), node 1 is
+    """G3 with the peer-memory tier turned off (``replicas=0``): every rank paused at step 9 (memory; disk holds 6), node 1 is
     lost (processes, persister and memory) and node 0's trainers die; a fresh node1 joins. The restart
     agrees on disk step 6 on every rank (node 0's memory alone is not a complete step) and trains on with
     losses bitwise equal to an uninterrupted run. The steps held only in memory (7..9) are lost."""
     rig.start(2)
     rig.leftover_ok = True
     log = os.path.join(rig.tmp, "losses.log")
-    extra = ["--commit-timeout", "20"]  # node 0's crash flush of step 9 can never commit: give up soon
+    # node 0's crash flush of step 9 can never commit: give up soon; no peer replicas
+    extra = ["--commit-timeout", "20", "--replicas", "0"]
     runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1)
     _wait_paused(runs, 2)
     assert wait_until(lambda: os.path.exists(os.path.join(rig.ckpt_dir, "latest")), 30)
+    assert "EVENT" not in runs[0].output() + runs[1].output()  # nothing replicated
     rig.lose_node(1)
     rig.kill_trainers(0)
     assert rig.nodes[0].persisters() and rig.nodes[0].shm_files()  # node 0 still holds step 9 in memory
@@ -209,3 +212,55 @@ def test_G3_node_lost_without_replicas_resumes_from_disk(rig):
     with open(log) as f:
         got = loss_lines(f.read())
     assert got == reference_losses(rig, 2)
+
+
+def _persister_log(node):
+    """The text of ``node``'s persister logs (its runtime directory is private to the node)."""
+    out = ""
+    for path in glob.glob(node.path(f"{node.rig.runtime_dir}/snapckpt-*/*/persister.log")):
+        with open(path, errors="replace") as f:
+            out += f.read()
+    return out
+
+
+def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig):
+    """G8, the peer-memory tier (replicas on by default across nodes): every rank paused at step 9 (memory;
+    disk holds 6) and each node's persister holds a replica of the other node's rank. Node 1 is lost whole
+    (processes, persister, memory) and node 0's trainers die; a fresh node1 (empty memory) joins. The restart
+    agrees on memory step 9: rank 0 reads its own node's slot, rank 1's part is fetched from node 0's replica
+    into the new node's arena; the losses are bitwise equal to an uninterrupted run. The ranks saw
+    ``replicated`` events of their earlier snapshots. Before the restart, node 0's crash flush committed
+    step 9 to disk with rank 1's part written from the replica (the crash flush no longer needs every node)."""
+    rig.start(2)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    extra = ["--commit-timeout", "40"]
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1)
+    _wait_paused(runs, 2)
+    for holder, rank in ((0, 1), (1, 0)):  # step 9 is replicated both ways (in the background)
+        assert wait_until(lambda: f"holding a replica of rank {rank} step {PAUSE} " in _persister_log(
+            rig.nodes[holder]), 30), _persister_log(rig.nodes[holder])
+    events = _results([r.output() for r in runs], "EVENT")
+    replicated = {(e["rank"], e["step"]) for e in events if e["kind"] == "replicated"}
+    assert {r for r, _ in replicated} == {0, 1} and {s for _, s in replicated} <= {MEM, DISK}, events
+    assert all("to node" in e["reason"] for e in events if e["kind"] == "replicated"), events
+    rig.lose_node(1)
+    rig.kill_trainers(0)
+    # the whole job died and node 1 is gone: node 0's crash flush still commits step 9, writing rank 1's
+    # part from its replica once node 1's lease is stale (peer_timeout_secs, 10 s)
+    tracker = os.path.join(rig.ckpt_dir, "latest")
+    assert wait_until(lambda: open(tracker).read().strip() == f"step_{PAUSE:08d}", 60), _persister_log(rig.nodes[0])
+    assert "rank 1 step 9: part written from the peer replica (the lease of rank 1's node" in _persister_log(
+        rig.nodes[0])
+    assert f"step_{PAUSE:08d}" in _verify(rig.ckpt_dir)
+    fresh = rig.replace_node(1)
+    assert fresh.shm_files() == []
+    _trim_log(log, PAUSE)
+    outs = _run_all(rig, _args(rig.ckpt_dir, *extra, loss_log=log), 1)
+    resumed = sorted(_results(outs, "RESUMED"), key=lambda r: r["rank"])
+    assert [(r["rank"], r["step"], r["tier"], r["fetched_from"]) for r in resumed] == [
+        (0, PAUSE, "memory", None), (1, PAUSE, "memory", "node 0 (replica)")], outs
+    with open(log) as f:
+        got = loss_lines(f.read())
+    assert got == reference_losses(rig, 2)
+    assert "step 9 was not in this node's memory: fetched from node 0 (replica)" in outs[1]

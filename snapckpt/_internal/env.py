@@ -8,6 +8,10 @@ Knobs:
   (bytes, at least 5 MiB, S3's smallest part; default 16 MiB).
 - ``SNAPCKPT_PEER_TIMEOUT_SECS``: default of the ``peer_timeout_secs`` option (default 10): how long a
   node persister's liveness lease may go unrenewed before a commit waiting for its ranks is abandoned.
+- ``SNAPCKPT_REPLICAS``: default of the ``replicas`` option: how many other nodes hold a copy of each node's
+  memory snapshots (0 turns the peer-memory tier off; unset: 1 when the job spans several nodes).
+- ``SNAPCKPT_REPLICA_ADDR``: the address this node's persister listens on for its peers (default: the
+  address this host uses to reach ``MASTER_ADDR``, the rendezvous host).
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
 - ``TORCHELASTIC_RESTART_COUNT`` (set by torchrun, not by users): the launch attempt, part of every
   coordination key so that a restarted attempt never reads an earlier attempt's records (contract 12).
@@ -69,6 +73,30 @@ def peer_timeout_secs() -> float:
         raise ValueError(f"SNAPCKPT_PEER_TIMEOUT_SECS={raw!r} must be a positive number of seconds "
                          "(or unset for the default, 10)")
     return value
+
+
+def replicas() -> "int | None":
+    """``SNAPCKPT_REPLICAS`` as an int, ``None`` when unset.
+
+    Raises:
+        ValueError: set but not a non-negative integer.
+    """
+    raw = os.environ.get("SNAPCKPT_REPLICAS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"SNAPCKPT_REPLICAS={raw!r} must be a non-negative integer (0 turns peer replicas off)")
+    return int(raw)
+
+
+def replica_addr() -> str:
+    """``SNAPCKPT_REPLICA_ADDR`` (empty: derive it from ``MASTER_ADDR``)."""
+    return os.environ.get("SNAPCKPT_REPLICA_ADDR", "").strip()
+
+
+def master_addr() -> str:
+    """``MASTER_ADDR``, the rendezvous host torchrun and most launchers set (empty when unset)."""
+    return os.environ.get("MASTER_ADDR", "").strip()
 
 
 def log_level() -> str:

@@ -24,6 +24,7 @@ from snapckpt.engine.loader import LoadCandidate, LoadInfo, Loader
 from snapckpt.engine.preflight import check_shared_dir, dir_identity, preflight_dir
 from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
+from snapckpt.engine.replicas import setup_replicas
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
@@ -104,6 +105,8 @@ class Checkpointer:
                               self._maps, self._session, dir_id, remote)
         self._session.connect()
         self._coord.all_gather("connected", {"ok": True}, t)
+        # the peer-memory tier (several nodes, replicas >= 1): the persisters' addresses and the run's secret
+        self._loader.peers = setup_replicas(self.options, self.topology, self._coord, self._session, t)
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every

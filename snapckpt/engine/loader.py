@@ -1,8 +1,11 @@
 """Loader: the collective load of one rank, from "which step?" to the files of that step.
 
-Sequence of a load: every rank reports which steps it holds in memory, rank 0 lists the committed steps
-on disk (:meth:`Loader.candidates`), and every rank builds the same list, newest first (memory first when
-it is at least as new as disk). :meth:`Loader.load_with` then tries each :class:`LoadCandidate` on every
+Sequence of a load: every rank reports which steps it holds in memory, the first rank of each node what
+its node persister can serve (its own slots and the replicas of other nodes' ranks, when the run has peer
+replicas), rank 0 lists the committed steps on disk (:meth:`Loader.candidates`), and every rank builds the
+same list, newest first (memory first when it is at least as new as disk). A memory step is complete when
+every rank's part is held by some node; a rank whose own node does not hold its part fetches it first from
+the node that does (:mod:`snapckpt.persister.replication`, checksum verified) into its own arena. :meth:`Loader.load_with` then tries each :class:`LoadCandidate` on every
 rank; if any rank cannot read it (a torn memory slot, a corrupt file), all ranks move to the next
 candidate together (cases B3, C2, C9). Reading is :meth:`Loader.read` (a copy or views of the arena slot;
 disk files after :meth:`Loader.verify`). The restore into live tensors is :mod:`snapckpt.engine.restore`.
@@ -20,6 +23,7 @@ import torch
 from snapckpt._internal.progress import byte_bar
 from snapckpt.dist.coordination import Coordinator
 from snapckpt.dist.topology import Topology
+from snapckpt.engine.replicas import PeerMap
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.persister.slot_index import read_slot
@@ -47,12 +51,15 @@ class LoadInfo:
         seconds: how long the load took.
         skipped: newer candidates that were tried first and refused, one line each (step, tier, directory,
             ranks and cause, e.g. a checksum mismatch); empty when the newest candidate loaded.
+        fetched_from: MEMORY loads of a snapshot this node did not hold (its node was replaced, or the rank
+            moved): where this rank's part was fetched from (``"node 0 (replica)"``); ``None`` otherwise.
     """
 
     step: int
     tier: StorageType
     seconds: float
     skipped: Tuple[str, ...] = ()
+    fetched_from: Optional[str] = None
 
 
 class LoadCandidate:
@@ -124,6 +131,9 @@ class Loader:
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
+        self.peers: Optional[PeerMap] = None  # the peer-memory tier's addresses (engine/replicas.py)
+        self._sources: Dict[Tuple[int, str], Dict[int, List[Tuple[int, str]]]] = {}  # see candidates()
+        self._fetched: Optional[str] = None  # where the last memory read was fetched from
 
     @property
     def rank(self) -> int:
@@ -160,13 +170,21 @@ class Loader:
             for p in problems:
                 log.warning("not a loadable checkpoint: %s", p)
         remote = self._remote_listing() if self.rank == 0 else []
+        holds = self._holdings()
         everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems,
-                                                         "remote": remote},
+                                                         "remote": remote, "holds": holds,
+                                                         "node": self._topology.node_index},
                                           self.options.coordination_timeout_secs)
         self._damaged = everyone[0]["damaged"]
+        have = [{tuple(x) for x in p["mem"]} for p in everyone]
+        self._sources = {}
+        for p in everyone:  # what other nodes can serve: a rank's part held anywhere counts
+            for r, st, rid, kind in p.get("holds") or []:
+                if 0 <= r < self.world_size:
+                    have[r].add((st, rid))
+                    self._sources.setdefault((st, rid), {}).setdefault(r, []).append((p["node"], kind))
         common = None
-        for p in everyone:
-            steps = {tuple(x) for x in p["mem"]}
+        for steps in have:
             common = steps if common is None else common & steps
         if not common and any(p["mem"] for p in everyone):
             log.warning("rank %d: ranks hold memory snapshots but no step is held by every rank (%s); "
@@ -189,6 +207,35 @@ class Loader:
                 f"{sorted({d[2] for d in wrong})}, this job has {self.world_size}; snapckpt does not "
                 "reshard: resume with the same number of ranks")
         return cands
+
+    def _holdings(self) -> List[List[Any]]:
+        """On the first rank of each node, with peer replicas: ``[[rank, step, run_id, kind]]`` of the
+        snapshots its persister can serve (its slots, its replicas) of this world size and directory."""
+        if self.peers is None or self._topology.local_rank != 0:
+            return []
+        out = []
+        for h in self._session.request("holdings")["holdings"]:
+            if h["world_size"] == self.world_size and h["dir_id"] == self._dir_id:
+                out.append([h["rank"], h["step"], h["run_id"], h["kind"]])
+        return out
+
+    def _fetch(self, step: int, run_id: str) -> None:
+        """Fetch this rank's part of memory step ``step`` (run ``run_id``) into its own arena from a node
+        that holds it (a replica first, then another node's own slot; its own node last: a rank that moved
+        onto the node holding its replica). Nothing happens when no node holds it (the read then fails as
+        "no longer held")."""
+        self._fetched = None
+        holders = (self._sources.get((step, run_id)) or {}).get(self.rank) or []
+        if not holders or self.peers is None:
+            return
+        mine = self._topology.node_index
+        node, kind = sorted(holders, key=lambda h: (h[0] == mine, h[1] != "replica"))[0]
+        addr, port = self.peers.addrs[node]
+        t0 = time.perf_counter()
+        self._session.request("fetch", step=step, run_id=run_id, addr=addr, port=port)
+        self._fetched = f"node {node} ({kind})"
+        log.warning("rank %d: step %d was not in this node's memory: fetched from %s in %.3f s", self.rank, step,
+                    self._fetched, time.perf_counter() - t0)
 
     def _remote_listing(self) -> List[List[Any]]:
         """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` (``[]`` without a
@@ -328,6 +375,12 @@ class Loader:
         held = self._session.request("held")["slots"]
         mine = [s for s in held if s["step"] == cand.step and s["run_id"] == cand.run_id]
         if not mine:
+            self._fetch(cand.step, cand.run_id)
+            held = self._session.request("held")["slots"]
+            mine = [s for s in held if s["step"] == cand.step and s["run_id"] == cand.run_id]
+        else:
+            self._fetched = None
+        if not mine:
             raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
         s = max(mine, key=lambda x: x["seq"])
         m = self._maps.get(s["slot"], s["path"], s["nbytes"])
@@ -353,7 +406,8 @@ class Loader:
             cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
             result, bad = self._try(cand, check, fn)
             if not bad:
-                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0, tuple(errors))
+                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0, tuple(errors),
+                                          self._fetched if cand.tier == StorageType.MEMORY else None)
                 log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
                          self.last_load.seconds)
                 if step is None and dirname is None:

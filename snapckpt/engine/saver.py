@@ -336,6 +336,9 @@ class Saver:
         logged = False
         while True:
             reply = self._session.request("acquire", step=step, nbytes=max(want, nbytes))
+            for n in reply.get("replication") or []:  # the peer tier's news since the last snapshot
+                self._emit(Event(str(n["kind"]), int(n["step"]), StorageType.MEMORY, self._rank,
+                                 reason=str(n.get("reason", ""))))
             if not reply["busy"]:
                 return reply
             if o.on_slot_busy == "skip":

@@ -34,7 +34,9 @@ MAGIC = b"SNAPCKPT"
 LAYOUT_VERSION = 1
 HEADER_NBYTES = 64
 _HEADER = struct.Struct("<8sIqQQ")  # magic, version, step, index offset, index length
-_SLOT_NAME = re.compile(r"r\d{5,}-s\d+")  # SlotFiles.path's names
+# SlotFiles.path's names, and the peer replicas' (persister/replication.py: one per peer rank, and the
+# one being received)
+_SLOT_NAME = re.compile(r"r\d{5,}-s\d+|p\d{5,}(\.part)?")
 
 
 class SlotState(str, enum.Enum):

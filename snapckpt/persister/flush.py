@@ -8,6 +8,10 @@ of the run holds in a READY (or PERSISTING) slot is handed to the scheduler
 or the checkpoint directory already holds a committed step at least as new. Memory-only snapshots
 (``persistable`` False) are never flushed.
 
+With peer replicas, the newest step's parts of other nodes' ranks that this persister holds as replicas
+are written too, should their own node be lost (:mod:`snapckpt.persister.replica_flush`): the crash flush
+no longer needs every node alive.
+
 The same flush runs for every run when an operator stops the persister (``snapckpt stop DIR``, the
 ``stop`` request of :mod:`snapckpt.persister.server`): :func:`flush_newest`.
 
@@ -22,6 +26,8 @@ from typing import List, Optional, Set
 
 from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import list_committed
+from snapckpt.persister.replica_flush import stand_in
+from snapckpt.persister.replication import Replicator
 from snapckpt.persister.slots import HELD, Run, SlotTable
 from snapckpt.persister.scheduler import Scheduler
 from snapckpt.storage.factory import open_storage
@@ -31,17 +37,20 @@ log = logging.getLogger("snapckpt.persister")
 __all__ = ["flush_crashed_run", "flush_newest", "unwritten_steps"]
 
 
-def flush_crashed_run(run: Run, slots: SlotTable, scheduler: Scheduler) -> None:
+def flush_crashed_run(run: Run, slots: SlotTable, scheduler: Scheduler,
+                      replicator: Optional[Replicator] = None, host: str = "") -> None:
     """Write the newest step held by every local rank of the crashed ``run`` (called with the server's
     lock). A rank whose part cannot be scheduled is logged, not raised: the others are still written."""
-    flush_newest(run, slots, scheduler, "crashed")
+    flush_newest(run, slots, scheduler, "crashed", replicator, host)
 
 
-def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str) -> Optional[int]:
+def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str,
+                 replicator: Optional[Replicator] = None, host: str = "") -> Optional[int]:
     """Write the newest step held by every local rank of ``run`` if it is newer than the newest committed
     step of its checkpoint directory (called with the server's lock; ``why`` goes into the log: "crashed",
-    "stop requested"). Returns the step handed to the writers, or ``None`` when there is nothing newer
-    than disk (or its save is already pending or committed)."""
+    "stop requested"); with ``replicator``, stand in for the peer ranks whose replica of that step it holds
+    (``host``: this node's name, for the records). Returns the step handed to the writers, or ``None`` when
+    there is nothing newer than disk (or its save is already pending or committed)."""
     steps: Optional[Set[int]] = None
     for r in run.local_ranks:
         entry = slots.ranks.get(r)
@@ -62,6 +71,9 @@ def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str) -> 
     if committed and committed[-1].step >= step:
         return None
     log.warning("run %s %s; flushing step %d from memory to disk", run.run_id, why, step)
+    if replicator is not None and run.multi_node:  # claimed before the commit starts waiting for them
+        for rep in replicator.replicas_of_step(run.run_id, step, newest.dirname):
+            stand_in(run, rep, step, newest.dirname, scheduler, host)
     scheduler.forget(key)
     for r in run.local_ranks:
         try:

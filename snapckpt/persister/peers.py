@@ -36,6 +36,13 @@ node. The survivors' ``wait()``/``close()`` then raise that error at once; the p
 tracker are untouched (nothing is renamed), and later saves of the run commit normally as long as no rank
 they need is gone.
 
+- **A lost node's part written from a replica.** When the crash flush of a persister that holds peer
+  replicas (:mod:`snapckpt.persister.replica_flush`) may write a peer rank's part of ``[N, dirname]`` from
+  its replica, it first writes ``replica_<rank>`` (the rank, ``pending``, and ``holder_ranks``: the local
+  ranks of the holder's node). A waiting persister then waits for that part as for a pending one: the
+  rank's own node may still write it, or the holder will once that node is judged lost; the holder's
+  node takes the rank's place in the lease check (its loss abandons the commit).
+
 A job on one node writes no file here: its committer is the persister that saw the rank go, and reads
 the same record from memory (``local_gone``). The directory of a run that ended cleanly is removed by the
 committer's persister at exit; after a crash it stays (the records say who died) until the next run of
@@ -54,7 +61,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from snapckpt.errors import PeerLostError
 from snapckpt.storage.base import StorageReader, StorageWriter
 
-__all__ = ["PEERS_PREFIX", "LEASE_SECS", "peers_dir", "gone_name", "lease_name", "gone_record", "write_gone",
+__all__ = ["PEERS_PREFIX", "LEASE_SECS", "peers_dir", "gone_name", "claim_name", "lease_name", "gone_record", "write_gone",
            "remove_gone", "write_lease", "remove_lease", "PeerWatch"]
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,10 @@ SaveId = Tuple[int, str]  # (step, dirname)
 def peers_dir(checkpoint_dir: str, run_id: str) -> str:
     """The run's directory of peer records: ``<checkpoint_dir>/.snapckpt.peers-<run_id>``."""
     return os.path.join(checkpoint_dir, f"{PEERS_PREFIX}{run_id}")
+
+
+def claim_name(rank: int) -> str:
+    return f"replica_{rank:05d}.json"
 
 
 def gone_name(rank: int) -> str:
@@ -166,6 +177,7 @@ class PeerWatch:
         self._last_check: Optional[float] = None
         self._last_read = -1e18
         self._gone: Dict[int, Dict[str, Any]] = {}
+        self._claims: Dict[int, Dict[str, Any]] = {}
         self._leases: Dict[str, Dict[str, Any]] = {}
 
     def _refresh(self, force: bool = False) -> bool:
@@ -181,12 +193,13 @@ class PeerWatch:
             return judge
         self._last_read = now
         gone: Dict[int, Dict[str, Any]] = {}
+        claims: Dict[int, Dict[str, Any]] = {}
         leases: Dict[str, Dict[str, Any]] = {}
         for name in self.reader.listdir(self.dir):
             if not name.endswith(".json") or name.startswith("."):
                 continue
             kind, _, num = name[:-5].partition("_")
-            if kind not in ("gone", "lease") or not num.isdigit() or name == self.own_lease:
+            if kind not in ("gone", "lease", "replica") or not num.isdigit() or name == self.own_lease:
                 continue
             try:
                 rec = json.loads(self.reader.read_bytes(os.path.join(self.dir, name)))
@@ -196,6 +209,8 @@ class PeerWatch:
                 continue
             if kind == "gone":
                 gone[int(num)] = rec
+            elif kind == "replica":
+                claims[int(num)] = rec
             else:
                 leases[name] = rec
                 seen = self._seen.get(name)
@@ -206,8 +221,38 @@ class PeerWatch:
                 del self._seen[name]  # removed at a clean exit: not lost
         if self.local_gone is not None:
             gone.update(self.local_gone())
-        self._gone, self._leases = gone, leases
+        self._gone, self._leases, self._claims = gone, leases, claims
         return judge
+
+    def _claimed(self, step: int, dirname: str, missing: List[int]) -> Tuple[List[int], List[int]]:
+        """``(missing ranks nobody claimed, local ranks of the holders of the claimed ones)``: a rank whose part
+        of ``[step, dirname]`` a replica holder may write is awaited through its holder's node instead."""
+        free, holders = [], []
+        for r in missing:
+            rec = self._claims.get(r)
+            if rec is not None and [step, dirname] in [list(p) for p in rec.get("pending", [])]:
+                holders += [int(x) for x in rec.get("holder_ranks") or []]
+            else:
+                free.append(r)
+        return free, holders
+
+    def lost(self, rank: int, step: int, dirname: str) -> Optional[str]:
+        """Why rank ``rank``'s own node will never write its part of ``[step, dirname]`` (its node's lease is
+        stale, or its gone record is final without that save pending), or ``None`` while it still may. The
+        replica holder's question before it writes that part itself."""
+        with self._lock:
+            judge = self._refresh()
+            rec = self._gone.get(rank)
+            if rec is not None and rec.get("final") and [step, dirname] not in [list(p) for p in rec.get("pending", [])]:
+                return f"rank {rank}'s node persister will not write it (its gone record is final)"
+            if not judge:
+                return None
+            now = self.clock()
+            for name, lease in self._leases.items():
+                if rank in (lease.get("ranks") or []) and now - self._seen[name][1] > self.peer_timeout_secs:
+                    return (f"the lease of rank {rank}'s node ({lease.get('host')}) is {now - self._seen[name][1]:.1f} s "
+                            "old: that node is lost")
+            return None
 
     def _stale(self, needed: List[int], now: float) -> bool:
         return any(now - self._seen[name][1] > self.peer_timeout_secs
@@ -226,13 +271,14 @@ class PeerWatch:
                 the lease of a node serving a rank in ``missing`` or ``persisters_of`` is stale (names
                 the step, the ranks, the pid and host).
         """
-        missing = sorted(set(missing))
-        needed = sorted(set(missing) | set(persisters_of))
-        if not needed:
+        missing, persisters_of = sorted(set(missing)), sorted(set(persisters_of))
+        if not missing and not persisters_of:
             return
         with self._lock:
             judge = self._refresh()
             now = self.clock()
+            missing, holders = self._claimed(step, dirname, missing)
+            needed = sorted(set(missing) | set(persisters_of) | set(holders))
             for r in missing:
                 rec = self._gone.get(r)
                 if rec is None:
@@ -252,6 +298,8 @@ class PeerWatch:
                 now = self.clock()
                 if not judge:
                     return
+                missing, holders = self._claimed(step, dirname, missing)
+                needed = sorted(set(missing) | set(persisters_of) | set(holders))
             for name, rec in sorted(self._leases.items()):
                 ranks = rec.get("ranks") or []
                 hit = sorted(set(needed) & set(ranks))

@@ -41,6 +41,12 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "persist": {"step": _INT},
     "status": {"step": _INT, "dirname": _STR},
     "held": {},
+    # the peer-memory tier (persister/replication.py): listen for peers, take the run's secret and target
+    # nodes, list what this persister can serve, fetch this rank's snapshot from a peer into its arena
+    "replica_listen": {"addr": _STR},
+    "replica_peers": {"secret": _STR, "targets": _LIST},
+    "holdings": {},
+    "fetch": {"step": _INT, "run_id": _STR, "addr": _STR, "port": _INT},
     "ping": {},
     "bye": {},
     # Operator requests (``snapckpt ps`` / ``snapckpt stop``), each alone on its own connection instead of

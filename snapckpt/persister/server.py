@@ -18,6 +18,10 @@ and outlives the training processes:
   and read the READY slots (memory-tier restore);
 - it exits when every client closed cleanly and no work is pending, or after ``idle_timeout_secs``
   without a client; the arena files, socket and token are removed on exit;
+- with peer replicas (a run on several nodes), it sends its ranks' READY snapshots to the persisters of
+  the next nodes and holds theirs, over an authenticated TCP channel, and fetches a rank's snapshot from
+  a peer on request (:mod:`snapckpt.persister.replication`, requests ``replica_listen``,
+  ``replica_peers``, ``holdings``, ``fetch``);
 - an operator (``snapckpt ps`` / ``snapckpt stop``, :mod:`snapckpt.persister.control`) may ask, on a
   connection of its own and with the same token, for a description of the job (``info``) or for the
   newest snapshot of each run that is newer than disk to be written and committed, after which the
@@ -49,6 +53,7 @@ from snapckpt.persister.arena import SlotFiles
 from snapckpt.persister.commit import recover_interrupted_commits
 from snapckpt.persister.flush import flush_crashed_run, flush_newest, unwritten_steps
 from snapckpt.persister import peers
+from snapckpt.persister.replication import Replicator, check_secret
 from snapckpt.persister.runtime_files import listen, lock_pid_file, lock_spawn, remove_runtime_files, write_token
 from snapckpt.persister.scheduler import Scheduler
 from snapckpt.persister.slots import HELD, RankEntry, Run, SlotTable
@@ -90,6 +95,7 @@ class Server:
         self.lock = threading.RLock()  # one lock over every record: connections, slots, results
         self.slots = SlotTable(self.arena, self.lock)
         self.scheduler = Scheduler(self.slots, self.lock)
+        self.replicator = Replicator(arena_dir, self.slots, self.lock)
         self.conn_rank: Dict[socket.socket, int] = {}
         self.buffers: Dict[socket.socket, bytearray] = {}
         self.crashed_since_empty = False
@@ -133,6 +139,7 @@ class Server:
                         log.info("persister pid %d stopping at an operator's request", os.getpid())
                     break
         finally:
+            self.replicator.shutdown()
             self.scheduler.shutdown()  # the lease still beats: other nodes may wait for these commits
             self.lease_stop.set()
             beat.join()
@@ -336,6 +343,10 @@ class Server:
             if op == "bye":
                 self._send(conn, P.ok())
                 return True
+            if op == "fetch":  # seconds of network I/O: on a thread of its own, it answers when done
+                threading.Thread(target=self._fetch, args=(conn, rank, msg), name="snapckpt-fetch",
+                                 daemon=True).start()
+                return False
             handler = getattr(self, f"_op_{op}")
             with self.lock:
                 reply = handler(conn, rank, msg) if op == "hello" else handler(self.slots.ranks[rank], msg)
@@ -377,7 +388,7 @@ class Server:
                                     rank, run.run_id, pid)
                         run.gone[rank] = {"pid": pid, "since_unix": time.time()}
                     if not run.connected and run.crashed and run.flush_on_crash:
-                        flush_crashed_run(run, self.slots, self.scheduler)
+                        flush_crashed_run(run, self.slots, self.scheduler, self.replicator, self.host)
                     if run.gone:  # after the flush: the parts it accepted are still coming
                         self._record_gone(run)
             if not self.buffers:
@@ -439,7 +450,7 @@ class Server:
         if op == "stop":
             flushing = []
             for run in list(self.slots.runs.values()):
-                step = flush_newest(run, self.slots, self.scheduler, "stop requested")
+                step = flush_newest(run, self.slots, self.scheduler, "stop requested", self.replicator, self.host)
                 if step is not None:
                     flushing.append({"checkpoint_dir": run.checkpoint_dir, "run_id": run.run_id, "step": step})
             self.stop_requested = True
@@ -469,19 +480,52 @@ class Server:
         return P.ok(persister_pid=os.getpid())
 
     def _op_acquire(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        notes = self.replicator.drain_notes(entry.rank)  # replicated / lagging, for the rank's events
         slot = self.slots.acquire(entry, msg["step"], msg["nbytes"])
         if slot is None:
-            return P.ok(busy=True, detail=self.slots.describe(entry))
-        return P.ok(busy=False, **self.slots.info(slot))
+            return P.ok(busy=True, detail=self.slots.describe(entry), replication=notes)
+        return P.ok(busy=False, replication=notes, **self.slots.info(slot))
 
     def _op_ready(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
-        self.slots.ready(entry, msg["slot"], msg["step"], index_offset=msg["index_offset"],
-                         index_nbytes=msg["index_nbytes"], dirname=msg["dirname"],
-                         tracker_name=msg["tracker_name"], tracker_content=msg["tracker_content"],
-                         persistable=msg["persistable"])
+        slot = self.slots.ready(entry, msg["slot"], msg["step"], index_offset=msg["index_offset"],
+                                index_nbytes=msg["index_nbytes"], dirname=msg["dirname"],
+                                tracker_name=msg["tracker_name"], tracker_content=msg["tracker_content"],
+                                persistable=msg["persistable"])
+        run = self.slots.runs[entry.run_id]
         if msg["persist"]:  # a DISK save: hand it to the writers in the same round trip
-            self.scheduler.persist(entry, msg["step"], self.slots.runs[entry.run_id])
+            self.scheduler.persist(entry, msg["step"], run)
+        self.replicator.on_ready(run, entry, slot)  # to the peer nodes, in the background
         return P.ok()
+
+    # ------------------------------------------------------------------ peer replicas (replication.py)
+    def _op_replica_listen(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        return P.ok(port=self.replicator.listen(msg["addr"]))
+
+    def _op_replica_peers(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        targets = msg["targets"]
+        if not all(isinstance(t, dict) and isinstance(t.get("node"), int) and isinstance(t.get("addr"), str)
+                   and isinstance(t.get("port"), int) for t in targets):
+            raise P.ProtocolError("replica_peers: targets must be [{node: int, addr: str, port: int}]")
+        self.replicator.configure(self.slots.runs[entry.run_id], check_secret(msg["secret"]), targets)
+        return P.ok()
+
+    def _op_holdings(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        return P.ok(holdings=self.replicator.holdings())
+
+    def _fetch(self, conn: socket.socket, rank: int, msg: Dict[str, Any]) -> None:
+        """Answer a ``fetch`` (on its own thread): the rank's snapshot from a peer into its arena."""
+        try:
+            with self.lock:
+                entry = self.slots.ranks[rank]
+                run = self.slots.runs[entry.run_id]
+            s = self.replicator.fetch(entry, run, rank, msg["step"], msg["run_id"], msg["addr"], msg["port"])
+            with self.lock:
+                reply = P.ok(**self.slots.info(s))
+        except Exception as e:
+            log.warning("rank %d: fetching step %d from %s:%s failed: %s: %s", rank, msg["step"], msg["addr"],
+                        msg["port"], type(e).__name__, e)
+            reply = P.fail(e)
+        self._send(conn, reply)
 
     def _op_abort(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         self.slots.abort(entry, msg["slot"])

@@ -56,6 +56,8 @@ class Slot:
     seq: int = 0  # order of READY transitions: the newest READY slot has the highest seq
     growing: Optional["cf.Future[int]"] = None  # a background ensure_size of this FREE slot (its new size)
     mapping: Any = None  # the writers' read mapping of the slot file, kept across persists (see scheduler)
+    pins: int = 0  # peer sends reading the slot (persister/replication.py): never handed out meanwhile
+    origin: Optional[Dict[str, Any]] = None  # a fetched snapshot of an earlier run: its world_size and dir_id
 
 
 @dataclass
@@ -135,10 +137,11 @@ class SlotTable:
     def info(self, s: Slot) -> Dict[str, Any]:
         """Slot ``s`` as the protocol describes it to a client."""
         run = self.runs.get(s.run_id)
+        origin = s.origin or ({"world_size": run.world_size, "dir_id": run.dir_id} if run is not None
+                              else {"world_size": -1, "dir_id": ""})
         return {"slot": s.index, "path": s.path, "nbytes": s.nbytes, "state": s.state.value, "step": s.step,
                 "index_offset": s.index_offset, "index_nbytes": s.index_nbytes, "run_id": s.run_id,
-                "seq": s.seq, "world_size": run.world_size if run is not None else -1,
-                "dir_id": run.dir_id if run is not None else ""}
+                "seq": s.seq, "world_size": origin["world_size"], "dir_id": origin["dir_id"]}
 
     def slot(self, entry: RankEntry, index: int) -> Slot:
         """Slot ``index`` of ``entry``.
@@ -174,7 +177,7 @@ class SlotTable:
         ready = [s for s in entry.slots if s.state == SlotState.READY]
         newest = max(ready, key=lambda s: s.seq) if ready else None
         free = [s for s in entry.slots if s.state in (SlotState.FREE, SlotState.INVALID)]
-        reusable = sorted((s for s in ready if s is not newest), key=lambda s: s.seq)
+        reusable = sorted((s for s in ready if s is not newest and not s.pins), key=lambda s: s.seq)
         candidates = free + reusable
         if not candidates:
             return None
@@ -182,7 +185,7 @@ class SlotTable:
         self._grown(slot)
         reserve = sum(max(0, nbytes - s.nbytes) for s in entry.slots if s is not slot)
         slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve)
-        slot.state, slot.step, slot.run_id = SlotState.WRITING, step, entry.run_id
+        slot.state, slot.step, slot.run_id, slot.origin = SlotState.WRITING, step, entry.run_id, None
         for other in entry.slots:  # reserve the other slots' pages now, off the training path
             if (other is not slot and other.growing is None and other.nbytes < nbytes
                     and other.state in (SlotState.FREE, SlotState.INVALID)):

@@ -116,3 +116,22 @@ def test_megatron_drop_in_functions_refuse_an_unknown_keyword_like_the_functions
     assert split_options({"keep_last": 2, "ft_client": None, "tp_group": None}, "save") == {"keep_last": 2}
     with pytest.raises(TypeError, match=r"save_checkpoint\(\) got unexpected keyword arguments \['keep_lsat'\]"):
         split_options({"keep_lsat": 2}, "save")
+
+
+def test_replicas_option_env_and_default(monkeypatch):
+    """``replicas``: the option, then ``SNAPCKPT_REPLICAS``, then 1 across nodes; never more than the other
+    nodes, none on one node; a malformed value names the fix."""
+    from snapckpt.options import CheckpointOptions
+
+    monkeypatch.delenv("SNAPCKPT_REPLICAS", raising=False)
+    assert CheckpointOptions().resolved_replicas(2) == 1 and CheckpointOptions().resolved_replicas(1) == 0
+    assert CheckpointOptions(replicas=3).resolved_replicas(3) == 2
+    monkeypatch.setenv("SNAPCKPT_REPLICAS", "0")
+    assert CheckpointOptions().resolved_replicas(4) == 0
+    assert CheckpointOptions(replicas=1).resolved_replicas(4) == 1  # the option wins
+    monkeypatch.setenv("SNAPCKPT_REPLICAS", "two")
+    with pytest.raises(ValueError, match="SNAPCKPT_REPLICAS='two' must be a non-negative integer"):
+        CheckpointOptions().resolved_replicas(2)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="replicas must be a non-negative int"):
+            CheckpointOptions(replicas=bad)

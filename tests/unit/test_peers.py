@@ -204,3 +204,43 @@ def test_peer_timeout_option_and_environment(monkeypatch):
             CheckpointOptions().resolved_peer_timeout_secs
     with pytest.raises(ValueError, match="peer_timeout_secs"):
         CheckpointOptions(peer_timeout_secs=0)
+
+
+def test_a_claimed_part_is_awaited_through_its_replica_holder_not_its_lost_node(tmp_path):
+    """Node 1 (ranks 2, 3) is lost, but a replica holder on node 0 claimed rank 2's and 3's parts of step 7
+    (``replica_<rank>``, persister/replica_flush.py): the commit does not abandon the step; ``lost()`` tells
+    the holder that node 1 will never write them, and once it wrote them the step commits. A claim of
+    another step does not count, and the holder's node lost abandons the commit."""
+    ckpt = str(tmp_path)
+    storage = PosixStorage(fsync=False)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.5)
+    req = _req(ckpt, watch)
+    for r in (0, 1):
+        _part(ckpt, req, r)
+    stop = threading.Event()
+    _beat(ckpt, [0, 1], stop)  # node 0: the committer and the replica holder, alive
+    _lease(ckpt, [2, 3], seq=1)  # node 1, lost
+    for r in (2, 3):
+        storage.write_atomic(os.path.join(peers.peers_dir(ckpt, RUN), peers.claim_name(r)), json.dumps(
+            {"rank": r, "run_id": RUN, "pending": [[7, "step_00000007"]], "holder_ranks": [0, 1]}).encode())
+    holder = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=0.5)
+    assert holder.lost(2, 7, "step_00000007") is None  # not judged yet: first sight of the lease
+
+    def stand_in():
+        while holder.lost(2, 7, "step_00000007") is None:
+            time.sleep(0.05)
+        for r in (2, 3):
+            _part(ckpt, req, r)
+
+    t = threading.Thread(target=stand_in)
+    t.start()
+    try:
+        manifest = commit(storage, PosixStorage(), req)
+    finally:
+        stop.set()
+        t.join()
+    assert manifest["step"] == 7 and len(manifest["files"]) == 4
+    assert "lease of rank 2's node" in holder.lost(2, 7, "step_00000007")
+    # step 8 was not claimed: node 1's stale lease abandons it as before
+    with pytest.raises(PeerLostError, match="ranks \\[2, 3\\]"):
+        commit(storage, PosixStorage(), _req(ckpt, watch, step=8))

@@ -1,12 +1,13 @@
 """A small DDP training loop for the multi-node rig (tests/test_multinode.py), run under torchrun.
 
 ``mn_worker.py CKPT_DIR --steps S [--memory-interval M] [--disk-interval D] [--pause-at K] [--hold-ranks R,..]
-[--loss-log FILE] [--commit-timeout SECS]``
+[--loss-log FILE] [--commit-timeout SECS] [--replicas N]``
 
 A tiny MLP with dropout (its masks come from the RNG, part of the checkpoint), AdamW, data drawn per
 (rank, step) from a seeded generator; ``HookRegistry`` snapshots to memory every M steps and to disk every D.
 On start: ``RESULT {"host", "rank", "num_nodes", "node_index", "local_ranks"}`` per rank, and when a
-checkpoint exists ``RESUMED {"step", "tier"}``. Rank 0 prints and appends ``step N loss X`` (the
+checkpoint exists ``RESUMED {"step", "tier", "rank", "fetched_from"}``; each peer-replica event as
+``EVENT {"kind", "step", "rank", "reason"}``. Rank 0 prints and appends ``step N loss X`` (the
 rank-averaged loss, full repr).
 
 ``--pause-at K``: after step K's snapshot every rank prints ``PAUSED K`` and then: ranks listed in
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--hold-ranks", default="")
     p.add_argument("--loss-log", default=None)
     p.add_argument("--commit-timeout", type=float, default=600.0, help="commit_timeout_secs, seconds")
+    p.add_argument("--replicas", type=int, default=None, help="the replicas option (default: snapckpt's)")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -60,7 +62,10 @@ def main() -> None:
         return {"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng.capture(), "step": ts["step"]}
 
     log = open(args.loss_log, "a") if rank == 0 and args.loss_log else None
-    with Checkpointer(args.ckpt_dir, keep_last=2, commit_timeout_secs=args.commit_timeout) as ck:
+    with Checkpointer(args.ckpt_dir, keep_last=2, commit_timeout_secs=args.commit_timeout,
+                      replicas=args.replicas) as ck:
+        ck.add_listener(lambda e: e.kind.startswith("replica") and print(
+            "EVENT " + json.dumps({"kind": e.kind, "step": e.step, "rank": e.rank, "reason": e.reason}), flush=True))
         topo = ck.topology
         print("RESULT " + json.dumps({"host": socket.gethostname(), "rank": rank, "num_nodes": topo.num_nodes,
                                       "node_index": topo.node_index, "local_ranks": list(topo.local_ranks)}),
@@ -72,7 +77,7 @@ def main() -> None:
             rng.restore(st["rng"])
             ts["step"] = int(st["step"])
             print("RESUMED " + json.dumps({"step": ck.last_load.step, "tier": ck.last_load.tier.name.lower(),
-                                           "rank": rank}), flush=True)
+                                           "rank": rank, "fetched_from": ck.last_load.fetched_from}), flush=True)
         hooks = HookRegistry(ck, state_fn=state, policy=SnapshotPolicy(
             memory_interval_steps=args.memory_interval, disk_interval_steps=args.disk_interval,
             save_on_train_end=True))

@@ -1,0 +1,103 @@
+"""The peer channel of the peer-memory tier (snapckpt/persister/channel.py, replication.py), unit level:
+real TCP sockets on 127.0.0.1, a real replica store in a tmpfs-like directory, no training job.
+
+The end-to-end behaviour (a lost node resumed from a peer replica) is tested on the multi-node rig in
+tests/test_multinode.py."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import xxhash
+
+from snapckpt.persister import channel
+from snapckpt.persister.arena import SlotFiles
+from snapckpt.persister.replication import Replicator, _put, replica_file_name
+from snapckpt.persister.slots import Run, SlotTable
+
+RUN = "0123456789abcdef" + "a" * 12
+SECRET = bytes(range(32))
+
+
+@pytest.fixture
+def replicator(tmp_path):
+    lock = threading.RLock()
+    arena = SlotFiles(str(tmp_path / "arena"))
+    table = SlotTable(arena, lock)
+    rep = Replicator(arena.directory, table, lock)
+    run = Run(RUN, 2, [0], True, str(tmp_path / "ckpt"), None, 60.0, True, False)
+    with lock:
+        rep.configure(run, SECRET, [])
+    port = rep.listen("127.0.0.1")
+    yield rep, port
+    rep.shutdown()
+    table.shutdown()
+
+
+def _meta(step):
+    return {"step": step, "run_id": RUN, "world_size": 2, "dir_id": "d", "index_offset": 64, "index_nbytes": 10,
+            "dirname": f"step_{step:08d}", "tracker_name": "latest", "tracker_content": f"step_{step:08d}",
+            "persistable": True}
+
+
+def test_wrong_secret_is_refused_and_logged(replicator, caplog):
+    """A peer that does not know the run's secret (or names a run this persister does not replicate) is
+    refused before any data: the client gets AuthError, the server logs the refusal, nothing is stored."""
+    rep, port = replicator
+    caplog.set_level(logging.WARNING, logger="snapckpt.persister")
+    with pytest.raises(channel.AuthError, match="refused"):
+        channel.connect("127.0.0.1", port, RUN, b"\x00" * 32)
+    with pytest.raises(channel.AuthError, match="refused"):
+        channel.connect("127.0.0.1", port, "f" * 28, SECRET)  # a run it does not serve
+    assert any("refused a peer connection" in r.getMessage() and "does not know the secret" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert any("does not replicate" in r.getMessage() for r in caplog.records), caplog.text
+    assert rep.replicas == {} and not [n for n in os.listdir(rep.arena_dir) if n.startswith("p")]
+
+
+def test_replica_replaced_only_when_complete(replicator):
+    """With the right secret a snapshot is stored as the rank's replica (its bytes and checksum); a newer
+    one whose bytes do not match their checksum is refused and the complete older replica stays."""
+    rep, port = replicator
+    sock = channel.connect("127.0.0.1", port, RUN, SECRET)
+    try:
+        data = os.urandom(3 << 20)
+        checksum = _put(sock, 1, _meta(3), memoryview(data))
+        assert checksum == xxhash.xxh3_64(data).hexdigest()
+        path = os.path.join(rep.arena_dir, replica_file_name(1))
+        with open(path, "rb") as f:
+            assert f.read() == data
+        assert [(h["rank"], h["step"], h["kind"]) for h in rep.holdings()] == [(1, 3, "replica")]
+        # a damaged send of step 6: the wrong checksum in the trailer
+        channel.send_frame(sock, {"op": "put", "rank": 1, **_meta(6)}, 1024)
+        channel.send_payload(sock, memoryview(b"x" * 1024))
+        channel.send_frame(sock, {"checksum": "0" * 16})
+        reply, _ = channel.recv_header(sock)
+        assert not reply["ok"] and "checksum mismatch" in reply["error"]
+    finally:
+        sock.close()
+    assert rep.replica_of(1, 3, RUN) is not None and rep.replica_of(1, 6, RUN) is None
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert not os.path.exists(path + ".part")
+
+
+def test_a_snapshot_replaced_while_still_queued_is_reported_lagging(replicator):
+    """A sender holds one snapshot per rank besides the one in flight: a newer snapshot of the rank replaces
+    a queued one, which is then never sent and reported as ``replica_lagging`` (for the rank's events)."""
+    from snapckpt.persister.replication import _Sender
+    from snapckpt.persister.slots import Slot
+
+    rep, port = replicator
+    run = Run(RUN, 2, [0], True, "/nonexistent", None, 60.0, True, False)
+    sender = _Sender(rep, run, 1, "127.0.0.1", port)  # not started: as if a send were in flight
+    older, newer = Slot(0, "s0", step=3, seq=1), Slot(1, "s1", step=6, seq=2)
+    sender.offer(0, older)
+    assert rep.drain_notes(0) == []
+    sender.offer(0, newer)
+    notes = rep.drain_notes(0)
+    assert [(n["kind"], n["step"]) for n in notes] == [("replica_lagging", 3)]
+    assert "still in flight when step 6 came" in notes[0]["reason"]
+    assert sender.queue == {0: (newer, 2, 6)}
