@@ -60,6 +60,15 @@ __all__ = ["Server", "main", "HELLO_TIMEOUT_SECS"]
 
 HELLO_TIMEOUT_SECS = 10.0  # a connection that has not authenticated by then is dropped
 
+def _import_torch() -> None:
+    """Import what writing a torch file needs (the writers import it too, and wait for this import if it is
+    still running: Python's import lock)."""
+    try:
+        import snapckpt.formats.torch_zip  # noqa: F401 (imports torch)
+    except Exception:  # the writer's own import raises it where it matters
+        log.exception("importing torch in the background")
+
+
 class _WarningSeen(logging.Handler):
     """Records that the persister logged a warning or an error (which is then kept in ``persister.log``)."""
 
@@ -120,6 +129,9 @@ class Server:
         log.info("persister pid %d serving job %s at %s", os.getpid(), self.job, self.sock_path)
         beat = threading.Thread(target=self._beat, name="snapckpt-lease", daemon=True)
         beat.start()
+        # torch (about 2 s to import, more on a loaded node) is needed only to write a slot's torch files: it is
+        # imported here, after the socket listens, so that a Checkpointer's constructor does not wait for it.
+        threading.Thread(target=_import_torch, name="snapckpt-import", daemon=True).start()
         try:
             while not self.stop:
                 for key, _ in self.sel.select(timeout=0.2):
@@ -456,6 +468,10 @@ class Server:
         if slot is None:
             return P.ok(busy=True, detail=self.slots.describe(entry))
         return P.ok(busy=False, **self.slots.info(slot))
+
+    def _op_reserve(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        grown = self.slots.reserve(entry, msg["nbytes"])
+        return P.ok(slots=[{"slot": s.index, "path": s.path, "nbytes": msg["nbytes"]} for s in grown])
 
     def _op_ready(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         self.slots.ready(entry, msg["slot"], msg["step"], index_offset=msg["index_offset"],
