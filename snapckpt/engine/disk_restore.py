@@ -40,6 +40,8 @@ from snapckpt.ondisk.manifest import CHECKSUMS, record_checksum
 __all__ = ["read_into", "DIRECT_MIN_NBYTES"]
 
 CHUNK = 64 << 20  # bytes per read: large enough to keep the disk busy, small enough to hash while reading
+BOUNCE = 8 << 20  # bytes of each of the two bounce buffers (zip headers and small records only: kept small,
+#                  since fresh memory costs a page fault per 4 KiB)
 DIRECT_MIN_NBYTES = 1 << 20  # smaller records go through the bounce buffer (a direct read saves little)
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (30 bytes)
 
@@ -169,7 +171,7 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
     except OSError:
         pass
-    bounce = [bytearray(CHUNK), bytearray(CHUNK)]
+    bounce = [bytearray(BOUNCE), bytearray(BOUNCE)]
     last_use: List[Optional[cf.Future]] = [None, None]
     turn = 0
     pending: List[cf.Future] = []
@@ -193,7 +195,7 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
     def through_bounce(lo: int, hi: int) -> None:
         nonlocal turn
         while lo < hi:
-            n = min(CHUNK, hi - lo)
+            n = min(BOUNCE, hi - lo)
             if last_use[turn] is not None:
                 last_use[turn].result()  # its previous chunk is hashed: the buffer may be reused
             view = memoryview(bounce[turn])[:n]
