@@ -61,12 +61,9 @@ __all__ = ["Server", "main", "HELLO_TIMEOUT_SECS"]
 HELLO_TIMEOUT_SECS = 10.0  # a connection that has not authenticated by then is dropped
 
 def _import_torch() -> None:
-    """Import what writing a torch file needs (the writers import it too, and wait for this import if it is
-    still running: Python's import lock)."""
-    try:
-        import snapckpt.formats.torch_zip  # noqa: F401 (imports torch)
-    except Exception:  # the writer's own import raises it where it matters
-        log.exception("importing torch in the background")
+    """Import what writing a torch file needs (before the socket listens: see :meth:`Server.serve`); a failure
+    ends the process at startup, which the starting client reports with this log's tail."""
+    import snapckpt.formats.torch_zip  # noqa: F401 (imports torch)
 
 
 class _WarningSeen(logging.Handler):
@@ -123,15 +120,18 @@ class Server:
     # ----------------------------------------------------------------------------------- lifecycle
     def serve(self) -> None:
         """Bind, serve until the job is over, clean up."""
+        # torch (about 2 s to import, 6-9 s on a loaded 2-core node) is imported before the socket listens, so
+        # the constructor that started this process waits for it. Importing it after (in the background) made
+        # the constructor ~2 s faster, but then a DISK save taken soon after construction waited that long for
+        # its commit, and a job killed in that window lost it (tests/test_resume_fidelity.py,
+        # test_E2_main_job_kill9_and_resume[from_disk], under load).
+        _import_torch()
         write_token(self.runtime_dir, self.token)
         listener = listen(self.sock_path)
         self.sel.register(listener, selectors.EVENT_READ, None)
         log.info("persister pid %d serving job %s at %s", os.getpid(), self.job, self.sock_path)
         beat = threading.Thread(target=self._beat, name="snapckpt-lease", daemon=True)
         beat.start()
-        # torch (about 2 s to import, more on a loaded node) is needed only to write a slot's torch files: it is
-        # imported here, after the socket listens, so that a Checkpointer's constructor does not wait for it.
-        threading.Thread(target=_import_torch, name="snapckpt-import", daemon=True).start()
         try:
             while not self.stop:
                 for key, _ in self.sel.select(timeout=0.2):
