@@ -12,8 +12,8 @@ once:
    a record that exactly one contiguous live tensor of the same dtype takes whole is read with ``preadv``
    straight into that tensor's memory ("direct"); every other byte (the zip headers, small records,
    records that need a cast or feed several tensors) is read into a bounce buffer;
-3. the file is read in order, in 64 MiB chunks, while one thread folds each chunk into the checksum
-   (XXH3-64 releases the GIL), so the hash costs no second pass over the file;
+3. the file is read in 64 MiB pieces on 4 threads, while one more thread folds each piece into the checksum
+   in file order as soon as it is read (XXH3-64 releases the GIL), so the hash costs no second pass;
 4. when the checksum matches, the remaining tensors are copied from the memory map (whose pages the pass
    has just brought into the page cache) and the other values replaced.
 
@@ -40,6 +40,7 @@ from snapckpt.ondisk.manifest import CHECKSUMS, record_checksum
 __all__ = ["read_into", "DIRECT_MIN_NBYTES"]
 
 CHUNK = 64 << 20  # bytes per read: large enough to keep the disk busy, small enough to hash while reading
+READERS = 4  # threads reading pieces of the direct records
 BOUNCE = 8 << 20  # bytes of each of the two bounce buffers (zip headers and small records only: kept small,
 #                  since fresh memory costs a page fault per 4 KiB)
 DIRECT_MIN_NBYTES = 1 << 20  # smaller records go through the bounce buffer (a direct read saves little)
@@ -164,20 +165,21 @@ def read_into(path: str, nbytes: int, record: Dict[str, Any], dst: Any, *, weigh
 
 def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dict[int, Tuple[str, torch.Tensor]],
             hasher) -> None:
-    """Read ``[0, size)`` of ``fd`` in order: direct records into their tensors, the rest into bounce buffers
-    (through the page cache, where the memory map finds them afterwards); fold every chunk into ``hasher`` on
-    a second thread, in file order."""
+    """Read ``[0, size)`` of ``fd``: direct records into their tensors, in ``CHUNK`` pieces on ``READERS`` threads
+    (the cold-read floor of ``benchmarks/recovery.py`` is fastest with several readers and ``WILLNEED``), the
+    rest into bounce buffers (through the page cache, where the memory map finds them afterwards); fold every
+    piece into ``hasher`` on one more thread, in file order, as soon as it has been read."""
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
     except OSError:
         pass
-    bounce = [bytearray(BOUNCE), bytearray(BOUNCE)]
-    last_use: List[Optional[cf.Future]] = [None, None]
-    turn = 0
-    pending: List[cf.Future] = []
-    pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-hash") if hasher is not None else None
 
     def read_exact(view: memoryview, off: int) -> None:
+        if len(view) >= CHUNK // 2:
+            try:  # start the disk on this piece and the next while the threads copy
+                os.posix_fadvise(fd, off, 2 * CHUNK, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], off + got)
@@ -185,40 +187,54 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
                 raise CheckpointCorruptError(f"unexpected end of file at byte {off + got} of {size}")
             got += n
 
+    # The file in order: ("bounce", lo, hi) gaps and ("direct", view, offset) pieces.
+    segments: List[tuple] = []
+    pos = 0
+    for off in sorted(direct):
+        key, d = direct[off]
+        n = records[key][1]
+        if off > pos:
+            segments.append(("bounce", pos, off))
+        view = _byte_view(d)
+        segments += [("direct", view[lo:min(n, lo + CHUNK)], off + lo) for lo in range(0, n, CHUNK)]
+        pos = off + n
+    if size > pos:
+        segments.append(("bounce", pos, size))
+
+    bounce = [bytearray(BOUNCE), bytearray(BOUNCE)]
+    last_use: List[Optional[cf.Future]] = [None, None]
+    turn = 0
+    pending: List[cf.Future] = []
+    hash_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-hash") if hasher else None
+    readers = cf.ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="snapckpt-read")
+
     def fold(view: memoryview) -> Optional[cf.Future]:
-        if pool is None:
+        if hash_pool is None:
             return None
-        fut = pool.submit(hasher.update, view)
+        fut = hash_pool.submit(hasher.update, view)
         pending.append(fut)
         return fut
 
-    def through_bounce(lo: int, hi: int) -> None:
-        nonlocal turn
-        while lo < hi:
-            n = min(BOUNCE, hi - lo)
-            if last_use[turn] is not None:
-                last_use[turn].result()  # its previous chunk is hashed: the buffer may be reused
-            view = memoryview(bounce[turn])[:n]
-            read_exact(view, lo)
-            last_use[turn] = fold(view)
-            turn ^= 1
-            lo += n
-
     try:
-        pos = 0
-        for off in sorted(direct):
-            key, d = direct[off]
-            n = records[key][1]
-            through_bounce(pos, off)
-            view = _byte_view(d)
-            for lo in range(0, n, CHUNK):
-                part = view[lo:min(n, lo + CHUNK)]
-                read_exact(part, off + lo)
-                fold(part)
-            pos = off + n
-        through_bounce(pos, size)
+        reads = {id(seg): readers.submit(read_exact, seg[1], seg[2]) for seg in segments if seg[0] == "direct"}
+        for seg in segments:
+            if seg[0] == "direct":
+                reads[id(seg)].result()
+                fold(seg[1])
+                continue
+            lo, hi = seg[1], seg[2]
+            while lo < hi:
+                n = min(BOUNCE, hi - lo)
+                if last_use[turn] is not None:
+                    last_use[turn].result()  # its previous piece is hashed: the buffer may be reused
+                view = memoryview(bounce[turn])[:n]
+                read_exact(view, lo)
+                last_use[turn] = fold(view)
+                turn ^= 1
+                lo += n
         for fut in pending:
             fut.result()
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
+        readers.shutdown(wait=True, cancel_futures=True)
+        if hash_pool is not None:
+            hash_pool.shutdown(wait=True)
