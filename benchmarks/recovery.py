@@ -252,6 +252,8 @@ def phases(rec: dict) -> dict:
     out = {"start_to_imported_s": m["imported"] - m["start"], "build_state_s": built - m["imported"],
            "attach_s": attached - built, "restore_s": done - built, "to_first_step_s": m["first_step"] - m["start"]}
     info = rec["info"]
+    if "variants_s" in info:  # the cold-read floor timed several reads; its restart counts the fastest only
+        out["to_first_step_s"] = built - m["start"] + out["restore_s"]
     if "agree_s" in info:  # snapckpt: the load's own split
         out.update(agree_s=info["agree_s"], read_s=info["read_s"], copy_s=info["copy_s"])
     else:
@@ -425,8 +427,8 @@ def markdown(result: dict) -> str:
                      f"| {p['copy_s']:.3f} | {'yes' if rec['restored_ok'] else 'NO'} |")
     cold = (result["methods"].get("floor_cold_read") or {}).get("info")
     if cold:
-        lines += ["", "Cold-read floor variants (seconds; the floor is the fastest): "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in cold[0]["variants_s"].items())]
+        lines += ["", "Cold-read floor variants (seconds; the floor is the fastest, and its start to first step "
+                  "counts that one only): " + ", ".join(f"{k} {v:.3f}" for k, v in cold[0]["variants_s"].items())]
     lines += ["", "| ratio (restore phases) | measured | target |", "|---|---:|---|"]
     targets = {"snapckpt_memory / floor_shm_copy": "<= 1.2", "snapckpt_disk / floor_cold_read": "<= 1.2"}
     for k, v in result["ratios"].items():
