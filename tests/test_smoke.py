@@ -28,3 +28,30 @@ def test_memory_and_disk_round_trip(snap_env):
     # checks both), and not even its runtime directory (socket, token, lock files, log).
     runtime = os.path.join(snap_env.runtime_root, f"snapckpt-{os.getuid()}")
     assert wait_until(lambda: not os.listdir(runtime), timeout=15), os.listdir(runtime)
+
+
+def test_arena_reserved_at_construction_for_the_first_save(snap_env):
+    """Target 4 of the performance issue: the arena is reserved and mapped before the first save. With
+    ``expected_nbytes`` the persister grows both slots of the rank right after construction, before any save,
+    and the first save of a state of that size uses a reserved slot as it is (no regrowth); on a restart the
+    default hint is the size of the rank's files in the newest checkpoint. A hint larger than shared memory
+    never fails the constructor: the save of the real (small) state works."""
+    def slot_sizes():
+        return sorted(os.path.getsize(f) for f in snap_env.shm_files() if os.path.basename(f).startswith("r"))
+
+    mib = 1 << 20
+    state = {"w": torch.randn(2 * mib // 4)}  # 2 MiB
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, expected_nbytes=2 * mib) as ck:
+        assert wait_until(lambda: len(slot_sizes()) == 2 and min(slot_sizes()) >= 2 * mib, timeout=30), slot_sizes()
+        reserved = slot_sizes()
+        ck.save(state, 1, StorageType.DISK).wait()
+        assert slot_sizes() == reserved, (reserved, slot_sizes())  # the first save fitted the reserved slot
+    assert wait_until(lambda: not snap_env.shm_files(), timeout=15)  # that persister exited, its arena is gone
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:  # restart: the hint comes from step 1 on disk
+        assert wait_until(lambda: len(slot_sizes()) == 2 and min(slot_sizes()) >= 2 * mib, timeout=30), slot_sizes()
+        out = ck.load(state)
+        assert ck.last_load.step == 1 and torch.equal(out["w"], state["w"])
+    assert wait_until(lambda: not snap_env.shm_files(), timeout=15)
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, expected_nbytes=1 << 50) as ck:  # 1 PiB: cannot fit
+        ck.save(state, 2, StorageType.MEMORY).wait()
+        assert torch.equal(ck.load()["w"], state["w"]) and ck.last_load.step == 2

@@ -9,9 +9,11 @@ any rank cannot read it; cases B3, C2, C9) and :mod:`~snapckpt.engine.restore` (
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
+import time
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -21,7 +23,7 @@ from snapckpt.dist.topology import Topology, host_identity
 from snapckpt.engine.device_copy import CudaCopier
 from snapckpt.engine.handle import SaveHandle
 from snapckpt.engine.loader import LoadCandidate, LoadInfo, Loader
-from snapckpt.engine.preflight import check_shared_dir, dir_identity, preflight_dir
+from snapckpt.engine.preflight import check_shared_dir, dir_identity, newest_part_nbytes, preflight_dir
 from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.replicas import setup_replicas
@@ -104,9 +106,21 @@ class Checkpointer:
         self._loader = Loader(self.options, self.checkpoint_dir, self.topology, self._coord, self._storage,
                               self._maps, self._session, dir_id, remote)
         self._session.connect()
+        self._reserve_ahead()
         self._coord.all_gather("connected", {"ok": True}, t)
         # the peer-memory tier (several nodes, replicas >= 1): the persisters' addresses and the run's secret
         self._loader.peers = setup_replicas(self.options, self.topology, self._coord, self._session, t)
+
+    def _reserve_ahead(self) -> None:
+        """Reserve and map the arena for the expected snapshot size, in the background, so that the first save
+        costs what later saves cost (``expected_nbytes``; by default the size of this rank's files in the newest
+        checkpoint)."""
+        nbytes = self.options.expected_nbytes
+        if nbytes is None:
+            nbytes = newest_part_nbytes(self.checkpoint_dir, self.rank)
+        if nbytes:
+            # what a save of that size asks for (Saver._acquire), plus room for the slot's pickles and index
+            self._session.reserve(int(nbytes * self.options.slot_headroom) + (1 << 20))
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every
@@ -363,12 +377,21 @@ class Checkpointer:
         if state_dict is None:
             files, _ = self.load_with(lambda c: c.files(), step)
             return files[layout.rank_filename(self.rank)]
-        # Into live tensors: a memory snapshot is read as views of the arena slot, a disk checkpoint as a
-        # memory map of its files (torch.load(mmap=True), after the checksums), and copied straight into
-        # them: one copy, no fresh memory to fault in. Values that are not copied into a live tensor are
-        # deep-copied, so nothing the caller keeps points into the arena or a file.
-        files, _ = self.load_with(lambda c: self._loader.read(c, views=True), step)
-        copy_into(state_dict, files[layout.rank_filename(self.rank)], own=True)
+        # Into live tensors: a memory snapshot is read as views of the arena slot and copied straight into them
+        # (one copy, no fresh memory to fault in); a disk checkpoint is read once, its large tensors straight into
+        # the live ones, the checksum computed on the way (snapckpt.engine.disk_restore), the rest copied from
+        # the file's memory map. Values that are not copied into a live tensor are deep-copied, so nothing the
+        # caller keeps points into the arena or a file.
+        def read(c: LoadCandidate) -> Tuple[Any, Any]:
+            if c.tier == StorageType.DISK:
+                return self._loader.read_into(c, state_dict)
+            return self._loader.read(c, views=True)[layout.rank_filename(self.rank)], frozenset()
+
+        (obj, filled), _ = self.load_with(read, step)
+        t0 = time.perf_counter()
+        copy_into(state_dict, obj, own=True, skip=filled)
+        if self.last_load is not None:
+            self.last_load = dataclasses.replace(self.last_load, copy_secs=time.perf_counter() - t0)
         return state_dict
 
     def verify_directory(self, path: "str | os.PathLike[str]", dirname: Optional[str] = None) -> str:

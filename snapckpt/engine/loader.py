@@ -53,6 +53,11 @@ class LoadInfo:
             ranks and cause, e.g. a checksum mismatch); empty when the newest candidate loaded.
         fetched_from: MEMORY loads of a snapshot this node did not hold (its node was replaced, or the rank
             moved): where this rank's part was fetched from (``"node 0 (replica)"``); ``None`` otherwise.
+        agree_secs: of ``seconds``, the agreement on the candidates (listing, one round with every rank).
+        read_secs: of ``seconds``, reading the candidates tried (checksums included; a disk load into live
+            tensors reads most bytes straight into them here).
+        copy_secs: ``load(state_dict)`` only: the copy of what was not read in place into the live state, after
+            ``seconds`` (not part of it).
     """
 
     step: int
@@ -60,6 +65,9 @@ class LoadInfo:
     seconds: float
     skipped: Tuple[str, ...] = ()
     fetched_from: Optional[str] = None
+    agree_secs: float = 0.0
+    read_secs: float = 0.0
+    copy_secs: float = 0.0
 
 
 class LoadCandidate:
@@ -371,6 +379,30 @@ class Loader:
             futures = [(name, ex.submit(read, name, rec)) for name, rec in mine]
             return {name: fut.result() for name, fut in futures}
 
+    def read_into(self, cand: LoadCandidate, dst: Any) -> Tuple[Any, Any]:
+        """This rank's object of a DISK candidate written by ``save`` (one torch file per rank), its large tensors
+        read straight into the live tensors of ``dst`` with the checksum computed on the way
+        (:func:`~snapckpt.engine.disk_restore.read_into`): ``(object, ids of the dst tensors filled)``. Other
+        layouts (several files of this rank) are read as :meth:`read` does, nothing filled.
+
+        Raises:
+            CheckpointCorruptError: a file is missing, of the wrong size or fails its checksum.
+            UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
+        """
+        from snapckpt.engine.disk_restore import read_into
+        from snapckpt.engine.restore import check_shapes
+
+        name = layout.rank_filename(self.rank)
+        mpath = os.path.join(cand.path, MANIFEST)
+        m = parse_manifest(self._storage.read_bytes(mpath), cand.dirname, source=mpath)
+        mine = [n for n, rec in m["files"].items() if rec["rank"] == self.rank]
+        rec = m["files"].get(name)
+        if mine != [name] or rec.get("kind", "torch") != "torch":
+            return self.read(cand, views=True)[name], frozenset()
+        obj, filled = read_into(os.path.join(cand.path, name), int(rec["nbytes"]), rec, dst,
+                                weights_only=self.options.weights_only, verify=self.options.verify_checksums)
+        return obj, filled
+
     def _read_memory(self, cand: LoadCandidate, views: bool) -> Dict[str, Any]:
         held = self._session.request("held")["slots"]
         mine = [s for s in held if s["step"] == cand.step and s["run_id"] == cand.run_id]
@@ -402,12 +434,15 @@ class Loader:
         if dirname is not None:
             cands = [c for c in cands if c[1] == "disk" and c[2] == dirname]
         errors: List[str] = []
+        t_agreed = time.perf_counter()
         for cstep, tier, key in cands:
             cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
             result, bad = self._try(cand, check, fn)
             if not bad:
-                self.last_load = LoadInfo(cstep, cand.tier, time.perf_counter() - t0, tuple(errors),
-                                          self._fetched if cand.tier == StorageType.MEMORY else None)
+                t1 = time.perf_counter()
+                self.last_load = LoadInfo(cstep, cand.tier, t1 - t0, tuple(errors),
+                                          self._fetched if cand.tier == StorageType.MEMORY else None,
+                                          agree_secs=t_agreed - t0, read_secs=t1 - t_agreed)
                 log.info("rank %d: loaded step %d from %s in %.3f s", self.rank, cstep, cand.tier.value,
                          self.last_load.seconds)
                 if step is None and dirname is None:

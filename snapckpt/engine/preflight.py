@@ -16,7 +16,7 @@ from typing import Optional
 
 from snapckpt.errors import CheckpointDirError, PreflightError
 
-__all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "preflight_dir"]
+__all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "newest_part_nbytes", "preflight_dir"]
 
 DIR_ID_XATTR = "user.snapckpt.dir_id"  # random id of a checkpoint directory, an extended attribute of it
 
@@ -64,6 +64,29 @@ def preflight_dir(checkpoint_dir: str, shm_dir: str, run_id: str, rank: int) -> 
                                      "or pick another directory") from e
         raise CheckpointDirError(f"checkpoint directory {d!r} is not writable by rank {rank}: "
                                  f"{e.strerror or e}; fix its permissions or pick another directory") from e
+
+
+def newest_part_nbytes(checkpoint_dir: str, rank: int) -> Optional[int]:
+    """Bytes of ``rank``'s files in the checkpoint the tracker file ``checkpoint_dir/latest`` names (the
+    size of that rank's state when it was last saved), or ``None`` when there is no such checkpoint or it
+    cannot be read. A hint only (:attr:`~snapckpt.options.CheckpointOptions.expected_nbytes`): nothing is
+    verified here."""
+    import json
+
+    from snapckpt.ondisk.layout import TRACKER
+    from snapckpt.ondisk.manifest import MANIFEST
+
+    try:
+        with open(os.path.join(checkpoint_dir, TRACKER)) as f:
+            name = f.read(4096).strip()
+        if not name or "/" in name or name in (".", ".."):
+            return None
+        with open(os.path.join(checkpoint_dir, name, MANIFEST), "rb") as f:
+            files = json.loads(f.read(64 << 20)).get("files", {})
+        total = sum(int(r.get("nbytes", 0)) for r in files.values() if isinstance(r, dict) and r.get("rank") == rank)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return total or None
 
 
 def dir_identity(checkpoint_dir: str) -> str:

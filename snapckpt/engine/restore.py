@@ -7,13 +7,13 @@ the one validation of a step number, used by save and load alike (and by the int
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional
+from typing import AbstractSet, Any, Iterator, List, Optional, Tuple
 
 import torch
 
 from snapckpt.errors import IncompatibleCheckpointError
 
-__all__ = ["MAX_STEP", "check_step", "copy_into"]
+__all__ = ["MAX_STEP", "check_shapes", "check_step", "copy_into", "pairs"]
 
 MAX_STEP = 2**63 - 1  # steps are signed 64-bit integers in the arena's slot header
 
@@ -25,7 +25,31 @@ def check_step(step: Any, what: str = "step") -> None:
         raise ValueError(f"{what} must be an int in [0, 2**63 - 1], got {step!r} ({type(step).__name__})")
 
 
-def copy_into(dst: Any, src: Any, path: str = "", own: bool = False) -> Any:
+def check_shapes(dst: Any, src: Any, path: str = "") -> None:
+    """Raise :class:`IncompatibleCheckpointError` naming every tensor (up to 10) whose shape in ``src``
+    differs from ``dst``'s at the same key (what :func:`copy_into` checks before it copies anything)."""
+    bad: List[str] = []
+    _shape_mismatches(dst, src, path, bad)
+    if bad:
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise IncompatibleCheckpointError(
+            f"{len(bad)} tensor(s) of the checkpoint do not fit the live state (nothing was copied):\n  "
+            + "\n  ".join(bad[:10]) + more
+            + "\nload into a model built with the checkpoint's configuration, or load without a state_dict "
+              "(ckpt.load()) to inspect what was saved")
+
+
+def pairs(dst: Any, src: Any) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(live tensor, loaded tensor)`` for every tensor :func:`copy_into` would copy, in its order."""
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for k, v in src.items():
+            if k in dst:
+                yield from pairs(dst[k], v)
+    elif isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        yield dst, src
+
+
+def copy_into(dst: Any, src: Any, path: str = "", own: bool = False, skip: AbstractSet[int] = frozenset()) -> Any:
     """Copy ``src`` into ``dst`` in place where both hold tensors at the same key; return ``dst``.
 
     Tensors are copied with ``Tensor.copy_`` (so dtype and device follow ``dst``, as
@@ -39,20 +63,14 @@ def copy_into(dst: Any, src: Any, path: str = "", own: bool = False) -> Any:
         src: what was loaded, of the same nesting.
         path: key path of ``dst`` inside the whole state, for messages (``""`` at the top).
         own: deep-copy the values taken from ``src`` (``src`` views an arena slot or a memory-mapped file).
+        skip: ``id()`` of live tensors already holding their bytes (read straight into them from disk by
+            :mod:`snapckpt.engine.disk_restore`): not copied again.
 
     Raises:
         IncompatibleCheckpointError: some tensor's shape differs (names every such key path, up to 10).
     """
-    bad: List[str] = []
-    _shape_mismatches(dst, src, path, bad)
-    if bad:
-        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-        raise IncompatibleCheckpointError(
-            f"{len(bad)} tensor(s) of the checkpoint do not fit the live state (nothing was copied):\n  "
-            + "\n  ".join(bad[:10]) + more
-            + "\nload into a model built with the checkpoint's configuration, or load without a state_dict "
-              "(ckpt.load()) to inspect what was saved")
-    return _copy_into(dst, src, own, {} if own else None)
+    check_shapes(dst, src, path)
+    return _copy_into(dst, src, own, {} if own else None, skip)
 
 
 def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
@@ -66,14 +84,16 @@ def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
         out.append(f"{path or 'tensor'}: checkpoint shape {tuple(src.shape)} != live shape {tuple(dst.shape)}")
 
 
-def _copy_into(dst: Any, src: Any, own: bool, memo: Optional[dict]) -> Any:
+def _copy_into(dst: Any, src: Any, own: bool, memo: Optional[dict], skip: AbstractSet[int] = frozenset()) -> Any:
     if isinstance(dst, dict) and isinstance(src, dict):
         for k, v in src.items():
             both = (k in dst and ((isinstance(dst[k], dict) and isinstance(v, dict))
                                   or (isinstance(dst[k], torch.Tensor) and isinstance(v, torch.Tensor))))
-            dst[k] = _copy_into(dst[k], v, own, memo) if both else (copy.deepcopy(v, memo) if own else v)
+            dst[k] = _copy_into(dst[k], v, own, memo, skip) if both else (copy.deepcopy(v, memo) if own else v)
         return dst
     if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        if id(dst) in skip:
+            return dst
         with torch.no_grad():
             dst.copy_(src)
         return dst

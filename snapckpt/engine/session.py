@@ -9,6 +9,7 @@ Sequence: :meth:`connect` once in the Checkpointer's constructor, then :meth:`re
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Dict, Optional
 
@@ -19,6 +20,8 @@ from snapckpt.options import CheckpointOptions
 from snapckpt.persister.client import PersisterClient, job_dirs
 
 __all__ = ["PersisterSession"]
+
+log = logging.getLogger(__name__)
 
 
 class PersisterSession:
@@ -70,6 +73,18 @@ class PersisterSession:
             "commit_timeout_secs": o.commit_timeout_secs, "peer_timeout_secs": o.resolved_peer_timeout_secs,
             "flush_on_crash": o.flush_on_crash,
             "fsync": o.fsync, "dir_id": self._dir_id, "remote_dir": o.resolved_remote_dir or ""})
+
+    def reserve(self, nbytes: int) -> None:
+        """Before the first save: have the persister grow this rank's free slots to ``nbytes`` bytes and map
+        them here, both on background threads. Best effort: a failure (too little shared memory) is left
+        for the first save's own ``acquire`` to raise, with its full message."""
+        try:
+            reply = self.request("reserve", nbytes=nbytes)
+        except SnapckptError as e:
+            log.info("rank %d: reserving the arena ahead of the first save failed: %s", self._topology.rank, e)
+            return
+        for s in reply.get("slots", []):
+            self._maps.prefault(s["slot"], s["path"], s["nbytes"])
 
     def request(self, op: str, **fields: Any) -> Dict[str, Any]:
         """Send one request (reconnecting first if the persister went away); return its reply.

@@ -114,6 +114,18 @@ class SlotMaps:
         self._prefault_others(slot, os.path.dirname(path), nbytes)
         return m
 
+    def prefault(self, slot: int, path: str, nbytes: int) -> None:
+        """Map ``slot`` (file ``path``) at ``nbytes`` bytes on the background thread, once the persister has
+        grown it that far (a reservation made before the first save); :meth:`get` then finds it mapped."""
+        have = self.maps.get(slot)
+        if slot in self._pending or (have is not None and have.fits(path, nbytes)):
+            return
+        if self._thread is None:
+            self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
+        stop = threading.Event()
+        fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop)
+        self._pending[slot] = _Pending(fut, stop, path, nbytes)
+
     def _prefault_others(self, slot: int, arena_dir: str, nbytes: int) -> None:
         for other in range(self.slots_per_rank):
             have = self.maps.get(other)

@@ -17,6 +17,7 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
-                                weights_only_refusal)
+                                plain_tensors, weights_only_refusal)
 
 __all__ = ["Stager", "Prepared", "Plan"]
 
@@ -235,6 +236,17 @@ class Stager:
         return plan, False
 
     def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
+        """See :meth:`_prepare` (the cyclic garbage collector is paused meanwhile: a state of many tensors makes
+        thousands of small objects here, which would otherwise start full collections on the training thread)."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._prepare(files, step, check_weights_only=check_weights_only)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
         """Plan a snapshot of ``files`` (``{relative path: value}``) at ``step``.
 
         A value is a file spec of :mod:`snapckpt.formats.specs` (a plain object is a ``TorchSave``). Every
@@ -251,12 +263,18 @@ class Stager:
         """
         specs = []
         per_file_tensors: List[List[torch.Tensor]] = []
+        plain_files: set = set()
         for name, value in files.items():
             spec, persist = unwrap(value)
             if isinstance(spec, RawBytes):
                 spec = Concat([bytes(spec.data)])
             specs.append((spec, persist))
             if isinstance(spec, TorchSave):
+                plain = plain_tensors(spec.obj)
+                if plain is not None:  # only containers, tensors and atomic values: weights_only loads it
+                    per_file_tensors.append(plain)
+                    plain_files.add(name)
+                    continue
                 try:
                     per_file_tensors.append(collect_tensors(spec.obj))
                 except SnapshotError:
@@ -293,7 +311,7 @@ class Stager:
             if isinstance(spec, TorchSave):
                 refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
                 pkl, keys = pickle_skeleton(spec.obj, refs)
-                if new_plan and check_weights_only:
+                if new_plan and check_weights_only and path not in plain_files:
                     _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
                 records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]

@@ -33,6 +33,7 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
               "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR, "remote_dir": _STR,
               "peer_timeout_secs": _FLOAT},
     "acquire": {"step": _INT, "nbytes": _INT},
+    "reserve": {"nbytes": _INT},
     "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
               "persistable": _BOOL, "persist": _BOOL,
               "tracker_name": _STR, "tracker_content": _STR},

@@ -8,13 +8,13 @@ and a JSON index of them. :func:`read_index` is what the persister reads before 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, Tuple
 
 from snapckpt.errors import SnapshotError
-from snapckpt.formats.torch_zip import unpickle_skeleton
 from snapckpt.persister.arena import read_header
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["read_index", "read_slot"]
 
@@ -37,7 +37,7 @@ def read_index(buf, source: str = "arena slot") -> Dict[str, Any]:
     return index
 
 
-def read_slot(buf, slot: torch.Tensor, *, weights_only: bool, source: str = "arena slot",
+def read_slot(buf, slot: "torch.Tensor", *, weights_only: bool, source: str = "arena slot",
               copy: bool = True) -> Tuple[int, Dict[str, Any]]:
     """Copy a snapshot out of a slot: ``(step, {relative path: object})`` with CPU tensors.
 
@@ -46,6 +46,10 @@ def read_slot(buf, slot: torch.Tensor, *, weights_only: bool, source: str = "are
     With ``copy=False`` the tensors are views of the slot itself (no copy, no fresh memory): for a caller
     that copies them into live tensors at once and drops them before the slot can be reused.
     """
+    import torch  # here, not at module level: the persister imports this module and starts without torch
+
+    from snapckpt.formats.torch_zip import unpickle_skeleton
+
     index = read_index(buf, source)
     out: Dict[str, Any] = {}
     for f in index["files"]:

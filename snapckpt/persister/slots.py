@@ -193,6 +193,18 @@ class SlotTable:
                                                       nbytes, other.nbytes)
         return slot
 
+    def reserve(self, entry: RankEntry, nbytes: int) -> List[Slot]:
+        """Grow every FREE (or INVALID) slot of ``entry`` below ``nbytes`` bytes to ``nbytes``, in the background
+        (the growth pool), ahead of the rank's first snapshot; return the slots being grown. A growth that
+        fails (too little shared memory) is only logged: the snapshot's own ``acquire`` raises the error.
+        Slots that hold a snapshot are left alone."""
+        out = []
+        for s in entry.slots:
+            if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
+                s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes)
+                out.append(s)
+        return out
+
     def _grown(self, slot: Slot) -> None:
         """Wait for a background growth of ``slot`` and take its size (called with the lock; the growth
         never takes it). A growth that failed is dropped: the caller's own ``ensure_size`` retries it and

@@ -13,11 +13,8 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
-import torch
-
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
-from snapckpt.formats.torch_zip import write_torch_file
 from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
 from snapckpt.storage.base import StorageWriter
 from snapckpt.persister.protocol import error_record
@@ -81,6 +78,10 @@ def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind:
                 cw.write(memoryview(buf)[off:off + n])
         else:
             po, pn = f["pkl"]
+            import torch  # imported on first use (the persister warms it up right after it listens)
+
+            from snapckpt.formats.torch_zip import write_torch_file
+
             records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(),
                         n) if n else (key, torch.UntypedStorage(0), 0)
                        for key, off, n in f["records"]]

@@ -1,0 +1,175 @@
+"""States with many tensors: blocking of a memory snapshot against the copy floor, and the plan cache.
+
+Two states (fp32, CPU, random data), each scaled to ``--total-mib`` (default 256 MiB; the issue's 1 GiB
+with ``--total-mib 1024``):
+
+- ``gpt_20k``: a Megatron-style GPT state of 20,000 tensors: per layer the 12 tensors of a transformer
+  block (QKV and output projection weights and biases, two layer norms, the MLP's two weights and biases),
+  with Adam's ``exp_avg`` and ``exp_avg_sq`` of each, in as many layers as make 20,000 tensors; the hidden
+  size is chosen so that the total is about ``--total-mib``;
+- ``small_200k``: 200,000 tensors of equal size.
+
+Per state, in one process: ``floor_copy`` = the fastest of a ``copy_`` per tensor and one
+``torch._foreach_copy_`` into buffers faulted in beforehand; then a ``Checkpointer`` (memory tier,
+``overlap=False``): the first save (plan built, slot reserved) and the median of ``--repeats`` later saves
+(blocking = ``save`` + ``fence``), whether the later saves hit the plan cache (the Stager's plan count does
+not grow), and a memory-tier restore (``load(state)``) against the floor's copy back. Outputs
+``benchmarks/results/many_tensors.{json,md}``. No test asserts these times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+
+from _common import REPO_ROOT, iter_tensors, machine_info, ratio, rmtree_quiet, scratch_root, state_nbytes  # noqa: E402
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+
+def gpt_state(total_bytes: int, n_tensors: int = 20_000) -> dict:
+    """A GPT-like model + Adam state of ``n_tensors`` tensors and about ``total_bytes`` bytes."""
+    layers = n_tensors // 36  # 12 tensors per block, x3 with exp_avg and exp_avg_sq
+    # params per layer = 12 h^2 + 13 h (QKV 3h^2+3h, proj h^2+h, 2 LN 4h, fc1 4h^2+4h, fc2 4h^2+h)
+    per_layer = total_bytes / 3 / 4 / layers
+    h = max(4, int((-13 + math.sqrt(169 + 48 * per_layer)) / 24))
+    shapes = {"qkv.weight": (3 * h, h), "qkv.bias": (3 * h,), "proj.weight": (h, h), "proj.bias": (h,),
+              "ln1.weight": (h,), "ln1.bias": (h,), "ln2.weight": (h,), "ln2.bias": (h,),
+              "fc1.weight": (4 * h, h), "fc1.bias": (4 * h,), "fc2.weight": (h, 4 * h), "fc2.bias": (h,)}
+    model, opt = {}, {}
+    for i in range(layers):
+        for k, shp in shapes.items():
+            model[f"layers.{i}.{k}"] = torch.rand(shp)
+    for j, (k, p) in enumerate(model.items()):
+        opt[j] = {"exp_avg": torch.rand(p.shape), "exp_avg_sq": torch.rand(p.shape)}
+    extra = n_tensors - 3 * len(model)
+    for j in range(extra):
+        opt[f"extra{j}"] = {"step": torch.tensor(float(j))}
+    return {"model": model, "optimizer": {"state": opt}, "hidden": h, "layers": layers}
+
+
+def small_state(total_bytes: int, n_tensors: int = 200_000) -> dict:
+    """``n_tensors`` equal fp32 tensors of about ``total_bytes`` bytes in all."""
+    numel = max(1, total_bytes // 4 // n_tensors)
+    return {"params": {f"p{i}": torch.rand(numel) for i in range(n_tensors)}}
+
+
+def floor_copy(src: list, repeats: int) -> tuple[float, float, list]:
+    """(best copy seconds, best copy-back seconds, buffers): per-tensor ``copy_`` or ``_foreach_copy_``."""
+    bufs = [torch.empty_like(t) for t in src]
+    for b, t in zip(bufs, src):
+        b.copy_(t)  # fault in
+    best, back = math.inf, math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, src):
+            b.copy_(t)
+        best = min(best, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        torch._foreach_copy_(bufs, src)
+        best = min(best, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        torch._foreach_copy_(src, bufs)
+        back = min(back, time.perf_counter() - t0)
+    return best, back, bufs
+
+
+def measure(name: str, sd: dict, a: argparse.Namespace, work: Path) -> dict:
+    import snapckpt
+
+    tensors = list(iter_tensors(sd))
+    rec: dict[str, Any] = {"state": name, "n_tensors": len(tensors), "state_bytes": state_nbytes(sd)}
+    rec["floor_copy_s"], rec["floor_restore_s"], bufs = floor_copy(tensors, a.repeats)
+    del bufs
+    ck = snapckpt.Checkpointer(str(work / name), keep_last=2)
+    try:
+        blocks, prep = [], []
+        for i in range(a.repeats + 1):
+            t0 = time.perf_counter()
+            ck.save(sd, i, snapckpt.StorageType.MEMORY)
+            ck.fence()
+            blocks.append(time.perf_counter() - t0)
+            prep.append(ck.last_stats.prepare_secs)
+            if i == 0:
+                builds_after_first = ck._saver._stager.plan_builds  # noqa: SLF001 (the benchmark reads the counter)
+        rec["first_save_s"] = blocks[0]
+        rec["save_s"] = statistics.median(blocks[1:])
+        rec["save_samples_s"] = blocks
+        rec["prepare_first_s"], rec["prepare_s"] = prep[0], statistics.median(prep[1:])
+        rec["plan_builds_first"] = builds_after_first
+        rec["plan_builds_after"] = ck._saver._stager.plan_builds  # noqa: SLF001
+        rec["plan_cache_hit"] = rec["plan_builds_after"] == builds_after_first
+        t0 = time.perf_counter()
+        ck.load(sd)
+        rec["restore_s"] = time.perf_counter() - t0
+        rec["restore_tier"] = ck.last_load.tier.value
+    finally:
+        ck.close()
+    rec["save_vs_floor"] = ratio(rec["save_s"], rec["floor_copy_s"])
+    rec["first_vs_later"] = ratio(rec["first_save_s"], rec["save_s"])
+    rec["restore_vs_floor"] = ratio(rec["restore_s"], rec["floor_restore_s"])
+    return rec
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = ["# States with many tensors (memory tier, overlap off)", "",
+             f"- date: {m['date']}; git: {m['git_commit']}; {m['cpu_count']} cpus; torch {m['torch']}; "
+             f"uptime at start: {m.get('uptime', '')}",
+             f"- floor = best of a copy_ per tensor and one torch._foreach_copy_ into faulted buffers; snapckpt "
+             f"save = save + fence, median of {result['config']['repeats']} after the first", "",
+             "| state | tensors | MiB | floor copy s | first save s | save s | save / floor | first / later | "
+             "plan cache hit | restore s | restore / floor |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in result["states"]:
+        lines.append(f"| {r['state']} | {r['n_tensors']} | {r['state_bytes'] / 2**20:.0f} | {r['floor_copy_s']:.3f} "
+                     f"| {r['first_save_s']:.3f} | {r['save_s']:.3f} | {r['save_vs_floor']:.2f}x "
+                     f"| {r['first_vs_later']:.2f}x | {'yes' if r['plan_cache_hit'] else 'NO'} "
+                     f"| {r['restore_s']:.3f} | {r['restore_vs_floor']:.2f}x |")
+    lines += ["", "Target (issue 18, 5): save / floor <= 1.5x, plan cache hit after the first save."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--total-mib", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--states", default="gpt_20k,small_200k")
+    p.add_argument("--out", default=str(RESULTS / "many_tensors.json"))
+    a = p.parse_args(argv)
+    import subprocess
+
+    root, _ = scratch_root(None)
+    work = Path(tempfile.mkdtemp(prefix="many-", dir=root))
+    result = {"machine": machine_info(root), "config": {"total_mib": a.total_mib, "repeats": a.repeats}, "states": []}
+    result["machine"]["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    try:
+        for name in [s.strip() for s in a.states.split(",") if s.strip()]:
+            sd = gpt_state(a.total_mib << 20) if name == "gpt_20k" else small_state(a.total_mib << 20)
+            rec = measure(name, sd, a, work)
+            print(f"{name}: {rec}", file=sys.stderr, flush=True)
+            result["states"].append(rec)
+            del sd
+    finally:
+        rmtree_quiet(work)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    md = markdown(result)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,442 @@
+"""Recovery time: what a user loses when a job dies is the restart, not the stall.
+
+For a killed job, the time from the new process's start to its first resumed training step, split into
+phases, for snapckpt's memory tier (the persister survived the kill and holds the snapshot) and disk tier
+(the persister died too: a lost node; the page cache is dropped), against the floors and the peers, all in
+one run, each in a fresh process:
+
+- ``floor_shm_copy``: the state's raw bytes in a ``/dev/shm`` file, mapped and copied into the live tensors
+  (the memory-tier floor: a copy out of shared memory);
+- ``floor_cold_read``: the raw bytes in one file, page cache dropped, read straight into the live tensors;
+  the fastest of several ways (one sequential reader, several threads with ``os.preadv``, with and without
+  ``POSIX_FADV_WILLNEED``), each from a cold cache (the disk-tier floor);
+- ``torch_load``: ``torch.load(weights_only=True)`` of a ``torch.save`` file, then a copy into the live
+  tensors (``torch_load_mmap``: ``mmap=True``);
+- ``dcp_load``: ``torch.distributed.checkpoint.load`` in place from a ``FileSystemWriter`` directory;
+- ``snapckpt_memory`` / ``snapckpt_disk``: a job saves a DISK checkpoint and is killed with ``SIGKILL``; the
+  new process runs ``Checkpointer(dir)`` (persister attach: a running persister, or a new one for the disk
+  tier), ``load(state)`` (agreement; read and copy-in, from ``LoadInfo``).
+
+Each process reports wall-clock marks from the parent's ``Popen`` (``start``): interpreter and imports, the
+model's state built (fresh random tensors, as a model's initialisation), the phases of the restore, and the
+first step (one small in-place update). The restore ratios compare the restore phases (from after the state
+is built to the state in hand), which is what a checkpoint method controls; the start-to-first-step totals
+are in the table too.
+
+Page cache: ``posix_fadvise(DONTNEED)`` on every file of the checkpoint (the interpreter and libraries stay
+cached, as on a node that restarts a job); ``--drop-all`` drops the whole page cache through
+``/proc/sys/vm/drop_caches`` where that is writable (then every import is cold too). The JSON's ``drop`` says
+which.
+
+Run from the repo root: ``.venv/bin/python benchmarks/recovery.py --size-gib 1``; outputs
+``benchmarks/results/recovery.{json,md}`` (git-ignored). No test asserts these times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from _common import (GiB, REPO_ROOT, drop_page_cache, fsync_path, iter_tensors, machine_info,  # noqa: E402
+                     make_state, ratio, rmtree_quiet, scratch_root)
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+METHODS = ["floor_shm_copy", "floor_cold_read", "torch_load", "torch_load_mmap", "dcp_load", "snapckpt_memory",
+           "snapckpt_disk"]
+
+
+def drop_cache(path: Path, everything: bool = False) -> str:
+    """Evict ``path``'s pages from the page cache (``posix_fadvise(DONTNEED)`` per file: the checkpoint's bytes
+    only, so that the interpreter and torch still import from a warm cache, as on a node that restarts a job);
+    with ``everything``, the whole page cache when ``/proc/sys/vm/drop_caches`` is writable. Returns how."""
+    if everything:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3")
+            return "drop_caches (whole page cache)"
+        except OSError:
+            pass
+    drop_page_cache(path)
+    return "posix_fadvise(DONTNEED) per file"
+
+
+# --------------------------------------------------------------------------------------------
+# Children: one fresh process per restart
+# --------------------------------------------------------------------------------------------
+
+def _now(marks: dict, name: str) -> None:
+    marks[name] = time.time()
+
+
+def _fresh_state(size: int) -> dict:
+    """The restarted job's model: the same layout, other values (seed 1), every page touched."""
+    return make_state(size, seed=1)
+
+
+def _checksum(sd: Any) -> float:
+    import torch
+
+    return float(sum(t.double().sum().item() for t in iter_tensors(sd)))
+
+
+def _views(sd: Any, buf) -> list:
+    """(live tensor, source tensor over ``buf`` at the same offset) for every tensor, in order."""
+    import torch
+
+    out, off = [], 0
+    for t in iter_tensors(sd):
+        n = t.numel() * t.element_size()
+        out.append((t, torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=off).view(t.shape) if n else t))
+        off += n
+    return out
+
+
+def _read_variants(sd: Any, path: str) -> dict:
+    """Cold reads of the raw file straight into the live tensors, several ways; seconds of each."""
+    import concurrent.futures as cf
+
+    import torch
+
+    tensors = list(iter_tensors(sd))
+    spans, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            spans.append((memoryview(t.view(-1).view(torch.uint8).numpy()), off))
+        off += n
+    chunk = 64 << 20
+    pieces = [(mv[i:i + chunk], o + i) for mv, o in spans for i in range(0, len(mv), chunk)]
+
+    def run(threads: int, willneed: bool) -> float:
+        drop_page_cache(path)
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if willneed:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            else:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+            def one(item):
+                view, o = item
+                got = 0
+                while got < len(view):
+                    got += os.preadv(fd, [view[got:]], o + got)
+
+            if threads == 1:
+                for p in pieces:
+                    one(p)
+            else:
+                with cf.ThreadPoolExecutor(threads) as ex:
+                    list(ex.map(one, pieces))
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    out = {}
+    for threads, willneed in ((1, False), (4, False), (1, True), (4, True), (1, False)):
+        key = f"{threads}thr{'_willneed' if willneed else ''}"
+        out[key] = min(out.get(key, float("inf")), run(threads, willneed))
+    return out
+
+
+def child(role: str, a: argparse.Namespace) -> None:
+    marks: dict = {"start": float(os.environ["RECOVERY_T0"])}
+    import torch
+
+    _now(marks, "imported")
+    info: dict = {}
+    size = int(a.size_gib * GiB)
+    d = Path(a.dir)
+    if role == "snap_job":  # the job that is killed: save a DISK checkpoint, then SIGKILL itself
+        import snapckpt
+
+        sd = make_state(size, seed=0)
+        ck = snapckpt.Checkpointer(str(d / "snap"), keep_last=2)
+        ck.save(sd, 1, snapckpt.StorageType.DISK).wait()
+        print(json.dumps({"persister_pid": ck.persister_pid}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    sd = _fresh_state(size)
+    _now(marks, "state_built")
+    if role == "floor_shm_copy":
+        import mmap
+
+        fd = os.open(a.shm_file, os.O_RDONLY)
+        mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        os.close(fd)
+        _now(marks, "attached")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer of a read-only map: only read here
+            pairs = _views(sd, mm)
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        _now(marks, "read")
+        del pairs
+    elif role == "floor_cold_read":
+        info["variants_s"] = _read_variants(sd, str(d / "raw.bin"))
+        best = min(info["variants_s"], key=info["variants_s"].get)
+        info["best"] = best
+        marks["attached"] = marks["state_built"]
+        marks["read"] = marks["state_built"] + info["variants_s"][best]
+    elif role in ("torch_load", "torch_load_mmap"):
+        obj = torch.load(d / "state.pt", weights_only=True, mmap=role == "torch_load_mmap")
+        _now(marks, "read")
+        with torch.no_grad():
+            for dst, src in zip(iter_tensors(sd), iter_tensors(obj)):
+                dst.copy_(src)
+        _now(marks, "copied")
+        del obj
+    elif role == "dcp_load":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(d / "dcp")), no_dist=True)
+        _now(marks, "read")
+    elif role == "snap_restore":
+        import snapckpt
+
+        ck = snapckpt.Checkpointer(str(d / "snap"), keep_last=2)
+        _now(marks, "attached")
+        ck.load(sd)
+        _now(marks, "copied")
+        li = ck.last_load
+        info.update(tier=li.tier.value, step=li.step, agree_s=li.agree_secs, read_s=li.read_secs,
+                    copy_s=li.copy_secs, load_s=li.seconds)
+    with torch.no_grad():  # the first resumed step: a small in-place update
+        next(iter_tensors(sd)).add_(0.0)
+    _now(marks, "first_step")
+    info["checksum"] = _checksum(sd)
+    print(json.dumps({"marks": marks, "info": info}), flush=True)
+    if role == "snap_restore":
+        if a.close:
+            ck.close()
+        else:
+            os._exit(0)  # leave like a crashed rank: the persister keeps the arena (the disk run kills it)
+
+
+def run_child(role: str, a: argparse.Namespace, env: dict, extra: list | None = None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", role, "--dir", a.dir, "--size-gib", str(a.size_gib),
+           "--shm-file", a.shm_file] + (extra or [])
+    t0 = time.time()
+    p = subprocess.run(cmd, env={**env, "RECOVERY_T0": repr(t0)}, capture_output=True, text=True,
+                       timeout=a.child_timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if role == "snap_job":
+        if p.returncode != -signal.SIGKILL or not lines:
+            raise RuntimeError(f"snap_job ended {p.returncode}: {p.stderr[-2000:]}")
+        return json.loads(lines[-1])
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"{role} exited {p.returncode}: {p.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def phases(rec: dict) -> dict:
+    """Seconds per phase from the wall-clock marks (absent phases are 0)."""
+    m = rec["marks"]
+    built = m["state_built"]
+    attached = m.get("attached", built)
+    read = m.get("read", m.get("copied"))
+    done = m.get("copied", read)
+    out = {"start_to_imported_s": m["imported"] - m["start"], "build_state_s": built - m["imported"],
+           "attach_s": attached - built, "restore_s": done - built, "to_first_step_s": m["first_step"] - m["start"]}
+    info = rec["info"]
+    if "variants_s" in info:  # the cold-read floor timed several reads; its restart counts the fastest only
+        out["to_first_step_s"] = built - m["start"] + out["restore_s"]
+    if "agree_s" in info:  # snapckpt: the load's own split
+        out.update(agree_s=info["agree_s"], read_s=info["read_s"], copy_s=info["copy_s"])
+    else:
+        out.update(agree_s=0.0, read_s=read - attached, copy_s=done - read)
+    return out
+
+
+def prepare(a: argparse.Namespace, env: dict) -> tuple[float, str]:
+    """Write the floors' and peers' files of the state (seed 0); return its checksum and how caches drop."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    d = Path(a.dir)
+    sd = make_state(int(a.size_gib * GiB), seed=0)
+    with open(d / "raw.bin", "wb", buffering=0) as f:
+        for t in iter_tensors(sd):
+            f.write(memoryview(t.contiguous().view(-1).numpy()).cast("B"))
+        os.fsync(f.fileno())
+    with open(a.shm_file, "wb") as f:
+        for t in iter_tensors(sd):
+            f.write(memoryview(t.contiguous().view(-1).numpy()).cast("B"))
+    with open(d / "state.pt", "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(d / "dcp")), no_dist=True)
+    fsync_path(d)
+    return _checksum(sd), ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gib", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=1, help="restarts per method (the median is reported)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--out", default=str(RESULTS / "recovery.json"))
+    p.add_argument("--scratch-dir", default=None)
+    p.add_argument("--drop-all", action="store_true", help="drop the whole page cache (root), not just the files")
+    p.add_argument("--child-timeout", type=float, default=900.0)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shm-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--close", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        child(a.child, a)
+        return 0
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    root, why = scratch_root(a.scratch_dir)
+    tag = f"recovery-{os.getpid()}"
+    a.dir = str(root / tag)
+    os.makedirs(a.dir)
+    a.shm_file = f"/dev/shm/{tag}.bin"
+    shm_root = f"/dev/shm/{tag}-arena"
+    runtime = f"/tmp/{tag}-rt"
+    os.makedirs(shm_root, mode=0o700)
+    os.makedirs(runtime, mode=0o700)
+    env = {**os.environ, "SNAPCKPT_SHM_DIR": shm_root, "SNAPCKPT_RUNTIME_DIR": runtime,
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result: dict[str, Any] = {"machine": machine_info(root), "config": {"size_gib": a.size_gib,
+                              "repeats": a.repeats, "scratch": why, "argv": sys.argv}, "methods": {}}
+    result["machine"]["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    try:
+        expected, _ = prepare(a, env)
+        result["expected_checksum"] = expected
+        for m in methods:
+            if m.startswith("snapckpt"):
+                continue
+            recs = []
+            for _ in range(a.repeats):
+                for f in ("raw.bin", "state.pt", "dcp"):
+                    result["drop"] = drop_cache(Path(a.dir) / f, a.drop_all)
+                recs.append(run_child(m if m != "floor_cold_read" else m, a, env))
+            result["methods"][m] = _summarise(recs, expected)
+            print(f"{m}: {result['methods'][m]['phases']}", file=sys.stderr, flush=True)
+        if any(m.startswith("snapckpt") for m in methods):
+            mem, disk = [], []
+            for _ in range(a.repeats):
+                job = run_child("snap_job", a, env)  # saves step 1, then SIGKILL
+                if "snapckpt_memory" in methods:
+                    mem.append(run_child("snap_restore", a, env))  # the persister survived: memory tier
+                if job.get("persister_pid"):  # a lost node: the persister dies too, the page cache is cold
+                    try:
+                        os.kill(job["persister_pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    _wait_gone(job["persister_pid"])
+                result["drop"] = drop_cache(Path(a.dir) / "snap", a.drop_all)
+                if "snapckpt_disk" in methods:
+                    disk.append(run_child("snap_restore", a, env, ["--close"]))
+                else:
+                    run_child("snap_restore", a, env, ["--close"])  # untimed: ends the job cleanly
+            for name, recs in (("snapckpt_memory", mem), ("snapckpt_disk", disk)):
+                if recs:
+                    result["methods"][name] = _summarise(recs, expected)
+                    print(f"{name}: {result['methods'][name]['phases']} tier {recs[0]['info'].get('tier')}",
+                          file=sys.stderr, flush=True)
+    finally:
+        rmtree_quiet(a.dir)
+        rmtree_quiet(shm_root)
+        rmtree_quiet(runtime)
+        try:
+            os.unlink(a.shm_file)
+        except OSError:
+            pass
+    add_ratios(result)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    md = markdown(result)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def _summarise(recs: list[dict], expected: float) -> dict:
+    ph = [phases(r) for r in recs]
+    med = {k: statistics.median(p[k] for p in ph) for k in ph[0]}
+    return {"phases": med, "samples": ph, "info": [r["info"] for r in recs],
+            "restored_ok": all(abs(r["info"]["checksum"] - expected) <= 1e-6 * max(1.0, abs(expected)) for r in recs)}
+
+
+def add_ratios(result: dict) -> None:
+    """The issue's recovery targets: snapckpt memory / shm copy, snapckpt disk / cold read (restore phases),
+    and each disk method against torch.load and DCP load."""
+    ms = result["methods"]
+    r = lambda a, b: ratio((ms.get(a) or {}).get("phases", {}).get("restore_s"),  # noqa: E731
+                           (ms.get(b) or {}).get("phases", {}).get("restore_s"))
+    result["ratios"] = {
+        "snapckpt_memory / floor_shm_copy": r("snapckpt_memory", "floor_shm_copy"),
+        "snapckpt_disk / floor_cold_read": r("snapckpt_disk", "floor_cold_read"),
+        "snapckpt_disk / torch_load": r("snapckpt_disk", "torch_load"),
+        "snapckpt_disk / dcp_load": r("snapckpt_disk", "dcp_load"),
+        "torch_load / floor_cold_read": r("torch_load", "floor_cold_read"),
+        "dcp_load / floor_cold_read": r("dcp_load", "floor_cold_read"),
+    }
+
+
+def markdown(result: dict) -> str:
+    m, c = result["machine"], result["config"]
+    lines = [
+        "# Recovery time after a kill",
+        "",
+        f"- date: {m['date']}; git: {m['git_commit']}; {m['cpu_count']} cpus; torch {m['torch']}; "
+        f"state {c['size_gib']:g} GiB; medians of {c['repeats']}; page cache dropped by {result.get('drop', 'n/a')}",
+        f"- uptime at start: {m.get('uptime', '')}",
+        "- every method in a fresh process started by the benchmark; restore = from the model's state built to "
+        "the state in hand (what the method controls); start to first step = the whole restart",
+        "",
+        "| method | start to first step s | imports s | build state s | restore s | attach s | agree s | read s "
+        "| copy-in s | restored |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name in METHODS:
+        rec = result["methods"].get(name)
+        if not rec:
+            continue
+        p = rec["phases"]
+        lines.append(f"| {name} | {p['to_first_step_s']:.3f} | {p['start_to_imported_s']:.3f} | {p['build_state_s']:.3f} "
+                     f"| {p['restore_s']:.3f} | {p['attach_s']:.3f} | {p['agree_s']:.3f} | {p['read_s']:.3f} "
+                     f"| {p['copy_s']:.3f} | {'yes' if rec['restored_ok'] else 'NO'} |")
+    cold = (result["methods"].get("floor_cold_read") or {}).get("info")
+    if cold:
+        lines += ["", "Cold-read floor variants (seconds; the floor is the fastest, and its start to first step "
+                  "counts that one only): " + ", ".join(f"{k} {v:.3f}" for k, v in cold[0]["variants_s"].items())]
+    lines += ["", "| ratio (restore phases) | measured | target |", "|---|---:|---|"]
+    targets = {"snapckpt_memory / floor_shm_copy": "<= 1.2", "snapckpt_disk / floor_cold_read": "<= 1.2"}
+    for k, v in result["ratios"].items():
+        lines.append(f"| {k} | {'n/a' if v is None else f'{v:.2f}x'} | {targets.get(k, '')} |")
+    lines += ["", "DLRover's restore is not measured here (it needs its launcher's saver process; the suite's "
+              "restore column has its in-process restore)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The benchmark results page: ``docs/benchmarks.md`` and one plot per figure, from the latest results.
+
+Reads what the benchmarks left in ``benchmarks/results/`` (each part is skipped when its JSON is absent):
+``suite.json`` (stall, durable, restore per method and size), ``loop.json`` (training-loop cost),
+``recovery.json`` (restart to first step), ``many_tensors.json``, ``first_save.json``. Writes the page
+``docs/benchmarks.md`` (each figure's table, its run's date, commit and load, and its plot) and the plots
+``docs/img/bench-*.png`` (matplotlib, from the ``bench`` extra). Like the generated part of
+``docs/performance.md``, the page and its plots are committed after a run (``benchmarks/results/`` itself is
+git-ignored); ``suite.py --results-page`` runs this.
+
+Run from the repo root: ``.venv/bin/python benchmarks/results_page.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GiB, REPO_ROOT  # noqa: E402
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+PAGE = REPO_ROOT / "docs" / "benchmarks.md"
+IMG = REPO_ROOT / "docs" / "img"
+
+
+def _load(name: str) -> Any:
+    p = RESULTS / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _when(m: dict) -> str:
+    return (f"run {m.get('date', '?')[:16].replace('T', ' ')}, commit `{str(m.get('git_commit', '?'))[:12]}`, "
+            f"{m.get('cpu_count')} CPUs; `{m.get('uptime', '')}`")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _bars(path: Path, title: str, labels: list, series: dict, ylabel: str, log: bool = False) -> None:
+    """A grouped bar chart: one group per label, one bar per series."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels) * max(1, len(series))), 3.6))
+    width = 0.8 / max(1, len(series))
+    for i, (name, ys) in enumerate(series.items()):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [y if y is not None else 0 for y in ys], width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if log:
+        ax.set_yscale("log")
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _stacked(path: Path, title: str, labels: list, parts: dict, ylabel: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 3.6))
+    bottom = [0.0] * len(labels)
+    for name, ys in parts.items():
+        ys = [y or 0.0 for y in ys]
+        ax.bar(labels, ys, bottom=bottom, label=name)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def suite_part(s: dict, img: Path) -> list:
+    import suite  # noqa: PLC0415 (its ratio tables)
+
+    out = ["## Stall, time to durable and restore (`suite.py`)", "", _when(s["machine"]), ""]
+    for size in s["sizes"]:
+        recs = [r for r in size["methods"]]
+        label = f"{size['size_gib']:g}"
+        name = f"bench-stall-{label.replace('.', '_')}gib.png"
+        _bars(img / name, f"{size['state_bytes'] / GiB:.2f} GiB state: blocking and durable seconds (log)",
+              [r["method"] for r in recs],
+              {"blocking s": [r.get("blocking_s") for r in recs], "durable s": [r.get("durable_s") for r in recs],
+               "restore s": [r.get("restore_s") for r in recs]}, "seconds", log=True)
+        out += [f"**State {size['state_bytes'] / GiB:.2f} GiB** ({size['n_tensors']} tensors)", "",
+                *suite.ratio_tables(size), "", f"![stall, durable and restore, {label} GiB](img/{name})", ""]
+    return out
+
+
+def loop_part(lp: dict, img: Path) -> list:
+    import suite  # noqa: PLC0415
+
+    recs = [r for r in lp["methods"] if not r.get("error")]
+    _bars(img / "bench-loop.png", "training loop: extra seconds per checkpoint", [r["method"] for r in recs],
+          {"extra s per checkpoint": [r.get("extra_per_ckpt_s") for r in recs]}, "seconds")
+    body = suite.loop_markdown(lp).split("\n", 2)[2]
+    return ["## Training-loop cost (`suite.py --loop`)", "", body.strip(), "",
+            "![loop cost](img/bench-loop.png)", ""]
+
+
+def recovery_part(rc: dict, img: Path) -> list:
+    import recovery  # noqa: PLC0415
+
+    names = [n for n in recovery.METHODS if n in rc["methods"]]
+    ph = [rc["methods"][n]["phases"] for n in names]
+    _stacked(img / "bench-recovery.png", "restart to first step, by phase (seconds)", names,
+             {"imports": [p["start_to_imported_s"] for p in ph], "build state": [p["build_state_s"] for p in ph],
+              "attach": [p["attach_s"] for p in ph], "agree": [p["agree_s"] for p in ph],
+              "read": [p["read_s"] for p in ph], "copy-in": [p["copy_s"] for p in ph]}, "seconds")
+    body = recovery.markdown(rc).split("\n", 2)[2]
+    return ["## Recovery time after a kill (`recovery.py`)", "", body.strip(), "",
+            "![recovery](img/bench-recovery.png)", ""]
+
+
+def many_part(mt: dict, img: Path) -> list:
+    import many_tensors  # noqa: PLC0415
+
+    st = mt["states"]
+    _bars(img / "bench-many-tensors.png", "many tensors: seconds (log)", [r["state"] for r in st],
+          {"floor copy": [r["floor_copy_s"] for r in st], "first save": [r["first_save_s"] for r in st],
+           "later save": [r["save_s"] for r in st], "restore": [r["restore_s"] for r in st]}, "seconds", log=True)
+    body = many_tensors.markdown(mt).split("\n", 2)[2]
+    return ["## States with many tensors (`many_tensors.py`)", "", body.strip(), "",
+            "![many tensors](img/bench-many-tensors.png)", ""]
+
+
+def first_part(fs: dict, img: Path) -> list:
+    import first_save  # noqa: PLC0415
+
+    cases = {k: v for k, v in fs["cases"].items() if "error" not in v}
+    _bars(img / "bench-first-save.png", "first save against later saves (seconds)", list(cases),
+          {"constructor": [v["ctor_s"] for v in cases.values()], "first save": [v["first_s"] for v in cases.values()],
+           "later saves": [v["later_median_s"] for v in cases.values()]}, "seconds")
+    body = first_save.markdown(fs).split("\n", 2)[2]
+    return ["## First save (`first_save.py`)", "", body.strip(), "", "![first save](img/bench-first-save.png)", ""]
+
+
+def write_page(page: Path = PAGE, img: Path = IMG) -> Path:
+    """Write the page and its plots from whatever results exist; return the page's path."""
+    lines = ["# Benchmark results", "",
+             "<!-- generated by benchmarks/results_page.py from benchmarks/results/*.json; do not edit by hand -->",
+             "",
+             "Every figure below was measured by the benchmark named in its heading, all methods of a figure in one "
+             "run on the machine and at the commit it names; the load average is given because these figures come "
+             "from shared 2-core machines, where timings vary about 2x between runs: read the ratios within a "
+             "figure. How each method is measured: [Performance](performance.md) and `benchmarks/README.md`. No "
+             "test asserts any of these times.", ""]
+    parts = [("suite.json", suite_part), ("loop.json", loop_part), ("recovery.json", recovery_part),
+             ("many_tensors.json", many_part), ("first_save.json", first_part)]
+    missing = []
+    for name, fn in parts:
+        data = _load(name)
+        if data is None:
+            missing.append(name)
+            continue
+        lines += fn(data, img)
+    if missing:
+        lines += ["Not measured in this page's runs: " + ", ".join(f"`{m}`" for m in missing) + "."]
+    page.write_text("\n".join(lines) + "\n")
+    return page
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.parse_args(argv)
+    print(f"wrote {write_page()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
