@@ -10,6 +10,7 @@ while the core package is still being written.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import re
@@ -438,6 +439,15 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def write_results(out: str | os.PathLike, result: dict[str, Any], md: str) -> None:
+    """Write ``result`` as JSON to ``out``, ``md`` next to it (``.md``), and print ``md``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    out.with_suffix(".md").write_text(md)
+    print(md)
 
 
 def median(xs: list[float]) -> float | None:

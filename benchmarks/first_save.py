@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from _common import GiB, REPO_ROOT, machine_info, make_state, rmtree_quiet, scratch_root, state_nbytes  # noqa: E402
+from _common import write_results, GiB, REPO_ROOT, machine_info, make_state, rmtree_quiet, scratch_root, state_nbytes  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 CASES = ["fresh", "expected_nbytes", "restart"]
@@ -93,12 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         r["first_vs_later"] = r["first_s"] / r["later_median_s"]
         result["cases"][case] = r
         print(f"{case}: {r}", file=sys.stderr, flush=True)
-    outp = Path(a.out)
-    outp.parent.mkdir(parents=True, exist_ok=True)
-    outp.write_text(json.dumps(result, indent=2, default=str))
-    md = markdown(result)
-    outp.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(a.out, result, markdown(result))
     return 0
 
 

@@ -19,7 +19,6 @@ not grow), and a memory-tier restore (``load(state)``) against the floor's copy 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -32,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-from _common import REPO_ROOT, iter_tensors, machine_info, ratio, rmtree_quiet, scratch_root, state_nbytes  # noqa: E402
+from _common import (REPO_ROOT, iter_tensors, machine_info, ratio, rmtree_quiet, scratch_root, state_nbytes,  # noqa: E402
+                     write_results)
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
@@ -162,12 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             del sd
     finally:
         rmtree_quiet(work)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    md = markdown(result)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(a.out, result, markdown(result))
     return 0
 
 

@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from _common import (GiB, REPO_ROOT, drop_page_cache, fsync_path, iter_tensors, machine_info,  # noqa: E402
+from _common import (write_results, GiB, REPO_ROOT, drop_page_cache, fsync_path, iter_tensors, machine_info,  # noqa: E402
                      make_state, ratio, rmtree_quiet, scratch_root)
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -360,12 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
     add_ratios(result)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    md = markdown(result)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(a.out, result, markdown(result))
     return 0
 
 
