@@ -5,10 +5,10 @@ its node persister can serve (its own slots and the replicas of other nodes' ran
 replicas), rank 0 lists the committed steps on disk (:meth:`Loader.candidates`), and every rank builds the
 same list, newest first (memory first when it is at least as new as disk). A memory step is complete when
 every rank's part is held by some node; a rank whose own node does not hold its part fetches it first from
-the node that does (:mod:`snapckpt.persister.replication`, checksum verified) into its own arena. :meth:`Loader.load_with` then tries each :class:`LoadCandidate` on every
-rank; if any rank cannot read it (a torn memory slot, a corrupt file), all ranks move to the next
-candidate together (cases B3, C2, C9). Reading is :meth:`Loader.read` (a copy or views of the arena slot;
-disk files after :meth:`Loader.verify`). The restore into live tensors is :mod:`snapckpt.engine.restore`.
+the node that does (:mod:`snapckpt.persister.replication`, checksum verified) into its own arena.
+:meth:`Loader.load_with` then tries each :class:`LoadCandidate` on every rank; if any rank cannot read it
+(a torn memory slot, a corrupt file), all ranks move to the next candidate together (cases B3, C2, C9).
+Reading is :meth:`Loader.read` (a copy or views of the arena slot; disk files after :meth:`Loader.verify`). The restore into live tensors is :mod:`snapckpt.engine.restore`.
 """
 from __future__ import annotations
 
