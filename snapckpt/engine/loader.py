@@ -8,7 +8,8 @@ every rank's part is held by some node; a rank whose own node does not hold its 
 the node that does (:mod:`snapckpt.persister.replication`, checksum verified) into its own arena.
 :meth:`Loader.load_with` then tries each :class:`LoadCandidate` on every rank; if any rank cannot read it
 (a torn memory slot, a corrupt file), all ranks move to the next candidate together (cases B3, C2, C9).
-Reading is :meth:`Loader.read` (a copy or views of the arena slot; disk files after :meth:`Loader.verify`). The restore into live tensors is :mod:`snapckpt.engine.restore`.
+Reading is :meth:`Loader.read` (a copy or views of the arena slot; disk files after :meth:`Loader.verify`).
+The restore into live tensors is :mod:`snapckpt.engine.restore`.
 """
 from __future__ import annotations
 
