@@ -324,6 +324,17 @@ def test_A5_stale_cache_replaced_tensors_new_groups_new_shapes(snap_env):
     assert storage_of(at10["side"]["tied_a"]) == storage_of(at10["side"]["tied_b"])
 
 
+class _Opaque:
+    """A pickled global nobody registers with ``torch.serialization.add_safe_globals`` (megatron-core registers
+    ``argparse.Namespace`` when imported, so an in-process Megatron test earlier in the worker made it safe)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __repr__(self):  # digest() compares values by repr
+        return f"_Opaque({self.step})"
+
+
 def test_A5_fresh_allocations_of_one_layout_reuse_the_plan_and_save_their_own_values(snap_env, caplog):
     """Contract 3, the other direction. Fault: the state holds tensors allocated anew at every save (a
     fresh ``torch.get_rng_state()`` and RNG record, as every integration's sidecar does; optimizer state
@@ -331,7 +342,6 @@ def test_A5_fresh_allocations_of_one_layout_reuse_the_plan_and_save_their_own_va
     re-ran the weights-only check, about 0.2 s on the training thread for 2,000 tensors) at every save.
     Right behaviour: one plan for the whole run, one weights-only warning, and every checkpoint equals the
     live state of its own step (the copy sources are the live tensors, never ones cached with the plan)."""
-    import argparse
     import logging
 
     from snapckpt import rng
@@ -343,9 +353,9 @@ def test_A5_fresh_allocations_of_one_layout_reuse_the_plan_and_save_their_own_va
             train_step(model, opt, step)
             for st in opt.state.values():
                 st["exp_avg"] = st["exp_avg"].clone()
-            # a Namespace pickles as a global that load() (weights_only=True) refuses: warned once
+            # an object pickles as a global that load() (weights_only=True) refuses: warned once
             state = {**train_state(model, opt, step, []), "rng": rng.capture(), "lr": torch.tensor(0.1 * step),
-                     "args": argparse.Namespace(step=step)}
+                     "args": _Opaque(step)}
             expected[step] = digest(state)
             ck.save(state, step, StorageType.DISK).wait()
         builds = ck._stager.plan_builds
