@@ -27,6 +27,7 @@ if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$
     exit 1
 fi
 rm -rf "$site"
+echo "test.sh: docs built (mkdocs build --strict, no warning)"
 
 # Three pytest workers: most tests wait on real processes (torchrun ranks, the persister, sleeps and
 # timeouts), so on 2 cores two workers left about 40% of the CPU idle (measured: 1.2 cores busy on average
