@@ -101,3 +101,56 @@ def test_a_snapshot_replaced_while_still_queued_is_reported_lagging(replicator):
     assert [(n["kind"], n["step"]) for n in notes] == [("replica_lagging", 3)]
     assert "still in flight when step 6 came" in notes[0]["reason"]
     assert sender.queue == {0: (newer, 2, 6)}
+
+
+def test_a_replica_damaged_while_held_is_never_served_or_written_as_intact(replicator, tmp_path, caplog):
+    """Bytes of a held replica that change after it arrived (a stray write into shared memory): a peer's fetch
+    gets the checksum taken on arrival, which no longer matches what it receives, so the fetch is refused;
+    the stand-in crash flush refuses to write it as a committed part. A sender that vanishes mid-transfer
+    leaves no ``.part`` file behind (break-it run: a damaged replica was loaded and committed)."""
+    import time
+
+    from snapckpt.persister import replica_flush
+
+    rep, port = replicator
+    data = os.urandom(1 << 20)
+    sock = channel.connect("127.0.0.1", port, RUN, SECRET)
+    try:
+        _put(sock, 1, _meta(3), memoryview(data))
+    finally:
+        sock.close()
+    path = os.path.join(rep.arena_dir, replica_file_name(1))
+    with open(path, "r+b") as f:  # flip bytes in the middle
+        f.seek(len(data) // 2)
+        f.write(bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64]))
+
+    sock = channel.connect("127.0.0.1", port, RUN, SECRET)
+    try:
+        channel.send_frame(sock, {"op": "get", "rank": 1, "step": 3, "run_id": RUN})
+        header, nbytes = channel.recv_header(sock)
+        assert header["ok"] and header["kind"] == "replica" and nbytes == len(data)
+        got = bytearray(nbytes)
+        hasher = xxhash.xxh3_64()
+        channel.recv_payload_into(sock, memoryview(got), hasher)
+        trailer, _ = channel.recv_header(sock)
+    finally:
+        sock.close()
+    assert trailer["checksum"] == xxhash.xxh3_64(data).hexdigest() != hasher.hexdigest()  # the fetcher refuses
+
+    held = rep.replica_of(1, 3, RUN)
+    run = Run(RUN, 2, [0], True, str(tmp_path / "ckpt"), None, 60.0, True, False)
+    with pytest.raises(ValueError, match="no longer matches the checksum taken when it arrived"):
+        replica_flush._write(run, held, 3, str(tmp_path / "partial"), "test")
+    assert not os.path.exists(tmp_path / "partial")
+
+    caplog.set_level(logging.WARNING, logger="snapckpt.persister")
+    sock = channel.connect("127.0.0.1", port, RUN, SECRET)
+    channel.send_frame(sock, {"op": "put", "rank": 0, **_meta(6)}, 1 << 20)
+    channel.send_payload(sock, memoryview(b"y" * 1000))
+    sock.close()  # gone mid-transfer
+    part = os.path.join(rep.arena_dir, replica_file_name(0)) + ".part"
+    deadline = time.monotonic() + 10  # the receiving thread opens the part file, then meets the closed socket
+    dropped = lambda: [r for r in caplog.records if "went away mid-transfer" in r.getMessage()]  # noqa: E731
+    while not dropped() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dropped() and not os.path.exists(part)

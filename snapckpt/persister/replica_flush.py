@@ -24,6 +24,8 @@ import os
 import threading
 import time
 
+import xxhash
+
 from snapckpt.ondisk.manifest import part_marker_name, partial_dirname
 from snapckpt.persister import peers
 from snapckpt.persister.arena import map_slot
@@ -95,6 +97,10 @@ def _write(run: Run, rep: Replica, step: int, partial: str, why: str) -> None:
     t0 = time.monotonic()
     buf = map_slot(rep.path, rep.nbytes)
     try:
+        got = xxhash.xxh3_64(memoryview(buf)[:rep.nbytes]).hexdigest()
+        if got != rep.checksum:  # damaged while held here: never committed as if intact
+            raise ValueError(f"the replica of rank {rep.rank} step {step} in {rep.path} no longer matches the "
+                             f"checksum taken when it arrived ({got} != {rep.checksum})")
         index = read_index(buf, rep.path)
         if index["step"] != step:
             raise ValueError(f"the replica of rank {rep.rank} holds step {index['step']}, not {step}")

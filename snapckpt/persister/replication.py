@@ -389,6 +389,7 @@ class Replicator:
         part = final + ".part"
         error = None
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        received = False
         try:
             hasher = xxhash.xxh3_64()
             try:
@@ -410,8 +411,13 @@ class Replicator:
                     if k == 0:
                         raise channel.ChannelError("peer closed the connection")
                     left -= k
+            received = True
         finally:
             os.close(fd)
+            if not received:  # the sender vanished mid-transfer: no half replica stays in shared memory
+                os.unlink(part)
+                log.warning("replica of rank %d step %d dropped: the sender went away mid-transfer", rank,
+                            meta["step"])
         trailer, _ = channel.recv_header(conn)
         checksum = hasher.hexdigest()
         if error is None and trailer.get("checksum") != checksum:
@@ -439,18 +445,25 @@ class Replicator:
                 pinned = s
                 meta, path, nbytes, kind = self.slot_meta(s), s.path, s.index_offset + s.index_nbytes, "own"
         try:
+            stored = None
             if pinned is None:
                 rep = self.replica_of(rank, step, run_id)
                 if rep is None:
                     channel.send_frame(conn, {"ok": False, "error": f"no snapshot of rank {rank} step {step} here"})
                     return
-                meta, path, nbytes, kind = rep.meta, rep.path, rep.nbytes, "replica"
+                meta, path, nbytes, kind, stored = rep.meta, rep.path, rep.nbytes, "replica", rep.checksum
             m = map_slot(path, max(nbytes, 1))  # a replica renamed over meanwhile stays mapped whole
             try:
                 hasher = xxhash.xxh3_64()
                 channel.send_frame(conn, {"ok": True, "kind": kind, **meta}, nbytes)
                 channel.send_payload(conn, memoryview(m)[:nbytes], hasher)
-                channel.send_frame(conn, {"checksum": hasher.hexdigest()})
+                # a replica goes out with the checksum taken when it arrived: the fetcher's own hash of what it
+                # received then also catches bytes damaged while the replica sat here (no second pass)
+                channel.send_frame(conn, {"checksum": stored or hasher.hexdigest()})
+                if stored is not None and stored != hasher.hexdigest():
+                    log.error("the replica of rank %d step %d in %s no longer matches its checksum (%s != %s): "
+                              "served as damaged, the fetch is refused", rank, step, path, hasher.hexdigest(),
+                              stored)
             finally:
                 m.close()
             log.info("served rank %d step %d (%s, %d bytes) to a peer", rank, step, kind, nbytes)
