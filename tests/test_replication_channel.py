@@ -5,6 +5,7 @@ The end-to-end behaviour (a lost node resumed from a peer replica) is tested on 
 tests/test_multinode.py."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -12,6 +13,7 @@ import threading
 import pytest
 import xxhash
 
+from snapckpt.ondisk.manifest import SIDECAR, fail_marker_name
 from snapckpt.persister import channel
 from snapckpt.persister.arena import SlotFiles
 from snapckpt.persister.replication import Replicator, _put, replica_file_name
@@ -86,7 +88,8 @@ def test_replica_replaced_only_when_complete(replicator):
 
 def test_a_snapshot_replaced_while_still_queued_is_reported_lagging(replicator):
     """A sender holds one snapshot per rank besides the one in flight: a newer snapshot of the rank replaces
-    a queued one, which is then never sent and reported as ``replica_lagging`` (for the rank's events)."""
+    a queued one, which is then never sent and reported as ``replica_lagging`` (for the rank's events), to
+    that run only (break-it run: a restarted job's first snapshot reported the previous run's notes)."""
     from snapckpt.persister.replication import _Sender
     from snapckpt.persister.slots import Slot
 
@@ -95,12 +98,15 @@ def test_a_snapshot_replaced_while_still_queued_is_reported_lagging(replicator):
     sender = _Sender(rep, run, 1, "127.0.0.1", port)  # not started: as if a send were in flight
     older, newer = Slot(0, "s0", step=3, seq=1), Slot(1, "s1", step=6, seq=2)
     sender.offer(0, older)
-    assert rep.drain_notes(0) == []
+    assert rep.drain_notes(RUN, 0) == []
     sender.offer(0, newer)
-    notes = rep.drain_notes(0)
+    notes = rep.drain_notes(RUN, 0)
     assert [(n["kind"], n["step"]) for n in notes] == [("replica_lagging", 3)]
     assert "still in flight when step 6 came" in notes[0]["reason"]
     assert sender.queue == {0: (newer, 2, 6)}
+    # a restarted job (a new run) on the same persister never reports the earlier run's notes
+    sender.offer(0, Slot(0, "s0", step=9, seq=3))
+    assert rep.drain_notes("a-later-run", 0) == [] and rep.drain_notes(RUN, 0) == []
 
 
 def test_a_replica_damaged_while_held_is_never_served_or_written_as_intact(replicator, tmp_path, caplog):
@@ -142,6 +148,12 @@ def test_a_replica_damaged_while_held_is_never_served_or_written_as_intact(repli
     with pytest.raises(ValueError, match="no longer matches the checksum taken when it arrived"):
         replica_flush._write(run, held, 3, str(tmp_path / "partial"), "test")
     assert not os.path.exists(tmp_path / "partial")
+    # the stand-in leaves the rank's failure marker instead, so the commit fails now, not at its timeout
+    assert replica_flush.write_or_fail(run, held, 3, str(tmp_path / "partial"), "test") is False
+    assert os.listdir(tmp_path / "partial") == [SIDECAR]
+    assert os.listdir(tmp_path / "partial" / SIDECAR) == [os.path.basename(fail_marker_name(1))]
+    marker = json.loads((tmp_path / "partial" / fail_marker_name(1)).read_text())
+    assert marker["step"] == 3 and "no longer matches the checksum" in json.dumps(marker["error"])
 
     caplog.set_level(logging.WARNING, logger="snapckpt.persister")
     sock = channel.connect("127.0.0.1", port, RUN, SECRET)

@@ -12,7 +12,9 @@ parts of the newest step ``N`` they hold. With peer replicas, it also holds othe
    the partial directory: that node is alive and flushed), or that node will never write it (its lease
    went stale: the node is lost; or its gone record is final without the save), or the save ended;
 3. in the second case writes the part from the replica, exactly as the rank's own node would have
-   (the same files, checksums and part marker: :func:`snapckpt.persister.writer.write_part`).
+   (the same files, checksums and part marker: :func:`snapckpt.persister.writer.write_part`), or, when
+   that fails, that rank's failure marker, so that the commit fails at once with the cause
+   (:func:`write_or_fail`).
 
 So when the whole job dies and a node is gone, the survivors still commit the newest step.
 """
@@ -33,12 +35,12 @@ from snapckpt.persister.replication import Replica
 from snapckpt.persister.scheduler import Scheduler
 from snapckpt.persister.slot_index import read_index
 from snapckpt.persister.slots import Run
-from snapckpt.persister.writer import write_part
+from snapckpt.persister.writer import write_failure_marker, write_part
 from snapckpt.storage.factory import open_storage
 
 log = logging.getLogger("snapckpt.persister")
 
-__all__ = ["stand_in"]
+__all__ = ["stand_in", "write_or_fail"]
 
 POLL_SECS = 0.25
 
@@ -82,7 +84,7 @@ def _wait_and_write(run: Run, rep: Replica, step: int, dirname: str, scheduler: 
                 return
             why = watch.lost(rep.rank, step, dirname)
             if why is not None:
-                _write(run, rep, step, partial, why)
+                write_or_fail(run, rep, step, partial, why)
                 return
             time.sleep(POLL_SECS)
     except Exception as e:
@@ -91,6 +93,22 @@ def _wait_and_write(run: Run, rep: Replica, step: int, dirname: str, scheduler: 
     finally:
         with scheduler.lock:
             scheduler.pending -= 1
+
+
+def write_or_fail(run: Run, rep: Replica, step: int, partial: str, why: str) -> bool:
+    """Write rank ``rep.rank``'s part of ``step`` into ``partial`` from the replica; if that fails (the
+    replica no longer matches its checksum, the disk is full...), leave that rank's failure marker instead,
+    so that the committer fails the step at once, naming the cause, rather than awaiting the claimed part
+    until ``commit_timeout_secs``. Returns whether the part was written."""
+    try:
+        _write(run, rep, step, partial, why)
+        return True
+    except Exception as e:
+        log.error("writing rank %d's part of step %d from its replica failed: %s: %s", rep.rank, step,
+                  type(e).__name__, e)
+        write_failure_marker(open_storage(fsync=run.fsync), partial, rank=rep.rank, run_id=run.run_id, step=step,
+                             exc=e)
+        return False
 
 
 def _write(run: Run, rep: Replica, step: int, partial: str, why: str) -> None:
