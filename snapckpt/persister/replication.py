@@ -17,7 +17,7 @@ Data path (over the authenticated TCP channel of :mod:`snapckpt.persister.channe
   or it moved to another node) asks its persister to ``fetch`` it: the persister gets the bytes from the
   persister holding them (a replica, or that node's own slot of the rank), checksum verified, into a
   slot of the rank's own arena, which then reads as any memory snapshot.
-- **Notes.** ``replicated`` / ``replica_lagging`` notes per local rank, drained by the rank's next
+- **Notes.** ``replicated`` / ``replica_lagging`` notes per run and local rank, drained by the rank's next
   ``acquire`` (the rank turns them into events).
 
 Locking: the server's lock guards the slot table; :attr:`Replicator.lock` guards this module's records.
@@ -82,7 +82,7 @@ class _Sender(threading.Thread):
             self.queue[rank] = (slot, slot.seq, slot.step)
             self.cv.notify()
         if old is not None:
-            self.owner.note(rank, "replica_lagging", old[2], f"not replicated to node {self.node}: the previous "
+            self.owner.note(self.job_run.run_id, rank, "replica_lagging", old[2], f"not replicated to node {self.node}: the previous "
                             f"snapshot's send was still in flight when step {slot.step} came")
 
     def run(self) -> None:  # noqa: D401 (thread body)
@@ -143,7 +143,7 @@ class _Sender(threading.Thread):
         secs = time.monotonic() - t0
         log.info("rank %d step %d replicated to node %d (%s:%d): %d bytes in %.3f s (xxh3 %s)", rank,
                  meta["step"], self.node, self.addr, self.port, nbytes, secs, checksum)
-        owner.note(rank, "replicated", meta["step"], f"to node {self.node} in {secs:.3f} s", secs=secs,
+        owner.note(self.job_run.run_id, rank, "replicated", meta["step"], f"to node {self.node} in {secs:.3f} s", secs=secs,
                    nbytes=nbytes)
 
 
@@ -180,7 +180,7 @@ class Replicator:
         self.secrets: Dict[str, bytes] = {}  # run id -> the run's secret (never written anywhere)
         self.senders: Dict[Tuple[str, int], _Sender] = {}
         self.targets: Dict[str, List[int]] = {}  # run id -> target nodes
-        self.notes: Dict[int, List[Dict[str, Any]]] = {}
+        self.notes: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
         self.listener: Optional[socket.socket] = None
         self.stopping = False
 
@@ -239,19 +239,23 @@ class Replicator:
             if sender is not None:
                 sender.offer(entry.rank, slot)
 
-    def note(self, rank: int, kind: str, step: int, reason: str, **extra: Any) -> None:
-        """Record a ``replicated`` / ``replica_lagging`` note for local ``rank`` (kept until its next acquire)."""
+    def note(self, run_id: str, rank: int, kind: str, step: int, reason: str, **extra: Any) -> None:
+        """Record a ``replicated`` / ``replica_lagging`` note for local ``rank`` of run ``run_id`` (kept until
+        that rank's next acquire in that run: a restarted job never reports an earlier run's notes)."""
         with self.lock:
-            notes = self.notes.setdefault(rank, [])
+            notes = self.notes.setdefault((run_id, rank), [])
             notes.append({"kind": kind, "step": step, "reason": reason, **extra})
             del notes[:-64]  # a rank that never acquires again must not grow this forever
         if kind == "replica_lagging":
             log.warning("rank %d step %d: %s", rank, step, reason)
 
-    def drain_notes(self, rank: int) -> List[Dict[str, Any]]:
-        """The notes of ``rank`` since the last call."""
+    def drain_notes(self, run_id: str, rank: int) -> List[Dict[str, Any]]:
+        """The notes of ``rank`` of run ``run_id`` since the last call; an earlier run's notes of any rank
+        are dropped (their rank will not acquire in that run again)."""
         with self.lock:
-            return self.notes.pop(rank, [])
+            for key in [k for k in self.notes if k[0] != run_id]:
+                del self.notes[key]
+            return self.notes.pop((run_id, rank), [])
 
     def slot_meta(self, s: Slot) -> Dict[str, Any]:
         """What a peer needs to know about slot ``s``'s snapshot (with the server lock)."""

@@ -492,7 +492,10 @@ class Server:
         return P.ok(persister_pid=os.getpid())
 
     def _op_acquire(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
-        notes = self.replicator.drain_notes(entry.rank)  # replicated / lagging, for the rank's events
+        notes = self.replicator.drain_notes(entry.run_id, entry.rank)  # replicated / lagging, for the rank's events
+        run = self.slots.runs.get(entry.run_id)
+        if run is not None:
+            self.slots.drop_moved_ranks(run)
         slot = self.slots.acquire(entry, msg["step"], msg["nbytes"])
         if slot is None:
             return P.ok(busy=True, detail=self.slots.describe(entry), replication=notes)
