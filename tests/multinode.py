@@ -261,10 +261,14 @@ class Rig:
         return free_port()
 
     def torchrun_all(self, script: str, args: Sequence[str], nproc_per_node: int,
-                     env: Optional[Dict[str, str]] = None, port: Optional[int] = None) -> List[NodeRun]:
-        """Start one torchrun agent per node (node rank = node index) on a fresh port."""
+                     env: Optional[Dict[str, str]] = None, port: Optional[int] = None,
+                     node_ranks: Optional[Sequence[int]] = None) -> List[NodeRun]:
+        """Start one torchrun agent per node on a fresh port; node ``i`` gets node rank ``node_ranks[i]``
+        (default ``i``; a permutation moves every rank to another node, as a restart on a new allocation can)."""
         port = port or free_port()
-        return [node.run_torchrun(script, args, nproc_per_node, len(self.nodes), i, port, env)
+        ranks = list(node_ranks) if node_ranks is not None else list(range(len(self.nodes)))
+        assert sorted(ranks) == list(range(len(self.nodes))), ranks
+        return [node.run_torchrun(script, args, nproc_per_node, len(self.nodes), ranks[i], port, env)
                 for i, node in enumerate(self.nodes)]
 
     def kill_trainers(self, i: int) -> List[int]:

@@ -36,9 +36,9 @@ def _args(ckpt_dir, *extra, loss_log=None):
     return a + list(extra)
 
 
-def _run_all(rig, args, nproc, timeout=120):
+def _run_all(rig, args, nproc, timeout=120, node_ranks=None):
     """Run ``args`` on every node of the rig; assert every agent exits 0; return their outputs."""
-    runs = rig.torchrun_all(args[0], args[1:], nproc)
+    runs = rig.torchrun_all(args[0], args[1:], nproc, node_ranks=node_ranks)
     codes = [r.wait(timeout) for r in runs]
     outs = [r.output() for r in runs]
     for n, (c, o) in enumerate(zip(codes, outs)):
@@ -69,12 +69,16 @@ def _wait_paused(runs, nranks, timeout=90):
     assert ok, "the ranks did not reach the pause:\n" + "\n".join(r.output() for r in runs)
 
 
-def _resume_and_compare(rig, nproc, log):
-    """Restart the job on every node; every rank resumes from memory at step PAUSE; losses bitwise equal."""
-    outs = _run_all(rig, _args(rig.ckpt_dir, loss_log=log), nproc)
+def _resume_and_compare(rig, nproc, log, node_ranks=None):
+    """Restart the job on every node (node ``i`` as node rank ``node_ranks[i]``); every rank resumes from
+    memory at step PAUSE (fetched from another node when its rank moved); losses bitwise equal. Returns the
+    agents' outputs."""
+    outs = _run_all(rig, _args(rig.ckpt_dir, loss_log=log), nproc, node_ranks=node_ranks)
     resumed = _results(outs, "RESUMED")
     assert len(resumed) == len(rig.nodes) * nproc, outs
     assert {(r["step"], r["tier"]) for r in resumed} == {(PAUSE, "memory")}, resumed
+    moved = node_ranks is not None and any(r != i for i, r in enumerate(node_ranks))
+    assert all(bool(r["fetched_from"]) == moved for r in resumed), resumed
     with open(log) as f:
         text = f.read()
     got = loss_lines(text)
@@ -82,6 +86,7 @@ def _resume_and_compare(rig, nproc, log):
     assert got == ref, f"losses differ from the uninterrupted run:\n{got}\n{ref}"
     # the resumed run's own lines start right after the resumed step
     assert [int(l.split()[1]) for l in text.splitlines()][PAUSE:] == list(range(PAUSE + 1, STEPS + 1))
+    return outs
 
 
 def _verify(ckpt_dir):

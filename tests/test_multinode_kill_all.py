@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from test_multinode import PAUSE, WORKER, _args, _resume_and_compare, _trim_log, _wait_paused
+from test_multinode import PAUSE, WORKER, _args, _persister_log, _resume_and_compare, _trim_log, _wait_paused
 
 
 def test_G2_every_trainer_killed_at_once_resumes_from_memory(rig):
@@ -25,9 +25,12 @@ def test_G2_every_trainer_killed_at_once_resumes_from_memory(rig):
     _resume_and_compare(rig, 1, log)
 
 
-def test_G2_four_nodes_every_trainer_killed_resumes_from_memory(rig):
-    """G2 at 4 nodes (one rank each): every trainer killed at once, the restart resumes from memory at step 9
-    on every node, losses bitwise equal to an uninterrupted 4-rank run (DDP without bucket rebuild)."""
+def test_G2_G6_four_nodes_killed_resume_from_memory_on_other_nodes(rig):
+    """G2 at 4 nodes (one rank each): every trainer killed at once, and the restart places every rank on
+    another node (node i becomes node rank i+1, as a new allocation can). Every rank still resumes from
+    memory at step 9, its snapshot fetched from the node that holds it (its old node's slot or a replica),
+    losses bitwise equal to an uninterrupted 4-rank run (DDP without bucket rebuild); each node then frees
+    the slots of the rank that moved away, at the new run's first snapshot."""
     rig.start(4)
     rig.leftover_ok = True
     log = os.path.join(rig.tmp, "losses.log")
@@ -36,5 +39,7 @@ def test_G2_four_nodes_every_trainer_killed_resumes_from_memory(rig):
     assert all(len(n.persisters()) == 1 for n in rig.nodes)
     rig.kill_all_trainers()
     _trim_log(log, PAUSE)
-    _resume_and_compare(rig, 1, log)
+    _resume_and_compare(rig, 1, log, node_ranks=[1, 2, 3, 0])
+    for i, node in enumerate(rig.nodes):
+        assert f"freed the memory slots of ranks [{i}], held from an earlier run" in _persister_log(node), i
 

@@ -155,6 +155,14 @@ class SlotFiles:
             os.close(fd)
         return nbytes
 
+    def remove(self, rank: int, slot: int) -> None:
+        """Delete the file of ``slot`` of ``rank`` (gone already is fine); its pages return to the tmpfs once
+        the last mapping of it is closed."""
+        try:
+            os.unlink(self.path(rank, slot))
+        except FileNotFoundError:
+            pass
+
     def remove_all(self) -> None:
         """Delete the slot files and then the directory if it is empty (best effort; files already gone are
         fine). Only names this class creates are deleted: nothing else is ever removed from the directory."""

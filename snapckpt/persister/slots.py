@@ -166,6 +166,35 @@ class SlotTable:
         """Every slot's state and step, for a busy reply (``"slot 0: READY(5), ..."``)."""
         return ", ".join(f"slot {s.index}: {s.state.value}({s.step})" for s in entry.slots)
 
+    def drop_moved_ranks(self, run: Run) -> List[int]:
+        """Free the slots this node still holds for ranks of an earlier run of the job that are not local to
+        ``run`` (the rank moved to another node at a restart, or the world shrank): otherwise every node's
+        shared memory ends up holding slots of every rank. Called at an ``acquire`` of ``run``: a rank saves
+        only after its load, and every load ends with a round of all ranks, so no fetch from those slots is
+        still to come. A slot still written, persisted, sent or grown is left for a later call. Returns the
+        ranks whose slots were freed."""
+        dropped = []
+        for rank, entry in list(self.ranks.items()):
+            if rank in run.local_ranks or entry.conn is not None or entry.run_id == run.run_id:
+                continue
+            if any(s.state in (SlotState.WRITING, SlotState.PERSISTING) or s.pins or s.growing is not None
+                   for s in entry.slots):
+                continue
+            for s in entry.slots:
+                if s.mapping is not None:
+                    try:
+                        s.mapping.close()
+                    except BufferError:  # a view is still alive: the pages go with its last reference
+                        pass
+                    s.mapping = None
+                self.arena.remove(rank, s.index)
+            del self.ranks[rank]
+            dropped.append(rank)
+        if dropped:
+            log.info("run %s: freed the memory slots of ranks %s, held from an earlier run: they are no longer "
+                     "on this node", run.run_id, dropped)
+        return dropped
+
     # ------------------------------------------------------------------------------- transitions
     def acquire(self, entry: RankEntry, step: int, nbytes: int) -> Optional[Slot]:
         """Hand out a slot of at least ``nbytes`` bytes for ``step`` (WRITING), or ``None`` when every
