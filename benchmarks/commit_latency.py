@@ -46,7 +46,8 @@ def worker(ckpt_dir: str, total_bytes: int, saves: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     state = {"w": torch.rand(max(1, total_bytes // world // 4), generator=torch.Generator().manual_seed(rank))}
     secs = []
-    with Checkpointer(ckpt_dir, keep_last=2, expected_nbytes=state["w"].nbytes + (1 << 20)) as ck:
+    fsync = os.environ.get("SNAPCKPT_BENCH_FSYNC", "1") == "1"  # --no-fsync: what the fsyncs cost
+    with Checkpointer(ckpt_dir, keep_last=2, expected_nbytes=state["w"].nbytes + (1 << 20), fsync=fsync) as ck:
         for step in range(1, saves + 1):
             state["w"][0] = step
             h = ck.save(state, step)
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=64)
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--scratch", default=None, help="checkpoint directory parent (default: a temp dir)")
+    ap.add_argument("--no-fsync", action="store_true", help="diagnostic: skip fsync (what the fsyncs cost)")
     ap.add_argument("--worker", nargs=3, metavar=("DIR", "BYTES", "SAVES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -93,6 +95,8 @@ def main() -> None:
     from _common import git_commit, write_results
 
     scratch = args.scratch or tempfile.mkdtemp(prefix="snapckpt-commit-lat-")
+    if args.no_fsync:
+        os.environ["SNAPCKPT_BENCH_FSYNC"] = "0"
     total = args.total_mib << 20
     recs = []
     for world in [int(x) for x in args.ranks.split(",")]:
