@@ -116,15 +116,20 @@ def finish(procs: List[subprocess.Popen], timeout: float = 120) -> List[str]:
     return outs
 
 
+def finish_ok(procs: List[subprocess.Popen], timeout: float = 120) -> List[str]:
+    """:func:`finish`, then assert every rank exited 0. With :func:`launch`, runs a job beside another one
+    (an independent reference run while the run under test goes on) and collects it later."""
+    outs = finish(procs, timeout)
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{o}"
+    return outs
+
+
 def run_ranks(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str], timeout: float = 120,
               check: bool = True) -> List[str]:
     """Launch, wait, and (with ``check``) assert every rank exited 0."""
     procs = launch(script, nprocs, args, env)
-    outs = finish(procs, timeout)
-    if check:
-        for r, (p, o) in enumerate(zip(procs, outs)):
-            assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{o}"
-    return outs
+    return finish_ok(procs, timeout) if check else finish(procs, timeout)
 
 
 def result_lines(out: str, tag: str = "RESULT") -> List[str]:
