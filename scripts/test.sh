@@ -34,7 +34,8 @@ echo "test.sh: docs built (mkdocs build --strict, no warning)"
 # over a full run). Tests are handed out one by one (--dist loadgroup): with --dist loadfile a worker that
 # drew a slow module late ran all of it while the others had nothing left to do. A module whose tests
 # share a module-scoped fixture or cache marks itself `pytestmark = pytest.mark.xdist_group(...)` and runs
-# on one worker. Each test has its own runtime and shared-memory directories (tests/conftest.py snap_env).
+# on one worker (under pytest 9 only through tests/conftest.py: pytest-xdist 3.8 alone ignores the mark);
+# the scheduler hands out groups before single tests. Each test has its own runtime and shared-memory directories (tests/conftest.py snap_env).
 .venv/bin/python -m pytest -n 3 --dist loadgroup "${targets[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

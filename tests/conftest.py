@@ -35,6 +35,27 @@ if importlib.util.find_spec("xdist") is not None:
         node.workerinput["fault_seed"] = node.config.fault_seed
 
 
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup``: give every ``xdist_group`` test the ``@<group>`` node-id suffix the scheduler groups
+    by. pytest-xdist 3.8 sets it through ``item._nodeid``, which pytest 9 no longer reads (the id is
+    ``item._id``), so its groups were silently ignored: a group's tests ran on every worker, each rebuilding
+    the group's module-scoped fixtures and caches. Does nothing where xdist's own suffix took effect."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix):
+            continue
+        if hasattr(item, "_id"):  # pytest >= 9
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + suffix)
+        else:
+            item._nodeid = item.nodeid + suffix
+
+
 def pytest_report_header(config):
     return f"fault matrix: --fault-seed {config.fault_seed} --fault-points {config.getoption('--fault-points')}"
 

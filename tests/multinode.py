@@ -164,12 +164,17 @@ class Node:
     # -- processes ---------------------------------------------------------------------------------
 
     def pids(self) -> List[int]:
-        """Every live (non-zombie) process in this node's mount namespace, the holder included."""
+        """Every live (non-zombie) process in this node's mount namespace, the holder included.
+
+        Namespaces are read from ``/proc`` and psutil is asked about the matches only (tests poll this while
+        they wait; a ``psutil.process_iter`` over every process cost about 10x the CPU)."""
         out = []
-        for p in psutil.process_iter(["status"]):
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or _mnt_ns(int(name)) != self.mnt_ns:
+                continue
             try:
-                if p.info["status"] != psutil.STATUS_ZOMBIE and _mnt_ns(p.pid) == self.mnt_ns:
-                    out.append(p.pid)
+                if psutil.Process(int(name)).status() != psutil.STATUS_ZOMBIE:
+                    out.append(int(name))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         return out

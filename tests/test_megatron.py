@@ -22,7 +22,7 @@ import signal
 
 import pytest
 
-from _harness import finish, launch, result_lines, run_ranks, wait_until
+from _harness import finish, finish_ok, launch, result_lines, run_ranks, wait_until
 
 WORKER = "megatron_worker.py"
 
@@ -111,10 +111,8 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
         env["SNAPCKPT_REMOTE_DIR"] = bucket.url("mg")
     base = ["--mode", "train", "--tp", str(tp), "--opt", opt, "--steps", "8", "--mem-interval", "1",
             "--disk-interval", "4"] + (["--overlap"] if overlap else [])
-    straight = run_ranks(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")], snap_env.env,
-                         timeout=240)
-    ref = [dict(l.split() for l in r) for r in _rank_results(straight, "LOSS")]
-    assert all(len(r) == 8 for r in ref)
+    # the uninterrupted run beside the first killed one (its own directory and persister): independent
+    straight = launch(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")], snap_env.env)
 
     def run(kill_after):
         procs = launch(WORKER, 2, base + ["--ckpt", snap_env.ckpt_dir, "--kill-after", str(kill_after)], env)
@@ -125,6 +123,8 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
 
     outs = run(6)
     assert all("LOSS 6" in " ".join(result_lines(o)) and "LOSS 7" not in " ".join(result_lines(o)) for o in outs)
+    ref = [dict(l.split() for l in r) for r in _rank_results(finish_ok(straight, timeout=240), "LOSS")]
+    assert all(len(r) == 8 for r in ref)
     outs = run(7)  # persister alive: every rank holds iteration 6 in memory
     for r, o in enumerate(outs):
         assert "RESUMED 6 memory" in result_lines(o), o

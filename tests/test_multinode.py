@@ -17,8 +17,8 @@ import pytest
 from _harness import REPO, WORKERS, result_lines, wait_until
 from multinode import loss_lines
 
-# scripts/test.sh hands out tests one by one (--dist loadgroup); these share the reference runs in `_reference`:
-# one worker runs them all, so it is made once
+# scripts/test.sh hands out tests one by one (--dist loadgroup); these and tests/test_multinode_kill_all.py share
+# the reference runs in `_reference`: one worker runs them all, so each is made once
 pytestmark = pytest.mark.xdist_group("test_multinode")
 
 WORKER = os.path.join(WORKERS, "mn_worker.py")
@@ -26,7 +26,9 @@ STEPS = 12
 # memory every 3 steps, disk every 6: the pause at step 9 holds step 9 in memory and step 6 on disk
 MEM, DISK, PAUSE = 3, 6, 9
 
-_reference = {}  # world size -> {step: loss} of an uninterrupted run
+# world size -> {step: loss} of an uninterrupted run: test_G2_commit_across_two_nodes's (world 4), else
+# reference_losses' own run
+_reference = {}
 
 
 def _args(ckpt_dir, *extra, loss_log=None):
@@ -52,7 +54,8 @@ def _results(outs, tag="RESULT"):
 
 def reference_losses(rig, world):
     """Losses of an uninterrupted run of ``world`` ranks, computed once per world size on node 0 alone
-    (the losses do not depend on placement: the resumed multi-node runs are compared with it)."""
+    (the losses do not depend on placement: the resumed multi-node runs are compared with it), unless an
+    uninterrupted run of that world size was already logged (test_G2_commit_across_two_nodes: world 4)."""
     if world not in _reference:
         ref_dir, ref_log = os.path.join(rig.tmp, "ref-ckpt"), os.path.join(rig.tmp, "ref.log")
         run = rig.nodes[0].run_torchrun(WORKER, _args(ref_dir, loss_log=ref_log)[1:], world, 1, 0, rig.port())
@@ -122,7 +125,8 @@ def test_G2_commit_across_two_nodes(rig):
     with the tracker last and ``snapckpt verify`` passes; at a clean end every persister exits and no
     node keeps shared memory (checked by the fixture)."""
     rig.start(2)
-    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir)[1:], 2)
+    log = os.path.join(rig.tmp, "losses.log")
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, loss_log=log)[1:], 2)
     seen = {}  # node -> persister pids seen while training
     wait_until(lambda: all(n.persisters() for n in rig.nodes) or any(r.returncode is not None for r in runs),
                60, 0.05)
@@ -141,6 +145,10 @@ def test_G2_commit_across_two_nodes(rig):
         assert f.read().strip().endswith(str(STEPS))
     out = _verify(rig.ckpt_dir)
     assert str(STEPS) in out
+    with open(log) as f:  # an uninterrupted 4-rank run: the reference of the 4-node kill test
+        losses = loss_lines(f.read())
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    _reference.setdefault(4, losses)
 
 
 def test_G1_G2_one_node_dies_first_the_other_by_exception_resumes_from_memory(rig):

@@ -1,12 +1,18 @@
 """Every trainer of a multi-node job killed at once (case G2), at 2 and 4 simulated nodes: the restart
 resumes from memory with losses bitwise equal to an uninterrupted run. The rig and the worker are those of
-tests/test_multinode.py (split in two modules so that two pytest workers can run them side by side).
+tests/test_multinode.py, and so are the uninterrupted reference runs: both modules are one xdist group, so
+the world-2 reference is made once and the world-4 one is test_G2_commit_across_two_nodes's run (each
+computed here when this module runs alone).
 """
 from __future__ import annotations
 
 import os
 
+import pytest
+
 from test_multinode import PAUSE, WORKER, _args, _persister_log, _resume_and_compare, _trim_log, _wait_paused
+
+pytestmark = pytest.mark.xdist_group("test_multinode")
 
 
 def test_G2_every_trainer_killed_at_once_resumes_from_memory(rig):
