@@ -249,7 +249,7 @@ def test_contract7_disk_too_small_for_checkpoint(snap_env):
 @pytest.mark.parametrize("kwargs, error, names", [
     ({"keep_last": 0}, ValueError, ["keep_last"]),
     ({"keep_last": -3}, ValueError, ["keep_last"]),
-    ({"slots_per_rank": 1}, ValueError, ["slots_per_rank"]),
+    ({"slots_per_rank": 0}, ValueError, ["slots_per_rank"]),
     ({"slot_headroom": 0.5}, ValueError, ["slot_headroom"]),
     ({"on_slot_busy": "drop"}, ValueError, ["on_slot_busy"]),
     ({"request_timeout_secs": 0}, ValueError, ["request_timeout_secs"]),
