@@ -74,7 +74,9 @@ def child(a: argparse.Namespace) -> None:
         if disk:
             handles.append(h)
         peak = max(peak, _arena_nbytes(arena))
-        saves.append({"step": step, "kind": kind, "blocking_s": secs})
+        st = ck.last_stats
+        saves.append({"step": step, "kind": kind, "blocking_s": secs, "wait_slot_s": st.wait_slot_secs,
+                      "copy_s": st.copy_secs})
         prev_disk = disk
     t0 = time.perf_counter()
     for h in handles:
@@ -90,13 +92,32 @@ def child(a: argparse.Namespace) -> None:
 
 def summarise(r: dict) -> dict:
     """Medians per kind of save, total blocking and the arena's size against the state."""
-    by = {}
+    by, copy = {}, {}
     for s in r["saves"]:
         by.setdefault(s["kind"], []).append(s["blocking_s"])
+        copy.setdefault(s["kind"], []).append(s["copy_s"])
     return {"median_s": {k: statistics.median(v) for k, v in by.items()},
+            "median_copy_s": {k: statistics.median(v) for k, v in copy.items()},
             "total_blocking_s": sum(s["blocking_s"] for s in r["saves"]),
+            "total_wait_slot_s": sum(s["wait_slot_s"] for s in r["saves"]),
             "waited_steps": [s["step"] for s in r["saves"] if s["waited"]],
             "arena_vs_state": r["arena_peak_nbytes"] / r["state_nbytes"]}
+
+
+def combine(rs: list) -> dict:
+    """One case's rounds as one record: the median over rounds of every figure (the rounds are kept)."""
+    if len(rs) == 1:
+        return rs[0]
+    med = statistics.median
+    out = {"rounds": rs, "state_nbytes": rs[0]["state_nbytes"], "options": rs[0]["options"],
+           "arena_peak_nbytes": max(r["arena_peak_nbytes"] for r in rs),
+           "waited_steps": sorted({s for r in rs for s in r["waited_steps"]}),
+           "total_blocking_s": med([r["total_blocking_s"] for r in rs]),
+           "total_wait_slot_s": med([r["total_wait_slot_s"] for r in rs])}
+    for key in ("median_s", "median_copy_s"):
+        out[key] = {k: med([r[key][k] for r in rs if k in r[key]]) for k in rs[0][key]}
+    out["arena_vs_state"] = out["arena_peak_nbytes"] / out["state_nbytes"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-s", type=float, default=0.5, help="seconds of a training step (a sleep)")
     p.add_argument("--disk-every", type=int, default=4)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the cases this many times, interleaved; each figure is the median over rounds")
+    p.add_argument("--omp-threads", type=int, default=0,
+                   help="OMP_NUM_THREADS of the cases (0: torch's default); see the note in the markdown")
     p.add_argument("--out", default=str(RESULTS / "memory_budget.json"))
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -114,11 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         child(a)
         return 0
     root, _ = scratch_root(None)
-    cfg = {"size_gib": a.size_gib, "steps": a.steps, "step_s": a.step_s, "disk_every": a.disk_every}
+    cfg = {"size_gib": a.size_gib, "steps": a.steps, "step_s": a.step_s, "disk_every": a.disk_every,
+           "omp_threads": a.omp_threads, "rounds": a.rounds}
     result = {"machine": machine_info(root), "config": cfg, "cases": {}}
     result["machine"]["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    for case in [c.strip() for c in a.cases.split(",") if c.strip()]:
+    if a.omp_threads:
+        env["OMP_NUM_THREADS"] = str(a.omp_threads)
+    runs: dict = {}
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    for case in [c for _ in range(a.rounds) for c in cases]:
         d = tempfile.mkdtemp(prefix="budget-", dir=root)
         try:
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--case", case, "--dir", d + "/ck",
@@ -133,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         r = json.loads(lines[-1])
         r.update(summarise(r))
-        result["cases"][case] = r
+        runs.setdefault(case, []).append(r)
         print(f"{case}: {r['median_s']} total {r['total_blocking_s']:.3f} s, arena {r['arena_vs_state']:.2f}x",
               file=sys.stderr, flush=True)
+    for case, rs in runs.items():
+        result["cases"][case] = combine(rs)
     base = result["cases"].get("2 slots", {})
     for r in result["cases"].values():
         if "error" not in r and "error" not in base and base:
@@ -153,18 +185,22 @@ def markdown(result: dict) -> str:
     lines = ["# Host-memory budget: stall against arena memory (2 slots vs 1 slot)", "",
              f"- date: {m['date']}; git: {m['git_commit']}; {m['cpu_count']} cpus; state {c['size_gib']:g} GiB; "
              f"{c['steps']} steps of {c['step_s']:g} s (a sleep), memory snapshot every step, disk every "
-             f"{c['disk_every']}; overlap off; uptime: {m.get('uptime', '')}", "",
+             f"{c['disk_every']}; overlap off; OMP_NUM_THREADS {c.get('omp_threads') or 'default'}; "
+             f"median of {c.get('rounds', 1)} interleaved round(s) per figure (saves that waited: any round); "
+             f"uptime: {m.get('uptime', '')}", "",
              "| case | arena (peak) GiB | arena / state | memory save s (median) | memory save after a disk save s "
-             "| disk save s | saves that waited | total blocking s | blocking vs 2 slots | arena vs 2 slots |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| disk save s | copy s (median, memory saves) | saves that waited | waited for the slot s (total) "
+             "| total blocking s | blocking vs 2 slots | arena vs 2 slots |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for k, r in result["cases"].items():
         if "error" in r:
-            lines.append(f"| {k} | error | | | | | | | | |")
+            lines.append(f"| {k} | error | | | | | | | | | | |")
             continue
         med = [r["median_s"].get(kind) for kind in KINDS]
         cells = " | ".join("" if x is None else f"{x:.3f}" for x in med)
         lines.append(f"| {k} | {r['arena_peak_nbytes'] / GiB:.2f} | {r['arena_vs_state']:.2f}x | {cells} "
-                     f"| {r['waited_steps'] or 'none'} | {r['total_blocking_s']:.3f} "
+                     f"| {r['median_copy_s'].get('memory', 0):.3f} | {r['waited_steps'] or 'none'} "
+                     f"| {r['total_wait_slot_s']:.3f} | {r['total_blocking_s']:.3f} "
                      f"| {r.get('total_blocking_vs_2_slots', 0):.2f}x | {r.get('arena_vs_2_slots', 0):.2f}x |")
     return "\n".join(lines) + "\n"
 

@@ -76,6 +76,7 @@ class Checkpointer:
                 f"the checkpoints, e.g. Checkpointer(\"ckpt\")), not {checkpoint_dir!r} "
                 f"({type(checkpoint_dir).__name__})")
         self.options = CheckpointOptions.from_kwargs(**options)
+        self.options.resolved_host_memory_budget_nbytes  # a malformed SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES fails here
         self.checkpoint_dir = os.path.abspath(check_location(checkpoint_dir))
         self.job = job_key(self.checkpoint_dir, self.options.job_id)
         self._coord = make_coordinator(self.job, self.options.coordination_timeout_secs)
