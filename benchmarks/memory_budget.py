@@ -189,7 +189,7 @@ def markdown(result: dict) -> str:
              f"median of {c.get('rounds', 1)} interleaved round(s) per figure (saves that waited: any round); "
              f"uptime: {m.get('uptime', '')}", "",
              "| case | arena (peak) GiB | arena / state | memory save s (median) | memory save after a disk save s "
-             "| disk save s | copy s (median, memory saves) | saves that waited | waited for the slot s (total) "
+             "| disk save s | copy s (median, memory saves) | saves that waited | acquiring a slot s (total, waits included) "
              "| total blocking s | blocking vs 2 slots | arena vs 2 slots |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for k, r in result["cases"].items():
