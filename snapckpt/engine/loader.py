@@ -325,7 +325,7 @@ class Loader:
             return
         one = (" (this rank has a single arena slot, slots_per_rank=1 or a host-memory budget: the copy was "
                "overwriting the previous memory snapshot, so memory holds no complete one)"
-               if held.get("slots_per_rank") == 1 else "")
+               if held.get("usable_slots") == 1 else "")
         log.warning("rank %d: the memory snapshot of step(s) %s is incomplete: its copy into the arena was "
                     "interrupted (the process died or the copy failed mid-way), so it is never loaded%s; loading "
                     "%s instead", self.rank, torn, one,

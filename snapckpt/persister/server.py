@@ -579,7 +579,7 @@ class Server:
         # loader names them when it falls back to an older step
         torn = [{"slot": s.index, "step": s.step} for s in entry.slots if s.state == SlotState.INVALID]
         return P.ok(slots=[self.slots.info(s) for s in self.slots.held(entry)], interrupted=torn,
-                    slots_per_rank=len(self.slots.usable(entry, entry.limit)))
+                    usable_slots=len(self.slots.usable(entry, entry.limit)))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
