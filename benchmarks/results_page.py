@@ -2,7 +2,8 @@
 
 Reads what the benchmarks left in ``benchmarks/results/`` (each part is skipped when its JSON is absent):
 ``suite.json`` (stall, durable, restore per method and size), ``loop.json`` (training-loop cost),
-``recovery.json`` (restart to first step), ``many_tensors.json``, ``first_save.json``. Writes the page
+``recovery.json`` (restart to first step), ``many_tensors.json``, ``first_save.json``, ``memory_budget.json``
+(stall against arena memory, 2 slots vs 1). Writes the page
 ``docs/benchmarks.md`` (each figure's table, its run's date, commit and load, and its plot) and the plots
 ``docs/img/bench-*.png`` (matplotlib, from the ``bench`` extra). Like the generated part of
 ``docs/performance.md``, the page and its plots are committed after a run (``benchmarks/results/`` itself is
@@ -149,6 +150,17 @@ def first_part(fs: dict, img: Path) -> list:
     return ["## First save (`first_save.py`)", "", body.strip(), "", "![first save](img/bench-first-save.png)", ""]
 
 
+def budget_part(mb: dict, img: Path) -> list:
+    import memory_budget  # noqa: PLC0415
+
+    cases = {k: v for k, v in mb["cases"].items() if "error" not in v}
+    _bars(img / "bench-memory-budget.png", "host-memory budget: blocking per save (seconds)", list(cases),
+          {kind: [v["median_s"].get(kind) for v in cases.values()] for kind in memory_budget.KINDS}, "seconds")
+    body = memory_budget.markdown(mb).split("\n", 2)[2]
+    return ["## Host-memory budget: 2 slots vs 1 slot (`memory_budget.py`)", "", body.strip(), "",
+            "![memory budget](img/bench-memory-budget.png)", ""]
+
+
 def write_page(page: Path = PAGE, img: Path = IMG) -> Path:
     """Write the page and its plots from whatever results exist; return the page's path."""
     lines = ["# Benchmark results", "",
@@ -160,7 +172,7 @@ def write_page(page: Path = PAGE, img: Path = IMG) -> Path:
              "figure. How each method is measured: [Performance](performance.md) and `benchmarks/README.md`. No "
              "test asserts any of these times.", ""]
     parts = [("suite.json", suite_part), ("loop.json", loop_part), ("recovery.json", recovery_part),
-             ("many_tensors.json", many_part), ("first_save.json", first_part)]
+             ("many_tensors.json", many_part), ("first_save.json", first_part), ("memory_budget.json", budget_part)]
     missing = []
     for name, fn in parts:
         data = _load(name)

@@ -25,7 +25,18 @@ class CheckpointOptions:
         job_id: optional extra job identity; a job is ``(realpath(checkpoint_dir), job_id)``, with its own
             persister and arena. Two jobs should still not share a checkpoint directory: a commit
             refuses to replace a step directory that another job committed.
-        slots_per_rank: arena slots per local rank (>= 2: one being written while one is held/persisted).
+        slots_per_rank: arena slots per local rank (default 2: one being written while the other holds the
+            newest snapshot or is being written to disk). ``1`` halves the host memory of the memory tier: the
+            only slot is reused, so while a snapshot is copied into it no complete snapshot is in memory (a
+            crash then restarts from the newest disk checkpoint, never from a torn slot), and a save waits
+            until the slot's previous snapshot is written to disk (and sent to peers): the stall grows by
+            what remains of that write. Measured trade-off: docs/performance.md.
+        host_memory_budget_nbytes: bytes of host (shared) memory this node's arena may hold: every local
+            rank's slots plus the peer replica slots held for other nodes (counted as one slot of the
+            rank's size per replica). At each save the slot count of a rank is the largest that fits its
+            equal share, at most ``slots_per_rank``; when not even one slot fits, ``save`` raises
+            :class:`~snapckpt.errors.InsufficientSharedMemoryError` naming the bytes needed. ``None``
+            (default): ``$SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES``, else no budget (``slots_per_rank`` slots).
         slot_headroom: a slot is allocated ``slot_headroom`` times the bytes the state needs, so that
             small growth of the state does not reallocate it. Default 1.05: at 1 GiB, 51 MiB covers the
             parts of a state that grow from save to save (counters, log history, pickled objects); a larger
@@ -86,6 +97,7 @@ class CheckpointOptions:
     runtime_dir: Optional[str] = None
     job_id: Optional[str] = None
     slots_per_rank: int = 2
+    host_memory_budget_nbytes: Optional[int] = None
     slot_headroom: float = 1.05
     on_slot_busy: Literal["wait", "skip"] = "wait"
     slot_wait_timeout_secs: float = 600.0
@@ -107,8 +119,12 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
-        if not isinstance(self.slots_per_rank, int) or self.slots_per_rank < 2:
-            raise ValueError(f"slots_per_rank must be an int >= 2, got {self.slots_per_rank!r}")
+        if isinstance(self.slots_per_rank, bool) or not isinstance(self.slots_per_rank, int) or self.slots_per_rank < 1:
+            raise ValueError(f"slots_per_rank must be an int >= 1, got {self.slots_per_rank!r}")
+        budget = self.host_memory_budget_nbytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"host_memory_budget_nbytes must be a positive int (bytes of host memory for this "
+                             f"node's arena, e.g. 64 << 30 for 64 GiB) or None, got {budget!r}")
         if not (self.slot_headroom >= 1.0):
             raise ValueError(f"slot_headroom must be >= 1.0, got {self.slot_headroom!r}")
         if self.expected_nbytes is not None and (isinstance(self.expected_nbytes, bool)
@@ -158,6 +174,18 @@ class CheckpointOptions:
             ValueError: the environment variable is not a positive number.
         """
         return float(self.peer_timeout_secs) if self.peer_timeout_secs is not None else _env.peer_timeout_secs()
+
+    @property
+    def resolved_host_memory_budget_nbytes(self) -> Optional[int]:
+        """The host-memory budget of the arena in force, bytes (option, then
+        ``SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES``), or ``None`` for none.
+
+        Raises:
+            ValueError: the environment variable is not a positive integer.
+        """
+        if self.host_memory_budget_nbytes is not None:
+            return self.host_memory_budget_nbytes
+        return _env.host_memory_budget_nbytes()
 
     def resolved_replicas(self, num_nodes: int) -> int:
         """The number of peer replicas in force for a job of ``num_nodes`` nodes (option, then

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _harness import finish, launch, result_lines, tree, used_bytes, wait_until
+from faults import point_env
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointDirError, InsufficientDiskError, PersisterError,
                              PersisterTimeoutError)
@@ -84,20 +85,63 @@ def test_D1_second_slot_does_not_fit(snap_env):
     tmpfs, its second does not,
     so the arena (two slots) cannot hold it. Right: never SIGBUS; the very first save already raises
     InsufficientSharedMemoryError naming the bytes of both slots (not a save that works and a later one
-    that fails), every retry does too; a 4 MiB state then works and loads from memory."""
+    that fails) and the setting that fits (``slots_per_rank=1``, with the bytes it needs and those available),
+    every retry does too; a 4 MiB state then works and loads from memory. Host-memory budget (issue 18,
+    target 6): the first save's preflight warning names that setting too; the same 10 MiB state snapshots
+    with a 12 MiB ``host_memory_budget_nbytes`` (which picks one slot of the default two: the
+    ``slots_per_rank=1`` path); the newest snapshot loads, the tmpfs holds one slot, and a state that
+    outgrows the budget is refused naming it, before any copy."""
     shm = os.path.join(snap_env.tmp, "tiny-shm")
     with tmpfs(shm, "16m"):
         rc, out = run_worker(snap_env, "one_slot", snap_env.ckpt_dir, shm)
         assert rc != -signal.SIGBUS, f"the saving process died of SIGBUS:\n{out}"
         assert rc == 0, f"worker exited {rc}:\n{out}"
-        res, closed = results(out)
+        res, closed, budget = results(out)
+        assert re.search(r"host memory: this node's snapshot arena needs 21.0 MiB .* slots_per_rank=1 fits", out), out
         errors = res["errors"]
         assert all(errors), f"two 10.5 MiB slots cannot fit a 16 MiB tmpfs, yet a save passed: {errors}"
-        for e in errors:  # names what both slots need (>= 2 x 10 MiB)
+        for e in errors:  # names what both slots need (>= 2 x 10 MiB), and what fits
             assert "shm_dir" in e and any(int(n) >= 20 * MiB for n in re.findall(r"\d+", e)), e
+            fits = re.search(r"slots_per_rank=1 fits: needs [\d.]+ MiB \((\d+) bytes\) of [\d.]+ MiB "
+                             r"\((\d+) bytes\)", e)
+            assert fits and 10 * MiB < int(fits[1]) < int(fits[2]) <= 16 * MiB, e
         assert res["loaded_step"] == 5 and res["loaded_fill"] == 5.0, res
         assert closed["persister_gone"]
+        assert (budget["loaded_step"], budget["loaded_fill"]) == (9, 9.0), budget
+        assert 10 * MiB < budget["shm_used"] < 12 * MiB, f"more than one slot held: {budget}"
+        assert "host_memory_budget_nbytes=12582912" in budget["outgrown"], budget
+        assert budget["last_stats"] == 9, "the refused save copied its state"
         assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
+
+
+def test_single_slot_killed_mid_copy_never_loads_a_torn_snapshot(snap_env):
+    """Issue 18, target 6: ``slots_per_rank=1``. Step 1 is saved to disk and step 2 at once to memory: the
+    only slot is being written to disk, so step 2 waits for it (``slot_wait``), then takes the slot. Step 3
+    is copied into that same slot and the rank is SIGKILLed halfway (a real fault point): memory then holds
+    no complete snapshot (step 2 was overwritten). Right: the restarted job (same persister) loads step 1
+    from disk, never the torn step 3 nor the overwritten step 2, the crash flush wrote nothing, and a warning
+    names the interrupted step; it snapshots step 4 into the slot and is SIGKILLed after the snapshot
+    completed: the next restart loads step 4 from memory."""
+    snap_env.leftover_ok = True
+    env = {**snap_env.env, **point_env("snapshot.mid_copy", step=3), "SNAPCKPT_FAULT_WRITE_DELAY_SECS": "0.02"}
+    procs = launch(WORKER, 1, ["single_slot", snap_env.ckpt_dir], env)
+    (out,) = finish(procs, 120)
+    assert procs[0].returncode == -signal.SIGKILL, f"the fault point did not fire:\n{out}"
+    (saved,) = results(out)
+    assert saved["waited"] == [2] and saved["committed"] == [1], saved
+    rc, out = run_worker(snap_env, "single_slot_resume", snap_env.ckpt_dir, "1")
+    assert rc == -signal.SIGKILL, f"worker exited {rc}:\n{out}"
+    loaded, _ = results(out)
+    assert loaded["persister_pid"] == saved["persister_pid"], "the restart did not find the surviving persister"
+    assert (loaded["step"], loaded["tier"], loaded["fill"]) == (1, "disk", 1.0), loaded
+    assert loaded["on_disk"] == ["step_00000001"], loaded
+    assert re.search(r"memory snapshot of step\(s\) \[3\] is incomplete.*single arena slot.*loading step 1 \(disk\)",
+                     out), out
+    rc, out = run_worker(snap_env, "single_slot_resume", snap_env.ckpt_dir, "0")
+    assert rc == 0, f"worker exited {rc}:\n{out}"
+    loaded, closed = results(out)
+    assert (loaded["step"], loaded["tier"], loaded["fill"]) == (4, "memory", 4.0), loaded
+    assert closed["persister_gone"]
 
 
 # ------------------------------------------------------------------------------------------ D2
@@ -249,7 +293,7 @@ def test_contract7_disk_too_small_for_checkpoint(snap_env):
 @pytest.mark.parametrize("kwargs, error, names", [
     ({"keep_last": 0}, ValueError, ["keep_last"]),
     ({"keep_last": -3}, ValueError, ["keep_last"]),
-    ({"slots_per_rank": 1}, ValueError, ["slots_per_rank"]),
+    ({"slots_per_rank": 0}, ValueError, ["slots_per_rank"]),
     ({"slot_headroom": 0.5}, ValueError, ["slot_headroom"]),
     ({"on_slot_busy": "drop"}, ValueError, ["on_slot_busy"]),
     ({"request_timeout_secs": 0}, ValueError, ["request_timeout_secs"]),

@@ -10,6 +10,8 @@ Knobs:
   node persister's liveness lease may go unrenewed before a commit waiting for its ranks is abandoned.
 - ``SNAPCKPT_REPLICAS``: default of the ``replicas`` option: how many other nodes hold a copy of each node's
   memory snapshots (0 turns the peer-memory tier off; unset: 1 when the job spans several nodes).
+- ``SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES``: default of the ``host_memory_budget_nbytes`` option: bytes of
+  host memory a node's arena may hold (its ranks' slots and the peer replicas); unset: no budget.
 - ``SNAPCKPT_REPLICA_ADDR``: the address this node's persister listens on for its peers (default: the
   address this host uses to reach ``MASTER_ADDR``, the rendezvous host).
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
@@ -86,6 +88,21 @@ def replicas() -> "int | None":
         return None
     if not raw.isdigit():
         raise ValueError(f"SNAPCKPT_REPLICAS={raw!r} must be a non-negative integer (0 turns peer replicas off)")
+    return int(raw)
+
+
+def host_memory_budget_nbytes() -> "int | None":
+    """``SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES`` as an int (bytes), ``None`` when unset.
+
+    Raises:
+        ValueError: set but not a positive integer.
+    """
+    raw = os.environ.get("SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES", "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise ValueError(f"SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES={raw!r} must be a positive integer number of bytes "
+                         "(68719476736 for 64 GiB), or unset for no budget")
     return int(raw)
 
 

@@ -30,7 +30,7 @@ from snapckpt.engine.replicas import setup_replicas
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
-from snapckpt.errors import CheckpointDirError, RemoteStorageError
+from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, RemoteStorageError
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.formats import respec
 from snapckpt.ondisk import layout
@@ -76,6 +76,7 @@ class Checkpointer:
                 f"the checkpoints, e.g. Checkpointer(\"ckpt\")), not {checkpoint_dir!r} "
                 f"({type(checkpoint_dir).__name__})")
         self.options = CheckpointOptions.from_kwargs(**options)
+        self.options.resolved_host_memory_budget_nbytes  # a malformed SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES fails here
         self.checkpoint_dir = os.path.abspath(check_location(checkpoint_dir))
         self.job = job_key(self.checkpoint_dir, self.options.job_id)
         self._coord = make_coordinator(self.job, self.options.coordination_timeout_secs)
@@ -120,7 +121,13 @@ class Checkpointer:
             nbytes = newest_part_nbytes(self.checkpoint_dir, self.rank)
         if nbytes:
             # what a save of that size asks for (Saver._acquire), plus room for the slot's pickles and index
-            self._session.reserve(int(nbytes * self.options.slot_headroom) + (1 << 20))
+            want = int(nbytes * self.options.slot_headroom) + (1 << 20)
+            try:  # the host-memory preflight: a budget too small, or an arena larger than the host, is said now
+                limit = self._saver.slot_limit(want)
+            except InsufficientSharedMemoryError as e:
+                log.warning("rank %d: for the expected snapshot size: %s", self.rank, e)
+                return
+            self._session.reserve(want, limit)
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every

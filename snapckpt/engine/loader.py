@@ -162,7 +162,8 @@ class Loader:
         Raises:
             IncompatibleCheckpointError: only checkpoints of another world size exist.
         """
-        held = self._session.request("held")["slots"]
+        reply = self._session.request("held")
+        held = reply["slots"]
         stale = sorted({s["step"] for s in held if s.get("dir_id") not in (None, self._dir_id)})
         if stale:
             log.warning("rank %d: memory snapshots of steps %s belong to an earlier %s that was deleted and "
@@ -207,6 +208,7 @@ class Loader:
         cands += [(d[0], "disk", d[1]) for d in disk_ok]
         cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
         self._warn_lost_memory(everyone, cands)
+        self._warn_interrupted(reply, cands)
         fetched = self._fetch_remote(everyone[0]["remote"], disk_all, cands, step)
         if fetched is not None:
             cands.insert(0, (fetched[0], "disk", fetched[1]))
@@ -312,6 +314,22 @@ class Loader:
                     "without its memory, or they died before their snapshot of it); the newest step complete on "
                     "every rank is %s: the steps after it are lost on this restart", newest, holders, missing,
                     "none (a fresh start)" if best is None else f"{best} ({cands[0][1]})")
+
+    def _warn_interrupted(self, held: Dict[str, Any], cands: List[Tuple[int, str, Optional[str]]]) -> None:
+        """Name a memory snapshot of this rank that is newer than what will be loaded but was never complete (its
+        copy into the arena was cut short: the process died or the copy failed). It is never loaded (its
+        slot is INVALID); with a single slot per rank it also overwrote the previous memory snapshot."""
+        best = cands[0][0] if cands else None
+        torn = sorted({t["step"] for t in held.get("interrupted") or [] if best is None or t["step"] > best})
+        if not torn:
+            return
+        one = (" (this rank has a single arena slot, slots_per_rank=1 or a host-memory budget: the copy was "
+               "overwriting the previous memory snapshot, so memory holds no complete one)"
+               if held.get("usable_slots") == 1 else "")
+        log.warning("rank %d: the memory snapshot of step(s) %s is incomplete: its copy into the arena was "
+                    "interrupted (the process died or the copy failed mid-way), so it is never loaded%s; loading "
+                    "%s instead", self.rank, torn, one,
+                    "nothing (a fresh start)" if best is None else f"step {best} ({cands[0][1]})")
 
     def latest_step(self) -> Optional[int]:
         """``Checkpointer.latest_step`` after its ``wait()`` (its docstring has the details)."""

@@ -5,6 +5,13 @@ or can be created, and is writable; the shared-memory directory exists and is a 
 the directory's identity (:func:`dir_identity`), which every memory snapshot is tagged with so that a
 deleted and re-created directory never loads another run's snapshots. When the job spans several nodes,
 :func:`check_shared_dir` proves that every rank sees the same checkpoint directory (case G7).
+
+Host memory: once a rank's snapshot size is known (``expected_nbytes``, a restart's newest checkpoint, or
+the first save), :func:`slot_limit` applies ``host_memory_budget_nbytes`` (how many slots the rank may use)
+and :func:`host_memory_shortfall` says, before any page is reserved, when this node's arena (state x slots x
+local ranks, plus the peer replica slots) exceeds the free shared memory or ``MemAvailable``, and which
+``slots_per_rank`` fits. The persister's reservation raises the hard error
+(:meth:`snapckpt.persister.arena.SlotFiles.ensure_size`).
 """
 from __future__ import annotations
 
@@ -14,9 +21,12 @@ import os
 import uuid
 from typing import Optional
 
-from snapckpt.errors import CheckpointDirError, PreflightError
+from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, PreflightError
+from snapckpt.persister.arena import mem_available_bytes
+from snapckpt.persister.budget import arena_nbytes, fitting_setting, fmt_nbytes, slots_within
 
-__all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "newest_part_nbytes", "preflight_dir"]
+__all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "host_memory_shortfall",
+           "newest_part_nbytes", "preflight_dir", "slot_limit"]
 
 DIR_ID_XATTR = "user.snapckpt.dir_id"  # random id of a checkpoint directory, an extended attribute of it
 
@@ -182,3 +192,84 @@ def fs_type(path: str) -> Optional[str]:
         if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[0])):
             best = (mnt, fstype)
     return best[1] if best else None
+
+
+def slot_limit(options, topology, slot_nbytes: int) -> int:
+    """How many arena slots this rank may use for a snapshot slot of ``slot_nbytes`` bytes: 0 (all
+    ``slots_per_rank``) without a host-memory budget; under ``host_memory_budget_nbytes`` the most that fit
+    the rank's equal share of it (:func:`snapckpt.persister.budget.slots_within`).
+
+    Args:
+        options: the :class:`~snapckpt.options.CheckpointOptions`.
+        topology: this rank's :class:`~snapckpt.dist.topology.Topology` (local ranks, nodes).
+        slot_nbytes: bytes of one slot (the snapshot times ``slot_headroom``).
+
+    Raises:
+        InsufficientSharedMemoryError: the budget cannot hold one slot per rank (names both sizes and the
+            smallest budget that would).
+        ValueError: ``SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES`` or ``SNAPCKPT_REPLICAS`` is malformed.
+    """
+    budget = options.resolved_host_memory_budget_nbytes
+    if budget is None:
+        return 0
+    local, replicas = len(topology.local_ranks), options.resolved_replicas(topology.num_nodes)
+    k = slots_within(budget, slot_nbytes, local, replicas, options.slots_per_rank)
+    if k < 1:
+        one = arena_nbytes(slot_nbytes, 1, local, replicas)
+        peers = f" + {replicas} peer replica slot(s)" if replicas else ""
+        raise InsufficientSharedMemoryError(
+            f"host_memory_budget_nbytes={budget} ({fmt_nbytes(budget)}) cannot hold one snapshot slot per rank: "
+            f"this node's {local} local rank(s) x (1 slot{peers}) x {fmt_nbytes(slot_nbytes)} need "
+            f"{fmt_nbytes(one)}; raise the budget to at least {one}, save less state per rank, or turn peer "
+            "replicas off (replicas=0) if they are on; nothing was copied")
+    return k
+
+
+def host_memory_shortfall(options, topology, slot_nbytes: int, slots: int, arena_dir: str) -> Optional[str]:
+    """A warning when this node's arena for slots of ``slot_nbytes`` bytes does not fit, else ``None``.
+
+    The arena needs ``slot_nbytes x (slots + replicas) x local ranks`` bytes (each local rank's state taken
+    to be this rank's size); what is available is the smaller of the free space of ``shm_dir`` and the
+    host's ``MemAvailable``, each plus what the job's arena (``arena_dir``) already holds (it is reused).
+    The message names both and the setting that fits (:func:`snapckpt.persister.budget.fitting_setting`).
+
+    Args:
+        options: the :class:`~snapckpt.options.CheckpointOptions`.
+        topology: this rank's :class:`~snapckpt.dist.topology.Topology`.
+        slot_nbytes: bytes of one slot.
+        slots: slots per rank in use (``slots_per_rank``, or the budget's count).
+        arena_dir: the job's arena directory (may not exist yet).
+    """
+    local, replicas = len(topology.local_ranks), options.resolved_replicas(topology.num_nodes)
+    need = arena_nbytes(slot_nbytes, slots, local, replicas)
+    shm = options.resolved_shm_dir
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return None
+    held = _dir_nbytes(arena_dir)
+    free = st.f_bavail * st.f_frsize
+    mem = mem_available_bytes()
+    available = min(free, mem) + held if mem is not None else free + held
+    if need <= available:
+        return None
+    peers = f" + {replicas} peer replica slot(s)" if replicas else ""
+    return (f"host memory: this node's snapshot arena needs {fmt_nbytes(need)} ({local} local rank(s) x ({slots} "
+            f"slot(s){peers}) x {fmt_nbytes(slot_nbytes)}) but {fmt_nbytes(available)} is available ({shm} has "
+            f"{free} bytes free, MemAvailable is {mem} bytes, the arena already holds {held}); "
+            + fitting_setting(slot_nbytes, slots, local, replicas, available))
+
+
+def _dir_nbytes(path: str) -> int:
+    """Bytes of memory the files directly in ``path`` hold (allocated blocks); 0 when it does not exist."""
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    total += e.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    pass
+    except OSError:
+        return 0
+    return total

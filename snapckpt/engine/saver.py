@@ -29,6 +29,7 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.dist.coordination import Coordinator
 from snapckpt.engine.device_copy import CudaCopier, has_cuda_sources
 from snapckpt.engine.handle import SaveHandle
+from snapckpt.engine.preflight import host_memory_shortfall, slot_limit
 from snapckpt.engine.restore import check_step
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
@@ -107,6 +108,7 @@ class Saver:
         self._claimed = False  # the writer claim of checkpoint_dir was settled (see _claim_dir)
         self.last_stats: Optional[SaveStats] = None
         self._remote_seen = 0  # remote-tier notes of the persister already emitted as events
+        self._checked_nbytes = 0  # the largest slot size the host-memory preflight has checked
 
     # ------------------------------------------------------------------- SaveOwner (for the handles)
     @property
@@ -200,7 +202,7 @@ class Saver:
             return handle
         slot = reply["slot"]
         try:
-            m = self._maps.get(slot, reply["path"], reply["nbytes"])
+            m = self._maps.get(slot, reply["path"], reply["nbytes"], usable=reply.get("usable"))
         except BaseException:
             self._abort(slot)
             raise
@@ -328,14 +330,35 @@ class Saver:
         self._emit_and_summarise(Event("snapshot_taken", job.step, job.storage_type, self._rank, stats=stats))
         return handle
 
+    def slot_limit(self, slot_nbytes: int) -> int:
+        """The slots this rank may use for ``slot_nbytes``-byte slots (0: all), after the host-memory budget;
+        when the size grew, the first local rank warns if the node's arena does not fit the host, and a
+        lower count stops the prefaults of slots the persister may now empty.
+
+        Raises:
+            InsufficientSharedMemoryError: the budget cannot hold one slot per rank.
+        """
+        limit = slot_limit(self._options, self._session.topology, slot_nbytes)
+        if slot_nbytes > self._checked_nbytes:
+            self._checked_nbytes = slot_nbytes
+            if self._session.topology.local_rank == 0:
+                slots = limit or self._options.slots_per_rank
+                warning = host_memory_shortfall(self._options, self._session.topology, slot_nbytes, slots,
+                                                self._session.arena_dir)
+                if warning:
+                    log.warning("rank %d: %s", self._rank, warning)
+        self._maps.set_limit(limit)
+        return limit
+
     def _acquire(self, step: int, nbytes: int, storage_type: StorageType) -> Optional[Dict[str, Any]]:
         o = self._options
-        want = int(nbytes * o.slot_headroom)
+        want = max(int(nbytes * o.slot_headroom), nbytes)
+        limit = self.slot_limit(want)
         deadline = time.monotonic() + o.slot_wait_timeout_secs
         delay = 0.001
         logged = False
         while True:
-            reply = self._session.request("acquire", step=step, nbytes=max(want, nbytes))
+            reply = self._session.request("acquire", step=step, nbytes=want, slots=limit)
             for n in reply.get("replication") or []:  # the peer tier's news since the last snapshot
                 self._emit(Event(str(n["kind"]), int(n["step"]), StorageType.MEMORY, self._rank,
                                  reason=str(n.get("reason", ""))))
@@ -353,7 +376,8 @@ class Saver:
                 raise SlotBusyError(
                     f"rank {self._rank}: no arena slot freed within {o.slot_wait_timeout_secs:g} s "
                     f"for step {step} ({reply.get('detail')}); the persister is slower than the save "
-                    "interval: save less often, add slots_per_rank, or use on_slot_busy='skip'")
+                    "interval: save less often, add slots_per_rank (or host memory budget), or use "
+                    "on_slot_busy='skip'")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 

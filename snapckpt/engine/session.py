@@ -53,6 +53,16 @@ class PersisterSession:
         self.closed = False
 
     @property
+    def topology(self) -> Topology:
+        """This rank's topology (rank, local ranks, nodes)."""
+        return self._topology
+
+    @property
+    def arena_dir(self) -> str:
+        """The job's arena directory in the shared-memory directory (the persister creates it)."""
+        return self.client.arena_dir
+
+    @property
     def persister_pid(self) -> Optional[int]:
         """Process id of the node persister (``None`` before the first connect)."""
         return self.client.persister_pid
@@ -74,12 +84,13 @@ class PersisterSession:
             "flush_on_crash": o.flush_on_crash,
             "fsync": o.fsync, "dir_id": self._dir_id, "remote_dir": o.resolved_remote_dir or ""})
 
-    def reserve(self, nbytes: int) -> None:
-        """Before the first save: have the persister grow this rank's free slots to ``nbytes`` bytes and map
-        them here, both on background threads. Best effort: a failure (too little shared memory) is left
-        for the first save's own ``acquire`` to raise, with its full message."""
+    def reserve(self, nbytes: int, slots: int = 0) -> None:
+        """Before the first save: have the persister grow this rank's free slots (the first ``slots`` it may
+        use; 0: all) to ``nbytes`` bytes and map them here, both on background threads. Best effort: a failure
+        (too little shared memory) is left for the first save's own ``acquire`` to raise, with its full
+        message."""
         try:
-            reply = self.request("reserve", nbytes=nbytes)
+            reply = self.request("reserve", nbytes=nbytes, slots=slots)
         except SnapckptError as e:
             log.info("rank %d: reserving the arena ahead of the first save failed: %s", self._topology.rank, e)
             return

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -97,10 +97,12 @@ class SlotMaps:
         self.maps: Dict[int, MappedSlot] = {}
         self._pending: Dict[int, _Pending] = {}
         self._thread: Optional[cf.ThreadPoolExecutor] = None  # started on first use
+        self._limit = 0  # the slot limit of the last acquire (see set_limit)
 
-    def get(self, slot: int, path: str, nbytes: int) -> MappedSlot:
+    def get(self, slot: int, path: str, nbytes: int, usable: Optional[List[int]] = None) -> MappedSlot:
         """The mapping of ``slot`` (file ``path``) at ``nbytes`` bytes: the one made before, the prefaulted
-        one, or a new one (remapped when the slot grew); then start prefaulting the other slots at ``nbytes``.
+        one, or a new one (remapped when the slot grew); then start prefaulting the other slots at ``nbytes``
+        (those in ``usable``, the slots the persister lets this rank use; ``None``: all of them).
 
         Raises: ``OSError`` / :class:`~snapckpt.errors.SnapshotError` when it cannot be mapped.
         """
@@ -111,8 +113,22 @@ class SlotMaps:
             if m is not None:
                 m.close()
             m = self.maps[slot] = pre if pre is not None else MappedSlot(path, nbytes)
-        self._prefault_others(slot, os.path.dirname(path), nbytes)
+        if usable is not None or not self._limit:  # under a limit, only the persister knows which slots
+            self._prefault_others(slot, os.path.dirname(path), nbytes, usable)
         return m
+
+    def set_limit(self, limit: int) -> None:
+        """The rank's slot limit (0: all slots) for the next ``acquire``. When it changes, every pending
+        prefault is stopped first: the persister empties (truncates) slots beyond a new limit, and a prefault
+        reading a truncated file would die of SIGBUS."""
+        if limit == self._limit:
+            return
+        self._limit = limit
+        pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.stop.set()
+        for p in pending:
+            p.take(wanted=False)
 
     def prefault(self, slot: int, path: str, nbytes: int) -> None:
         """Map ``slot`` (file ``path``) at ``nbytes`` bytes on the background thread, once the persister has
@@ -126,8 +142,8 @@ class SlotMaps:
         fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop)
         self._pending[slot] = _Pending(fut, stop, path, nbytes)
 
-    def _prefault_others(self, slot: int, arena_dir: str, nbytes: int) -> None:
-        for other in range(self.slots_per_rank):
+    def _prefault_others(self, slot: int, arena_dir: str, nbytes: int, usable: Optional[List[int]]) -> None:
+        for other in (range(self.slots_per_rank) if usable is None else usable):
             have = self.maps.get(other)
             if other == slot or other in self._pending or (have is not None and have.nbytes == nbytes):
                 continue

@@ -352,6 +352,9 @@ class Stager:
                 the event is waited for before the header is written. ``None``: every span is copied here,
                 synchronously, whatever its device.
         """
+        # A reused slot still carries the header of the snapshot it held: it goes first, so that the slot's
+        # own bytes never describe a half-overwritten snapshot as complete (the header is written last).
+        buf[0:HEADER_NBYTES] = bytes(HEADER_NBYTES)
         half = len(prepared.copies) // 2
         for i, (src, off) in enumerate(prepared.copies):
             if i == half:

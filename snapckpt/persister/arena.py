@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import InsufficientSharedMemoryError, PreflightError, SnapshotError
+from snapckpt.persister.budget import fitting_setting, fmt_nbytes
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
            "mem_available_bytes"]
@@ -102,15 +103,17 @@ class SlotFiles:
         return os.path.join(self.directory, slot_file_name(rank, slot))
 
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
-                    reserve_nbytes: int = 0) -> int:
+                    reserve_nbytes: int = 0, *, slots: int = 1, held_nbytes: int = 0) -> int:
         """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
 
         ``reserve_nbytes`` is what the rank's other slots still need to reach ``nbytes``: the capacity
         check counts it too, so an arena that cannot hold every slot fails at the first snapshot, not at
-        a later one.
+        a later one. ``slots`` (how many slots the rank uses) and ``held_nbytes`` (bytes its slots already
+        hold, up to ``nbytes`` each) only shape the error's advice: which ``slots_per_rank`` would fit.
 
         Raises:
-            InsufficientSharedMemoryError: the tmpfs or RAM cannot hold it (names the size and the fix).
+            InsufficientSharedMemoryError: the tmpfs or RAM cannot hold it (names the bytes needed, the bytes
+                available, and the setting that fits).
             PreflightError: the process file-size limit (``ulimit -f``) is below the slot size (names both).
         """
         if nbytes <= current_nbytes:
@@ -120,16 +123,17 @@ class SlotFiles:
         st = os.statvfs(self.directory)
         free = st.f_bavail * st.f_frsize
         avail = mem_available_bytes()
-        hint = ("lower slots_per_rank (min 2) or slot_headroom, point shm_dir= (or the environment variable "
-                "SNAPCKPT_SHM_DIR) at a larger tmpfs, or save less state per rank")
-        if need > free:
+        hint = ("lower slots_per_rank (1: one slot, reused) or slot_headroom, set host_memory_budget_nbytes, "
+                "point shm_dir= (or the environment variable SNAPCKPT_SHM_DIR) at a larger tmpfs, or save less "
+                "state per rank")
+        room = min(free, avail) if avail is not None else free
+        if need > room:
+            advice = fitting_setting(nbytes, slots, 1, 0, room + held_nbytes)
+            where = (f"shared-memory directory {self.directory!r} has {free} bytes free" if need > free else
+                     f"the host has {avail} bytes of RAM available (MemAvailable)")
             raise InsufficientSharedMemoryError(
-                f"shared-memory directory {self.directory!r} has {free} bytes free but the snapshot slots "
-                f"of rank {rank} need {need} more ({nbytes} bytes per slot); {hint}")
-        if avail is not None and need > avail:
-            raise InsufficientSharedMemoryError(
-                f"the host has {avail} bytes of RAM available but the snapshot slots of rank {rank} need "
-                f"{need} more ({nbytes} bytes per slot); {hint}")
+                f"{where} but the {slots} snapshot slot(s) of rank {rank} need {need} more ({nbytes} bytes per "
+                f"slot, {fmt_nbytes(nbytes * slots)} in all); {advice}; or: {hint}")
         path = self.path(rank, slot)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -160,6 +164,14 @@ class SlotFiles:
         the last mapping of it is closed."""
         try:
             os.unlink(self.path(rank, slot))
+        except FileNotFoundError:
+            pass
+
+    def release(self, rank: int, slot: int) -> None:
+        """Truncate the file of ``slot`` of ``rank`` to 0 bytes: its pages go back to the host (the file stays,
+        for :meth:`ensure_size` to grow again). A file already gone is fine."""
+        try:
+            os.truncate(self.path(rank, slot), 0)
         except FileNotFoundError:
             pass
 

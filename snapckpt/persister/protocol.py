@@ -32,8 +32,9 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
               "slots_per_rank": _INT, "keep_last": _INT, "commit_timeout_secs": _FLOAT,
               "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR, "remote_dir": _STR,
               "peer_timeout_secs": _FLOAT},
-    "acquire": {"step": _INT, "nbytes": _INT},
-    "reserve": {"nbytes": _INT},
+    # slots: how many of its slots the rank may use (0: all), from its host-memory budget (persister/budget.py)
+    "acquire": {"step": _INT, "nbytes": _INT, "slots": _INT},
+    "reserve": {"nbytes": _INT, "slots": _INT},
     "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
               "persistable": _BOOL, "persist": _BOOL,
               "tracker_name": _STR, "tracker_content": _STR},

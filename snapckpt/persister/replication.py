@@ -314,7 +314,7 @@ class Replicator:
                 raise PersisterError(f"peer {addr}:{port} cannot serve rank {rank} step {step}: {header.get('error')}")
             meta = {k: header[k] for k in _META}
             with self.server_lock:
-                s = self.slots.acquire(entry, step, nbytes)
+                s = self.slots.acquire(entry, step, nbytes, entry.limit)
                 if s is None:
                     raise PersisterError(f"rank {entry.rank} has no free slot to fetch step {step} into "
                                          f"({self.slots.describe(entry)})")

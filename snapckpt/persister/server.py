@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Optional
 from snapckpt.errors import PersisterError, SlotBusyError
 from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
-from snapckpt.persister.arena import SlotFiles
+from snapckpt.persister.arena import SlotFiles, SlotState
 from snapckpt.persister.commit import recover_interrupted_commits
 from snapckpt.persister.flush import flush_crashed_run, flush_newest, unwritten_steps
 from snapckpt.persister import peers
@@ -496,13 +496,14 @@ class Server:
         run = self.slots.runs.get(entry.run_id)
         if run is not None:
             self.slots.drop_moved_ranks(run)
-        slot = self.slots.acquire(entry, msg["step"], msg["nbytes"])
+        slot = self.slots.acquire(entry, msg["step"], msg["nbytes"], msg["slots"])
         if slot is None:
             return P.ok(busy=True, detail=self.slots.describe(entry), replication=notes)
-        return P.ok(busy=False, replication=notes, **self.slots.info(slot))
+        usable = [s.index for s in self.slots.usable(entry, msg["slots"])]
+        return P.ok(busy=False, replication=notes, usable=usable, **self.slots.info(slot))
 
     def _op_reserve(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
-        grown = self.slots.reserve(entry, msg["nbytes"])
+        grown = self.slots.reserve(entry, msg["nbytes"], msg["slots"])
         return P.ok(slots=[{"slot": s.index, "path": s.path, "nbytes": msg["nbytes"]} for s in grown])
 
     def _op_ready(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
@@ -574,7 +575,11 @@ class Server:
                     remote=self.scheduler.uploader.notes_for(entry.run_id))
 
     def _op_held(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
-        return P.ok(slots=[self.slots.info(s) for s in self.slots.held(entry)])
+        # interrupted: slots whose copy never completed (the writer died or gave up): never loaded, but the
+        # loader names them when it falls back to an older step
+        torn = [{"slot": s.index, "step": s.step} for s in entry.slots if s.state == SlotState.INVALID]
+        return P.ok(slots=[self.slots.info(s) for s in self.slots.held(entry)], interrupted=torn,
+                    usable_slots=len(self.slots.usable(entry, entry.limit)))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -5,13 +5,17 @@ arena, copies its snapshot into it and says it is ready; the scheduler
 (:mod:`snapckpt.persister.scheduler`) writes READY slots to disk. Every transition of a slot's state
 (:class:`~snapckpt.persister.arena.SlotState`) happens here::
 
-    FREE/INVALID/READY (not the newest) --acquire--> WRITING(N) --ready--> READY(N)
+    FREE/INVALID/READY (not the newest held) --acquire--> WRITING(N) --ready--> READY(N)
     WRITING(N) --abort, or its rank left--> INVALID
     READY(N) --start_persist--> PERSISTING(N) --release / finish_persist--> READY(N)
 
 A rank's newest READY slot is never handed out again (it is the memory tier's restore point); the
 other READY ones are reused oldest first once no slot is FREE (contract 2: a slot is rewritten only
-after the persister is done with it).
+after the persister is done with it). A rank limited to one slot (``slots_per_rank=1``, or a host-memory
+budget that allows one, :mod:`snapckpt.persister.budget`) is the exception: its only slot is handed out
+again once it is READY (not while PERSISTING or pinned by a peer send), so while the next snapshot is
+copied into it the rank holds no complete memory snapshot: the slot is WRITING, and INVALID if the copy
+dies. Slots beyond a rank's limit are emptied (their pages released) once nothing reads them.
 
 Locking: every method runs with the server's lock held, except :meth:`SlotTable.release` (called by
 a writer thread), which takes it.
@@ -68,6 +72,7 @@ class RankEntry:
     slots: List[Slot]
     conn: Optional[socket.socket] = None
     run_id: str = ""
+    limit: int = 0  # the slot limit of its last acquire (0: all slots; see SlotTable.acquire)
 
 
 @dataclass
@@ -196,39 +201,81 @@ class SlotTable:
         return dropped
 
     # ------------------------------------------------------------------------------- transitions
-    def acquire(self, entry: RankEntry, step: int, nbytes: int) -> Optional[Slot]:
+    def usable(self, entry: RankEntry, limit: int = 0) -> List[Slot]:
+        """The slots of ``entry`` a snapshot may use under ``limit`` (0: all of them): the one holding the
+        newest complete snapshot first, then the lowest indices. The others are emptied by :meth:`acquire`."""
+        if limit <= 0 or limit >= len(entry.slots):
+            return list(entry.slots)
+        held = self.held(entry)
+        newest = max(held, key=lambda s: s.seq) if held else None
+        return sorted(entry.slots, key=lambda s: (s is not newest, s.index))[:limit]
+
+    def _trim(self, entry: RankEntry, keep: List[Slot]) -> None:
+        """Empty the slots of ``entry`` outside ``keep`` that nothing reads (FREE, INVALID, or READY and
+        unpinned): their file is truncated to 0 bytes, which returns its pages to the host."""
+        for s in entry.slots:
+            if s in keep or s.pins:
+                continue
+            self._grown(s)
+            if s.nbytes == 0 or s.state not in (SlotState.FREE, SlotState.INVALID, SlotState.READY):
+                continue
+            log.info("rank %d: slot %d (%s(%d), %d bytes) emptied: over the rank's slot limit", entry.rank,
+                     s.index, s.state.value, s.step, s.nbytes)
+            self.arena.release(entry.rank, s.index)
+            if s.mapping is not None:
+                try:
+                    s.mapping.close()
+                except BufferError:  # a view is still alive; it goes with its last reference
+                    pass
+                s.mapping = None
+            s.nbytes, s.state, s.step = 0, SlotState.FREE, -1
+
+    def acquire(self, entry: RankEntry, step: int, nbytes: int, limit: int = 0) -> Optional[Slot]:
         """Hand out a slot of at least ``nbytes`` bytes for ``step`` (WRITING), or ``None`` when every
         slot is in use (the client's policy then waits or skips).
 
+        ``limit``: how many slots the rank may use (0: all; the budget's count, :mod:`~snapckpt.persister.budget`).
+        With one, that slot is handed out even when it holds the rank's newest snapshot (which is then
+        overwritten), but never while PERSISTING or pinned.
+
         Raises:
-            InsufficientSharedMemoryError, PreflightError: the arena cannot grow the slot.
+            InsufficientSharedMemoryError, PreflightError: the arena cannot grow the slot (the message says
+                which ``slots_per_rank`` fits).
         """
-        ready = [s for s in entry.slots if s.state == SlotState.READY]
-        newest = max(ready, key=lambda s: s.seq) if ready else None
-        free = [s for s in entry.slots if s.state in (SlotState.FREE, SlotState.INVALID)]
+        entry.limit = limit
+        usable = self.usable(entry, limit)
+        self._trim(entry, usable)
+        ready = [s for s in usable if s.state == SlotState.READY]
+        # the restore point: the newest complete snapshot, READY or PERSISTING (an older READY slot is not
+        # kept for it while the newest is being written to disk)
+        held = [s for s in usable if s.state in HELD]
+        newest = max(held, key=lambda s: s.seq) if held and len(usable) > 1 else None
+        free = [s for s in usable if s.state in (SlotState.FREE, SlotState.INVALID)]
         reusable = sorted((s for s in ready if s is not newest and not s.pins), key=lambda s: s.seq)
         candidates = free + reusable
         if not candidates:
             return None
         slot = candidates[0]
         self._grown(slot)
-        reserve = sum(max(0, nbytes - s.nbytes) for s in entry.slots if s is not slot)
-        slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve)
+        reserve = sum(max(0, nbytes - s.nbytes) for s in usable if s is not slot)
+        held_nbytes = sum(min(s.nbytes, nbytes) for s in usable)
+        slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve,
+                                             slots=len(usable), held_nbytes=held_nbytes)
         slot.state, slot.step, slot.run_id, slot.origin = SlotState.WRITING, step, entry.run_id, None
-        for other in entry.slots:  # reserve the other slots' pages now, off the training path
+        for other in usable:  # reserve the other slots' pages now, off the training path
             if (other is not slot and other.growing is None and other.nbytes < nbytes
                     and other.state in (SlotState.FREE, SlotState.INVALID)):
                 other.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, other.index,
                                                       nbytes, other.nbytes)
         return slot
 
-    def reserve(self, entry: RankEntry, nbytes: int) -> List[Slot]:
+    def reserve(self, entry: RankEntry, nbytes: int, limit: int = 0) -> List[Slot]:
         """Grow every FREE (or INVALID) slot of ``entry`` below ``nbytes`` bytes to ``nbytes``, in the background
         (the growth pool), ahead of the rank's first snapshot; return the slots being grown. A growth that
         fails (too little shared memory) is only logged: the snapshot's own ``acquire`` raises the error.
-        Slots that hold a snapshot are left alone."""
+        Slots that hold a snapshot are left alone; with ``limit`` (see :meth:`acquire`), only usable ones grow."""
         out = []
-        for s in entry.slots:
+        for s in self.usable(entry, limit):
             if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
                 s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes)
                 out.append(s)

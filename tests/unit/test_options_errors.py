@@ -21,7 +21,11 @@ def test_defaults_are_valid_and_frozen():
 
 @pytest.mark.parametrize("kwargs,word", [
     ({"keep_last": 0}, "keep_last"), ({"keep_last": -1}, "keep_last"), ({"keep_last": 2.0}, "keep_last"),
-    ({"slots_per_rank": 1}, "slots_per_rank"), ({"slots_per_rank": 3.0}, "slots_per_rank"),
+    ({"slots_per_rank": 0}, "slots_per_rank"), ({"slots_per_rank": 3.0}, "slots_per_rank"),
+    ({"slots_per_rank": True}, "slots_per_rank"),
+    ({"host_memory_budget_nbytes": 0}, "host_memory_budget_nbytes"),
+    ({"host_memory_budget_nbytes": 1.5e9}, "host_memory_budget_nbytes"),
+    ({"host_memory_budget_nbytes": True}, "host_memory_budget_nbytes"),
     ({"slot_headroom": 0.99}, "slot_headroom"), ({"slot_headroom": float("nan")}, "slot_headroom"),
     ({"on_slot_busy": "drop"}, "on_slot_busy"),
     ({"fsync": "yes"}, "fsync must be True or False"), ({"overlap": 1}, "overlap must be True or False"),
@@ -42,6 +46,21 @@ def test_valid_non_defaults_are_kept_unchanged():
                           commit_timeout_secs=1, job_id="job-1", fsync=False)
     assert (o.keep_last, o.slots_per_rank, o.slot_headroom, o.on_slot_busy, o.commit_timeout_secs, o.job_id,
             o.fsync) == (3, 4, 1.0, "skip", 1, "job-1", False)
+
+
+def test_host_memory_budget_option_wins_over_the_environment(monkeypatch):
+    """``host_memory_budget_nbytes``: option, then ``SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES``, then none; a
+    malformed variable is refused naming it; ``slots_per_rank=1`` is a valid setting."""
+    monkeypatch.setenv("SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES", " 68719476736 ")
+    assert CheckpointOptions().resolved_host_memory_budget_nbytes == 64 << 30
+    assert CheckpointOptions(host_memory_budget_nbytes=1 << 30).resolved_host_memory_budget_nbytes == 1 << 30
+    for bad in ("64G", "-1", "0", "1e9"):
+        monkeypatch.setenv("SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES", bad)
+        with pytest.raises(ValueError, match="SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES"):
+            CheckpointOptions().resolved_host_memory_budget_nbytes
+    monkeypatch.delenv("SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES")
+    assert CheckpointOptions().resolved_host_memory_budget_nbytes is None
+    assert CheckpointOptions(slots_per_rank=1).slots_per_rank == 1
 
 
 def test_remote_dir_option_wins_over_the_environment(monkeypatch):

@@ -5,7 +5,13 @@ Modes (first argument), each printing ``RESULT {...json...}`` lines:
 - ``tiny_shm CKPT SHM``: save a 32 MiB state with ``shm_dir=SHM`` (a 16 MiB tmpfs) and report the error,
   what the tmpfs and the checkpoint directory hold afterwards, then save, wait and load a 1 MiB state.
 - ``one_slot CKPT SHM``: a 10 MiB state whose first slot fits the 16 MiB tmpfs but whose second does not
-  (steps 1, 2), then a 4 MiB state (steps 3-5), then load.
+  (steps 1, 2), then a 4 MiB state (steps 3-5), then load; then the 10 MiB state again with a
+  ``host_memory_budget_nbytes`` of 12 MiB (steps 8, 9; then a 14 MiB state that outgrows the budget, step
+  10), loaded, with what the tmpfs holds.
+- ``single_slot CKPT``: ``slots_per_rank=1``: step 1 DISK and at once step 2 MEMORY (it waits for step 1's
+  write), then step 3 MEMORY (the test arms a SIGKILL halfway through its copy).
+- ``single_slot_resume CKPT KILL``: ``slots_per_rank=1``: load and report; with ``KILL=1`` then snapshot
+  step 4 in memory and SIGKILL itself, else close.
 - ``churn CKPT``: 200 saves of a 64 MiB state (MEMORY, a DISK save every 20th, ``keep_last=2``) with the
   RSS and open-fd count of this process and of the persister sampled after every save; then ``close()``
   and the fd count and persister state after it.
@@ -94,6 +100,51 @@ def run_one_slot(ckpt: str, shm: str) -> None:
     pid = ck.persister_pid
     ck.close()
     result(phase="closed", persister_gone=wait_gone(pid))
+    for opts, steps in (({"host_memory_budget_nbytes": 12 * MiB}, (8, 9)),):
+        ck = Checkpointer(ckpt, shm_dir=shm, **opts, **QUICK)
+        for step in steps:  # the second snapshot overwrites the first in the only slot
+            ck.save(state_of(10 * MiB, fill=float(step)), step, StorageType.MEMORY)
+        used = used_bytes(shm)
+        out = ck.load()
+        outgrown = None
+        if "host_memory_budget_nbytes" in opts:
+            try:
+                ck.save(state_of(14 * MiB, fill=10.0), 10, StorageType.MEMORY)
+            except InsufficientSharedMemoryError as e:
+                outgrown = str(e)
+        result(phase="limited", opts=opts, shm_used=used, loaded_step=ck.last_load.step,
+               loaded_fill=float(out["model"]["w"][0]), outgrown=outgrown,
+               last_stats=ck.last_stats.step)
+        pid = ck.persister_pid
+        ck.close()
+        wait_gone(pid)
+
+
+def run_single_slot(ckpt: str) -> None:
+    ck = Checkpointer(ckpt, slots_per_rank=1, **QUICK)
+    events = []
+    ck.add_listener(events.append)
+    first = ck.save(state_of(4 * MiB, fill=1.0), 1, StorageType.DISK)  # no wait: its write holds the slot
+    ck.save(state_of(4 * MiB, fill=2.0), 2, StorageType.MEMORY)
+    first.wait()
+    result(phase="saved", waited=[e.step for e in events if e.kind == "slot_wait"], persister_pid=ck.persister_pid,
+           committed=[e.step for e in events if e.kind == "committed"])
+    ck.save(state_of(4 * MiB, fill=3.0), 3, StorageType.MEMORY)  # SIGKILLed halfway through its copy
+    result(phase="step 3 taken")
+
+
+def run_single_slot_resume(ckpt: str, kill: str) -> None:
+    ck = Checkpointer(ckpt, slots_per_rank=1, **QUICK)
+    out = ck.load()
+    result(phase="loaded", step=ck.last_load.step, tier=ck.last_load.tier.value, fill=float(out["model"]["w"][0]),
+           persister_pid=ck.persister_pid, on_disk=sorted(n for n in os.listdir(ckpt) if n.startswith("step_")))
+    if kill == "1":
+        ck.save(state_of(4 * MiB, fill=4.0), 4, StorageType.MEMORY)
+        result(phase="step 4 taken")
+        os.kill(os.getpid(), 9)
+    pid = ck.persister_pid
+    ck.close()
+    result(phase="closed", persister_gone=wait_gone(pid))
 
 
 def run_churn(ckpt: str) -> None:
@@ -158,6 +209,10 @@ if __name__ == "__main__":
         run_hold(args[0], args[1], float(args[2]))
     elif mode == "resume":
         run_resume(*args)
+    elif mode == "single_slot":
+        run_single_slot(*args)
+    elif mode == "single_slot_resume":
+        run_single_slot_resume(*args)
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.destroy_process_group()

@@ -1,0 +1,85 @@
+"""The persister's slot table under a slot limit (snapckpt/persister/slots.py) and the budget arithmetic
+(snapckpt/persister/budget.py): one slot per rank is reused, never while the persister or a peer send reads
+it; slots beyond a budget's count are emptied. Real slot files (``posix_fallocate``) in a temporary
+directory; no persister process."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from snapckpt.persister.arena import SlotFiles, SlotState
+from snapckpt.persister.budget import fitting_setting, slots_within
+from snapckpt.persister.slots import HELD, Run, SlotTable
+
+KiB = 1 << 10
+
+
+@pytest.fixture
+def table(tmp_path):
+    t = SlotTable(SlotFiles(str(tmp_path / "arena")), threading.RLock())
+    t.runs["run"] = Run("run", 1, [0], True, str(tmp_path / "ckpt"), None, 30.0, True, False)
+    yield t
+    t.shutdown()
+
+
+def _ready(t, entry, slot, step):
+    t.ready(entry, slot.index, step, index_offset=64, index_nbytes=8, dirname=f"step_{step}", tracker_name="",
+            tracker_content="", persistable=True)
+
+
+def test_one_slot_is_reused_but_never_while_persisted_or_pinned(table):
+    entry = table.attach(0, table.runs["run"], None, 1)
+    s = table.acquire(entry, 1, 64 * KiB)
+    _ready(table, entry, s, 1)
+    assert table.held(entry) == [s]
+    table.start_persist(s)  # its disk write runs: the next snapshot must wait for it
+    assert table.acquire(entry, 2, 64 * KiB) is None
+    table.release(s)
+    s.pins = 1  # a peer send reads it
+    assert table.acquire(entry, 2, 64 * KiB) is None
+    s.pins = 0
+    again = table.acquire(entry, 2, 64 * KiB)
+    assert again is s and s.state == SlotState.WRITING and s.step == 2
+    assert table.held(entry) == [], "a slot being overwritten must not count as a complete snapshot"
+    table.drop_writes(entry)  # the rank died mid-copy
+    assert s.state == SlotState.INVALID and not table.held(entry)
+
+
+def test_two_slots_keep_the_newest_snapshot(table):
+    entry = table.attach(0, table.runs["run"], None, 2)
+    a = table.acquire(entry, 1, 64 * KiB)
+    _ready(table, entry, a, 1)
+    b = table.acquire(entry, 2, 64 * KiB)
+    assert b is not a
+    _ready(table, entry, b, 2)
+    table.start_persist(b)
+    c = table.acquire(entry, 3, 64 * KiB)
+    assert c is a, "the older snapshot's slot is reused; the newest (persisting) one is kept"
+
+
+def test_a_lower_limit_empties_the_slots_beyond_it(table):
+    entry = table.attach(0, table.runs["run"], None, 2)
+    a = table.acquire(entry, 1, 64 * KiB)
+    _ready(table, entry, a, 1)
+    b = table.acquire(entry, 2, 64 * KiB)
+    _ready(table, entry, b, 2)
+    assert [os.path.getsize(s.path) for s in entry.slots] == [64 * KiB, 64 * KiB]
+    s = table.acquire(entry, 3, 128 * KiB, limit=1)  # the state grew: the budget now holds one slot
+    assert s is b, "the slot of the newest snapshot is the one kept"
+    assert a.state == SlotState.FREE and a.nbytes == 0 and os.path.getsize(a.path) == 0
+    assert os.path.getsize(b.path) == 128 * KiB
+    assert [x for x in entry.slots if x.state in HELD] == []
+
+
+def test_budget_arithmetic_and_advice():
+    # 4 local ranks, 1 GiB slots: a 9 GiB budget holds 2 slots each; with one replica, 1; 3 GiB: none
+    assert slots_within(9 << 30, 1 << 30, 4, 0, 2) == 2
+    assert slots_within(9 << 30, 1 << 30, 4, 1, 2) == 1
+    assert slots_within(3 << 30, 1 << 30, 4, 0, 2) == 0
+    assert slots_within(100 << 30, 1 << 30, 4, 0, 3) == 3
+    advice = fitting_setting(1 << 30, 2, 4, 0, 5 << 30)
+    assert advice.startswith("slots_per_rank=1 fits: needs 4.00 GiB") and "of 5.00 GiB" in advice, advice
+    none = fitting_setting(1 << 30, 2, 4, 1, 5 << 30)
+    assert "no slot count fits" in none and "8.00 GiB" in none and "replicas=0" in none, none
