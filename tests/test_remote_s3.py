@@ -437,3 +437,94 @@ def test_two_jobs_on_one_remote_directory_the_second_is_refused_at_start(snap_en
     shutil.rmtree(a)
     with Checkpointer(a, **opts) as ck:  # a fresh node of job A
         assert ck.latest_step() == 1
+
+
+def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_env, s3_bucket):
+    """Remote-only mode, ``Checkpointer("s3://...")`` with no local directory, 2 ranks, keep_last=2, 6 MiB
+    rank files in 5 MiB parts:
+
+    1. steps 1-3 are saved to DISK, step 4 to MEMORY, then both ranks are SIGKILLed: the persister flushes
+       step 4 from memory to the store. The store holds steps 3 and 4 only (retention, manifest first), in
+       the native layout, every object matching its manifest's size and checksum, no part marker or
+       multipart upload left; the tracker object names step 4; nothing was created locally.
+    2. restarted ranks resume step 4 from the memory tier, bitwise; their DISK save of step 7 is cut by a
+       SIGKILL of the persister in the middle of a multipart upload: step 7 has no manifest (not a
+       checkpoint), the tracker still names step 4.
+    3. a fresh persister (memory tier gone), with one object of step 4 damaged in the store (same size):
+       the load refuses step 4 (checksum) and resumes step 3 from the store, bitwise, on both ranks; the
+       persister's start removed step 7's objects and aborted its multipart upload."""
+    import xxhash
+
+    snap_env.leftover_ok = True  # the killed persister leaves its arena behind by design
+    url = s3_bucket.url("run")
+    nbytes = 6 << 20
+    env = dict(snap_env.env, SNAPCKPT_REMOTE_BLOCK_NBYTES=str(5 << 20),
+               SNAPCKPT_FAULT_POINT="remote.mid_upload:step=7")
+    cwd_before = set(os.listdir("."))
+    outs = run_ranks("remote_worker.py", 2, ["only-save", "-", url, "1,2,3", str(nbytes)], env, timeout=120,
+                     check=False)
+    assert all(r == {"saved": [1, 2, 3], "latest": 4} for r in _results(outs)), outs
+    # the crash flush commits step 4 in the background
+    assert wait_until(lambda: s3_bucket.keys("run/step_00000004/.snapckpt/manifest.json"), timeout=60), \
+        _persister_logs(snap_env)[-3000:]
+    assert wait_until(lambda: s3_bucket.get("run/latest") == b"step_00000004", timeout=30)
+    assert wait_until(lambda: not s3_bucket.keys("run/step_00000002/"), timeout=30)  # retention after step 4
+    keys = _remote_layout(s3_bucket)
+    assert sorted(k for k in keys if not k.startswith(".snapckpt-owner")) == sorted(
+        ["latest"] + [f"step_0000000{s}/{n}" for s in (3, 4) for n in
+                      (".snapckpt/manifest.json", ".snapckpt/remote.json", "rank_00000.pt", "rank_00001.pt")]), keys
+    for s in (3, 4):
+        m = json.loads(s3_bucket.get(f"run/step_0000000{s}/.snapckpt/manifest.json"))
+        assert m["step"] == s and m["world_size"] == 2 and sorted(m["files"]) == ["rank_00000.pt", "rank_00001.pt"]
+        for name, rec in m["files"].items():
+            data = s3_bucket.get(f"run/step_0000000{s}/{name}")
+            assert len(data) == rec["nbytes"] > nbytes and xxhash.xxh3_64(data).hexdigest() == rec["xxh3_64"]
+    assert not s3_bucket.multipart_uploads("run/")
+    assert set(os.listdir(".")) == cwd_before  # no local folder named "s3:" (or anything else)
+
+    res = _results(run_ranks("remote_worker.py", 2, ["only-resume", "-", url, "7", str(nbytes)], env,
+                             timeout=120))
+    assert all(r["step"] == 4 and r["tier"] == "memory" and r["equal"] for r in res), res
+    assert all(r["save_error"] for r in res), res  # the persister died under the save
+    assert wait_until(lambda: not snap_env.persisters(), timeout=30)
+    assert "SNAPCKPT_FAULT_POINT hit remote.mid_upload" in _persister_logs(snap_env)
+    keys = _remote_layout(s3_bucket)
+    assert "step_00000007/.snapckpt/remote.json" in keys and "step_00000007/.snapckpt/manifest.json" not in keys
+    assert s3_bucket.multipart_uploads("run/step_00000007/"), keys
+    assert s3_bucket.get("run/latest") == b"step_00000004"
+
+    name = "run/step_00000004/rank_00001.pt"
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=name, Body=b"\0" * keys[name[4:]])
+    env.pop("SNAPCKPT_FAULT_POINT")
+    res = _results(run_ranks("remote_worker.py", 2, ["only-load", "-", url, "", str(nbytes)], env, timeout=120))
+    assert all(r == {"step": 3, "tier": "disk", "equal": True} for r in res), res
+    assert not [k for k in _remote_layout(s3_bucket) if k.startswith("step_00000007/")]
+    assert not s3_bucket.multipart_uploads("run/")
+
+
+def test_H_remote_only_refusals_at_construction(snap_env, s3_bucket):
+    """Remote-only mode refuses at construction, before any persister or training: a missing bucket
+    (RemoteStorageError naming the URL and the fix, no credential), a scheme fsspec does not know, a URL
+    with remote_dir too, and a URL that pathlib mangled (CheckpointDirError naming the cause); nothing is
+    created locally."""
+    import pathlib
+
+    from snapckpt import Checkpointer
+    from snapckpt.errors import CheckpointDirError, RemoteStorageError
+
+    cwd_before = set(os.listdir("."))
+    url = f"s3://{s3_bucket.name}-missing/run"
+    with pytest.raises(RemoteStorageError) as ei:
+        Checkpointer(url, persister_idle_timeout_secs=20)
+    msg = str(ei.value)
+    assert msg.startswith(f"checkpoint_dir {url!r}: the bucket does not exist") and "create it" in msg, msg
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in msg and os.environ["AWS_ACCESS_KEY_ID"] not in msg
+    with pytest.raises(CheckpointDirError, match="nosuchscheme.*remote-only mode"):
+        Checkpointer("nosuchscheme://bucket/run", persister_idle_timeout_secs=20)
+    with pytest.raises(CheckpointDirError, match="remote_dir .* is set too"):
+        Checkpointer(s3_bucket.url("run"), remote_dir=s3_bucket.url("other"), persister_idle_timeout_secs=20)
+    with pytest.raises(CheckpointDirError, match="pathlib.Path made it s3:/"):
+        Checkpointer(pathlib.Path(s3_bucket.url("run")), persister_idle_timeout_secs=20)
+    assert not snap_env.persisters()
+    assert set(os.listdir(".")) == cwd_before
+    assert not s3_bucket.keys("run/")

@@ -30,8 +30,10 @@ JOB_KEY_LEN = 16
 
 
 def job_key(checkpoint_dir: str, job_id: Optional[str]) -> str:
-    """16 hex digits naming a job on a host: ``sha256(uid, realpath(checkpoint_dir), job_id)``."""
-    raw = f"{os.getuid()}\0{os.path.realpath(checkpoint_dir)}\0{job_id or ''}".encode()
+    """16 hex digits naming a job on a host: ``sha256(uid, realpath(checkpoint_dir), job_id)`` (a URL of
+    remote-only mode as it is)."""
+    where = checkpoint_dir if "://" in checkpoint_dir else os.path.realpath(checkpoint_dir)
+    raw = f"{os.getuid()}\0{where}\0{job_id or ''}".encode()
     return hashlib.sha256(raw).hexdigest()[:JOB_KEY_LEN]
 
 

@@ -92,6 +92,12 @@ class Run:
     gone: Dict[int, Dict[str, Any]] = field(default_factory=dict)
 
     @property
+    def remote_only(self) -> bool:
+        """Whether ``checkpoint_dir`` is an object-store URL: parts and commits go straight to the store
+        (:mod:`snapckpt.persister.remote_only`)."""
+        return "://" in self.checkpoint_dir
+
+    @property
     def multi_node(self) -> bool:
         """Whether ranks of this run live on other nodes (their persisters need files to learn things)."""
         return len(self.local_ranks) < self.world_size
