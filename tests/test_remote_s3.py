@@ -463,6 +463,7 @@ def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_
     cwd_before = set(os.listdir("."))
     outs = run_ranks("remote_worker.py", 2, ["only-save", "-", url, "1,2,3", str(nbytes)], env, timeout=120,
                      check=False)
+    assert all(result_lines(o) for o in outs), [o[-3000:] for o in outs]
     assert all(r == {"saved": [1, 2, 3], "latest": 4} for r in _results(outs)), outs
     # the crash flush commits step 4 in the background
     assert wait_until(lambda: s3_bucket.keys("run/step_00000004/.snapckpt/manifest.json"), timeout=60), \

@@ -83,7 +83,8 @@ def main() -> None:
 
 def remote_only(mode: str, rank: int, url: str, steps: list, nbytes: int) -> None:
     """The remote-only modes (see the module docstring)."""
-    opts = dict(persister_idle_timeout_secs=20, coordination_timeout_secs=60, commit_timeout_secs=60,
+    # the persister must outlive a slow relaunch (under load) to serve the memory tier after the crash
+    opts = dict(persister_idle_timeout_secs=120, coordination_timeout_secs=60, commit_timeout_secs=60,
                 keep_last=2)
     ck = Checkpointer(url, **opts)
     if mode == "only-save":
@@ -91,6 +92,7 @@ def remote_only(mode: str, rank: int, url: str, steps: list, nbytes: int) -> Non
             ck.save(state(rank, s, nbytes), s, StorageType.DISK).wait()
         ck.save(state(rank, steps[-1] + 1, nbytes), steps[-1] + 1, StorageType.MEMORY)
         print("RESULT " + json.dumps({"saved": steps, "latest": ck.latest_step()}), flush=True)
+        dist.barrier()  # rank 0 hosts the rendezvous: it must not die while another rank still reads it
         os.kill(os.getpid(), 9)
     got = ck.load()
     res = {"step": ck.last_load.step, "tier": ck.last_load.tier.value,
@@ -102,6 +104,7 @@ def remote_only(mode: str, rank: int, url: str, steps: list, nbytes: int) -> Non
         except Exception as e:
             res["save_error"] = type(e).__name__
         print("RESULT " + json.dumps(res), flush=True)
+        dist.barrier()
         os._exit(0)  # the persister is gone: nothing to close
     print("RESULT " + json.dumps(res), flush=True)
     ck.close()
