@@ -439,7 +439,7 @@ def test_two_jobs_on_one_remote_directory_the_second_is_refused_at_start(snap_en
         assert ck.latest_step() == 1
 
 
-def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_env, s3_bucket):
+def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_env, s3_bucket, capsys):
     """Remote-only mode, ``Checkpointer("s3://...")`` with no local directory, 2 ranks, keep_last=2, 6 MiB
     rank files in 5 MiB parts:
 
@@ -452,7 +452,11 @@ def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_
        checkpoint), the tracker still names step 4.
     3. a fresh persister (memory tier gone), with one object of step 4 damaged in the store (same size):
        the load refuses step 4 (checksum) and resumes step 3 from the store, bitwise, on both ranks; the
-       persister's start removed step 7's objects and aborted its multipart upload."""
+       persister's start removed step 7's objects and aborted its multipart upload.
+
+    ``snapckpt ls URL`` shows steps 3 and 4 committed (the tracker on 4) and step 7 incomplete; ``snapckpt
+    verify URL`` finds the damaged object of step 4 (exit 1) and step 3 intact."""
+    from snapckpt.cli.main import main as cli
     import xxhash
 
     snap_env.leftover_ok = True  # the killed persister leaves its arena behind by design
@@ -494,8 +498,18 @@ def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_
     assert s3_bucket.multipart_uploads("run/step_00000007/"), keys
     assert s3_bucket.get("run/latest") == b"step_00000004"
 
+    capsys.readouterr()
+    assert cli(["ls", url, "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert {n: (r["state"], r["step"], r["trackers"]) for n, r in rows.items()} == {
+        "step_00000003": ("committed", 3, []), "step_00000004": ("committed", 4, ["latest"]),
+        "step_00000007": ("incomplete", 7, [])}, rows
+
     name = "run/step_00000004/rank_00001.pt"
     s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=name, Body=b"\0" * keys[name[4:]])
+    assert cli(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "OK       step 3" in out and "DAMAGED  step 4" in out and f"{url}/step_00000004/rank_00001.pt" in out, out
     env.pop("SNAPCKPT_FAULT_POINT")
     res = _results(run_ranks("remote_worker.py", 2, ["only-load", "-", url, "", str(nbytes)], env, timeout=120))
     assert all(r == {"step": 3, "tier": "disk", "equal": True} for r in res), res

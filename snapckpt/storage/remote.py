@@ -443,6 +443,33 @@ class RemoteStore:
                                          "(corrupted in the store)")
         return out
 
+    def verify_object(self, dirname: str, name: str, rec: Dict[str, Any]) -> None:
+        """Stream the data object ``<url>/<dirname>/<name>`` (``block_nbytes`` at a time, nothing kept) and
+        check its size and checksum against its manifest record ``rec`` (``snapckpt verify URL``).
+
+        Raises:
+            CheckpointCorruptError: the object is missing, of another size, or fails its checksum.
+        """
+        known = record_checksum(rec)
+        where = self.display(dirname, name)
+        if known is None:
+            raise CheckpointCorruptError(f"{where}: its manifest record holds no known checksum")
+        algo, want = known
+        h, n = CHECKSUMS[algo](), 0
+        try:
+            with self.fs.open(self._path(dirname, name), "rb", block_size=self.block_nbytes) as src:
+                while True:
+                    chunk = src.read(self.block_nbytes)
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    n += len(chunk)
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{where} is missing (listed in the manifest)") from e
+        if n != rec["nbytes"] or h.hexdigest() != want:
+            raise CheckpointCorruptError(f"{where} is {n} bytes with {algo} {h.hexdigest()}; the manifest says "
+                                         f"{rec['nbytes']} bytes, {want} (corrupted in the store)")
+
     # ----------------------------------------------------------------------------------- download
     def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True) -> str:
         """Download the remote checkpoint ``c`` into ``<checkpoint_dir>/<dirname>`` with every checksum
