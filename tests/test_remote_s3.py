@@ -543,3 +543,28 @@ def test_H_remote_only_refusals_at_construction(snap_env, s3_bucket):
     assert not snap_env.persisters()
     assert set(os.listdir(".")) == cwd_before
     assert not s3_bucket.keys("run/")
+
+
+def test_H_remote_only_snapckpt_stop_flushes_to_the_store(snap_env, s3_bucket, capsys):
+    """``snapckpt stop URL`` finds the persister serving a remote-only Checkpointer by its URL (trailing slash
+    or not), which flushes the step held only in memory to the store and exits; stop reports it committed,
+    and the store holds it with its manifest and the tracker object."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.cli.main import main as cli
+
+    url = s3_bucket.url("run")
+    ck = Checkpointer(url, persister_idle_timeout_secs=20)
+    try:
+        ck.save({"w": torch.arange(1000.0)}, 1, StorageType.MEMORY)
+        capsys.readouterr()
+        assert cli(["stop", url + "/", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert [f for s in out["stopped"] for f in s["flushed"]] == [
+            {"checkpoint_dir": url, "step": 1, "committed": True}], out
+    finally:
+        ck.close(clean=False)
+    assert json.loads(s3_bucket.get("run/step_00000001/.snapckpt/manifest.json"))["step"] == 1
+    assert s3_bucket.get("run/latest") == b"step_00000001"
+    assert not snap_env.persisters()

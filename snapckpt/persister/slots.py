@@ -29,6 +29,7 @@ from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles, SlotState
+from snapckpt.storage.urls import is_remote_url
 
 log = logging.getLogger("snapckpt.persister")
 
@@ -95,7 +96,7 @@ class Run:
     def remote_only(self) -> bool:
         """Whether ``checkpoint_dir`` is an object-store URL: parts and commits go straight to the store
         (:mod:`snapckpt.persister.remote_only`)."""
-        return "://" in self.checkpoint_dir
+        return is_remote_url(self.checkpoint_dir)
 
     @property
     def multi_node(self) -> bool:
