@@ -4,9 +4,9 @@ object store and commits it there, with no local copy (for nodes without a local
 The persister side of it, one node (a job on several nodes is refused at construction):
 
 - **writers** (:func:`write_part_remote`): each rank's native files are streamed from its arena slot as
-  objects under the final prefix ``<url>/<dirname>/`` through fsspec's buffered writer (s3fs: one part of
-  ``block_nbytes`` at a time, a multipart upload; at most about two blocks per file in memory, never a
-  second copy of the part), the checksum computed on the way; then the rank's **part marker object**
+  objects under the final prefix ``<url>/<dirname>/`` (S3: a multipart upload, parts of ``block_nbytes``,
+  4 in flight; other stores: fsspec's buffered writer; a few blocks per file in memory, never a second copy
+  of the part), the checksum computed on the way; then the rank's **part marker object**
   ``<dirname>/.snapckpt/part_<rank>.json`` (sizes and checksums). Before the first byte the prefix loses
   its manifest (a re-save of a step replaces it) and gets the upload marker ``remote.json``.
 - **the committer** (:func:`commit_remote`, rank 0's persister) waits for a part marker of every rank by
@@ -64,26 +64,21 @@ def store_for(url: str) -> RemoteStore:
 
 
 class _Blocks:
-    """Hands writes to fsspec's buffered writer ``f`` in pieces of at most ``block`` bytes, so that its buffer
-    never holds more than about two blocks (one ``write`` of a whole tensor would otherwise be copied into
-    it entire), and runs the fault point ``remote.mid_upload`` after each part sent."""
+    """Hands writes to the object writer ``f`` in pieces of at most ``block`` bytes, so that its buffer never
+    holds more than about two blocks (one ``write`` of a whole tensor would otherwise be copied into it
+    entire)."""
 
-    def __init__(self, f, block: int, rank: int, step: int) -> None:
-        self.f, self.block, self.rank, self.step = f, block, rank, step
-        self.parts = 0
+    def __init__(self, f, block: int) -> None:
+        self.f, self.block = f, block
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         for lo in range(0, len(view), self.block):
             self.f.write(view[lo:lo + self.block])
-            sent = len(getattr(self.f, "parts", None) or ())
-            if sent > self.parts:
-                self.parts = sent
-                faults.point("remote.mid_upload", step=self.step, rank=self.rank)
         return len(view)
 
     def flush(self) -> None:
-        pass  # fsspec sends a part when a block is full; a forced flush would send a short part
+        pass  # a part is sent when a block is full; a forced flush would send a short part
 
 
 def write_part_remote(store: RemoteStore, buf, index: Dict[str, Any], dirname: str, *, rank: int, run_id: str,
@@ -112,9 +107,9 @@ def write_part_remote(store: RemoteStore, buf, index: Dict[str, Any], dirname: s
             continue  # a MemoryOnly file: part of the memory snapshot only
         rel = validate_file_name(f["path"])
         kind = f.get("kind", "torch")
-        out = store.open_write(dirname, rel)
+        out = store.open_write(dirname, rel, on_part=lambda: faults.point("remote.mid_upload", step=step, rank=rank))
         try:
-            cw = ChecksumWriter(_Blocks(out, store.block_nbytes, rank, step))
+            cw = ChecksumWriter(_Blocks(out, store.block_nbytes))
             encode_file(cw, buf, f, kind)
             out.close()
         except BaseException:

@@ -38,7 +38,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from snapckpt.storage.posix import PosixStorage
 from snapckpt.storage.urls import is_remote_url
@@ -365,11 +365,16 @@ class RemoteStore:
         self._write(self._path(dirname, REMOTE_MARKER),
                     json.dumps({"run_id": run_id, "step": step, "started_unix": time.time()}).encode())
 
-    def open_write(self, dirname: str, name: str):
-        """A buffered writer of the data object ``<url>/<dirname>/<name>`` (fsspec's: s3fs sends each
-        ``block_nbytes`` written as one part of a multipart upload, a single PUT below one part). Close it
-        to complete the object; :meth:`abandon` it after an error."""
-        return self.fs.open(self._path(dirname, name), "wb", block_size=self.block_nbytes)
+    def open_write(self, dirname: str, name: str, on_part: Optional[Callable[[], None]] = None):
+        """A writer of the data object ``<url>/<dirname>/<name>``: for S3, each ``block_nbytes`` written is one
+        part of a multipart upload, :data:`PART_CONCURRENCY` parts in flight (a single PUT below one part);
+        other stores, fsspec's buffered writer (one part at a time). Close it to complete the object;
+        :meth:`abandon` it after an error. ``on_part()`` runs after each part is stored (S3; the fault point
+        ``remote.mid_upload`` of the tests)."""
+        path = self._path(dirname, name)
+        if "s3" in _protocols(self.fs):
+            return _S3PartWriter(self.fs, path, self.block_nbytes, PART_CONCURRENCY, on_part)
+        return self.fs.open(path, "wb", block_size=self.block_nbytes)
 
     @staticmethod
     def abandon(f) -> None:
@@ -619,6 +624,97 @@ class RemoteStore:
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache()
+
+
+class _S3PartWriter:
+    """A write-only S3 object sent as a multipart upload whose parts (``block`` bytes each, the last one
+    shorter) are uploaded ``concurrency`` at a time on threads, through s3fs's client (its credentials,
+    endpoint and retries). Memory: the block being filled plus the parts in flight. s3fs's own file object
+    sends one part at a time (measured 1.8x slower than its ``put_file``).
+
+    ``parts``: the parts completed so far (``{"PartNumber", "ETag"}``); ``on_part()`` runs after each (on the
+    part's thread). ``write`` / ``close`` raise the store's error of a part; :meth:`discard` aborts the upload.
+    """
+
+    def __init__(self, fs, path: str, block: int, concurrency: int,
+                 on_part: Optional[Callable[[], None]] = None) -> None:
+        self.on_part = on_part
+        self.fs, self.path, self.block, self.concurrency = fs, path, block, max(1, concurrency)
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.buf = bytearray()
+        self.parts: List[Dict[str, Any]] = []
+        self.upload_id: Optional[str] = None
+        self.closed = False
+        self._next = 1
+        self._inflight: List[cf.Future] = []
+        self._pool: Optional[cf.ThreadPoolExecutor] = None
+
+    def _call(self, method: str, **kwargs: Any) -> Dict[str, Any]:
+        from fsspec.asyn import sync
+        return sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs)
+
+    def write(self, data) -> int:
+        if self.closed:
+            raise ValueError(f"write to {self.path} after close")
+        self.buf += data
+        while len(self.buf) >= self.block:
+            self._send(bytes(self.buf[:self.block]))
+            del self.buf[:self.block]
+        return len(data)
+
+    def flush(self) -> None:
+        pass  # parts are sent when full
+
+    def _reap(self, block_until_below: int) -> None:
+        """Raise the error of a finished part; wait until fewer than ``block_until_below`` are in flight."""
+        while True:
+            for f in [f for f in self._inflight if f.done()]:
+                self._inflight.remove(f)
+                f.result()
+            if len(self._inflight) < block_until_below:
+                return
+            cf.wait(self._inflight, return_when=cf.FIRST_COMPLETED)
+
+    def _send(self, chunk: bytes) -> None:
+        if self.upload_id is None:
+            self.upload_id = self._call("create_multipart_upload")["UploadId"]
+            self._pool = cf.ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="snapckpt-part")
+        self._reap(self.concurrency)
+        number, self._next = self._next, self._next + 1
+        self._inflight.append(self._pool.submit(self._upload, number, chunk))
+
+    def _upload(self, number: int, chunk: bytes) -> None:
+        out = self._call("upload_part", UploadId=self.upload_id, PartNumber=number, Body=chunk)
+        self.parts.append({"PartNumber": number, "ETag": out["ETag"]})
+        if self.on_part is not None:
+            self.on_part()
+
+    def close(self) -> None:
+        """Send what is left and complete the object (raises the store's error; then :meth:`discard`)."""
+        if self.closed:
+            return
+        if self.upload_id is None:
+            self._call("put_object", Body=bytes(self.buf))
+        else:
+            if self.buf:
+                self._send(bytes(self.buf))
+            self._reap(1)
+            parts = sorted(self.parts, key=lambda p: p["PartNumber"])
+            self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": parts})
+            self._pool.shutdown(wait=True)
+        self.buf = bytearray()
+        self.closed = True
+        self.fs.invalidate_cache(self.path)
+
+    def discard(self) -> None:
+        """Abort the multipart upload (its parts in flight are waited for first)."""
+        self.closed = True
+        self.buf = bytearray()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.upload_id is not None:
+            self._call("abort_multipart_upload", UploadId=self.upload_id)
+            self.upload_id = None
 
 
 def _protocols(fs) -> tuple:
