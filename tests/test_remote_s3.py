@@ -437,3 +437,158 @@ def test_two_jobs_on_one_remote_directory_the_second_is_refused_at_start(snap_en
     shutil.rmtree(a)
     with Checkpointer(a, **opts) as ck:  # a fresh node of job A
         assert ck.latest_step() == 1
+
+
+def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_env, s3_bucket, capsys):
+    """Remote-only mode, ``Checkpointer("s3://...")`` with no local directory, 2 ranks, keep_last=2, 6 MiB
+    rank files in 5 MiB parts:
+
+    1. steps 1-3 are saved to DISK, step 4 to MEMORY, then both ranks are SIGKILLed: the persister flushes
+       step 4 from memory to the store. The store holds steps 3 and 4 only (retention, manifest first), in
+       the native layout, every object matching its manifest's size and checksum, no part marker or
+       multipart upload left; the tracker object names step 4; nothing was created locally.
+    2. restarted ranks resume step 4 from the memory tier, bitwise; their DISK save of step 7 is cut by a
+       SIGKILL of the persister in the middle of a multipart upload: step 7 has no manifest (not a
+       checkpoint), the tracker still names step 4.
+    3. a fresh persister (memory tier gone), with one object of step 4 damaged in the store (same size):
+       the load refuses step 4 (checksum) and resumes step 3 from the store, bitwise, on both ranks; the
+       persister's start removed step 7's objects and aborted its multipart upload.
+
+    ``snapckpt ls URL`` shows steps 3 and 4 committed (the tracker on 4) and step 7 incomplete; ``snapckpt
+    verify URL`` finds the damaged object of step 4 (exit 1) and step 3 intact."""
+    from snapckpt.cli.main import main as cli
+    import xxhash
+
+    snap_env.leftover_ok = True  # the killed persister leaves its arena behind by design
+    url = s3_bucket.url("run")
+    nbytes = 6 << 20
+    env = dict(snap_env.env, SNAPCKPT_REMOTE_BLOCK_NBYTES=str(5 << 20),
+               SNAPCKPT_FAULT_POINT="remote.mid_upload:step=7")
+    cwd_before = set(os.listdir("."))
+    outs = run_ranks("remote_worker.py", 2, ["only-save", "-", url, "1,2,3", str(nbytes)], env, timeout=120,
+                     check=False)
+    assert all(result_lines(o) for o in outs), [o[-3000:] for o in outs]
+    assert all(r == {"saved": [1, 2, 3], "latest": 4} for r in _results(outs)), outs
+    # the crash flush commits step 4 in the background
+    assert wait_until(lambda: s3_bucket.keys("run/step_00000004/.snapckpt/manifest.json"), timeout=60), \
+        _persister_logs(snap_env)[-3000:]
+    assert wait_until(lambda: s3_bucket.get("run/latest") == b"step_00000004", timeout=30)
+    assert wait_until(lambda: not s3_bucket.keys("run/step_00000002/"), timeout=30)  # retention after step 4
+    keys = _remote_layout(s3_bucket)
+    assert sorted(k for k in keys if not k.startswith(".snapckpt-owner")) == sorted(
+        ["latest"] + [f"step_0000000{s}/{n}" for s in (3, 4) for n in
+                      (".snapckpt/manifest.json", ".snapckpt/remote.json", "rank_00000.pt", "rank_00001.pt")]), keys
+    for s in (3, 4):
+        m = json.loads(s3_bucket.get(f"run/step_0000000{s}/.snapckpt/manifest.json"))
+        assert m["step"] == s and m["world_size"] == 2 and sorted(m["files"]) == ["rank_00000.pt", "rank_00001.pt"]
+        for name, rec in m["files"].items():
+            data = s3_bucket.get(f"run/step_0000000{s}/{name}")
+            assert len(data) == rec["nbytes"] > nbytes and xxhash.xxh3_64(data).hexdigest() == rec["xxh3_64"]
+    assert not s3_bucket.multipart_uploads("run/")
+    assert set(os.listdir(".")) == cwd_before  # no local folder named "s3:" (or anything else)
+
+    res = _results(run_ranks("remote_worker.py", 2, ["only-resume", "-", url, "7", str(nbytes)], env,
+                             timeout=120))
+    assert all(r["step"] == 4 and r["tier"] == "memory" and r["equal"] for r in res), res
+    assert all(r["save_error"] for r in res), res  # the persister died under the save
+    assert wait_until(lambda: not snap_env.persisters(), timeout=30)
+    assert "SNAPCKPT_FAULT_POINT hit remote.mid_upload" in _persister_logs(snap_env)
+    keys = _remote_layout(s3_bucket)
+    assert "step_00000007/.snapckpt/remote.json" in keys and "step_00000007/.snapckpt/manifest.json" not in keys
+    assert s3_bucket.multipart_uploads("run/step_00000007/"), keys
+    assert s3_bucket.get("run/latest") == b"step_00000004"
+
+    capsys.readouterr()
+    assert cli(["ls", url, "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert {n: (r["state"], r["step"], r["trackers"]) for n, r in rows.items()} == {
+        "step_00000003": ("committed", 3, []), "step_00000004": ("committed", 4, ["latest"]),
+        "step_00000007": ("incomplete", 7, [])}, rows
+
+    name = "run/step_00000004/rank_00001.pt"
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=name, Body=b"\0" * keys[name[4:]])
+    assert cli(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "OK       step 3" in out and "DAMAGED  step 4" in out and f"{url}/step_00000004/rank_00001.pt" in out, out
+    env.pop("SNAPCKPT_FAULT_POINT")
+    res = _results(run_ranks("remote_worker.py", 2, ["only-load", "-", url, "", str(nbytes)], env, timeout=120))
+    assert all(r == {"step": 3, "tier": "disk", "equal": True} for r in res), res
+    assert not [k for k in _remote_layout(s3_bucket) if k.startswith("step_00000007/")]
+    assert not s3_bucket.multipart_uploads("run/")
+
+
+def test_H_remote_only_refusals_at_construction(snap_env, s3_bucket):
+    """Remote-only mode refuses at construction, before any persister or training: a missing bucket
+    (RemoteStorageError naming the URL and the fix, no credential), a scheme fsspec does not know, a URL
+    with remote_dir too, and a URL that pathlib mangled (CheckpointDirError naming the cause); nothing is
+    created locally."""
+    import pathlib
+
+    from snapckpt import Checkpointer
+    from snapckpt.errors import CheckpointDirError, RemoteStorageError
+
+    cwd_before = set(os.listdir("."))
+    url = f"s3://{s3_bucket.name}-missing/run"
+    with pytest.raises(RemoteStorageError) as ei:
+        Checkpointer(url, persister_idle_timeout_secs=20)
+    msg = str(ei.value)
+    assert msg.startswith(f"checkpoint_dir {url!r}: the bucket does not exist") and "create it" in msg, msg
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in msg and os.environ["AWS_ACCESS_KEY_ID"] not in msg
+    with pytest.raises(CheckpointDirError, match="nosuchscheme.*remote-only mode"):
+        Checkpointer("nosuchscheme://bucket/run", persister_idle_timeout_secs=20)
+    with pytest.raises(CheckpointDirError, match="remote_dir .* is set too"):
+        Checkpointer(s3_bucket.url("run"), remote_dir=s3_bucket.url("other"), persister_idle_timeout_secs=20)
+    with pytest.raises(CheckpointDirError, match="pathlib.Path made it s3:/"):
+        Checkpointer(pathlib.Path(s3_bucket.url("run")), persister_idle_timeout_secs=20)
+    assert not snap_env.persisters()
+    assert set(os.listdir(".")) == cwd_before
+    assert not s3_bucket.keys("run/")
+
+
+def test_H_remote_only_snapckpt_stop_flushes_to_the_store(snap_env, s3_bucket, capsys):
+    """``snapckpt stop URL`` finds the persister serving a remote-only Checkpointer by its URL (trailing slash
+    or not), which flushes the step held only in memory to the store and exits; stop reports it committed,
+    and the store holds it with its manifest and the tracker object."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.cli.main import main as cli
+
+    url = s3_bucket.url("run")
+    ck = Checkpointer(url, persister_idle_timeout_secs=20)
+    try:
+        ck.save({"w": torch.arange(1000.0)}, 1, StorageType.MEMORY)
+        capsys.readouterr()
+        assert cli(["stop", url + "/", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert [f for s in out["stopped"] for f in s["flushed"]] == [
+            {"checkpoint_dir": url, "step": 1, "committed": True}], out
+    finally:
+        ck.close(clean=False)
+    assert json.loads(s3_bucket.get("run/step_00000001/.snapckpt/manifest.json"))["step"] == 1
+    assert s3_bucket.get("run/latest") == b"step_00000001"
+    assert not snap_env.persisters()
+
+
+def test_H_remote_only_part_writer_assembles_parts_in_order_and_discard_aborts(s3_bucket, monkeypatch):
+    """The remote-only writer of one object, in-process: 12 MiB written in uneven pieces with 5 MiB parts
+    (4 in flight) is stored byte for byte; a small object is one PUT; a writer abandoned after two parts
+    leaves neither the object nor an unfinished multipart upload."""
+    from snapckpt.storage.remote import RemoteStore
+    monkeypatch.setenv("SNAPCKPT_REMOTE_BLOCK_NBYTES", str(5 << 20))
+    store = RemoteStore(s3_bucket.url("run"))
+    data = os.urandom(12 << 20)
+    done = []
+    f = store.open_write("step_00000001", "a.bin", on_part=lambda: done.append(1))
+    for lo in range(0, len(data), 3 << 20):
+        f.write(memoryview(data)[lo:lo + (3 << 20)])
+    f.close()
+    assert s3_bucket.get("run/step_00000001/a.bin") == data and len(done) == 3
+    f = store.open_write("step_00000001", "small.bin")
+    f.write(b"tiny")
+    f.close()
+    assert s3_bucket.get("run/step_00000001/small.bin") == b"tiny"
+    f = store.open_write("step_00000002", "b.bin")
+    f.write(data[:11 << 20])
+    RemoteStore.abandon(f)
+    assert not s3_bucket.keys("run/step_00000002/") and not s3_bucket.multipart_uploads("run/")

@@ -24,6 +24,7 @@ from snapckpt.ondisk.layout import STEP_DIR_PATTERN, TRACKER
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, check_sizes, parse_manifest
 from snapckpt.storage.base import StorageReader
 from snapckpt.storage.factory import open_storage
+from snapckpt.storage.urls import is_remote_url
 
 __all__ = ["Row", "TRACKERS", "scan", "cmd_ls"]
 
@@ -131,6 +132,9 @@ def _trackers(d: str, rows: List[Row]) -> Tuple[Dict[int, List[str]], List[str]]
 def cmd_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print the table of ``args.dir`` and the tracker warnings (or, with ``args.json``, one JSON object);
     returns 0 (a usage error exits 2)."""
+    if is_remote_url(args.dir):  # an object store (remote-only mode, or a remote tier)
+        from snapckpt.cli.remote import ls_remote
+        return ls_remote(args, parser)
     d = checkpoint_dir(parser, args.dir)
     rows, others = scan(d)
     named, notes = _trackers(d, rows)

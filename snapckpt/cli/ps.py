@@ -40,6 +40,7 @@ from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import list_committed
 from snapckpt.persister.control import PersisterEntry, find_persisters, pid_alive, request
 from snapckpt.storage.factory import open_storage
+from snapckpt.storage.urls import is_remote_url
 
 __all__ = ["cmd_ps", "cmd_stop", "EXIT_NO_PERSISTER"]
 
@@ -100,14 +101,31 @@ def cmd_ps(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _serves(rec: Dict[str, Any], d: str) -> bool:
-    return any(os.path.realpath(run["checkpoint_dir"]) == d for run in rec["runs"])
+    return any(_where(run["checkpoint_dir"]) == d for run in rec["runs"])
+
+
+def _committed_steps(d: str) -> set:
+    """The steps committed in the checkpoint location ``d`` (a directory, or a remote-only URL: the store's
+    prefixes with a manifest; a store that cannot be read counts as none committed)."""
+    if is_remote_url(d):
+        try:
+            from snapckpt.storage.remote import RemoteStore
+            return {c.step for c in RemoteStore(d, role="checkpoint_dir").list_committed()}
+        except Exception:
+            return set()
+    return {c.step for c in list_committed(open_storage(), d)}
+
+
+def _where(d: str) -> str:
+    """A checkpoint location as compared: a directory's real path, a remote-only URL without trailing slashes."""
+    return d.strip().rstrip("/") if is_remote_url(d.strip()) else os.path.realpath(d)
 
 
 def cmd_stop(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Flush and stop the persister(s) serving ``args.dir`` (see the module docstring for exit codes)."""
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
-    d = os.path.realpath(args.dir)
+    d = _where(args.dir)
     as_json = getattr(args, "json", False)
     targets = [(e, rec) for e in find_persisters(_root(args)) for rec in [_describe(e)] if _serves(rec, d)]
     if not targets:
@@ -143,9 +161,8 @@ def cmd_stop(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             out["error"] = f"still running after {args.timeout:g} s (log: {entry.runtime_dir}/persister.log)"
             failed = True
             continue
-        reader = open_storage()
         for f in out["flushed"]:
-            f["committed"] = any(c.step == f["step"] for c in list_committed(reader, f["checkpoint_dir"]))
+            f["committed"] = f["step"] in _committed_steps(f["checkpoint_dir"])
             if not f["committed"]:
                 out["error"] = (f"step {f['step']} was not committed in {f['checkpoint_dir']} (see "
                                 f"{entry.runtime_dir}/persister.log)")

@@ -23,6 +23,7 @@ from snapckpt.ondisk.layout import STEP_DIR_PATTERN
 from snapckpt.ondisk.manifest import check_checksums, list_committed
 from snapckpt.storage.base import StorageReader
 from snapckpt.storage.factory import open_storage
+from snapckpt.storage.urls import is_remote_url
 
 __all__ = ["cmd_verify"]
 
@@ -54,6 +55,9 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     Returns 0 when every one is intact, 1 when any is damaged (a manifest that does not parse counts).
     A usage error (no such directory, no committed checkpoint, none of ``args.step``) exits 2.
     """
+    if is_remote_url(args.dir):  # an object store (remote-only mode, or a remote tier)
+        from snapckpt.cli.remote import verify_remote
+        return verify_remote(args, parser)
     d = checkpoint_dir(parser, args.dir)
     reader = open_storage()
     bad_manifests: List[str] = []

@@ -36,7 +36,7 @@ from snapckpt.formats import respec
 from snapckpt.ondisk import layout
 from snapckpt.options import CheckpointOptions
 from snapckpt.persister.client import job_key
-from snapckpt.storage.factory import check_location, open_storage
+from snapckpt.storage.factory import check_location, open_storage, remote_only_url
 from snapckpt.storage.posix import PosixStorage
 from snapckpt.storage.remote import RemoteStore
 
@@ -49,7 +49,10 @@ class Checkpointer:
     """Asynchronous, crash-safe checkpoints of one training job.
 
     Args:
-        checkpoint_dir: directory of committed checkpoints (created if missing; must be writable).
+        checkpoint_dir: directory of committed checkpoints (created if missing; must be writable); or an
+            object store URL (``"s3://bucket/run1"``, any fsspec URL): **remote-only mode**, one node, every
+            part written from shared memory straight to the store and committed there, no local copy
+            (docs/remote.md).
         **options: fields of :class:`~snapckpt.options.CheckpointOptions` (``keep_last``, ``shm_dir``,
             ``job_id``, timeouts...).
 
@@ -58,12 +61,14 @@ class Checkpointer:
     ``torch.distributed`` (case C6).
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL (an
-            object store is a remote tier: ``remote_dir="s3://..."``), or cannot be created or written; or the
-            job spans several nodes and some ranks see another directory at that path (node-local by mistake;
-            raised on every rank, naming them: case G7).
-        RemoteStorageError: ``remote_dir`` is set and cannot be used (missing bucket, refused credentials,
-            unreachable endpoint, no fsspec implementation); raised on every rank, before training.
+        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL fsspec
+            cannot handle (unknown scheme, implementation not installed, no bucket or prefix) or a URL that
+            ``pathlib`` mangled (``s3:/bucket``), or cannot be created or written; or the job spans several
+            nodes and some ranks see another directory at that path (node-local by mistake; raised on every
+            rank, naming them: case G7); or a URL with ``remote_dir`` too, or on several nodes.
+        RemoteStorageError: ``remote_dir`` (or the URL of remote-only mode) cannot be used (missing bucket,
+            refused credentials, unreachable endpoint, another job's prefix); raised on every rank, before
+            training.
         RankTimeoutError: some ranks did not construct theirs within ``coordination_timeout_secs``.
         PersisterError: the node persister could not be started or refused this rank.
     """
@@ -77,11 +82,19 @@ class Checkpointer:
                 f"({type(checkpoint_dir).__name__})")
         self.options = CheckpointOptions.from_kwargs(**options)
         self.options.resolved_host_memory_budget_nbytes  # a malformed SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES fails here
-        self.checkpoint_dir = os.path.abspath(check_location(checkpoint_dir))
+        url = remote_only_url(checkpoint_dir)
+        #: True when ``checkpoint_dir`` is an object-store URL: remote-only mode (no local directory)
+        self.remote_only = url is not None
+        if url is not None:
+            self._check_remote_only(url)
+            self.checkpoint_dir = url
+        else:
+            self.checkpoint_dir = os.path.abspath(check_location(checkpoint_dir))
         self.job = job_key(self.checkpoint_dir, self.options.job_id)
         self._coord = make_coordinator(self.job, self.options.coordination_timeout_secs)
         self._maps = SlotMaps(self._coord.rank, self.options.slots_per_rank, self.options.slot_wait_timeout_secs)
-        self._storage = open_storage(self.checkpoint_dir, fsync=self.options.fsync)
+        # remote-only: a local storage still serves the tracker check and the CLI's readers, never a checkpoint
+        self._storage = open_storage(None if url else self.checkpoint_dir, fsync=self.options.fsync)
         self._stager = Stager()
         self._listeners: List[Callable[[Event], None]] = []
         t = self.options.coordination_timeout_secs
@@ -91,21 +104,31 @@ class Checkpointer:
         self.topology = Topology.from_hosts(self._coord.rank, [p["host"] for p in everyone])
         faults.set_rank(self._coord.rank)
         self.run_id = everyone[0]["run_id"]
-        preflight_dir(self.checkpoint_dir, self.options.resolved_shm_dir, self.run_id, self.rank)
-        check_shared_dir(self.checkpoint_dir, self.run_id, self._coord, self.topology,
-                         [p["host"] for p in everyone], t)  # case G7, only when the job spans nodes
-        remote = self._open_remote(t)
-        # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
-        # since belong to another run and are never loaded (inode numbers are reused: a random id instead).
-        mine = dir_identity(self.checkpoint_dir) if self._coord.rank == 0 else ""
+        if self.remote_only:
+            if self.topology.num_nodes > 1:
+                raise CheckpointDirError(
+                    f"checkpoint_dir {self.checkpoint_dir!r} (remote-only mode) is supported on one node only; "
+                    f"this job spans {self.topology.num_nodes} nodes: pass a shared directory as checkpoint_dir "
+                    f"and the URL as remote_dir=\"{self.checkpoint_dir}\" (docs/remote.md)")
+            preflight_dir(None, self.options.resolved_shm_dir, self.run_id, self.rank)
+            remote, mine = self._open_remote_only(t)
+        else:
+            preflight_dir(self.checkpoint_dir, self.options.resolved_shm_dir, self.run_id, self.rank)
+            check_shared_dir(self.checkpoint_dir, self.run_id, self._coord, self.topology,
+                             [p["host"] for p in everyone], t)  # case G7, only when the job spans nodes
+            remote = self._open_remote(t)
+            # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
+            # since belong to another run and are never loaded (inode numbers are reused: a random id instead).
+            mine = dir_identity(self.checkpoint_dir) if self._coord.rank == 0 else ""
         dir_id = self._coord.all_gather("dir_id", {"id": mine}, t)[0]["id"]
         self._session = PersisterSession(self.options, self.job, self.checkpoint_dir, self.run_id, self.topology,
                                          dir_id, self._maps)
         self._client = self._session.client  # the socket client (tests make a rank "die" through it)
         self._saver = Saver(self.options, self.checkpoint_dir, self.run_id, self.rank, self._coord,
-                            self._storage, self._stager, self._maps, self._session, self._emit)
+                            self._storage, self._stager, self._maps, self._session, self._emit,
+                            local=not self.remote_only)
         self._loader = Loader(self.options, self.checkpoint_dir, self.topology, self._coord, self._storage,
-                              self._maps, self._session, dir_id, remote)
+                              self._maps, self._session, dir_id, remote, remote_only=self.remote_only)
         self._session.connect()
         self._reserve_ahead()
         self._coord.all_gather("connected", {"ok": True}, t)
@@ -117,7 +140,7 @@ class Checkpointer:
         costs what later saves cost (``expected_nbytes``; by default the size of this rank's files in the newest
         checkpoint)."""
         nbytes = self.options.expected_nbytes
-        if nbytes is None:
+        if nbytes is None and not self.remote_only:
             nbytes = newest_part_nbytes(self.checkpoint_dir, self.rank)
         if nbytes:
             # what a save of that size asks for (Saver._acquire), plus room for the slot's pickles and index
@@ -147,6 +170,48 @@ class Checkpointer:
         if error:
             raise RemoteStorageError(error)
         return store
+
+    def _check_remote_only(self, url: str) -> None:
+        """Refuse what remote-only mode cannot do, on every rank, before anything starts.
+
+        Raises:
+            CheckpointDirError: ``remote_dir`` is set too (the object store is already the checkpoint
+                location), or fsspec cannot handle the URL (unknown scheme, implementation not installed,
+                no bucket or prefix, credentials in the URL).
+        """
+        if self.options.resolved_remote_dir:
+            raise CheckpointDirError(
+                f"checkpoint_dir {url!r} is an object store URL (remote-only mode) and remote_dir "
+                f"{self.options.resolved_remote_dir!r} is set too: pass either a local directory with "
+                "remote_dir (two tiers) or only the URL as checkpoint_dir (no local copy)")
+        try:
+            RemoteStore(url, role="checkpoint_dir")  # no request yet: the URL's shape and scheme
+        except RemoteStorageError as e:
+            raise CheckpointDirError(f"{e} (remote-only mode: an object store URL as checkpoint_dir)") from e
+
+    def _open_remote_only(self, timeout: float) -> Tuple[Optional[RemoteStore], str]:
+        """Remote-only mode: on rank 0, check access to the store (a probe object) and claim the prefix for
+        this job, before training; return ``(store on rank 0 / None elsewhere, the prefix's identity)``
+        (the random ``dir_id`` of its owner record: memory snapshots taken for a prefix that was deleted
+        and re-created since are not loaded).
+
+        Raises:
+            RemoteStorageError: the bucket does not exist, credentials are refused, the endpoint is
+                unreachable, or another job owns the prefix (on every rank).
+        """
+        store, error, ident = None, "", ""
+        if self._coord.rank == 0:
+            try:
+                store = RemoteStore(self.checkpoint_dir, role="checkpoint_dir")
+                store.check_access()
+                owner = store.claim(self.checkpoint_dir, self.options.job_id)
+                ident = f"remote:{owner.get('dir_id') or owner.get('created_unix', '')}"
+            except RemoteStorageError as e:
+                error = str(e)
+        error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]
+        if error:
+            raise RemoteStorageError(error)
+        return store, ident
 
     # ---------------------------------------------------------------------------------- properties
     @property

@@ -125,6 +125,9 @@ class Loader:
         session: the persister session (which slots this rank holds).
         dir_id: the checkpoint directory's identity: memory snapshots of another identity are ignored.
         remote: the remote tier on rank 0 (:class:`~snapckpt.storage.remote.RemoteStore`), or ``None``.
+        remote_only: ``checkpoint_dir`` is an object store URL (remote-only mode): the committed steps are
+            the store's (listed by rank 0), each rank reads its files from the store by ranged GETs,
+            checksums verified, with no local directory.
 
     Attributes:
         last_load: a :class:`LoadInfo` of the last load, or ``None``.
@@ -132,7 +135,7 @@ class Loader:
 
     def __init__(self, options: CheckpointOptions, checkpoint_dir: str, topology: Topology, coord: Coordinator,
                  storage: PosixStorage, maps: SlotMaps, session: PersisterSession, dir_id: str,
-                 remote: "Optional[RemoteStore]" = None) -> None:
+                 remote: "Optional[RemoteStore]" = None, *, remote_only: bool = False) -> None:
         self.options, self.checkpoint_dir, self._topology = options, checkpoint_dir, topology
         self._coord, self._storage, self._maps, self._session, self._dir_id = coord, storage, maps, session, dir_id
         self._damaged: List[str] = []  # directories skipped as damaged by the last candidates()
@@ -140,6 +143,7 @@ class Loader:
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
+        self._remote_only = remote_only
         self.peers: Optional[PeerMap] = None  # the peer-memory tier's addresses (engine/replicas.py)
         self._sources: Dict[Tuple[int, str], Dict[int, List[Tuple[int, str]]]] = {}  # see candidates()
         self._fetched: Optional[str] = None  # where the last memory read was fetched from
@@ -173,8 +177,7 @@ class Loader:
         disk: List[List[Any]] = []
         problems: List[str] = []
         if self.rank == 0:
-            for c in list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
-                                    problems=problems, name_pattern=layout.STEP_DIR_PATTERN):
+            for c in self._list_committed(step, problems):
                 saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
                 disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
             for p in problems:
@@ -219,6 +222,27 @@ class Loader:
                 "reshard: resume with the same number of ranks")
         return cands
 
+    def _list_committed(self, step: Optional[int], problems: List[str]) -> List[Any]:
+        """Rank 0: the committed checkpoints of ``checkpoint_dir``, oldest first (each with ``step``,
+        ``dirname``, ``manifest``); damaged ones are described in ``problems``. Remote-only mode: the
+        store's prefixes with a manifest whose objects have their sizes; a store that cannot be listed is a
+        problem too (never a silent fresh start)."""
+        if not self._remote_only:
+            return list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
+                                  problems=problems, name_pattern=layout.STEP_DIR_PATTERN)
+        try:
+            return [c for c in self._store().list_committed(problems)
+                    if layout.STEP_DIR_PATTERN.fullmatch(c.dirname)]
+        except Exception as e:
+            problems.append(f"{self.checkpoint_dir}: cannot be listed ({type(e).__name__}: {str(e)[:300]})")
+            return []
+
+    def _store(self) -> RemoteStore:
+        """Remote-only mode: this rank's client of the store (rank 0's is the Checkpointer's)."""
+        if self._remote is None:
+            self._remote = RemoteStore(self.checkpoint_dir, role="checkpoint_dir")
+        return self._remote
+
     def _holdings(self) -> List[List[Any]]:
         """On the first rank of each node, with peer replicas: ``[[rank, step, run_id, kind]]`` of the
         snapshots its persister can serve (its slots, its replicas) of this world size and directory."""
@@ -251,7 +275,7 @@ class Loader:
     def _remote_listing(self) -> List[List[Any]]:
         """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` (``[]`` without a
         remote tier, or when it cannot be listed: a warning, and the local tiers go on)."""
-        if self._remote is None:
+        if self._remote is None or self._remote_only:
             return []
         remove_download_leftovers(self.checkpoint_dir)  # of a download killed in an earlier run
         try:
@@ -345,6 +369,9 @@ class Loader:
         Raises:
             CheckpointCorruptError: a file is missing, of the wrong size or fails its checksum.
         """
+        if self._remote_only:
+            m, _ = self._read_remote(dirname)
+            return m
         mpath = os.path.join(path, MANIFEST)
         m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
         if self.options.verify_checksums:
@@ -370,6 +397,8 @@ class Loader:
         """
         if cand.tier == StorageType.MEMORY:
             return self._read_memory(cand, views)
+        if self._remote_only:
+            return self._read_remote(cand.dirname)[1]
         path = cand.path
         m = self.verify(path, cand.dirname)
         weights_only = self.options.weights_only
@@ -412,6 +441,8 @@ class Loader:
         from snapckpt.engine.restore import check_shapes
 
         name = layout.rank_filename(self.rank)
+        if self._remote_only:  # read into memory from the store, then copied into dst by the caller
+            return self.read(cand)[name], frozenset()
         mpath = os.path.join(cand.path, MANIFEST)
         m = parse_manifest(self._storage.read_bytes(mpath), cand.dirname, source=mpath)
         mine = [n for n, rec in m["files"].items() if rec["rank"] == self.rank]
@@ -421,6 +452,46 @@ class Loader:
         obj, filled = read_into(os.path.join(cand.path, name), int(rec["nbytes"]), rec, dst,
                                 weights_only=self.options.weights_only, verify=self.options.verify_checksums)
         return obj, filled
+
+    def _read_remote(self, dirname: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """Remote-only mode: ``(manifest, this rank's files)`` of the committed prefix ``dirname``, each file
+        read into memory by parallel ranged GETs, its size and checksum verified (always: the bytes come
+        over the network), then unpickled (``weights_only`` as configured).
+
+        Raises:
+            CheckpointCorruptError: the manifest is missing or damaged, or a file is missing, of the wrong
+                size or fails its checksum (named).
+            UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
+        """
+        import io
+
+        store = self._store()
+        where = store.display(dirname, MANIFEST)
+        try:
+            data = store.read_bytes(f"{store.url}/{dirname}/{MANIFEST}")
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{where} is missing (the checkpoint was deleted, or is being "
+                                         "replaced)") from e
+        m = parse_manifest(data, dirname, source=where)
+        out: Dict[str, Any] = {}
+        for name, rec in sorted(m["files"].items()):
+            if rec.get("rank") != self.rank:
+                continue
+            raw = store.read_verified(dirname, name, rec)
+            if rec.get("kind", "torch") == "bytes":
+                out[name] = bytes(raw)
+                continue
+            try:
+                out[name] = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=self.options.weights_only)
+            except Exception as e:
+                if self.options.weights_only and "weights_only" in str(e):
+                    raise UnsafeCheckpointError(
+                        f"{store.display(dirname, name)} holds objects that weights_only=True refuses; if you "
+                        "trust this checkpoint location pass weights_only=False to the Checkpointer") from e
+                raise CheckpointCorruptError(f"{store.display(dirname, name)} cannot be read as a torch "
+                                             f"file: {type(e).__name__}: {e}") from e
+            del raw
+        return m, out
 
     def _read_memory(self, cand: LoadCandidate, views: bool) -> Dict[str, Any]:
         held = self._session.request("held")["slots"]

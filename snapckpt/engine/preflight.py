@@ -33,11 +33,12 @@ DIR_ID_XATTR = "user.snapckpt.dir_id"  # random id of a checkpoint directory, an
 log = logging.getLogger(__name__)
 
 
-def preflight_dir(checkpoint_dir: str, shm_dir: str, run_id: str, rank: int) -> None:
+def preflight_dir(checkpoint_dir: Optional[str], shm_dir: str, run_id: str, rank: int) -> None:
     """Check the directories of one rank; create ``checkpoint_dir`` if missing.
 
     Args:
-        checkpoint_dir: absolute path of the checkpoint directory.
+        checkpoint_dir: absolute path of the checkpoint directory (``None``: remote-only mode, ``shm_dir``
+            only).
         shm_dir: the shared-memory directory of the arena (a warning when it is not a tmpfs).
         run_id: this launch attempt's run id (names the probe file).
         rank: global rank (names the probe file and the errors).
@@ -47,8 +48,7 @@ def preflight_dir(checkpoint_dir: str, shm_dir: str, run_id: str, rank: int) -> 
         PreflightError: ``shm_dir`` does not exist.
     """
     d = checkpoint_dir
-    probe = os.path.join(d, f".snapckpt-probe-{run_id}-{rank}")
-    if os.path.exists(d) and not os.path.isdir(d):
+    if d is not None and os.path.exists(d) and not os.path.isdir(d):
         raise CheckpointDirError(f"checkpoint directory {d!r} exists and is not a directory; pick "
                                  "another path")
     shm = shm_dir
@@ -58,6 +58,9 @@ def preflight_dir(checkpoint_dir: str, shm_dir: str, run_id: str, rank: int) -> 
     if fs_type(shm) not in ("tmpfs", "ramfs", "hugetlbfs", None):
         log.warning("shm_dir %r is on a %s filesystem, not a tmpfs: memory snapshots will be written to "
                     "that disk and will be slow", shm, fs_type(shm))
+    if d is None:
+        return
+    probe = os.path.join(d, f".snapckpt-probe-{run_id}-{rank}")
     try:
         os.makedirs(d, exist_ok=True)
         with open(probe, "wb") as f:

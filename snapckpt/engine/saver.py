@@ -88,6 +88,8 @@ class Saver:
         maps: the rank's slot mappings.
         session: the persister session.
         emit: delivers an :class:`~snapckpt.events.Event` to the Checkpointer's listeners.
+        local: ``False`` in remote-only mode (``checkpoint_dir`` is a URL): no local writer claim (the
+            store's owner record is the claim), no free-space check, no tracker file.
 
     Attributes:
         cuda: the side-stream copier of CUDA tensors, made on first use (``None`` until then).
@@ -96,8 +98,9 @@ class Saver:
 
     def __init__(self, options: CheckpointOptions, checkpoint_dir: str, run_id: str, rank: int,
                  coord: Coordinator, storage: PosixStorage, stager: Stager, maps: SlotMaps,
-                 session: PersisterSession, emit: Callable[[Event], None]) -> None:
+                 session: PersisterSession, emit: Callable[[Event], None], *, local: bool = True) -> None:
         self._options, self._checkpoint_dir, self._run_id, self._rank = options, checkpoint_dir, run_id, rank
+        self._local = local
         self._coord, self._storage, self._stager, self._maps = coord, storage, stager, maps
         self._session, self._emit = session, emit
         self._handles: List[SaveHandle] = []  # DISK saves not yet ended or not yet reported
@@ -105,7 +108,7 @@ class Saver:
         self._copier = None  # the copy thread (overlap=True), started on first use
         self.cuda: Optional[CudaCopier] = None
         self._claim: Optional[dirclaim.DirClaim] = None
-        self._claimed = False  # the writer claim of checkpoint_dir was settled (see _claim_dir)
+        self._claimed = not local  # the writer claim of checkpoint_dir was settled (see _claim_dir)
         self.last_stats: Optional[SaveStats] = None
         self._remote_seen = 0  # remote-tier notes of the persister already emitted as events
         self._checked_nbytes = 0  # the largest slot size the host-memory preflight has checked
@@ -177,7 +180,8 @@ class Saver:
         if tracker_name is not None:
             validate_dirname(tracker_name)
             tracker = os.path.join(self._checkpoint_dir, tracker_name)
-            if storage_type == StorageType.DISK and os.path.isdir(tracker) and not os.path.islink(tracker):
+            if storage_type == StorageType.DISK and self._local and os.path.isdir(tracker) \
+                    and not os.path.islink(tracker):
                 # rename() cannot replace a directory: every commit would fail at its last step
                 raise CheckpointDirError(
                     f"the tracker file {tracker} is a directory, so no commit could replace it: remove or rename "
@@ -190,7 +194,7 @@ class Saver:
         self.poll()
         prepared = self._stager.prepare(files, step, check_weights_only=check_weights_only)
         t1 = time.perf_counter()
-        if storage_type == StorageType.DISK:
+        if storage_type == StorageType.DISK and self._local:
             self._check_free(step, dirname, prepared.total_nbytes)
         reply = self._acquire(step, prepared.total_nbytes, storage_type)
         t2 = time.perf_counter()

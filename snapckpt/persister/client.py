@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import PersisterDiedError, PersisterError, PersisterTimeoutError
 from snapckpt.persister import protocol as P
+from snapckpt.storage.urls import is_remote_url
 
 __all__ = ["PersisterClient", "job_key", "job_of_run", "job_dirs", "lock_file", "private_dir", "JOB_KEY_LEN"]
 
@@ -30,8 +31,10 @@ JOB_KEY_LEN = 16
 
 
 def job_key(checkpoint_dir: str, job_id: Optional[str]) -> str:
-    """16 hex digits naming a job on a host: ``sha256(uid, realpath(checkpoint_dir), job_id)``."""
-    raw = f"{os.getuid()}\0{os.path.realpath(checkpoint_dir)}\0{job_id or ''}".encode()
+    """16 hex digits naming a job on a host: ``sha256(uid, realpath(checkpoint_dir), job_id)`` (a URL of
+    remote-only mode as it is)."""
+    where = checkpoint_dir if is_remote_url(checkpoint_dir) else os.path.realpath(checkpoint_dir)
+    raw = f"{os.getuid()}\0{where}\0{job_id or ''}".encode()
     return hashlib.sha256(raw).hexdigest()[:JOB_KEY_LEN]
 
 

@@ -39,7 +39,8 @@ from snapckpt.persister.client import job_of_run
 from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
-__all__ = ["CommitRequest", "commit", "watch_commit", "recover_interrupted_commits", "POLL_SECS"]
+__all__ = ["CommitRequest", "commit", "watch_commit", "recover_interrupted_commits", "collect_parts",
+           "raise_local_failure", "POLL_SECS"]
 
 log = logging.getLogger(__name__)
 POLL_SECS = 0.02
@@ -85,17 +86,19 @@ class CommitRequest:
         return os.path.join(self.checkpoint_dir, self.dirname)
 
 
-def _collect_parts(reader: StorageReader, req: CommitRequest,
-                   unreadable: Optional[Dict[str, str]] = None) -> Dict[int, Dict[str, Any]]:
+def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optional[Dict[str, str]] = None, *,
+                  in_dir: Optional[str] = None) -> Dict[int, Dict[str, Any]]:
     """The part records of the partial directory (JSON markers, never unpickled). A marker that does not
     parse is skipped for this poll and described in ``unreadable`` (path -> why), which a timeout names.
+    ``in_dir``: where the markers are instead (``<url>/<dirname>`` in remote-only mode, ``reader`` the
+    :class:`~snapckpt.storage.remote.RemoteStore`).
 
     Raises:
         CommitError: a failure marker (that rank's error), or a part marker listing a file outside the
             checkpoint directory or a malformed record (names the marker).
     """
     parts: Dict[int, Dict[str, Any]] = {}
-    side = os.path.join(req.partial_dir, SIDECAR)
+    side = os.path.join(in_dir or req.partial_dir, SIDECAR)
     for name in reader.listdir(side):
         if not name.endswith(".json") or name.startswith("."):
             continue
@@ -137,7 +140,8 @@ def _collect_parts(reader: StorageReader, req: CommitRequest,
     return parts
 
 
-def _raise_local_failure(req: CommitRequest) -> None:
+def raise_local_failure(req: CommitRequest) -> None:
+    """Raise :class:`CommitError` with the error of a local rank whose part of this save failed, if any."""
     exc = req.local_failure() if req.local_failure is not None else None
     if exc is not None:
         rank = getattr(exc, "snapckpt_rank", "?")
@@ -200,8 +204,8 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         deadline = time.monotonic() + req.timeout_secs
         unreadable: Dict[str, str] = {}
         while True:
-            _raise_local_failure(req)
-            parts = _collect_parts(reader, req, unreadable)
+            raise_local_failure(req)
+            parts = collect_parts(reader, req, unreadable)
             unexpected = sorted(r for r in parts if r >= req.world_size)
             if unexpected:
                 raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
@@ -288,10 +292,10 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
         m = committed()
         if m is not None:
             return m
-        _raise_local_failure(req)
+        raise_local_failure(req)
         if reader.isdir(req.partial_dir):
             seen_partial = True
-            parts = _collect_parts(reader, req)  # raises on a failure marker
+            parts = collect_parts(reader, req)  # raises on a failure marker
         elif seen_partial:
             m = committed()  # the rename may have happened between the two checks
             if m is not None:

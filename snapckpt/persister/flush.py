@@ -67,8 +67,13 @@ def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str,
     res = scheduler.result(key)
     if res is not None and res.state != "failed":
         return None
-    committed = list_committed(open_storage(), run.checkpoint_dir)
-    if committed and committed[-1].step >= step:
+    try:
+        newest_on_disk = _newest_committed(run)
+    except Exception as e:  # cannot tell: flush anyway (a duplicate commit is harmless, a lost step is not)
+        log.warning("run %s: cannot list the committed checkpoints of %s (%s: %s); flushing anyway", run.run_id,
+                    run.checkpoint_dir, type(e).__name__, str(e)[:300])
+        newest_on_disk = None
+    if newest_on_disk is not None and newest_on_disk >= step:
         return None
     log.warning("run %s %s; flushing step %d from memory to disk", run.run_id, why, step)
     if replicator is not None and run.multi_node:  # claimed before the commit starts waiting for them
@@ -98,8 +103,22 @@ def unwritten_steps(run: Run, slots: SlotTable) -> List[int]:
     if not steps:
         return []
     try:
-        committed = list_committed(open_storage(), run.checkpoint_dir)
-    except OSError:
+        newest = _newest_committed(run)
+    except Exception:  # OSError; in remote-only mode any error of the store
         return []
-    newest = committed[-1].step if committed else -1
+    newest = -1 if newest is None else newest
     return sorted((s for s in steps if s > newest), reverse=True)
+
+
+def _newest_committed(run: Run) -> Optional[int]:
+    """The step of the newest checkpoint committed in ``run``'s checkpoint directory (in remote-only mode,
+    in the store: :mod:`snapckpt.persister.remote_only`), ``None`` when there is none.
+
+    Raises:
+        OSError / the store's errors: it cannot be listed.
+    """
+    if run.remote_only:
+        from snapckpt.persister.remote_only import newest_committed_step
+        return newest_committed_step(run.checkpoint_dir)
+    committed = list_committed(open_storage(), run.checkpoint_dir)
+    return committed[-1].step if committed else None

@@ -35,6 +35,7 @@ from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import CommitRequest, commit, watch_commit
 from snapckpt.persister.peers import PeerWatch, lease_name
+from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.writer import write_failure_marker, write_part
@@ -228,11 +229,11 @@ class Scheduler:
 
     # --------------------------------------------------------------------------------------- tasks
     def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
-        storage = open_storage(fsync=run.fsync, part=(rank, step))
+        storage = None if run.remote_only else open_storage(fsync=run.fsync, part=(rank, step))
         # once on_data_read released the slot, the rank may fill it with a newer snapshot: never read the
         # slot's fields after that (they describe the new one)
         key, seq = (run.run_id, step, s.dirname), s.seq
-        partial = os.path.join(run.checkpoint_dir, partial_dirname(s.dirname, run.run_id))
+        partial = _partial(run, s.dirname)
         log.debug("rank %d step %d: writing the part", rank, step)
         try:
             buf = _slot_map(s)
@@ -241,8 +242,12 @@ class Scheduler:
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
                 t0 = time.monotonic()
-                files = write_part(storage, buf, index, partial, rank=rank, run_id=run.run_id, step=step,
-                                   on_data_read=lambda: self.slots.release(s))
+                if run.remote_only:  # straight from the slot to the object store
+                    files = write_part_remote(store_for(run.checkpoint_dir), buf, index, s.dirname, rank=rank,
+                                              run_id=run.run_id, step=step, on_data_read=lambda: self.slots.release(s))
+                else:
+                    files = write_part(storage, buf, index, partial, rank=rank, run_id=run.run_id, step=step,
+                                       on_data_read=lambda: self.slots.release(s))
                 log.info("rank %d step %d: part written, %d bytes in %.3f s", rank, step,
                          sum(f["nbytes"] for f in files.values()), time.monotonic() - t0)
             finally:
@@ -254,7 +259,8 @@ class Scheduler:
             self.failed = True
             with self.lock:  # recorded before the marker: the commit it ends must not win the race to the trainer
                 self.results[key].part_errors[rank] = P.error_record(e)
-            write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
+            if storage is not None:  # remote-only: one node, whose commit learns it from part_errors
+                write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
         finally:
             with self.lock:
                 self.slots.finish_persist(s, seq)
@@ -268,7 +274,9 @@ class Scheduler:
         storage = open_storage(fsync=run.fsync, part=(None, req.step))
         retired: List[str] = []
         try:
-            if run.committer:
+            if run.remote_only:  # one node: its persister is the committer
+                commit_remote(store_for(run.checkpoint_dir), req)
+            elif run.committer:
                 manifest = commit(storage, storage, req, remove_partial_on_failure=False, defer_deletion=retired)
                 if run.remote_dir:  # in the background: neither the commit's answer nor training waits
                     with self.lock:
@@ -286,7 +294,7 @@ class Scheduler:
         with self.lock:
             res = self.results[(req.run_id, req.step, req.dirname)]
             res.state, res.error = state, err
-            self._remove_failed_partial(run, res, req.partial_dir)
+            self._remove_failed_partial(run, res, _partial(run, req.dirname))
         for path in retired:  # after the commit is reported: deleting GiBs takes a while
             try:
                 storage.remove_tree(path)
@@ -302,9 +310,20 @@ class Scheduler:
         if not run.committer or res.state != "failed" or res.writers > 0:
             return
         try:
-            open_storage().remove_tree(partial)
-        except OSError as e:
-            log.warning("could not remove %s after a failed commit: %s", partial, e)
+            if run.remote_only:  # the prefix in the store, unless a manifest made it a checkpoint
+                store_for(run.checkpoint_dir).discard_uncommitted(os.path.basename(partial))
+            else:
+                open_storage().remove_tree(partial)
+        except Exception as e:
+            log.warning("could not remove %s after a failed commit: %s: %s", partial, type(e).__name__, e)
+
+
+def _partial(run: Run, dirname: str) -> str:
+    """Where the parts of ``dirname`` are written before the commit: the hidden partial directory, or in
+    remote-only mode the final prefix itself (``<url>/<dirname>``: no rename in an object store)."""
+    if run.remote_only:
+        return f"{run.checkpoint_dir}/{dirname}"
+    return os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
 
 
 def _slot_map(s: Slot):

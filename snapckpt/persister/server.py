@@ -52,7 +52,7 @@ from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles, SlotState
 from snapckpt.persister.commit import recover_interrupted_commits
 from snapckpt.persister.flush import flush_crashed_run, flush_newest, unwritten_steps
-from snapckpt.persister import peers
+from snapckpt.persister import peers, remote_only
 from snapckpt.persister.replication import Replicator, check_secret
 from snapckpt.persister.runtime_files import listen, lock_pid_file, lock_spawn, remove_runtime_files, write_token
 from snapckpt.persister.scheduler import Scheduler
@@ -443,8 +443,11 @@ class Server:
                      run.run_id, run.checkpoint_dir, world, run.local_ranks)
         if msg["committer"]:
             run.committer = True
-            recover_interrupted_commits(open_storage(), run.checkpoint_dir, job=self.job,
-                                        known_runs=set(self.slots.runs))
+            if run.remote_only:  # before any save of this run: what killed persisters left in the store
+                remote_only.clean_start(run.checkpoint_dir, list(self.slots.runs))
+            else:
+                recover_interrupted_commits(open_storage(), run.checkpoint_dir, job=self.job,
+                                            known_runs=set(self.slots.runs))
             if run.remote_dir:  # remove what an interrupted upload of an earlier persister left
                 self.scheduler.clean_remote(run)
         if run.gone.pop(rank, None) is not None:  # the rank is back (a new connection of the same run)

@@ -33,6 +33,7 @@ from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles, SlotState
+from snapckpt.storage.urls import is_remote_url
 
 log = logging.getLogger("snapckpt.persister")
 
@@ -95,6 +96,12 @@ class Run:
     peer_timeout_secs: float = 10.0  # a node lease unrenewed this long is a lost node (persister/peers.py)
     # local ranks whose process died (disconnected without bye): rank -> gone record (persister/peers.py)
     gone: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def remote_only(self) -> bool:
+        """Whether ``checkpoint_dir`` is an object-store URL: parts and commits go straight to the store
+        (:mod:`snapckpt.persister.remote_only`)."""
+        return is_remote_url(self.checkpoint_dir)
 
     @property
     def multi_node(self) -> bool:

@@ -19,7 +19,7 @@ from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_mar
 from snapckpt.storage.base import StorageWriter
 from snapckpt.persister.protocol import error_record
 
-__all__ = ["write_part", "write_failure_marker"]
+__all__ = ["write_part", "write_failure_marker", "encode_file"]
 
 
 def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
@@ -73,22 +73,29 @@ def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind:
         if mid_file:
             sink = _MidFilePoint(sink, rank, step)
         cw = ChecksumWriter(sink)
-        if kind == "bytes":
-            for off, n in f["chunks"]:
-                cw.write(memoryview(buf)[off:off + n])
-        else:
-            po, pn = f["pkl"]
-            import torch  # imported on first use (the persister warms it up right after it listens)
-
-            from snapckpt.formats.torch_zip import write_torch_file
-
-            records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(),
-                        n) if n else (key, torch.UntypedStorage(0), 0)
-                       for key, off, n in f["records"]]
-            write_torch_file(cw, bytes(buf[po:po + pn]), records)
-            del records
+        encode_file(cw, buf, f, kind)
         storage.fsync_file(raw)
     return {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
+
+
+def encode_file(sink, buf, f: Dict[str, Any], kind: str) -> None:
+    """Write one file of a part, as its slot index entry ``f`` describes it, from slot mapping ``buf`` into
+    ``sink`` (anything with ``write``): raw chunks back to back for ``kind`` ``"bytes"``, otherwise a
+    ``torch.save`` archive whose storages are views of the slot (no copy)."""
+    if kind == "bytes":
+        for off, n in f["chunks"]:
+            sink.write(memoryview(buf)[off:off + n])
+        return
+    po, pn = f["pkl"]
+    import torch  # imported on first use (the persister warms it up right after it listens)
+
+    from snapckpt.formats.torch_zip import write_torch_file
+
+    records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(),
+                n) if n else (key, torch.UntypedStorage(0), 0)
+               for key, off, n in f["records"]]
+    write_torch_file(sink, bytes(buf[po:po + pn]), records)
+    del records
 
 
 def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,

@@ -4,7 +4,8 @@
 :class:`~snapckpt.storage.base.StorageReader` for a checkpoint location. Today that is a local or shared
 POSIX directory (:class:`~snapckpt.storage.posix.PosixStorage`); a location with a URL scheme
 (``s3://``, ``gs://``, ``file://``...) is refused with :class:`~snapckpt.errors.CheckpointDirError`
-instead of silently creating a local folder named ``s3:`` (case H5).
+instead of silently creating a local folder named ``s3:`` (case H5). The core's Checkpointer recognises a
+URL first (:func:`remote_only_url`): remote-only mode, through :class:`~snapckpt.storage.remote.RemoteStore`.
 
 The persister's writes of one part (or of a commit) pass ``part=(rank, step)``: only those storages can be
 swapped for the test toolkit's failing storage when ``SNAPCKPT_FAULT_STORAGE`` is set
@@ -20,8 +21,9 @@ from typing import Optional, Tuple
 from snapckpt._internal import env as _env
 from snapckpt.errors import CheckpointDirError
 from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.urls import is_remote_url
 
-__all__ = ["open_storage", "check_location"]
+__all__ = ["open_storage", "check_location", "remote_only_url"]
 
 # a scheme of two or more letters and ':/': also what pathlib leaves of a URL (Path("s3://b/r") is "s3:/b/r")
 _SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]+):/")
@@ -38,11 +40,22 @@ def check_location(location: "str | os.PathLike[str]") -> str:
     m = _SCHEME.match(text) if isinstance(text, str) else None
     if m:
         raise CheckpointDirError(
-            f"{text!r} is a URL ({m.group(1)}://, also when a pathlib.Path made it {m.group(1)}:/); snapckpt writes checkpoints to a local or shared filesystem "
-            "path only: pass a directory path (for file://, the path after the scheme); an object store is "
-            "a remote tier next to a local directory: Checkpointer(\"ckpt\", remote_dir=\"s3://bucket/run1\") "
-            "(a remote-only mode without a local directory is not supported yet)")
+            f"{text!r} is a URL ({m.group(1)}://, also when a pathlib.Path made it {m.group(1)}:/); this needs a "
+            "local or shared filesystem path: pass a directory path (for file://, the path after the scheme); an "
+            "object store is a remote tier next to a local directory: remote_dir=\"s3://bucket/run1\" (the "
+            "core's Checkpointer also takes the URL itself, as a str: remote-only mode, one node, no local copy)")
     return text
+
+
+def remote_only_url(location: "str | os.PathLike[str]") -> Optional[str]:
+    """The URL of a remote-only checkpoint location (``"s3://bucket/run1"``, a ``str`` with ``scheme://``),
+    without trailing slashes; ``None`` for a filesystem path. A URL that ``pathlib`` mangled (``s3:/b/r``)
+    is not one: :func:`check_location` refuses it, naming the cause."""
+    text = os.fspath(location)
+    if not isinstance(text, str) or not isinstance(location, str):
+        return None
+    text = text.strip()
+    return text.rstrip("/") if is_remote_url(text) else None
 
 
 def open_storage(location: "Optional[str | os.PathLike[str]]" = None, *, fsync: bool = True,

@@ -38,9 +38,10 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.urls import is_remote_url
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError
@@ -62,12 +63,6 @@ PARALLEL_FILES = 4
 PART_CONCURRENCY = 4
 
 
-def is_remote_url(text: str) -> bool:
-    """Whether ``text`` looks like ``scheme://...`` with a scheme of two or more characters."""
-    head, sep, _ = text.partition("://")
-    return bool(sep) and len(head) >= 2 and head.replace("+", "").replace("-", "").replace(".", "").isalnum()
-
-
 @dataclass(frozen=True)
 class RemoteCommitted:
     """A checkpoint committed in the remote tier: step, directory name, URL of its prefix, manifest."""
@@ -83,26 +78,29 @@ class RemoteStore:
 
     Args:
         url: the remote directory, any fsspec URL with a scheme (``s3://bucket/run1``).
+        role: what the URL is, for messages: ``"remote_dir"`` (the remote tier beside a local directory) or
+            ``"checkpoint_dir"`` (remote-only mode, :mod:`snapckpt.persister.remote_only`).
 
     Raises:
         RemoteStorageError: the URL has no scheme, or fsspec has no implementation for it installed
             (the message names the package to install: ``pip install snapckpt[s3]`` for ``s3://``).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, role: str = "remote_dir") -> None:
+        self.role = role
         if not isinstance(url, str) or not is_remote_url(url.strip()):
-            raise RemoteStorageError(f"remote_dir {url!r} is not a URL: pass e.g. remote_dir=\"s3://bucket/run1\"")
+            raise RemoteStorageError(f"{role} {url!r} is not a URL: pass e.g. {role}=\"s3://bucket/run1\"")
         self.url = url.strip().rstrip("/")
         scheme, _, rest = self.url.partition("://")
         bucket, _, prefix = rest.partition("/")
         if "@" in bucket or "?" in rest:  # credentials or options pasted into the URL: never echo them
             raise RemoteStorageError(
-                f"remote_dir for {scheme}:// carries credentials or query options in the URL; pass only "
+                f"{role} for {scheme}:// carries credentials or query options in the URL; pass only "
                 f"{scheme}://bucket/prefix and give credentials through the environment (docs/remote.md)")
         if not bucket or not prefix.strip("/"):
             # a bucket root is shared with other data: the clean-up of interrupted uploads would touch it
             raise RemoteStorageError(
-                f"remote_dir {self.url!r} names no {'bucket' if not bucket else 'prefix in the bucket'}: pass "
+                f"{role} {self.url!r} names no {'bucket' if not bucket else 'prefix in the bucket'}: pass "
                 f"{scheme or 's3'}://bucket/prefix (one prefix per job, e.g. {scheme or 's3'}://"
                 f"{bucket or 'bucket'}/run1)")
         try:
@@ -110,10 +108,10 @@ class RemoteStore:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)
         except ImportError as e:
             raise RemoteStorageError(
-                f"remote_dir {self.url!r}: the fsspec implementation for this scheme is not installed ({e}); "
+                f"{role} {self.url!r}: the fsspec implementation for this scheme is not installed ({e}); "
                 "for s3:// install the s3 extra: pip install 'snapckpt[s3]'") from e
         except ValueError as e:  # an unknown protocol
-            raise RemoteStorageError(f"remote_dir {self.url!r}: {e}") from e
+            raise RemoteStorageError(f"{role} {self.url!r}: {e}") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
 
@@ -149,47 +147,55 @@ class RemoteStore:
             self.fs.invalidate_cache()
         except FileNotFoundError as e:
             raise RemoteStorageError(
-                f"remote_dir {self.url!r}: the bucket does not exist ({_cause(e)}); create it (e.g. "
+                f"{self.role} {self.url!r}: the bucket does not exist ({_cause(e)}); create it (e.g. "
                 f"`aws s3 mb {self.url.split('/')[0]}//{self.url.split('/')[2]}`) or fix the URL") from e
         except PermissionError as e:
             raise RemoteStorageError(
-                f"remote_dir {self.url!r}: access denied ({_cause(e)}); check the credentials in the standard "
+                f"{self.role} {self.url!r}: access denied ({_cause(e)}); check the credentials in the standard "
                 "places (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials, the instance "
                 "role) and that they may write this prefix") from e
         except Exception as e:  # no credentials, endpoint down, DNS...
             raise RemoteStorageError(
-                f"remote_dir {self.url!r}: cannot write a probe object: {_cause(e)}; check the endpoint "
+                f"{self.role} {self.url!r}: cannot write a probe object: {_cause(e)}; check the endpoint "
                 "(AWS_ENDPOINT_URL for an S3-compatible store), the network and the credentials in the "
                 "standard places") from e
 
     OWNER = ".snapckpt-owner.json"
 
-    def claim(self, checkpoint_dir: str, job_id: Optional[str]) -> None:
+    def claim(self, checkpoint_dir: str, job_id: Optional[str]) -> Dict[str, Any]:
         """Record the job that owns this remote directory, or check that it is this one: a job is
         ``(realpath(checkpoint_dir), job_id)``, as for the local directory (a fresh node resuming the same
-        job at the same path is the same job). The record is the object ``<remote_dir>/.snapckpt-owner.json``.
+        job at the same path is the same job); in remote-only mode ``checkpoint_dir`` is the URL itself.
+        The record is the object ``<remote_dir>/.snapckpt-owner.json``; it is returned (its ``dir_id``, a
+        random id made with it, tells a re-created remote directory from the one memory snapshots were
+        taken for).
 
         Raises:
             RemoteStorageError: another job owns the directory (its checkpoints would replace this job's,
                 and a fresh node would load the other job's state); the message names it and the fix.
         """
-        me = {"checkpoint_dir": os.path.realpath(checkpoint_dir), "job_id": job_id or ""}
+        where = checkpoint_dir if is_remote_url(checkpoint_dir) else os.path.realpath(checkpoint_dir)
+        me = {"checkpoint_dir": where, "job_id": job_id or ""}
         path = self._path(self.OWNER)
         try:
             owner = json.loads(self._read(path))
+            if not isinstance(owner, dict):
+                owner = None
         except FileNotFoundError:
             owner = None
         except (ValueError, UnicodeDecodeError):
             owner = None  # unreadable: rewritten below
         if owner is not None and {k: owner.get(k) for k in me} != me:
             raise RemoteStorageError(
-                f"remote_dir {self.url!r} is the remote tier of another job (checkpoint_dir "
+                f"{self.role} {self.url!r} is the remote tier of another job (checkpoint_dir "
                 f"{owner.get('checkpoint_dir')!r}, job_id {owner.get('job_id') or None!r}, host "
                 f"{owner.get('host')!r}); this job ({me['checkpoint_dir']!r}, job_id {job_id!r}) would replace "
-                f"its checkpoints: give each job its own remote_dir, or delete {self.display(self.OWNER)} if that "
-                "job is gone (also when this job's local directory moved)")
+                f"its checkpoints: give each job its own {self.role}, or delete {self.display(self.OWNER)} if "
+                "that job is gone (also when this job's local directory moved)")
         if owner is None:
-            self._write(path, json.dumps({**me, "host": socket.gethostname(), "created_unix": time.time()}).encode())
+            owner = {**me, "host": socket.gethostname(), "created_unix": time.time(), "dir_id": uuid.uuid4().hex}
+            self._write(path, json.dumps(owner).encode())
+        return owner
 
     # ------------------------------------------------------------------------------------ listing
     def _dirs(self) -> List[str]:
@@ -316,6 +322,159 @@ class RemoteStore:
         finally:
             os.close(fd)
 
+    # ------------------------------------------------------------- remote-only mode (no local copy)
+    def fs_path(self, url: str) -> str:
+        """The store path of ``url`` (a URL under :attr:`url`, as the commit protocol builds them)."""
+        if url != self.url and not url.startswith(self.url + "/"):
+            raise ValueError(f"{url!r} is not under {self.url!r}")
+        return self.root + url[len(self.url):]
+
+    def listdir(self, url: str) -> List[str]:
+        """Names of the objects and prefixes directly under ``url`` (``[]`` when there are none), listed
+        afresh (the commit polls it; fsspec's listing cache would hide new part markers)."""
+        try:
+            entries = self.fs.ls(self.fs_path(url), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def read_bytes(self, url: str) -> bytes:
+        """The whole object ``url`` (small objects: markers, manifests).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        return self._read(self.fs_path(url))
+
+    def write_object(self, *parts: str, data: bytes) -> None:
+        """Write the small object ``<url>/<parts...>`` in one PUT (a reader sees all of it or none)."""
+        self._write(self._path(*parts), data)
+
+    def remove_object(self, *parts: str) -> None:
+        """Delete ``<url>/<parts...>`` if it exists."""
+        self._rm_quiet(self._path(*parts))
+
+    def begin_part(self, dirname: str, *, rank: int, run_id: str, step: int) -> None:
+        """Before a persister streams rank ``rank``'s files of ``step`` into ``<url>/<dirname>``: the prefix
+        stops being a committed checkpoint (its manifest goes first: a re-save of a step replaces it, never
+        a manifest over mixed data), the rank's part marker of an earlier save goes, and the upload marker
+        ``remote.json`` says that a snapckpt upload of ``run_id`` began there (what
+        :meth:`clean_orphans` of a later persister removes if no manifest follows)."""
+        self._rm_quiet(self._path(dirname, MANIFEST))
+        self._rm_quiet(self._path(dirname, SIDECAR, f"part_{rank:05d}.json"))
+        self._write(self._path(dirname, REMOTE_MARKER),
+                    json.dumps({"run_id": run_id, "step": step, "started_unix": time.time()}).encode())
+
+    def open_write(self, dirname: str, name: str, on_part: Optional[Callable[[], None]] = None):
+        """A writer of the data object ``<url>/<dirname>/<name>``: for S3, each ``block_nbytes`` written is one
+        part of a multipart upload, :data:`PART_CONCURRENCY` parts in flight (a single PUT below one part);
+        other stores, fsspec's buffered writer (one part at a time). Close it to complete the object;
+        :meth:`abandon` it after an error. ``on_part()`` runs after each part is stored (S3; the fault point
+        ``remote.mid_upload`` of the tests)."""
+        path = self._path(dirname, name)
+        if "s3" in _protocols(self.fs):
+            return _S3PartWriter(self.fs, path, self.block_nbytes, PART_CONCURRENCY, on_part)
+        return self.fs.open(path, "wb", block_size=self.block_nbytes)
+
+    @staticmethod
+    def abandon(f) -> None:
+        """Drop the writer ``f`` of :meth:`open_write` without completing its object (an S3 multipart upload
+        is aborted; what a killed process leaves is removed by :meth:`clean_orphans`)."""
+        try:
+            f.discard()
+        except Exception as e:  # best effort: the next persister's clean-up is the backstop
+            log.warning("remote: could not abort an unfinished upload: %s", _cause(e))
+        finally:
+            f.closed = True  # else its close() (at garbage collection too) would complete a truncated object
+
+    def check_sizes(self, dirname: str, manifest: Dict[str, Any]) -> None:
+        """Check that every object ``manifest`` lists exists under ``<url>/<dirname>`` with its size.
+
+        Raises:
+            CheckpointCorruptError: an object is missing or of the wrong size (named).
+        """
+        self.fs.invalidate_cache()
+        self._check_sizes(dirname, manifest)
+
+    def discard_uncommitted(self, dirname: str) -> None:
+        """Delete ``<url>/<dirname>`` unless it holds a manifest (after a failed commit: nothing of it may
+        look like a checkpoint, and it costs storage)."""
+        if not self.fs.exists(self._path(dirname, MANIFEST)):
+            self._rm_tree(self._path(dirname))
+
+    def read_verified(self, dirname: str, name: str, rec: Dict[str, Any], *, parallel: int = PART_CONCURRENCY
+                      ) -> bytearray:
+        """The data object ``<url>/<dirname>/<name>`` read into memory by ``parallel`` ranged GETs of
+        ``block_nbytes`` at once, its size and checksum checked against its manifest record ``rec``.
+
+        Returns:
+            the object's bytes (``rec["nbytes"]`` of them).
+
+        Raises:
+            CheckpointCorruptError: the object is missing, of another size, or fails its checksum.
+        """
+        known = record_checksum(rec)
+        where = self.display(dirname, name)
+        if known is None:
+            raise CheckpointCorruptError(f"{where}: its manifest record holds no known checksum")
+        algo, want = known
+        nbytes = int(rec["nbytes"])
+        path = self._path(dirname, name)
+        try:
+            size = int(self.fs.info(path).get("size", -1))
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{where} is missing (listed in the manifest)") from e
+        if size != nbytes:
+            raise CheckpointCorruptError(f"{where} is {size} bytes, the manifest says {nbytes}")
+        out = bytearray(nbytes)
+        view = memoryview(out)
+        step = self.block_nbytes
+
+        def get(lo: int) -> None:
+            hi = min(nbytes, lo + step)
+            data = self.fs.cat_file(path, start=lo, end=hi)
+            if len(data) != hi - lo:
+                raise CheckpointCorruptError(f"{where}: a ranged read of bytes {lo}-{hi} returned {len(data)}")
+            view[lo:hi] = data
+
+        if nbytes:
+            with cf.ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="snapckpt-get") as ex:
+                for f in [ex.submit(get, lo) for lo in range(0, nbytes, step)]:
+                    f.result()
+        h = CHECKSUMS[algo]()
+        h.update(view)
+        if h.hexdigest() != want:
+            raise CheckpointCorruptError(f"{where} has {algo} {h.hexdigest()}, the manifest says {want} "
+                                         "(corrupted in the store)")
+        return out
+
+    def verify_object(self, dirname: str, name: str, rec: Dict[str, Any]) -> None:
+        """Stream the data object ``<url>/<dirname>/<name>`` (``block_nbytes`` at a time, nothing kept) and
+        check its size and checksum against its manifest record ``rec`` (``snapckpt verify URL``).
+
+        Raises:
+            CheckpointCorruptError: the object is missing, of another size, or fails its checksum.
+        """
+        known = record_checksum(rec)
+        where = self.display(dirname, name)
+        if known is None:
+            raise CheckpointCorruptError(f"{where}: its manifest record holds no known checksum")
+        algo, want = known
+        h, n = CHECKSUMS[algo](), 0
+        try:
+            with self.fs.open(self._path(dirname, name), "rb", block_size=self.block_nbytes) as src:
+                while True:
+                    chunk = src.read(self.block_nbytes)
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    n += len(chunk)
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{where} is missing (listed in the manifest)") from e
+        if n != rec["nbytes"] or h.hexdigest() != want:
+            raise CheckpointCorruptError(f"{where} is {n} bytes with {algo} {h.hexdigest()}; the manifest says "
+                                         f"{rec['nbytes']} bytes, {want} (corrupted in the store)")
+
     # ----------------------------------------------------------------------------------- download
     def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True) -> str:
         """Download the remote checkpoint ``c`` into ``<checkpoint_dir>/<dirname>`` with every checksum
@@ -404,26 +563,39 @@ class RemoteStore:
             log.info("remote retention: deleted %s (step %d), keeping the newest %d", c.url, c.step, keep_last)
         return deleted
 
-    def clean_orphans(self) -> List[str]:
+    def clean_orphans(self, keep_runs: Sequence[str] = ()) -> List[str]:
         """Delete what interrupted uploads left: prefixes holding snapckpt's upload marker but no manifest,
         and unfinished multipart uploads under the remote directory (S3). Only for the job's one uploader,
-        when no upload of its own is in flight. Return the prefixes deleted."""
+        when no upload of its own is in flight; prefixes (and their multipart uploads) whose upload marker
+        names a run of ``keep_runs`` are left alone (runs this persister still serves). Return the prefixes
+        deleted."""
         removed = []
+        busy = set()
         for name in self._dirs():
             if name.startswith("."):
+                continue
+            if keep_runs and self._marker_run(name) in keep_runs:
+                busy.add(name)
                 continue
             if self.fs.exists(self._path(name, MANIFEST)) or not self.fs.exists(self._path(name, REMOTE_MARKER)):
                 continue
             self._rm_tree(self._path(name))
             removed.append(name)
             log.warning("remote: deleted %s, an upload that was interrupted (no manifest)", self.display(name))
-        self._abort_multipart()
+        self._abort_multipart(busy)
         self.fs.invalidate_cache()
         return removed
 
-    def _abort_multipart(self) -> None:
+    def _marker_run(self, dirname: str) -> Optional[str]:
+        try:
+            rec = json.loads(self._read(self._path(dirname, REMOTE_MARKER)))
+        except (OSError, ValueError):
+            return None
+        return rec.get("run_id") if isinstance(rec, dict) else None
+
+    def _abort_multipart(self, busy: Set[str] = frozenset()) -> None:
         """Abort unfinished S3 multipart uploads under the remote directory (they cost storage until
-        aborted). Other stores: nothing to do."""
+        aborted), except those under the prefixes ``busy``. Other stores: nothing to do."""
         if "s3" not in _protocols(self.fs):
             return
         bucket, _, key = self.root.partition("/")
@@ -432,6 +604,8 @@ class RemoteStore:
             from fsspec.asyn import sync
             reply = sync(self.fs.loop, self.fs._call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
             for up in reply.get("Uploads", []):
+                if up["Key"][len(prefix):].split("/", 1)[0] in busy:
+                    continue
                 sync(self.fs.loop, self.fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=up["Key"],
                      UploadId=up["UploadId"])
                 log.warning("remote: aborted an unfinished multipart upload of s3://%s/%s", bucket, up["Key"])
@@ -450,6 +624,97 @@ class RemoteStore:
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache()
+
+
+class _S3PartWriter:
+    """A write-only S3 object sent as a multipart upload whose parts (``block`` bytes each, the last one
+    shorter) are uploaded ``concurrency`` at a time on threads, through s3fs's client (its credentials,
+    endpoint and retries). Memory: the block being filled plus the parts in flight. s3fs's own file object
+    sends one part at a time (measured 1.8x slower than its ``put_file``).
+
+    ``parts``: the parts completed so far (``{"PartNumber", "ETag"}``); ``on_part()`` runs after each (on the
+    part's thread). ``write`` / ``close`` raise the store's error of a part; :meth:`discard` aborts the upload.
+    """
+
+    def __init__(self, fs, path: str, block: int, concurrency: int,
+                 on_part: Optional[Callable[[], None]] = None) -> None:
+        self.on_part = on_part
+        self.fs, self.path, self.block, self.concurrency = fs, path, block, max(1, concurrency)
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.buf = bytearray()
+        self.parts: List[Dict[str, Any]] = []
+        self.upload_id: Optional[str] = None
+        self.closed = False
+        self._next = 1
+        self._inflight: List[cf.Future] = []
+        self._pool: Optional[cf.ThreadPoolExecutor] = None
+
+    def _call(self, method: str, **kwargs: Any) -> Dict[str, Any]:
+        from fsspec.asyn import sync
+        return sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs)
+
+    def write(self, data) -> int:
+        if self.closed:
+            raise ValueError(f"write to {self.path} after close")
+        self.buf += data
+        while len(self.buf) >= self.block:
+            self._send(bytes(self.buf[:self.block]))
+            del self.buf[:self.block]
+        return len(data)
+
+    def flush(self) -> None:
+        pass  # parts are sent when full
+
+    def _reap(self, block_until_below: int) -> None:
+        """Raise the error of a finished part; wait until fewer than ``block_until_below`` are in flight."""
+        while True:
+            for f in [f for f in self._inflight if f.done()]:
+                self._inflight.remove(f)
+                f.result()
+            if len(self._inflight) < block_until_below:
+                return
+            cf.wait(self._inflight, return_when=cf.FIRST_COMPLETED)
+
+    def _send(self, chunk: bytes) -> None:
+        if self.upload_id is None:
+            self.upload_id = self._call("create_multipart_upload")["UploadId"]
+            self._pool = cf.ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="snapckpt-part")
+        self._reap(self.concurrency)
+        number, self._next = self._next, self._next + 1
+        self._inflight.append(self._pool.submit(self._upload, number, chunk))
+
+    def _upload(self, number: int, chunk: bytes) -> None:
+        out = self._call("upload_part", UploadId=self.upload_id, PartNumber=number, Body=chunk)
+        self.parts.append({"PartNumber": number, "ETag": out["ETag"]})
+        if self.on_part is not None:
+            self.on_part()
+
+    def close(self) -> None:
+        """Send what is left and complete the object (raises the store's error; then :meth:`discard`)."""
+        if self.closed:
+            return
+        if self.upload_id is None:
+            self._call("put_object", Body=bytes(self.buf))
+        else:
+            if self.buf:
+                self._send(bytes(self.buf))
+            self._reap(1)
+            parts = sorted(self.parts, key=lambda p: p["PartNumber"])
+            self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": parts})
+            self._pool.shutdown(wait=True)
+        self.buf = bytearray()
+        self.closed = True
+        self.fs.invalidate_cache(self.path)
+
+    def discard(self) -> None:
+        """Abort the multipart upload (its parts in flight are waited for first)."""
+        self.closed = True
+        self.buf = bytearray()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.upload_id is not None:
+            self._call("abort_multipart_upload", UploadId=self.upload_id)
+            self.upload_id = None
 
 
 def _protocols(fs) -> tuple:

@@ -27,16 +27,19 @@ def test_factory_gives_posix_storage_for_paths(tmp_path, monkeypatch):
     assert type(open_storage()) is PosixStorage and open_storage().fsync is True
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run1", "gs://bucket/run1", "file:///tmp/ckpt"])
-def test_checkpointer_refuses_a_url_before_creating_anything(url, tmp_path, monkeypatch):
-    """Case H5: a URL given as the checkpoint directory is refused by name; no local folder named ``s3:``
-    (or ``gs:``, ``file:``) appears in the working directory, and no persister is started."""
+@pytest.mark.parametrize("url, words", [("gs://bucket/run1", "not installed (Please install gcsfs"),
+                                        ("nope://bucket/run1", "Protocol not known: nope"),
+                                        ("file:///tmp/ckpt", "names no bucket")])
+def test_checkpointer_refuses_a_url_it_cannot_use_before_creating_anything(url, words, tmp_path, monkeypatch):
+    """Case H5: a URL given as the checkpoint directory is remote-only mode (tests/test_remote_s3.py); one that
+    fsspec cannot handle (its package not installed, an unknown scheme, no bucket) is refused by name before
+    any request; no local folder named ``gs:`` (or ``nope:``, ``file:``) appears in the working directory."""
     from snapckpt import Checkpointer
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointDirError, match="is a URL") as ei:
+    with pytest.raises(CheckpointDirError, match="remote-only mode") as ei:
         Checkpointer(url)
-    assert "pass a directory path" in str(ei.value)
+    assert words in str(ei.value) and repr(url) in str(ei.value)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -7,6 +7,12 @@ Usage: remote_worker.py MODE CKPT_DIR REMOTE_URL [STEPS] [NBYTES]
 - ``load``: a fresh start: ``Checkpointer(CKPT_DIR, remote_dir=REMOTE_URL)``, ``latest_step()``, ``load()``;
   prints ``RESULT {"step", "tier", "equal"}`` (``equal``: the state is bitwise the one ``save`` made).
 - ``start``: only construct; prints ``ERROR <type> <message>`` when the constructor raises.
+- ``only-save`` (remote-only mode: ``Checkpointer(REMOTE_URL)``, CKPT_DIR unused, ``keep_last=2``): save
+  each of STEPS to DISK and wait, then the next step to MEMORY only; print ``RESULT``, then SIGKILL itself
+  (a crash: the persister keeps the memory snapshot and flushes it to the store).
+- ``only-resume`` (remote-only): ``load()`` (prints its step, tier, equality), then save the first of STEPS
+  to DISK and wait (``save_error``: the error type when the persister dies in the middle); exits at once.
+- ``only-load`` (remote-only): ``latest_step()``, ``load()``, close cleanly.
 
 The state of rank R at step S is deterministic (seeded by R and S), NBYTES bytes of float32 tensors
 (default 64 KiB), so a loader can check it bitwise without a reference file.
@@ -42,6 +48,9 @@ def main() -> None:
     nbytes = int(sys.argv[5]) if len(sys.argv) > 5 else 64 << 10
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if mode.startswith("only-"):
+        remote_only(mode, rank, url, steps, nbytes)
+        return
     opts = dict(persister_idle_timeout_secs=20, coordination_timeout_secs=60, commit_timeout_secs=60,
                 remote_dir=url)
     if mode == "start":
@@ -69,6 +78,36 @@ def main() -> None:
         print("RESULT " + json.dumps({"latest": latest, "step": step, "tier": ck.last_load.tier.value,
                                       "equal": equal(got, state(rank, step, nbytes))}), flush=True)
         ck.close()
+    dist.destroy_process_group()
+
+
+def remote_only(mode: str, rank: int, url: str, steps: list, nbytes: int) -> None:
+    """The remote-only modes (see the module docstring)."""
+    # the persister must outlive a slow relaunch (under load) to serve the memory tier after the crash
+    opts = dict(persister_idle_timeout_secs=120, coordination_timeout_secs=60, commit_timeout_secs=60,
+                keep_last=2)
+    ck = Checkpointer(url, **opts)
+    if mode == "only-save":
+        for s in steps:
+            ck.save(state(rank, s, nbytes), s, StorageType.DISK).wait()
+        ck.save(state(rank, steps[-1] + 1, nbytes), steps[-1] + 1, StorageType.MEMORY)
+        print("RESULT " + json.dumps({"saved": steps, "latest": ck.latest_step()}), flush=True)
+        dist.barrier()  # rank 0 hosts the rendezvous: it must not die while another rank still reads it
+        os.kill(os.getpid(), 9)
+    got = ck.load()
+    res = {"step": ck.last_load.step, "tier": ck.last_load.tier.value,
+           "equal": equal(got, state(rank, ck.last_load.step, nbytes))}
+    if mode == "only-resume":
+        try:
+            ck.save(state(rank, steps[0], nbytes), steps[0], StorageType.DISK).wait(timeout=60)
+            res["save_error"] = None
+        except Exception as e:
+            res["save_error"] = type(e).__name__
+        print("RESULT " + json.dumps(res), flush=True)
+        dist.barrier()
+        os._exit(0)  # the persister is gone: nothing to close
+    print("RESULT " + json.dumps(res), flush=True)
+    ck.close()
     dist.destroy_process_group()
 
 
