@@ -42,7 +42,8 @@ How it plugs in (transformers 5.24, public callback events only):
 
 Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
 Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
-XLA and SageMaker model parallel runs (their saves are collective framework calls); a ``PeftModel``
+XLA and SageMaker model parallel runs (their saves are collective framework calls); ``push_to_hub=True``
+with a ``hub_strategy`` that pushes checkpoints (:class:`ValueError`: use ``hub_strategy="end"``); a ``PeftModel``
 with an adapter not named ``"default"`` (peft saves those in sub-folders) and adapters added through
 transformers' own ``add_adapter``/``load_adapter`` (``NotImplementedError`` at ``train()``; see
 :mod:`snapckpt.integrations.transformers.peft`); the GradScaler's ``scaler.pt`` (fp16 mixed precision on
@@ -111,7 +112,8 @@ class SnapckptCallback(TrainerCallback):
 
     Raises:
         ValueError: bad ``memory_interval_steps``, ``keep_last`` given, or (at Trainer construction)
-            ``save_strategy="best"``.
+            ``save_strategy="best"``, or ``push_to_hub=True`` with a ``hub_strategy`` other than ``"end"``
+            (the Trainer pushes those checkpoints from inside the save the callback replaces).
         TypeError: an unknown option.
         NotImplementedError: (at Trainer construction) DeepSpeed, FSDP or ``save_on_each_node``; (when
             ``train()`` starts) adapters the callback cannot write
@@ -223,6 +225,14 @@ class SnapckptCallback(TrainerCallback):
                     f"SnapckptCallback does not take over the Trainer's saves under {what}: those checkpoints "
                     "hold files the callback does not write; remove the callback (or use snapckpt.deepspeed "
                     "for DeepSpeed engines)")
+        hub_strategy = str(getattr(args.hub_strategy, "value", args.hub_strategy))
+        if getattr(args, "push_to_hub", False) and hub_strategy != "end":
+            raise ValueError(
+                f"SnapckptCallback does not push checkpoints to the Hub (push_to_hub=True with hub_strategy="
+                f"'{hub_strategy}'): the Trainer pushes from inside the save the callback replaces, so every "
+                "checkpoint push would be dropped. Pass TrainingArguments(hub_strategy='end') and call "
+                "trainer.push_to_hub() after training (with hub_strategy='end' the Trainer pushes nothing during "
+                "training either), or remove the callback to let the Trainer save and push")
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
             raise ValueError("SnapckptCallback cannot take over save_strategy='best' (the Trainer decides to save "
                              "after evaluation, with no callback event in between); use save_strategy='steps' "
