@@ -82,8 +82,8 @@ def materialize_newest(ck: Checkpointer, output_dir: str,
     if ck.rank == 0:
         for name in sorted(set(changed) - set(damaged), key=_step):
             log.warning("%s was changed since snapckpt committed it (%s): its manifest no longer describes it, "
-                        "so snapckpt leaves it to the Trainer (not damage, not moved aside; the listed files "
-                        "still there are verified)", os.path.join(output_dir, name), changed[name])
+                        "so its set of files is not counted as damage and the folder is left to the Trainer; the "
+                        "listed files still there are verified", os.path.join(output_dir, name), changed[name])
     refused: Dict[str, str] = {}  # snapckpt's disk candidates tried: this rank's error ("" if it verified)
     verified: set = set()  # folders every rank verified (its share) while probing a memory candidate
 
