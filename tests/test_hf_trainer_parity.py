@@ -73,9 +73,10 @@ def test_push_to_hub_checkpoint_pushes_are_refused_never_dropped(snap_env, hub):
     """``push_to_hub=True`` with a ``hub_strategy`` that pushes checkpoints (the default ``"every_save"``,
     ``"checkpoint"``, ``"all_checkpoints"``): the Trainer pushes from inside the ``_save_checkpoint`` the
     callback replaces, so those pushes were dropped without a word. Right: Trainer construction raises
-    ``ValueError`` naming ``hub_strategy='end'``. With ``hub_strategy="end"`` (the Trainer pushes nothing
-    during training either) the run trains and commits its checkpoint, and the Hub sees the Trainer's
-    ``create_repo`` and nothing else, as without the callback."""
+    ``ValueError`` naming ``hub_strategy='end'``. With ``save_strategy="no"`` (no checkpoint, no push) the
+    callback is accepted. With ``hub_strategy="end"`` (the Trainer pushes nothing during training either)
+    the run trains and commits its checkpoint, and the Hub sees the Trainer's ``create_repo`` and nothing
+    else, as without the callback."""
     from transformers import Trainer
 
     from hf_worker import Tokens, build_model
@@ -88,8 +89,15 @@ def test_push_to_hub_checkpoint_pushes_are_refused_never_dropped(snap_env, hub):
             Trainer(model=build_model(), args=args, train_dataset=Tokens(n=8),
                     callbacks=[SnapckptCallback(persister_idle_timeout_secs=2)])
     assert hub.seen == [("POST", "/api/repos/create")] * 3
+    # save_strategy="no": the Trainer saves (and pushes) no checkpoint, so nothing is dropped: accepted
+    cb = SnapckptCallback(memory_interval_steps=1, persister_idle_timeout_secs=2)
+    Trainer(model=build_model(), args=_args(snap_env.ckpt_dir, max_steps=2, save_strategy="no", push_to_hub=True,
+                                            hub_model_id="me/run"), train_dataset=Tokens(n=8), callbacks=[cb])
+    cb.close()
+    assert hub.seen == [("POST", "/api/repos/create")] * 4
 
     hub.seen.clear()
+
     args = _args(snap_env.ckpt_dir, max_steps=2, save_steps=2, push_to_hub=True, hub_model_id="me/run",
                  hub_strategy="end")
     trainer = Trainer(model=build_model(), args=args, train_dataset=Tokens(n=8),

@@ -123,8 +123,8 @@ class SnapckptCallback(TrainerCallback):
 
     Raises:
         ValueError: bad ``memory_interval_steps``, ``keep_last`` given, or (at Trainer construction)
-            ``push_to_hub=True`` with a ``hub_strategy`` other than ``"end"`` (the Trainer pushes those
-            checkpoints from inside the save the callback replaces), or (at Trainer construction and when
+            ``push_to_hub=True`` with a ``hub_strategy`` other than ``"end"`` and a ``save_strategy`` other
+            than ``"no"`` (the Trainer pushes those checkpoints from inside the save the callback replaces), or (at Trainer construction and when
             ``train()`` starts) ``save_strategy="best"`` with a callback handling ``on_evaluate`` listed
             after this one.
         TypeError: an unknown option.
@@ -241,7 +241,7 @@ class SnapckptCallback(TrainerCallback):
                     "hold files the callback does not write; remove the callback (or use snapckpt.deepspeed "
                     "for DeepSpeed engines)")
         hub_strategy = str(getattr(args.hub_strategy, "value", args.hub_strategy))
-        if getattr(args, "push_to_hub", False) and hub_strategy != "end":
+        if getattr(args, "push_to_hub", False) and hub_strategy != "end" and _strategy(args.save_strategy) != "no":
             raise ValueError(
                 f"SnapckptCallback does not push checkpoints to the Hub (push_to_hub=True with hub_strategy="
                 f"'{hub_strategy}'): the Trainer pushes from inside the save the callback replaces, so every "
