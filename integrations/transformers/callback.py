@@ -124,9 +124,9 @@ class SnapckptCallback(TrainerCallback):
     Raises:
         ValueError: bad ``memory_interval_steps``, ``keep_last`` given, or (at Trainer construction)
             ``push_to_hub=True`` with a ``hub_strategy`` other than ``"end"`` and a ``save_strategy`` other
-            than ``"no"`` (the Trainer pushes those checkpoints from inside the save the callback replaces), or (at Trainer construction and when
-            ``train()`` starts) ``save_strategy="best"`` with a callback handling ``on_evaluate`` listed
-            after this one.
+            than ``"no"`` (the Trainer pushes those checkpoints from inside the save the callback
+            replaces), or (at Trainer construction and when ``train()`` starts) ``save_strategy="best"``
+            with a callback handling ``on_evaluate`` listed after this one.
         TypeError: an unknown option.
         NotImplementedError: (at Trainer construction) DeepSpeed, FSDP or ``save_on_each_node``; (when
             ``train()`` starts) adapters the callback cannot write
