@@ -15,7 +15,8 @@ the stock ``Trainer`` on CPU in worker processes (``tests/workers/hf_worker.py``
 - F3/E1: ``from_pretrained`` loads the safetensors (sharded with an index when asked), tied embeddings
   tied again, no missing keys; E5: a ``TrainingArguments`` subclass from the user's script;
 - rotation under ``save_total_limit`` with a best model kept, the same folders as the Trainer keeps;
-- B3: a damaged newest folder is set aside (same or another process count); all damaged: every start raises.
+- B3: a damaged newest folder is set aside (same or another process count); all damaged: every start raises;
+  a folder the user changed in place (re-sharded weights) is not damage: it is left to the Trainer.
 """
 import json
 import os
@@ -279,8 +280,6 @@ def test_E1_tied_and_untied_embeddings_in_model_files():
 
 
 def test_bad_input_is_refused_with_the_fix(snap_env):
-    from transformers import Trainer, TrainingArguments
-
     from snapckpt.hf import SnapckptCallback
 
     with pytest.raises(ValueError, match="save_total_limit"):
@@ -289,13 +288,6 @@ def test_bad_input_is_refused_with_the_fix(snap_env):
         SnapckptCallback(memory_interval_steps=0)
     with pytest.raises(TypeError, match="unknown snapckpt option"):
         SnapckptCallback(keep_lats=2)
-    args = TrainingArguments(output_dir=snap_env.ckpt_dir, save_strategy="best", metric_for_best_model="loss",
-                             eval_strategy="steps", eval_steps=1, report_to="none", use_cpu=True)
-    sys.path.insert(0, os.path.dirname(WORKER))
-    from hf_worker import Tokens, build_model
-
-    with pytest.raises(ValueError, match="save_strategy='best'"):
-        Trainer(model=build_model(), args=args, eval_dataset=Tokens(n=4), callbacks=[SnapckptCallback()])
 
 
 def _flip(path):
@@ -328,7 +320,16 @@ def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_eve
     naming the damaged file, and the run resumes from checkpoint-10.
 
     Every folder damaged: each start raises ``CheckpointCorruptError`` naming every folder and ``snapckpt
-    verify``, and moves nothing aside, so that a second start raises too instead of training from step 0."""
+    verify``, and moves nothing aside, so that a second start raises too instead of training from step 0.
+
+    Changed in place is not damage: checkpoint-5's weights were re-sharded by the user (``save_pretrained``
+    with a small ``max_shard_size``, then ``model.safetensors`` deleted), so its set of files is no longer its
+    manifest's. Before, it was moved aside as damaged although the Trainer resumes from it; now a warning
+    names it and the files, it stays, and the resume from it is the one above. A flipped byte in a listed
+    file of a changed folder is still damage (checkpoint-12 of 2 ranks below: optimizer.pt deleted too;
+    checkpoint-5 in the all-damaged start: its optimizer.pt flipped)."""
+    from transformers import GPT2LMHeadModel
+
     _, ref = stock
     out = os.path.join(snap_env.tmp, "run")
     _run({"out": out, "steps": STEPS, "snap": True}, snap_env.env)
@@ -339,15 +340,24 @@ def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_eve
             if ".snapckpt" not in root:
                 os.truncate(os.path.join(root, name), 0)
     _flip(os.path.join(out, "checkpoint-10", "model.safetensors"))
-    facts = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
+    five = os.path.join(out, "checkpoint-5")
+    GPT2LMHeadModel.from_pretrained(five).save_pretrained(five, max_shard_size="40KB")
+    os.remove(os.path.join(five, "model.safetensors"))
+    log = []
+    facts = _run({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env, log=log)
     _same_steps(_rows(facts), ref, range(6, STEPS + 1))
     names = os.listdir(out)
     for s in (12, 10):
         assert any(n.startswith(f".checkpoint-{s}.damaged-") for n in names), names
     assert {"checkpoint-10", "checkpoint-12"} <= set(names)  # written again by the resumed run
+    assert not any(n.startswith(".checkpoint-5.damaged-") for n in names), names
+    assert "model.safetensors.index.json" in os.listdir(five)  # the user's folder, as the user left it
+    changed = [line for line in log[0].splitlines() if five in line and "changed since snapckpt committed" in line]
+    assert changed and "gone: model.safetensors" in changed[0] and "model-00001-of-" in changed[0], log[0][-4000:]
 
     # Another process count: checkpoints of 1 process, resumed by 2.
     _flip(os.path.join(other, "checkpoint-12", "model.safetensors"))
+    os.remove(os.path.join(other, "checkpoint-12", "optimizer.pt"))
     cfg = {"out": other, "steps": STEPS, "snap": True, "resume": True}
     log = []
     ddp = _run(cfg, snap_env.env, nprocs=2, log=log)
@@ -357,14 +367,16 @@ def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_eve
     assert any(n.startswith(".checkpoint-12.damaged-") for n in os.listdir(other)), os.listdir(other)
 
     # Every folder damaged: raise at every start, nothing moved aside.
-    for s in (5, 10, 12):
-        _flip(os.path.join(out, f"checkpoint-{s}", "model.safetensors"))
+    victims = {s: os.path.join(out, f"checkpoint-{s}", "model.safetensors") for s in (10, 12)}
+    victims[5] = os.path.join(five, "optimizer.pt")
+    for path in victims.values():
+        _flip(path)
     before = sorted(os.listdir(out))
     for _ in range(2):
         err = _start_raises({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
         assert "CheckpointCorruptError" in err and "snapckpt verify" in err, err[-4000:]
-        for s in (12, 10, 5):
-            assert os.path.join(out, f"checkpoint-{s}", "model.safetensors") in err, err[-4000:]
+        for path in victims.values():
+            assert path in err, err[-4000:]
         assert sorted(os.listdir(out)) == before  # nothing moved aside: the next start raises too
 
 

@@ -40,9 +40,17 @@ How it plugs in (transformers 5.24, public callback events only):
    ``Trainer.log`` there would clear the ``should_log`` that the Trainer's own loss logging of that step
    needs), and the last commits at the end-of-training summary, after it.
 
-Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
-Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
-XLA and SageMaker model parallel runs (their saves are collective framework calls); a ``PeftModel``
+``save_strategy="best"``: the Trainer decides to save after every ``on_evaluate`` (``_determine_best_metric``),
+with no callback event before its save. The callback, listed after every callback that handles ``on_evaluate``
+(checked at construction and at ``train()``: :class:`ValueError` otherwise), makes that decision in its
+``on_evaluate`` by the documented rule and records the new best in ``state`` as the Trainer would; the
+Trainer then finds no new best and skips its save, and the callback's snapshot takes its place. Should the
+Trainer save a step itself all the same (its ``on_save`` reaches the callback), the callback drops its own
+save of that step.
+
+Not covered (the Trainer keeps saving itself, or the callback raises): DeepSpeed, FSDP,
+XLA and SageMaker model parallel runs (their saves are collective framework calls); ``push_to_hub=True``
+with a ``hub_strategy`` that pushes checkpoints (:class:`ValueError`: use ``hub_strategy="end"``); a ``PeftModel``
 with an adapter not named ``"default"`` (peft saves those in sub-folders) and adapters added through
 transformers' own ``add_adapter``/``load_adapter`` (``NotImplementedError`` at ``train()``; see
 :mod:`snapckpt.integrations.transformers.peft`); the GradScaler's ``scaler.pt`` (fp16 mixed precision on
@@ -61,6 +69,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils.hub import convert_file_size_to_int
@@ -77,6 +86,9 @@ from snapckpt.integrations.transformers.resume import PREFIX, materialize_newest
 __all__ = ["SnapckptCallback"]
 
 log = logging.getLogger(__name__)
+
+#: transformers' own progress displays: their ``on_evaluate`` only closes a progress bar.
+_DISPLAY = ("ProgressCallback", "NotebookProgressCallback")
 
 
 @dataclass
@@ -111,7 +123,10 @@ class SnapckptCallback(TrainerCallback):
 
     Raises:
         ValueError: bad ``memory_interval_steps``, ``keep_last`` given, or (at Trainer construction)
-            ``save_strategy="best"``.
+            ``push_to_hub=True`` with a ``hub_strategy`` other than ``"end"`` and a ``save_strategy`` other
+            than ``"no"`` (the Trainer pushes those checkpoints from inside the save the callback
+            replaces), or (at Trainer construction and when ``train()`` starts) ``save_strategy="best"``
+            with a callback handling ``on_evaluate`` listed after this one.
         TypeError: an unknown option.
         NotImplementedError: (at Trainer construction) DeepSpeed, FSDP or ``save_on_each_node``; (when
             ``train()`` starts) adapters the callback cannot write
@@ -147,6 +162,8 @@ class SnapckptCallback(TrainerCallback):
         self._found: Any = None  # the Trainer found at construction: on_save only
         self._saved_states: Dict[int, Any] = {}  # step -> (args, TrainerState at that step), for on_save
         self._logging = False  # inside our own Trainer.log call
+        self._firing = False  # inside our own CallbackHandler.on_save call
+        self._own_eval = False  # the next on_evaluate is the Trainer's evaluation of its training loop
         self._pending: Optional[_Pending] = None
         self._disk_steps: set = set()
         self._static: Dict[str, Any] = {}
@@ -223,10 +240,36 @@ class SnapckptCallback(TrainerCallback):
                     f"SnapckptCallback does not take over the Trainer's saves under {what}: those checkpoints "
                     "hold files the callback does not write; remove the callback (or use snapckpt.deepspeed "
                     "for DeepSpeed engines)")
-        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
-            raise ValueError("SnapckptCallback cannot take over save_strategy='best' (the Trainer decides to save "
-                             "after evaluation, with no callback event in between); use save_strategy='steps' "
-                             "with metric_for_best_model and load_best_model_at_end=True instead")
+        hub_strategy = str(getattr(args.hub_strategy, "value", args.hub_strategy))
+        if getattr(args, "push_to_hub", False) and hub_strategy != "end" and _strategy(args.save_strategy) != "no":
+            raise ValueError(
+                f"SnapckptCallback does not push checkpoints to the Hub (push_to_hub=True with hub_strategy="
+                f"'{hub_strategy}'): the Trainer pushes from inside the save the callback replaces, so every "
+                "checkpoint push would be dropped. Pass TrainingArguments(hub_strategy='end') and call "
+                "trainer.push_to_hub() after training (with hub_strategy='end' the Trainer pushes nothing during "
+                "training either), or remove the callback to let the Trainer save and push")
+
+    def _check_best_order(self, args: Any) -> None:
+        """``save_strategy="best"``: this callback records the new best metric in ``on_evaluate`` (see
+        :meth:`_take_best_save`), so no callback after it may look at ``on_evaluate`` (an
+        ``EarlyStoppingCallback`` there would see the new best as no improvement)."""
+        if _strategy(args.save_strategy) != "best":
+            return
+        trainer = self._on_save_trainer()
+        if trainer is None:
+            raise ValueError("with save_strategy='best' SnapckptCallback needs its Trainer, to check the order of "
+                             "the callbacks: pass it in Trainer(callbacks=[...]), or call callback.attach(trainer) "
+                             "before train()")
+        cbs = trainer.callback_handler.callbacks
+        after = cbs[next(i for i, cb in enumerate(cbs) if cb is self) + 1:]
+        late = [type(cb).__name__ for cb in after if type(cb).on_evaluate is not TrainerCallback.on_evaluate
+                and not (type(cb).__module__.startswith("transformers.") and type(cb).__name__ in _DISPLAY)]
+        if late:
+            raise ValueError(
+                f"with save_strategy='best' SnapckptCallback must come after every callback that handles "
+                f"on_evaluate, and {', '.join(late)} comes after it: list SnapckptCallback last in "
+                "Trainer(callbacks=[...]) (or trainer.pop_callback(cb); trainer.add_callback(cb)). It records the "
+                "new best metric in on_evaluate, where the Trainer records it only after every on_evaluate")
 
     def _open(self, args: Any) -> Checkpointer:
         if self.checkpointer is None:
@@ -245,9 +288,10 @@ class SnapckptCallback(TrainerCallback):
         self._check_args(args)
         if self._trainer is None and self._found is None:
             self._found = self._find_trainer()
-            if self._found is None:
+            if self._found is None and _strategy(args.save_strategy) != "best":  # "best": the check below raises
                 log.warning("SnapckptCallback could not find its Trainer: the Trainer's on_save event will not fire "
                             "for other callbacks; call callback.attach(trainer) after constructing the Trainer")
+        self._check_best_order(args)
         self._args, self._state = args, state
         ck = self._open(args)
         try:  # also sets damaged folders aside
@@ -258,6 +302,12 @@ class SnapckptCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
         self._check_args(args)
+        try:
+            self._check_best_order(args)  # a callback added after construction
+        except ValueError:
+            self.close(clean=True)  # a refusal to start, not a crash
+            raise
+        self._own_eval = False
         P.check_supported(kwargs.get("model"))
         self._args, self._state = args, state
         self._open(args)
@@ -278,6 +328,7 @@ class SnapckptCallback(TrainerCallback):
     # ------------------------------------------------------------------------------ save points
     def on_step_end(self, args, state, control, **kwargs):
         self._state = state
+        self._own_eval = bool(control.should_evaluate)  # the Trainer evaluates right after this event
         self.checkpointer.poll()  # background failures surface here; commits trigger retention
         disk = bool(control.should_save)
         mem = self._policy.decide(state.global_step, 0.0, 0.0) == StorageType.MEMORY  # no time-based cadence
@@ -289,6 +340,7 @@ class SnapckptCallback(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._state = state
+        self._own_eval = bool(control.should_evaluate)
         if control.should_save:  # save_strategy="epoch"
             control.should_save = False
             self._request(args, state, control, kwargs, StorageType.DISK)
@@ -296,12 +348,16 @@ class SnapckptCallback(TrainerCallback):
             self._flush(args, state, control, kwargs)
         return control
 
-    def on_evaluate(self, args, state, control, **kwargs):
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        own, self._own_eval = self._own_eval, False
+        if own and _strategy(args.save_strategy) == "best" and self._take_best_save(args, state, metrics):
+            self._request(args, state, control, kwargs, StorageType.DISK)
         p = self._pending
         if p is not None and p.step == state.global_step:  # the Trainer records RNG after evaluating
             p.rng = F.rng_state_bytes(_distributed(args))
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self._own_eval = False
         self._flush(args, state, control, kwargs)
         self._log_metrics()
 
@@ -319,7 +375,42 @@ class SnapckptCallback(TrainerCallback):
         if self.checkpointer is not None:
             self.checkpointer.fence()
 
+    def on_save(self, args, state, control, **kwargs):
+        if self._firing:
+            return
+        # The Trainer saved checkpoint-N itself (a callback after this one asked for it after this one's
+        # on_step_end, or a best-model decision this callback did not foresee): never write that folder twice.
+        p = self._pending
+        if p is not None and p.step == state.global_step and p.tier == StorageType.DISK:
+            log.warning("checkpoint-%d was saved by the Trainer itself; SnapckptCallback does not save it again",
+                        p.step)
+            self._pending = None
+
     # --------------------------------------------------------------------------------- helpers
+    def _take_best_save(self, args, state, metrics) -> bool:
+        """``save_strategy="best"``: decide as ``Trainer._determine_best_metric`` (transformers 5.24) will
+        right after this ``on_evaluate`` whether ``metrics`` hold a new best, and if so record it in
+        ``state`` (``best_metric``, ``best_global_step``) as that method would. The Trainer then finds no
+        new best, sets ``control.should_save = False`` and skips its own save: this callback takes it
+        instead, as at every other save point. The rule is the documented one: ``metric_for_best_model``
+        (``eval_``-prefixed), strictly greater (``greater_is_better``) or strictly less than
+        ``state.best_metric``; a metric that is missing or not a new best leaves everything to the Trainer.
+        Should the Trainer still save, :meth:`on_save` drops this callback's save of that step."""
+        name = args.metric_for_best_model
+        if name is None or not metrics:
+            return False
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        if name not in metrics:
+            return False  # the Trainer raises its KeyError next
+        value = metrics[name]
+        greater = bool(args.greater_is_better)
+        best = state.best_metric if state.best_metric is not None else (float("-inf") if greater else float("inf"))
+        if not (np.greater if greater else np.less)(value, best):
+            return False
+        state.best_metric = value
+        state.best_global_step = state.global_step
+        return True
+
     def _request(self, args, state, control, kwargs, tier: StorageType) -> None:
         step = state.global_step
         p = self._pending
@@ -398,7 +489,11 @@ class SnapckptCallback(TrainerCallback):
         control = trainer.control
         handler = trainer.callback_handler
         should_save = control.should_save  # CallbackHandler.on_save clears it: a save requested now stays
-        handler.on_save(args, state, control)  # updates the same control object
+        self._firing = True
+        try:
+            handler.on_save(args, state, control)  # updates the same control object
+        finally:
+            self._firing = False
         control.should_save = should_save
 
     def _log_metrics(self) -> None:
@@ -428,6 +523,10 @@ class SnapckptCallback(TrainerCallback):
             return
         rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
                            best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+
+
+def _strategy(value: Any) -> str:
+    return str(getattr(value, "value", value))
 
 
 def _distributed(args: Any) -> bool:

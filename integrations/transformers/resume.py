@@ -15,6 +15,10 @@ transformers' ``get_last_checkpoint`` (the newest ``checkpoint-<digits>`` folder
    damaged one is renamed to a hidden ``.checkpoint-N.damaged-<time>``, down to the newest intact folder.
    When no intact one exists, :class:`~snapckpt.errors.CheckpointCorruptError` is raised and nothing is
    moved, so that no later start trains from step 0 while checkpoints exist.
+3. Changed in place: damage is a listed file whose bytes differ from the committed ones. A folder whose
+   set of files differs from its manifest's (the user re-sharded the weights, deleted ``optimizer.pt``)
+   is no longer described by the manifest: it is left to the Trainer (not moved, resumed from as the
+   Trainer would), with a warning naming it and the files; the listed files still there are verified.
 
 Every function taking the ``Checkpointer`` is collective: each rank calls it in the same order, and the
 decisions are rank 0's, shared through :attr:`Checkpointer.coordinator`.
@@ -30,10 +34,10 @@ from typing import Dict, List, Optional, Tuple
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
                              all_damaged_error)
-from snapckpt.ondisk.manifest import list_committed
+from snapckpt.ondisk.manifest import check_sizes, file_set_changes, list_committed, present_files
 
 __all__ = ["PREFIX", "materialize_newest", "newest_intact", "verify_folder", "agreed_last_native",
-           "last_native", "size_damaged", "set_aside"]
+           "last_native", "size_damaged", "changed_in_place", "set_aside"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +56,10 @@ def materialize_newest(ck: Checkpointer, output_dir: str,
     only, or if ``checkpoint-N`` of the same step is damaged (then that folder is moved aside first, and the
     newest complete step is resumed, not an older one).
 
-    Damaged folders (files missing or of the wrong size, a checksum mismatch) are moved aside (see
-    :func:`set_aside`) only once an intact checkpoint to resume from is known: an intact folder, a folder
-    the Trainer wrote itself (no snapckpt manifest), or the memory snapshot just written out.
+    Damaged folders (a listed file of the wrong size or checksum) are moved aside (see :func:`set_aside`)
+    only once an intact checkpoint to resume from is known: an intact folder, a folder the Trainer wrote
+    itself (no snapckpt manifest), or the memory snapshot just written out. A folder changed in place
+    (:func:`changed_in_place`) is the Trainer's: a warning names it, its remaining listed files are verified.
 
     Args:
         ck: the callback's Checkpointer of ``output_dir``.
@@ -70,10 +75,15 @@ def materialize_newest(ck: Checkpointer, output_dir: str,
             later start raises too instead of training from step 0.
     """
     timeout = ck.options.coordination_timeout_secs
-    # folders whose files no longer match their manifest's sizes (truncated by a power loss, a rank's
-    # files gone) are no load candidates at all; rank 0 lists them for everyone
-    damaged: Dict[str, str] = ck.coordinator.gather(
-        "hf-size-damaged", {"d": size_damaged(ck, output_dir) if ck.rank == 0 else {}}, timeout)[0]["d"]
+    # folders whose listed files no longer match their manifest's sizes (truncated by a power loss) are no
+    # load candidates at all; rank 0 lists them, and the folders changed in place, for everyone
+    scan = _scan(ck, output_dir) if ck.rank == 0 else ({}, {})
+    damaged, changed = ck.coordinator.gather("hf-size-damaged", {"s": scan}, timeout)[0]["s"]
+    if ck.rank == 0:
+        for name in sorted(set(changed) - set(damaged), key=_step):
+            log.warning("%s was changed since snapckpt committed it (%s): its manifest no longer describes it, "
+                        "so its set of files is not counted as damage and the folder is left to the Trainer; the "
+                        "listed files still there are verified", os.path.join(output_dir, name), changed[name])
     refused: Dict[str, str] = {}  # snapckpt's disk candidates tried: this rank's error ("" if it verified)
     verified: set = set()  # folders every rank verified (its share) while probing a memory candidate
 
@@ -157,10 +167,11 @@ def newest_intact(ck: Checkpointer, output_dir: str, damaged: Dict[str, str], tr
 
 
 def verify_folder(ck: Checkpointer, output_dir: str, name: str) -> str:
-    """Collective: :meth:`Checkpointer.verify_directory` of folder ``name`` (``""``: intact, or the
-    Trainer's own folder without a manifest: a snapckpt one that lost its manifest is size-damaged, see
-    :func:`size_damaged`); else the cause of the damage."""
-    return ck.verify_directory(os.path.join(output_dir, name), name)
+    """Collective: :meth:`Checkpointer.verify_directory` of folder ``name``, the listed files still there
+    (``""``: intact, changed in place with intact remaining files, or the Trainer's own folder without a
+    manifest: a snapckpt one that lost its manifest is size-damaged, see :func:`size_damaged`); else the
+    cause of the damage."""
+    return ck.verify_directory(os.path.join(output_dir, name), name, present_only=True)
 
 
 def agreed_last_native(ck: Checkpointer, output_dir: str, skip: set) -> Optional[str]:
@@ -179,18 +190,43 @@ def last_native(output_dir: str, skip: set) -> Optional[str]:
 
 
 def size_damaged(ck: Checkpointer, output_dir: str) -> Dict[str, str]:
-    """``checkpoint-*`` folders of ``output_dir`` with a snapckpt manifest whose files are missing or of the
-    wrong size (or a ``.snapckpt`` sidecar without a valid manifest): ``{folder name: what is wrong}``.
-    Reads through :attr:`Checkpointer.storage`."""
+    """``checkpoint-*`` folders of ``output_dir`` with a snapckpt manifest one of whose listed files (of
+    those still there) is of the wrong size, or with a ``.snapckpt`` sidecar without a valid manifest:
+    ``{folder name: what is wrong}``. Reads through :attr:`Checkpointer.storage`."""
+    return _scan(ck, output_dir)[0]
+
+
+def changed_in_place(ck: Checkpointer, output_dir: str) -> Dict[str, str]:
+    """``checkpoint-*`` folders of ``output_dir`` whose set of files is no longer their manifest's (listed
+    files gone, files not listed: :func:`snapckpt.ondisk.manifest.file_set_changes`): ``{folder name: the
+    files}``. Not damage: the Trainer resumes from such a folder, so snapckpt leaves it to the Trainer."""
+    return _scan(ck, output_dir)[1]
+
+
+def _scan(ck: Checkpointer, output_dir: str) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """``(size_damaged, changed_in_place)`` in one listing of ``output_dir``."""
     problems: List[str] = []
-    if os.path.isdir(output_dir):
-        list_committed(ck.storage, output_dir, problems=problems)
-    out: Dict[str, str] = {}
+    damaged: Dict[str, str] = {}
+    changed: Dict[str, str] = {}
+    if not os.path.isdir(output_dir):
+        return damaged, changed
+    for c in list_committed(ck.storage, output_dir, quick_check=False, problems=problems):
+        if not _NATIVE.match(c.dirname):
+            continue
+        missing, extra = file_set_changes(ck.storage, c.path, c.manifest)
+        if missing or extra:
+            changed[c.dirname] = "; ".join(
+                ([f"gone: {', '.join(missing)}"] if missing else []) + ([f"not in it: {', '.join(extra)}"]
+                                                                         if extra else []))
+        try:
+            check_sizes(ck.storage, c.path, present_files(ck.storage, c.path, c.manifest))
+        except CheckpointCorruptError as e:
+            damaged[c.dirname] = str(e)
     for p in problems:
         name, _, why = p.partition(": ")
         if _NATIVE.match(name):
-            out[name] = why
-    return out
+            damaged[name] = why
+    return damaged, changed
 
 
 def set_aside(ck: Checkpointer, output_dir: str, damaged: Dict[str, str]) -> None:

@@ -466,10 +466,17 @@ class Checkpointer:
             self.last_load = dataclasses.replace(self.last_load, copy_secs=time.perf_counter() - t0)
         return state_dict
 
-    def verify_directory(self, path: "str | os.PathLike[str]", dirname: Optional[str] = None) -> str:
+    def verify_directory(self, path: "str | os.PathLike[str]", dirname: Optional[str] = None, *,
+                         present_only: bool = False) -> str:
         """Collective: verify every file of the committed directory ``path`` against its manifest's sizes and
         checksums, each rank a share of the files (sorted by name, ``rank::world_size``), whatever the
         world size that saved it.
+
+        Args:
+            present_only: a listed file that is gone is no error, only the files still there are checked (a
+                directory its user changed in place, e.g. re-sharded weights or a deleted optimizer file: a
+                changed set of files is not damage, a changed byte of a listed file is; see
+                :func:`snapckpt.ondisk.manifest.file_set_changes`). Each rank must pass the same value.
 
         Returns:
             ``""`` when every file verified, or when ``path`` has no ``.snapckpt/manifest.json`` at all (a
@@ -477,7 +484,7 @@ class Checkpointer:
             (``"CheckpointCorruptError: ..."``), the same string on every rank.
         """
         path = os.fspath(path)
-        return self._loader.verify_directory(path, dirname or os.path.basename(path.rstrip("/")))
+        return self._loader.verify_directory(path, dirname or os.path.basename(path.rstrip("/")), present_only)
 
     def write_out(self, files: Mapping[str, Any], step: int, dirname: str, *, tracker_name: Optional[str] = None,
                   tracker_content: str = "") -> None:

@@ -32,7 +32,8 @@ from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, In
                              UnsafeCheckpointError, all_damaged_error)
 from snapckpt.events import StorageType
 from snapckpt.ondisk import layout
-from snapckpt.ondisk.manifest import MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest
+from snapckpt.ondisk.manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest,
+                                     present_files)
 from snapckpt.options import CheckpointOptions
 from snapckpt.storage.posix import PosixStorage
 from snapckpt.storage.remote import RemoteStore, remove_download_leftovers
@@ -600,7 +601,7 @@ class Loader:
                         "resume from it pass load(step=%d), or delete the abandoned higher steps", loaded,
                         newest[0], newest[1], newest[0])
 
-    def verify_directory(self, path: str, dirname: str) -> str:
+    def verify_directory(self, path: str, dirname: str, present_only: bool = False) -> str:
         """``Checkpointer.verify_directory`` (its docstring has the details): this rank's share of the files
         checked, the errors agreed on; ``""`` or every failing rank's error, ``"; "``-joined."""
         mpath = os.path.join(path, MANIFEST)
@@ -608,6 +609,8 @@ class Loader:
         if os.path.exists(mpath):
             try:
                 m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
+                if present_only:
+                    m = present_files(self._storage, path, m)
                 share = dict(sorted(m["files"].items())[self.rank::self.world_size])
                 check_checksums(self._storage, path, {**m, "files": share})
             except Exception as e:

@@ -43,7 +43,7 @@ from snapckpt.storage.base import StorageReader
 __all__ = ["FORMAT_VERSION", "SIDECAR", "MANIFEST", "Committed", "build_manifest", "parse_manifest",
            "list_committed", "check_sizes", "check_checksums", "crc32_file", "record_checksum", "validate_dirname",
            "validate_file_name", "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter",
-           "CHECKSUM", "CHECKSUMS", "file_checksum"]
+           "CHECKSUM", "CHECKSUMS", "file_checksum", "file_set_changes", "present_files"]
 
 FORMAT_VERSION = 1
 SIDECAR = ".snapckpt"
@@ -308,6 +308,37 @@ def _files(manifest: Dict[str, Any], rank: Optional[int]) -> Iterable[tuple]:
     for name, rec in sorted(manifest["files"].items()):
         if rank is None or rec.get("rank") == rank:
             yield name, rec
+
+
+def file_set_changes(reader: StorageReader, path: str, manifest: Dict[str, Any]) -> "tuple[List[str], List[str]]":
+    """How the set of files of the committed directory ``path`` differs from its manifest's: ``(missing,
+    extra)``, sorted names of the listed files that are gone and of the entries of the directory (files or
+    folders; the ``.snapckpt`` sidecar aside) that the manifest does not list. A directory whose user changed
+    it in place (re-sharded weights, deleted an optimizer file) has a changed set: its manifest no longer
+    describes it. That is not damage: damage is a listed file whose bytes differ from the committed ones
+    (:func:`check_sizes`, :func:`check_checksums` with ``present_only``)."""
+    listed = set(manifest["files"])
+    missing = []
+    for name in sorted(listed):
+        try:
+            reader.size(os.path.join(path, name))
+        except FileNotFoundError:
+            missing.append(name)
+    extra = sorted(n for n in reader.listdir(path) if n != SIDECAR and n not in listed)
+    return missing, extra
+
+
+def present_files(reader: StorageReader, path: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """``manifest`` with only the listed files that exist in ``path`` (for :func:`check_sizes` and
+    :func:`check_checksums` of a directory changed in place, see :func:`file_set_changes`)."""
+    files = {}
+    for name, rec in manifest["files"].items():
+        try:
+            reader.size(os.path.join(path, name))
+        except FileNotFoundError:
+            continue
+        files[name] = rec
+    return {**manifest, "files": files}
 
 
 def check_sizes(reader: StorageReader, path: str, manifest: Dict[str, Any], rank: Optional[int] = None) -> None:

@@ -181,6 +181,27 @@ def test_missing_file_fails_the_size_check(tmp_path):
         M.check_sizes(FS, str(tmp_path / "d"), m)
 
 
+def test_a_changed_set_of_files_is_told_apart_from_changed_bytes(tmp_path):
+    """A directory changed in place (a listed file deleted, files added: re-sharded weights) is described by
+    ``file_set_changes``; the files still there are checked through ``present_files``: intact -> no error,
+    a flipped byte in one of them -> still ``CheckpointCorruptError``."""
+    m = _write_checkpoint(tmp_path, "d", {0: {"a.pt": b"A" * 64, "b.pt": b"B" * 64}})
+    d = str(tmp_path / "d")
+    assert M.file_set_changes(FS, d, m) == ([], [])
+    os.unlink(tmp_path / "d" / "b.pt")
+    (tmp_path / "d" / "b-00001-of-00002.pt").write_bytes(b"x")
+    (tmp_path / "d" / "sub").mkdir()
+    assert M.file_set_changes(FS, d, m) == (["b.pt"], ["b-00001-of-00002.pt", "sub"])
+    present = M.present_files(FS, d, m)
+    assert sorted(present["files"]) == ["a.pt"]
+    M.check_checksums(FS, d, present)
+    with pytest.raises(CheckpointCorruptError, match="is missing"):
+        M.check_sizes(FS, d, m)  # the full manifest still names the gone file
+    (tmp_path / "d" / "a.pt").write_bytes(b"A" * 63 + b"a")
+    with pytest.raises(CheckpointCorruptError, match=r"a\.pt has xxh3_64"):
+        M.check_checksums(FS, d, present)
+
+
 def test_flipped_byte_passes_sizes_but_fails_checksums_for_its_rank_only(tmp_path):
     m = _write_checkpoint(tmp_path, "d", {0: {"a.pt": b"A" * 4096}, 1: {"b.pt": b"B" * 4096, "c.pt": b"C" * 10}})
     path = tmp_path / "d" / "b.pt"
