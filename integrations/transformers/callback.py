@@ -70,6 +70,7 @@ from snapckpt.errors import CheckpointCorruptError
 from snapckpt.formats import RawBytes
 from snapckpt.metrics import event_metrics
 
+from snapckpt.integrations.transformers import deepspeed_files as D
 from snapckpt.integrations.transformers import files as F
 from snapckpt.integrations.transformers import peft as P
 from snapckpt.integrations.transformers.resume import PREFIX, materialize_newest
@@ -152,6 +153,7 @@ class SnapckptCallback(TrainerCallback):
         self._static: Dict[str, Any] = {}
         self._args: Any = None
         self._state: Any = None
+        self._off = False  # the DeepSpeed config's "snapckpt": {"enabled": false}: the Trainer saves itself
 
     # ------------------------------------------------------------------------------- lifecycle
     def attach(self, trainer: Any) -> Any:
@@ -215,14 +217,15 @@ class SnapckptCallback(TrainerCallback):
         return None
 
     def _check_args(self, args: Any) -> None:
-        for what, on in (("DeepSpeed (TrainingArguments.deepspeed)", getattr(args, "deepspeed", None)),
-                         ("FSDP (TrainingArguments.fsdp)", getattr(args, "fsdp", None)),
-                         ("save_on_each_node=True", getattr(args, "save_on_each_node", False))):
-            if on:
-                raise NotImplementedError(
-                    f"SnapckptCallback does not take over the Trainer's saves under {what}: those checkpoints "
-                    "hold files the callback does not write; remove the callback (or use snapckpt.deepspeed "
-                    "for DeepSpeed engines)")
+        if getattr(args, "fsdp", None):
+            raise NotImplementedError(
+                "SnapckptCallback does not take over the Trainer's saves under FSDP (TrainingArguments.fsdp): "
+                "the Trainer saves FSDP checkpoints through torch.distributed.checkpoint (pytorch_model_fsdp_0/, "
+                "optimizer_0/), files the callback does not write; remove the callback for FSDP runs")
+        if getattr(args, "save_on_each_node", False):
+            raise NotImplementedError(
+                "SnapckptCallback does not take over the Trainer's saves under save_on_each_node=True (every "
+                "node writes its own copy); remove the callback, or save once on a shared filesystem")
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
             raise ValueError("SnapckptCallback cannot take over save_strategy='best' (the Trainer decides to save "
                              "after evaluation, with no callback event in between); use save_strategy='steps' "
@@ -241,8 +244,28 @@ class SnapckptCallback(TrainerCallback):
         if ck is not None:
             ck.close(clean=clean)
 
+    def _apply_section(self, args: Any) -> None:
+        """The ``"snapckpt"`` section of the DeepSpeed config (:func:`.deepspeed_files.section_options`)."""
+        given = {"memory_interval_steps": self.memory_interval_steps, **self._options}
+        sec = D.section_options(args, given)
+        if sec is None:
+            self._off = True
+            log.info('SnapckptCallback is off: the DeepSpeed config says "snapckpt": {"enabled": false}')
+            return
+        if sec.get("memory_interval_steps") is not None:
+            self.memory_interval_steps = sec["memory_interval_steps"]
+            self._policy = SnapshotPolicy(memory_interval_steps=self.memory_interval_steps)
+        self._options.update(sec.get("options", {}))
+        if getattr(args, "deepspeed", None):
+            # DeepSpeed's files hold its config objects; the Trainer's resume (DeepSpeed's loader) reads them
+            # with weights_only=False, and so does a memory snapshot written out (see the docs' trust note)
+            self._options.setdefault("weights_only", False)
+
     def on_init_end(self, args, state, control, **kwargs):
         self._check_args(args)
+        self._apply_section(args)
+        if self._off:
+            return
         if self._trainer is None and self._found is None:
             self._found = self._find_trainer()
             if self._found is None:
@@ -258,6 +281,11 @@ class SnapckptCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
         self._check_args(args)
+        if self._off:
+            return
+        if getattr(args, "deepspeed", None) and self._on_save_trainer() is None:
+            raise ValueError("under DeepSpeed SnapckptCallback saves through the Trainer's DeepSpeed engine and needs "
+                             "the Trainer: call callback.attach(trainer) after constructing it")
         P.check_supported(kwargs.get("model"))
         self._args, self._state = args, state
         self._open(args)
@@ -278,6 +306,8 @@ class SnapckptCallback(TrainerCallback):
     # ------------------------------------------------------------------------------ save points
     def on_step_end(self, args, state, control, **kwargs):
         self._state = state
+        if self._off:
+            return control
         self.checkpointer.poll()  # background failures surface here; commits trigger retention
         disk = bool(control.should_save)
         mem = self._policy.decide(state.global_step, 0.0, 0.0) == StorageType.MEMORY  # no time-based cadence
@@ -289,6 +319,8 @@ class SnapckptCallback(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._state = state
+        if self._off:
+            return control
         if control.should_save:  # save_strategy="epoch"
             control.should_save = False
             self._request(args, state, control, kwargs, StorageType.DISK)
@@ -351,11 +383,17 @@ class SnapckptCallback(TrainerCallback):
             if self._on_save_trainer() is not None:  # what on_save will see once this step is committed
                 self._saved_states[p.step] = (args, copy.deepcopy(state))
         files: Dict[str, Any] = {}
+        engine = D.engine_of(self._on_save_trainer())
+        if engine is not None:  # collective: DeepSpeed's save, captured, in place of optimizer.pt
+            files.update(D.checkpoint_files(engine, kwargs["model"], kwargs.get("lr_scheduler"),
+                                            is_zero=state.is_world_process_zero, max_shard_size=self.max_shard_size,
+                                            save_only_model=args.save_only_model))
         if state.is_world_process_zero:
-            files.update(F.model_files(kwargs["model"], self.max_shard_size))
-            if not args.save_only_model:
-                files.update(F.optimizer_file(kwargs.get("optimizer")))
-                files.update(F.scheduler_file(kwargs.get("lr_scheduler")))
+            if engine is None:
+                files.update(F.model_files(kwargs["model"], self.max_shard_size))
+                if not args.save_only_model:
+                    files.update(F.optimizer_file(kwargs.get("optimizer")))
+                    files.update(F.scheduler_file(kwargs.get("lr_scheduler")))
             files.update(self._static)
             if "TrainerControl" in state.stateful_callbacks:
                 rec = control.state()
@@ -365,6 +403,10 @@ class SnapckptCallback(TrainerCallback):
         if not args.save_only_model:
             files[F.rng_file_name(args.world_size, args.process_index)] = RawBytes(p.rng)
         self.checkpointer.save_files(files, p.step, p.tier, dirname=f"{PREFIX}-{p.step}", tracker_name=None)
+        if engine is not None:
+            # DeepSpeed steps the optimizer inside accelerator.backward, before on_pre_optimizer_step: the
+            # copy of an overlapped snapshot must be done before the next backward, so here
+            self.checkpointer.fence()
         self.stall_secs.append(time.perf_counter() - t0)
 
     def _set_best(self, args, state) -> None:
