@@ -40,9 +40,15 @@ How it plugs in (transformers 5.24, public callback events only):
    ``Trainer.log`` there would clear the ``should_log`` that the Trainer's own loss logging of that step
    needs), and the last commits at the end-of-training summary, after it.
 
+DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO 0-3): the folder also holds DeepSpeed's own checkpoint
+(``global_stepN/``, ``latest``, ``zero_to_fp32.py``), captured from DeepSpeed's ``save_checkpoint`` and
+snapshotted with the Trainer's files (:mod:`snapckpt.integrations.transformers.deepspeed_files`); the
+``"snapckpt"`` section of the DeepSpeed config sets the callback's options.
+
 Not covered (the Trainer keeps saving itself, or the callback raises): ``save_strategy="best"`` (the
-Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); DeepSpeed, FSDP,
-XLA and SageMaker model parallel runs (their saves are collective framework calls); a ``PeftModel``
+Trainer decides after evaluation, with no callback event in between: :class:`ValueError`); FSDP (the Trainer
+saves through torch.distributed.checkpoint), XLA and SageMaker model parallel runs (their saves are
+collective framework calls); a PEFT model under DeepSpeed; a ``PeftModel``
 with an adapter not named ``"default"`` (peft saves those in sub-folders) and adapters added through
 transformers' own ``add_adapter``/``load_adapter`` (``NotImplementedError`` at ``train()``; see
 :mod:`snapckpt.integrations.transformers.peft`); the GradScaler's ``scaler.pt`` (fp16 mixed precision on
@@ -114,9 +120,15 @@ class SnapckptCallback(TrainerCallback):
         ValueError: bad ``memory_interval_steps``, ``keep_last`` given, or (at Trainer construction)
             ``save_strategy="best"``.
         TypeError: an unknown option.
-        NotImplementedError: (at Trainer construction) DeepSpeed, FSDP or ``save_on_each_node``; (when
-            ``train()`` starts) adapters the callback cannot write
-            (:func:`~snapckpt.integrations.transformers.peft.check_supported`).
+        NotImplementedError: (at Trainer construction) FSDP or ``save_on_each_node``; (when ``train()``
+            starts) adapters the callback cannot write
+            (:func:`~snapckpt.integrations.transformers.peft.check_supported`), or (at the first save) a PEFT
+            model under DeepSpeed.
+
+    Under DeepSpeed, ``weights_only`` defaults to ``False`` (DeepSpeed's files hold its config objects, and its
+    own loader reads them so: point the callback only at output directories you trust), and a ``"snapckpt"``
+    section of the DeepSpeed config (``memory_interval_steps``, ``remote_dir``, ``options``, ``enabled``)
+    sets the callback's options; it raises :class:`ValueError` for a key the Trainer's arguments decide.
     """
 
     def __init__(self, memory_interval_steps: Optional[int] = None, *, max_shard_size: "int | str" = "50GB",
@@ -220,8 +232,9 @@ class SnapckptCallback(TrainerCallback):
         if getattr(args, "fsdp", None):
             raise NotImplementedError(
                 "SnapckptCallback does not take over the Trainer's saves under FSDP (TrainingArguments.fsdp): "
-                "the Trainer saves FSDP checkpoints through torch.distributed.checkpoint (pytorch_model_fsdp_0/, "
-                "optimizer_0/), files the callback does not write; remove the callback for FSDP runs")
+                "the Trainer saves them with accelerate's save_fsdp_model/save_fsdp_optimizer "
+                "(pytorch_model_fsdp_0/ and optimizer_0/ through torch.distributed.checkpoint, or "
+                "pytorch_model_fsdp.bin), a layout the callback does not write; remove the callback for FSDP runs")
         if getattr(args, "save_on_each_node", False):
             raise NotImplementedError(
                 "SnapckptCallback does not take over the Trainer's saves under save_on_each_node=True (every "

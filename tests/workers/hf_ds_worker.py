@@ -6,7 +6,7 @@ Usage: hf_ds_worker.py ROOT STAGES MEM_STAGE PHASE
 PHASE ``main``, per ZeRO stage of STAGES (comma-separated), in one process group:
 
 - ``stock``: the Trainer alone, 6 steps, a save and an evaluation every 2 steps, ``save_total_limit=2``, the
-  best model (greatest eval loss) kept and loaded at the end;
+  best model (least eval loss: step 2's) kept and loaded at the end;
 - ``snap``: the same with ``SnapckptCallback`` attached (DeepSpeed config with a ``"snapckpt"`` section);
 - rank 0 compares the two output directories folder for folder and file for file (RESULT ``folders``);
 - ``resume``: a new Trainer with the callback, ``resume_from_checkpoint=<snap>/checkpoint-N`` (the
@@ -97,7 +97,7 @@ def train(out, stage, *, snap=False, section=None, resume=None, die_at=None):
         output_dir=out, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="linear",
         warmup_steps=2, logging_steps=1, save_steps=2, save_strategy="steps", seed=7, report_to="none",
         dataloader_num_workers=0, disable_tqdm=True, save_total_limit=2, eval_strategy="steps", eval_steps=2,
-        metric_for_best_model="eval_loss", greater_is_better=True, load_best_model_at_end=True,
+        metric_for_best_model="eval_loss", greater_is_better=False, load_best_model_at_end=True,
         deepspeed=ds_config(stage, section), accelerator_config={"use_configured_state": True})
     rec = Recorder(die_at)
     snap_cb = SnapckptCallback(persister_idle_timeout_secs=120) if snap else None
