@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` with DeepSpeed (``TrainingArguments(deepspeed=...)``) and ``SnapckptCallback``,
 on every rank of a 2-rank gloo group (DS_ACCELERATOR=cpu), a tiny GPT-2 with dropout.
 
-Usage: hf_ds_worker.py ROOT STAGES MEM_STAGE PHASE
+Usage: hf_ds_worker.py ROOT STAGES MEM_STAGE PHASE   (a stage: 0-3, or 3g: ZeRO-3 with gathered weights)
 
 PHASE ``main``, per ZeRO stage of STAGES (comma-separated), in one process group:
 
@@ -78,8 +78,13 @@ def distributed_state():
 
 
 def ds_config(stage, section=None):
+    """``stage``: 0-3, or ``"3g"``: ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save`` (weights in the
+    folder)."""
+    zero = {"stage": int(str(stage)[0])}
+    if str(stage).endswith("g"):
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "steps_per_print": 100000}
+           "gradient_clipping": "auto", "zero_optimization": zero, "steps_per_print": 100000}
     if section is not None:
         cfg["snapckpt"] = section
     return cfg
@@ -167,7 +172,7 @@ def result(**kw):
 
 
 def main():
-    root, stages, mem_stage, phase = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    root, stages, mem_stage, phase = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     distributed_state()
     rank = dist.get_rank()
     section = {"memory_interval_steps": 1, "options": {"flush_on_crash": False, "overlap": True,
@@ -177,7 +182,7 @@ def main():
         facts = train(mem_out, mem_stage, snap=True, section=section, resume=True)
         result(stage=mem_stage, run="memresume", **facts)
         ds_common.exit_after_barrier()
-    for stage in map(int, stages.split(",")):
+    for stage in stages.split(","):
         base = os.path.join(root, f"z{stage}")
         t0 = time.perf_counter()
         stock = train(os.path.join(base, "stock"), stage, section=SNAP)  # DeepSpeed ignores the section
