@@ -37,7 +37,8 @@ def test_trainer_deepspeed_zero_stages_folders_resume_rotation_best_and_memory_t
     - the stock ``resume_from_checkpoint=<snapckpt's folder>`` continues with bitwise-equal losses;
     - memory tier (ZeRO-3, memory snapshots every step from the DeepSpeed config's ``"snapckpt"`` section,
       copy overlapped): every rank leaves at the start of step 6; the next Trainer writes step 5 out of
-      memory as ``checkpoint-5`` and the stock auto-resume continues with the uninterrupted loss."""
+      memory as ``checkpoint-5`` (without rotating the best folder away: it did before) and the stock
+      auto-resume continues with the uninterrupted loss and loads the same best model at the end."""
     root = os.path.join(snap_env.tmp, "hfds")
     args = [root, ",".join(STAGES), MEM_STAGE]
     res = _results(run_ranks("hf_ds_worker.py", 2, args + ["main"], ENV, timeout=900))
@@ -74,12 +75,16 @@ def test_trainer_deepspeed_zero_stages_folders_resume_rotation_best_and_memory_t
     assert len(died) == 2 and all(max(s for s, _ in r["rows"]) == 5 for r in died), died
     ref_mem = dict(map(tuple, _pick(res, stage=MEM_STAGE, run="stock")[0]["rows"]))
 
-    res = _results(run_ranks("hf_ds_worker.py", 2, args + ["memresume"], ENV, timeout=300))
+    res_main, res = res, _results(run_ranks("hf_ds_worker.py", 2, args + ["memresume"], ENV, timeout=300))
     mem = _pick(res, run="memresume")
     assert len(mem) == 2 and all(r["materialized"] == [5, "memory"] for r in mem), mem
-    assert os.path.isdir(os.path.join(root, f"z{MEM_STAGE}", "mem", "checkpoint-5"))
+    kept = sorted(n for n in os.listdir(os.path.join(root, f"z{MEM_STAGE}", "mem")) if n.startswith("checkpoint-"))
+    assert kept == ["checkpoint-2", "checkpoint-6"], kept  # as the uninterrupted run: the best and the newest
+    best = _pick(res_main, stage=MEM_STAGE, run="stock")[0]
     for r in mem:
         assert dict(map(tuple, r["rows"]))[6] == ref_mem[6], (r["rows"], ref_mem)
+        # the write-out of step 5 did not rotate the best folder (step 2) away: it is loaded at the end
+        assert (r["best"], r["eval"]) == (best["best"], best["eval"]), (r, best)
 
 
 def _args(tmp_path, section, **kw):

@@ -284,7 +284,10 @@ class SnapckptCallback(TrainerCallback):
             if self._found is None:
                 log.warning("SnapckptCallback could not find its Trainer: the Trainer's on_save event will not fire "
                             "for other callbacks; call callback.attach(trainer) after constructing the Trainer")
-        self._args, self._state = args, state
+        # No TrainerState for retention yet: the fresh one knows no best checkpoint, and rotating after the
+        # write-out of a memory snapshot with it would delete the best folder (the Trainer's resume restores
+        # best_model_checkpoint; the first commit of training rotates with it)
+        self._args, self._state = args, None
         ck = self._open(args)
         try:  # also sets damaged folders aside
             self.resumed_from = materialize_newest(ck, args.output_dir, self.resume_from_memory)
