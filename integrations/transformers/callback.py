@@ -23,7 +23,8 @@ How it plugs in (transformers 5.24, public callback events only):
    ``trainer_state.json`` holds this step's logs, best metric and ``best_model_checkpoint``, and before
    the next ``optimizer.step()``, so model, optimizer and scheduler are those of step N. A save requested
    by ``on_epoch_end`` (``save_strategy="epoch"``) merges with a pending save of the same step.
-3. ``on_pre_optimizer_step`` calls :meth:`Checkpointer.fence`.
+3. ``on_pre_optimizer_step`` calls :meth:`Checkpointer.fence` (under DeepSpeed, which steps inside
+   ``accelerator.backward``, the snapshot is fenced as soon as it is taken).
 4. Retention: after each commit, world rank 0 applies transformers' own ``rotate_checkpoints`` with
    ``save_total_limit`` and ``state.best_model_checkpoint``. It only sees committed folders (folders in
    flight are hidden ``.checkpoint-N.partial-*``), keeps the newest committed one and the best one.
