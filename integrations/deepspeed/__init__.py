@@ -41,7 +41,9 @@ Modules, in data-path order: :mod:`.config` (the ``"snapckpt"`` section, :func:`
 :mod:`.checkpointer` (the :class:`DeepSpeedCheckpointer` facade and its snapshot policy), :mod:`.engine`
 (the framework seam, :class:`SnapckptCheckpointEngine`), :mod:`.save` (the files of one save and their
 snapshot), :mod:`.load` (``load_checkpoint`` over the tiers, ``latest``, the native fallback) and
-:mod:`.layout` (the names in a DeepSpeed checkpoint directory).
+:mod:`.layout` (the names in a DeepSpeed checkpoint directory). :mod:`.capture` serves another framework's
+integration (the Hugging Face Trainer's): one ``save_checkpoint`` captured as file specs, to be snapshotted
+inside that framework's own folder.
 """
 from snapckpt.events import StorageType
 

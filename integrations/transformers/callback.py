@@ -23,7 +23,8 @@ How it plugs in (transformers 5.24, public callback events only):
    ``trainer_state.json`` holds this step's logs, best metric and ``best_model_checkpoint``, and before
    the next ``optimizer.step()``, so model, optimizer and scheduler are those of step N. A save requested
    by ``on_epoch_end`` (``save_strategy="epoch"``) merges with a pending save of the same step.
-3. ``on_pre_optimizer_step`` calls :meth:`Checkpointer.fence`.
+3. ``on_pre_optimizer_step`` calls :meth:`Checkpointer.fence` (under DeepSpeed, which steps inside
+   ``accelerator.backward``, the snapshot is fenced as soon as it is taken).
 4. Retention: after each commit, world rank 0 applies transformers' own ``rotate_checkpoints`` with
    ``save_total_limit`` and ``state.best_model_checkpoint``. It only sees committed folders (folders in
    flight are hidden ``.checkpoint-N.partial-*``), keeps the newest committed one and the best one.
@@ -48,8 +49,14 @@ Trainer then finds no new best and skips its save, and the callback's snapshot t
 Trainer save a step itself all the same (its ``on_save`` reaches the callback), the callback drops its own
 save of that step.
 
-Not covered (the Trainer keeps saving itself, or the callback raises): DeepSpeed, FSDP,
-XLA and SageMaker model parallel runs (their saves are collective framework calls); ``push_to_hub=True``
+DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO 0-3): the folder also holds DeepSpeed's own checkpoint
+(``global_stepN/``, ``latest``, ``zero_to_fp32.py``), captured from DeepSpeed's ``save_checkpoint`` and
+snapshotted with the Trainer's files (:mod:`snapckpt.integrations.transformers.deepspeed_files`); the
+``"snapckpt"`` section of the DeepSpeed config sets the callback's options.
+
+Not covered (the Trainer keeps saving itself, or the callback raises): FSDP (the Trainer
+saves through torch.distributed.checkpoint), XLA and SageMaker model parallel runs (their saves are
+collective framework calls); a PEFT model under DeepSpeed; ``push_to_hub=True``
 with a ``hub_strategy`` that pushes checkpoints (:class:`ValueError`: use ``hub_strategy="end"``); a ``PeftModel``
 with an adapter not named ``"default"`` (peft saves those in sub-folders) and adapters added through
 transformers' own ``add_adapter``/``load_adapter`` (``NotImplementedError`` at ``train()``; see
@@ -79,6 +86,7 @@ from snapckpt.errors import CheckpointCorruptError
 from snapckpt.formats import RawBytes
 from snapckpt.metrics import event_metrics
 
+from snapckpt.integrations.transformers import deepspeed_files as D
 from snapckpt.integrations.transformers import files as F
 from snapckpt.integrations.transformers import peft as P
 from snapckpt.integrations.transformers.resume import PREFIX, materialize_newest
@@ -128,9 +136,15 @@ class SnapckptCallback(TrainerCallback):
             replaces), or (at Trainer construction and when ``train()`` starts) ``save_strategy="best"``
             with a callback handling ``on_evaluate`` listed after this one.
         TypeError: an unknown option.
-        NotImplementedError: (at Trainer construction) DeepSpeed, FSDP or ``save_on_each_node``; (when
-            ``train()`` starts) adapters the callback cannot write
-            (:func:`~snapckpt.integrations.transformers.peft.check_supported`).
+        NotImplementedError: (at Trainer construction) FSDP or ``save_on_each_node``; (when ``train()``
+            starts) adapters the callback cannot write
+            (:func:`~snapckpt.integrations.transformers.peft.check_supported`), or (at the first save) a PEFT
+            model under DeepSpeed.
+
+    Under DeepSpeed, ``weights_only`` defaults to ``False`` (DeepSpeed's files hold its config objects, and its
+    own loader reads them so: point the callback only at output directories you trust), and a ``"snapckpt"``
+    section of the DeepSpeed config (``memory_interval_steps``, ``remote_dir``, ``options``, ``enabled``)
+    sets the callback's options; it raises :class:`ValueError` for a key the Trainer's arguments decide.
     """
 
     def __init__(self, memory_interval_steps: Optional[int] = None, *, max_shard_size: "int | str" = "50GB",
@@ -169,6 +183,7 @@ class SnapckptCallback(TrainerCallback):
         self._static: Dict[str, Any] = {}
         self._args: Any = None
         self._state: Any = None
+        self._off = False  # the DeepSpeed config's "snapckpt": {"enabled": false}: the Trainer saves itself
 
     # ------------------------------------------------------------------------------- lifecycle
     def attach(self, trainer: Any) -> Any:
@@ -232,14 +247,16 @@ class SnapckptCallback(TrainerCallback):
         return None
 
     def _check_args(self, args: Any) -> None:
-        for what, on in (("DeepSpeed (TrainingArguments.deepspeed)", getattr(args, "deepspeed", None)),
-                         ("FSDP (TrainingArguments.fsdp)", getattr(args, "fsdp", None)),
-                         ("save_on_each_node=True", getattr(args, "save_on_each_node", False))):
-            if on:
-                raise NotImplementedError(
-                    f"SnapckptCallback does not take over the Trainer's saves under {what}: those checkpoints "
-                    "hold files the callback does not write; remove the callback (or use snapckpt.deepspeed "
-                    "for DeepSpeed engines)")
+        if getattr(args, "fsdp", None):
+            raise NotImplementedError(
+                "SnapckptCallback does not take over the Trainer's saves under FSDP (TrainingArguments.fsdp): "
+                "the Trainer saves them with accelerate's save_fsdp_model/save_fsdp_optimizer "
+                "(pytorch_model_fsdp_0/ and optimizer_0/ through torch.distributed.checkpoint, or "
+                "pytorch_model_fsdp.bin), a layout the callback does not write; remove the callback for FSDP runs")
+        if getattr(args, "save_on_each_node", False):
+            raise NotImplementedError(
+                "SnapckptCallback does not take over the Trainer's saves under save_on_each_node=True (every "
+                "node writes its own copy); remove the callback, or save once on a shared filesystem")
         hub_strategy = str(getattr(args.hub_strategy, "value", args.hub_strategy))
         if getattr(args, "push_to_hub", False) and hub_strategy != "end" and _strategy(args.save_strategy) != "no":
             raise ValueError(
@@ -284,15 +301,38 @@ class SnapckptCallback(TrainerCallback):
         if ck is not None:
             ck.close(clean=clean)
 
+    def _apply_section(self, args: Any) -> None:
+        """The ``"snapckpt"`` section of the DeepSpeed config (:func:`.deepspeed_files.section_options`)."""
+        given = {"memory_interval_steps": self.memory_interval_steps, **self._options}
+        sec = D.section_options(args, given)
+        if sec is None:
+            self._off = True
+            log.info('SnapckptCallback is off: the DeepSpeed config says "snapckpt": {"enabled": false}')
+            return
+        if sec.get("memory_interval_steps") is not None:
+            self.memory_interval_steps = sec["memory_interval_steps"]
+            self._policy = SnapshotPolicy(memory_interval_steps=self.memory_interval_steps)
+        self._options.update(sec.get("options", {}))
+        if getattr(args, "deepspeed", None):
+            # DeepSpeed's files hold its config objects; the Trainer's resume (DeepSpeed's loader) reads them
+            # with weights_only=False, and so does a memory snapshot written out (see the docs' trust note)
+            self._options.setdefault("weights_only", False)
+
     def on_init_end(self, args, state, control, **kwargs):
         self._check_args(args)
+        self._apply_section(args)
+        if self._off:
+            return
         if self._trainer is None and self._found is None:
             self._found = self._find_trainer()
             if self._found is None and _strategy(args.save_strategy) != "best":  # "best": the check below raises
                 log.warning("SnapckptCallback could not find its Trainer: the Trainer's on_save event will not fire "
                             "for other callbacks; call callback.attach(trainer) after constructing the Trainer")
         self._check_best_order(args)
-        self._args, self._state = args, state
+        # No TrainerState for retention yet: the fresh one knows no best checkpoint, and rotating after the
+        # write-out of a memory snapshot with it would delete the best folder (the Trainer's resume restores
+        # best_model_checkpoint; the first commit of training rotates with it)
+        self._args, self._state = args, None
         ck = self._open(args)
         try:  # also sets damaged folders aside
             self.resumed_from = materialize_newest(ck, args.output_dir, self.resume_from_memory)
@@ -302,12 +342,17 @@ class SnapckptCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
         self._check_args(args)
+        if self._off:
+            return
         try:
             self._check_best_order(args)  # a callback added after construction
         except ValueError:
             self.close(clean=True)  # a refusal to start, not a crash
             raise
         self._own_eval = False
+        if getattr(args, "deepspeed", None) and self._on_save_trainer() is None:
+            raise ValueError("under DeepSpeed SnapckptCallback saves through the Trainer's DeepSpeed engine and needs "
+                             "the Trainer: call callback.attach(trainer) after constructing it")
         P.check_supported(kwargs.get("model"))
         self._args, self._state = args, state
         self._open(args)
@@ -328,6 +373,8 @@ class SnapckptCallback(TrainerCallback):
     # ------------------------------------------------------------------------------ save points
     def on_step_end(self, args, state, control, **kwargs):
         self._state = state
+        if self._off:
+            return control
         self._own_eval = bool(control.should_evaluate)  # the Trainer evaluates right after this event
         self.checkpointer.poll()  # background failures surface here; commits trigger retention
         disk = bool(control.should_save)
@@ -340,6 +387,8 @@ class SnapckptCallback(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._state = state
+        if self._off:
+            return control
         self._own_eval = bool(control.should_evaluate)
         if control.should_save:  # save_strategy="epoch"
             control.should_save = False
@@ -442,11 +491,17 @@ class SnapckptCallback(TrainerCallback):
             if self._on_save_trainer() is not None:  # what on_save will see once this step is committed
                 self._saved_states[p.step] = (args, copy.deepcopy(state))
         files: Dict[str, Any] = {}
+        engine = D.engine_of(self._on_save_trainer())
+        if engine is not None:  # collective: DeepSpeed's save, captured, in place of optimizer.pt
+            files.update(D.checkpoint_files(engine, kwargs["model"], kwargs.get("lr_scheduler"),
+                                            is_zero=state.is_world_process_zero, max_shard_size=self.max_shard_size,
+                                            save_only_model=args.save_only_model))
         if state.is_world_process_zero:
-            files.update(F.model_files(kwargs["model"], self.max_shard_size))
-            if not args.save_only_model:
-                files.update(F.optimizer_file(kwargs.get("optimizer")))
-                files.update(F.scheduler_file(kwargs.get("lr_scheduler")))
+            if engine is None:
+                files.update(F.model_files(kwargs["model"], self.max_shard_size))
+                if not args.save_only_model:
+                    files.update(F.optimizer_file(kwargs.get("optimizer")))
+                    files.update(F.scheduler_file(kwargs.get("lr_scheduler")))
             files.update(self._static)
             if "TrainerControl" in state.stateful_callbacks:
                 rec = control.state()
@@ -456,6 +511,10 @@ class SnapckptCallback(TrainerCallback):
         if not args.save_only_model:
             files[F.rng_file_name(args.world_size, args.process_index)] = RawBytes(p.rng)
         self.checkpointer.save_files(files, p.step, p.tier, dirname=f"{PREFIX}-{p.step}", tracker_name=None)
+        if engine is not None:
+            # DeepSpeed steps the optimizer inside accelerator.backward, before on_pre_optimizer_step: the
+            # copy of an overlapped snapshot must be done before the next backward, so here
+            self.checkpointer.fence()
         self.stall_secs.append(time.perf_counter() - t0)
 
     def _set_best(self, args, state) -> None:

@@ -62,7 +62,8 @@ def torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") -> Dict[str, Any]:
+def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB",
+                state_dict: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
     """The model files ``Trainer._save`` writes through ``save_pretrained``: weights and configs.
 
     Args:
@@ -70,6 +71,9 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
             ``PeftModel.save_pretrained``: see :mod:`snapckpt.integrations.transformers.peft`); or any other
             ``nn.Module`` (then only ``model.safetensors`` of its ``state_dict()``, as the Trainer does).
         max_shard_size: shard threshold (bytes, or a string such as ``"5GB"``), as ``save_pretrained``.
+        state_dict: the weights to write instead of ``model.state_dict()`` (``save_pretrained(state_dict=)``:
+            the weights DeepSpeed ZeRO-3 gathers); ``{}``: the configs only (what the Trainer keeps of a
+            ZeRO-3 save without gathered weights).
 
     Returns:
         ``{file name: spec}``; tensors are the live ones (the snapshot copies them).
@@ -86,7 +90,9 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
     if transformers_peft.is_adapter_model(model):
         return transformers_peft.adapter_files(model)
     if not isinstance(model, PreTrainedModel):
-        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if state_dict is not None and not state_dict:
+            return {}
+        sd = {k: v.contiguous() for k, v in (model.state_dict() if state_dict is None else state_dict).items()}
         return {SAFE_WEIGHTS_NAME: safetensors_file(sd, metadata)}
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "_tp_size", None):
         raise NotImplementedError(
@@ -104,7 +110,9 @@ def model_files(model: torch.nn.Module, max_shard_size: "int | str" = "50GB") ->
         text = model.generation_config.to_json_string(use_diff=True, keys_to_pop=["compile_config"])
         files["generation_config.json"] = RawBytes(text.encode("utf-8"))
 
-    sd = dict(model.state_dict())
+    if state_dict is not None and not state_dict:
+        return files
+    sd = dict(model.state_dict() if state_dict is None else state_dict)
     ignore = getattr(model, "_keys_to_ignore_on_save", None) or []
     for k in ignore:
         sd.pop(k, None)

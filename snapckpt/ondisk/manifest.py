@@ -84,22 +84,27 @@ def validate_dirname(name: str) -> str:
 
 
 def validate_file_name(name: Any) -> str:
-    """Check the name of a file of a checkpoint (relative to its directory): one path component, or
-    ``.snapckpt/<component>`` for an integration's own sidecar files (which native loaders ignore). A
-    top-level name may be hidden, since native layouts use such names (torch DCP's ``.metadata``);
-    ``.``, ``..``, ``.snapckpt*`` and the sidecar's own records (``manifest.json``, ``part_*``, ``fail_*``)
-    are reserved; no ``/`` or ``\\`` inside a component, no control characters (NUL included).
+    """Check the name of a file of a checkpoint (relative to its directory): one path component, several
+    joined by ``/`` (a file in a sub-directory, as DeepSpeed's ``global_stepN/`` inside a Trainer's
+    ``checkpoint-N/``), or ``.snapckpt/<component>`` for an integration's own sidecar files (which native
+    loaders ignore). A component may be hidden, since native layouts use such names (torch DCP's
+    ``.metadata``); ``.``, ``..``, ``.snapckpt*`` and the sidecar's own records
+    (``manifest.json``, ``part_*``, ``fail_*``) are reserved; no ``\\``, no empty component (a leading,
+    doubled or trailing ``/``), no control characters (NUL included).
 
     Raises ``ValueError`` naming the problem; returns ``name``.
     """
     sidecar = isinstance(name, str) and name.startswith(SIDECAR + "/")
     rest = name[len(SIDECAR) + 1:] if sidecar else name
-    if (not isinstance(rest, str) or not rest or "/" in rest or "\\" in rest or rest in (".", "..")
-            or (sidecar and rest.startswith(".")) or (not sidecar and rest.startswith(SIDECAR))
+    parts = rest.split("/") if isinstance(rest, str) else [None]
+    if (not isinstance(rest, str) or not rest or "\\" in rest or any(p in ("", ".", "..") for p in parts)
+            or (sidecar and (len(parts) > 1 or rest.startswith(".")))
+            or (not sidecar and any(p.startswith(SIDECAR) for p in parts))
             or (sidecar and (rest == "manifest.json" or rest.startswith(("part_", "fail_"))))
             or any(ord(c) < 32 for c in rest)):
-        raise ValueError(f"file name {name!r} must be one path component other than '.', '..' and "
-                         f"'{SIDECAR}*' (or '{SIDECAR}/<name>' for a sidecar file)")
+        raise ValueError(f"file name {name!r} must be one path component, or several joined by '/' (a file "
+                         f"in a sub-directory), none of them '.', '..' or '{SIDECAR}*' (or "
+                         f"'{SIDECAR}/<name>' for a sidecar file)")
     return name
 
 

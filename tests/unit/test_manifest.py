@@ -123,12 +123,14 @@ def test_validate_dirname_refuses_paths_hidden_and_control_characters(name):
 
 
 @pytest.mark.parametrize("name", ["rank_00000.pt", ".metadata", "model.safetensors", "__0_0.distcp",
-                                  ".snapckpt/hf_extra.json", "a b:c"])
-def test_validate_file_name_accepts_one_component_and_sidecar_files(name):
+                                  ".snapckpt/hf_extra.json", "a b:c", "a/b",
+                                  "global_step5/zero_pp_rank_0_mp_rank_00_optim_states.pt", "a/.metadata"])
+def test_validate_file_name_accepts_relative_paths_and_sidecar_files(name):
     assert M.validate_file_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", None, 3, ".", "..", "../x.pt", "a/b", "/abs", "x\\y", "nul\x00", "cr\r",
+@pytest.mark.parametrize("name", ["", None, 3, ".", "..", "../x.pt", "a/../b", "a/./b", "a//b", "a/",
+                                  "a/.snapckpt", "a/.snapckpt/x", "/abs", "x\\y", "nul\x00", "cr\r",
                                   ".snapckpt", ".snapckpt2", ".snapckpt/manifest.json", ".snapckpt/part_00001.json",
                                   ".snapckpt/fail_00000.json", ".snapckpt/.hidden", ".snapckpt/a/b",
                                   ".snapckpt/", ".snapckpt/.."])

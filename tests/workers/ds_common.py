@@ -92,6 +92,39 @@ def full_params(engine):
     return out
 
 
+def same(a, b, path=""):
+    """First difference between two loaded checkpoint objects, or None."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{path}: tensor vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            return f"{path}: tensors differ ({a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)})"
+        return None
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{path}: keys differ {sorted(map(str, set(a) ^ set(b)))}"
+        for k in a:
+            d = same(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = same(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    if type(a).__module__ == "numpy" and type(a) is type(b):  # numpy's RNG state in rng_state_R.pth
+        return None if a.shape == b.shape and (a == b).all() else f"{path}: arrays differ"
+    if type(a).__module__.startswith("deepspeed") and type(a) is type(b):  # config objects, loss scalers
+        return same(vars(a), vars(b), path) if hasattr(a, "__dict__") else None
+    if a != b:
+        return f"{path}: {a!r} != {b!r}"
+    return None
+
+
 def model_file(stage: int, rank: int = 0) -> str:
     """DeepSpeed's model-states file name of ``rank`` (ZeRO-3 writes one per rank)."""
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"

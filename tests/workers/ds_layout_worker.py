@@ -25,37 +25,6 @@ from snapckpt.deepspeed import DeepSpeedCheckpointer, StorageType
 TAG2 = "tag with space:ü"
 
 
-def same(a, b, path=""):
-    """First difference between two loaded checkpoint objects, or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{path}: tensor vs {type(b).__name__}"
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            return f"{path}: tensors differ ({a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)})"
-        return None
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{path}: keys differ {sorted(map(str, set(a) ^ set(b)))}"
-        for k in a:
-            d = same(a[k], b[k], f"{path}.{k}")
-            if d:
-                return d
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{path}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            d = same(x, y, f"{path}[{i}]")
-            if d:
-                return d
-        return None
-    if type(a).__module__.startswith("deepspeed") and type(a) is type(b):  # config objects, loss scalers
-        return same(vars(a), vars(b), path) if hasattr(a, "__dict__") else None
-    if a != b:
-        return f"{path}: {a!r} != {b!r}"
-    return None
-
-
 def tree(root):
     """Files below ``root`` without snapckpt's own ``.snapckpt`` sidecars."""
     out = []
@@ -100,7 +69,7 @@ def run(root, cfg):
                 if rel.endswith(".pt"):
                     a = torch.load(os.path.join(native, rel), weights_only=False)
                     b = torch.load(os.path.join(snap, rel), weights_only=False)
-                    d = same(a, b, rel)
+                    d = ds_common.same(a, b, rel)
                     if d:
                         diffs.append(d)
                 elif rel != "latest":
@@ -157,7 +126,7 @@ def run(root, cfg):
         a = get_fp32_state_dict_from_zero_checkpoint(native, tag="global_step2")
         b = get_fp32_state_dict_from_zero_checkpoint(snap, tag="global_step2")
         print("RESULT " + json.dumps({"cfg": cfg, "check": "zero_to_fp32", "keys": sorted(b),
-                                      "diff": same(dict(a), dict(b))}), flush=True)
+                                      "diff": ds_common.same(dict(a), dict(b))}), flush=True)
     dist.barrier()
 
 
