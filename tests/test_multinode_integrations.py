@@ -11,6 +11,7 @@ tests/test_multinode.py::test_G8_node_lost_and_replaced_resumes_from_peer_replic
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -34,8 +35,10 @@ def _losses(out: str, tag: str):
 
 @pytest.mark.parametrize("framework", list(DISK_DIR))
 def test_G8_integration_node_lost_and_replaced_resumes_from_peer_replica(rig, framework):
-    import json
-
+    """G8 through ``framework``'s own save and load calls: both ranks pause after the memory snapshot of step
+    3 (disk holds step 2); node 1 is lost whole once node 0 holds rank 1's replica, node 0's trainers are
+    killed, a fresh node1 joins; the restart resumes both ranks from memory at step 3, rank 1's part fetched
+    from node 0's replica, and the losses of steps 4-5 are bitwise those of the uninterrupted reference."""
     rig.start(2)
     rig.leftover_ok = True  # node 0's persister of the first run serves the restart; the rig kills it
     runs = rig.torchrun_all(WORKER, [framework, rig.ckpt_dir, "--pause"], 1)
