@@ -38,7 +38,8 @@ def test_G8_integration_node_lost_and_replaced_resumes_from_peer_replica(rig, fr
     """G8 through ``framework``'s own save and load calls: both ranks pause after the memory snapshot of step
     3 (disk holds step 2); node 1 is lost whole once node 0 holds rank 1's replica, node 0's trainers are
     killed, a fresh node1 joins; the restart resumes both ranks from memory at step 3, rank 1's part fetched
-    from node 0's replica, and the losses of steps 4-5 are bitwise those of the uninterrupted reference."""
+    from node 0's replica (the Trainer and Accelerate write it out as its folder, then load that natively),
+    and the losses of steps 4-5 are bitwise those of the uninterrupted reference."""
     rig.start(2)
     rig.leftover_ok = True  # node 0's persister of the first run serves the restart; the rig kills it
     runs = rig.torchrun_all(WORKER, [framework, rig.ckpt_dir, "--pause"], 1)
@@ -62,6 +63,9 @@ def test_G8_integration_node_lost_and_replaced_resumes_from_peer_replica(rig, fr
     got = sorted((json.loads(line) for o in outs for line in _lines(o, "RESUMED")), key=lambda x: x["rank"])
     assert [(r["rank"], r["step"], r["tier"], r["fetched_from"]) for r in got] == [
         (0, PAUSE, "memory", None), (1, PAUSE, "memory", "node 0 (replica)")], outs
+    if framework in ("trainer", "accelerate"):  # their resume writes the memory snapshot out as its folder
+        manifest = os.path.join(rig.ckpt_dir, DISK_DIR[framework].format(PAUSE), ".snapckpt", "manifest.json")
+        assert os.path.exists(manifest), os.listdir(rig.ckpt_dir)
     for rank in (0, 1):
         ref = _losses(first[rank], "REF")
         assert sorted(ref) == list(range(1, STEPS + 1)), first[rank]
