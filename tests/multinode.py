@@ -20,6 +20,7 @@ Needs root (``unshare --mount`` and ``nsenter``), as CI runs. Use the ``rig`` fi
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -193,6 +194,14 @@ class Node:
         out = []
         for r, _, files in os.walk(root):
             out += [os.path.join(r, f)[len(self.path("")):] for f in files]
+        return out
+
+    def persister_log(self) -> str:
+        """The text of the node's persister logs (under its private runtime directory)."""
+        out = ""
+        for path in glob.glob(self.path(f"{self.rig.runtime_dir}/snapckpt-*/*/persister.log")):
+            with open(path, errors="replace") as f:
+                out += f.read()
         return out
 
     @property

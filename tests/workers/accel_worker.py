@@ -17,8 +17,9 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 
-def main():
-    cfg = json.loads(sys.argv[1])
+def setup():
+    """A fresh ``Accelerator(cpu=True)`` (seed 0) and its prepared model, optimizer, loader and scheduler:
+    the same initial state on every call (also several in one process)."""
     set_seed(0)
     acc = Accelerator(cpu=True)
     g = torch.Generator().manual_seed(1)
@@ -30,6 +31,12 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    return acc, model, opt, loader, sched
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    acc, model, opt, loader, sched = setup()
     ck = None
     start, resumed = 0, None
     if cfg["mode"] == "snap":

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-__all__ = ["install", "tiny_gpt", "init_parallel", "cuda_tensors_on_cpu"]
+__all__ = ["install", "tiny_gpt", "init_parallel", "seed_all", "cuda_tensors_on_cpu"]
 
 _FAKE_CUDA_GEN = torch.Generator()
 _installed = False
@@ -89,16 +89,23 @@ def install(force: bool = False) -> bool:
 def init_parallel(tp: int, seed: int = 1234) -> None:
     """``initialize_model_parallel(tp)`` (data parallel over the rest) and Megatron-LM's seeding (python,
     numpy, torch, then the model-parallel CUDA generators), so data-parallel replicas start equal."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    seed_all(seed)
+
+
+def seed_all(seed: int = 1234) -> None:
+    """Megatron-LM's seeding: python, numpy, torch, then the model-parallel CUDA generators (the RNG
+    tracker is reset), as after :func:`init_parallel`; after ``initialize_model_parallel``."""
     import random
 
     import numpy as np
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
