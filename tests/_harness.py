@@ -6,6 +6,7 @@ the ``SNAPCKPT_RUNTIME_DIR`` / ``SNAPCKPT_SHM_DIR`` knobs, so tests never collid
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,10 +23,21 @@ WORKERS = os.path.join(REPO, "tests", "workers")
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range (32768-60999 here).
+
+    A port the kernel handed out for ``bind(0)`` can be handed out again to any socket bound to port 0
+    before the launcher binds it: the persisters' peer channels listen on such ports, and a torchrun
+    agent whose master port was taken so connected to another test's peer channel and waited forever
+    (both nodes silent, CI under ``-n 3``). Ports below the range are never chosen by the kernel."""
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-32767 on 127.0.0.1")
 
 
 def persisters(runtime_root: str) -> List[psutil.Process]:

@@ -360,8 +360,9 @@ ODD_TAGS = ["run 1: [a]-é", "with space", "colon:s", "(paren) {brace} [bracket]
 def test_security_odd_tags_round_trip_and_escapes_refused(snap_env):
     """Tags with spaces, colons, brackets and non-ASCII save, commit, are named by the tracker and load
     back, from memory and (after a restart) from disk. Refused before anything is written: a dirname or
-    tracker name with '..', '/' or NUL, and file names that are absolute, contain '/', '..' or NUL or take
-    snapckpt's own record names; nothing appears outside the checkpoint directory (itself named with
+    tracker name with '..', '/' or NUL, and file names that are absolute, contain '..', '\\', an empty
+    component or NUL or take snapckpt's own record names (a file in a sub-directory is allowed and lands
+    inside); nothing appears outside the checkpoint directory (itself named with
     spaces, a colon, brackets and non-ASCII)."""
     d = os.path.join(snap_env.tmp, "ckpt dir: [ü] (1)")
     parent = os.path.dirname(d)
@@ -373,12 +374,16 @@ def test_security_odd_tags_round_trip_and_escapes_refused(snap_env):
             with pytest.raises(ValueError):
                 ck.save_files({"rank_00000.pt": {"w": torch.ones(3)}}, 4, StorageType.DISK,
                                **{"tracker_name": "latest", "tracker_content": "x", **kw})
-        for name in ("../x.pt", "/etc/x.pt", "a/b.pt", "nul\x00.pt", ".snapckpt/manifest.json",
-                     ".snapckpt/part_00000.json", ".snapckpt", "..", ".snapckpt/../../x"):
+        for name in ("../x.pt", "/etc/x.pt", "a/../../b.pt", "a//b.pt", "a/", "a\\b.pt", "nul\x00.pt",
+                     "a/.snapckpt/x", ".snapckpt/manifest.json", ".snapckpt/part_00000.json", ".snapckpt", "..",
+                     ".snapckpt/../../x"):
             with pytest.raises(ValueError):
                 ck.save_files({name: {"w": torch.ones(3)}}, 4, StorageType.DISK, dirname="ok",
                                tracker_name=None)
         assert set(os.listdir(parent)) == before and not os.path.exists(os.path.join(d, "ok"))
+        # a file in a sub-directory of the checkpoint (DeepSpeed's global_stepN/ in a Trainer folder) stays inside
+        ck.save_files({"sub/b.pt": {"w": torch.ones(3)}}, 5, StorageType.DISK, dirname="ok", tracker_name=None).wait()
+        assert os.path.isfile(os.path.join(d, "ok", "sub", "b.pt")) and set(os.listdir(parent)) == before
         for i, tag in enumerate(ODD_TAGS):
             ck.save_files({"rank_00000.pt": {"w": torch.full((5,), float(i))}}, 10 + i, StorageType.DISK,
                            dirname=tag, tracker_name="latest", tracker_content=tag).wait()
