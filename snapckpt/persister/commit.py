@@ -39,7 +39,7 @@ from snapckpt.persister.client import job_of_run
 from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
-__all__ = ["CommitRequest", "commit", "watch_commit", "recover_interrupted_commits", "collect_parts",
+__all__ = ["CommitRequest", "commit", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
            "raise_local_failure", "POLL_SECS"]
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,40 @@ def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> 
         "step again there, delete or rename that step's directory first.)")
 
 
+def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optional[str] = None,
+                   poll_secs: float = POLL_SECS) -> Dict[int, Dict[str, Any]]:
+    """Poll every ``poll_secs`` seconds until every rank's part marker of ``req`` is there (``in_dir``: see
+    :func:`collect_parts`); return ``{rank: files}``.
+
+    Raises:
+        CommitTimeoutError: ranks missing at the deadline (named in the message).
+        PeerLostError: a missing part can never come (``req.peer_check``).
+        CommitError: a rank failed (its failure marker, or this node's record), or a rank outside the world
+            size wrote a part.
+    """
+    deadline = time.monotonic() + req.timeout_secs
+    unreadable: Dict[str, str] = {}
+    while True:
+        raise_local_failure(req)
+        parts = collect_parts(reader, req, unreadable, in_dir=in_dir)
+        unexpected = sorted(r for r in parts if r >= req.world_size)
+        if unexpected:
+            raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
+                              f"{req.world_size}: more processes wrote than expected")
+        missing = sorted(set(range(req.world_size)) - set(parts))
+        if not missing:
+            return parts
+        if req.peer_check is not None:
+            req.peer_check(req.step, req.dirname, missing, ())
+        if time.monotonic() > deadline:
+            where = f" to {in_dir}" if in_dir else ""
+            raise CommitTimeoutError(
+                f"step {req.step}: ranks {missing} did not write their part{where} within "
+                f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same "
+                "step; or those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
+        time.sleep(poll_secs)
+
+
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
            remove_partial_on_failure: bool = True, defer_deletion: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the commit sequence for one step; return the manifest.
@@ -201,26 +235,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         OSError: the filesystem failed while committing.
     """
     try:
-        deadline = time.monotonic() + req.timeout_secs
-        unreadable: Dict[str, str] = {}
-        while True:
-            raise_local_failure(req)
-            parts = collect_parts(reader, req, unreadable)
-            unexpected = sorted(r for r in parts if r >= req.world_size)
-            if unexpected:
-                raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
-                                  f"{req.world_size}: more processes wrote than expected")
-            missing = sorted(set(range(req.world_size)) - set(parts))
-            if not missing:
-                break
-            if req.peer_check is not None:
-                req.peer_check(req.step, req.dirname, missing, ())
-            if time.monotonic() > deadline:
-                raise CommitTimeoutError(
-                    f"step {req.step}: ranks {missing} did not write their part within "
-                    f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same "
-                    "step; or those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
-            time.sleep(POLL_SECS)
+        parts = wait_for_parts(reader, req)
         manifest = build_manifest(step=req.step, dirname=req.dirname, world_size=req.world_size,
                                   requested_unix=req.requested_unix,
                                   run_id=req.run_id, parts=parts)

@@ -27,11 +27,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from snapckpt._internal import faultpoints as faults
-from snapckpt.errors import CommitError, CommitTimeoutError
+from snapckpt.errors import CommitError
 from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, ChecksumWriter, build_manifest, part_marker_name, \
     validate_file_name
 from snapckpt.storage.remote import RemoteStore, is_remote_url
@@ -137,29 +136,9 @@ def commit_remote(store: RemoteStore, req) -> Dict[str, Any]:
             wrong size in the store.
         OSError / the store's errors: the store failed while committing (nothing committed).
     """
-    from snapckpt.persister.commit import collect_parts, raise_local_failure
+    from snapckpt.persister.commit import wait_for_parts
 
-    deadline = time.monotonic() + req.timeout_secs
-    prefix = f"{store.url}/{req.dirname}"
-    unreadable: Dict[str, str] = {}
-    while True:
-        raise_local_failure(req)
-        parts = collect_parts(store, req, unreadable, in_dir=prefix)
-        unexpected = sorted(r for r in parts if r >= req.world_size)
-        if unexpected:
-            raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
-                              f"{req.world_size}: more processes wrote than expected")
-        missing = sorted(set(range(req.world_size)) - set(parts))
-        if not missing:
-            break
-        if req.peer_check is not None:
-            req.peer_check(req.step, req.dirname, missing, ())
-        if time.monotonic() > deadline:
-            raise CommitTimeoutError(
-                f"step {req.step}: ranks {missing} did not write their part to {prefix} within "
-                f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same step; or "
-                "those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
-        time.sleep(POLL_SECS)
+    parts = wait_for_parts(store, req, in_dir=f"{store.url}/{req.dirname}", poll_secs=POLL_SECS)  # a LIST each
     manifest = build_manifest(step=req.step, dirname=req.dirname, world_size=req.world_size,
                               requested_unix=req.requested_unix, run_id=req.run_id, parts=parts)
     if req.tracker_name:
@@ -181,7 +160,8 @@ def commit_remote(store: RemoteStore, req) -> Dict[str, Any]:
             write_tracker()
         else:
             req.tracker_gate(write_tracker)
-    log.info("committed step %d as %s (%d files, remote-only)", req.step, prefix, len(manifest["files"]))
+    log.info("committed step %d as %s (%d files, remote-only)", req.step, store.display(req.dirname),
+             len(manifest["files"]))
     try:
         store.apply_retention(req.keep_last, protect=[req.dirname])
     except Exception as e:  # retention never fails a commit that already happened

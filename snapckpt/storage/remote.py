@@ -38,7 +38,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from snapckpt.storage.posix import PosixStorage
 from snapckpt.storage.urls import is_remote_url
@@ -402,6 +402,18 @@ class RemoteStore:
         if not self.fs.exists(self._path(dirname, MANIFEST)):
             self._rm_tree(self._path(dirname))
 
+    def _expected(self, dirname: str, name: str, rec: Dict[str, Any]) -> Tuple[str, str, str]:
+        """``(display name, checksum algorithm, expected digest)`` of a data object from its manifest record.
+
+        Raises:
+            CheckpointCorruptError: the record holds no checksum snapckpt knows.
+        """
+        where = self.display(dirname, name)
+        known = record_checksum(rec)
+        if known is None:
+            raise CheckpointCorruptError(f"{where}: its manifest record holds no known checksum")
+        return (where, *known)
+
     def read_verified(self, dirname: str, name: str, rec: Dict[str, Any], *, parallel: int = PART_CONCURRENCY
                       ) -> bytearray:
         """The data object ``<url>/<dirname>/<name>`` read into memory by ``parallel`` ranged GETs of
@@ -413,11 +425,7 @@ class RemoteStore:
         Raises:
             CheckpointCorruptError: the object is missing, of another size, or fails its checksum.
         """
-        known = record_checksum(rec)
-        where = self.display(dirname, name)
-        if known is None:
-            raise CheckpointCorruptError(f"{where}: its manifest record holds no known checksum")
-        algo, want = known
+        where, algo, want = self._expected(dirname, name, rec)
         nbytes = int(rec["nbytes"])
         path = self._path(dirname, name)
         try:
@@ -455,11 +463,7 @@ class RemoteStore:
         Raises:
             CheckpointCorruptError: the object is missing, of another size, or fails its checksum.
         """
-        known = record_checksum(rec)
-        where = self.display(dirname, name)
-        if known is None:
-            raise CheckpointCorruptError(f"{where}: its manifest record holds no known checksum")
-        algo, want = known
+        where, algo, want = self._expected(dirname, name, rec)
         h, n = CHECKSUMS[algo](), 0
         try:
             with self.fs.open(self._path(dirname, name), "rb", block_size=self.block_nbytes) as src:
