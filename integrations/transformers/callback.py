@@ -74,7 +74,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import numpy as np
 from transformers import TrainerCallback
@@ -175,6 +175,7 @@ class SnapckptCallback(TrainerCallback):
         self._trainer: Any = None  # attach(): on_save and metrics through Trainer.log
         self._found: Any = None  # the Trainer found at construction: on_save only
         self._saved_states: Dict[int, Any] = {}  # step -> (args, TrainerState at that step), for on_save
+        self._committed_steps: Set[int] = set()  # committed, its on_save waiting for an older step's commit
         self._logging = False  # inside our own Trainer.log call
         self._firing = False  # inside our own CallbackHandler.on_save call
         self._own_eval = False  # the next on_evaluate is the Trainer's evaluation of its training loop
@@ -510,7 +511,11 @@ class SnapckptCallback(TrainerCallback):
             files[F.TRAINER_STATE_NAME] = RawBytes(F.trainer_state_bytes(state, drop_last_log))
         if not args.save_only_model:
             files[F.rng_file_name(args.world_size, args.process_index)] = RawBytes(p.rng)
-        self.checkpointer.save_files(files, p.step, p.tier, dirname=f"{PREFIX}-{p.step}", tracker_name=None)
+        try:
+            self.checkpointer.save_files(files, p.step, p.tier, dirname=f"{PREFIX}-{p.step}", tracker_name=None)
+        except BaseException:
+            self._saved_states.pop(p.step, None)  # never committed: must not hold back later steps' on_save
+            raise
         if engine is not None:
             # DeepSpeed steps the optimizer inside accelerator.backward, before on_pre_optimizer_step: the
             # copy of an overlapped snapshot must be done before the next backward, so here
@@ -534,15 +539,23 @@ class SnapckptCallback(TrainerCallback):
             self._unlogged.append(m)
         if event.kind == "committed" and event.tier == StorageType.DISK:
             self._rotate()
-            self._fire_on_save(event.step)
-        elif event.kind == "failed":
+            self._committed_steps.add(event.step)
+        elif event.kind == "failed" or (event.kind == "skipped" and event.tier == StorageType.DISK):
             self._saved_states.pop(event.step, None)
+        else:
+            return
+        # the Trainer fires on_save in step order; commits of several saves may finish out of order
+        while self._saved_states and min(self._saved_states) in self._committed_steps:
+            step = min(self._saved_states)
+            self._committed_steps.discard(step)
+            self._fire_on_save(step, self._saved_states.pop(step))
+        self._committed_steps = {s for s in self._committed_steps if s in self._saved_states}
 
-    def _fire_on_save(self, step: int) -> None:
-        """The Trainer's ``on_save`` for the committed step ``step`` (after :meth:`attach`)."""
-        saved = self._saved_states.pop(step, None)
+    def _fire_on_save(self, step: int, saved: Any) -> None:
+        """The Trainer's ``on_save`` for the committed step ``step``, with the ``(args, state)`` of that step
+        (after :meth:`attach`)."""
         trainer = self._on_save_trainer()
-        if trainer is None or saved is None:
+        if trainer is None:
             return
         args, state = saved
         control = trainer.control
