@@ -620,7 +620,9 @@ def test_B5_stopped_persister_times_out_and_nothing_is_marked_complete(snap_env,
     """B5: a slow persister is SIGSTOPped right after ``save(step 2)`` returned. Right: ``wait()`` ends
     with PersisterTimeoutError within the bound (request_timeout_secs=2), and so does the next ``save``
     (it cannot reconnect); meanwhile step 2 has no manifest and the tracker still names step 1. After
-    SIGCONT the job goes on: a new save commits and loads."""
+    SIGCONT, once the persister has read the connections the rank gave up (each ends with ``abandon``),
+    it has not taken the live rank for dead, and the job goes on: a new save commits and loads (CI under
+    load failed that save with PeerLostError when the ends of the given-up streams counted as a crash)."""
     d = snap_env.ckpt_dir
     monkeypatch.setenv(DELAY, "0.02")
     ck = Checkpointer(d, **{**OPTS, "request_timeout_secs": 2})
@@ -638,6 +640,9 @@ def test_B5_stopped_persister_times_out_and_nothing_is_marked_complete(snap_env,
         assert tracker(d) == "step_00000001" and 2 not in manifest_steps(d)
         assert not os.path.exists(step_dir(d, 2))
         os.kill(pid, signal.SIGCONT)
+        assert wait_until(lambda: persister_log(snap_env, d).count("gave up a request that timed out") == 2,
+                          timeout=30), persister_log(snap_env, d)
+        assert "disconnected without close()" not in persister_log(snap_env, d)
         bounded(lambda: ck.save(make_state(3, 0), 3).wait())
         assert tracker(d) == "step_00000003"
         assert_equal_state(ck.load(), 3)

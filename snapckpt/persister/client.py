@@ -230,7 +230,7 @@ class PersisterClient:
             self.sock.sendall(P.encode({"op": op, **fields}))
             line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
         except socket.timeout as e:
-            self.close()
+            self._abandon()
             raise PersisterTimeoutError(
                 f"the snapckpt persister (pid {self.persister_pid}) did not answer {op!r} within "
                 f"{self.request_timeout_secs:g} s; it may be hung (log: {self.log_path})") from e
@@ -250,6 +250,16 @@ class PersisterClient:
         if not reply.get("ok"):
             raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, op {op}")
         return reply
+
+    def _abandon(self) -> None:
+        """Give up this connection after a request timed out: queue an ``abandon`` behind the unanswered
+        request (no reply awaited) and close. The persister reads it before the end of the stream, so a
+        hung persister that recovers does not take this live process for a dead rank."""
+        try:
+            self.sock.send(P.encode({"op": "abandon"}), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        self.close()
 
     def close(self, bye: bool = False) -> None:
         """Close the connection; with ``bye`` tell the persister it is a clean close."""

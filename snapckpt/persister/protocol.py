@@ -51,6 +51,9 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "fetch": {"step": _INT, "run_id": _STR, "addr": _STR, "port": _INT},
     "ping": {},
     "bye": {},
+    # sent (unanswered) by a client that gives up on a request that timed out, just before it closes the
+    # connection: its process lives on and reconnects, so the close is neither a clean end nor a crash
+    "abandon": {},
     # Operator requests (``snapckpt ps`` / ``snapckpt stop``), each alone on its own connection instead of
     # after a hello, authenticated the same way: the job key and the secret token of the runtime directory.
     "info": {"token": _STR, "job": _STR},

@@ -44,7 +44,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from snapckpt.errors import PersisterError, SlotBusyError
 from snapckpt.ondisk.manifest import validate_dirname
@@ -323,6 +323,8 @@ class Server:
             line, _, rest = bytes(buf).partition(b"\n")
             buf[:] = rest
             bye = self._handle_line(conn, line)
+            if bye == "abandoned":
+                return
             if bye:
                 self._disconnect(conn, clean=True)
                 return
@@ -335,10 +337,10 @@ class Server:
         except OSError:
             pass
 
-    def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
+    def _handle_line(self, conn: socket.socket, line: bytes) -> Union[bool, str]:
         """Answer one request line; return whether to close the connection (``bye``, or any failed request
         of a connection that has not said a valid ``hello`` yet: an intruder gets one error, not a stream
-        of them that it might never read)."""
+        of them that it might never read), or ``"abandoned"`` when ``abandon`` already closed it."""
         rank = self.conn_rank.get(conn)
         try:
             msg = P.decode(line)
@@ -355,6 +357,12 @@ class Server:
             if op == "bye":
                 self._send(conn, P.ok())
                 return True
+            if op == "abandon":  # no reply: the client has stopped reading
+                log.warning("rank %d (pid %s) gave up a request that timed out and closed its connection; "
+                            "waiting up to %g s for it to reconnect", rank, self.conn_pid.get(conn),
+                            self.idle_timeout_secs)
+                self._disconnect(conn, clean=True, abandoned=True)
+                return "abandoned"
             if op == "fetch":  # seconds of network I/O: on a thread of its own, it answers when done
                 threading.Thread(target=self._fetch, args=(conn, rank, msg), name="snapckpt-fetch",
                                  daemon=True).start()
@@ -373,7 +381,11 @@ class Server:
             return True
         return False
 
-    def _disconnect(self, conn: socket.socket, clean: bool) -> None:
+    def _disconnect(self, conn: socket.socket, clean: bool, abandoned: bool = False) -> None:
+        """Forget ``conn``. ``clean``: the rank said ``bye`` (or is replaced by a new connection of its own
+        process); otherwise its process is taken for dead (a crash). ``abandoned``: the rank's live process
+        gave up the connection after a timeout; not a crash, and not a clean end either: the persister keeps
+        its snapshots and waits up to its idle timeout for the rank to reconnect."""
         try:
             self.sel.unregister(conn)
         except (KeyError, ValueError):
@@ -391,6 +403,8 @@ class Server:
                 self.slots.drop_writes(entry)
                 if run is not None:
                     run.connected.discard(rank)
+                    if abandoned:
+                        self.crashed_since_empty = True  # keep serving (and the snapshots) for the idle timeout
                     if not clean:
                         run.crashed = True
                         self.crashed_since_empty = True
