@@ -7,7 +7,9 @@ over other paths (a checkpoint directory that is node-local by mistake, case G7)
 node through ``nsenter --target <holder> --uts --mount``; the network namespace stays shared, so every
 node reaches the rendezvous on 127.0.0.1 (nodes with their own addresses, network namespaces and veth
 pairs, are not built yet). Every process of a node is found by its mount namespace,
-whoever started it (torchrun, its workers, the persister the first rank spawned).
+whoever started it (torchrun, its workers, the persister the first rank spawned), while that namespace lives:
+once a node is lost or closed its namespace's inode may be reused by another test's node, so a gone node
+finds no process (a teardown that scanned by a stale inode killed a concurrent test's torchrun in CI).
 
 * :meth:`Rig.lose_node` kills every process of the node with SIGKILL (trainers, agent, persister, holder);
   with its last process its mount namespace and its tmpfs mounts disappear: a lost node.
@@ -116,6 +118,7 @@ class Node:
             raise RuntimeError(f"{self.name}: the namespace holder did not start: {line}{rest}")
         self.holder.stdout.close()
         self.mnt_ns = _mnt_ns(self.holder.pid)
+        self.gone = False  # set once no process is left in the namespace (lost or closed)
         assert self.mnt_ns and self.mnt_ns != _mnt_ns(os.getpid()), f"{self.name}: no private mount namespace"
 
     # -- inside the node -------------------------------------------------------------------------
@@ -170,6 +173,8 @@ class Node:
         Namespaces are read from ``/proc`` and psutil is asked about the matches only (tests poll this while
         they wait; a ``psutil.process_iter`` over every process cost about 10x the CPU)."""
         out = []
+        if self.gone:  # its namespace is freed: the kernel may give its inode to another test's node
+            return out
         for name in os.listdir("/proc"):
             if not name.isdigit() or _mnt_ns(int(name)) != self.mnt_ns:
                 continue
@@ -315,6 +320,7 @@ class Rig:
             wait_until(lambda: not node.pids(), 5)
         assert not node.pids(), f"{node.name}: processes survived the node loss: {node.pids()}"
         node._reap()
+        node.gone = True
 
     def replace_node(self, i: int, private_paths: Sequence[str] = ()) -> Node:
         """Start a fresh node under the name ``node<i>`` (the old one must be lost first)."""
@@ -339,6 +345,7 @@ class Rig:
                     node.kill(pids)
                     wait_until(lambda: not node.pids(), 5)
             node._reap()
+            node.gone = not node.pids()
         shutil.rmtree(self.base, ignore_errors=True)
         return leftover
 
