@@ -11,12 +11,12 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from snapckpt._internal.progress import byte_bar
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, record_checksum
 
-__all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir", "human_bytes", "print_json"]
+__all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir", "human_bytes", "print_json", "report_verified"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -87,3 +87,40 @@ def checkpoint_dir(parser: argparse.ArgumentParser, d: str) -> str:
         parser.error(f"{d} is one checkpoint, not a checkpoint directory: pass its parent "
                      f"{os.path.dirname(os.path.abspath(d))}")
     return d
+
+
+def report_verified(target: str, as_json: bool, unreadable: List[str], committed: List[Any],
+                    problems_of: Callable[[Any], List[str]]) -> int:
+    """Check and print ``snapckpt verify``'s result (local directory or URL alike); return its exit code.
+
+    Args:
+        target: the directory or URL as the user gave it.
+        unreadable: checkpoints whose manifest cannot be used (each reported as damaged).
+        committed: the committed checkpoints to check (``.dirname``, ``.step``, ``.manifest``).
+        problems_of: checks one checkpoint's files; returns its problems (empty: intact).
+
+    Returns:
+        1 when any checkpoint is damaged, else 0.
+    """
+    results = [{"name": p, "step": None, "state": "damaged", "files": 0, "bytes": 0, "problems": [p]}
+               for p in unreadable]
+    if not as_json:
+        for p in unreadable:
+            print(f"DAMAGED  {p}")
+    for c in committed:
+        problems = problems_of(c)
+        files = c.manifest["files"]
+        nbytes = sum(r["nbytes"] for r in files.values() if isinstance(r, dict) and isinstance(r.get("nbytes"), int))
+        results.append({"name": c.dirname, "step": c.step, "state": "damaged" if problems else "intact",
+                        "files": len(files), "bytes": nbytes, "problems": problems})
+        if not as_json:
+            verdict = "DAMAGED" if problems else "OK"
+            print(f"{verdict:<8} step {c.step}  {c.dirname}  ({len(files)} file(s), {human_bytes(nbytes)})")
+            for p in problems:
+                print(f"    {p}")
+    damaged = sum(r["state"] == "damaged" for r in results)
+    if as_json:
+        print_json({"dir": target, "checkpoints": results, "intact": len(results) - damaged, "damaged": damaged})
+    else:
+        print(f"{len(results)} checkpoint(s): {len(results) - damaged} intact, {damaged} damaged")
+    return 1 if damaged else 0

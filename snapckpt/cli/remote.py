@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any, Dict, List
 
-from snapckpt.cli.common import bad_records, human_bytes, print_json, table
+from snapckpt.cli.common import bad_records, human_bytes, print_json, report_verified, table
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, parse_manifest
@@ -119,33 +119,16 @@ def verify_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f"no committed checkpoint of step {args.step} under {args.dir}")
     elif not committed and not problems_all:
         parser.error(f"no committed checkpoint under {args.dir} (see `snapckpt ls {args.dir}`)")
-    as_json = getattr(args, "json", False)
-    results = [{"name": p, "step": None, "state": "damaged", "files": 0, "bytes": 0, "problems": [p]}
-               for p in problems_all]
-    if not as_json:
-        for p in problems_all:
-            print(f"DAMAGED  {p}")
-    for c in committed:
-        files = c.manifest["files"]
+
+    def problems_of(c) -> List[str]:
         problems = []
-        for name, rec in sorted(files.items()):
+        for name, rec in sorted(c.manifest["files"].items()):
             try:
                 store.verify_object(c.dirname, name, rec)
             except CheckpointCorruptError as e:
                 problems.append(str(e))
             except OSError as e:
                 problems.append(f"{store.display(c.dirname, name)} cannot be read: {type(e).__name__}: {e}")
-        nbytes = sum(int(r["nbytes"]) for r in files.values())
-        results.append({"name": c.dirname, "step": c.step, "state": "damaged" if problems else "intact",
-                        "files": len(files), "bytes": nbytes, "problems": problems})
-        if not as_json:
-            verdict = "DAMAGED" if problems else "OK"
-            print(f"{verdict:<8} step {c.step}  {c.dirname}  ({len(files)} file(s), {human_bytes(nbytes)})")
-            for p in problems:
-                print(f"    {p}")
-    damaged = sum(r["state"] == "damaged" for r in results)
-    if as_json:
-        print_json({"dir": args.dir, "checkpoints": results, "intact": len(results) - damaged, "damaged": damaged})
-    else:
-        print(f"{len(results)} checkpoint(s): {len(results) - damaged} intact, {damaged} damaged")
-    return 1 if damaged else 0
+        return problems
+
+    return report_verified(args.dir, getattr(args, "json", False), problems_all, committed, problems_of)

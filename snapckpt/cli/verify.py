@@ -17,7 +17,7 @@ import argparse
 import os
 from typing import List
 
-from snapckpt.cli.common import bad_records, bar, checkpoint_dir, human_bytes, print_json
+from snapckpt.cli.common import bad_records, bar, checkpoint_dir, report_verified
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN
 from snapckpt.ondisk.manifest import check_checksums, list_committed
@@ -73,28 +73,5 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         chosen = committed
         if not chosen and not bad_manifests:
             parser.error(f"no committed checkpoint in {d} (see `snapckpt ls {d}`)")
-    as_json = getattr(args, "json", False)
-    damaged = len(bad_manifests)
-    results = [{"name": p, "step": None, "state": "damaged", "files": 0, "bytes": 0, "problems": [p]}
-               for p in bad_manifests]
-    if not as_json:
-        for p in bad_manifests:
-            print(f"DAMAGED  {p}")
-    for c in chosen:
-        problems = _verify_one(args, reader, c)
-        files = c.manifest["files"]
-        nbytes = sum(r["nbytes"] for r in files.values() if isinstance(r, dict) and isinstance(r.get("nbytes"), int))
-        results.append({"name": c.dirname, "step": c.step, "state": "damaged" if problems else "intact",
-                        "files": len(files), "bytes": nbytes, "problems": problems})
-        damaged += bool(problems)
-        if not as_json:
-            verdict = "DAMAGED" if problems else "OK"
-            print(f"{verdict:<8} step {c.step}  {c.dirname}  ({len(files)} file(s), {human_bytes(nbytes)})")
-            for p in problems:
-                print(f"    {p}")
-    total = len(chosen) + len(bad_manifests)
-    if as_json:
-        print_json({"dir": args.dir, "checkpoints": results, "intact": total - damaged, "damaged": damaged})
-    else:
-        print(f"{total} checkpoint(s): {total - damaged} intact, {damaged} damaged")
-    return 1 if damaged else 0
+    return report_verified(args.dir, getattr(args, "json", False), bad_manifests, chosen,
+                           lambda c: _verify_one(args, reader, c))
