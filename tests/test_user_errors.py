@@ -5,6 +5,8 @@ directory, a rewound run and retention, paths the persister cannot use.
 """
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,6 +88,25 @@ def test_two_jobs_in_one_dir_never_overwrite_each_other(snap_env):
             b.save({"w": torch.full((4,), 2.0)}, 9).wait()
     on_disk = torch.load(os.path.join(snap_env.ckpt_dir, "step_00000009", "rank_00000.pt"), weights_only=True)
     assert torch.equal(on_disk["w"], torch.full((4,), 1.0))
+
+
+def test_a_second_job_without_job_id_on_the_same_dir_is_refused_naming_the_first(snap_env):
+    """Found by a new-user trial: a second plain job (another process, no ``job_id``) on the directory a
+    running job saves into shares the first one's job key, so its persister; it was refused with a bare
+    PersisterError ("rank 0 of this job is already connected") although the docs promise
+    CheckpointDirInUseError. Right: CheckpointDirInUseError at construction naming the first process and the
+    fix, and the first job's saves go on."""
+    d = snap_env.ckpt_dir
+    with Checkpointer(d) as first:
+        first.save({"w": torch.ones(4)}, 1).wait()
+        code = ("import sys\nfrom snapckpt import Checkpointer\ntry:\n    Checkpointer(sys.argv[1])\n"
+                "except Exception as e:\n    print(type(e).__name__, e)\n")
+        cp = subprocess.run([sys.executable, "-c", code, d], env={**os.environ, **snap_env.env},
+                            capture_output=True, text=True, timeout=120)
+        assert cp.stdout.startswith("CheckpointDirInUseError "), cp.stdout + cp.stderr
+        assert f"pid {os.getpid()}" in cp.stdout and "own checkpoint_dir" in cp.stdout, cp.stdout
+        first.save({"w": torch.full((4,), 2.0)}, 2).wait()
+        assert torch.equal(first.load()["w"], torch.full((4,), 2.0))
 
 
 def test_B3_a_damaged_step_of_another_job_is_replaced_by_a_resave(snap_env):

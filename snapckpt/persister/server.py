@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Union
 
-from snapckpt.errors import PersisterError, SlotBusyError
+from snapckpt.errors import CheckpointDirInUseError, PersisterError, SlotBusyError
 from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles, SlotState
@@ -371,7 +371,8 @@ class Server:
             with self.lock:
                 reply = handler(conn, rank, msg) if op == "hello" else handler(self.slots.ranks[rank], msg)
         except Exception as e:  # every error goes back to the client, the loop goes on
-            if not isinstance(e, (P.ProtocolError, PersisterError, SlotBusyError, OSError, ValueError)):
+            if not isinstance(e, (P.ProtocolError, PersisterError, SlotBusyError, CheckpointDirInUseError, OSError,
+                                  ValueError)):
                 log.exception("error handling a request")
             reply = P.fail(e)
         self._send(conn, reply)
@@ -438,11 +439,14 @@ class Server:
                         self.conn_pid.get(conn))
             self._disconnect(entry.conn, clean=True)
         if entry is not None and entry.conn is not None:
-            raise PersisterError(
-                f"rank {rank} of this job is already connected (run {entry.run_id}). Under torchrun or "
-                "another launcher, call torch.distributed.init_process_group() before creating the "
-                "Checkpointer, so that each process knows its rank; if another job writes to the same "
-                "checkpoint_dir, give each job its own checkpoint_dir")
+            # Another live process holds this rank of the same job key: a second job on the same directory
+            # (the directory claim of the first save would refuse it later) or ranks that do not know theirs.
+            raise CheckpointDirInUseError(
+                f"checkpoint_dir {msg['checkpoint_dir']!r} is in use: rank {rank} of another process (pid "
+                f"{self.conn_pid.get(entry.conn)}, run {entry.run_id}) is saving into it. If that is another "
+                "job, give each job its own checkpoint_dir (or its own job_id=); under torchrun or another "
+                "launcher, call torch.distributed.init_process_group() before creating the Checkpointer, so "
+                "that each process knows its rank")
         run = self.slots.runs.get(msg["run_id"])
         if run is None:
             run = Run(msg["run_id"], world, list(msg["local_ranks"]), False, msg["checkpoint_dir"],
