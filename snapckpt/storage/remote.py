@@ -111,7 +111,12 @@ class RemoteStore:
                 f"{role} {self.url!r}: the fsspec implementation for this scheme is not installed ({e}); "
                 "for s3:// install the s3 extra: pip install 'snapckpt[s3]'") from e
         except ValueError as e:  # an unknown protocol
-            raise RemoteStorageError(f"{role} {self.url!r}: {e}") from e
+            hint = " (URL schemes are lower case)" if scheme != scheme.lower() else ""
+            raise RemoteStorageError(f"{role} {self.url!r}: {e}{hint}; supported: s3:// (pip install "
+                                     "'snapckpt[s3]'), or any fsspec URL whose implementation is installed") from e
+        except Exception as e:  # a filesystem that connects in its constructor (ftp://, sftp://): host unknown...
+            raise RemoteStorageError(f"{role} {self.url!r} cannot be reached: {type(e).__name__}: "
+                                     f"{str(e)[:300]}; check the host in the URL and the network") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
 

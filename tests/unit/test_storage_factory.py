@@ -64,11 +64,14 @@ def test_a_url_through_pathlib_or_an_integration_is_refused_too(tmp_path, monkey
 @pytest.mark.parametrize("url, words", [
     ("gs://b/x", "not installed (Please install gcsfs"),
     ("nope://b/x", "Protocol not known: nope"),
+    ("S3://b/x", "URL schemes are lower case"),
+    ("ftp://no-such-host.invalid/x", "cannot be reached: gaierror"),  # ftp connects in its constructor
     ("/local/dir", "is not a URL"),
 ])
 def test_remote_store_refuses_unusable_urls_naming_the_fix(url, words):
-    """The remote tier's store: a scheme without its fsspec package, an unknown scheme or a plain path is a
-    RemoteStorageError naming the URL (checked before any request)."""
+    """The remote tier's store: a scheme without its fsspec package, an unknown scheme (upper case too), a
+    filesystem whose constructor cannot reach its host (ftp://: a bare socket.gaierror before, found by a
+    new-user trial) or a plain path is a RemoteStorageError naming the URL."""
     from snapckpt.errors import RemoteStorageError
     from snapckpt.storage.remote import RemoteStore
     with pytest.raises(RemoteStorageError) as ei:
