@@ -14,7 +14,7 @@ import torch
 from snapckpt._internal.compat import torch_file_writer
 from snapckpt.formats.torch_archive import TorchArchiveWriter, unordered_set_order, write_torch_file
 
-BIG = 1 << 20  # writes larger than this are compared by size and first bytes (never read whole)
+BIG = 4 << 20  # writes larger than this are compared by size and first bytes (never read whole)
 
 
 class _Recorder:
@@ -29,15 +29,30 @@ class _Recorder:
         return n
 
 
+def _joined(writes: list) -> list:
+    """``writes`` with consecutive small writes joined: the stream, whatever the write calls."""
+    out: list = []
+    for w in writes:
+        if isinstance(w, bytes) and out and isinstance(out[-1], bytearray):
+            out[-1] += w
+        else:
+            out.append(bytearray(w) if isinstance(w, bytes) else w)
+    return out
+
+
 def _both(records):
-    """Write ``records`` (name, bytes-like, nbytes) with torch's writer and ours; return both write lists."""
-    theirs, ours = _Recorder(), _Recorder()
-    tw, ow = torch_file_writer(theirs, 64), TorchArchiveWriter(ours)
+    """Write ``records`` (name, bytes-like, nbytes) with torch's writer and ours; return both write lists
+    (after checking that ours with ``coalesce=True`` writes the same stream in fewer calls)."""
+    theirs, ours, coalesced = _Recorder(), _Recorder(), _Recorder()
+    tw, ow, cw = torch_file_writer(theirs, 64), TorchArchiveWriter(ours), TorchArchiveWriter(coalesced, coalesce=True)
     for name, data, n in records:
         tw.write_record(name, torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if n else b"", n)
         ow.write_record(name, data, n)
-    tw.write_end_of_file()
-    ow.write_end_of_file()
+        cw.write_record(name, data, n)
+    for w in (tw, ow, cw):
+        w.write_end_of_file()
+    assert _joined(coalesced.writes) == _joined(theirs.writes)
+    assert len(coalesced.writes) < len(theirs.writes)
     return theirs.writes, ours.writes
 
 
