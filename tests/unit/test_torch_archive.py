@@ -65,13 +65,16 @@ CASES = {
     "empty_storages": [("data.pkl", bytearray(b"\x80\x02}q\x00."), 6), ("data/0", bytearray(), 0),
                        ("data/1", bytearray(), 0)],
     "odd_sizes": [("data.pkl", bytearray(b"p" * 101), 101)]
-                 + [(f"data/{i}", bytearray(bytes(range(256)) * 2)[:n], n) for i, n in enumerate((1, 3, 63, 64, 65, 127, 500))],
-    "unicode_keys": [("data.pkl", bytearray(b"x"), 1), ("data/ключ é", bytearray(9), 9), ("data/😀 ", bytearray(), 0),
-                     ("data/a/b c", bytearray(70), 70)],
+                 + [(f"data/{i}", bytearray(bytes(range(256)) * 2)[:n], n)
+                    for i, n in enumerate((1, 3, 63, 64, 65, 127, 500))],
+    "unicode_keys": [("data.pkl", bytearray(b"x"), 1), ("data/ключ é", bytearray(9), 9),
+                     ("data/😀 ", bytearray(), 0), ("data/a/b c", bytearray(70), 70)],
     # data that starts like a zip data descriptor: torch folds its "CRC" into the serialization id
-    "descriptor_lookalike": [("data.pkl", bytearray(b"x"), 1), ("data/0", bytearray(b"PK\x07\x08\x01\x02\x03\x04z"), 9)],
+    "descriptor_lookalike": [("data.pkl", bytearray(b"x"), 1),
+                             ("data/0", bytearray(b"PK\x07\x08\x01\x02\x03\x04z"), 9)],
     "torch_save_layout": [("data.pkl", bytearray(b"q" * 300), 300), (".format_version", bytearray(b"1"), 1),
-                          (".storage_alignment", bytearray(b"64"), 2), ("byteorder", bytearray(sys.byteorder.encode()), 6)]
+                          (".storage_alignment", bytearray(b"64"), 2),
+                          ("byteorder", bytearray(sys.byteorder.encode()), 6)]
                          + [(f"data/{i}", bytearray(i * 7 + 1), i * 7 + 1) for i in range(40)],
 }
 
@@ -141,3 +144,18 @@ def test_bad_records_are_refused():
         w.write_record("data/\0", b"", 0)
     with pytest.raises(ValueError, match="requested from a buffer of 2"):
         w.write_record("data/1", b"ab", 3)
+
+
+def test_no_persister_module_imports_torch():
+    """Every path of the persister (start, disk save, crash flush, replication, upload, stop flush) lives in these
+    modules; none imports torch at import time (tests/test_smoke.py checks a running persister's mappings)."""
+    import pkgutil
+    import subprocess
+
+    import snapckpt.persister
+
+    mods = [f"snapckpt.persister.{m.name}" for m in pkgutil.iter_modules(snapckpt.persister.__path__)]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in mods)
+            + "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
