@@ -1,9 +1,10 @@
 """The ``torch.save`` zip archive, written in pure Python (no torch): what the persister writes.
 
-The output is byte for byte, and write call for write call, what ``torch._C.PyTorchFileWriter(f,
-compute_crc32=False, storage_alignment=64)`` writes into a file object ``f`` (PyTorch 2.7-2.13 on Linux,
-read from ``caffe2/serialize/inline_container.cc`` and PyTorch's miniz fork, and checked against it by
-``tests/unit/test_torch_archive.py``), so the persister need not import torch (about 2 s of CPU) to write:
+The output is byte for byte (and, unless ``coalesce``, write call for write call) what
+``torch._C.PyTorchFileWriter(f, compute_crc32=False, storage_alignment=64)`` writes into a file object ``f``
+(read from ``caffe2/serialize/inline_container.cc`` and PyTorch's miniz fork; checked against the installed
+torch, 2.13 on Linux when written, by ``tests/unit/test_torch_archive.py``), so the persister need not import
+torch (about 2 s of CPU) to write:
 
 - every record ``<name>`` is a stored (uncompressed) entry ``archive/<name>`` (UTF-8, general purpose flag
   bit 11), with time, date and CRC-32 fields 0;
@@ -26,7 +27,8 @@ with ``c10::hash_combine``, in the iteration order of the ``std::unordered_set``
 torch built with another C++ library writes another id). ``torch.load`` does not read it.
 
 The sink needs only ``write`` (it is never seeked, told or flushed): the persister streams parts to S3 through
-it. Record data are written as memoryviews of the caller's buffers, without a copy.
+it. Record data are written as memoryviews of the caller's buffers, without a copy (with ``coalesce``, records
+under 64 KiB are copied into the joined writes).
 """
 from __future__ import annotations
 
