@@ -18,6 +18,9 @@ def test_memory_and_disk_round_trip(snap_env):
                 p.add_(1.0)
         h.wait()
         assert h.done() and h.snapshot_taken
+        # the persister wrote and committed the torch.save file without torch (no 2 s import, no libtorch)
+        with open(f"/proc/{ck.persister_pid}/maps") as f:
+            assert "libtorch" not in f.read()
         out = ck.load()
         assert ck.last_load.step == 1 and ck.last_load.tier == StorageType.MEMORY
         for k in expected:

@@ -3,8 +3,10 @@
 Python: ``requires-python >= 3.10``; ``BaseException.add_note`` exists from 3.11 only, so notes are added
 through :func:`add_note`.
 
-PyTorch (the supported range is :data:`SUPPORTED_TORCH`, as in ``pyproject.toml``): the ``torch.save``
-writer of :mod:`snapckpt.formats.torch_zip` and the loaders use private PyTorch names. Each is checked
+PyTorch (the supported range is :data:`SUPPORTED_TORCH`, as in ``pyproject.toml``): the skeleton pickler of
+:mod:`snapckpt.formats.torch_zip` and the loaders use private PyTorch names (the ``torch.save`` archive itself
+is written without torch, by :mod:`snapckpt.formats.torch_archive`; :func:`torch_file_writer` is torch's
+writer, which its tests compare it with). Each is checked
 once, by :func:`check_torch`, and a missing one raises :class:`UnsupportedTorchError` naming the range,
 instead of an ``AttributeError`` deep inside a save. What sets the floor (read from the release sources):
 

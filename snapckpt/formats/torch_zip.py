@@ -10,8 +10,10 @@ storage, and ``version``/``.data/serialization_id`` written at the end (source:
   storage replaced by a *span* of it (only the bytes that tensors actually use, so a view into a large
   buffer does not drag the buffer along; tensors that overlap in one storage keep sharing one
   record);
-- in the persister, :func:`write_torch_file` writes the archive from those bytes and raw records that
-  live in shared memory, through :class:`torch._C.PyTorchFileWriter`, the writer ``torch.save`` uses.
+- in the persister, :func:`write_torch_file` (:mod:`snapckpt.formats.torch_archive`, re-exported here)
+  writes the archive from those bytes and raw records that live in shared memory: a pure-Python writer whose
+  output is byte for byte that of :class:`torch._C.PyTorchFileWriter`, the writer ``torch.save`` uses, so
+  that the persister runs without importing torch.
 
 ``torch.load(path)`` reads the result; with ``weights_only=True`` when the state holds only tensors and
 plain containers. :func:`unpickle_skeleton` is the reverse for the memory tier.
@@ -29,14 +31,14 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from snapckpt._internal.compat import check_torch, torch_file_writer
+from snapckpt._internal.compat import check_torch
+from snapckpt.formats.torch_archive import ALIGNMENT as STORAGE_ALIGNMENT, write_torch_file
 from snapckpt.errors import SnapshotError, UnsafeCheckpointError
 
 check_torch()  # the private PyTorch names used below exist (else UnsupportedTorchError naming the range)
@@ -54,7 +56,6 @@ __all__ = [
 ]
 
 PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
-STORAGE_ALIGNMENT = 64  # torch.serialization._get_storage_alignment() default
 
 _SUPPORTED_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -372,34 +373,3 @@ def weights_only_refusal(data_pkl: bytes) -> Optional[str]:
     except pickle.UnpicklingError as e:
         return str(e)
     return None
-
-
-def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, int, int]]) -> None:
-    """Write a ``torch.save``-format archive into ``fileobj``.
-
-    Args:
-        fileobj: binary file object with ``write``; the caller flushes/fsyncs/closes it.
-        data_pkl: the pickle bytes (``data.pkl``).
-        records: ``(key, storage, nbytes)`` per span: ``storage`` is a CPU ``UntypedStorage`` (in the
-            persister, a view of the arena span) whose first ``nbytes`` are written as ``data/<key>``
-            without an intermediate copy.
-    """
-    writer = torch_file_writer(fileobj, STORAGE_ALIGNMENT)  # no per-record CRC-32: see "Checksums" above
-    try:
-        writer.write_record("data.pkl", data_pkl, len(data_pkl))
-        writer.write_record(".format_version", "1", 1)
-        alignment = str(STORAGE_ALIGNMENT)
-        writer.write_record(".storage_alignment", alignment, len(alignment))
-        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for key, storage, nbytes in records:
-            writer.write_record(f"data/{key}", storage, nbytes)
-    except BaseException:
-        # An unfinished writer finishes the archive in its C++ destructor; if that write fails too (a
-        # full disk fails every write) it throws from the destructor and std::terminate kills the
-        # process. Finish it here, where a second failure is an ordinary exception, and raise the first.
-        try:
-            writer.write_end_of_file()
-        except Exception:
-            pass
-        raise
-    writer.write_end_of_file()

@@ -65,11 +65,6 @@ __all__ = ["Server", "main", "HELLO_TIMEOUT_SECS"]
 
 HELLO_TIMEOUT_SECS = 10.0  # a connection that has not authenticated by then is dropped
 
-def _import_torch() -> None:
-    """Import what writing a torch file needs (before the socket listens: see :meth:`Server.serve`); a failure
-    ends the process at startup, which the starting client reports with this log's tail."""
-    import snapckpt.formats.torch_zip  # noqa: F401 (imports torch)
-
 
 class _WarningSeen(logging.Handler):
     """Records that the persister logged a warning or an error (which is then kept in ``persister.log``)."""
@@ -126,12 +121,6 @@ class Server:
     # ----------------------------------------------------------------------------------- lifecycle
     def serve(self) -> None:
         """Bind, serve until the job is over, clean up."""
-        # torch (about 2 s to import, 6-9 s on a loaded 2-core node) is imported before the socket listens, so
-        # the constructor that started this process waits for it. Importing it after (in the background) made
-        # the constructor ~2 s faster, but then a DISK save taken soon after construction waited that long for
-        # its commit, and a job killed in that window lost it (tests/test_resume_fidelity.py,
-        # test_E2_main_job_kill9_and_resume[from_disk], under load).
-        _import_torch()
         write_token(self.runtime_dir, self.token)
         listener = listen(self.sock_path)
         self.sel.register(listener, selectors.EVENT_READ, None)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Optional
 
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
+from snapckpt.formats.torch_archive import write_torch_file
 from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
 from snapckpt.storage.base import StorageWriter
 from snapckpt.persister.protocol import error_record
@@ -73,29 +74,25 @@ def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind:
         if mid_file:
             sink = _MidFilePoint(sink, rank, step)
         cw = ChecksumWriter(sink)
-        encode_file(cw, buf, f, kind)
+        encode_file(cw, buf, f, kind, coalesce=sink is raw)  # fault injection counts torch's write calls
         storage.fsync_file(raw)
     return {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
 
 
-def encode_file(sink, buf, f: Dict[str, Any], kind: str) -> None:
+def encode_file(sink, buf, f: Dict[str, Any], kind: str, *, coalesce: bool = True) -> None:
     """Write one file of a part, as its slot index entry ``f`` describes it, from slot mapping ``buf`` into
     ``sink`` (anything with ``write``): raw chunks back to back for ``kind`` ``"bytes"``, otherwise a
-    ``torch.save`` archive whose storages are views of the slot (no copy)."""
+    ``torch.save`` archive whose records are memoryviews of the slot (no copy but of records under 64 KiB with
+    ``coalesce``, which joins small writes: see :class:`~snapckpt.formats.torch_archive.TorchArchiveWriter`;
+    torch is not imported)."""
     if kind == "bytes":
         for off, n in f["chunks"]:
             sink.write(memoryview(buf)[off:off + n])
         return
     po, pn = f["pkl"]
-    import torch  # imported on first use (the persister warms it up right after it listens)
-
-    from snapckpt.formats.torch_zip import write_torch_file
-
-    records = [(key, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off).untyped_storage(),
-                n) if n else (key, torch.UntypedStorage(0), 0)
-               for key, off, n in f["records"]]
-    write_torch_file(sink, bytes(buf[po:po + pn]), records)
-    del records
+    view = memoryview(buf)
+    write_torch_file(sink, bytes(view[po:po + pn]), [(key, view[off:off + n], n) for key, off, n in f["records"]],
+                     coalesce=coalesce)
 
 
 def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,

@@ -86,6 +86,11 @@ def test_safetensors_file_refusals():
 
 
 # ------------------------------------------------------------------------------------------ torch_zip
+def _bytes_of(st: torch.UntypedStorage):
+    """A bytes-like view (no copy) of CPU storage ``st``, as the writer takes records."""
+    return torch.empty(0, dtype=torch.uint8).set_(st).numpy()
+
+
 def _write(obj) -> bytes:
     """``obj`` as snapckpt writes it: skeleton pickle plus one whole-storage record per storage."""
     tensors = Z.collect_tensors(obj)
@@ -99,7 +104,7 @@ def _write(obj) -> bytes:
     data_pkl, used = Z.pickle_skeleton(obj, refs)
     assert used == sorted(set(used), key=used.index)  # first-use order, each once
     buf = io.BytesIO()
-    Z.write_torch_file(buf, data_pkl, [(k, storages[k], storages[k].nbytes()) for k in used])
+    Z.write_torch_file(buf, data_pkl, [(k, _bytes_of(storages[k]), storages[k].nbytes()) for k in used])
     return buf.getvalue()
 
 

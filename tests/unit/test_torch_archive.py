@@ -1,0 +1,161 @@
+"""The pure-Python torch.save archive writer against torch's own (``torch._C.PyTorchFileWriter``, CRC-32 off,
+64-byte alignment): identical bytes, and write calls, for the shapes of records the persister writes; then
+``torch.load`` of the result."""
+from __future__ import annotations
+
+import io
+import mmap
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from snapckpt._internal.compat import torch_file_writer
+from snapckpt.formats.torch_archive import TorchArchiveWriter, unordered_set_order, write_torch_file
+
+BIG = 4 << 20  # writes larger than this are compared by size and first bytes (never read whole)
+
+
+class _Recorder:
+    """A non-seekable sink that keeps every write (large ones as (size, first 8 bytes))."""
+
+    def __init__(self) -> None:
+        self.writes: list = []
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.writes.append(("big", n, bytes(data[:8])) if n > BIG else bytes(data))
+        return n
+
+
+def _joined(writes: list) -> list:
+    """``writes`` with consecutive small writes joined: the stream, whatever the write calls."""
+    out: list = []
+    for w in writes:
+        if isinstance(w, bytes) and out and isinstance(out[-1], bytearray):
+            out[-1] += w
+        else:
+            out.append(bytearray(w) if isinstance(w, bytes) else w)
+    return out
+
+
+def _both(records):
+    """Write ``records`` (name, bytes-like, nbytes) with torch's writer and ours; return both write lists
+    (after checking that ours with ``coalesce=True`` writes the same stream in fewer calls)."""
+    theirs, ours, coalesced = _Recorder(), _Recorder(), _Recorder()
+    tw, ow, cw = torch_file_writer(theirs, 64), TorchArchiveWriter(ours), TorchArchiveWriter(coalesced, coalesce=True)
+    for name, data, n in records:
+        tw.write_record(name, torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if n else b"", n)
+        ow.write_record(name, data, n)
+        cw.write_record(name, data, n)
+    for w in (tw, ow, cw):
+        w.write_end_of_file()
+    assert _joined(coalesced.writes) == _joined(theirs.writes)
+    assert len(coalesced.writes) < len(theirs.writes)
+    return theirs.writes, ours.writes
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """Zero pages that cost no memory until written (MAP_NORESERVE), for records of more than 4 GiB."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000))
+
+
+CASES = {
+    "empty_storages": [("data.pkl", bytearray(b"\x80\x02}q\x00."), 6), ("data/0", bytearray(), 0),
+                       ("data/1", bytearray(), 0)],
+    "odd_sizes": [("data.pkl", bytearray(b"p" * 101), 101)]
+                 + [(f"data/{i}", bytearray(bytes(range(256)) * 2)[:n], n)
+                    for i, n in enumerate((1, 3, 63, 64, 65, 127, 500))],
+    "unicode_keys": [("data.pkl", bytearray(b"x"), 1), ("data/ключ é", bytearray(9), 9),
+                     ("data/😀 ", bytearray(), 0), ("data/a/b c", bytearray(70), 70)],
+    # data that starts like a zip data descriptor: torch folds its "CRC" into the serialization id
+    "descriptor_lookalike": [("data.pkl", bytearray(b"x"), 1),
+                             ("data/0", bytearray(b"PK\x07\x08\x01\x02\x03\x04z"), 9)],
+    "torch_save_layout": [("data.pkl", bytearray(b"q" * 300), 300), (".format_version", bytearray(b"1"), 1),
+                          (".storage_alignment", bytearray(b"64"), 2),
+                          ("byteorder", bytearray(sys.byteorder.encode()), 6)]
+                         + [(f"data/{i}", bytearray(i * 7 + 1), i * 7 + 1) for i in range(40)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_bytes_as_torch_writer(case):
+    theirs, ours = _both(CASES[case])
+    assert ours == theirs
+
+
+def test_same_bytes_with_more_than_65535_records():
+    """zip64 entry counts (the 200,000-tensor state of issue 18 writes past 0xFFFF records)."""
+    one = bytearray(b"ab")
+    theirs, ours = _both([("data.pkl", bytearray(b"x"), 1)] + [(f"data/{i}", one, 2 if i % 3 else 0)
+                                                              for i in range(70_000)])
+    assert ours == theirs
+    assert ours[-1][8:12] == b"\xff\xff\xff\xff"  # end of central directory: counts capped, zip64 record has them
+
+
+@pytest.mark.parametrize("size", [0xFFFFFFFE, 0xFFFFFFFF, 0x100000064])
+def test_same_bytes_with_zip64_sizes_and_offsets(size):
+    """A record of about 4 GiB (never touched: zero pages) and records after it at offsets past 4 GiB."""
+    big = _anonymous(size)
+    try:
+        theirs, ours = _both([("data.pkl", bytearray(b"abc"), 3), ("data/0", big, size), ("data/1", bytearray(15), 15),
+                              ("data/2", bytearray(), 0)])
+    finally:
+        big.close()
+    assert ours == theirs
+    assert ("big", size, bytes(8)) in ours  # the record went out as one write, not copied into a header
+
+
+def test_unordered_set_order_matches_libstdcxx_growth():
+    """Small sets iterate in reverse insertion order when no two codes share a bucket; a collision groups them
+    (the byte comparisons above check the order against torch's, rehashes included)."""
+    assert unordered_set_order([1, 2, 3]) == [2, 1, 0]
+    assert unordered_set_order([1, 2, 14]) == [1, 2, 0]  # 14 % 13 == 1: first in bucket 1's run, after 2
+
+
+def test_torch_load_reads_the_archive(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(3, 5, generator=g), "i": torch.arange(7, dtype=torch.int16), "e": torch.empty(0)}
+    ref = io.BytesIO()
+    torch.save(state, ref)
+    # the same data.pkl and storages, written by our writer from memoryviews
+    with zipfile.ZipFile(io.BytesIO(ref.getvalue())) as z:
+        names = {n.split("/", 1)[1]: z.read(n) for n in z.namelist()}
+    keys = sorted(k[len("data/"):] for k in names if k.startswith("data/"))
+    out = io.BytesIO()
+    write_torch_file(out, names["data.pkl"], [(k, memoryview(names[f"data/{k}"]), len(names[f"data/{k}"]))
+                                              for k in keys])
+    path = tmp_path / "ours.pt"
+    path.write_bytes(out.getvalue())
+    for got in (torch.load(io.BytesIO(out.getvalue()), weights_only=True),
+                torch.load(path, weights_only=True, mmap=True)):
+        assert got.keys() == state.keys()
+        for k in state:
+            assert got[k].dtype == state[k].dtype and torch.equal(got[k], state[k])
+
+
+def test_bad_records_are_refused():
+    w = TorchArchiveWriter(io.BytesIO())
+    w.write_record("data/0", b"abc", 3)
+    with pytest.raises(ValueError, match="written twice"):
+        w.write_record("data/0", b"abc", 3)
+    with pytest.raises(ValueError, match="NUL"):
+        w.write_record("data/\0", b"", 0)
+    with pytest.raises(ValueError, match="requested from a buffer of 2"):
+        w.write_record("data/1", b"ab", 3)
+
+
+def test_no_persister_module_imports_torch():
+    """Every path of the persister (start, disk save, crash flush, replication, upload, stop flush) lives in these
+    modules; none imports torch at import time (tests/test_smoke.py checks a running persister's mappings)."""
+    import pkgutil
+    import subprocess
+
+    import snapckpt.persister
+
+    mods = [f"snapckpt.persister.{m.name}" for m in pkgutil.iter_modules(snapckpt.persister.__path__)]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in mods)
+            + "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
