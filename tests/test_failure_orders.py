@@ -34,8 +34,12 @@ def test_G1_rank_fails_first_the_others_die_of_the_collective_error_resume_from_
 
 def test_G1_ctrl_c_while_the_clean_close_waits_for_a_commit_keeps_the_memory_tier(snap_env):
     """A KeyboardInterrupt that arrives while ``close()`` waits for an outstanding commit ends the job as a
-    failure: the memory snapshot of step 4 is kept (and flushed), not dropped with a goodbye."""
-    env = {**snap_env.env, **slow_env(0.5)}
+    failure: the memory snapshot of step 4 is kept (and flushed), not dropped with a goodbye. Step 2's commit
+    also sleeps 10 s before its rename, so that it is still outstanding when the Ctrl-C comes 1 s into
+    ``close()`` however long the ranks took to get there (CI under load once reached ``close()`` after the
+    slowed commit had ended, and the close was clean)."""
+    env = {**snap_env.env, **slow_env(0.5),
+           "SNAPCKPT_FAULT_POINT": "commit.before_rename:step=2:action=sleep:secs=10"}
     procs = launch("failure_order_worker.py", 2, ["interrupted_close", snap_env.ckpt_dir], env)
     outs = finish(procs, timeout=180)
     for r, (p, out) in enumerate(zip(procs, outs)):
