@@ -1,8 +1,8 @@
 """Worker ranks for tests/test_commit_crash.py (cases B1, B2, B8, B9, C5, C8 and the kill tests).
 
 Usage: ``commit_crash_worker.py SCENARIO CHECKPOINT_DIR [ARGS...]``. Multi-rank scenarios are launched by
-``_harness.launch`` (gloo, env:// rendezvous); ``slow_disk``, ``hung_then_exit`` and ``save_loop`` run as one process without
-a process group. Each rank prints ``SAVED <step>`` lines when a snapshot was taken (so the test knows
+``_harness.launch`` (gloo, env:// rendezvous); ``slow_disk``, ``hung_then_exit`` and ``save_loop`` run as one
+process without a process group. Each rank prints ``SAVED <step>`` lines when a snapshot was taken (so the test knows
 when to kill) and ``RESULT {json}`` lines with what it observed.
 
 State written at ``step`` by ``rank``: every tensor is filled with ``step * 100 + rank``, so a torn or
@@ -246,5 +246,5 @@ def preflight_fail_one_rank(d: str) -> None:
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
     {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts,
-     "slow_disk": slow_disk, "hung_then_exit": hung_then_exit, "save_loop": save_loop, "full_disk_one_rank": full_disk_one_rank,
-     "preflight_fail_one_rank": preflight_fail_one_rank}[scenario](*rest)
+     "slow_disk": slow_disk, "hung_then_exit": hung_then_exit, "save_loop": save_loop,
+     "full_disk_one_rank": full_disk_one_rank, "preflight_fail_one_rank": preflight_fail_one_rank}[scenario](*rest)
