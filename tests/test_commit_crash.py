@@ -652,6 +652,31 @@ def test_B5_stopped_persister_times_out_and_nothing_is_marked_complete(snap_env,
         ck.close()
 
 
+def test_B5_rank_that_gave_up_a_hung_persister_and_exited_is_a_crash(snap_env):
+    """B5, then the rank dies: step 1 committed, step 2 in memory, the persister SIGSTOPped; the rank's next
+    save times out (its connection given up with ``abandon``) and the process exits without close().
+    Right: after SIGCONT the persister sees that the rank's process is gone, takes it for a crash and
+    flushes step 2 to disk, as for any crash; the restart loads step 2 (before: the persister waited its
+    idle timeout for a reconnect that never came and exited, dropping step 2; the restart loaded step 1)."""
+    d = snap_env.ckpt_dir
+    [proc] = launch(WORKER, 1, ["hung_then_exit", d], snap_env.env)
+    pid = None
+    try:
+        lines = Lines(proc)
+        pid = int(lines.wait_for("STOPPED").split()[1])
+        assert json.loads(result_lines(lines.wait_for("RESULT"))[0]) == {"error_type": "PersisterTimeoutError"}
+        assert proc.wait(timeout=30) == 1 and tracker(d) == "step_00000001"
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        kill_all([proc])
+    assert wait_until(lambda: tracker(d) == "step_00000002", timeout=30), persister_log(snap_env, d)
+    assert "exited without reconnecting: taken for a crash" in persister_log(snap_env, d)
+    with Checkpointer(d, **OPTS) as ck:
+        assert_equal_state(ck.load(), 2)
+        assert ck.last_load.step == 2  # from memory: the persister still serves it
+
+
 # ----------------------------------------------------------------------------------------------- B6
 def test_B6_events_distinguish_snapshot_from_commit_tracker_moves_on_commit(snap_env, monkeypatch):
     """B6: a slow persister, keep_last=1, a listener on events. Right: ``save`` emits snapshot_taken at

@@ -114,7 +114,10 @@ def test_snapckpt_section_of_the_trainers_deepspeed_config(tmp_path):
                                   ({"memory_intervals": 2}, {}, "unknown key"),
                                   ({"memory_interval_steps": 0}, {}, "positive integer"),
                                   ({"memory_interval_steps": 3}, {"memory_interval_steps": 5}, "one place"),
-                                  ({"options": {"overlap": True}}, {"overlap": False}, "one place")]:
+                                  ({"options": {"overlap": True}}, {"overlap": False}, "one place"),
+                                  ("true", {}, "must be an object, got str"),
+                                  ([["enabled", True]], {}, "must be an object, got list"),
+                                  ({"checkpoint_dir": 5}, {}, "checkpoint_dir.*directory path")]:
         with pytest.raises(ValueError, match=match):
             section_options(_args(tmp_path, section), given)
     with pytest.raises(NotImplementedError, match="torch.distributed.checkpoint"):

@@ -545,6 +545,35 @@ def test_H_remote_only_refusals_at_construction(snap_env, s3_bucket):
     assert not s3_bucket.keys("run/")
 
 
+def test_H_remote_only_missing_bucket_is_named_by_the_cli_and_by_a_save_after_its_deletion(snap_env, s3_bucket,
+                                                                                             capsys):
+    """A missing bucket is never read as an empty prefix: ``snapckpt ls`` and ``verify`` of a URL whose bucket
+    does not exist exit 2 naming the cause and the fix (``ls`` said "no checkpoints" and exited 0), and a save
+    after the bucket was deleted mid-run fails with RemoteStorageError naming the URL, the cause and the fix
+    (it was s3fs's bare FileNotFoundError)."""
+    import torch
+
+    from snapckpt import Checkpointer
+    from snapckpt.cli.main import main as cli
+    from snapckpt.errors import RemoteStorageError
+
+    missing = f"s3://{s3_bucket.name}-missing/run"
+    for cmd in ("ls", "verify"):
+        with pytest.raises(SystemExit) as ei:
+            cli([cmd, missing])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{missing!r}: the bucket does not exist" in err and "create it" in err, err
+    url = s3_bucket.url("run")
+    with Checkpointer(url, persister_idle_timeout_secs=20) as ck:
+        ck.save({"w": torch.arange(10.0)}, 1).wait()
+        for key in s3_bucket.keys():
+            s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key=key)
+        s3_bucket.client.delete_bucket(Bucket=s3_bucket.name)
+        with pytest.raises(RemoteStorageError, match=f"checkpoint_dir '{url}': the bucket does not exist.*create it"):
+            ck.save({"w": torch.arange(10.0)}, 2).wait()
+
+
 def test_H_remote_only_snapckpt_stop_flushes_to_the_store(snap_env, s3_bucket, capsys):
     """``snapckpt stop URL`` finds the persister serving a remote-only Checkpointer by its URL (trailing slash
     or not), which flushes the step held only in memory to the store and exits; stop reports it committed,

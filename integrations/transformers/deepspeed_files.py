@@ -23,7 +23,7 @@ The ``"snapckpt"`` section of the DeepSpeed config (:func:`section_options`) set
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from snapckpt.formats import RawBytes
 
@@ -142,12 +142,17 @@ def section_options(args: Any, given: Dict[str, Any]) -> Optional[Dict[str, Any]
         return {}
     from snapckpt.integrations.deepspeed.config import DeepSpeedSnapckptConfig
 
+    if not isinstance(section, Mapping):  # dict() of a string or a list fails with an unrelated message
+        DeepSpeedSnapckptConfig.from_dict(section)  # raises the section's own error
     section = dict(section)
     for key, instead in _TRAINER_DECIDES.items():
         if section.get(key) is not None:
             raise ValueError(f'"snapckpt.{key}" in the DeepSpeed config is decided by the Trainer under '
                              f'SnapckptCallback: remove it and set {instead}')
     ckdir = section.pop("checkpoint_dir", None)
+    if ckdir is not None and not isinstance(ckdir, str):
+        raise ValueError(f'"snapckpt.checkpoint_dir" must be a directory path (the Trainer\'s output_dir) or be '
+                         f'left out, got {ckdir!r}')
     if ckdir is not None and os.path.realpath(ckdir) != os.path.realpath(args.output_dir):
         raise ValueError(f'"snapckpt.checkpoint_dir" ({ckdir!r}) must be the Trainer\'s output_dir '
                          f'({args.output_dir!r}) or be left out: the Trainer\'s checkpoints go to output_dir')

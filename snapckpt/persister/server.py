@@ -44,13 +44,14 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from snapckpt.errors import CheckpointDirInUseError, PersisterError, SlotBusyError
 from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles, SlotState
 from snapckpt.persister.commit import recover_interrupted_commits
+from snapckpt.persister.control import pid_alive
 from snapckpt.persister.flush import flush_crashed_run, flush_newest, unwritten_steps
 from snapckpt.persister import peers, remote_only
 from snapckpt.persister.replication import Replicator, check_secret
@@ -112,6 +113,8 @@ class Server:
         logging.getLogger("snapckpt").addHandler(self._warned)
         self.conn_pid: Dict[socket.socket, int] = {}
         self.conn_since: Dict[socket.socket, float] = {}  # accept time of connections not yet authenticated
+        # pid -> (run id, rank) of a rank that gave up a timed-out request and has not reconnected yet
+        self.abandoned: Dict[int, Tuple[str, int]] = {}
         self.sock_path = os.path.join(runtime_dir, "persister.sock")
         self.host = socket.gethostname()
         self.leases: Dict[str, Run] = {}  # run id -> run whose node lease this persister refreshes
@@ -135,6 +138,7 @@ class Server:
                     else:
                         self._readable(key.fileobj)
                 self._drop_silent_connections()
+                self._reap_abandoned()
                 if self._should_exit(listener):
                     if self.stop_requested:
                         log.info("persister pid %d stopping at an operator's request", os.getpid())
@@ -298,6 +302,23 @@ class Server:
                         HELLO_TIMEOUT_SECS)
             self._disconnect(conn, clean=True)
 
+    def _reap_abandoned(self) -> None:
+        """A rank that gave up a timed-out request and then exited without reconnecting (its pid is gone) has
+        crashed: it is recorded so, as if its connection had ended without close() (crash flush, gone
+        record), instead of its snapshots being dropped at the idle timeout."""
+        if not self.abandoned:
+            return
+        with self.lock:
+            for pid, (run_id, rank) in list(self.abandoned.items()):
+                run, entry = self.slots.runs.get(run_id), self.slots.ranks.get(rank)
+                if run is None or rank in run.connected or (entry is not None and entry.conn is not None):
+                    del self.abandoned[pid]  # the run is over, or the rank is back
+                elif not pid_alive(pid):
+                    del self.abandoned[pid]
+                    log.warning("rank %d (run %s, pid %s), which gave up a request that timed out, exited "
+                                "without reconnecting: taken for a crash", rank, run_id, pid)
+                    self._rank_crashed(run, rank, pid)
+
     def _readable(self, conn: socket.socket) -> None:
         try:
             data = conn.recv(1 << 16)
@@ -395,20 +416,35 @@ class Server:
                     run.connected.discard(rank)
                     if abandoned:
                         self.crashed_since_empty = True  # keep serving (and the snapshots) for the idle timeout
+                        if pid is not None:
+                            self.abandoned[pid] = (run.run_id, rank)  # taken for a crash if it exits
                     if not clean:
-                        run.crashed = True
-                        self.crashed_since_empty = True
-                        self.keep_log = True
                         log.warning("rank %d (run %s, pid %s) disconnected without close(): its process is "
                                     "gone; commits waiting for a part it never handed over are abandoned",
                                     rank, run.run_id, pid)
-                        run.gone[rank] = {"pid": pid, "since_unix": time.time()}
-                    if not run.connected and run.crashed and run.flush_on_crash:
-                        flush_crashed_run(run, self.slots, self.scheduler, self.replicator, self.host)
-                    if run.gone:  # after the flush: the parts it accepted are still coming
-                        self._record_gone(run)
+                    if clean:
+                        self._after_leave(run)
+                    else:
+                        self._rank_crashed(run, rank, pid)
             if not self.buffers:
                 self.empty_since = time.monotonic()
+
+    def _rank_crashed(self, run: Run, rank: int, pid: Optional[int]) -> None:
+        """Record that ``rank``'s process of ``run`` died (called with the lock): the run has crashed, the
+        rank is gone (commits waiting for a part it never handed over are abandoned)."""
+        run.crashed = True
+        self.crashed_since_empty = True
+        self.keep_log = True
+        run.gone[rank] = {"pid": pid, "since_unix": time.time()}
+        self._after_leave(run)
+
+    def _after_leave(self, run: Run) -> None:
+        """After a rank of ``run`` left (called with the lock): the crash flush once every rank of a crashed
+        run has left, then the gone records."""
+        if not run.connected and run.crashed and run.flush_on_crash:
+            flush_crashed_run(run, self.slots, self.scheduler, self.replicator, self.host)
+        if run.gone:  # after the flush: the parts it accepted are still coming
+            self._record_gone(run)
 
     # ---------------------------------------------------------------------------------- operations
     def _op_hello(self, conn: socket.socket, _rank: Optional[int], msg: Dict[str, Any]) -> Dict[str, Any]:

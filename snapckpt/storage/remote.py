@@ -151,9 +151,7 @@ class RemoteStore:
             self.fs.rm_file(probe)
             self.fs.invalidate_cache()
         except FileNotFoundError as e:
-            raise RemoteStorageError(
-                f"{self.role} {self.url!r}: the bucket does not exist ({_cause(e)}); create it (e.g. "
-                f"`aws s3 mb {self.url.split('/')[0]}//{self.url.split('/')[2]}`) or fix the URL") from e
+            raise self._no_bucket(e) from e
         except PermissionError as e:
             raise RemoteStorageError(
                 f"{self.role} {self.url!r}: access denied ({_cause(e)}); check the credentials in the standard "
@@ -164,6 +162,24 @@ class RemoteStore:
                 f"{self.role} {self.url!r}: cannot write a probe object: {_cause(e)}; check the endpoint "
                 "(AWS_ENDPOINT_URL for an S3-compatible store), the network and the credentials in the "
                 "standard places") from e
+
+    def _no_bucket(self, e: BaseException) -> RemoteStorageError:
+        return RemoteStorageError(
+            f"{self.role} {self.url!r}: the bucket does not exist ({_cause(e)}); create it (e.g. "
+            f"`aws s3 mb {self.url.split('/')[0]}//{self.url.split('/')[2]}`) or fix the URL")
+
+    def check_bucket(self, e: FileNotFoundError) -> None:
+        """After the store answered ``e`` (not found): raise :class:`RemoteStorageError` naming the URL and the
+        fix when the bucket itself is missing (deleted, or a wrong URL), so that a missing bucket is never read
+        as an empty prefix; return when the bucket exists or the store cannot tell."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.invalidate_cache()
+            missing = not self.fs.exists(bucket)
+        except Exception:  # cannot tell: the caller's own error stands
+            return
+        if missing:
+            raise self._no_bucket(e) from e
 
     OWNER = ".snapckpt-owner.json"
 
@@ -206,14 +222,20 @@ class RemoteStore:
     def _dirs(self) -> List[str]:
         try:
             entries = self.fs.ls(self.root, detail=True, refresh=True)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            self.check_bucket(e)
             return []
         return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
 
     def list_committed(self, problems: Optional[List[str]] = None) -> List[RemoteCommitted]:
         """Committed remote checkpoints, oldest step first: prefixes whose manifest object parses and whose
         data objects all exist with the recorded sizes. Prefixes without a manifest (an upload in flight,
-        or interrupted) are skipped silently; damaged ones are described in ``problems``."""
+        or interrupted) are skipped silently; damaged ones are described in ``problems``.
+
+        Raises:
+            RemoteStorageError: the bucket does not exist.
+            OSError / the store's errors: the store cannot be listed.
+        """
         out: List[RemoteCommitted] = []
         self.fs.invalidate_cache()
         for name in self._dirs():
@@ -364,11 +386,20 @@ class RemoteStore:
         stops being a committed checkpoint (its manifest goes first: a re-save of a step replaces it, never
         a manifest over mixed data), the rank's part marker of an earlier save goes, and the upload marker
         ``remote.json`` says that a snapckpt upload of ``run_id`` began there (what
-        :meth:`clean_orphans` of a later persister removes if no manifest follows)."""
+        :meth:`clean_orphans` of a later persister removes if no manifest follows).
+
+        Raises:
+            RemoteStorageError: the bucket does not exist (deleted since the start).
+            OSError / the store's errors: the store failed.
+        """
         self._rm_quiet(self._path(dirname, MANIFEST))
         self._rm_quiet(self._path(dirname, SIDECAR, f"part_{rank:05d}.json"))
-        self._write(self._path(dirname, REMOTE_MARKER),
-                    json.dumps({"run_id": run_id, "step": step, "started_unix": time.time()}).encode())
+        try:
+            self._write(self._path(dirname, REMOTE_MARKER),
+                        json.dumps({"run_id": run_id, "step": step, "started_unix": time.time()}).encode())
+        except FileNotFoundError as e:  # the first write of a save: a bucket deleted since the start
+            self.check_bucket(e)
+            raise
 
     def open_write(self, dirname: str, name: str, on_part: Optional[Callable[[], None]] = None):
         """A writer of the data object ``<url>/<dirname>/<name>``: for S3, each ``block_nbytes`` written is one

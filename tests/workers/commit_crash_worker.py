@@ -1,8 +1,8 @@
 """Worker ranks for tests/test_commit_crash.py (cases B1, B2, B8, B9, C5, C8 and the kill tests).
 
 Usage: ``commit_crash_worker.py SCENARIO CHECKPOINT_DIR [ARGS...]``. Multi-rank scenarios are launched by
-``_harness.launch`` (gloo, env:// rendezvous); ``slow_disk`` and ``save_loop`` run as one process without
-a process group. Each rank prints ``SAVED <step>`` lines when a snapshot was taken (so the test knows
+``_harness.launch`` (gloo, env:// rendezvous); ``slow_disk``, ``hung_then_exit`` and ``save_loop`` run as one
+process without a process group. Each rank prints ``SAVED <step>`` lines when a snapshot was taken (so the test knows
 when to kill) and ``RESULT {json}`` lines with what it observed.
 
 State written at ``step`` by ``rank``: every tensor is filled with ``step * 100 + rank``, so a torn or
@@ -152,6 +152,23 @@ def slow_disk(d: str, n_small: str) -> None:
     time.sleep(600)
 
 
+def hung_then_exit(d: str) -> None:
+    """Case B5, the rank dies (one process): commit step 1, snapshot step 2 in memory, SIGSTOP the persister;
+    the next save times out (the client gives the request up with ``abandon``) and the process exits
+    without close()."""
+    ck = Checkpointer(d, **{**OPTS, "request_timeout_secs": 2})
+    ck.save(make_state(1, 0), 1).wait()
+    ck.save(make_state(2, 0), 2, StorageType.MEMORY).wait()
+    os.kill(ck.persister_pid, signal.SIGSTOP)
+    print(f"STOPPED {ck.persister_pid}", flush=True)
+    try:
+        ck.save(make_state(3, 0), 3, StorageType.MEMORY)
+        result(error_type=None)
+    except Exception as e:
+        result(error_type=type(e).__name__)
+    os._exit(1)
+
+
 def save_loop(d: str) -> None:
     """Kill test (a), loop form (one process): MEMORY snapshots of a 16 MiB state until SIGKILLed."""
     ck = Checkpointer(d, **OPTS)
@@ -229,5 +246,5 @@ def preflight_fail_one_rank(d: str) -> None:
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
     {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts,
-     "slow_disk": slow_disk, "save_loop": save_loop, "full_disk_one_rank": full_disk_one_rank,
-     "preflight_fail_one_rank": preflight_fail_one_rank}[scenario](*rest)
+     "slow_disk": slow_disk, "hung_then_exit": hung_then_exit, "save_loop": save_loop,
+     "full_disk_one_rank": full_disk_one_rank, "preflight_fail_one_rank": preflight_fail_one_rank}[scenario](*rest)
