@@ -61,6 +61,7 @@ class Result:
     parts_done: Set[int] = field(default_factory=set)
     rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
     writers: int = 0  # this node's writer tasks of the step still running
+    part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait for parts
 
 
 class Scheduler:
@@ -154,7 +155,8 @@ class Scheduler:
                                 tracker_name=s.tracker_name, tracker_content=s.tracker_content,
                                 tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
                                                                 self.commit_seq),
-                                local_failure=self._local_failure(key), peer_check=self._peer_check(run))
+                                local_failure=self._local_failure(key), peer_check=self._peer_check(run),
+                                wake=res.part_ended)
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
 
@@ -297,6 +299,7 @@ class Scheduler:
                 res = self.results.get(key)
                 if res is not None:
                     res.writers -= 1
+                    res.part_ended.set()
                     self._remove_failed_partial(run, res, partial)
                 self.pending -= 1
 
