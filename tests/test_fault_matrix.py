@@ -345,6 +345,63 @@ def test_fault_seams_fail_the_chosen_phase_only(tmp_path, monkeypatch):
         {"name": "persist.mid_file", "rank": 1, "step": 4, "occurrence": 2, "action": "stop"}]
 
 
+_BATCH_CHILD = """
+import concurrent.futures as cf, mmap, sys
+from snapckpt.persister.writer import finish_parts, write_part_data
+from snapckpt.storage.posix import PosixStorage
+d, n = sys.argv[1], int(sys.argv[2])
+buf = mmap.mmap(-1, 3 * n)
+for r in range(3):
+    buf[r * n:(r + 1) * n] = bytes([r + 1]) * n
+parts = [write_part_data(PosixStorage(), buf, {"files": [{"path": f"rank_{r}.bin", "kind": "bytes",
+         "chunks": [[r * n, n]]}]}, d, rank=r, run_id="run", step=1) for r in range(3)]
+print("ERRORS", [e is not None for e in finish_parts(parts, cf.ThreadPoolExecutor(4))], flush=True)
+"""
+
+
+def test_batched_parts_get_a_marker_only_once_their_data_is_durable(tmp_path, monkeypatch):
+    """Issue 15's group commit (``writer.finish_parts``, run by the persister's ``PartSyncer``) keeps the
+    ordering of contract 4 for every part of a batch: (1) a real process SIGKILLed at
+    ``persist.before_part_marker`` (every file of the batch fsynced, no marker yet) leaves no part marker
+    (nor a temporary one) for any part of the batch, and every data file whole; (2) when one part's fsync
+    fails (storage seam, EIO), that part gets no marker and names its file, while the other parts of the
+    same batch get theirs."""
+    import concurrent.futures as cf
+    import mmap
+    import subprocess
+    import sys
+
+    import snapckpt._testing.faulty_storage as FS
+    from snapckpt.persister.writer import finish_parts, write_part_data
+
+    n = 64 << 10
+    d = str(tmp_path / "killed")
+    env = {**os.environ, **F.point_env("persist.before_part_marker", rank=0, step=1)}
+    cp = subprocess.run([sys.executable, "-c", _BATCH_CHILD, d, str(n)], env=env, capture_output=True, text=True,
+                        timeout=120)
+    assert cp.returncode == -signal.SIGKILL, (cp.returncode, cp.stdout, cp.stderr)
+    assert "SNAPCKPT_FAULT_POINT hit persist.before_part_marker rank=0 step=1" in cp.stderr, cp.stderr
+    assert os.listdir(os.path.join(d, ".snapckpt")) == [], "a marker was written before the batch's kill point"
+    for r in range(3):
+        with open(os.path.join(d, f"rank_{r}.bin"), "rb") as f:
+            assert f.read() == bytes([r + 1]) * n, r
+
+    d = str(tmp_path / "fsync_fails")
+    monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE",
+                       F.storage_env("fsync", errno.EIO, rank=1, step=1)["SNAPCKPT_FAULT_STORAGE"])
+    buf = mmap.mmap(-1, 3 * n)
+    parts = [write_part_data(FS.storage(fsync=True, rank=r, step=1), buf,
+                             {"files": [{"path": f"rank_{r}.bin", "kind": "bytes", "chunks": [[r * n, n]]}]},
+                             d, rank=r, run_id="run", step=1) for r in range(3)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        errors = finish_parts(parts, pool)
+    assert errors[0] is None and errors[2] is None, errors
+    assert isinstance(errors[1], OSError) and errors[1].errno == errno.EIO, errors
+    assert "rank_1.bin" in str(errors[1]) and "injected: fsync" in str(errors[1]), errors[1]
+    assert sorted(os.listdir(os.path.join(d, ".snapckpt"))) == ["part_00000.json", "part_00002.json"]
+    assert all(not p.handles for p in parts), "descriptors left open"
+
+
 def test_D1_small_shm_dir_from_the_toolkit(snap_env, tmp_path):
     """The toolkit's small shared-memory directory (a 16 MiB tmpfs as root) as ``shm_dir``: a 32 MiB state
     is refused up front with InsufficientSharedMemoryError naming the directory and the option, never a

@@ -73,14 +73,14 @@ class FaultyStorage(PosixStorage):
             self._fail(getattr(fileobj, "name", "?"))
         super().fsync_file(getattr(fileobj, "raw_file", fileobj))
 
-    def write_atomic(self, path: str, data: bytes) -> None:
+    def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
         base = os.path.basename(path)
         is_sidecar = os.path.basename(os.path.dirname(path)) == ".snapckpt"
         if (self.phase == "part_marker" and is_sidecar and base.startswith("part_")) or \
                 (self.phase == "manifest" and is_sidecar and base == "manifest.json") or \
                 (self.phase == "tracker" and not is_sidecar):
             self._fail(path)
-        super().write_atomic(path, data)
+        super().write_atomic(path, data, sync_dir=sync_dir)
 
     def rename(self, src: str, dst: str) -> None:
         if self.phase == "rename":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
@@ -54,7 +55,8 @@ class CommitRequest:
                  tracker_gate: Optional[Callable[[Callable[[], None]], None]] = None,
                  local_failure: Optional[Callable[[], Optional[BaseException]]] = None,
                  requested_unix: Optional[float] = None,
-                 peer_check: Optional[Callable[..., None]] = None):
+                 peer_check: Optional[Callable[..., None]] = None,
+                 wake: Optional[threading.Event] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -76,6 +78,9 @@ class CommitRequest:
         # peer_check(step, dirname, missing_ranks, persisters_of) raises PeerLostError when a missing part
         # can never come: its rank's process died, or its node's lease went stale (persister/peers.py)
         self.peer_check = peer_check
+        # set by this node's persister when one of its parts of the step ended: the wait for the parts
+        # looks again at once instead of at its next poll (parts of other nodes are still polled for)
+        self.wake = wake
 
     @property
     def partial_dir(self) -> str:
@@ -183,8 +188,8 @@ def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> 
 
 def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optional[str] = None,
                    poll_secs: float = POLL_SECS) -> Dict[int, Dict[str, Any]]:
-    """Poll every ``poll_secs`` seconds until every rank's part marker of ``req`` is there (``in_dir``: see
-    :func:`collect_parts`); return ``{rank: files}``.
+    """Poll every ``poll_secs`` seconds (or at once when ``req.wake`` is set) until every rank's part marker
+    of ``req`` is there (``in_dir``: see :func:`collect_parts`); return ``{rank: files}``.
 
     Raises:
         CommitTimeoutError: ranks missing at the deadline (named in the message).
@@ -195,6 +200,8 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
     deadline = time.monotonic() + req.timeout_secs
     unreadable: Dict[str, str] = {}
     while True:
+        if req.wake is not None:
+            req.wake.clear()  # before looking: a part ending from now on wakes the wait below
         raise_local_failure(req)
         parts = collect_parts(reader, req, unreadable, in_dir=in_dir)
         unexpected = sorted(r for r in parts if r >= req.world_size)
@@ -212,7 +219,10 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
                 f"step {req.step}: ranks {missing} did not write their part{where} within "
                 f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same "
                 "step; or those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
-        time.sleep(poll_secs)
+        if req.wake is not None:
+            req.wake.wait(poll_secs)
+        else:
+            time.sleep(poll_secs)
 
 
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,

@@ -4,8 +4,10 @@ Data path: once a rank's slot of step ``N`` is READY and the rank asked for a DI
 (:mod:`snapckpt.persister.server`), :meth:`Scheduler.persist` marks the slot PERSISTING and runs, on
 thread pools of this process:
 
-- one writer task per local rank (:func:`snapckpt.persister.writer.write_part`): the rank's native files
-  into the step's partial directory; the slot is released (READY again) as soon as its bytes are read;
+- one writer task per local rank (:func:`snapckpt.persister.writer.write_part_data`): the rank's native
+  files into the step's partial directory; then the :class:`~snapckpt.persister.part_sync.PartSyncer`
+  fsyncs them with the other parts written meanwhile and writes the part markers; the slot is released
+  (READY again) as soon as its bytes are durable, before its marker;
 - one commit task per step and directory: the commit protocol (:func:`snapckpt.persister.commit.commit`
   on the committer node, :func:`~snapckpt.persister.commit.watch_commit` elsewhere), behind a tracker
   gate so that the tracker file only moves forward in request order.
@@ -38,7 +40,8 @@ from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
-from snapckpt.persister.writer import write_failure_marker, write_part
+from snapckpt.persister.part_sync import PartSyncer
+from snapckpt.persister.writer import write_failure_marker, write_part_data
 from snapckpt.storage.factory import open_storage
 
 log = logging.getLogger("snapckpt.persister")
@@ -58,6 +61,7 @@ class Result:
     parts_done: Set[int] = field(default_factory=set)
     rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
     writers: int = 0  # this node's writer tasks of the step still running
+    part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait for parts
 
 
 class Scheduler:
@@ -80,12 +84,14 @@ class Scheduler:
         self.failed = False  # a part or a commit failed: the persister keeps its log
         self.watches: Dict[str, PeerWatch] = {}  # run id -> its dead-peer view (persister/peers.py)
         self.pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-writer")
+        self.syncer = PartSyncer()  # fsyncs and markers of the parts written, in batches
         self.commit_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-commit")
         self.uploader = Uploader(self._upload_done)  # the remote tier (runs with a remote_dir only)
 
     def shutdown(self) -> None:
         """Wait for every writer, commit and upload task (at exit)."""
         self.pool.shutdown(wait=True)
+        self.syncer.shutdown()
         self.commit_pool.shutdown(wait=True)
         self.uploader.shutdown()
 
@@ -149,7 +155,8 @@ class Scheduler:
                                 tracker_name=s.tracker_name, tracker_content=s.tracker_content,
                                 tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
                                                                 self.commit_seq),
-                                local_failure=self._local_failure(key), peer_check=self._peer_check(run))
+                                local_failure=self._local_failure(key), peer_check=self._peer_check(run),
+                                wake=res.part_ended)
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
 
@@ -235,38 +242,64 @@ class Scheduler:
         key, seq = (run.run_id, step, s.dirname), s.seq
         partial = _partial(run, s.dirname)
         log.debug("rank %d step %d: writing the part", rank, step)
+        t0 = time.monotonic()
+
+        def ended(files: Optional[Dict[str, Any]], exc: Optional[BaseException]) -> None:
+            self._part_ended(key, rank, s, seq, run, step, storage, partial, t0, files, exc)
+
         try:
             buf = _slot_map(s)
             try:
                 index = read_index(buf, s.path)
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
-                t0 = time.monotonic()
                 if run.remote_only:  # straight from the slot to the object store
                     files = write_part_remote(store_for(run.checkpoint_dir), buf, index, s.dirname, rank=rank,
                                               run_id=run.run_id, step=step, on_data_read=lambda: self.slots.release(s))
                 else:
-                    files = write_part(storage, buf, index, partial, rank=rank, run_id=run.run_id, step=step,
-                                       on_data_read=lambda: self.slots.release(s))
-                log.info("rank %d step %d: part written, %d bytes in %.3f s", rank, step,
-                         sum(f["nbytes"] for f in files.values()), time.monotonic() - t0)
+                    written = write_part_data(storage, buf, index, partial, rank=rank, run_id=run.run_id,
+                                              step=step, on_data_read=lambda: self.slots.release(s))
             finally:
                 del buf
-            with self.lock:
-                self.results[key].parts_done.add(rank)
+            if not run.remote_only:  # fsyncs and marker with the other parts ready on this node (part_sync.py)
+                synced = self.syncer.submit(written)
         except BaseException as e:
-            log.error("rank %d step %d: writing the part failed: %s", rank, step, e)
-            self.failed = True
-            with self.lock:  # recorded before the marker: the commit it ends must not win the race to the trainer
-                self.results[key].part_errors[rank] = P.error_record(e)
-            if storage is not None:  # remote-only: one node, whose commit learns it from part_errors
-                write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=e)
+            ended(None, e)
+            return
+        if run.remote_only:
+            ended(files, None)
+            return
+
+        def done(f: cf.Future) -> None:
+            exc = f.exception()
+            ended(None if exc is not None else f.result(), exc)
+
+        synced.add_done_callback(done)
+
+    def _part_ended(self, key: SaveKey, rank: int, s: Slot, seq: int, run: Run, step: int, storage, partial: str,
+                    t0: float, files: Optional[Dict[str, Any]], exc: Optional[BaseException]) -> None:
+        """Record the end of rank ``rank``'s part of ``step``: its files and marker durable (``files``), or
+        its error ``exc`` (recorded in memory, then as a failure marker)."""
+        try:
+            if exc is None:
+                log.info("rank %d step %d: part written, %d bytes in %.3f s", rank, step,
+                         sum(f["nbytes"] for f in files.values()), time.monotonic() - t0)
+                with self.lock:
+                    self.results[key].parts_done.add(rank)
+            else:
+                log.error("rank %d step %d: writing the part failed: %s", rank, step, exc)
+                self.failed = True
+                with self.lock:  # recorded before the marker: the commit it ends must not win the race
+                    self.results[key].part_errors[rank] = P.error_record(exc)
+                if storage is not None:  # remote-only: one node, whose commit learns it from part_errors
+                    write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=exc)
         finally:
             with self.lock:
                 self.slots.finish_persist(s, seq)
                 res = self.results.get(key)
                 if res is not None:
                     res.writers -= 1
+                    res.part_ended.set()
                     self._remove_failed_partial(run, res, partial)
                 self.pending -= 1
 

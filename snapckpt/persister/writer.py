@@ -2,16 +2,21 @@
 
 For each file listed in the slot's index (``MemoryOnly`` files excepted): create it under the partial
 directory, write it straight from the arena (a ``torch.save`` archive through :func:`write_torch_file`,
-or raw chunks back to back for ``RawBytes``/``Concat`` files), computing the checksum (:data:`~snapckpt.ondisk.manifest.CHECKSUM`) on the way, fsync, close. Then the rank's part marker (sizes and checksums) is written atomically: from that
-moment the committer may count the part. On any error the rank's files are left for the committer to
+or raw chunks back to back for ``RawBytes``/``Concat`` files), computing the checksum
+(:data:`~snapckpt.ondisk.manifest.CHECKSUM`) on the way (:func:`write_part_data`). Then
+(:func:`finish_parts`) every file is fsynced, and only then the rank's part marker (sizes and checksums)
+is written atomically: from that moment the committer may count the part. The node's persister hands
+:func:`finish_parts` every part it has written meanwhile, so the fsyncs of its ranks' parts are grouped
+(:mod:`snapckpt.persister.part_sync`). On any error the rank's files are left for the committer to
 remove with the partial directory, and a failure marker carries the error record to the committer.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
@@ -20,13 +25,14 @@ from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_mar
 from snapckpt.storage.base import StorageWriter
 from snapckpt.persister.protocol import error_record
 
-__all__ = ["write_part", "write_failure_marker", "encode_file"]
+__all__ = ["write_part", "write_part_data", "finish_parts", "WrittenPart", "write_failure_marker", "encode_file"]
 
 
 def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
                run_id: str, step: int,
                on_data_read: Optional[Callable[[], None]] = None) -> Dict[str, Dict[str, Any]]:
-    """Write rank ``rank``'s files of ``step`` from slot mapping ``buf``; return ``{file: {nbytes, xxh3_64, kind}}``.
+    """Write rank ``rank``'s files of ``step`` from slot mapping ``buf``, fsync them, then its part marker;
+    return ``{file: {nbytes, xxh3_64, kind}}`` (:func:`write_part_data` then :func:`finish_parts`).
 
     Args:
         storage: where to write.
@@ -41,42 +47,164 @@ def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: 
             the file being written when the error did not name one.
         ValueError: the index names a file outside the partial directory.
     """
+    part = write_part_data(storage, buf, index, partial_dir, rank=rank, run_id=run_id, step=step,
+                           on_data_read=on_data_read)
+    [err] = finish_parts([part])
+    if err is not None:
+        raise err
+    return part.files
+
+
+class WrittenPart:
+    """A part whose files are written but not yet fsynced, and whose part marker is not yet written
+    (:func:`write_part_data`); :func:`finish_parts` makes it durable. ``files`` is the marker's file
+    records; ``handles`` the files' descriptors, open until they are fsynced."""
+
+    def __init__(self, storage: StorageWriter, partial_dir: str, rank: int, run_id: str, step: int,
+                 on_data_read: Optional[Callable[[], None]]) -> None:
+        self.storage, self.partial_dir, self.rank, self.run_id, self.step = storage, partial_dir, rank, run_id, step
+        self.on_data_read = on_data_read
+        self.files: Dict[str, Dict[str, Any]] = {}
+        self.handles: List[_SyncHandle] = []
+
+    def close(self) -> None:
+        """Close the descriptors still open (idempotent)."""
+        while self.handles:
+            self.handles.pop().close()
+
+
+def write_part_data(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
+                    run_id: str, step: int,
+                    on_data_read: Optional[Callable[[], None]] = None) -> WrittenPart:
+    """Write rank ``rank``'s files of ``step`` from slot mapping ``buf`` (arguments as :func:`write_part`),
+    without fsync and without part marker: those are :func:`finish_parts`' job, so that a node's persister
+    fsyncs the parts it has ready together instead of one after another.
+
+    Raises:
+        OSError, ValueError: as :func:`write_part` (the files written so far are closed).
+    """
     storage.makedirs(os.path.join(partial_dir, SIDECAR))
     delay = _env.fault_write_delay_secs()
-    files: Dict[str, Dict[str, Any]] = {}
+    part = WrittenPart(storage, partial_dir, rank, run_id, step, on_data_read)
     mid_file = faults.armed()  # fault point persist.mid_file: in the middle of each file written
-    for f in index["files"]:
-        if not f.get("persist", True):
-            continue  # a MemoryOnly file: part of the memory snapshot, not of the checkpoint on disk
-        rel = validate_file_name(f["path"])  # the index comes from the trainer: never write outside the directory
-        path = os.path.join(partial_dir, rel)
-        storage.makedirs(os.path.dirname(path))
-        kind = f.get("kind", "torch")
+    try:
+        for f in index["files"]:
+            if not f.get("persist", True):
+                continue  # a MemoryOnly file: part of the memory snapshot, not of the checkpoint on disk
+            rel = validate_file_name(f["path"])  # the index comes from the trainer: never write outside the directory
+            path = os.path.join(partial_dir, rel)
+            storage.makedirs(os.path.dirname(path))
+            kind = f.get("kind", "torch")
+            try:
+                part.files[rel] = _write_file(storage, buf, f, path, kind, delay, mid_file, rank, step, part)
+            except OSError as e:
+                raise _with_path(e, path)
+    except BaseException:
+        part.close()
+        raise
+    return part
+
+
+def finish_parts(parts: Sequence[WrittenPart], pool: Optional[cf.Executor] = None) -> List[Optional[BaseException]]:
+    """Make written parts durable and visible, in the order the commit protocol needs: every file of
+    every part fsynced, then (``on_data_read``, fault point ``persist.before_part_marker``) the parts'
+    markers written (each temporary file fsynced, then renamed), then each marker directory fsynced once.
+    A part's marker is never written before its own files are durable. With ``pool``, the fsyncs of the
+    parts run concurrently, so the filesystem commits its journal once for the batch instead of once per
+    part. Returns each part's error (``None``: its marker is written and durable); the descriptors are
+    closed either way.
+    """
+    run = pool.map if pool is not None else map
+    errors: List[Optional[BaseException]] = list(run(_sync_files, parts))
+    marked = []
+    for i, p in enumerate(parts):
+        if errors[i] is None:
+            if p.on_data_read is not None:
+                p.on_data_read()
+            faults.point("persist.before_part_marker", step=p.step, rank=p.rank)
+            marked.append(i)
+    for i, err in zip(marked, run(_write_marker, [parts[i] for i in marked])):
+        errors[i] = err
+    by_dir: Dict[str, List[int]] = {}
+    for i in marked:
+        if errors[i] is None:
+            by_dir.setdefault(os.path.join(parts[i].partial_dir, SIDECAR), []).append(i)
+    for side, idx in by_dir.items():  # one directory fsync makes every marker renamed into it durable
         try:
-            files[rel] = _write_file(storage, buf, f, path, kind, delay, mid_file, rank, step)
+            parts[idx[0]].storage.fsync_dir(side)
         except OSError as e:
-            if e.filename is None and e.errno is not None:  # write(2)/fsync(2) errors name no file
-                raise OSError(e.errno, e.strerror or str(e), path) from e
-            raise
-    if on_data_read is not None:
-        on_data_read()
-    faults.point("persist.before_part_marker", step=step, rank=rank)
-    marker = {"rank": rank, "run_id": run_id, "step": step, "files": files}
-    storage.write_atomic(os.path.join(partial_dir, part_marker_name(rank)), json.dumps(marker).encode())
-    return files
+            for i in idx:
+                errors[i] = _with_path(e, side)
+    return errors
+
+
+def _sync_files(part: WrittenPart) -> Optional[BaseException]:
+    """fsync every file of ``part`` and close it; return the error instead of raising it."""
+    try:
+        for h in part.handles:
+            try:
+                part.storage.fsync_file(h)
+            except OSError as e:
+                raise _with_path(e, h.name)
+        return None
+    except BaseException as e:
+        return e
+    finally:
+        part.close()
+
+
+def _write_marker(part: WrittenPart) -> Optional[BaseException]:
+    """Write ``part``'s marker (temporary file fsynced, renamed; the directory fsync is the caller's)."""
+    marker = {"rank": part.rank, "run_id": part.run_id, "step": part.step, "files": part.files}
+    try:
+        part.storage.write_atomic(os.path.join(part.partial_dir, part_marker_name(part.rank)),
+                                  json.dumps(marker).encode(), sync_dir=False)
+        return None
+    except BaseException as e:
+        return e
+
+
+def _with_path(e: OSError, path: str) -> OSError:
+    """``e``, or a copy naming ``path`` when it names no file (write(2)/fsync(2) errors do not)."""
+    if e.filename is None and e.errno is not None:
+        new = OSError(e.errno, e.strerror or str(e), path)
+        new.__cause__ = e
+        return new
+    return e
 
 
 def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind: str, delay: float, mid_file: bool,
-                rank: int, step: int) -> Dict[str, Any]:
-    """Write one file of a part from the slot, fsync it; return its manifest record."""
+                rank: int, step: int, part: WrittenPart) -> Dict[str, Any]:
+    """Write one file of a part from the slot (its descriptor, duplicated, joins ``part.handles`` for the
+    fsync); return its manifest record."""
     with storage.open_write(path) as raw:
         sink = raw if not delay else _SlowWriter(raw, delay)
         if mid_file:
             sink = _MidFilePoint(sink, rank, step)
         cw = ChecksumWriter(sink)
         encode_file(cw, buf, f, kind, coalesce=sink is raw)  # fault injection counts torch's write calls
-        storage.fsync_file(raw)
+        raw.flush()
+        part.handles.append(_SyncHandle(os.dup(raw.fileno()), path))
     return {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
+
+
+class _SyncHandle:
+    """A written file's descriptor kept (duplicated) past its file object's close, for a later fsync: the
+    file object's buffers are freed at once, and the fsync reports write-back errors on the same open file."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def encode_file(sink, buf, f: Dict[str, Any], kind: str, *, coalesce: bool = True) -> None:

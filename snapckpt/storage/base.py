@@ -38,8 +38,9 @@ class StorageWriter(abc.ABC):
         """Make the directory's entries durable."""
 
     @abc.abstractmethod
-    def write_atomic(self, path: str, data: bytes) -> None:
-        """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename, directory fsync)."""
+    def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
+        """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename, directory fsync;
+        ``sync_dir=False``: no directory fsync, the caller fsyncs the directory once for several files)."""
 
     @abc.abstractmethod
     def rename(self, src: str, dst: str) -> None:

@@ -44,7 +44,7 @@ class PosixStorage(StorageWriter, StorageReader):
         finally:
             os.close(fd)
 
-    def write_atomic(self, path: str, data: bytes) -> None:
+    def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
         parent = os.path.dirname(path) or "."
         tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
         try:
@@ -58,7 +58,8 @@ class PosixStorage(StorageWriter, StorageReader):
             except OSError:
                 pass
             raise
-        self.fsync_dir(parent)
+        if sync_dir:
+            self.fsync_dir(parent)
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
