@@ -174,7 +174,11 @@ def main() -> None:
                 timed("obstore_get", lambda: [obstore_get(f"obs/{x}", os.path.join(out, "o" + x)) for x in names])
             shutil.rmtree(out)
         best = {k: min(v) for k, v in times.items()}
-        result = {"mib_per_rank": a.mib, "ranks": 2, "repeats": a.repeats, "best_s": best,
+        from _common import git_commit  # noqa: PLC0415
+
+        result = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(),
+                           "cpus": os.cpu_count()},
+                  "mib_per_rank": a.mib, "ranks": 2, "repeats": a.repeats, "best_s": best,
                   "ratios": {"upload_vs_s3fs_put": best["snapckpt_upload"] / best["s3fs_put"],
                              "upload_vs_boto3": best["snapckpt_upload"] / best["boto3_upload_file"],
                              "download_vs_s3fs_get": best["snapckpt_download"] / best["s3fs_get"],

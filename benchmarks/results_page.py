@@ -3,7 +3,8 @@
 Reads what the benchmarks left in ``benchmarks/results/`` (each part is skipped when its JSON is absent):
 ``suite.json`` (stall, durable, restore per method and size), ``loop.json`` (training-loop cost),
 ``recovery.json`` (restart to first step), ``many_tensors.json``, ``first_save.json``, ``memory_budget.json``
-(stall against arena memory, 2 slots vs 1). Writes the page
+(stall against arena memory, 2 slots vs 1), ``commit_latency.json`` (commit latency against rank count),
+``remote_s3.json`` (the remote tier against plain S3 clients, and its training-loop cost). Writes the page
 ``docs/benchmarks.md`` (each figure's table, its run's date, commit and load, and its plot) and the plots
 ``docs/img/bench-*.png`` (matplotlib, from the ``bench`` extra). Like the generated part of
 ``docs/performance.md``, the page and its plots are committed after a run (``benchmarks/results/`` itself is
@@ -161,6 +162,40 @@ def budget_part(mb: dict, img: Path) -> list:
             "![memory budget](img/bench-memory-budget.png)", ""]
 
 
+def commit_latency_part(cl: dict, img: Path) -> list:
+    recs = sorted(cl["records"], key=lambda r: r["ranks"])
+    base = recs[0]["median_commit_s"]
+    _bars(img / "bench-commit-latency.png", "median commit latency against ranks (seconds)",
+          [str(r["ranks"]) for r in recs], {"median commit": [r["median_commit_s"] for r in recs]}, "seconds")
+    m = cl.get("meta", {})
+    rows = ["| ranks | bytes per rank | median commit (s) | vs the fewest ranks |", "|---:|---:|---:|---:|"]
+    rows += [f"| {r['ranks']} | {r['bytes_per_rank']} | {r['median_commit_s']:.3f} | "
+             f"{r['median_commit_s'] / base:.2f}x |" for r in recs]
+    return ["## Commit latency against rank count (`commit_latency.py`)", "",
+            f"Run {m.get('date', '?')}, commit `{str(m.get('commit', '?'))[:12]}`, {m.get('cpus')} CPUs; the same "
+            f"{recs[0]['bytes_total']} bytes in all at every rank count (target: 32 ranks within 2x of 4).", "",
+            *rows, "", "![commit latency](img/bench-commit-latency.png)", ""]
+
+
+def remote_part(rs: dict, img: Path) -> list:
+    best, r = rs["best_s"], rs["ratios"]
+    _bars(img / "bench-remote-s3.png", f"remote tier: {rs['ranks']} files of {rs['mib_per_rank']} MiB (seconds)",
+          list(best), {"best of runs": list(best.values())}, "seconds")
+    m = rs.get("meta", {})
+    rows = ["| figure | ratio |", "|---|---:|"] + [f"| {k.replace('_', ' ')} | {v:.2f}x |" for k, v in r.items()]
+    lines = ["## Remote tier against plain S3 clients (`remote_s3.py`)", "",
+             (f"Run {m.get('date', '?')}, commit `{str(m.get('commit', '?'))[:12]}`, {m.get('cpus')} CPUs. " if m else "")
+             + "moto's server on 127.0.0.1 (Python, on the same cores): only ratios within the run mean anything. "
+             "Upload: snapckpt's verified multipart upload against `s3fs.put_file` and boto3's `upload_file` of the "
+             "same files; download: snapckpt's verified, ranged download against `s3fs.get_file` and boto3. Loop: "
+             "mean step time of a training loop with DISK saves plus the remote tier against the disk tier alone.",
+             "", *rows, ""]
+    if "loop" in rs:
+        lines += ["| loop mode | mean step (s) |", "|---|---:|"]
+        lines += [f"| {mode} | {v['step_mean_s']:.4f} |" for mode, v in rs["loop"].items()] + [""]
+    return lines + ["![remote tier](img/bench-remote-s3.png)", ""]
+
+
 def write_page(page: Path = PAGE, img: Path = IMG) -> Path:
     """Write the page and its plots from whatever results exist; return the page's path."""
     lines = ["# Benchmark results", "",
@@ -172,7 +207,8 @@ def write_page(page: Path = PAGE, img: Path = IMG) -> Path:
              "figure. How each method is measured: [Performance](performance.md) and `benchmarks/README.md`. No "
              "test asserts any of these times.", ""]
     parts = [("suite.json", suite_part), ("loop.json", loop_part), ("recovery.json", recovery_part),
-             ("many_tensors.json", many_part), ("first_save.json", first_part), ("memory_budget.json", budget_part)]
+             ("many_tensors.json", many_part), ("first_save.json", first_part), ("memory_budget.json", budget_part),
+             ("commit_latency.json", commit_latency_part), ("remote_s3.json", remote_part)]
     missing = []
     for name, fn in parts:
         data = _load(name)
