@@ -22,15 +22,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 
 
+_PORTS = random.SystemRandom()
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range (32768-60999 here).
 
     A port the kernel handed out for ``bind(0)`` can be handed out again to any socket bound to port 0
     before the launcher binds it: the persisters' peer channels listen on such ports, and a torchrun
     agent whose master port was taken so connected to another test's peer channel and waited forever
-    (both nodes silent, CI under ``-n 3``). Ports below the range are never chosen by the kernel."""
+    (both nodes silent, CI under ``-n 3``). Ports below the range are never chosen by the kernel.
+
+    Drawn from the OS's randomness, not the ``random`` module: a Trainer run in a pytest worker seeds the
+    global ``random`` (``transformers.set_seed``), and two workers seeded alike drew the same ports in step,
+    so a rank's rendezvous found its port taken by another test's (EADDRINUSE in CI)."""
     for _ in range(200):
-        port = random.randrange(20000, 32768)
+        port = _PORTS.randrange(20000, 32768)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
