@@ -58,7 +58,7 @@ class SaveStats:
 @dataclass(frozen=True)
 class Event:
     """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait``, ``failed``,
-    ``upload_skipped``, ``upload_failed``, ``replicated`` or ``replica_lagging``.
+    ``upload_skipped``, ``upload_failed``, ``replicated``, ``replica_lagging`` or ``steps_lost``.
 
     ``skipped`` means no snapshot was taken for the step; ``slot_wait`` means the save is waiting for a
     free arena slot (``on_slot_busy="wait"``) and its snapshot is still to come. ``upload_skipped`` /
@@ -67,7 +67,11 @@ class Event:
     ``replicated`` / ``replica_lagging`` (peer-memory tier, several nodes): the rank's memory snapshot of
     ``step`` is held complete by another node's persister (``reason`` names the node and the seconds), or
     was never sent because a newer one replaced it while the previous send was still in flight; reported
-    at the rank's next snapshot.
+    at the rank's next snapshot. ``steps_lost`` (rank 0, at the load agreement of a restart): memory holds a
+    newer step than the newest step complete in any tier, but not for every rank (a node lost with no
+    surviving replica, two nodes lost, a replica behind); ``step`` is the newest such step and ``reason`` the
+    warning's text (the ranks holding it and where, the ranks no node holds it for, the step and tier resumed
+    from).
 
     Attributes:
         kind: what happened.
@@ -75,8 +79,8 @@ class Event:
         tier: the requested ``StorageType``.
         rank: global rank that observed it.
         stats: for ``snapshot_taken``; for ``committed`` too, with ``durable_secs`` and ``persist_gbps`` set.
-        reason: for ``skipped``, ``slot_wait``, ``upload_skipped``, ``upload_failed``, ``replicated`` and
-            ``replica_lagging``.
+        reason: for ``skipped``, ``slot_wait``, ``upload_skipped``, ``upload_failed``, ``replicated``,
+            ``replica_lagging`` and ``steps_lost``.
         error: for ``failed``.
     """
 

@@ -277,3 +277,42 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig):
         got = loss_lines(f.read())
     assert got == reference_losses(rig, 2)
     assert "step 9 was not in this node's memory: fetched from node 0 (replica)" in outs[1]
+
+
+def test_G3_node_lost_with_its_replica_behind_resumes_from_the_newest_complete_step(rig):
+    """G3 with the peer-memory tier on and a replica behind: node 1's send of rank 1's step 9 is held (fault
+    point ``replica.before_send``), so node 0 holds rank 1's replica of step 6 only. Every rank paused at step
+    9, node 1 is lost whole and node 0's trainers die; a fresh node1 joins. The restart agrees on the newest
+    step complete across own memory, peer replicas and disk: memory step 6 (rank 0's own slot, rank 1's part
+    fetched from node 0's replica), with bitwise-equal losses; rank 0 warns, and emits ``steps_lost``,
+    naming step 9 as lost, who held it and where, rank 1's newest copy and the step and tier resumed from."""
+    rig.start(2)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    extra = ["--commit-timeout", "20"]  # node 0's crash flush of step 9 can never commit: give up soon
+    hold = {"SNAPCKPT_FAULT_POINT": f"replica.before_send:rank=1:step={PAUSE}:action=sleep:secs=600"}
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1,
+                            env=hold)
+    _wait_paused(runs, 2)
+    assert wait_until(lambda: f"hit replica.before_send rank=1 step={PAUSE} " in _persister_log(rig.nodes[1])
+                      and f"holding a replica of rank 1 step {DISK} " in _persister_log(rig.nodes[0]), 30), \
+        _persister_log(rig.nodes[0]) + _persister_log(rig.nodes[1])
+    rig.lose_node(1)
+    rig.kill_trainers(0)
+    assert f"holding a replica of rank 1 step {PAUSE} " not in _persister_log(rig.nodes[0])
+    rig.replace_node(1)
+    _trim_log(log, DISK)
+    outs = _run_all(rig, _args(rig.ckpt_dir, *extra, loss_log=log), 1)
+    resumed = sorted(_results(outs, "RESUMED"), key=lambda r: r["rank"])
+    assert [(r["rank"], r["step"], r["tier"], r["fetched_from"]) for r in resumed] == [
+        (0, DISK, "memory", None), (1, DISK, "memory", "node 0 (replica)")], outs
+    with open(log) as f:
+        assert loss_lines(f.read()) == reference_losses(rig, 2)
+    warning = ("step 9 is held in memory by ranks [0] but not by ranks [1] on any node (held as rank 0: own slot on "
+               "node 0); no node holds a copy of it for ranks [1]")
+    assert warning in outs[0], outs[0]
+    assert ("their newest copies: rank 1 (node 1): step 6 (replica on node 0). The newest step complete on every "
+            "rank across own memory, peer replicas and disk is 6 (memory; ranks [1] fetch their parts from where "
+            "they are held): the steps after it are lost on this restart") in outs[0], outs[0]
+    lost = [e for e in _results(outs, "EVENT") if e["kind"] == "steps_lost"]
+    assert [(e["rank"], e["step"]) for e in lost] == [(0, PAUSE)] and warning in lost[0]["reason"], lost

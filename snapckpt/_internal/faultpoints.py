@@ -31,6 +31,9 @@ point                                      process     where
 ``remote.mid_upload``                      persister   a block of a data object sent to the remote tier
 ``remote.before_manifest``                 persister   every data object uploaded, no manifest object yet
 ``remote.before_tracker``                  persister   manifest object written, tracker object not yet
+``replica.before_send``                    persister   a snapshot of the rank taken off a sender's queue, not
+                                                       yet sent to the peer node (``action=sleep``: a replica
+                                                       that lags behind)
 =========================================  ==========  =======================================================
 
 **Storage faults** (:mod:`snapckpt._testing.faulty_storage`) (``SNAPCKPT_FAULT_STORAGE``): a JSON object ``{"phase": P, "errno": E, "rank": R,
@@ -58,7 +61,7 @@ __all__ = ["point", "armed", "set_rank", "POINTS", "PHASES"]
 POINTS = ("snapshot.mid_copy", "snapshot.before_ready", "persist.mid_file", "persist.before_part_marker",
           "commit.before_rename", "commit.between_renames", "commit.before_tracker",
           "commit.after_tracker_before_retention", "remote.mid_upload", "remote.before_manifest",
-          "remote.before_tracker")
+          "remote.before_tracker", "replica.before_send")
 PHASES = ("open", "write", "fsync", "part_marker", "manifest", "rename", "tracker")
 
 _specs: Optional[List[Dict[str, object]]] = None  # parsed once; [] when unset

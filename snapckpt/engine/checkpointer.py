@@ -128,7 +128,8 @@ class Checkpointer:
                             self._storage, self._stager, self._maps, self._session, self._emit,
                             local=not self.remote_only)
         self._loader = Loader(self.options, self.checkpoint_dir, self.topology, self._coord, self._storage,
-                              self._maps, self._session, dir_id, remote, remote_only=self.remote_only)
+                              self._maps, self._session, dir_id, remote, remote_only=self.remote_only,
+                              emit=self._emit)
         self._session.connect()
         self._reserve_ahead()
         self._coord.all_gather("connected", {"ok": True}, t)

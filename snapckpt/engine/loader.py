@@ -24,13 +24,14 @@ import torch
 from snapckpt._internal.progress import byte_bar
 from snapckpt.dist.coordination import Coordinator
 from snapckpt.dist.topology import Topology
+from snapckpt.engine.agreement import MemoryTier, lost_steps, memory_tier, ranked
 from snapckpt.engine.replicas import PeerMap
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.persister.slot_index import read_slot
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
                              UnsafeCheckpointError, all_damaged_error)
-from snapckpt.events import StorageType
+from snapckpt.events import Event, StorageType
 from snapckpt.ondisk import layout
 from snapckpt.ondisk.manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest,
                                      present_files)
@@ -129,6 +130,7 @@ class Loader:
         remote_only: ``checkpoint_dir`` is an object store URL (remote-only mode): the committed steps are
             the store's (listed by rank 0), each rank reads its files from the store by ranged GETs,
             checksums verified, with no local directory.
+        emit: called with the ``steps_lost`` event (rank 0, see :meth:`candidates`); ``None``: no events.
 
     Attributes:
         last_load: a :class:`LoadInfo` of the last load, or ``None``.
@@ -136,7 +138,8 @@ class Loader:
 
     def __init__(self, options: CheckpointOptions, checkpoint_dir: str, topology: Topology, coord: Coordinator,
                  storage: PosixStorage, maps: SlotMaps, session: PersisterSession, dir_id: str,
-                 remote: "Optional[RemoteStore]" = None, *, remote_only: bool = False) -> None:
+                 remote: "Optional[RemoteStore]" = None, *, remote_only: bool = False,
+                 emit: Optional[Callable[[Event], None]] = None) -> None:
         self.options, self.checkpoint_dir, self._topology = options, checkpoint_dir, topology
         self._coord, self._storage, self._maps, self._session, self._dir_id = coord, storage, maps, session, dir_id
         self._damaged: List[str] = []  # directories skipped as damaged by the last candidates()
@@ -145,6 +148,7 @@ class Loader:
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
         self._remote_only = remote_only
+        self._emit = emit  # the Checkpointer's listeners (rank 0's ``steps_lost``)
         self.peers: Optional[PeerMap] = None  # the peer-memory tier's addresses (engine/replicas.py)
         self._sources: Dict[Tuple[int, str], Dict[int, List[Tuple[int, str]]]] = {}  # see candidates()
         self._fetched: Optional[str] = None  # where the last memory read was fetched from
@@ -190,16 +194,9 @@ class Loader:
                                                          "node": self._topology.node_index},
                                           self.options.coordination_timeout_secs)
         self._damaged = everyone[0]["damaged"]
-        have = [{tuple(x) for x in p["mem"]} for p in everyone]
-        self._sources = {}
-        for p in everyone:  # what other nodes can serve: a rank's part held anywhere counts
-            for r, st, rid, kind in p.get("holds") or []:
-                if 0 <= r < self.world_size:
-                    have[r].add((st, rid))
-                    self._sources.setdefault((st, rid), {}).setdefault(r, []).append((p["node"], kind))
-        common = None
-        for steps in have:
-            common = steps if common is None else common & steps
+        tier = memory_tier(everyone, self.world_size)
+        self._sources = tier.sources
+        common = tier.complete
         if not common and any(p["mem"] for p in everyone):
             log.warning("rank %d: ranks hold memory snapshots but no step is held by every rank (%s); "
                         "the memory tier cannot be used", self.rank,
@@ -208,10 +205,8 @@ class Loader:
         wrong = [d for d in disk_all if d[2] != self.world_size]
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
         self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]
-        cands: List[Tuple[int, str, Optional[str]]] = [(s, "memory", rid) for s, rid in (common or set())]
-        cands += [(d[0], "disk", d[1]) for d in disk_ok]
-        cands.sort(key=lambda c: (c[0], c[1] == "memory"), reverse=True)
-        self._warn_lost_memory(everyone, cands)
+        cands = ranked(tier, disk_ok)
+        self._warn_lost_memory(everyone, tier, cands)
         self._warn_interrupted(reply, cands)
         fetched = self._fetch_remote(everyone[0]["remote"], disk_all, cands, step)
         if fetched is not None:
@@ -323,22 +318,24 @@ class Loader:
         self._damaged = list(self._damaged) + agreed["failed"]
         return None if agreed["got"] is None else (agreed["got"][0], agreed["got"][1])
 
-    def _warn_lost_memory(self, everyone: List[Dict[str, Any]], cands: List[Tuple[int, str, Optional[str]]]) -> None:
-        """Rank 0 names what a restart loses when some ranks hold a newer memory snapshot than the newest
-        step complete on every rank (the other ranks' node was lost, or restarted without its memory)."""
-        newest = max((m[0] for p in everyone for m in p["mem"]), default=None)
-        best = cands[0][0] if cands else None
-        if self.rank != 0 or newest is None or (best is not None and best >= newest):
+    def _warn_lost_memory(self, everyone: List[Dict[str, Any]], tier: MemoryTier,
+                          cands: List[Tuple[int, str, Optional[str]]]) -> None:
+        """Rank 0 names what a restart loses when some rank's part of a memory step newer than the newest
+        step complete in any tier is held (own slots or peer replicas) but not every rank's: a warning and a
+        ``steps_lost`` event (:func:`snapckpt.engine.agreement.lost_steps` words it)."""
+        if self.rank != 0:
             return
-        holders = [r for r, p in enumerate(everyone) if any(m[0] == newest for m in p["mem"])]
-        missing = [r for r in range(self.world_size) if r not in holders]
-        if (newest, best) == self._warned_lost:  # latest_step() and load() of one restart: said once
+        msg = lost_steps(everyone, tier, cands[0] if cands else None)
+        if msg is None:
             return
-        self._warned_lost = (newest, best)
-        log.warning("step %d is held in memory by ranks %s but not by ranks %s (their node was lost or restarted "
-                    "without its memory, or they died before their snapshot of it); the newest step complete on "
-                    "every rank is %s: the steps after it are lost on this restart", newest, holders, missing,
-                    "none (a fresh start)" if best is None else f"{best} ({cands[0][1]})")
+        newest = max(s for s in tier.where if not cands or s > cands[0][0])
+        key = (newest, cands[0][0] if cands else None)
+        if key == self._warned_lost:  # latest_step() and load() of one restart: said once
+            return
+        self._warned_lost = key
+        log.warning("%s", msg)
+        if self._emit is not None:
+            self._emit(Event("steps_lost", newest, StorageType.MEMORY, self.rank, reason=msg))
 
     def _warn_interrupted(self, held: Dict[str, Any], cands: List[Tuple[int, str, Optional[str]]]) -> None:
         """Name a memory snapshot of this rank that is newer than what will be loaded but was never complete (its

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import xxhash
 
+from snapckpt._internal import faultpoints
 from snapckpt.errors import PersisterError, SnapckptError
 from snapckpt.persister import channel
 from snapckpt.persister.arena import map_slot
@@ -93,8 +94,9 @@ class _Sender(threading.Thread):
                 if self.stopping:
                     break
                 rank = min(self.queue)
-                slot, seq, _ = self.queue.pop(rank)
+                slot, seq, step = self.queue.pop(rank)
             try:
+                faultpoints.point("replica.before_send", step=step, rank=rank)
                 self._send(rank, slot, seq)
             except Exception as e:
                 log.warning("replica of rank %d to node %d (%s:%d) failed: %s: %s", rank, self.node, self.addr,

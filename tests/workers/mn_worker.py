@@ -6,8 +6,8 @@
 A tiny MLP with dropout (its masks come from the RNG, part of the checkpoint), AdamW, data drawn per
 (rank, step) from a seeded generator; ``HookRegistry`` snapshots to memory every M steps and to disk every D.
 On start: ``RESULT {"host", "rank", "num_nodes", "node_index", "local_ranks"}`` per rank, and when a
-checkpoint exists ``RESUMED {"step", "tier", "rank", "fetched_from"}``; each peer-replica event as
-``EVENT {"kind", "step", "rank", "reason"}``. Rank 0 prints and appends ``step N loss X`` (the
+checkpoint exists ``RESUMED {"step", "tier", "rank", "fetched_from"}``; each peer-replica event and a
+``steps_lost`` event as ``EVENT {"kind", "step", "rank", "reason"}``. Rank 0 prints and appends ``step N loss X`` (the
 rank-averaged loss, full repr).
 
 ``--pause-at K``: after step K's snapshot every rank prints ``PAUSED K`` and then: ranks listed in
@@ -64,7 +64,7 @@ def main() -> None:
     log = open(args.loss_log, "a") if rank == 0 and args.loss_log else None
     with Checkpointer(args.ckpt_dir, keep_last=2, commit_timeout_secs=args.commit_timeout,
                       replicas=args.replicas) as ck:
-        ck.add_listener(lambda e: e.kind.startswith("replica") and print(
+        ck.add_listener(lambda e: (e.kind.startswith("replica") or e.kind == "steps_lost") and print(
             "EVENT " + json.dumps({"kind": e.kind, "step": e.step, "rank": e.rank, "reason": e.reason}), flush=True))
         topo = ck.topology
         print("RESULT " + json.dumps({"host": socket.gethostname(), "rank": rank, "num_nodes": topo.num_nodes,
