@@ -16,9 +16,15 @@ Three figures, each for a snapshot of ``--mib`` MiB held in shared memory (``/de
 
 The receiving side runs in its own process (forked), as another node's persister would.
 
-    .venv/bin/python benchmarks/replication.py --mib 256 --repeats 3 [--disk-dir DIR]
+- **host memory per node** (``--memory-mib``, 0 skips it; needs root): a real job on two simulated nodes
+  with ``replicas=0`` and ``replicas=1``, the job's ``/dev/shm`` bytes (arena slots, replica slots) and the
+  persister's RSS/PSS/USS per node, in bytes and as a multiple of the node's training state
+  (:mod:`replica_memory`).
 
-Outputs ``benchmarks/results/replication.json`` and prints a table. Units: seconds, MB/s (10^6 bytes).
+    .venv/bin/python benchmarks/replication.py --mib 256 --repeats 3 [--disk-dir DIR] [--memory-mib 64]
+
+Outputs ``benchmarks/results/replication.{json,md}`` (with the date, commit and load average) and prints
+the tables. Units: seconds, MB/s (10^6 bytes), bytes.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ import xxhash
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _common import drop_page_cache  # noqa: E402
+from _common import drop_page_cache, git_commit  # noqa: E402
 from snapckpt.persister import channel  # noqa: E402
 from snapckpt.persister.arena import SlotFiles, write_header  # noqa: E402
 from snapckpt.persister.replication import Replicator, _put  # noqa: E402
@@ -123,6 +129,8 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disk-dir", default=str(REPO / "benchmarks" / ".replication-scratch"))
+    ap.add_argument("--memory-mib", type=int, default=64, help="host memory per node: state per rank (MiB); 0: skip")
+    ap.add_argument("--memory-nproc", type=int, default=1, help="host memory per node: ranks per node")
     a = ap.parse_args()
     nbytes = a.mib << 20
     shm = tempfile.mkdtemp(prefix="snapckpt-bench-", dir="/dev/shm")
@@ -206,18 +214,31 @@ def main() -> None:
     out["put_vs_plain"] = med["put_s"] / med["plain_s"]
     out["put_vs_plain_fresh"] = med["put_s"] / med["plain_fresh_s"]
     out["fetch_vs_disk"] = med["fetch_s"] / med["disk_s"]
+    out["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": git_commit(),
+                   "loadavg_1_5_15": list(os.getloadavg())}
+    lines = [f"{a.mib} MiB, median of {a.repeats}:",
+             f"  plain socket send      {med['plain_s']:.3f} s  {out['mb_per_s']['plain']:.0f} MB/s",
+             f"  plain, fresh tmpfs     {med['plain_fresh_s']:.3f} s  {out['mb_per_s']['plain_fresh']:.0f} MB/s",
+             f"  replica put (kept)     {med['put_s']:.3f} s  {out['mb_per_s']['put']:.0f} MB/s  "
+             f"({out['put_vs_plain']:.2f}x plain, {out['put_vs_plain_fresh']:.2f}x plain into fresh tmpfs)",
+             f"  time until replicated  {med['first_put_s']:.3f} s  (new connection + handshake + put)",
+             f"  recovery: fetch        {med['fetch_s']:.3f} s  {out['mb_per_s']['fetch']:.0f} MB/s",
+             f"  recovery: disk (cold)  {med['disk_s']:.3f} s  {out['mb_per_s']['disk_cold']:.0f} MB/s  "
+             f"(fetch {out['fetch_vs_disk']:.2f}x disk)"]
+    md = "\n".join(["# Peer replicas", "", f"{out['meta']['date']}, commit {out['meta']['commit']}, load average "
+                    + " ".join(f"{x:.1f}" for x in out["meta"]["loadavg_1_5_15"]), "", "```", *lines, "```", ""])
+    if a.memory_mib:
+        import replica_memory  # noqa: PLC0415 (the rig: only when asked)
+        try:
+            out["host_memory"] = replica_memory.measure(a.memory_mib, a.memory_nproc)
+            md += "\n" + replica_memory.markdown(out["host_memory"])
+        except RuntimeError as e:
+            out["host_memory"] = {"skipped": str(e)}
+            md += f"\nHost memory per node: not measured ({e}).\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "replication.json").write_text(json.dumps(out, indent=1))
-    print(f"{a.mib} MiB, median of {a.repeats}:")
-    print(f"  plain socket send      {med['plain_s']:.3f} s  {out['mb_per_s']['plain']:.0f} MB/s")
-    print(f"  plain, fresh tmpfs     {med['plain_fresh_s']:.3f} s  {out['mb_per_s']['plain_fresh']:.0f} MB/s")
-    print(f"  replica put (kept)     {med['put_s']:.3f} s  {out['mb_per_s']['put']:.0f} MB/s  "
-          f"({out['put_vs_plain']:.2f}x plain, {out['put_vs_plain_fresh']:.2f}x plain into fresh tmpfs)")
-    print(f"  time until replicated  {med['first_put_s']:.3f} s  (new connection + handshake + put)")
-    print(f"  recovery: fetch        {med['fetch_s']:.3f} s  {out['mb_per_s']['fetch']:.0f} MB/s")
-    print(f"  recovery: disk (cold)  {med['disk_s']:.3f} s  {out['mb_per_s']['disk_cold']:.0f} MB/s  "
-          f"(fetch {out['fetch_vs_disk']:.2f}x disk)")
-
+    (RESULTS / "replication.md").write_text(md)
+    print(md)
 
 if __name__ == "__main__":
     main()
