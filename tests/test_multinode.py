@@ -290,7 +290,10 @@ def test_G3_node_lost_with_its_replica_behind_resumes_from_the_newest_complete_s
     rig.leftover_ok = True
     log = os.path.join(rig.tmp, "losses.log")
     extra = ["--commit-timeout", "20"]  # node 0's crash flush of step 9 can never commit: give up soon
-    hold = {"SNAPCKPT_FAULT_POINT": f"replica.before_send:rank=1:step={PAUSE}:action=sleep:secs=600"}
+    # rank 1 hands step 9 to its persister 3 s late, so that step 6's send has ended (a snapshot still queued
+    # when the next one comes is dropped as lagging), then that persister holds step 9's send
+    hold = {"SNAPCKPT_FAULT_POINT": f"snapshot.before_ready:rank=1:step={PAUSE}:action=sleep:secs=3;"
+                                    f"replica.before_send:rank=1:step={PAUSE}:action=sleep:secs=600"}
     runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1,
                             env=hold)
     _wait_paused(runs, 2)
