@@ -206,11 +206,11 @@ class Loader:
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
         self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]
         cands = ranked(tier, disk_ok)
-        self._warn_lost_memory(everyone, tier, cands)
         self._warn_interrupted(reply, cands)
         fetched = self._fetch_remote(everyone[0]["remote"], disk_all, cands, step)
         if fetched is not None:
             cands.insert(0, (fetched[0], "disk", fetched[1]))
+        self._warn_lost_memory(everyone, tier, cands)  # after the remote tier's step: it may be the newest
         if not cands and wrong:
             raise IncompatibleCheckpointError(
                 f"{self.checkpoint_dir} holds checkpoints written by world size "
