@@ -270,7 +270,8 @@ def _train(out, snap, *, resume=None, stop_at=None, crash_at=None, model=None, n
         try:
             trainer.train(resume_from_checkpoint=resume)
         except _Crash:
-            cb.close(clean=False)  # as a crashed rank leaves: the persister keeps the memory snapshots
+            if cb is not None:  # as a crashed rank leaves: the persister keeps the memory snapshots
+                cb.close(clean=False)
     finally:
         logging.getLogger("transformers").removeHandler(warned)
     state = json.loads(json.dumps(dataclasses.asdict(trainer.state)).replace(out, "OUT"))
