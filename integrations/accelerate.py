@@ -190,7 +190,7 @@ class AcceleratorCheckpointer:
         path = os.path.join(ck.checkpoint_dir, self.dirname(cand.step))
         if files is not None and not os.path.isdir(path):
             log.warning("the newest snapshot, step %d, is held in memory only; writing it to %s", cand.step, path)
-            ck.write_out(files, cand.step, self.dirname(cand.step))
+            ck.write_out(files, cand.step, self.dirname(cand.step), modes=cand.modes())
         self.accelerator.load_state(path, **load_kwargs)
         if self.automatic_naming:
             self.accelerator.project_configuration.iteration = cand.step + 1

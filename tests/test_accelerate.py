@@ -3,14 +3,16 @@
 A plain Accelerate loop (dropout, shuffled data, StepLR) on CPU in worker processes
 (``tests/workers/accel_worker.py``); the reference is the same loop with the stock ``save_state``:
 
-- F2: ``checkpoint_5`` holds the files ``accelerator.save_state`` writes, with equal contents;
+- F2: ``checkpoint_5`` holds the files ``accelerator.save_state`` writes, with equal contents and permission
+  bits (safetensors files ``0600``, as ``safetensors.torch.save_file`` writes them);
 - F1: the stock ``accelerator.load_state`` resumes from snapckpt's folder with bitwise-equal losses and
   learning rates (E2, E3);
 - memory tier: after the process vanished, ``AcceleratorCheckpointer.load_state`` resumes from the newest
-  memory snapshot (written out as its folder first).
+  memory snapshot (written out as its folder first, with the same permission bits).
 """
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -48,6 +50,10 @@ def _load(path):
     return torch.load(path, weights_only=False)
 
 
+def _modes(d):
+    return {n: stat.S_IMODE(os.stat(os.path.join(d, n)).st_mode) for n in os.listdir(d) if n != ".snapckpt"}
+
+
 def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
     ref_dir, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
     ref = _run({"out": ref_dir, "mode": "stock", "steps": 10, "save_at": 5}, {})["rows"]
@@ -59,12 +65,14 @@ def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
     assert names == sorted(os.listdir(theirs)), names
     for n in names:
         assert_equal_state(_load(os.path.join(mine, n)), _load(os.path.join(theirs, n)), n)
+    assert _modes(mine) == _modes(theirs)
     # The stock loader resumes from snapckpt's folder (F1), bitwise (E2/E3).
     stock = _run({"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5}, snap_env.env)
     _same(stock["rows"], ref, range(6, 11))
     # snapckpt's own load: the newest snapshot is step 8, in memory only.
     again = _run({"out": out, "mode": "snap", "steps": 10, "opts": {"flush_on_crash": False}}, snap_env.env)
     assert again["resumed"] == os.path.join(out, "checkpoint_8")
+    assert _modes(os.path.join(out, "checkpoint_8")) == _modes(theirs)  # written out of memory
     _same(again["rows"], ref, range(9, 11))
 
 

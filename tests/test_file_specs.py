@@ -1,11 +1,12 @@
 """File specs for integrations: several native files per rank, raw and safetensors files, memory-only
-files, no tracker, and the collective ``load_with`` fallback from one tier to the other."""
+files, permission bits, no tracker, and the collective ``load_with`` fallback from one tier to the other."""
 import json
 import os
+import stat
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import SnapshotError
@@ -20,6 +21,10 @@ def _state():
 
 
 def test_native_files_round_trip_both_tiers(snap_env):
+    """Every kind of spec written and read back from both tiers; a spec's ``mode`` is the file's permission
+    bits on disk (safetensors files get ``safetensors.torch.save_file``'s own, ``0o600`` in 0.8), recorded in
+    the manifest and given back by ``LoadCandidate.modes()`` from memory and from disk; the others have the
+    default mode."""
     model, big = _state()
     view = big[8:20]  # a contiguous view into a larger storage: only its bytes are written
     tensors = {k: v for k, v in model.state_dict().items()}
@@ -27,8 +32,8 @@ def test_native_files_round_trip_both_tiers(snap_env):
     expected = {k: v.clone() for k, v in tensors.items()}
     files = {
         "model.safetensors": safetensors_file(tensors, {"format": "pt"}),
-        "state.json": RawBytes(json.dumps({"step": 3}).encode()),
-        "optim.pt": TorchSave({"w": model[0].weight, "n": 3}),
+        "state.json": RawBytes(json.dumps({"step": 3}).encode(), mode=0o744),
+        "optim.pt": TorchSave({"w": model[0].weight, "n": 3}, mode=0o640),
         "blob.bin": Concat([b"HEAD", view, b"TAIL"]),
         "mirror.pt": MemoryOnly({"w": model[0].weight}),
     }
@@ -56,6 +61,14 @@ def test_native_files_round_trip_both_tiers(snap_env):
         manifest = json.load(open(os.path.join(d, ".snapckpt", "manifest.json")))
         assert {k: v["kind"] for k, v in manifest["files"].items()} == {
             "model.safetensors": "bytes", "state.json": "bytes", "optim.pt": "torch", "blob.bin": "bytes"}
+        save_file(expected, os.path.join(snap_env.tmp, "ref.safetensors"))  # safetensors' own mode (0.8: 0o600)
+        modes = {"model.safetensors": stat.S_IMODE(os.stat(os.path.join(snap_env.tmp, "ref.safetensors")).st_mode),
+                 "state.json": 0o744, "optim.pt": 0o640}
+        umask = os.umask(0)
+        os.umask(umask)
+        assert {n: stat.S_IMODE(os.stat(os.path.join(d, n)).st_mode) for n in files if n != "mirror.pt"} == \
+            {**modes, "blob.bin": 0o666 & ~umask}
+        assert {k: v["mode"] for k, v in manifest["files"].items() if "mode" in v} == modes
 
         seen = []
 
@@ -65,8 +78,10 @@ def test_native_files_round_trip_both_tiers(snap_env):
                 files = cand.files()
                 assert torch.equal(files["mirror.pt"]["w"], expected["0.weight"])  # MemoryOnly is there
                 assert files["blob.bin"] == raw and files["state.json"] == b'{"step": 3}'
+                assert cand.modes() == modes
                 raise RuntimeError("pretend the framework refused it")  # -> all ranks fall back to disk
             cand.verify()
+            assert cand.modes() == modes
             return cand.files()
 
         files, cand = ck.load_with(read)
@@ -85,6 +100,9 @@ def test_empty_part_and_bad_specs(snap_env):
         assert os.listdir(os.path.join(snap_env.ckpt_dir, "empty")) == [".snapckpt"]
         with pytest.raises(SnapshotError, match="contiguous"):
             Concat([big.view(5, 8).t()])
+        for mode in (0o10000, -1, "644", True):
+            with pytest.raises(ValueError, match="permission bits such as 0o644"):
+                RawBytes(b"x", mode=mode)
         with pytest.raises(SnapshotError, match="share memory"):
             safetensors_file({"a": big, "b": big})
         with pytest.raises(ValueError, match="one path component"):

@@ -18,6 +18,7 @@ The tiny GPT-2 of ``tests/workers/hf_worker.py`` (dropout 0.2, shuffled data, li
 """
 import os
 import signal
+import stat
 import sys
 
 import pytest
@@ -72,7 +73,7 @@ def _file_bytes(spec):
 
 def test_F2_adapter_specs_equal_save_pretrained_and_second_adapter_refused(snap_env, tmp_path):
     """Without a Trainer: ``model_files`` + ``card_files`` of a trained-looking LoRA model are byte for byte
-    what ``PeftModel.save_pretrained`` writes, and hold the adapter's tensors only (the live ones, not
+    and mode for mode what ``PeftModel.save_pretrained`` writes, and hold the adapter's tensors only (the live ones, not
     copies: the snapshot copies them). A second adapter is refused with the fix when training starts."""
     sys.path.insert(0, os.path.dirname(WORKER))
     from hf_worker import Tokens, build_lora_model
@@ -92,8 +93,12 @@ def test_F2_adapter_specs_equal_save_pretrained_and_second_adapter_refused(snap_
     model.save_pretrained(str(tmp_path / "peft"))
     assert sorted(files) == sorted(os.listdir(tmp_path / "peft")) == ["README.md", "adapter_config.json",
                                                                       "adapter_model.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
     for name, spec in files.items():
         assert _file_bytes(spec) == (tmp_path / "peft" / name).read_bytes(), name
+        mode = spec.mode if spec.mode is not None else 0o666 & ~umask  # None: the persister's default
+        assert mode == stat.S_IMODE(os.stat(tmp_path / "peft" / name).st_mode), name
     live = {p.data_ptr() for n, p in model.named_parameters() if "lora_" in n}
     tensors = [p for p in files["adapter_model.safetensors"].parts if isinstance(p, torch.Tensor)]
     assert len(tensors) == 4 and {t.data_ptr() for t in tensors} == live

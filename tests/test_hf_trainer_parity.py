@@ -1,15 +1,22 @@
-"""The Trainer with ``SnapckptCallback`` behaves as without it (issue 17, items 3-4): ``push_to_hub`` and
-``save_strategy="best"``. In-process Trainers on the tiny GPT-2 of ``tests/workers/hf_worker.py`` (CPU),
-each compared with the stock Trainer on the same arguments."""
+"""The Trainer with ``SnapckptCallback`` behaves as without it (issue 17, items 3-4): ``push_to_hub``,
+``save_strategy="best"``, a resume with another batch size, frozen parameters (memory and disk tier).
+In-process Trainers on the tiny GPT-2 of ``tests/workers/hf_worker.py`` (CPU), each compared with the stock
+Trainer on the same arguments."""
+import dataclasses
 import http.server
 import json
+import logging
 import os
+import shutil
+import stat
 import sys
 import threading
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from _harness import REPO
+from _harness import REPO, assert_equal_state, wait_until
 
 sys.path.insert(0, os.path.join(REPO, "tests", "workers"))
 
@@ -204,3 +211,223 @@ def test_a_step_the_trainer_saved_itself_is_not_written_twice(snap_env, caplog):
     assert not os.path.exists(os.path.join(two, ".snapckpt"))  # the Trainer's own folder, not written over
     assert os.path.isfile(os.path.join(three, ".snapckpt", "manifest.json"))  # the callback's save of step 3
     assert "checkpoint-2 was saved by the Trainer itself" in caplog.text
+
+
+class _Crash(Exception):
+    """Raised by a callback to end a training run as a crash would (no ``on_train_end``)."""
+
+
+class _Warnings(logging.Handler):
+    """The messages transformers logs at WARNING and above (its loggers do not propagate to the root)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _train(out, snap, *, resume=None, stop_at=None, crash_at=None, model=None, n=24, cb_kw=None, **kw):
+    """One in-process Trainer run on ``Tokens(n)`` (``model`` built by ``build_model`` unless given).
+
+    ``snap``: with ``SnapckptCallback(**cb_kw)``; ``stop_at``: training stops after that step
+    (``should_training_stop``, a clean end); ``crash_at``: a callback listed after SnapckptCallback raises in
+    the ``on_step_begin`` after that step (the pending snapshot of the step is taken first), and the callback
+    is closed as after a crash. Returns what the Trainer did: ``log_history`` losses per step, its final
+    ``state`` (output_dir as ``OUT``, no timings), the first token of every sample of every batch it
+    collated (the data it saw), the warnings transformers logged, the final weights, and the callback."""
+    from transformers import Trainer, TrainerCallback, default_data_collator
+    from transformers.utils import logging as hf_logging
+
+    from hf_worker import Tokens, build_model
+    from snapckpt.hf import SnapckptCallback
+
+    seen = []
+
+    def collate(features):
+        batch = default_data_collator(features)
+        seen.append(batch["input_ids"][:, 0].tolist())
+        return batch
+
+    class Halt(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == crash_at:
+                raise _Crash(state.global_step)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_training_stop = True
+
+    cb = SnapckptCallback(**{"persister_idle_timeout_secs": 2, **(cb_kw or {})}) if snap else None
+    warned = _Warnings()
+    hf_logging.warning_once.cache_clear()  # a warning_once of an earlier run in this process is logged again
+    logging.getLogger("transformers").addHandler(warned)
+    try:
+        trainer = Trainer(model=model if model is not None else build_model(), args=_args(out, **kw),
+                          train_dataset=Tokens(n=n), data_collator=collate,
+                          callbacks=([cb] if snap else []) + [Halt()])
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except _Crash:
+            if cb is not None:  # as a crashed rank leaves: the persister keeps the memory snapshots
+                cb.close(clean=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(warned)
+    state = json.loads(json.dumps(dataclasses.asdict(trainer.state)).replace(out, "OUT"))
+    state["log_history"] = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+                            for e in state["log_history"]]
+    losses = {e["step"]: (repr(e["loss"]), repr(e["learning_rate"]), repr(e["grad_norm"]))
+              for e in trainer.state.log_history if "loss" in e}
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return dict(losses=losses, state=state, seen=seen, warnings=[w.replace(out, "OUT") for w in warned.messages],
+                weights=weights, callback=cb, trainer=trainer)
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _folder_diffs(mine, theirs, differing=()):
+    """How the folder ``mine`` differs from the Trainer's ``theirs``: file set, each file's mode bits, bytes of
+    safetensors and JSON files (``trainer_state.json`` parsed, with its output_dir and timings left out), the
+    loaded contents of torch files. ``differing``: keys of ``trainer_state.json`` and ``training_args.bin``
+    the two runs were given different values of (left out)."""
+    names = sorted(f for f in os.listdir(theirs) if f != ".snapckpt")
+    got = sorted(f for f in os.listdir(mine) if f != ".snapckpt")
+    if got != names:
+        return [f"files: {got} != {names}"]
+    diffs = [] if _mode(mine) == _mode(theirs) else [f"folder mode {_mode(mine):o} != {_mode(theirs):o}"]
+    for name in names:
+        a, b = os.path.join(mine, name), os.path.join(theirs, name)
+        if _mode(a) != _mode(b):
+            diffs.append(f"{name}: mode {_mode(a):o} != {_mode(b):o}")
+        if name == "trainer_state.json":
+            x, y = (_timeless(p, os.path.dirname(os.path.dirname(p))) for p in (a, b))
+            for d in (x, y):
+                for k in differing:
+                    d.pop(k, None)
+            if x != y:
+                diffs.append(f"{name}: {x} != {y}")
+        elif name.endswith((".safetensors", ".json")):
+            if open(a, "rb").read() != open(b, "rb").read():
+                diffs.append(f"{name}: bytes differ")
+        elif name == "training_args.bin":
+            x, y = (torch.load(p, weights_only=False).to_dict() for p in (a, b))
+            for d in (x, y):
+                for k in ("output_dir", "logging_dir", *differing):
+                    d.pop(k, None)
+            if x != y:
+                diffs.append(f"{name}: {x} != {y}")
+        else:
+            try:
+                assert_equal_state(torch.load(a, weights_only=False), torch.load(b, weights_only=False), name,
+                                   strict=True)
+            except AssertionError as e:
+                diffs.append(str(e))
+    return diffs
+
+
+def test_resume_with_a_changed_batch_size_matches_the_trainer(snap_env):
+    """Train 5 steps at ``per_device_train_batch_size=4`` (saved at step 4), then resume from
+    ``checkpoint-4`` with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=2`` up to step
+    14, with and without the callback. What the Trainer does on that resume is kept as is: it skips
+    ``global_step * gradient_accumulation_steps`` batches of the new size (8 samples, not the 16 trained
+    on), warns that the batch size differs from ``trainer_state.json``, keeps the checkpoint's
+    ``train_batch_size`` in its state, and starts the next epoch after its own 12 steps per epoch. With the
+    callback, the resumed run sees the same data, logs bitwise-equal losses, learning rates and gradient
+    norms, ends in the same ``TrainerState``, logs the same transformers warnings and writes the same
+    folders (file for file, mode bits included) as the stock Trainer."""
+    first = dict(max_steps=14, save_steps=4, per_device_train_batch_size=4)
+    then = dict(max_steps=14, save_steps=4, per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    runs = {}
+    for name, snap in (("stock", False), ("snap", True)):
+        out = os.path.join(snap_env.tmp, name)
+        runs[name] = (_train(out, snap, stop_at=5, **first), _train(out, snap, resume=True, **then))
+    (stock_first, stock), (mine_first, mine) = runs["stock"], runs["snap"]
+    # the scenario: 4 steps x 2 batches of 1 sample skipped: samples 8-15 of epoch 0, trained on before the
+    # save, are trained on again; epoch 1 starts after step 12
+    flat_first, flat = ([t for b in run["seen"] for t in b] for run in (stock_first, stock))
+    assert flat[:16] == flat_first[8:24] and all(len(b) == 1 for b in stock["seen"]), (flat, flat_first)
+    assert 1 < stock["state"]["epoch"] < 2 and stock["state"]["global_step"] == 14, stock["state"]
+    assert sorted(stock["losses"]) == list(range(1, 15)) and stock["state"]["train_batch_size"] == 4
+    assert any("per_device_train_batch_size: 1 (from args) != 4" in w for w in stock["warnings"]), stock["warnings"]
+    assert mine_first["losses"] == stock_first["losses"]
+    assert mine["seen"] == stock["seen"]
+    assert mine["losses"] == stock["losses"]
+    assert mine["state"] == stock["state"]
+    assert mine["warnings"] == stock["warnings"]
+    folders = sorted(os.listdir(os.path.join(snap_env.tmp, "stock")))
+    assert folders == ["checkpoint-12", "checkpoint-14", "checkpoint-4", "checkpoint-8"], folders
+    assert sorted(os.listdir(os.path.join(snap_env.tmp, "snap"))) == folders
+    for name in folders:
+        mine_dir = os.path.join(snap_env.tmp, "snap", name)
+        assert os.path.isfile(os.path.join(mine_dir, ".snapckpt", "manifest.json")), name  # written by snapckpt
+        assert _folder_diffs(mine_dir, os.path.join(snap_env.tmp, "stock", name)) == [], name
+
+
+def _frozen_model():
+    """The tiny GPT-2 with its embeddings (``wte``, tied to ``lm_head``; ``wpe``) and first block frozen."""
+    from hf_worker import build_model
+
+    model = build_model()
+    for module in (model.transformer.wte, model.transformer.wpe, model.transformer.h[0]):
+        module.requires_grad_(False)
+    return model
+
+
+def test_frozen_parameters_memory_and_disk_tier_match_the_trainer(snap_env):
+    """A model with frozen parameters (embeddings and the first block, ``requires_grad=False``): the Trainer's
+    optimizer holds the trainable ones only, ``model.safetensors`` every weight. The stock Trainer saves
+    every step of 6. With the callback (saves every 2 steps, a memory snapshot every step): the run crashes
+    after step 5 (``checkpoint-2`` and ``-4`` committed, step 5 in memory only); the next Trainer writes step
+    5 out of memory and resumes from it to step 6; then ``checkpoint-5`` and ``-6`` are removed and a third
+    Trainer resumes from the disk tier's ``checkpoint-4``. Every folder (disk tier, written out of memory,
+    written after each resume) equals the Trainer's of the same step file for file (same keys and bytes in
+    ``model.safetensors``; ``optimizer.pt`` with the trainable parameters only; mode bits), the losses of
+    every run are bitwise the uninterrupted Trainer's, and the frozen weights are those the model started
+    with."""
+    from snapckpt import StorageType
+
+    initial = _frozen_model()
+    frozen = {k for k, p in initial.named_parameters() if not p.requires_grad}
+    trainable = [k for k, p in initial.named_parameters() if p.requires_grad]
+    assert frozen and trainable
+    start = {k: v.clone() for k, v in initial.state_dict().items()}
+    stock_out, out = os.path.join(snap_env.tmp, "stock"), snap_env.ckpt_dir
+    stock = _train(stock_out, False, model=_frozen_model(), max_steps=6, save_steps=1)
+    cb_kw = dict(memory_interval_steps=1, flush_on_crash=False, persister_idle_timeout_secs=30)
+    runs = [_train(out, True, model=_frozen_model(), crash_at=5, cb_kw=cb_kw, max_steps=6, save_steps=2)]
+    assert wait_until(lambda: os.path.isdir(os.path.join(out, "checkpoint-4")), 30)  # committed after the crash
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]  # step 5 in memory only
+    for name in ("checkpoint-2", "checkpoint-4"):  # disk tier
+        assert _folder_diffs(os.path.join(out, name), os.path.join(stock_out, name), ["save_steps"]) == [], name
+    runs.append(_train(out, True, model=_frozen_model(), resume=True, cb_kw=cb_kw, max_steps=6, save_steps=2))
+    assert runs[-1]["callback"].resumed_from == (5, StorageType.MEMORY)
+    for name in ("checkpoint-5", "checkpoint-6"):  # written out of memory; written after the memory-tier resume
+        assert _folder_diffs(os.path.join(out, name), os.path.join(stock_out, name), ["save_steps"]) == [], name
+    for name in ("checkpoint-5", "checkpoint-6"):
+        shutil.rmtree(os.path.join(out, name))
+    runs.append(_train(out, True, model=_frozen_model(), resume=True, cb_kw=cb_kw, max_steps=6, save_steps=2))
+    assert runs[-1]["callback"].resumed_from is None  # resumed from the disk tier's checkpoint-4
+    assert _folder_diffs(os.path.join(out, "checkpoint-6"), os.path.join(stock_out, "checkpoint-6"),
+                         ["save_steps"]) == []
+    assert sorted(stock["losses"]) == list(range(1, 7))
+    assert runs[0]["losses"] == {s: stock["losses"][s] for s in range(1, 6)}
+    # the end-of-training summary's train_loss averages the run's own steps only (the Trainer's rule)
+    for run in (stock, *runs[1:]):
+        assert "train_runtime" in run["trainer"].state.log_history[-1]
+        run["state"]["log_history"][-1].pop("train_loss")
+    for run in runs[1:]:
+        assert run["losses"] == stock["losses"]
+        assert run["state"] == {**stock["state"], "save_steps": 2}
+    # the folders' contents: all weights, the trainable parameters' optimizer state only, frozen weights as built
+    saved = load_file(os.path.join(out, "checkpoint-6", "model.safetensors"))
+    assert set(saved) == set(start) - {"lm_head.weight"}  # tied to wte, as save_pretrained leaves it out
+    opt = torch.load(os.path.join(out, "checkpoint-6", "optimizer.pt"), weights_only=True)
+    assert sum(len(g["params"]) for g in opt["param_groups"]) == len(opt["state"]) == len(trainable)
+    for run in (stock, *runs):
+        for k in frozen:
+            assert torch.equal(run["weights"][k], start[k]), k
+    for k in frozen - {"lm_head.weight"}:
+        assert torch.equal(saved[k], start[k]), k

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
+from typing import Optional
 
 import pytest
 
@@ -150,9 +152,9 @@ def test_wrong_credentials_are_refused_at_start(snap_env, s3_bucket, monkeypatch
     assert not s3_bucket.keys("run/")  # no probe, no owner record: nothing was written with the wrong key
 
 
-def _local_checkpoint(root: str, step: int, files: dict) -> tuple:
-    """A committed local checkpoint ``root/step_N`` of ``files`` ({name: bytes}, rank 0); return (path,
-    manifest)."""
+def _local_checkpoint(root: str, step: int, files: dict, modes: Optional[dict] = None) -> tuple:
+    """A committed local checkpoint ``root/step_N`` of ``files`` ({name: bytes}, rank 0), ``modes`` ({name:
+    permission bits}) recorded in the manifest; return (path, manifest)."""
     import xxhash
     from snapckpt.ondisk.manifest import MANIFEST, build_manifest
     d = os.path.join(root, f"step_{step:08d}")
@@ -160,8 +162,8 @@ def _local_checkpoint(root: str, step: int, files: dict) -> tuple:
     for name, data in files.items():
         open(os.path.join(d, name), "wb").write(data)
     m = build_manifest(step=step, dirname=os.path.basename(d), world_size=1, run_id="r",
-                       parts={0: {n: {"nbytes": len(b), "xxh3_64": xxhash.xxh3_64(b).hexdigest(), "kind": "bytes"}
-                                  for n, b in files.items()}})
+                       parts={0: {n: {"nbytes": len(b), "xxh3_64": xxhash.xxh3_64(b).hexdigest(), "kind": "bytes",
+                                      "mode": (modes or {}).get(n)} for n, b in files.items()}})
     open(os.path.join(d, MANIFEST), "w").write(json.dumps(m))
     return d, m
 
@@ -170,13 +172,13 @@ def test_H1_store_commit_record_retention_and_corrupt_download(tmp_path, s3_buck
     """The store's rules, in-process: a prefix without a manifest object is not a checkpoint; a file changed
     since its local commit is not uploaded (nothing committed remotely); retention deletes the oldest
     (manifest first, no prefix left); a download of an object damaged in the store fails its checksum and
-    leaves nothing in the local directory."""
+    leaves nothing in the local directory; a download gives a file the mode its manifest records."""
     from snapckpt.errors import CheckpointCorruptError
     from snapckpt.storage.remote import RemoteStore
     store = RemoteStore(s3_bucket.url("run"))
     src = str(tmp_path / "src")
     for step in (1, 2, 3):
-        d, m = _local_checkpoint(src, step, {"a.bin": bytes([step]) * 1000, "b.bin": b"x" * step})
+        d, m = _local_checkpoint(src, step, {"a.bin": bytes([step]) * 1000, "b.bin": b"x" * step}, {"b.bin": 0o600})
         store.upload(d, os.path.basename(d), m, run_id="r", tracker_name="latest", tracker_content=os.path.basename(d))
     assert [c.step for c in store.list_committed()] == [1, 2, 3]
     assert s3_bucket.get("run/latest") == b"step_00000003"
@@ -210,6 +212,10 @@ def test_H1_store_commit_record_retention_and_corrupt_download(tmp_path, s3_buck
     c2 = [c for c in store.list_committed() if c.step == 2][0]
     store.download(c2, dest, fsync=False)
     assert open(os.path.join(dest, "step_00000002", "a.bin"), "rb").read() == bytes([2]) * 1000
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {n: stat.S_IMODE(os.stat(os.path.join(dest, "step_00000002", n)).st_mode) for n in ("a.bin", "b.bin")} \
+        == {"a.bin": 0o666 & ~umask, "b.bin": 0o600}
     assert open(os.path.join(dest, "latest")).read() == "step_00000002"
 
 

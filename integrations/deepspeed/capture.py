@@ -5,7 +5,8 @@ checkpoint inside its own folder (the Hugging Face Trainer: ``checkpoint-N/globa
 :class:`CaptureEngine` as ``engine.checkpoint_engine``: every state dict DeepSpeed hands the engine is recorded
 as a :class:`~snapckpt.formats.TorchSave` (its tensors are copied by the snapshot, not serialized on the
 training thread), and what DeepSpeed writes itself (``latest`` and the recovery scripts ``zero_to_fp32.py`` /
-``zero_to_torch.py``, on rank 0) is read back as :class:`~snapckpt.formats.RawBytes`. The names are relative
+``zero_to_torch.py``, on rank 0) is read back as :class:`~snapckpt.formats.RawBytes` with the mode DeepSpeed
+gave it (it makes the scripts executable by their owner). The names are relative
 to the save directory and are DeepSpeed's (``global_stepN/mp_rank_00_model_states.pt`` ...); the caller
 snapshots them together with its own files through :meth:`snapckpt.Checkpointer.save_files`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from typing import Any, Dict, Optional
 
@@ -101,8 +103,8 @@ def capture_save(engine, *, tag: Optional[str] = None, exclude_frozen_parameters
             for n in names:
                 rel = os.path.relpath(os.path.join(root, n), scratch).replace(os.sep, "/")
                 if rel not in files:
-                    with open(os.path.join(root, n), "rb") as f:
-                        files[rel] = RawBytes(f.read())
+                    with open(os.path.join(root, n), "rb") as f:  # with its mode: zero_to_fp32.py is executable
+                        files[rel] = RawBytes(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))
     finally:
         engine.checkpoint_engine = own
         shutil.rmtree(scratch, ignore_errors=True)

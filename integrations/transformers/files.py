@@ -35,6 +35,7 @@ import io
 import json
 import os
 import random
+import stat
 import tempfile
 from typing import Any, Dict, Optional
 
@@ -159,7 +160,8 @@ def trainer_state_bytes(state: Any, drop_last_log: bool = False) -> bytes:
 
 
 def processing_class_files(processing_class: Any) -> Dict[str, RawBytes]:
-    """The files ``processing_class.save_pretrained`` writes (tokenizer, processor), read back as bytes.
+    """The files ``processing_class.save_pretrained`` writes (tokenizer, processor), read back as bytes, each
+    with the permission bits it was written with.
 
     Saved once into a temporary directory; ``{}`` for ``None``. Nested directories are not supported
     (none of the tokenizers' own files use them).
@@ -178,7 +180,7 @@ def processing_class_files(processing_class: Any) -> Dict[str, RawBytes]:
                 raise ValueError(f"{type(processing_class).__name__}.save_pretrained wrote a directory {name!r}; "
                                  "SnapckptCallback supports flat processing-class folders only")
             with open(p, "rb") as f:
-                out[name] = RawBytes(f.read())
+                out[name] = RawBytes(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))  # as save_pretrained made it
     return out
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import tempfile
 from typing import Any, Dict
@@ -95,14 +96,14 @@ def adapter_files(model: torch.nn.Module) -> Dict[str, Any]:
 
 def card_files(model: Any) -> Dict[str, RawBytes]:
     """``README.md`` as ``PeftModel.save_pretrained`` writes it into a new folder (its
-    ``create_or_update_model_card``, run once in a temporary directory and read back); ``{}`` for any
-    other model."""
+    ``create_or_update_model_card``, run once in a temporary directory and read back, with its mode); ``{}``
+    for any other model."""
     if not is_peft_model(model):
         return {}
     with tempfile.TemporaryDirectory(prefix="snapckpt-card-") as d:
         model.create_or_update_model_card(d)
         with open(os.path.join(d, MODEL_CARD_NAME), "rb") as f:
-            return {MODEL_CARD_NAME: RawBytes(f.read())}
+            return {MODEL_CARD_NAME: RawBytes(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))}
 
 
 def check_supported(model: Any) -> None:

@@ -135,7 +135,7 @@ def materialize_newest(ck: Checkpointer, output_dir: str,
         if ck.rank == 0:
             log.warning("the newest intact checkpoint is step %d in memory; %s: writing it to %s", cand.step,
                         was, os.path.join(output_dir, name))
-        ck.write_out(files, cand.step, f"{PREFIX}-{cand.step}")
+        ck.write_out(files, cand.step, f"{PREFIX}-{cand.step}", modes=cand.modes())
         resumed_from = (cand.step, StorageType.MEMORY)
     trusted = {f"{PREFIX}-{cand.step}"} if files is not None else set(verified)
     if loaded is not None:

@@ -488,15 +488,16 @@ class Checkpointer:
         return self._loader.verify_directory(path, dirname or os.path.basename(path.rstrip("/")), present_only)
 
     def write_out(self, files: Mapping[str, Any], step: int, dirname: str, *, tracker_name: Optional[str] = None,
-                  tracker_content: str = "") -> None:
+                  tracker_content: str = "", modes: Optional[Mapping[str, int]] = None) -> None:
         """Collective: commit files read back from a snapshot (``LoadCandidate.files()`` of a MEMORY
         candidate) as the native directory ``dirname`` of ``step``, and wait until it is committed. The way
         an integration turns a memory-only snapshot into the folder its framework's own loader reads.
+        ``modes``: the files' permission bits as saved (``LoadCandidate.modes()``; default: none recorded).
 
         Raises:
             Any error of :meth:`save_files` or of the commit (:meth:`SaveHandle.wait`).
         """
-        self.save_files(respec(files), step, StorageType.DISK, dirname=dirname, tracker_name=tracker_name,
+        self.save_files(respec(files, modes), step, StorageType.DISK, dirname=dirname, tracker_name=tracker_name,
                         tracker_content=tracker_content).wait()
 
     # --------------------------------------------------------------------------------------- close

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -28,7 +28,7 @@ from snapckpt.engine.agreement import MemoryTier, lost_steps, memory_tier, ranke
 from snapckpt.engine.replicas import PeerMap
 from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import SlotMaps
-from snapckpt.persister.slot_index import read_slot
+from snapckpt.persister.slot_index import read_index, read_slot
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
                              UnsafeCheckpointError, all_damaged_error)
 from snapckpt.events import Event, StorageType
@@ -91,6 +91,7 @@ class LoadCandidate:
         self.run_id = key if tier == StorageType.MEMORY else None
 
     _files: Optional[Dict[str, Any]] = None
+    _modes: Optional[Dict[str, int]] = None  # set by Loader.read
 
     def files(self) -> Dict[str, Any]:
         """This rank's files: ``{name: object}`` (torch files unpickled with CPU tensors, raw files as
@@ -103,6 +104,13 @@ class LoadCandidate:
         if self._files is None:
             self._files = self._owner.read(self)
         return self._files
+
+    def modes(self) -> Dict[str, int]:
+        """``{name: permission bits}`` of this rank's files saved with a spec's ``mode`` (see
+        :mod:`snapckpt.formats.specs`; the others have the default mode): what :meth:`Checkpointer.write_out`
+        needs to write them as they were. Reads the files first (:meth:`files`) if not read yet."""
+        self.files()
+        return dict(self._modes or {})
 
     def verify(self) -> None:
         """DISK: check this rank's files against the manifest (sizes, and checksums unless
@@ -396,9 +404,12 @@ class Loader:
         if cand.tier == StorageType.MEMORY:
             return self._read_memory(cand, views)
         if self._remote_only:
-            return self._read_remote(cand.dirname)[1]
+            m, files = self._read_remote(cand.dirname)
+            cand._modes = _modes(m["files"].items(), self.rank)
+            return files
         path = cand.path
         m = self.verify(path, cand.dirname)
+        cand._modes = _modes(m["files"].items(), self.rank)
         weights_only = self.options.weights_only
 
         def read(name: str, rec: Dict[str, Any]) -> Any:
@@ -506,6 +517,7 @@ class Loader:
         m = self._maps.get(s["slot"], s["path"], s["nbytes"])
         got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
                                     copy=not views)
+        cand._modes = _modes(((f["path"], f) for f in read_index(m.buf, m.path)["files"]), None)
         if got_step != cand.step:
             raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
                                          f"not {cand.step}")
@@ -614,3 +626,10 @@ class Loader:
                 error = f"{type(e).__name__}: {e}"
         bad = self._coord.agree(f"verify {dirname}", error)
         return "; ".join(bad[r] for r in sorted(bad))
+
+
+def _modes(records: Iterable[Tuple[str, Dict[str, Any]]], rank: Optional[int]) -> Dict[str, int]:
+    """``{name: mode}`` of the file records (manifest records of ``rank``, or slot index entries with ``rank``
+    None) that hold permission bits."""
+    return {name: rec["mode"] for name, rec in records
+            if rec.get("mode") is not None and (rank is None or rec.get("rank") == rank)}

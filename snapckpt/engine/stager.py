@@ -267,7 +267,7 @@ class Stager:
         for name, value in files.items():
             spec, persist = unwrap(value)
             if isinstance(spec, RawBytes):
-                spec = Concat([bytes(spec.data)])
+                spec = Concat([bytes(spec.data)], spec.mode)
             specs.append((spec, persist))
             if isinstance(spec, TorchSave):
                 plain = plain_tensors(spec.obj)
@@ -316,7 +316,7 @@ class Stager:
                 tail.append((offset, pkl))
                 records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
                 index_files.append({"path": path, "kind": "torch", "persist": persist,
-                                    "pkl": [offset, len(pkl)], "records": records})
+                                    "pkl": [offset, len(pkl)], "records": records, **_mode(spec)})
                 offset += len(pkl)
                 continue
             chunks = []
@@ -330,7 +330,7 @@ class Stager:
                     tail.append((offset, part))
                     chunks.append([offset, len(part)])
                     offset += len(part)
-            index_files.append({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks})
+            index_files.append({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks, **_mode(spec)})
         index = json.dumps({"v": 2, "step": step, "files": index_files}, separators=(",", ":")).encode()
         tail.append((offset, index))
         total = offset + len(index)
@@ -373,3 +373,8 @@ def _check_concat_tensor(t: torch.Tensor) -> None:
     _check_supported(t)
     if not t.is_contiguous():
         raise SnapshotError(f"a raw tensor record (shape {tuple(t.shape)}) must be contiguous")
+
+
+def _mode(spec: Any) -> Dict[str, int]:
+    """The slot index's ``"mode"`` entry of a file spec with permission bits (none for the default mode)."""
+    return {} if spec.mode is None else {"mode": spec.mode}

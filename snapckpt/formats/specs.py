@@ -11,11 +11,21 @@ integration write its framework's native files without the persister ever runnin
 - :class:`MemoryOnly` ``(value)``: kept in the rank's memory snapshot, never written to disk (a file a
   rank needs to reload from memory although another rank owns it on disk).
 
+Each of the first three takes ``mode``: the file's permission bits on disk (``None``, the default: as
+``open(path, "wb")`` creates it, ``0o666`` less the umask), for a framework whose own save sets them
+(``safetensors.torch.save_file`` writes ``0o600``, DeepSpeed makes ``zero_to_fp32.py`` executable). The
+mode is recorded in the manifest, and kept by the memory tier's write-out and by downloads from the remote
+tier.
+
 :func:`safetensors_file` builds a :class:`Concat` in the safetensors format.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -23,26 +33,50 @@ import torch
 
 from snapckpt.errors import SnapshotError
 
-__all__ = ["TorchSave", "RawBytes", "Concat", "MemoryOnly", "safetensors_file", "unwrap", "respec"]
+__all__ = ["TorchSave", "RawBytes", "Concat", "MemoryOnly", "safetensors_file", "safetensors_mode", "unwrap",
+           "respec", "check_mode"]
+
+
+def check_mode(mode: Optional[int]) -> Optional[int]:
+    """``mode`` if it is ``None`` or permission bits (an int in ``0 .. 0o7777``).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777):
+        raise ValueError(f"a file mode must be permission bits such as 0o644 (an int in 0..0o7777) or None, "
+                         f"got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True)
 class TorchSave:
     """A file written exactly as ``torch.save(obj, path)`` would write it (``obj``: any picklable object
-    holding tensors). Loaded back with ``torch.load``."""
+    holding tensors). Loaded back with ``torch.load``. ``mode``: its permission bits (module docstring)."""
 
     obj: Any
+    mode: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
 
 
 @dataclass(frozen=True)
 class RawBytes:
-    """A file holding ``data`` verbatim (``bytes``). Loaded back as ``bytes``."""
+    """A file holding ``data`` verbatim (``bytes``). Loaded back as ``bytes``. ``mode``: its permission bits
+    (module docstring).
+
+    Raises:
+        TypeError: ``data`` is not bytes. ValueError: a bad ``mode``.
+    """
 
     data: bytes
+    mode: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, (bytes, bytearray, memoryview)):
             raise TypeError(f"RawBytes needs bytes, got {type(self.data).__name__}")
+        check_mode(self.mode)
 
 
 @dataclass(frozen=True)
@@ -52,16 +86,18 @@ class Concat:
     Each tensor must be contiguous (its bytes are one range of its storage) and of a plain dtype; its
     bytes are copied into the snapshot like any tensor (so later mutation does not reach the file) and
     written in native byte order (little-endian on every platform PyTorch supports). Loaded back as
-    ``bytes`` (the whole file).
+    ``bytes`` (the whole file). ``mode``: its permission bits (module docstring).
 
     Raises:
         SnapshotError: a tensor part is not contiguous.
         TypeError: a part is neither ``bytes`` nor a tensor.
+        ValueError: a bad ``mode``.
     """
 
     parts: Tuple[Union[bytes, torch.Tensor], ...]
+    mode: Optional[int] = None
 
-    def __init__(self, parts: Sequence[Union[bytes, torch.Tensor]]) -> None:
+    def __init__(self, parts: Sequence[Union[bytes, torch.Tensor]], mode: Optional[int] = None) -> None:
         out = []
         for i, p in enumerate(parts):
             if isinstance(p, torch.Tensor):
@@ -74,6 +110,7 @@ class Concat:
             else:
                 raise TypeError(f"Concat part {i} must be bytes or a tensor, got {type(p).__name__}")
         object.__setattr__(self, "parts", tuple(out))
+        object.__setattr__(self, "mode", check_mode(mode))
 
     @property
     def nbytes(self) -> int:
@@ -109,9 +146,25 @@ _ST_DTYPES: Dict[torch.dtype, str] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def safetensors_mode() -> Optional[int]:
+    """The permission bits ``safetensors.torch.save_file`` gives the files it writes in this process (0.8
+    writes through a temporary file created ``0o600``, whatever the umask), found once by letting it write an
+    empty file; ``None`` (the default mode) where safetensors is not installed."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory(prefix="snapckpt-st-mode-") as d:
+        path = os.path.join(d, "probe.safetensors")
+        save_file({}, path)
+        return stat.S_IMODE(os.stat(path).st_mode)
+
+
 def safetensors_file(tensors: Mapping[str, torch.Tensor],
                      metadata: Optional[Mapping[str, str]] = None) -> Concat:
-    """A safetensors file of ``tensors`` (``{name: contiguous tensor}``), as a :class:`Concat`.
+    """A safetensors file of ``tensors`` (``{name: contiguous tensor}``), as a :class:`Concat` with the mode
+    ``safetensors.torch.save_file`` gives its files (:func:`safetensors_mode`).
 
     Layout (safetensors format): an 8-byte little-endian header size ``N``, ``N`` bytes of JSON
     ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`` padded with
@@ -151,11 +204,13 @@ def safetensors_file(tensors: Mapping[str, torch.Tensor],
         parts.append(t)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return Concat([len(raw).to_bytes(8, "little"), raw] + parts)
+    return Concat([len(raw).to_bytes(8, "little"), raw] + parts, mode=safetensors_mode())
 
 
-def respec(files: Mapping[str, Any]) -> Dict[str, Any]:
+def respec(files: Mapping[str, Any], modes: Optional[Mapping[str, int]] = None) -> Dict[str, Any]:
     """Files read back from a snapshot (``LoadCandidate.files()``: ``bytes`` for raw files, unpickled objects
     for torch files) as specs to save again: ``bytes`` become :class:`RawBytes`, anything else a
-    :class:`TorchSave`."""
-    return {k: RawBytes(v) if isinstance(v, (bytes, bytearray)) else TorchSave(v) for k, v in files.items()}
+    :class:`TorchSave`; ``modes`` (``LoadCandidate.modes()``): the permission bits they were saved with."""
+    modes = modes or {}
+    return {k: RawBytes(v, modes.get(k)) if isinstance(v, (bytes, bytearray)) else TorchSave(v, modes.get(k))
+            for k, v in files.items()}

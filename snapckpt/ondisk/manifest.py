@@ -16,6 +16,8 @@ Layout inside a checkpoint directory (native files beside it are untouched; nati
 
 ``kind`` is ``"torch"`` (a ``torch.save`` archive) or ``"bytes"`` (written from raw chunks: safetensors,
 JSON...); a manifest without it means ``"torch"``.
+``mode`` (optional, an int): the file's permission bits when its spec set them (``0o600`` for safetensors,
+as ``safetensors.torch.save_file``); without it the file has the default mode (``0o666`` less the umask).
 
 A checkpoint is *committed* when its directory has a manifest that parses and names its own step and
 dirname; it is *intact* when every file has the recorded size (quick check) and checksum (full check).
@@ -200,6 +202,8 @@ def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
                                   f"and {rank}")
             files[name] = {"rank": rank, "nbytes": int(rec["nbytes"]), CHECKSUM: str(rec[CHECKSUM]),
                            "kind": str(rec.get("kind", "torch"))}
+            if rec.get("mode") is not None:
+                files[name]["mode"] = int(rec["mode"])
     return {"format": "snapckpt", "format_version": FORMAT_VERSION, "step": step, "dirname": dirname,
             "world_size": world_size, "run_id": run_id, "created_unix": time.time(),
             "requested_unix": time.time() if requested_unix is None else requested_unix, "checksum": CHECKSUM,
@@ -248,9 +252,13 @@ def _parse_manifest(data: bytes, dirname: Optional[str]) -> Dict[str, Any]:
         except ValueError as e:
             raise CheckpointCorruptError(f"manifest lists a file outside its checkpoint directory: {e}") from e
         if not (isinstance(rec, dict) and isinstance(rec.get("rank"), int) and isinstance(rec.get("nbytes"), int)
-                and record_checksum(rec) is not None):
+                and record_checksum(rec) is not None and _valid_mode(rec.get("mode"))):
             raise CheckpointCorruptError(f"manifest record of {name!r} is malformed: {str(rec)[:200]}")
     return m
+
+
+def _valid_mode(mode: Any) -> bool:
+    return mode is None or (type(mode) is int and 0 <= mode <= 0o7777)
 
 
 @dataclass(frozen=True)

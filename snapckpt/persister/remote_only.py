@@ -97,7 +97,7 @@ def write_part_remote(store: RemoteStore, buf, index: Dict[str, Any], dirname: s
         ValueError: the index names a file outside the prefix.
         OSError / the store's errors: an upload failed (its multipart upload is aborted).
     """
-    from snapckpt.persister.writer import encode_file
+    from snapckpt.persister.writer import encode_file, file_record
 
     store.begin_part(dirname, rank=rank, run_id=run_id, step=step)
     files: Dict[str, Dict[str, Any]] = {}
@@ -114,7 +114,7 @@ def write_part_remote(store: RemoteStore, buf, index: Dict[str, Any], dirname: s
         except BaseException:
             store.abandon(out)
             raise
-        files[rel] = {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
+        files[rel] = file_record(cw, kind, f)  # its mode too: a download sets it
     if on_data_read is not None:
         on_data_read()
     faults.point("persist.before_part_marker", step=step, rank=rank)

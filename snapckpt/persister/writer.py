@@ -25,7 +25,8 @@ from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_mar
 from snapckpt.storage.base import StorageWriter
 from snapckpt.persister.protocol import error_record
 
-__all__ = ["write_part", "write_part_data", "finish_parts", "WrittenPart", "write_failure_marker", "encode_file"]
+__all__ = ["write_part", "write_part_data", "finish_parts", "WrittenPart", "write_failure_marker", "encode_file",
+           "file_record"]
 
 
 def write_part(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
@@ -184,8 +185,19 @@ def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind:
         cw = ChecksumWriter(sink)
         encode_file(cw, buf, f, kind, coalesce=sink is raw)  # fault injection counts torch's write calls
         raw.flush()
+        if f.get("mode") is not None:  # the spec's permission bits, before the fsync makes the file durable
+            os.fchmod(raw.fileno(), f["mode"])
         part.handles.append(_SyncHandle(os.dup(raw.fileno()), path))
-    return {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
+    return file_record(cw, kind, f)
+
+
+def file_record(cw: ChecksumWriter, kind: str, f: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest record of a file written through ``cw`` from slot index entry ``f``: size, checksum,
+    kind, and its permission bits when the spec set them."""
+    rec: Dict[str, Any] = {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": kind}
+    if f.get("mode") is not None:
+        rec["mode"] = f["mode"]
+    return rec
 
 
 class _SyncHandle:

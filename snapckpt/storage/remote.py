@@ -578,6 +578,8 @@ class RemoteStore:
                 dst.write(chunk)
                 n += len(chunk)
             dst.flush()
+            if rec.get("mode") is not None:  # the permission bits it was saved with (an object store keeps none)
+                os.fchmod(dst.fileno(), rec["mode"])
             if fsync:
                 os.fsync(dst.fileno())
         if n != rec["nbytes"] or h.hexdigest() != want:

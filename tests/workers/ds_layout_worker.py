@@ -4,7 +4,7 @@ Usage: ds_layout_worker.py ROOT CONFIG[,CONFIG...]   with CONFIG = STAGE:DTYPE[:
 
 Per config: train 2 steps; save natively (stock checkpoint engine) into ROOT/<cfg>/native and through
 snapckpt into ROOT/<cfg>/snap (tag ``global_step2`` and the string tag ``TAG2``); then
-- rank 0 compares the two trees file for file and tensor for tensor (RESULT ``files``);
+- rank 0 compares the two trees file for file, tensor for tensor and mode for mode (RESULT ``files``);
 - a fresh engine loads snapckpt's tag with stock ``engine.load_checkpoint`` and one more step gives the same
   loss as the original engine (RESULT ``stock_load``);
 - a fresh engine loads the native directory through ``DeepSpeedCheckpointer.load_checkpoint`` (RESULT
@@ -13,6 +13,7 @@ snapckpt into ROOT/<cfg>/snap (tag ``global_step2`` and the string tag ``TAG2``)
 """
 import json
 import os
+import stat
 import sys
 
 import ds_common  # noqa: F401  (sets up DeepSpeed for the CPU)
@@ -66,6 +67,9 @@ def run(root, cfg):
             diffs.append(f"file sets differ: native {tree(native)} snapckpt {tree(snap)}")
         else:
             for rel in tree(native):
+                ma, mb = (stat.S_IMODE(os.stat(os.path.join(d, rel)).st_mode) for d in (native, snap))
+                if ma != mb:  # DeepSpeed makes zero_to_fp32.py executable
+                    diffs.append(f"{rel}: mode native {ma:o} snapckpt {mb:o}")
                 if rel.endswith(".pt"):
                     a = torch.load(os.path.join(native, rel), weights_only=False)
                     b = torch.load(os.path.join(snap, rel), weights_only=False)

@@ -22,6 +22,7 @@ RESULT lines (JSON): per-step losses (``rows``), final evaluation loss and best 
 """
 import json
 import os
+import stat
 import sys
 import time
 
@@ -131,7 +132,8 @@ def tree(root):
 
 def compare_dirs(stock, snap):
     """Differences between two output directories: the same ``checkpoint-*`` folders, the same files in each,
-    equal bytes (safetensors, JSON, scripts, ``latest``) or equal loaded contents (torch files)."""
+    equal bytes (safetensors, JSON, scripts, ``latest``) or equal loaded contents (torch files), the same
+    permission bits (DeepSpeed makes ``zero_to_fp32.py`` executable, safetensors writes ``0o600``)."""
     diffs = []
     folders = sorted(n for n in os.listdir(stock) if n.startswith("checkpoint-"))
     mine = sorted(n for n in os.listdir(snap) if n.startswith("checkpoint-"))
@@ -144,6 +146,9 @@ def compare_dirs(stock, snap):
             continue
         for rel in tree(a_root):
             a, b = os.path.join(a_root, rel), os.path.join(b_root, rel)
+            ma, mb = (stat.S_IMODE(os.stat(p).st_mode) for p in (a, b))
+            if ma != mb:
+                diffs.append(f"{folder}/{rel}: mode stock {ma:o} snapckpt {mb:o}")
             if rel == "training_args.bin":
                 x, y = (torch.load(p, weights_only=False).to_dict() for p in (a, b))
                 for d in (x, y):
