@@ -93,7 +93,7 @@ def test_F1_F2_F4_B3_layout_round_trips_reshard_and_damage(snap_env):
 
 
 @pytest.mark.parametrize("tp,opt,overlap,remote", [(1, "adam", False, True), (2, "megatron", True, False)],
-                         ids=["tp1dp2-adam-remote", "tp2dp1-mcore-opt-overlap"])
+                         ids=["tp1dp2-adam-remote", "tp2dp1-mcore-opt-overlap-flag"])
 def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overlap, remote, request):
     """Uninterrupted 8 iterations vs: memory snapshots every iteration and disk every 4; every rank is
     SIGKILLed after iteration 6, restarted (resumes from memory at 6), SIGKILLed after 7; then the persister
@@ -104,7 +104,11 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
     The first has the remote tier (``SNAPCKPT_REMOTE_DIR``, the S3 server): iteration 4 is on the server in
     the torch_dist layout (the local directory's files, sizes and checksums) with the tracker
     ``latest_checkpointed_iteration.txt``; the whole node is lost (persister killed, local directory
-    deleted), and the last restart downloads iteration 4 before ``load_checkpoint`` reads it."""
+    deleted), and the last restart downloads iteration 4 before ``load_checkpoint`` reads it.
+
+    In the second, the uninterrupted run goes through the ``--snapckpt`` flag path instead (Megatron-LM's
+    loop, from the stand-in ``tests/workers/megatron_lm``, after ``enable(args)``; see
+    :func:`_check_flag_metrics`): the same losses, bit for bit."""
     env = dict(snap_env.env)
     if remote:
         bucket = request.getfixturevalue("s3_bucket")
@@ -112,7 +116,9 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
     base = ["--mode", "train", "--tp", str(tp), "--opt", opt, "--steps", "8", "--mem-interval", "1",
             "--disk-interval", "4"] + (["--overlap"] if overlap else [])
     # the uninterrupted run beside the first killed one (its own directory and persister): independent
-    straight = launch(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")], snap_env.env)
+    tb = os.path.join(snap_env.tmp, "tb")
+    straight = launch(WORKER, 2, base + ["--ckpt", os.path.join(snap_env.tmp, "straight")]
+                      + (["--flag", "--tb", tb] if overlap else []), snap_env.env)
 
     def run(kill_after):
         procs = launch(WORKER, 2, base + ["--ckpt", snap_env.ckpt_dir, "--kill-after", str(kill_after)], env)
@@ -123,8 +129,11 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
 
     outs = run(6)
     assert all("LOSS 6" in " ".join(result_lines(o)) and "LOSS 7" not in " ".join(result_lines(o)) for o in outs)
-    ref = [dict(l.split() for l in r) for r in _rank_results(finish_ok(straight, timeout=240), "LOSS")]
+    straight_outs = finish_ok(straight, timeout=240)
+    ref = [dict(l.split() for l in r) for r in _rank_results(straight_outs, "LOSS")]
     assert all(len(r) == 8 for r in ref)
+    if overlap:
+        _check_flag_metrics(straight_outs, tb)
     outs = run(7)  # persister alive: every rank holds iteration 6 in memory
     for r, o in enumerate(outs):
         assert "RESUMED 6 memory" in result_lines(o), o
@@ -151,6 +160,44 @@ def test_E2_B8_resume_after_kill9_from_memory_then_disk(snap_env, tp, opt, overl
     if remote:  # the resumed run's save is uploaded too (its persister exits once it is)
         assert wait_until(lambda: bucket.get(tracker) == b"8", 60)
         assert wait_until(lambda: not snap_env.persisters(), 60)
+
+
+def _check_flag_metrics(outs, tb):
+    """The flag path's metrics (8 iterations, a memory snapshot by the ``train_step`` wrapper at every
+    iteration but 4 and 8, where Megatron-LM's loop saves to disk): Megatron-LM's TensorBoard writer (the
+    last rank's only) holds ``snapckpt/stall_secs`` and ``snapckpt/bytes`` at every iteration 1-8 and
+    ``snapckpt/durable_secs`` and ``snapckpt/persist_gbps`` at 4 and 8 (8's learnt at exit, by the close
+    the flag path leaves to ``atexit``), read back with TensorBoard's own reader; bytes equal the core's
+    stats of each snapshot, which hold at least the state's tensors; GB/s is bytes over durable seconds.
+    Megatron-LM's timer ``save-checkpoint-non-persistent`` timed and logged the 6 wrapper snapshots (at
+    least their stall); ``save-checkpoint`` is only the loop's own (logged once per disk save: not timed twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from snapckpt import metrics as M
+
+    assert not any(l.startswith(("SNAP", "TIMER")) for l in result_lines(outs[0])), "rank 0 has no writer"
+    last = result_lines(outs[1])
+    snaps = {int(l.split()[1]): (l.split()[2], int(l.split()[3]), int(l.split()[4])) for l in last
+             if l.startswith("SNAP ")}
+    state_bytes = int(next(l.split()[1] for l in last if l.startswith("STATE_BYTES")))
+    timers = {l.split()[1]: (float(l.split()[2]), int(l.split()[3])) for l in last if l.startswith("TIMER ")}
+    assert {s: t for s, (t, _, _) in snaps.items()} == {s: "disk" if s % 4 == 0 else "memory" for s in range(1, 9)}
+    assert all(tensor >= state_bytes for _, _, tensor in snaps.values()), (snaps, state_bytes)
+
+    (events,) = [os.path.join(tb, f) for f in os.listdir(tb) if f.startswith("events.out.tfevents.")]
+    acc = EventAccumulator(events)
+    acc.Reload()
+    got = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    assert set(got) == {M.STALL_SECS, M.BYTES, M.DURABLE_SECS, M.PERSIST_GBPS}, got
+    assert got[M.BYTES] == {s: slot for s, (_, slot, _) in snaps.items()}
+    assert sorted(got[M.STALL_SECS]) == list(range(1, 9)) and all(v > 0 for v in got[M.STALL_SECS].values())
+    assert sorted(got[M.DURABLE_SECS]) == sorted(got[M.PERSIST_GBPS]) == [4, 8]
+    for s, secs in got[M.DURABLE_SECS].items():
+        assert secs > 0 and got[M.PERSIST_GBPS][s] == pytest.approx(got[M.BYTES][s] / secs / 1e9, rel=1e-5)
+
+    secs, logged = timers["save-checkpoint-non-persistent"]
+    assert logged == 6 and secs >= sum(v for s, v in got[M.STALL_SECS].items() if s % 4) * (1 - 1e-6), timers
+    assert set(timers) == {"save-checkpoint", "save-checkpoint-non-persistent"} and timers["save-checkpoint"][1] == 2
 
 
 def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
@@ -224,8 +271,8 @@ def test_flag_memory_snapshot_schedule():
 
 
 def test_bad_input_names_the_fix():
-    """Without Megatron-LM's args a directory must be given; a bad iteration is refused before any
-    collective or file is touched."""
+    """Without Megatron-LM's args a directory must be given; a bad iteration, or a TensorBoard writer that
+    is a path rather than a writer, is refused before any collective or file is touched."""
     from snapckpt.megatron_dist_ckpt import load_checkpoint, save_checkpoint
 
     with pytest.raises(ValueError, match="save_dir="):
@@ -235,4 +282,6 @@ def test_bad_input_names_the_fix():
     for bad in (-1, 2**63, 3.0):  # P6a: the range is named
         with pytest.raises(ValueError, match=r"iteration must be an int in \[0, 2\*\*63 - 1\]"):
             save_checkpoint(bad, [], None, None, 0, save_dir="/nonexistent/never-created")
+    with pytest.raises(TypeError, match=r"tensorboard_writer must be a TensorBoard SummaryWriter .* got str"):
+        save_checkpoint(1, [], None, None, 0, save_dir="/nonexistent/never-created", tensorboard_writer="runs/")
     assert not os.path.exists("/nonexistent/never-created")

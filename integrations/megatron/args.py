@@ -3,9 +3,14 @@
 Megatron-LM has no checkpoint-engine hook: its training loop calls ``save_checkpoint`` /
 ``load_checkpoint`` imported into ``megatron.training.training`` from ``megatron.training.checkpointing``.
 :func:`enable` therefore rebinds those two names in both modules (the only seam there is), and wraps
-``megatron.training.training.train_step`` to take a MEMORY snapshot every ``--snapckpt-memory-interval``
-iterations. ``--snapckpt-disk-interval`` becomes Megatron-LM's ``--save-interval``: its own loop saves to
-disk, through snapckpt, at those iterations.
+``megatron.training.training.train_step``: it fences an overlapped snapshot copy before the iteration,
+learns of finished commits after it (so their ``committed`` events, and the durable time they carry,
+come within an iteration), and takes a MEMORY snapshot every ``--snapckpt-memory-interval`` iterations.
+``--snapckpt-disk-interval`` becomes Megatron-LM's ``--save-interval``: its own loop saves to disk,
+through snapckpt, at those iterations.
+
+Each checkpoint's ``snapckpt/*`` metrics go to Megatron-LM's TensorBoard writer, and the wrapper's memory
+snapshots to its timers (:mod:`~snapckpt.integrations.megatron.metrics`).
 
 Megatron-LM's own flags map onto the tiers (see :func:`resolve_flags`): ``--non-persistent-save-interval N``
 (any ``--non-persistent-ckpt-type``) is the memory tier, taken by Megatron-LM's own loop every N
@@ -30,7 +35,8 @@ from typing import Any, Optional, Tuple
 
 from snapckpt import SnapshotPolicy, StorageType
 
-from snapckpt.integrations.megatron.registry import fence
+from snapckpt.integrations.megatron.metrics import NON_PERSISTENT_TIMER, megatron_lm_timed, megatron_lm_writer
+from snapckpt.integrations.megatron.registry import fence, poll
 
 __all__ = ["add_arguments", "enable", "EnableResult", "resolve_flags"]
 
@@ -175,7 +181,7 @@ def enable(args: Any) -> EnableResult:
     from snapckpt.integrations.megatron.save import save_checkpoint
 
     opts = checkpointer_options(args)
-    save = functools.partial(save_checkpoint, **opts)
+    save = functools.partial(save_checkpoint, tensorboard_writer=megatron_lm_writer, **opts)
     load = functools.partial(load_checkpoint, **opts)
     routed = []
     for mod, name in ((mcheckpointing, "megatron.training.checkpointing"), (mtraining, "megatron.training.training")):
@@ -185,8 +191,8 @@ def enable(args: Any) -> EnableResult:
                 routed.append(f"{name}.{fn_name}")
     if getattr(args, "snapckpt_disk_interval", 0):
         args.save_interval = args.snapckpt_disk_interval
-    if wrap and hasattr(mtraining, "train_step"):
-        mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save)
+    if hasattr(mtraining, "train_step"):
+        mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save, memory_interval if wrap else 0)
         routed.append("megatron.training.training.train_step")
     atexit.register(close_all_at_exit)
     result = _ENABLED = EnableResult(True, f"checkpoints go through snapckpt (memory every "
@@ -197,26 +203,34 @@ def enable(args: Any) -> EnableResult:
     return result
 
 
-def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
-    """``train_step`` followed, every ``args.snapckpt_memory_interval`` iterations, by a MEMORY snapshot.
+def _with_memory_snapshots(train_step: Any, args: Any, save: Any, interval: Optional[int] = None) -> Any:
+    """``train_step`` between a fence and a poll, followed every ``interval`` iterations by a MEMORY snapshot.
 
     Megatron-LM's ``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-    config, ...)`` runs iteration ``args.curr_iteration``; the snapshot is of the state after it. Megatron-LM's
-    loop advances ``args.consumed_train_samples`` and its floating-point-operation count only after
-    ``train_step`` returns, so the snapshot records them as the loop will have them: consumed samples plus
-    this iteration's global batch, and the count of the last disk save plus Megatron-LM's
-    ``num_floating_point_operations`` of each iteration since (0 where that function is missing).
-    With ``overlap=True`` the copy of a snapshot is fenced at the start of the next ``train_step`` (its
-    optimizer step is inside), so it overlaps only Megatron-LM's own work between two iterations.
-    The schedule is :func:`memory_policy`'s, decided on the iterations done after each ``train_step``.
+    config, ...)`` runs iteration ``args.curr_iteration``. Before it, :func:`fence`: with ``overlap=True``
+    the copy of the last snapshot ends before this iteration's optimizer step (inside ``train_step``), so
+    the copy overlaps only Megatron-LM's own work between two iterations. After it, :func:`poll`: the
+    commits finished meanwhile are learnt (their events fire; a background failure is raised here).
+
+    ``interval`` (default ``args.snapckpt_memory_interval``; 0: no snapshots) is :func:`memory_policy`'s
+    schedule, decided on the iterations done after each ``train_step``; the snapshot is of the state
+    after it, timed with Megatron-LM's timer ``save-checkpoint-non-persistent`` as its loop times its own
+    non-persistent saves. Megatron-LM's loop advances ``args.consumed_train_samples`` and its
+    floating-point-operation count only after ``train_step`` returns, so the snapshot records them as the
+    loop will have them: consumed samples plus this iteration's global batch, and the count of the last
+    disk save plus Megatron-LM's ``num_floating_point_operations`` of each iteration since (0 where that
+    function is missing).
     """
-    interval = args.snapckpt_memory_interval
+    interval = args.snapckpt_memory_interval if interval is None else interval
     flops = {"so_far": getattr(args, "num_floating_point_operations_so_far", 0) or 0}
 
     @functools.wraps(train_step)
     def wrapped(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw):
         fence()  # an overlapped copy of the last snapshot ends before this iteration's optimizer step
         out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw)
+        poll()
+        if not interval:
+            return out
         batch = _global_batch_size(args)
         flops["so_far"] = max(flops["so_far"], getattr(args, "num_floating_point_operations_so_far", 0) or 0)
         flops["so_far"] += _iteration_flops(args, batch)
@@ -225,8 +239,9 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any) -> Any:
         if done > 0 and policy.decide(done, 0.0, 0.0) == StorageType.MEMORY:
             after = argparse.Namespace(**vars(args))
             after.consumed_train_samples = (getattr(args, "consumed_train_samples", 0) or 0) + batch
-            save(done, model, optimizer, opt_param_scheduler, flops["so_far"], storage_type=StorageType.MEMORY,
-                 args=after)
+            with megatron_lm_timed(NON_PERSISTENT_TIMER):
+                save(done, model, optimizer, opt_param_scheduler, flops["so_far"], storage_type=StorageType.MEMORY,
+                     args=after)
         return out
 
     return wrapped

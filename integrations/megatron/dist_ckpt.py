@@ -10,7 +10,9 @@ Public face: :mod:`snapckpt.megatron_dist_ckpt` (the drop-in functions) and :mod
 Modules, in the order of the data path:
 
 - :mod:`~snapckpt.integrations.megatron.registry`: the process's Checkpointer of each directory,
-  :func:`fence`, :func:`close_all`;
+  :func:`fence`, :func:`poll`, :func:`close_all`;
+- :mod:`~snapckpt.integrations.megatron.metrics`: each checkpoint's ``snapckpt/*`` metrics to a TensorBoard
+  writer (``save_checkpoint(..., tensorboard_writer=)``), Megatron-LM's timers on the flag path;
 - :mod:`~snapckpt.integrations.megatron.state`: the state dict Megatron-LM builds, and restoring it;
 - :mod:`~snapckpt.integrations.megatron.save`: :func:`save_checkpoint`, this rank's files of a save
   (megatron-core's planning with :mod:`~snapckpt.integrations.megatron.torch_dist`'s writer, the
@@ -33,9 +35,9 @@ tracker naming a directory that does not exist is ignored with a warning.
 """
 from snapckpt.integrations.megatron.load import load_checkpoint
 from snapckpt.integrations.megatron.memory import MEMORY_FILE
-from snapckpt.integrations.megatron.registry import close_all, fence, get_checkpointer
+from snapckpt.integrations.megatron.registry import close_all, fence, get_checkpointer, poll
 from snapckpt.integrations.megatron.save import save_checkpoint
 from snapckpt.integrations.megatron.tracker import TRACKER, checkpoint_dirname
 
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "checkpoint_dirname", "TRACKER",
-           "MEMORY_FILE", "close_all", "fence"]
+           "MEMORY_FILE", "close_all", "fence", "poll"]

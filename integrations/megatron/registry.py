@@ -3,10 +3,10 @@
 Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` are plain functions called again at every save,
 so the :class:`~snapckpt.Checkpointer` (and with it the arena and the persister connection) lives here
 between calls: created on the first call for a directory (:func:`get_checkpointer`), found again through
-Megatron-LM's ``checkpointing_context`` or this registry, fenced by :func:`fence` before an optimizer step
-and closed by :func:`close_all` at the end of the job. Sits at the start of the data path: every save and
-load of :mod:`~snapckpt.integrations.megatron.save` and :mod:`~snapckpt.integrations.megatron.load` gets
-its Checkpointer from here.
+Megatron-LM's ``checkpointing_context`` or this registry, fenced by :func:`fence` before an optimizer step,
+polled by :func:`poll` once per iteration and closed by :func:`close_all` at the end of the job. Sits at
+the start of the data path: every save and load of :mod:`~snapckpt.integrations.megatron.save` and
+:mod:`~snapckpt.integrations.megatron.load` gets its Checkpointer from here.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional
 from snapckpt import Checkpointer, CheckpointOptions
 from snapckpt.storage.factory import check_location
 
-__all__ = ["get_checkpointer", "fence", "close_all", "context_checkpointer", "split_options"]
+__all__ = ["get_checkpointer", "fence", "poll", "close_all", "context_checkpointer", "split_options"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,19 @@ def fence() -> None:
     for ck in list(_checkpointers.values()):
         if not ck.closed:
             ck.fence()
+
+
+def poll() -> None:
+    """Learn of the commits every Checkpointer of this module finished, without waiting: their ``committed``
+    events (``snapckpt/durable_secs``...) fire now, on this thread. Call it once per iteration; otherwise a
+    commit is learnt at the next save, and its durable time counts the iterations in between.
+
+    Raises:
+        the first background failure not raised yet (:meth:`snapckpt.Checkpointer.poll`).
+    """
+    for ck in list(_checkpointers.values()):
+        if not ck.closed:
+            ck.poll()
 
 
 def close_all(clean: Optional[bool] = None) -> None:

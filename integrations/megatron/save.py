@@ -28,6 +28,7 @@ from snapckpt import StorageType, check_step
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave
 
 from snapckpt.integrations.megatron.memory import MEMORY_FILE, memory_record
+from snapckpt.integrations.megatron.metrics import check_writer, report_to
 from snapckpt.integrations.megatron.registry import context_checkpointer, split_options
 from snapckpt.integrations.megatron.state import (arg, build_state_dict, megatron_lm_args,
                                                   megatron_lm_sharded_sd_metadata)
@@ -119,7 +120,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                     storage_type: StorageType = StorageType.DISK, args: Any = None,
                     validate_access_integrity: bool = True, thread_count: int = 2,
                     assume_constant_structure: Optional[bool] = None,
-                    sharded_sd_metadata: Optional[Dict[str, Any]] = None, **checkpointer_options: Any):
+                    sharded_sd_metadata: Optional[Dict[str, Any]] = None, tensorboard_writer: Any = None,
+                    **checkpointer_options: Any):
     """Megatron-LM's ``save_checkpoint`` (torch_dist format) through snapckpt; collective.
 
     Args (Megatron-LM's, same order):
@@ -149,6 +151,11 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         sharded_sd_metadata: Megatron-LM's sharded-state-dict metadata (default: built by Megatron-LM from
             ``args`` when it is importable, else None: megatron-core's defaults); saved as the checkpoint's
             ``content_metadata``.
+        tensorboard_writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with ``add_scalar(tag, value,
+            global_step)``), or a function of no argument returning one or None: from this save on, each
+            checkpoint's ``snapckpt/*`` metrics of this rank are written to it at the iteration saved
+            (:mod:`~snapckpt.integrations.megatron.metrics`). None: as before (none unless an earlier
+            call gave one). Pass it on the rank that logs; ``None`` on the others.
         **checkpointer_options: options for the Checkpointer created on first use (``keep_last``...);
             arguments of other Megatron-LM versions (``ft_client``, process groups: ``OTHER_VERSION_KEYWORDS``
             in ``registry.py``) are ignored; any other keyword raises ``TypeError``.
@@ -159,6 +166,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
 
     Raises:
         ValueError: no directory (neither ``args.save`` nor ``save_dir``), or a bad iteration.
+        TypeError: ``tensorboard_writer`` is neither a writer nor a function (nothing is saved).
         snapckpt errors of :meth:`Checkpointer.save`.
     """
     args = args if args is not None else megatron_lm_args()
@@ -167,6 +175,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         raise ValueError("save_checkpoint needs a directory: pass save_dir=... (Megatron-LM's args.save is not "
                          "available)")
     check_step(iteration, "iteration")
+    check_writer(tensorboard_writer, "tensorboard_writer")
     storage_type = StorageType.MEMORY if non_persistent_ckpt else StorageType(storage_type)
     keep_last = arg(args, "snapckpt_keep_last", None)
     if keep_last is not None:
@@ -174,6 +183,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     if arg(args, "snapckpt_remote_dir", None):  # --snapckpt-remote-dir: the remote tier
         checkpointer_options.setdefault("remote_dir", arg(args, "snapckpt_remote_dir", None))
     ck = context_checkpointer(checkpointing_context, save_dir, split_options(checkpointer_options, "save"))
+    if tensorboard_writer is not None:
+        report_to(ck, tensorboard_writer)
     if sharded_sd_metadata is None and args is not None:
         sharded_sd_metadata = megatron_lm_sharded_sd_metadata(args)
     sd = build_state_dict(args, model, optimizer, opt_param_scheduler, iteration,

@@ -10,6 +10,7 @@ snapshot that a load still needs); the save that first uses such a slot finds it
 from __future__ import annotations
 
 import concurrent.futures as cf
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _EXITING)
 import mmap
 import os
 import threading
@@ -26,6 +27,15 @@ from snapckpt.errors import SnapckptError
 __all__ = ["MappedSlot", "SlotMaps"]
 
 _PAGE = mmap.PAGESIZE
+
+# Set at interpreter exit before concurrent.futures joins its worker threads (threading's exit hooks run
+# last registered first), so a pending prefault ends then instead of holding the exit until its timeout:
+# an exit that leaves close() to an atexit handler (the Megatron-LM flag path) runs it only after that join.
+_EXITING = threading.Event()
+try:
+    threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]  (what concurrent.futures uses)
+except (AttributeError, RuntimeError):  # another Python; or imported during the exit itself
+    pass
 
 
 class MappedSlot:
@@ -175,7 +185,8 @@ class SlotMaps:
 
 def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event) -> Optional[MappedSlot]:
     """Map slot file ``path`` once the persister has grown it to ``nbytes`` and read one byte of every
-    page; ``None`` when it did not grow within ``timeout_secs``, ``stop`` was set, or it could not be
+    page; ``None`` when it did not grow within ``timeout_secs``, ``stop`` was set, the interpreter is
+    exiting (:data:`_EXITING`: no save will use it, and the exit joins this thread), or it could not be
     mapped (the save that needs it maps it itself)."""
     deadline = time.monotonic() + timeout_secs
     delay = 0.005
@@ -185,7 +196,7 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
                 break
         except FileNotFoundError:
             pass
-        if time.monotonic() > deadline or stop.wait(delay):
+        if time.monotonic() > deadline or stop.wait(delay) or _EXITING.is_set():
             return None
         delay = min(delay * 2, 0.2)
     try:

@@ -60,7 +60,7 @@ def batch(step: int):
     return tokens, pos, mask, tokens.roll(-1, dims=1)
 
 
-def train_step(model, optimizer, sched, step: int) -> float:
+def train_step(model, optimizer, sched, step: int, fence: bool = True) -> float:
     from megatron.core import parallel_state as ps
 
     tokens, pos, mask, labels = batch(step)
@@ -74,9 +74,10 @@ def train_step(model, optimizer, sched, step: int) -> float:
             p.grad /= dp
         if hasattr(optimizer, "config"):  # megatron-core optimizers read main_grad
             p.main_grad = p.grad
-    from snapckpt.megatron_dist_ckpt import fence
+    if fence:  # overlap=True: the snapshot copy of the last save ends before parameters change
+        from snapckpt.megatron_dist_ckpt import fence as fence_copies
 
-    fence()  # overlap=True: the snapshot copy of the last save ends before parameters change
+        fence_copies()
     with megatron_cpu.cuda_tensors_on_cpu():
         optimizer.step()
     sched.step(1)
@@ -121,6 +122,64 @@ def mode_train(a):
             torch.distributed.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
     close_all()
+
+
+def mode_flag(a):
+    """``train`` through the ``--snapckpt`` flag path: Megatron-LM's loop (the stand-in's, ``megatron_lm/``)
+    after ``snapckpt.megatron.enable(args)``, memory snapshots by the ``train_step`` wrapper, disk saves by
+    the loop. Prints what ``train`` prints, then on the last rank (Megatron-LM's TensorBoard writer) the
+    core's stats of each snapshot (``RESULT SNAP <step> <tier> <slot bytes> <tensor bytes>``), the state's
+    tensor bytes (``RESULT STATE_BYTES``) and Megatron-LM's timers (``RESULT TIMER <name> <active s>
+    <logged>``). The last commit is learnt at exit (the ``atexit`` close the flag path registers)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm"))
+    from megatron.training import get_timers, global_vars
+    from megatron.training import training as mtraining
+
+    import snapckpt.megatron
+
+    p = argparse.ArgumentParser()
+    for name in ("--save", "--load", "--tensorboard-dir"):
+        p.add_argument(name)
+    for name in ("--save-interval", "--train-iters", "--global-batch-size"):
+        p.add_argument(name, type=int)
+    p.add_argument("--timing-log-level", type=int, default=0)
+    p.add_argument("--timing-log-option", default="minmax")
+    snapckpt.megatron.add_arguments(p)
+    args = p.parse_args(["--save", a.ckpt, "--load", a.ckpt, "--tensorboard-dir", a.tb, "--train-iters", str(a.steps),
+                         "--global-batch-size", str(BATCH), "--snapckpt", "--snapckpt-memory-interval",
+                         str(a.mem_interval), "--snapckpt-disk-interval", str(a.disk_interval)]
+                        + (["--snapckpt-overlap"] if a.overlap else []))
+    args.rank, args.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    args.consumed_train_samples = 0
+    global_vars.set_global_variables(args)
+    timer_log = _Caught(logging.INFO)  # Megatron-LM's timers.log lines (on the last rank)
+    logging.getLogger("megatron.core.timers").addHandler(timer_log)
+    logging.getLogger("megatron.core.timers").setLevel(logging.INFO)
+    model, optimizer, sched = build(a.tp, a.opt)
+
+    def lm_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
+        loss = train_step(model[0], optimizer, opt_param_scheduler, args.curr_iteration, fence=False)
+        print(f"RESULT LOSS {args.curr_iteration + 1} {loss:.10f}", flush=True)
+        return {}, 0, None, None
+
+    mtraining.train_step = lm_train_step  # Megatron-LM's own, which enable wraps
+    r = snapckpt.megatron.enable(args)
+    assert r.enabled and "megatron.training.training.train_step" in r.routed, r
+    args.iteration, args.num_floating_point_operations_so_far = mtraining.load_checkpoint([model], optimizer, sched)
+    print(f"RESULT RESUMED {args.iteration} none", flush=True)
+    last = args.rank == args.world_size - 1
+    if last:
+        from snapckpt.megatron_dist_ckpt import get_checkpointer
+
+        get_checkpointer(a.ckpt).add_listener(
+            lambda e: e.kind == "snapshot_taken" and print(
+                f"RESULT SNAP {e.step} {e.tier.value} {e.stats.slot_nbytes} {e.stats.tensor_nbytes}", flush=True))
+    mtraining.train(None, [model], optimizer, sched, None, None, {})
+    if last:
+        print(f"RESULT STATE_BYTES {sum(t.nbytes for t in shards(model, optimizer).values())}", flush=True)
+        for name, timer in sorted(get_timers()._timers.items()):
+            logged = sum(f"{name} ." in m for m in timer_log.lines)  # Megatron-LM pads each name with dots
+            print(f"RESULT TIMER {name} {timer.active_time():.6f} {logged}", flush=True)
 
 
 def _equal(a: dict, b: dict, what: str) -> None:
@@ -238,10 +297,10 @@ def mode_reshard(a):
 
 # ------------------------------------------------------------------ damaged directories (B3, tracker cases)
 class _Caught(logging.Handler):
-    """The warnings snapckpt logs during one load."""
+    """The warnings snapckpt logs during one load (or what a logger logs at ``level``)."""
 
-    def __init__(self):
-        super().__init__(logging.WARNING)
+    def __init__(self, level=logging.WARNING):
+        super().__init__(level)
         self.lines = []
 
     def emit(self, record):
@@ -373,11 +432,15 @@ def main():
     p.add_argument("--kill-after", type=int, default=-1)
     p.add_argument("--damage", action="store_true", help="reshard: then the damaged-directory cases")
     p.add_argument("--overlap", action="store_true", help="Checkpointer(overlap=True): overlapped copies")
+    p.add_argument("--flag", action="store_true", help="train: through the --snapckpt flag path (mode_flag)")
+    p.add_argument("--tb", default="", help="--flag: Megatron-LM's --tensorboard-dir")
     a = p.parse_args()
     megatron_cpu.install(force=True)
     torch.distributed.init_process_group("gloo")
     megatron_cpu.init_parallel(a.tp)
-    {"train": mode_train, "layout": mode_layout, "reshard": mode_reshard}[a.mode](a)
+    if a.mode == "train" and a.flag:
+        a.mode = "flag"
+    {"train": mode_train, "flag": mode_flag, "layout": mode_layout, "reshard": mode_reshard}[a.mode](a)
     torch.distributed.destroy_process_group()
 
 
