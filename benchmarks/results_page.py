@@ -186,7 +186,9 @@ def remote_part(rs: dict, img: Path) -> list:
     m = rs.get("meta", {})
     rows = ["| figure | ratio |", "|---|---:|"] + [f"| {k.replace('_', ' ')} | {v:.2f}x |" for k, v in r.items()]
     lines = ["## Remote tier against plain S3 clients (`remote_s3.py`)", "",
-             (f"Run {m.get('date', '?')}, commit `{str(m.get('commit', '?'))[:12]}`, {m.get('cpus')} CPUs. " if m else "")
+             (f"Run {m.get('date', '?')}, commit `{str(m.get('commit', '?'))[:12]}`, {m.get('cpus')} CPUs"
+              + (f", load average {m['load_avg_before'][0]:.1f} before and {m['load_avg_after'][0]:.1f} after"
+                 if "load_avg_before" in m else "") + ". " if m else "")
              + "moto's server on 127.0.0.1 (Python, on the same cores): only ratios within the run mean anything. "
              "Upload: snapckpt's verified multipart upload against `s3fs.put_file` and boto3's `upload_file` of the "
              "same files; download: snapckpt's verified, ranged download against `s3fs.get_file` and boto3. Loop: "
