@@ -189,7 +189,12 @@ def remote_part(rs: dict, img: Path) -> list:
              (f"Run {m.get('date', '?')}, commit `{str(m.get('commit', '?'))[:12]}`, {m.get('cpus')} CPUs"
               + (f", load average {m['load_avg_before'][0]:.1f} before and {m['load_avg_after'][0]:.1f} after"
                  if "load_avg_before" in m else "") + ". " if m else "")
-             + "moto's server on 127.0.0.1 (Python, on the same cores): only ratios within the run mean anything. "
+             + f"{rs['ranks']} files of {rs['mib_per_rank']} MiB, best of {rs.get('repeats', '?')}"
+             + (f"; loop: {rs['loop']['disk']['state_mib']} MiB of model and AdamW state, "
+                f"{rs['loop']['disk']['steps']} steps, a DISK save every {rs['loop']['disk']['every']}, modes "
+                "interleaved, the best run of each kept"
+                if "loop" in rs else "") + ". "
+             "moto's server on 127.0.0.1 (Python, on the same cores): only ratios within the run mean anything. "
              "Upload: snapckpt's verified multipart upload against `s3fs.put_file` and boto3's `upload_file` of the "
              "same files; download: snapckpt's verified, ranged download against `s3fs.get_file` and boto3. Loop: "
              "mean step time of a training loop with DISK saves plus the remote tier against the disk tier alone.",
