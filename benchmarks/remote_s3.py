@@ -94,6 +94,7 @@ def main() -> None:
     import boto3
     import fsspec
     import xxhash
+    load_before = os.getloadavg()  # shared cores: the load says how far to trust the timings
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -177,7 +178,7 @@ def main() -> None:
         from _common import git_commit  # noqa: PLC0415
 
         result = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(),
-                           "cpus": os.cpu_count()},
+                           "cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in load_before]},
                   "mib_per_rank": a.mib, "ranks": 2, "repeats": a.repeats, "best_s": best,
                   "ratios": {"upload_vs_s3fs_put": best["snapckpt_upload"] / best["s3fs_put"],
                              "upload_vs_boto3": best["snapckpt_upload"] / best["boto3_upload_file"],
@@ -211,6 +212,7 @@ def main() -> None:
             result["ratios"]["download_vs_obstore_get"] = best["snapckpt_download"] / best["obstore_get"]
         else:
             result["obstore"] = "not installed (pip install obstore to add its put/get)"
+        result["meta"]["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]  # after the loop too
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

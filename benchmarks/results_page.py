@@ -10,7 +10,9 @@ Reads what the benchmarks left in ``benchmarks/results/`` (each part is skipped 
 ``docs/performance.md``, the page and its plots are committed after a run (``benchmarks/results/`` itself is
 git-ignored); ``suite.py --results-page`` runs this.
 
-Run from the repo root: ``.venv/bin/python benchmarks/results_page.py``.
+Run from the repo root: ``.venv/bin/python benchmarks/results_page.py``; with ``--splice remote_s3.json``
+(repeatable) only that figure is re-rendered and spliced into the committed page, the others kept as they
+are (for a run on a machine that does not hold the other figures' results).
 """
 from __future__ import annotations
 
@@ -184,8 +186,15 @@ def remote_part(rs: dict, img: Path) -> list:
     m = rs.get("meta", {})
     rows = ["| figure | ratio |", "|---|---:|"] + [f"| {k.replace('_', ' ')} | {v:.2f}x |" for k, v in r.items()]
     lines = ["## Remote tier against plain S3 clients (`remote_s3.py`)", "",
-             (f"Run {m.get('date', '?')}, commit `{str(m.get('commit', '?'))[:12]}`, {m.get('cpus')} CPUs. " if m else "")
-             + "moto's server on 127.0.0.1 (Python, on the same cores): only ratios within the run mean anything. "
+             (f"Run {m.get('date', '?')}, commit `{str(m.get('commit', '?'))[:12]}`, {m.get('cpus')} CPUs"
+              + (f", load average {m['load_avg_before'][0]:.1f} before and {m['load_avg_after'][0]:.1f} after"
+                 if "load_avg_before" in m else "") + ". " if m else "")
+             + f"{rs['ranks']} files of {rs['mib_per_rank']} MiB, best of {rs.get('repeats', '?')}"
+             + (f"; loop: {rs['loop']['disk']['state_mib']} MiB of model and AdamW state, "
+                f"{rs['loop']['disk']['steps']} steps, a DISK save every {rs['loop']['disk']['every']}, modes "
+                "interleaved, the best run of each kept"
+                if "loop" in rs else "") + ". "
+             "moto's server on 127.0.0.1 (Python, on the same cores): only ratios within the run mean anything. "
              "Upload: snapckpt's verified multipart upload against `s3fs.put_file` and boto3's `upload_file` of the "
              "same files; download: snapckpt's verified, ranged download against `s3fs.get_file` and boto3. Loop: "
              "mean step time of a training loop with DISK saves plus the remote tier against the disk tier alone.",
@@ -194,6 +203,16 @@ def remote_part(rs: dict, img: Path) -> list:
         lines += ["| loop mode | mean step (s) |", "|---|---:|"]
         lines += [f"| {mode} | {v['step_mean_s']:.4f} |" for mode, v in rs["loop"].items()] + [""]
     return lines + ["![remote tier](img/bench-remote-s3.png)", ""]
+
+
+PARTS = [("suite.json", suite_part), ("loop.json", loop_part), ("recovery.json", recovery_part),
+         ("many_tensors.json", many_part), ("first_save.json", first_part), ("memory_budget.json", budget_part),
+         ("commit_latency.json", commit_latency_part), ("remote_s3.json", remote_part)]
+NOT_MEASURED = "Not measured in this page's runs: "
+
+
+def _not_measured(missing: list) -> list:
+    return [NOT_MEASURED + ", ".join(f"`{m}`" for m in missing) + "."] if missing else []
 
 
 def write_page(page: Path = PAGE, img: Path = IMG) -> Path:
@@ -206,26 +225,63 @@ def write_page(page: Path = PAGE, img: Path = IMG) -> Path:
              "from shared 2-core machines, where timings vary about 2x between runs: read the ratios within a "
              "figure. How each method is measured: [Performance](performance.md) and `benchmarks/README.md`. No "
              "test asserts any of these times.", ""]
-    parts = [("suite.json", suite_part), ("loop.json", loop_part), ("recovery.json", recovery_part),
-             ("many_tensors.json", many_part), ("first_save.json", first_part), ("memory_budget.json", budget_part),
-             ("commit_latency.json", commit_latency_part), ("remote_s3.json", remote_part)]
     missing = []
-    for name, fn in parts:
+    for name, fn in PARTS:
         data = _load(name)
         if data is None:
             missing.append(name)
             continue
         lines += fn(data, img)
-    if missing:
-        lines += ["Not measured in this page's runs: " + ", ".join(f"`{m}`" for m in missing) + "."]
-    page.write_text("\n".join(lines) + "\n")
+    page.write_text("\n".join(lines + _not_measured(missing)) + "\n")
+    return page
+
+
+def splice_page(names: list, page: Path = PAGE, img: Path = IMG) -> Path:
+    """Render only the figures ``names`` (result files, ``remote_s3.json`` or ``remote_s3``) and splice them into
+    the existing page: a section with the same heading is replaced, a new one goes after the last section;
+    the other sections stay as they are (their results need not be on this machine); the "not measured"
+    line loses the names spliced. Return the page's path.
+
+    Raises:
+        ValueError: a name is no figure of the page, or its results file is absent.
+    """
+    known = dict(PARTS)
+    files = [n if n.endswith(".json") else n + ".json" for n in names]
+    for f in files:
+        if f not in known:
+            raise ValueError(f"--splice {f}: not a figure of the page; known: {', '.join(known)}")
+        if _load(f) is None:
+            raise ValueError(f"--splice {f}: {RESULTS / f} is absent; run its benchmark first")
+    text = page.read_text().rstrip("\n").split("\n")
+    missing = []
+    if text and text[-1].startswith(NOT_MEASURED):
+        missing = [m for m in text.pop()[len(NOT_MEASURED):].rstrip(".").replace("`", "").split(", ") if m]
+    heads = [i for i, line in enumerate(text) if line.startswith("## ")]
+    head, sections = text[:heads[0]] if heads else text, []
+    for a, b in zip(heads, heads[1:] + [len(text)]):
+        sections.append(text[a:b])
+    for f in files:
+        new = known[f](_load(f), img)
+        at = [i for i, sec in enumerate(sections) if sec[0] == new[0]]
+        if at:
+            sections[at[0]] = new
+        else:
+            sections.append(new)
+        missing = [m for m in missing if m != f]
+    page.write_text("\n".join(head + [line for sec in sections for line in sec] + _not_measured(missing)) + "\n")
     return page
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.parse_args(argv)
-    print(f"wrote {write_page()}")
+    p.add_argument("--splice", action="append", metavar="NAME", default=[],
+                   help="only re-render this figure (its results file, e.g. remote_s3.json; repeatable) and splice it "
+                        "into the committed page, keeping the other figures (whose results may be elsewhere)")
+    a = p.parse_args(argv)
+    try:
+        print(f"wrote {splice_page(a.splice) if a.splice else write_page()}")
+    except ValueError as e:
+        p.error(str(e))
     return 0
 
 

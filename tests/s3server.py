@@ -118,8 +118,9 @@ def new_bucket() -> Bucket:
 class FaultProxy:
     """A TCP proxy on 127.0.0.1 in front of the S3 server that fails on demand: ``mode`` is ``"pass"``
     (bytes piped both ways), ``"503"`` (each request answered ``503 Slow Down``, then the connection
-    closed) or ``"reset"`` (each connection closed at once, a reset for the client). ``requests`` counts
-    the connections it failed."""
+    closed) or ``"reset"`` (each connection closed at once, a reset for the client). ``failed`` counts
+    the connections it failed. Setting ``mode`` affects new connections only; :meth:`fail` also cuts the
+    connections the client keeps alive (a server that went down under a transfer)."""
 
     def __init__(self, target: str) -> None:
         import socket
@@ -133,11 +134,24 @@ class FaultProxy:
         self._sock.listen(64)
         self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._stop = False
+        self._live: set = set()  # the sockets of piped connections
         threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
         self._stop = True
         self._sock.close()
+
+    def fail(self, mode: str) -> None:
+        """Fail every new connection the ``mode`` way and reset the live ones (requests in flight fail)."""
+        import socket
+        import struct
+        self.mode = mode
+        for s in list(self._live):
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _accept(self) -> None:
         while not self._stop:
@@ -170,6 +184,7 @@ class FaultProxy:
             conn.close()
             return
         up = socket.create_connection(self.target)
+        self._live.update((conn, up))
 
         def pipe(a, b):
             try:
@@ -182,6 +197,7 @@ class FaultProxy:
                 pass
             finally:
                 for s in (a, b):
+                    self._live.discard(s)
                     try:
                         s.shutdown(socket.SHUT_RDWR)
                     except OSError:

@@ -74,3 +74,39 @@ def test_suite_loop_and_readme_outputs(snap_env, tmp_path):
     assert "old" not in text and text.endswith("<!-- perf:end -->\n\n## Next\n") and "intro" in text
     assert res["machine"]["git_commit"][:12] in text and "Training loop" in text
     assert "| snapckpt_memory |" in text
+
+
+def test_results_page_splice_replaces_one_figure_and_keeps_the_others(tmp_path, monkeypatch):
+    """``results_page.py --splice commit_latency.json`` re-renders that figure alone into an existing page:
+    its old section replaced in place (once), the other sections kept byte for byte, the "not measured" line
+    without it, its plot written; an unknown figure or an absent results file is refused naming the cause."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        rp = importlib.import_module("results_page")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(rp, "RESULTS", results)
+    recs = [{"ranks": n, "bytes_total": 1 << 20, "bytes_per_rank": (1 << 20) // n, "median_commit_s": t}
+            for n, t in ((4, 0.25), (32, 0.5))]
+    (results / "commit_latency.json").write_text(json.dumps({"meta": {"date": "d", "commit": "c", "cpus": 2},
+                                                             "records": recs}))
+    page, img = tmp_path / "benchmarks.md", tmp_path / "img"
+    other = ["## Recovery time after a kill (`recovery.py`)", "", "kept as it is", ""]
+    stale = ["## Commit latency against rank count (`commit_latency.py`)", "", "old figures", ""]
+    page.write_text("\n".join(["# Benchmark results", "", "intro", "", *stale, *other,
+                               "Not measured in this page's runs: `loop.json`, `commit_latency.json`."]) + "\n")
+    rp.splice_page(["commit_latency"], page=page, img=img)
+    text = page.read_text()
+    assert text.count("## Commit latency against rank count") == 1 and "old figures" not in text
+    assert "| 32 | 32768 | 0.500 | 2.00x |" in text
+    assert "\n".join(other) in text and text.index("## Commit latency") < text.index("## Recovery time")
+    assert text.endswith("Not measured in this page's runs: `loop.json`.\n")
+    assert (img / "bench-commit-latency.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="nosuch.json: not a figure of the page; known: suite.json"):
+        rp.splice_page(["nosuch"], page=page, img=img)
+    with pytest.raises(ValueError, match="remote_s3.json is absent; run its benchmark first"):
+        rp.splice_page(["remote_s3.json"], page=page, img=img)

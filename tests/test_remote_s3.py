@@ -627,3 +627,66 @@ def test_H_remote_only_part_writer_assembles_parts_in_order_and_discard_aborts(s
     f.write(data[:11 << 20])
     RemoteStore.abandon(f)
     assert not s3_bucket.keys("run/step_00000002/") and not s3_bucket.multipart_uploads("run/")
+
+
+def test_H2_remote_only_store_failing_mid_upload_fails_the_save_keeps_the_previous_step_and_recovers(
+        snap_env, s3_bucket, monkeypatch):
+    """Remote-only mode through a fault proxy: step 1 commits; the persister is held (SIGSTOP at its fault
+    point) after the first part of step 2's multipart upload while the proxy resets the live connections and
+    answers every new one 503 Slow Down; resumed, it retries (botocore's and s3fs's retries, cut short here
+    by AWS_MAX_ATTEMPTS), then step 2's save fails with an error naming the URL and the cause,
+    never a key. Training goes on (a MEMORY save succeeds meanwhile); step 1 stays the tracker's, intact
+    and loadable bitwise; once the server answers again the next DISK save commits, and neither step 2's
+    prefix nor its multipart upload is left in the store."""
+    import signal
+    import time
+
+    import torch
+
+    import s3server
+    from snapckpt import Checkpointer, StorageType
+
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore's attempts per request
+    monkeypatch.setenv("SNAPCKPT_REMOTE_BLOCK_NBYTES", str(5 << 20))
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "remote.mid_upload:step=2:action=stop")
+    url = s3_bucket.url("run")
+    states = {s: {"w": torch.randn(3 << 20, generator=torch.Generator().manual_seed(s)), "step": s}
+              for s in (1, 2, 3, 4)}  # 12 MiB: a multipart upload of 3 parts
+    try:
+        with Checkpointer(url, persister_idle_timeout_secs=20, commit_timeout_secs=60) as ck:
+            ck.save(states[1], 1).wait()
+            pending = ck.save(states[2], 2)
+            assert wait_until(lambda: "SNAPCKPT_FAULT_POINT hit remote.mid_upload" in _persister_logs(snap_env),
+                              timeout=60), _persister_logs(snap_env)[-3000:]
+            assert wait_until(lambda: [p for p in snap_env.persisters() if p.status() == "stopped"], timeout=10)
+            assert s3_bucket.multipart_uploads("run/step_00000002/")  # step 2 is mid-upload
+            proxy.fail("503")
+            t0 = time.monotonic()
+            for p in snap_env.persisters():
+                p.send_signal(signal.SIGCONT)
+            with pytest.raises(Exception) as ei:
+                pending.wait()
+            took = time.monotonic() - t0
+            msg = f"{type(ei.value).__name__}: {ei.value}"
+            print(f"step 2 failed {took:.1f} s after the store went down: {msg}")
+            assert url in msg and ("SlowDown" in msg or "503" in msg or "Slow Down" in msg), msg
+            assert os.environ["AWS_SECRET_ACCESS_KEY"] not in msg and os.environ["AWS_ACCESS_KEY_ID"] not in msg
+            assert proxy.failed >= 2  # retried
+            ck.save(states[3], 3, StorageType.MEMORY).wait()  # training goes on
+            # the persister gave up on step 2 while the store was down: its abort and clean-up failed too
+            assert wait_until(lambda: "could not remove" in _persister_logs(snap_env), timeout=60), \
+                _persister_logs(snap_env)[-3000:]
+            proxy.mode = "pass"
+            assert s3_bucket.get("run/latest") == b"step_00000001"
+            assert not s3_bucket.keys("run/step_00000002/.snapckpt/manifest.json")
+            got = ck.load(step=1)
+            assert ck.last_load.step == 1 and torch.equal(got["w"], states[1]["w"]), ck.last_load
+            ck.save(states[4], 4).wait()
+            assert s3_bucket.get("run/latest") == b"step_00000004"
+            # what step 2 left is deleted once the store answers (after step 4's commit, in the background)
+            assert wait_until(lambda: not s3_bucket.keys("run/step_00000002/"), timeout=30), _remote_layout(s3_bucket)
+            assert wait_until(lambda: not s3_bucket.multipart_uploads("run/"), timeout=30)
+    finally:
+        proxy.close()

@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from snapckpt._internal import faultpoints as faults
-from snapckpt.errors import CommitError
+from snapckpt.errors import CommitError, SnapckptError
 from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, ChecksumWriter, build_manifest, part_marker_name, \
     validate_file_name
 from snapckpt.storage.remote import RemoteStore, is_remote_url
@@ -95,8 +95,20 @@ def write_part_remote(store: RemoteStore, buf, index: Dict[str, Any], dirname: s
 
     Raises:
         ValueError: the index names a file outside the prefix.
-        OSError / the store's errors: an upload failed (its multipart upload is aborted).
+        RemoteStorageError: the bucket is gone, or the store failed after its client's retries (an
+            upload's multipart upload is aborted); the message names the URL and the cause.
     """
+    try:
+        return _write_part(store, buf, index, dirname, rank=rank, run_id=run_id, step=step,
+                           on_data_read=on_data_read)
+    except (SnapckptError, ValueError):
+        raise
+    except Exception as e:  # the store's (s3fs's OSError, botocore's errors): name the URL and the cause
+        raise store.failure(f"writing rank {rank}'s part of step {step} to {store.display(dirname)}", e) from e
+
+
+def _write_part(store: RemoteStore, buf, index: Dict[str, Any], dirname: str, *, rank: int, run_id: str,
+                step: int, on_data_read: Optional[Callable[[], None]]) -> Dict[str, Dict[str, Any]]:
     from snapckpt.persister.writer import encode_file, file_record
 
     store.begin_part(dirname, rank=rank, run_id=run_id, step=step)
@@ -134,8 +146,18 @@ def commit_remote(store: RemoteStore, req) -> Dict[str, Any]:
         PeerLostError: a missing part can never come (``req.peer_check``).
         CommitError: a rank failed, an unexpected rank wrote a part, or an object is missing or of the
             wrong size in the store.
-        OSError / the store's errors: the store failed while committing (nothing committed).
+        RemoteStorageError: the store failed while committing, after its client's retries (nothing
+            committed); the message names the URL and the cause.
     """
+    try:
+        return _commit(store, req)
+    except SnapckptError:
+        raise
+    except Exception as e:  # the store's: name the URL and the cause
+        raise store.failure(f"committing step {req.step} as {store.display(req.dirname)}", e) from e
+
+
+def _commit(store: RemoteStore, req) -> Dict[str, Any]:
     from snapckpt.persister.commit import wait_for_parts
 
     parts = wait_for_parts(store, req, in_dir=f"{store.url}/{req.dirname}", poll_secs=POLL_SECS)  # a LIST each

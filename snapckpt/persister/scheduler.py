@@ -87,6 +87,8 @@ class Scheduler:
         self.syncer = PartSyncer()  # fsyncs and markers of the parts written, in batches
         self.commit_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapckpt-commit")
         self.uploader = Uploader(self._upload_done)  # the remote tier (runs with a remote_dir only)
+        # remote-only: URL -> prefixes of failed saves the store was too sick to delete (retried after a commit)
+        self.undiscarded: Dict[str, Set[str]] = {}
 
     def shutdown(self) -> None:
         """Wait for every writer, commit and upload task (at exit)."""
@@ -333,22 +335,39 @@ class Scheduler:
                 storage.remove_tree(path)
             except OSError as e:
                 log.warning("retention: could not delete %s: %s", path, e)
+        if run.remote_only and state == "committed":  # the store answers again: what failed saves left
+            with self.lock:
+                busy = {d for (_, _, d), r in self.results.items() if r.state == "pending" or r.writers > 0}
+                for dirname in sorted(self.undiscarded.get(run.checkpoint_dir, set()) - busy):
+                    self._discard_remote(run.checkpoint_dir, dirname)
         with self.lock:
             self.pending -= 1
 
-    @staticmethod
-    def _remove_failed_partial(run: Run, res: Result, partial: str) -> None:
+    def _remove_failed_partial(self, run: Run, res: Result, partial: str) -> None:
         """On the committer, once a step's commit failed and this node's writers of it are done, delete
         its partial directory (called with the lock)."""
         if not run.committer or res.state != "failed" or res.writers > 0:
             return
+        if run.remote_only:  # the prefix in the store, unless a manifest made it a checkpoint
+            self._discard_remote(run.checkpoint_dir, os.path.basename(partial))
+            return
         try:
-            if run.remote_only:  # the prefix in the store, unless a manifest made it a checkpoint
-                store_for(run.checkpoint_dir).discard_uncommitted(os.path.basename(partial))
-            else:
-                open_storage().remove_tree(partial)
+            open_storage().remove_tree(partial)
         except Exception as e:
             log.warning("could not remove %s after a failed commit: %s: %s", partial, type(e).__name__, e)
+
+    def _discard_remote(self, url: str, dirname: str) -> None:
+        """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads; when the
+        store fails (it may be why the save failed), remember it for after the next commit (called with the
+        lock)."""
+        try:
+            store_for(url).discard_uncommitted(dirname)
+        except Exception as e:
+            self.undiscarded.setdefault(url, set()).add(dirname)
+            log.warning("could not remove %s/%s after a failed save: %s: %s; tried again after the next commit",
+                        url, dirname, type(e).__name__, str(e)[:300])
+            return
+        self.undiscarded.get(url, set()).discard(dirname)
 
 
 def _partial(run: Run, dirname: str) -> str:

@@ -181,6 +181,16 @@ class RemoteStore:
         if missing:
             raise self._no_bucket(e) from e
 
+    def failure(self, what: str, e: BaseException) -> RemoteStorageError:
+        """The error to raise when the store failed (after its client's own retries) while doing ``what``
+        (``"writing step 2"``): it names the URL, the cause (with the server's answer that s3fs translated,
+        e.g. ``SlowDown ... UploadPart``) and what stays intact; never a key."""
+        inner = e.__cause__
+        detail = f" ({_cause(inner)})" if inner is not None and str(inner) not in str(e) else ""
+        return RemoteStorageError(
+            f"{self.role} {self.url!r}: {what} failed after the client's retries: {_cause(e)}{detail}; the "
+            "checkpoints committed before are intact; check the endpoint, the network and the store's health")
+
     OWNER = ".snapckpt-owner.json"
 
     def claim(self, checkpoint_dir: str, job_id: Optional[str]) -> Dict[str, Any]:
@@ -433,10 +443,16 @@ class RemoteStore:
         self._check_sizes(dirname, manifest)
 
     def discard_uncommitted(self, dirname: str) -> None:
-        """Delete ``<url>/<dirname>`` unless it holds a manifest (after a failed commit: nothing of it may
-        look like a checkpoint, and it costs storage)."""
+        """Delete ``<url>/<dirname>`` unless it holds a manifest, and abort the unfinished multipart uploads
+        under it (after a failed save, none of whose writers is running: nothing of it may look like a
+        checkpoint, and both cost storage; a writer that failed with the store down could not abort its own).
+
+        Raises:
+            OSError / the store's errors: the store failed (nothing or part of it deleted; call again).
+        """
         if not self.fs.exists(self._path(dirname, MANIFEST)):
             self._rm_tree(self._path(dirname))
+        self._abort_multipart(under=dirname)
 
     def _expected(self, dirname: str, name: str, rec: Dict[str, Any]) -> Tuple[str, str, str]:
         """``(display name, checksum algorithm, expected digest)`` of a data object from its manifest record.
@@ -624,7 +640,10 @@ class RemoteStore:
             self._rm_tree(self._path(name))
             removed.append(name)
             log.warning("remote: deleted %s, an upload that was interrupted (no manifest)", self.display(name))
-        self._abort_multipart(busy)
+        try:
+            self._abort_multipart(busy)
+        except Exception as e:  # best effort: a bucket lifecycle rule is the backstop
+            log.warning("remote: could not list or abort multipart uploads under %s: %s", self.url, _cause(e))
         self.fs.invalidate_cache()
         return removed
 
@@ -635,24 +654,27 @@ class RemoteStore:
             return None
         return rec.get("run_id") if isinstance(rec, dict) else None
 
-    def _abort_multipart(self, busy: Set[str] = frozenset()) -> None:
-        """Abort unfinished S3 multipart uploads under the remote directory (they cost storage until
-        aborted), except those under the prefixes ``busy``. Other stores: nothing to do."""
+    def _abort_multipart(self, busy: Set[str] = frozenset(), under: Optional[str] = None) -> None:
+        """Abort unfinished S3 multipart uploads under the remote directory, or only under its prefix
+        ``under`` (they cost storage until aborted), except those under the prefixes ``busy``. Other
+        stores: nothing to do.
+
+        Raises:
+            OSError / the store's errors: listing or aborting failed.
+        """
         if "s3" not in _protocols(self.fs):
             return
         bucket, _, key = self.root.partition("/")
         prefix = key + "/" if key else ""
-        try:
-            from fsspec.asyn import sync
-            reply = sync(self.fs.loop, self.fs._call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
-            for up in reply.get("Uploads", []):
-                if up["Key"][len(prefix):].split("/", 1)[0] in busy:
-                    continue
-                sync(self.fs.loop, self.fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=up["Key"],
-                     UploadId=up["UploadId"])
-                log.warning("remote: aborted an unfinished multipart upload of s3://%s/%s", bucket, up["Key"])
-        except Exception as e:  # best effort: a bucket lifecycle rule is the backstop
-            log.warning("remote: could not list or abort multipart uploads under %s: %s", self.url, _cause(e))
+        from fsspec.asyn import sync
+        reply = sync(self.fs.loop, self.fs._call_s3, "list_multipart_uploads", Bucket=bucket,
+                     Prefix=prefix + (under + "/" if under else ""))
+        for up in reply.get("Uploads", []):
+            if up["Key"][len(prefix):].split("/", 1)[0] in busy:
+                continue
+            sync(self.fs.loop, self.fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=up["Key"],
+                 UploadId=up["UploadId"])
+            log.warning("remote: aborted an unfinished multipart upload of s3://%s/%s", bucket, up["Key"])
 
     def _rm_quiet(self, path: str) -> None:
         try:
