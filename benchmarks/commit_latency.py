@@ -11,10 +11,23 @@ agreement rounds, N part markers listed by the committer, N connections to the p
 
     .venv/bin/python benchmarks/commit_latency.py                  # 4, 8, 16, 32 ranks, 64 MiB in all
     .venv/bin/python benchmarks/commit_latency.py --ranks 4,32 --total-mib 16 --saves 4
+    .venv/bin/python benchmarks/commit_latency.py --ranks 8,32,128 --total-mib 8 --saves 4   # many light ranks
+    sudo .venv/bin/python benchmarks/commit_latency.py --nodes 2 --ranks 8,32   # 2 simulated nodes (root)
 
-Outputs ``benchmarks/results/commit_latency.{json,md,png}``. Units: seconds, bytes. On 2 cores, 32 ranks
-are 16 processes per core: the absolute times include that oversubscription (every rank's Python runs
-between the persister's steps); the ratio is the figure.
+``--nodes K`` runs the ranks on K simulated nodes of the multi-node test rig (``tests/multinode.py``: own
+host name, ``/dev/shm`` and persister per node, one shared checkpoint directory; needs root), ``N / K``
+ranks per node: the commit then crosses nodes (node 0's persister commits, the others watch for it).
+
+Memory: every rank is a full Python + torch + gloo process, about 150 MiB of private memory (PSS, measured
+by each rank with psutil and recorded as ``rank_pss_mib``) even with a tiny state. Before each rank count
+the benchmark compares ``ranks x`` the PSS per rank measured so far (150 MiB before any run) with the memory
+available (``psutil.virtual_memory().available``, times ``--mem-fraction``); a count that does not fit is
+recorded as skipped with the figures, rather than launched into the OOM killer.
+
+Outputs ``benchmarks/results/commit_latency.{json,md,png}`` (``commit_latency_<K>nodes.*`` with
+``--nodes``). Units: seconds, bytes. On 2 cores, 32 ranks are 16 processes per core: the absolute times
+include that oversubscription (every rank's Python runs between the persister's steps); the ratio is the
+figure.
 """
 from __future__ import annotations
 
@@ -53,31 +66,55 @@ def worker(ckpt_dir: str, total_bytes: int, saves: int) -> None:
             h = ck.save(state, step)
             h.wait()
             secs.append(h.durable_secs)
+    import psutil
+
     got = [None] * world
-    dist.all_gather_object(got, secs)
+    dist.all_gather_object(got, (secs, psutil.Process().memory_full_info().pss))
     if rank == 0:
-        print("RESULT " + json.dumps({"world": world, "durable_secs": got}), flush=True)
+        print("RESULT " + json.dumps({"world": world, "durable_secs": [g[0] for g in got],
+                                      "pss": [g[1] for g in got]}), flush=True)
     dist.destroy_process_group()
 
 
-def measure(world: int, total_bytes: int, saves: int, scratch: str) -> dict:
+def _on_rig(nodes: int, world: int, argv: list, scratch: str) -> tuple:
+    """Run the worker on ``nodes`` simulated nodes of the test rig; ``(exit status, node 0's output)``."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from multinode import Rig
+
+    rig = Rig(tempfile.mkdtemp(dir=scratch), argv[1])
+    try:
+        rig.start(nodes)
+        runs = rig.torchrun_all(__file__, argv, world // nodes)
+        codes = [r.wait(1800) for r in runs]
+        return max(codes, key=abs), "\n".join(r.output() for r in runs)
+    finally:
+        rig.close()
+
+
+def measure(world: int, total_bytes: int, saves: int, scratch: str, nodes: int = 1) -> dict:
     ckpt = tempfile.mkdtemp(prefix=f"commit-{world}-", dir=scratch)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    argv = ["--worker", ckpt, str(total_bytes), str(saves)]
     t0 = time.perf_counter()
-    cp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                         str(world), __file__, "--worker", ckpt, str(total_bytes), str(saves)],
-                        capture_output=True, text=True, env=env, timeout=1800)
+    if nodes > 1:
+        code, out = _on_rig(nodes, world, argv, scratch)
+        err = ""
+    else:
+        cp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(world), __file__, *argv], capture_output=True, text=True, env=env, timeout=1800)
+        code, out, err = cp.returncode, cp.stdout, cp.stderr
     wall = time.perf_counter() - t0
     shutil.rmtree(ckpt, ignore_errors=True)
-    lines = [l for l in cp.stdout.splitlines() if l.startswith("RESULT ")]
-    if cp.returncode != 0 or not lines:
-        raise RuntimeError(f"{world} ranks: exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-3000:]}")
-    per_rank = json.loads(lines[-1][len("RESULT "):])["durable_secs"]
+    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    if code != 0 or not lines:
+        raise RuntimeError(f"{world} ranks: exit {code}\n{out[-3000:]}\n{err[-3000:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    per_rank = res["durable_secs"]
     later = [s for r in per_rank for s in r[1:]]  # save 1 creates the arena
-    return {"ranks": world, "bytes_total": total_bytes, "bytes_per_rank": total_bytes // world,
+    return {"ranks": world, "nodes": nodes, "bytes_total": total_bytes, "bytes_per_rank": total_bytes // world,
             "median_commit_s": statistics.median(later), "max_commit_s": max(later),
             "first_save_median_s": statistics.median(r[0] for r in per_rank), "saves": saves,
-            "launch_wall_s": wall}
+            "launch_wall_s": wall, "rank_pss_mib": round(statistics.median(res["pss"]) / 2**20, 1)}
 
 
 def main() -> None:
@@ -87,6 +124,9 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--scratch", default=None, help="checkpoint directory parent (default: a temp dir)")
     ap.add_argument("--no-fsync", action="store_true", help="diagnostic: skip fsync (what the fsyncs cost)")
+    ap.add_argument("--nodes", type=int, default=1, help="simulated nodes of the multi-node test rig (root)")
+    ap.add_argument("--mem-fraction", type=float, default=0.7,
+                    help="launch a rank count only if ranks x PSS per rank fits this share of available memory")
     ap.add_argument("--worker", nargs=3, metavar=("DIR", "BYTES", "SAVES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -98,22 +138,37 @@ def main() -> None:
     if args.no_fsync:
         os.environ["SNAPCKPT_BENCH_FSYNC"] = "0"
     total = args.total_mib << 20
-    recs = []
+    import psutil
+
+    recs, skipped = [], []
+    pss_mib = 150.0  # a torch + gloo rank with a tiny state (2 cores, torch 2.x); replaced by the measured one
     for world in [int(x) for x in args.ranks.split(",")]:
-        rec = measure(world, total, args.saves, scratch)
+        avail_mib = psutil.virtual_memory().available / 2**20
+        if world * pss_mib > args.mem_fraction * avail_mib:
+            skip = {"ranks": world, "skipped": f"needs about {world * pss_mib / 1024:.1f} GiB ({pss_mib:.0f} MiB PSS "
+                    f"per rank), {avail_mib / 1024:.1f} GiB available (--mem-fraction {args.mem_fraction:g})"}
+            print(json.dumps(skip), flush=True)
+            skipped.append(skip)
+            continue
+        rec = measure(world, total, args.saves, scratch, args.nodes)
+        pss_mib = max(pss_mib, rec["rank_pss_mib"])
         print(json.dumps(rec), flush=True)
         recs.append(rec)
     base = recs[0]["median_commit_s"]
-    lines = [f"Commit latency (save call to commit known on the rank), {args.total_mib} MiB in all, one node, "
+    where = "one node" if args.nodes == 1 else f"{args.nodes} simulated nodes"
+    lines = [f"Commit latency (save call to commit known on the rank), {args.total_mib} MiB in all, {where}, "
              f"{os.cpu_count()} cores, median of saves 2..{args.saves} over every rank:", "",
              "| ranks | bytes per rank | median commit (s) | max (s) | vs the fewest ranks |",
              "|---:|---:|---:|---:|---:|"]
     for r in recs:
         lines.append(f"| {r['ranks']} | {r['bytes_per_rank']} | {r['median_commit_s']:.3f} | "
                      f"{r['max_commit_s']:.3f} | {r['median_commit_s'] / base:.2f}x |")
+    lines += [f"\nNot run: {s['ranks']} ranks: {s['skipped']}." for s in skipped]
     result = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(),
-                       "cpus": os.cpu_count()}, "records": recs}
-    write_results(RESULTS / "commit_latency.json", result, "\n".join(lines) + "\n")
+                       "cpus": os.cpu_count(), "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1)},
+              "records": recs, "skipped": skipped}
+    stem = "commit_latency" if args.nodes == 1 else f"commit_latency_{args.nodes}nodes"
+    write_results(RESULTS / f"{stem}.json", result, "\n".join(lines) + "\n")
     try:
         import matplotlib
 
@@ -129,7 +184,7 @@ def main() -> None:
         ax.set_title("Commit latency vs rank count")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(RESULTS / "commit_latency.png", dpi=120)
+        fig.savefig(RESULTS / f"{stem}.png", dpi=120)
     except ImportError:
         pass
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -195,20 +196,45 @@ def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
     assert not rig.nodes[1].run(["ls", "-A", rig.ckpt_dir]).strip()
 
 
+def _commit_line(text, step, role):
+    """``(seconds, filesystem checks, wakes, peer notices)`` of the persister's log line about the commit of
+    ``step`` (``role``: committer | watcher), or None."""
+    m = re.search(rf"step {step}: commit committed after ([0-9.]+) s \({role}, [^)]*\): (\d+) filesystem checks, "
+                  rf"(\d+) wakes, (\d+) peer notices", text)
+    return None if m is None else (float(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)))
+
+
 def test_G3_node_lost_without_replicas_resumes_from_disk(rig):
     """G3 with the peer-memory tier turned off (``replicas=0``): every rank paused at step 9 (memory; disk holds 6), node 1 is
     lost (processes, persister and memory) and node 0's trainers die; a fresh node1 joins. The restart
     agrees on disk step 6 on every rank (node 0's memory alone is not a complete step) and trains on with
-    losses bitwise equal to an uninterrupted run. The steps held only in memory (7..9) are lost."""
+    losses bitwise equal to an uninterrupted run. The steps held only in memory (7..9) are lost.
+
+    On the way, the commit path without polling (issue 15): node 1's part of step 6 is held 3 s (a fault
+    point sleeps before its marker) while both persisters wait; the committer learns of the part, and
+    node 1 of the commit, from the other's notice over the peer channel (there even with ``replicas=0``),
+    and each read the shared filesystem a few times in those seconds (a backstop re-read a second), not
+    every 20 ms (about 150 reads)."""
     rig.start(2)
     rig.leftover_ok = True
     log = os.path.join(rig.tmp, "losses.log")
     # node 0's crash flush of step 9 can never commit: give up soon; no peer replicas
     extra = ["--commit-timeout", "20", "--replicas", "0"]
-    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1)
+    hold = {"SNAPCKPT_FAULT_POINT": f"persist.before_part_marker:rank=1:step={DISK}:action=sleep:secs=3"}
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1,
+                            env=hold)
     _wait_paused(runs, 2)
     assert wait_until(lambda: os.path.exists(os.path.join(rig.ckpt_dir, "latest")), 30)
     assert "EVENT" not in runs[0].output() + runs[1].output()  # nothing replicated
+    assert wait_until(lambda: _commit_line(_persister_log(rig.nodes[1]), DISK, "watcher"), 10), \
+        _persister_log(rig.nodes[1])
+    assert f"SNAPCKPT_FAULT_POINT hit persist.before_part_marker rank=1 step={DISK}" in _persister_log(rig.nodes[1])
+    for node, role in ((0, "committer"), (1, "watcher")):
+        secs, checks, wakes, notices = _commit_line(_persister_log(rig.nodes[node]), DISK, role)
+        print(f"step {DISK} {role}: {secs:.2f} s, {checks} filesystem checks, {wakes} wakes, {notices} notices")
+        assert secs >= 2.5, (role, secs)  # the commit was held by node 1's part
+        assert notices >= 1, (role, notices)  # woken by the other node's notice
+        assert checks <= secs + 5, (role, secs, checks, wakes)  # a backstop read a second and the wakes
     rig.lose_node(1)
     rig.kill_trainers(0)
     assert rig.nodes[0].persisters() and rig.nodes[0].shm_files()  # node 0 still holds step 9 in memory

@@ -166,3 +166,44 @@ def test_a_replica_damaged_while_held_is_never_served_or_written_as_intact(repli
     while not dropped() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert dropped() and not os.path.exists(part)
+
+
+def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
+    """Commit notices (persister/commit_notices.py): node 1's ``part_done`` reaches the committer's node and
+    calls its wake callback with the save; ``commit_ended`` goes to every other node; a notice naming
+    another run than the one its connection authenticated for is ignored; a node that posted port 0 (no
+    channel) is skipped, not waited for."""
+    from snapckpt.persister.commit_notices import CommitNotices
+
+    rep, port = replicator
+    got, arrived = [], threading.Event()
+
+    def on_notice(run_id, step, dirname):
+        got.append((run_id, step, dirname))
+        arrived.set()
+
+    receiver = CommitNotices({RUN: SECRET}.get, on_notice)  # the committer's node (node 0)
+    rep.on_notice = receiver.receive
+    sender = CommitNotices({RUN: SECRET}.get, lambda *a: None)  # node 1
+    sender.configure(RUN, 1, 0, {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)})
+    try:
+        sender.part_done(RUN, 6, "step_00000006", [3, 2])
+        assert arrived.wait(10) and got == [(RUN, 6, "step_00000006")]
+        arrived.clear()
+        sock = channel.connect("127.0.0.1", port, RUN, SECRET)
+        channel.send_frame(sock, {"op": "part_done", "run_id": "f" * 28, "step": 7, "dirname": "step_00000007"})
+        channel.send_frame(sock, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": "step_00000007",
+                                  "state": "committed"})
+        assert arrived.wait(10) and got[1:] == [(RUN, 7, "step_00000007")]  # the other run's was dropped
+        sock.close()
+        assert receiver.received == 2
+        # the committer's side: commit_ended goes to nodes 0 and 1 of a 3-node map, not to node 2 (port 0)
+        committer = CommitNotices({RUN: SECRET}.get, lambda *a: None)
+        committer.configure(RUN, 1, 1, {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)})
+        arrived.clear()
+        committer.commit_ended(RUN, 8, "step_00000008", "committed")
+        assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008")
+        committer.shutdown()
+        assert sorted(n for _, n in committer.links) == [0]
+    finally:
+        sender.shutdown()

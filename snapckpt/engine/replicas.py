@@ -1,15 +1,19 @@
-"""Setting up the peer-memory tier at a Checkpointer's start (the persister side is
-:mod:`snapckpt.persister.replication`).
+"""Setting up the peer channel at a Checkpointer's start: the peer-memory tier (the persister side is
+:mod:`snapckpt.persister.replication`) and the commit notices (:mod:`snapckpt.persister.commit_notices`).
 
-Sequence (collective, at construction, after every rank connected to its node persister):
+Sequence (collective, at construction, after every rank connected to its node persister; one node ends
+here at once):
 
 1. rank 0's ``replicas`` (option, ``SNAPCKPT_REPLICAS``, default 1 on several nodes) is broadcast: every
-   rank takes the same branch; 0 (or one node) ends here;
+   rank takes the same branch;
 2. each rank asks its persister to listen for peers on this node's address (``replica_listen``; the
    persister listens once) and posts that address and port; rank 0 also posts the run's secret, 32 random
-   bytes drawn now: the rendezvous store is the only place it travels (one all-gather);
-3. each rank gives its persister the secret and the target nodes of this node, the ``replicas`` next
-   nodes in ring order of node index (``replica_peers``).
+   bytes drawn now: the rendezvous store is the only place it travels (one all-gather). With
+   ``replicas=0`` a persister that cannot listen posts port 0: its node then gets no commit notices and
+   learns of commits from the filesystem's backstop re-check (a second) instead;
+3. each rank gives its persister the secret, the target nodes of this node (the ``replicas`` next nodes in
+   ring order of node index; none with ``replicas=0``), every node's address, this node's index and the
+   committer's (the node of global rank 0) (``replica_peers``).
 
 The result, :class:`PeerMap`, is what the loader needs to fetch a snapshot from another node.
 """
@@ -25,6 +29,7 @@ from snapckpt._internal import env as _env
 from snapckpt.dist.coordination import Coordinator
 from snapckpt.dist.topology import Topology
 from snapckpt.engine.session import PersisterSession
+from snapckpt.errors import PersisterError
 from snapckpt.options import CheckpointOptions
 
 __all__ = ["PeerMap", "setup_replicas", "advertised_addr"]
@@ -70,22 +75,29 @@ def advertised_addr() -> str:
 
 def setup_replicas(options: CheckpointOptions, topology: Topology, coord: Coordinator, session: PersisterSession,
                    timeout_secs: float) -> Optional[PeerMap]:
-    """Steps 1-3 of the module docstring; ``None`` when the run has no peer replicas.
+    """Steps 1-3 of the module docstring; ``None`` when the run has no peer replicas (one node, or
+    ``replicas=0``: the channel then carries the commit notices only).
 
     Raises:
         ValueError: ``SNAPCKPT_REPLICAS`` is malformed (on rank 0).
         RankTimeoutError: some ranks did not reach the setup in time.
-        PersisterError: the persister could not listen (the address is not this host's: set
+        PersisterError: with replicas, the persister could not listen (the address is not this host's: set
             ``SNAPCKPT_REPLICA_ADDR``).
     """
     if topology.num_nodes < 2:
         return None
     mine = options.resolved_replicas(topology.num_nodes) if coord.rank == 0 else None
     k = int(coord.broadcast("replicas", mine, timeout_secs))
-    if k <= 0:
-        return None
     addr = advertised_addr()
-    port = int(session.request("replica_listen", addr=addr)["port"])
+    try:
+        port = int(session.request("replica_listen", addr=addr)["port"])
+    except (PersisterError, OSError) as e:
+        if k > 0:
+            raise
+        log.warning("rank %d: this node's persister cannot listen for its peers on %s (%s); commits are "
+                    "still detected, from the shared filesystem within a second (set SNAPCKPT_REPLICA_ADDR "
+                    "to this host's address)", coord.rank, addr, e)
+        port = 0
     secret = secrets.token_hex(32) if coord.rank == 0 else ""
     everyone = coord.all_gather("replica peers", {"addr": addr, "port": port, "node": topology.node_index,
                                                   "secret": secret}, timeout_secs)
@@ -97,7 +109,11 @@ def setup_replicas(options: CheckpointOptions, topology: Topology, coord: Coordi
     for i in range(1, k + 1):
         node = (topology.node_index + i) % n
         targets.append({"node": node, "addr": addrs[node][0], "port": addrs[node][1]})
-    session.request("replica_peers", secret=everyone[0]["secret"], targets=targets)
+    nodes = [{"node": i, "addr": a, "port": p} for i, (a, p) in sorted(addrs.items())]
+    session.request("replica_peers", secret=everyone[0]["secret"], targets=targets, nodes=nodes,
+                    node=topology.node_index, committer_node=int(everyone[0]["node"]))
+    if k <= 0:
+        return None
     if coord.rank == 0:
         log.info("peer replicas: each node's memory snapshots are copied to the next %d node(s): %s", k,
                  {i: f"{a}:{p}" for i, (a, p) in sorted(addrs.items())})

@@ -17,7 +17,17 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
 5. runs retention.
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
-to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node). On failure the committer deletes the partial directory (the node persister does it once its
+to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node).
+
+Neither wait polls the shared filesystem: each blocks on its save's wake event (``CommitRequest.wake``),
+set by this node's persister when a local part ends, when a peer's notice arrives over the peer channel
+(a part of another node ended; the commit ended: :mod:`snapckpt.persister.commit_notices`) or when a local
+rank dies. Woken, it reads the filesystem, which stays the source of truth (the markers, the manifest);
+between wakes it only runs the in-memory and peer-record checks (``peer_check``, every
+``peer_tick_secs``), and it re-reads the filesystem every :data:`BACKSTOP_SECS` in case a notice was lost.
+``CommitRequest.stats`` counts the reads (``listings``) and the wakes.
+
+On failure the committer deletes the partial directory (the node persister does it once its
 own writers of that step are done): nothing a loader would look at is left behind, and the previous
 checkpoint and tracker are untouched. Partial directories of this job's earlier, crashed runs are
 removed by :func:`recover_interrupted_commits` when the next run of the job starts.
@@ -41,10 +51,10 @@ from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
 __all__ = ["CommitRequest", "commit", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
-           "raise_local_failure", "POLL_SECS"]
+           "raise_local_failure", "BACKSTOP_SECS"]
 
 log = logging.getLogger(__name__)
-POLL_SECS = 0.02
+BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake (a lost notice; seconds)
 
 
 class CommitRequest:
@@ -56,6 +66,7 @@ class CommitRequest:
                  local_failure: Optional[Callable[[], Optional[BaseException]]] = None,
                  requested_unix: Optional[float] = None,
                  peer_check: Optional[Callable[..., None]] = None,
+                 peer_tick_secs: Optional[float] = None,
                  wake: Optional[threading.Event] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
@@ -78,9 +89,13 @@ class CommitRequest:
         # peer_check(step, dirname, missing_ranks, persisters_of) raises PeerLostError when a missing part
         # can never come: its rank's process died, or its node's lease went stale (persister/peers.py)
         self.peer_check = peer_check
-        # set by this node's persister when one of its parts of the step ended: the wait for the parts
-        # looks again at once instead of at its next poll (parts of other nodes are still polled for)
-        self.wake = wake
+        # how often peer_check must run while waiting (seconds; PeerWatch.tick_secs); default BACKSTOP_SECS
+        self.peer_tick_secs = peer_tick_secs
+        # set when the filesystem is worth reading again: a part of this node ended, a peer's notice came
+        # (commit_notices.py), a local rank died; without a wake the waits read it every BACKSTOP_SECS only
+        self.wake = wake if wake is not None else threading.Event()
+        # filesystem reads of the wait (listings of the partial directory, manifest reads) and wakes
+        self.stats = {"listings": 0, "wakes": 0}
 
     @property
     def partial_dir(self) -> str:
@@ -186,10 +201,19 @@ def _refuse_other_jobs_checkpoint(reader: StorageReader, req: CommitRequest) -> 
         "step again there, delete or rename that step's directory first.)")
 
 
+def _wait(req: CommitRequest, next_read: float) -> None:
+    """Block until ``req.wake`` is set, the next backstop read (``next_read``, monotonic) or the next peer
+    check is due, whichever comes first."""
+    tick = req.peer_tick_secs if req.peer_check is not None and req.peer_tick_secs else BACKSTOP_SECS
+    if req.wake.wait(max(0.0, min(tick, next_read - time.monotonic()))):
+        req.stats["wakes"] += 1
+
+
 def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optional[str] = None,
-                   poll_secs: float = POLL_SECS) -> Dict[int, Dict[str, Any]]:
-    """Poll every ``poll_secs`` seconds (or at once when ``req.wake`` is set) until every rank's part marker
-    of ``req`` is there (``in_dir``: see :func:`collect_parts`); return ``{rank: files}``.
+                   poll_secs: float = BACKSTOP_SECS) -> Dict[int, Dict[str, Any]]:
+    """Wait until every rank's part marker of ``req`` is there (``in_dir``: see :func:`collect_parts`);
+    return ``{rank: files}``. The markers are listed at the start, whenever ``req.wake`` is set, and every
+    ``poll_secs`` seconds (the backstop); ``req.peer_check`` runs every ``req.peer_tick_secs`` in between.
 
     Raises:
         CommitTimeoutError: ranks missing at the deadline (named in the message).
@@ -199,18 +223,22 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
     """
     deadline = time.monotonic() + req.timeout_secs
     unreadable: Dict[str, str] = {}
+    next_read = time.monotonic()
+    missing: List[int] = []
     while True:
-        if req.wake is not None:
-            req.wake.clear()  # before looking: a part ending from now on wakes the wait below
         raise_local_failure(req)
-        parts = collect_parts(reader, req, unreadable, in_dir=in_dir)
-        unexpected = sorted(r for r in parts if r >= req.world_size)
-        if unexpected:
-            raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
-                              f"{req.world_size}: more processes wrote than expected")
-        missing = sorted(set(range(req.world_size)) - set(parts))
-        if not missing:
-            return parts
+        if req.wake.is_set() or time.monotonic() >= next_read:
+            req.wake.clear()  # before looking: a part ending from now on wakes the wait below
+            next_read = time.monotonic() + poll_secs
+            req.stats["listings"] += 1
+            parts = collect_parts(reader, req, unreadable, in_dir=in_dir)
+            unexpected = sorted(r for r in parts if r >= req.world_size)
+            if unexpected:
+                raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
+                                  f"{req.world_size}: more processes wrote than expected")
+            missing = sorted(set(range(req.world_size)) - set(parts))
+            if not missing:
+                return parts
         if req.peer_check is not None:
             req.peer_check(req.step, req.dirname, missing, ())
         if time.monotonic() > deadline:
@@ -219,10 +247,7 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
                 f"step {req.step}: ranks {missing} did not write their part{where} within "
                 f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same "
                 "step; or those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
-        if req.wake is not None:
-            req.wake.wait(poll_secs)
-        else:
-            time.sleep(poll_secs)
+        _wait(req, next_read)
 
 
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
@@ -294,7 +319,10 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
 
 
 def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
-    """On a non-committer node: wait for the committer's manifest of this run and step.
+    """On a non-committer node: wait for the committer's manifest of this run and step. The manifest and the
+    partial directory are read at the start, whenever ``req.wake`` is set (the committer's notice that the
+    commit ended, a local part ended) and every :data:`BACKSTOP_SECS`; ``req.peer_check`` runs every
+    ``req.peer_tick_secs`` in between.
 
     Raises:
         CommitTimeoutError: no manifest by the deadline.
@@ -305,8 +333,11 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
     deadline = time.monotonic() + req.timeout_secs
     mpath = os.path.join(req.final_dir, MANIFEST)
     seen_partial = False
+    next_read = time.monotonic()
+    parts: Dict[int, Dict[str, Any]] = {}
 
     def committed() -> Optional[Dict[str, Any]]:
+        req.stats["listings"] += 1
         try:
             m = parse_manifest(reader.read_bytes(mpath), req.dirname)
         except Exception:  # not there yet, or being replaced
@@ -314,20 +345,25 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
         return m if m.get("run_id") == req.run_id and m["step"] == req.step else None
 
     while True:
-        m = committed()
-        if m is not None:
-            return m
-        raise_local_failure(req)
-        if reader.isdir(req.partial_dir):
-            seen_partial = True
-            parts = collect_parts(reader, req)  # raises on a failure marker
-        elif seen_partial:
-            m = committed()  # the rename may have happened between the two checks
+        if req.wake.is_set() or time.monotonic() >= next_read:
+            req.wake.clear()  # before looking: a notice from now on wakes the wait below
+            next_read = time.monotonic() + BACKSTOP_SECS
+            m = committed()
             if m is not None:
                 return m
-            raise CommitError(f"step {req.step}: the committer aborted the commit (see rank 0's error)")
+            raise_local_failure(req)
+            if reader.isdir(req.partial_dir):
+                seen_partial = True
+                parts = collect_parts(reader, req)  # raises on a failure marker
+            elif seen_partial:
+                m = committed()  # the rename may have happened between the two checks
+                if m is not None:
+                    return m
+                raise CommitError(f"step {req.step}: the committer aborted the commit (see rank 0's error)")
+            else:
+                parts = {}
         else:
-            parts = {}
+            raise_local_failure(req)
         if req.peer_check is not None:  # the committer (rank 0's persister) must live to finish it, too
             try:
                 req.peer_check(req.step, req.dirname, sorted(set(range(req.world_size)) - set(parts)), (0,))
@@ -338,7 +374,7 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
                 raise
         if time.monotonic() > deadline:
             raise CommitTimeoutError(f"step {req.step}: no commit record within {req.timeout_secs:g} s")
-        time.sleep(POLL_SECS)
+        _wait(req, next_read)
 
 
 def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, job: str,

@@ -180,6 +180,13 @@ class PeerWatch:
         self._claims: Dict[int, Dict[str, Any]] = {}
         self._leases: Dict[str, Dict[str, Any]] = {}
 
+    @property
+    def tick_secs(self) -> float:
+        """How often (seconds) a waiting commit must call :meth:`check`: often enough that a pause between
+        two calls is never taken for a stall of this process (half the peer timeout), and at most
+        :data:`CHECK_SECS`, how often the records are read anyway."""
+        return min(CHECK_SECS, self.peer_timeout_secs / 4)
+
     def _refresh(self, force: bool = False) -> bool:
         """Re-read the records (at most every :data:`CHECK_SECS` unless ``force``); return whether leases
         may be judged on this round (False after a pause of this process longer than half the peer

@@ -43,10 +43,12 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "persist": {"step": _INT},
     "status": {"step": _INT, "dirname": _STR},
     "held": {},
-    # the peer-memory tier (persister/replication.py): listen for peers, take the run's secret and target
-    # nodes, list what this persister can serve, fetch this rank's snapshot from a peer into its arena
+    # the peer channel (persister/channel.py): listen for peers, take the run's secret, its replica target
+    # nodes (persister/replication.py; [] without replicas) and every node's address, this node's index and
+    # the committer's (commit notices: persister/commit_notices.py); list what this persister can serve,
+    # fetch this rank's snapshot from a peer into its arena
     "replica_listen": {"addr": _STR},
-    "replica_peers": {"secret": _STR, "targets": _LIST},
+    "replica_peers": {"secret": _STR, "targets": _LIST, "nodes": _LIST, "node": _INT, "committer_node": _INT},
     "holdings": {},
     "fetch": {"step": _INT, "run_id": _STR, "addr": _STR, "port": _INT},
     "ping": {},

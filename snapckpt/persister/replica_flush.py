@@ -85,6 +85,7 @@ def _wait_and_write(run: Run, rep: Replica, step: int, dirname: str, scheduler: 
             why = watch.lost(rep.rank, step, dirname)
             if why is not None:
                 write_or_fail(run, rep, step, partial, why)
+                scheduler.part_done(run.run_id, step, dirname, [rep.rank])  # the committer looks at once
                 return
             time.sleep(POLL_SECS)
     except Exception as e:

@@ -31,13 +31,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import xxhash
 
 from snapckpt._internal import faultpoints
 from snapckpt.errors import PersisterError, SnapckptError
 from snapckpt.persister import channel
+from snapckpt.persister.commit_notices import NOTICE_OPS
 from snapckpt.persister.arena import map_slot
 from snapckpt.persister.slots import HELD, RankEntry, Run, Slot, SlotTable
 
@@ -185,6 +186,8 @@ class Replicator:
         self.notes: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
         self.listener: Optional[socket.socket] = None
         self.stopping = False
+        # on_notice(run_id, header): a commit notice from a peer of that run (persister/commit_notices.py)
+        self.on_notice: Optional[Callable[[str, Dict[str, Any]], None]] = None
 
     # ------------------------------------------------------------------------------- configuration
     def listen(self, addr: str) -> int:
@@ -212,8 +215,9 @@ class Replicator:
                 s = _Sender(self, run, int(t["node"]), str(t["addr"]), int(t["port"]))
                 self.senders[(run.run_id, s.node)] = s
                 s.start()
-        log.info("run %s: replicating the snapshots of ranks %s to node(s) %s", run.run_id, run.local_ranks,
-                 [t["node"] for t in targets])
+        if targets:
+            log.info("run %s: replicating the snapshots of ranks %s to node(s) %s", run.run_id, run.local_ranks,
+                     [t["node"] for t in targets])
 
     def shutdown(self) -> None:
         """Stop the senders and the listener (at exit); replica files go with the arena."""
@@ -380,6 +384,8 @@ class Replicator:
                     self._receive(conn, header, plen)
                 elif op == "get":
                     self._serve_get(conn, header)
+                elif op in NOTICE_OPS and plen == 0 and self.on_notice is not None:
+                    self.on_notice(run_id, header)
                 else:
                     log.warning("peer %s (run %s) sent an unknown request %r; closing", peer, run_id, op)
                     return

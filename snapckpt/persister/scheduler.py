@@ -17,6 +17,11 @@ recorded in memory before its failure marker, so the commit of that step fails a
 A part that can never come (its rank died before handing it over, or its node is lost) ends the commit
 in seconds too, through the run's :class:`~snapckpt.persister.peers.PeerWatch`.
 
+Across nodes the commit path is event-driven (:mod:`snapckpt.persister.commit_notices`): once every part
+this node accepted for a save has ended, it sends ``part_done`` to the committer's node; the committer
+sends ``commit_ended`` to every other node once the commit ended. A notice received sets the save's wake
+event (:attr:`Result.part_ended`), on which the commit task waits (:meth:`Scheduler.on_notice`).
+
 Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Scheduler.result` and
 :meth:`Scheduler.forget` run with the server's lock held; the tasks take it.
 """
@@ -36,6 +41,7 @@ from snapckpt.ondisk.manifest import partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import CommitRequest, commit, watch_commit
+from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
@@ -61,7 +67,8 @@ class Result:
     parts_done: Set[int] = field(default_factory=set)
     rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
     writers: int = 0  # this node's writer tasks of the step still running
-    part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait for parts
+    part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait (commit.py)
+    notices: int = 0  # peer notices received for this save (commit_notices.py)
 
 
 class Scheduler:
@@ -89,6 +96,7 @@ class Scheduler:
         self.uploader = Uploader(self._upload_done)  # the remote tier (runs with a remote_dir only)
         # remote-only: URL -> prefixes of failed saves the store was too sick to delete (retried after a commit)
         self.undiscarded: Dict[str, Set[str]] = {}
+        self.notices: Optional[CommitNotices] = None  # set by the server (the peer channel's notices)
 
     def shutdown(self) -> None:
         """Wait for every writer, commit and upload task (at exit)."""
@@ -158,7 +166,7 @@ class Scheduler:
                                 tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
                                                                 self.commit_seq),
                                 local_failure=self._local_failure(key), peer_check=self._peer_check(run),
-                                wake=res.part_ended)
+                                peer_tick_secs=self.watches[run.run_id].tick_secs, wake=res.part_ended)
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
 
@@ -176,14 +184,38 @@ class Scheduler:
             partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
             write_failure_marker(open_storage(fsync=run.fsync), partial, rank=rank, run_id=run.run_id,
                                  step=step, exc=P.error_from_record(rec))
+            self.part_done(run.run_id, step, dirname, [rank])
         if key not in self.commits_started:
             self.commits_started.add(key)
             req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
                                 world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
                                 keep_last=run.keep_last, tracker_name="", tracker_content="",
-                                local_failure=self._local_failure(key), peer_check=self._peer_check(run))
+                                local_failure=self._local_failure(key), peer_check=self._peer_check(run),
+                                peer_tick_secs=self.watches[run.run_id].tick_secs, wake=res.part_ended)
             self.pending += 1
             self.commit_pool.submit(self._commit_task, req, run)
+
+    def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
+        """Parts of ``ranks`` of the save ended on this node (durable, or failed with their marker): the
+        committer's node is told at once (a notice; never blocks)."""
+        if self.notices is not None:
+            self.notices.part_done(run_id, step, dirname, ranks)
+
+    def on_notice(self, run_id: str, step: int, dirname: str) -> None:
+        """A peer's notice about save ``(run_id, step, dirname)``: wake its commit task, which reads the
+        filesystem again (a notice for a save this node has not started is dropped: its commit task reads
+        the filesystem first when it starts)."""
+        with self.lock:
+            res = self.results.get((run_id, step, dirname))
+            if res is not None:
+                res.notices += 1
+                res.part_ended.set()
+
+    def wake_run(self, run_id: str) -> None:
+        """Wake every pending commit of ``run_id`` (a local rank died: its peer check answers at once)."""
+        for (rid, _, _), res in list(self.results.items()):
+            if rid == run_id and res.state == "pending":
+                res.part_ended.set()
 
     def _peer_check(self, run: Run) -> Callable[..., None]:
         """The dead-peer check of ``run``'s commits (one :class:`PeerWatch` per run; called with the lock)."""
@@ -302,12 +334,15 @@ class Scheduler:
                 if res is not None:
                     res.writers -= 1
                     res.part_ended.set()
-                    self._remove_failed_partial(run, res, partial)
+                    if res.writers == 0 and not run.committer and not run.remote_only:
+                        self.part_done(run.run_id, step, key[2], sorted(set(res.parts_done) | set(res.part_errors)))
+                    self._remove_failed_partial(run, res, key)
                 self.pending -= 1
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
         storage = open_storage(fsync=run.fsync, part=(None, req.step))
         retired: List[str] = []
+        t0 = time.monotonic()
         try:
             if run.remote_only:  # one node: its persister is the committer
                 commit_remote(store_for(run.checkpoint_dir), req)
@@ -329,7 +364,15 @@ class Scheduler:
         with self.lock:
             res = self.results[(req.run_id, req.step, req.dirname)]
             res.state, res.error = state, err
-            self._remove_failed_partial(run, res, _partial(run, req.dirname))
+            notices = res.notices
+            if run.committer and self.notices is not None:
+                self.notices.commit_ended(req.run_id, req.step, req.dirname, state)
+            self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
+        if run.multi_node:  # what the commit path cost: read by tests/test_multinode.py (no fast polling)
+            log.info("step %d: commit %s after %.3f s (%s): %d filesystem checks, %d wakes, %d peer notices",
+                     req.step, state, time.monotonic() - t0, "committer, checks: listings of the partial "
+                     "directory" if run.committer else "watcher, checks: manifest reads", req.stats["listings"],
+                     req.stats["wakes"], notices)
         for path in retired:  # after the commit is reported: deleting GiBs takes a while
             try:
                 storage.remove_tree(path)
@@ -343,11 +386,12 @@ class Scheduler:
         with self.lock:
             self.pending -= 1
 
-    def _remove_failed_partial(self, run: Run, res: Result, partial: str) -> None:
+    def _remove_failed_partial(self, run: Run, res: Result, key: SaveKey) -> None:
         """On the committer, once a step's commit failed and this node's writers of it are done, delete
-        its partial directory (called with the lock)."""
+        its partial directory, then tell the other nodes (called with the lock)."""
         if not run.committer or res.state != "failed" or res.writers > 0:
             return
+        partial = _partial(run, key[2])
         if run.remote_only:  # the prefix in the store, unless a manifest made it a checkpoint
             self._discard_remote(run.checkpoint_dir, os.path.basename(partial))
             return
@@ -355,6 +399,9 @@ class Scheduler:
             open_storage().remove_tree(partial)
         except Exception as e:
             log.warning("could not remove %s after a failed commit: %s: %s", partial, type(e).__name__, e)
+            return
+        if self.notices is not None and not run.remote_only:  # the watchers see the abort at once
+            self.notices.commit_ended(run.run_id, key[1], key[2], "failed")
 
     def _discard_remote(self, url: str, dirname: str) -> None:
         """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads; when the

@@ -51,6 +51,7 @@ from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles, SlotState
 from snapckpt.persister.commit import recover_interrupted_commits
+from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.control import pid_alive
 from snapckpt.persister.flush import flush_crashed_run, flush_newest, unwritten_steps
 from snapckpt.persister import peers, remote_only
@@ -98,6 +99,10 @@ class Server:
         self.slots = SlotTable(self.arena, self.lock)
         self.scheduler = Scheduler(self.slots, self.lock)
         self.replicator = Replicator(arena_dir, self.slots, self.lock)
+        # commit notices over the peer channel (commit_notices.py): the commit path never polls across nodes
+        self.notices = CommitNotices(self.replicator.secrets.get, self.scheduler.on_notice)
+        self.scheduler.notices = self.notices
+        self.replicator.on_notice = self.notices.receive
         self.conn_rank: Dict[socket.socket, int] = {}
         self.buffers: Dict[socket.socket, bytearray] = {}
         self.crashed_since_empty = False
@@ -146,6 +151,7 @@ class Server:
         finally:
             self.replicator.shutdown()
             self.scheduler.shutdown()  # the lease still beats: other nodes may wait for these commits
+            self.notices.shutdown()  # after the commits: their last notices are sent
             self.lease_stop.set()
             beat.join()
             self._end_leases()
@@ -445,6 +451,7 @@ class Server:
             flush_crashed_run(run, self.slots, self.scheduler, self.replicator, self.host)
         if run.gone:  # after the flush: the parts it accepted are still coming
             self._record_gone(run)
+            self.scheduler.wake_run(run.run_id)  # this node's commits of the run check their peers at once
 
     # ---------------------------------------------------------------------------------- operations
     def _op_hello(self, conn: socket.socket, _rank: Optional[int], msg: Dict[str, Any]) -> Dict[str, Any]:
@@ -568,11 +575,15 @@ class Server:
         return P.ok(port=self.replicator.listen(msg["addr"]))
 
     def _op_replica_peers(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
-        targets = msg["targets"]
-        if not all(isinstance(t, dict) and isinstance(t.get("node"), int) and isinstance(t.get("addr"), str)
-                   and isinstance(t.get("port"), int) for t in targets):
-            raise P.ProtocolError("replica_peers: targets must be [{node: int, addr: str, port: int}]")
-        self.replicator.configure(self.slots.runs[entry.run_id], check_secret(msg["secret"]), targets)
+        targets, nodes = msg["targets"], msg["nodes"]
+        for name, lst in (("targets", targets), ("nodes", nodes)):
+            if not all(isinstance(t, dict) and isinstance(t.get("node"), int) and isinstance(t.get("addr"), str)
+                       and isinstance(t.get("port"), int) for t in lst):
+                raise P.ProtocolError(f"replica_peers: {name} must be [{{node: int, addr: str, port: int}}]")
+        run = self.slots.runs[entry.run_id]
+        self.replicator.configure(run, check_secret(msg["secret"]), targets)
+        self.notices.configure(run.run_id, msg["node"], msg["committer_node"],
+                               {t["node"]: (t["addr"], t["port"]) for t in nodes})
         return P.ok()
 
     def _op_holdings(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:

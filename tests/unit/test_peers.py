@@ -25,7 +25,7 @@ RUN = "a" * 16 + "0123456789ab"
 def _req(ckpt: str, watch: peers.PeerWatch, step: int = 7, world: int = 4, timeout: float = 600.0) -> CommitRequest:
     return CommitRequest(checkpoint_dir=ckpt, dirname=f"step_{step:08d}", step=step, run_id=RUN, world_size=world,
                          timeout_secs=timeout, keep_last=None, tracker_name="latest", tracker_content=str(step),
-                         peer_check=watch.check)
+                         peer_check=watch.check, peer_tick_secs=watch.tick_secs)
 
 
 def _lease(ckpt: str, ranks, seq: int, create: bool = True) -> None:
@@ -231,6 +231,7 @@ def test_a_claimed_part_is_awaited_through_its_replica_holder_not_its_lost_node(
             time.sleep(0.05)
         for r in (2, 3):
             _part(ckpt, req, r)
+        req.wake.set()  # the holder's part_done notice (persister/commit_notices.py)
 
     t = threading.Thread(target=stand_in)
     t.start()

@@ -1,0 +1,193 @@
+"""Commit notices: the node persisters of a job tell each other when the commit path moves, over the
+authenticated peer channel (:mod:`snapckpt.persister.channel`), so no persister polls the shared
+filesystem to learn it.
+
+Two small frames (JSON header only, no payload, never answered):
+
+- ``{"op": "part_done", "run_id", "step", "dirname", "ranks"}``: sent by a node persister to the committer's
+  node (the persister serving global rank 0) each time every part of the save it has accepted so far has
+  ended: written and durable (files, part marker and its directory fsynced: :mod:`~snapckpt.persister.part_sync`),
+  or failed with its failure marker written. ``ranks``: the local ranks whose part ended. The committer's
+  wait for the parts (:func:`~snapckpt.persister.commit.wait_for_parts`) then lists the partial directory
+  at once.
+- ``{"op": "commit_ended", "run_id", "step", "dirname", "state"}``: sent by the committer's persister to
+  every other node once the commit of the save ended (``committed``: the tracker is written; ``failed``:
+  the commit was abandoned; sent again once the partial directory of a failed commit is removed). Each
+  node's :func:`~snapckpt.persister.commit.watch_commit` then reads the manifest (or sees the partial
+  directory gone) at once.
+
+A notice only wakes a waiter: the filesystem stays the source of truth (the woken side reads the markers,
+the manifest or the partial directory itself, and validates them). A notice that is lost (the peer's
+connection broke twice, the peer has no channel, a job whose persister could not listen) costs only
+latency: the waits re-check the filesystem every :data:`~snapckpt.persister.commit.BACKSTOP_SECS` anyway.
+Sending never blocks the caller: each target node has one sender thread with its own queue and one kept
+connection (reconnected once per notice when it broke).
+
+The addresses come from the ranks at start (``replica_peers``, :mod:`snapckpt.engine.replicas`): every
+node's persister listens on the peer channel when the job spans several nodes, with or without replicas.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from snapckpt.persister import channel
+
+log = logging.getLogger("snapckpt.persister")
+
+__all__ = ["CommitNotices", "NOTICE_OPS"]
+
+NOTICE_OPS = ("part_done", "commit_ended")
+_MAX_QUEUED = 4096  # notices waiting for one target (a peer that never reads: the oldest are dropped)
+
+
+class _Link(threading.Thread):
+    """Sends the queued notices of one run to one target node, on one kept connection."""
+
+    def __init__(self, run_id: str, node: int, addr: str, port: int, secret_of: Callable[[str], Optional[bytes]]):
+        super().__init__(name=f"snapckpt-notice-{node}", daemon=True)
+        self.run_id, self.node, self.addr, self.port, self.secret_of = run_id, node, addr, port, secret_of
+        self.cv = threading.Condition()
+        self.queue: Deque[Dict[str, Any]] = collections.deque(maxlen=_MAX_QUEUED)
+        self.sock: Optional[socket.socket] = None
+        self.stopping = False
+        self.sent = 0
+        self.lost = 0
+
+    def offer(self, header: Dict[str, Any]) -> None:
+        with self.cv:
+            self.queue.append(header)
+            self.cv.notify()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+
+    def run(self) -> None:  # noqa: D401 (thread body)
+        while True:
+            with self.cv:
+                while not self.queue and not self.stopping:
+                    self.cv.wait()
+                if not self.queue:
+                    break
+                header = self.queue.popleft()
+            self._send(header)
+        self._close()
+
+    def _send(self, header: Dict[str, Any]) -> None:
+        for attempt in (0, 1):  # a kept connection may have been dropped by the peer: once more
+            try:
+                if self.sock is None:
+                    secret = self.secret_of(self.run_id)
+                    if secret is None:
+                        raise channel.AuthError(f"no secret for run {self.run_id}")
+                    self.sock = channel.connect(self.addr, self.port, self.run_id, secret, timeout_secs=5.0)
+                channel.send_frame(self.sock, header)
+                self.sent += 1
+                return
+            except OSError as e:
+                self._close()
+                if attempt or isinstance(e, channel.AuthError):
+                    self.lost += 1
+                    log.info("commit notice %s of step %s to node %d (%s:%d) not delivered: %s: %s; that node "
+                             "re-checks the filesystem on its own", header.get("op"), header.get("step"), self.node,
+                             self.addr, self.port, type(e).__name__, e)
+                    return
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+
+
+class CommitNotices:
+    """A node persister's sender and receiver of commit notices (see the module docstring).
+
+    Args:
+        secret_of: the secret of a run id (the peer channel's, :class:`~snapckpt.persister.replication.Replicator`),
+            ``None`` for a run without a channel.
+        on_notice: ``on_notice(run_id, step, dirname)``, called on a receiving thread for every valid notice
+            (it wakes the waiter of that save; it must not block).
+    """
+
+    def __init__(self, secret_of: Callable[[str], Optional[bytes]],
+                 on_notice: Callable[[str, int, str], None]) -> None:
+        self.secret_of = secret_of
+        self.on_notice = on_notice
+        self.lock = threading.Lock()
+        # run id -> (this node, the committer's node, {node: (addr, port)} of the other nodes)
+        self.runs: Dict[str, Tuple[int, int, Dict[int, Tuple[str, int]]]] = {}
+        self.links: Dict[Tuple[str, int], _Link] = {}
+        self.received = 0
+
+    def configure(self, run_id: str, node: int, committer_node: int, addrs: Dict[int, Tuple[str, int]]) -> None:
+        """Take run ``run_id``'s node map: this node's index, the committer's node and every node's listening
+        address (port 0: that node has no channel). Idempotent (every local rank sends the same)."""
+        with self.lock:
+            if run_id not in self.runs:
+                others = {n: a for n, a in addrs.items() if n != node and a[1] > 0}
+                self.runs[run_id] = (node, committer_node, others)
+
+    def _offer(self, run_id: str, nodes: List[int], header: Dict[str, Any]) -> None:
+        with self.lock:
+            run = self.runs.get(run_id)
+            if run is None:
+                return
+            for n in nodes:
+                if n not in run[2]:
+                    continue
+                link = self.links.get((run_id, n))
+                if link is None:
+                    addr, port = run[2][n]
+                    link = self.links[(run_id, n)] = _Link(run_id, n, addr, port, self.secret_of)
+                    link.start()
+                link.offer(header)
+
+    def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
+        """This node's parts of ``ranks`` of the save ended (durable, or failed with a marker): tell the
+        committer's node (at once when that is this node). Never blocks."""
+        with self.lock:
+            run = self.runs.get(run_id)
+        if run is None:
+            return
+        node, committer, _ = run
+        if node == committer:  # a replica holder on the committer's node wrote a peer's part
+            self.on_notice(run_id, step, dirname)
+            return
+        self._offer(run_id, [committer], {"op": "part_done", "run_id": run_id, "step": step, "dirname": dirname,
+                                          "ranks": sorted(ranks)})
+
+    def commit_ended(self, run_id: str, step: int, dirname: str, state: str) -> None:
+        """The committer's commit of the save ended (``state``: committed | failed): tell every other node."""
+        with self.lock:
+            run = self.runs.get(run_id)
+        if run is None:
+            return
+        self._offer(run_id, sorted(run[2]), {"op": "commit_ended", "run_id": run_id, "step": step,
+                                             "dirname": dirname, "state": state})
+
+    def receive(self, run_id: str, header: Dict[str, Any]) -> None:
+        """A notice from a peer authenticated for ``run_id`` (the peer channel's serving thread). A notice
+        naming another run, or malformed, is logged and ignored (it only ever wakes a waiter)."""
+        step, dirname = header.get("step"), header.get("dirname")
+        if header.get("run_id") != run_id or not isinstance(step, int) or not isinstance(dirname, str):
+            log.warning("ignored a malformed commit notice from a peer of run %s: %s", run_id, str(header)[:200])
+            return
+        self.received += 1
+        self.on_notice(run_id, step, dirname)
+
+    def shutdown(self) -> None:
+        """Send what is queued, then stop (at exit; a peer that does not answer delays it 5 s at most)."""
+        with self.lock:
+            links = list(self.links.values())
+        for link in links:
+            link.stop()
+        for link in links:
+            link.join(timeout=6)
