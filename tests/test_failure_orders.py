@@ -32,16 +32,20 @@ def test_G1_rank_fails_first_the_others_die_of_the_collective_error_resume_from_
     assert wait_until(lambda: 4 in committed(snap_env.ckpt_dir), 60), committed(snap_env.ckpt_dir)
 
 
-def test_G1_ctrl_c_while_the_clean_close_waits_for_a_commit_keeps_the_memory_tier(snap_env):
+def test_G1_ctrl_c_while_the_clean_close_waits_for_a_commit_keeps_the_memory_tier(snap_env, tmp_path):
     """A KeyboardInterrupt that arrives while ``close()`` waits for an outstanding commit ends the job as a
     failure: the memory snapshot of step 4 is kept (and flushed), not dropped with a goodbye. Step 2's commit
-    also sleeps 10 s before its rename, so that it is still outstanding when the Ctrl-C comes 1 s into
-    ``close()`` however long the ranks took to get there (CI under load once reached ``close()`` after the
-    slowed commit had ended, and the close was clean)."""
+    is held before its rename until the ranks have exited (fault point ``action=wait``), so that it is still
+    outstanding when the Ctrl-C comes 1 s into ``close()`` however loaded the machine is (CI under load
+    reached ``close()`` after a commit slowed by a fixed sleep, 10 s, had ended, and the close was clean)."""
+    release = tmp_path / "release-step-2"
     env = {**snap_env.env, **slow_env(0.5),
-           "SNAPCKPT_FAULT_POINT": "commit.before_rename:step=2:action=sleep:secs=10"}
+           "SNAPCKPT_FAULT_POINT": f"commit.before_rename:step=2:action=wait:path={release}:secs=170"}
     procs = launch("failure_order_worker.py", 2, ["interrupted_close", snap_env.ckpt_dir], env)
-    outs = finish(procs, timeout=180)
+    try:
+        outs = finish(procs, timeout=180)
+    finally:
+        release.touch()  # step 2's commit goes on, then the crash flush of step 4
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert "SAVED" in out and "CLOSED" not in out and "KeyboardInterrupt" in out, f"rank {r}:\n{out}"
     outs = finish(launch("failure_order_worker.py", 2, ["resume", snap_env.ckpt_dir], snap_env.env), timeout=180)

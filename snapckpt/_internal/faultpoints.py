@@ -9,9 +9,11 @@ process) and cost one global lookup when unset. Nothing here is used in producti
   the rank whose part it writes). Commit points have no rank: a spec with ``rank=`` never matches them.
 - ``step=S``: only for step ``S``;
 - ``occurrence=K``: the ``K``-th matching hit in this process (default 1);
-- ``action=kill|stop|sleep``: ``SIGKILL`` (default) or ``SIGSTOP`` the process itself (a hung process), or
-  sleep there (widens a race window);
-- ``secs=F``: seconds ``action=sleep`` sleeps (default 1).
+- ``action=kill|stop|sleep|wait``: ``SIGKILL`` (default) or ``SIGSTOP`` the process itself (a hung process),
+  sleep there (widens a race window), or wait there until file ``path`` exists (holds a phase until the
+  test has seen what it needs, whatever the machine's load);
+- ``secs=F``: seconds ``action=sleep`` sleeps (default 1), the most ``action=wait`` waits (default 300);
+- ``path=P``: the file ``action=wait`` waits for (no ``:`` or ``;`` in it).
 
 Before acting, the process writes ``SNAPCKPT_FAULT_POINT hit NAME rank=R step=S pid=P`` to stderr (the
 persister's stderr is its ``persister.log``). The points in the product code:
@@ -80,13 +82,17 @@ def _parse(raw: str) -> List[Dict[str, object]]:
             key, _, value = kv.partition("=")
             if key in ("rank", "step", "occurrence") and value.isdigit():
                 spec[key] = int(value)
-            elif key == "action" and value in ("kill", "stop", "sleep"):
+            elif key == "action" and value in ("kill", "stop", "sleep", "wait"):
+                spec[key] = value
+            elif key == "path" and value:
                 spec[key] = value
             elif key == "secs" and value.replace(".", "", 1).isdigit():
                 spec[key] = float(value)
             else:
                 raise ValueError(f"SNAPCKPT_FAULT_POINT: bad selector {kv!r} in {part!r} (rank=, step=, "
-                                 "occurrence=, action=kill|stop|sleep, secs=)")
+                                 "occurrence=, action=kill|stop|sleep|wait, secs=, path=)")
+        if spec["action"] == "wait" and "path" not in spec:
+            raise ValueError(f"SNAPCKPT_FAULT_POINT: action=wait needs path= (the file to wait for) in {part!r}")
         out.append(spec)
     return out
 
@@ -133,5 +139,10 @@ def point(name: str, *, step: int, rank: Optional[int] = -1) -> None:
         sys.stderr.flush()
         if spec["action"] == "sleep":
             time.sleep(float(spec.get("secs", 1.0)))
+            return
+        if spec["action"] == "wait":
+            deadline = time.monotonic() + float(spec.get("secs", 300.0))
+            while not os.path.exists(str(spec["path"])) and time.monotonic() < deadline:
+                time.sleep(0.05)
             return
         os.kill(os.getpid(), signal.SIGSTOP if spec["action"] == "stop" else signal.SIGKILL)
