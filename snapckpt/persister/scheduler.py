@@ -96,6 +96,8 @@ class Scheduler:
         self.uploader = Uploader(self._upload_done)  # the remote tier (runs with a remote_dir only)
         # remote-only: URL -> prefixes of failed saves the store was too sick to delete (retried after a commit)
         self.undiscarded: Dict[str, Set[str]] = {}
+        # (URL, prefix) -> set once its discard (store calls, off the lock) has ended; a writer of that prefix waits
+        self.discarding: Dict[Tuple[str, str], threading.Event] = {}
         self.notices: Optional[CommitNotices] = None  # set by the server (the peer channel's notices)
 
     def shutdown(self) -> None:
@@ -178,6 +180,7 @@ class Scheduler:
         with self.lock:
             res = self.results.setdefault(key, Result())
             res.part_errors[rank] = rec
+        res.part_ended.set()  # the commit's wait sees the failure now, not at its next peer check
         if run.world_size == 1:
             return  # nobody else waits for this save
         if len(run.local_ranks) < run.world_size:  # ranks on other nodes learn it from a failure marker
@@ -288,6 +291,10 @@ class Scheduler:
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
                 if run.remote_only:  # straight from the slot to the object store
+                    with self.lock:
+                        discard = self.discarding.get((run.checkpoint_dir, s.dirname))
+                    if discard is not None:  # a failed save of this prefix is being deleted: not under our part
+                        discard.wait()
                     files = write_part_remote(store_for(run.checkpoint_dir), buf, index, s.dirname, rank=rank,
                                               run_id=run.run_id, step=step, on_data_read=lambda: self.slots.release(s))
                 else:
@@ -380,8 +387,7 @@ class Scheduler:
                 log.warning("retention: could not delete %s: %s", path, e)
         if run.remote_only and state == "committed":  # the store answers again: what failed saves left
             with self.lock:
-                busy = {d for (_, _, d), r in self.results.items() if r.state == "pending" or r.writers > 0}
-                for dirname in sorted(self.undiscarded.get(run.checkpoint_dir, set()) - busy):
+                for dirname in sorted(self.undiscarded.get(run.checkpoint_dir, set())):
                     self._discard_remote(run.checkpoint_dir, dirname)
         with self.lock:
             self.pending -= 1
@@ -404,18 +410,37 @@ class Scheduler:
             self.notices.commit_ended(run.run_id, key[1], key[2], "failed")
 
     def _discard_remote(self, url: str, dirname: str) -> None:
-        """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads; when the
-        store fails (it may be why the save failed), remember it for after the next commit (called with the
-        lock)."""
-        try:
-            store_for(url).discard_uncommitted(dirname)
-        except Exception as e:
-            self.undiscarded.setdefault(url, set()).add(dirname)
-            log.warning("could not remove %s/%s after a failed save: %s: %s; tried again after the next commit",
-                        url, dirname, type(e).__name__, str(e)[:300])
+        """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads, in the
+        background (called with the lock; the store calls run without it: a sick store retries for minutes,
+        and the lock serves every rank's requests). When the store fails (it may be why the save failed), the
+        prefix is remembered and tried again after the next commit; a save of the same prefix that starts
+        meanwhile writes only once the discard has ended."""
+        if (url, dirname) in self.discarding:
             return
-        self.undiscarded.get(url, set()).discard(dirname)
+        self.discarding[(url, dirname)] = threading.Event()
+        self.pending += 1
+        self.commit_pool.submit(self._discard_task, url, dirname)
 
+    def _discard_task(self, url: str, dirname: str) -> None:
+        with self.lock:  # a save of this prefix already under way: its own commit or failure decides
+            busy = any(d == dirname and (r.state == "pending" or r.writers > 0)
+                       for (_, _, d), r in self.results.items())
+        err: Optional[BaseException] = None
+        if not busy:
+            try:
+                store_for(url).discard_uncommitted(dirname)
+            except Exception as e:
+                err = e
+        with self.lock:
+            if err is not None or busy:
+                self.undiscarded.setdefault(url, set()).add(dirname)
+            else:
+                self.undiscarded.get(url, set()).discard(dirname)
+            self.discarding.pop((url, dirname)).set()
+            self.pending -= 1
+        if err is not None:
+            log.warning("could not remove %s/%s after a failed save: %s: %s; tried again after the next commit",
+                        url, dirname, type(err).__name__, str(err)[:300])
 
 def _partial(run: Run, dirname: str) -> str:
     """Where the parts of ``dirname`` are written before the commit: the hidden partial directory, or in
