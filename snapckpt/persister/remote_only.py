@@ -146,18 +146,23 @@ def commit_remote(store: RemoteStore, req) -> Dict[str, Any]:
         PeerLostError: a missing part can never come (``req.peer_check``).
         CommitError: a rank failed, an unexpected rank wrote a part, or an object is missing or of the
             wrong size in the store.
-        RemoteStorageError: the store failed while committing, after its client's retries (nothing
-            committed); the message names the URL and the cause.
+        RemoteStorageError: the store failed while committing, after its client's retries; the message names
+            the URL, the cause, and whether the manifest was written (then the step is committed and loadable,
+            and only the removal of part markers or the tracker's update failed).
     """
+    progress: Dict[str, bool] = {"manifest": False}
     try:
-        return _commit(store, req)
+        return _commit(store, req, progress)
     except SnapckptError:
         raise
     except Exception as e:  # the store's: name the URL and the cause
-        raise store.failure(f"committing step {req.step} as {store.display(req.dirname)}", e) from e
+        what = (f"finishing the commit of step {req.step} (its manifest is written: the step is committed and "
+                f"loadable; the part markers' removal or the tracker's update failed)" if progress["manifest"]
+                else f"committing step {req.step} (nothing committed)")
+        raise store.failure(f"{what} as {store.display(req.dirname)}", e) from e
 
 
-def _commit(store: RemoteStore, req) -> Dict[str, Any]:
+def _commit(store: RemoteStore, req, progress: Dict[str, bool]) -> Dict[str, Any]:
     from snapckpt.persister.commit import wait_for_parts
 
     parts = wait_for_parts(store, req, in_dir=f"{store.url}/{req.dirname}", poll_secs=POLL_SECS)  # a LIST each
@@ -171,6 +176,7 @@ def _commit(store: RemoteStore, req) -> Dict[str, Any]:
         raise CommitError(f"step {req.step}: {e}") from e
     faults.point("remote.before_manifest", step=req.step, rank=None)
     store.write_object(req.dirname, MANIFEST, data=json.dumps(manifest, indent=1).encode())
+    progress["manifest"] = True
     for r in parts:  # the manifest holds their records now; a re-save must not count them
         store.remove_object(req.dirname, part_marker_name(r))
     faults.point("remote.before_tracker", step=req.step, rank=None)
