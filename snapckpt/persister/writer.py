@@ -186,7 +186,7 @@ def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind:
         encode_file(cw, buf, f, kind, coalesce=sink is raw)  # fault injection counts torch's write calls
         raw.flush()
         if f.get("mode") is not None:  # the spec's permission bits, before the fsync makes the file durable
-            os.fchmod(raw.fileno(), f["mode"])
+            os.fchmod(raw.fileno(), f["mode"] & 0o777)  # never setuid/setgid/sticky from a spec
         part.handles.append(_SyncHandle(os.dup(raw.fileno()), path))
     return file_record(cw, kind, f)
 

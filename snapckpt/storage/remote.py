@@ -595,7 +595,7 @@ class RemoteStore:
                 n += len(chunk)
             dst.flush()
             if rec.get("mode") is not None:  # the permission bits it was saved with (an object store keeps none)
-                os.fchmod(dst.fileno(), rec["mode"])
+                os.fchmod(dst.fileno(), rec["mode"] & 0o777)  # a bucket's writer never sets setuid bits here
             if fsync:
                 os.fsync(dst.fileno())
         if n != rec["nbytes"] or h.hexdigest() != want:
