@@ -150,15 +150,19 @@ _ST_DTYPES: Dict[torch.dtype, str] = {
 def safetensors_mode() -> Optional[int]:
     """The permission bits ``safetensors.torch.save_file`` gives the files it writes in this process (0.8
     writes through a temporary file created ``0o600``, whatever the umask), found once by letting it write an
-    empty file; ``None`` (the default mode) where safetensors is not installed."""
+    empty file; ``None`` (the default mode) where safetensors is not installed or the probe cannot be
+    written (a full or read-only temporary directory must not fail a save)."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         return None
-    with tempfile.TemporaryDirectory(prefix="snapckpt-st-mode-") as d:
-        path = os.path.join(d, "probe.safetensors")
-        save_file({}, path)
-        return stat.S_IMODE(os.stat(path).st_mode)
+    try:
+        with tempfile.TemporaryDirectory(prefix="snapckpt-st-mode-") as d:
+            path = os.path.join(d, "probe.safetensors")
+            save_file({}, path)
+            return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return None
 
 
 def safetensors_file(tensors: Mapping[str, torch.Tensor],

@@ -86,12 +86,13 @@ class _Link(threading.Thread):
                     if secret is None:
                         raise channel.AuthError(f"no secret for run {self.run_id}")
                     self.sock = channel.connect(self.addr, self.port, self.run_id, secret, timeout_secs=5.0)
+                    self.sock.settimeout(5.0)  # a peer that stops reading must not hold this link forever
                 channel.send_frame(self.sock, header)
                 self.sent += 1
                 return
-            except OSError as e:
+            except Exception as e:  # OSError, a bad address: the notice is lost, the backstop covers it
                 self._close()
-                if attempt or isinstance(e, channel.AuthError):
+                if attempt or not isinstance(e, OSError) or isinstance(e, channel.AuthError):
                     self.lost += 1
                     log.info("commit notice %s of step %s to node %d (%s:%d) not delivered: %s: %s; that node "
                              "re-checks the filesystem on its own", header.get("op"), header.get("step"), self.node,
