@@ -1,8 +1,8 @@
 """Jobs that span several (simulated) nodes: the rig of tests/multinode.py, real torchrun over gloo.
 
 Every node has its own host name, ``/dev/shm`` and runtime directory (so its own persister and memory
-tier) and all share the checkpoint directory. Cases G1, G2, G3 and G7 of docs/design/cases.md (every trainer
-killed at once: tests/test_multinode_kill_all.py).
+tier) and all share the checkpoint directory. Cases G1, G2, G3 (one node lost, and two of three) and G7 of
+docs/design/cases.md (every trainer killed at once: tests/test_multinode_kill_all.py).
 """
 from __future__ import annotations
 
@@ -343,5 +343,49 @@ def test_G3_node_lost_with_its_replica_behind_resumes_from_the_newest_complete_s
     assert ("their newest copies: rank 1 (node 1): step 6 (replica on node 0). The newest step complete on every "
             "rank across own memory, peer replicas and disk is 6 (memory; ranks [1] fetch their parts from where "
             "they are held): the steps after it are lost on this restart") in outs[0], outs[0]
+    lost = [e for e in _results(outs, "EVENT") if e["kind"] == "steps_lost"]
+    assert [(e["rank"], e["step"]) for e in lost] == [(0, PAUSE)] and warning in lost[0]["reason"], lost
+
+
+def test_G3_two_of_three_nodes_lost_with_a_ranks_snapshot_and_its_replica_resumes_from_disk(rig):
+    """Two nodes lost (issue 15): 3 nodes x 1 rank, ``replicas=1`` in ring order (node ``i`` sends to node
+    ``i+1``: node 0 holds rank 2's replica, node 1 rank 0's, node 2 rank 1's). Every rank paused at step 9
+    (memory; disk holds 6) with step 9 replicated; nodes 1 and 2 are lost whole, taking rank 1's own slot and
+    its only replica, and node 0's trainers die; fresh node1 and node2 join. Node 0 still holds step 9 for
+    ranks 0 (own slot) and 2 (replica), not for rank 1, and no older memory step is complete: the restart
+    resumes from disk step 6 on every rank, its steps 7..9 bitwise equal to the interrupted run's (an
+    uninterrupted run from step 6), and rank 0 warns, and emits ``steps_lost``, naming step 9, its holders
+    and where, and rank 1 with no copy."""
+    rig.start(3)
+    rig.leftover_ok = True
+    log, log2 = os.path.join(rig.tmp, "losses.log"), os.path.join(rig.tmp, "resumed.log")
+    extra = ["--commit-timeout", "20", "--replicas", "1"]  # node 0's crash flush of step 9 can never commit
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1)
+    _wait_paused(runs, 3)
+    tracker = os.path.join(rig.ckpt_dir, "latest")
+    assert wait_until(lambda: os.path.exists(tracker) and open(tracker).read().strip() == f"step_{DISK:08d}", 30)
+    for holder, rank in ((0, 2), (1, 0), (2, 1)):  # the ring, step 9 replicated in the background
+        assert wait_until(lambda: f"holding a replica of rank {rank} step {PAUSE} " in _persister_log(
+            rig.nodes[holder]), 30), _persister_log(rig.nodes[holder])
+    rig.lose_node(1)
+    rig.lose_node(2)
+    rig.kill_trainers(0)
+    for i in (1, 2):
+        assert rig.replace_node(i).shm_files() == []
+    with open(log) as f:
+        before = loss_lines(f.read())  # the interrupted run: steps 1..9
+    outs = _run_all(rig, _args(rig.ckpt_dir, *extra, loss_log=log2), 1)
+    resumed = sorted(_results(outs, "RESUMED"), key=lambda r: r["rank"])
+    assert [(r["rank"], r["step"], r["tier"]) for r in resumed] == [(r, DISK, "disk") for r in range(3)], outs
+    with open(log2) as f:
+        after = loss_lines(f.read())
+    assert sorted(after) == list(range(DISK + 1, STEPS + 1)), after
+    assert {s: after[s] for s in range(DISK + 1, PAUSE + 1)} == {s: before[s] for s in range(DISK + 1, PAUSE + 1)}
+    warning = ("step 9 is held in memory by ranks [0, 2] but not by ranks [1] on any node (held as rank 0: own slot "
+               "on node 0; rank 2: replica on node 0); no node holds a copy of it for ranks [1]")
+    assert warning in outs[0], outs[0]
+    assert ("their newest copies: rank 1 (node 1): none. The newest step complete on every rank across own memory, "
+            f"peer replicas and disk is 6 (disk, step_{DISK:08d}): the steps after it are lost on this restart"
+            in outs[0]), outs[0]
     lost = [e for e in _results(outs, "EVENT") if e["kind"] == "steps_lost"]
     assert [(e["rank"], e["step"]) for e in lost] == [(0, PAUSE)] and warning in lost[0]["reason"], lost
