@@ -152,6 +152,7 @@ class Loader:
         self._coord, self._storage, self._maps, self._session, self._dir_id = coord, storage, maps, session, dir_id
         self._damaged: List[str] = []  # directories skipped as damaged by the last candidates()
         self._warned_lost: Optional[Tuple[Any, Any]] = None  # the last _warn_lost_memory warning
+        self._warned_no_common = False  # the "no step held by every rank" warning, said once
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
@@ -205,10 +206,11 @@ class Loader:
         tier = memory_tier(everyone, self.world_size)
         self._sources = tier.sources
         common = tier.complete
-        if not common and any(p["mem"] for p in everyone):
-            log.warning("rank %d: ranks hold memory snapshots but no step is held by every rank (%s); "
-                        "the memory tier cannot be used", self.rank,
-                        {r: [m[0] for m in p["mem"]] for r, p in enumerate(everyone)})
+        if not common and any(tier.have) and self.rank == 0 and not self._warned_no_common:
+            self._warned_no_common = True  # candidates() runs for latest_step() and load(): said once
+            log.warning("ranks hold memory snapshots but no step is held by every rank, own slots and peer "
+                        "replicas counted (steps per rank: %s); the memory tier cannot be used",
+                        {r: sorted({s for s, _ in have}) for r, have in enumerate(tier.have)})
         disk_all = everyone[0]["disk"]
         wrong = [d for d in disk_all if d[2] != self.world_size]
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
