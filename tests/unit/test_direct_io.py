@@ -1,6 +1,7 @@
 """The O_DIRECT writer (snapckpt/storage/direct.py), in process: exact bytes for any pattern of writes and
-flushes, a filesystem without O_DIRECT gets a buffered file, a read-only file left there is replaced. Both tests moved whole from
-tests/test_storage_direct.py (its file-size-limit test needs a child process and stays there)."""
+flushes, a filesystem without O_DIRECT gets a buffered file, a read-only file left there is replaced. The
+first two moved whole from tests/test_storage_direct.py (its file-size-limit test needs a child process and
+stays there)."""
 from __future__ import annotations
 
 import errno
