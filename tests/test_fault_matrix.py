@@ -445,3 +445,19 @@ def test_A4_slot_reused_while_its_part_is_finishing_commits_every_step(snap_env,
     for s, name in F.committed(snap_env.ckpt_dir).items():
         got = torch.load(os.path.join(snap_env.ckpt_dir, name, "rank_00000.pt"), weights_only=True)
         assert got["step"] == s and bool((got["w"] == s).all()), (s, name)
+
+
+def test_a_part_whose_partial_directory_was_removed_leaves_no_stale_failure_marker(tmp_path):
+    """A node's part fails because the committer removed the partial directory once the commit failed (a
+    peer persister held past peer_timeout_secs, then resumed: seen on the multi-node rig): no failure marker
+    recreates the directory (it failed the crash flush of the same step at once with the old error, and
+    stayed on disk). Any other failure still gets its marker, creating the directory."""
+    from snapckpt.persister.writer import write_failure_marker
+    from snapckpt.storage.posix import PosixStorage
+
+    gone, other = str(tmp_path / ".step_6.partial-run"), str(tmp_path / ".step_7.partial-run")
+    write_failure_marker(PosixStorage(), gone, rank=1, run_id="run", step=6,
+                         exc=FileNotFoundError(2, "No such file or directory", gone + "/.snapckpt/x.tmp"))
+    assert not os.path.exists(gone)
+    write_failure_marker(PosixStorage(), other, rank=1, run_id="run", step=7, exc=OSError(28, "No space left"))
+    assert os.listdir(os.path.join(other, ".snapckpt")) == ["fail_00001.json"]

@@ -119,13 +119,21 @@ def lost_steps(reports: Sequence[Dict[str, Any]], tier: MemoryTier,
         return None
     newest = lost[-1]
     held = tier.where[newest]
-    holders = sorted(held)
-    missing = [r for r in range(len(reports)) if r not in held]
+    # a step number held by every rank is still incomplete when the parts come from different runs: the run
+    # most ranks hold it from names the holders, the ranks that hold it from another run are missing
+    runs = sorted({rid for have in tier.have for s, rid in have if s == newest})
+    run = max(runs, key=lambda rid: sum((newest, rid) in have for have in tier.have)) if runs else None
+    holders = sorted(r for r in held if run is None or (newest, run) in tier.have[r])
+    missing = [r for r in range(len(reports)) if r not in holders]
     at = "; ".join(f"rank {r}: " + ", ".join(_copy(s) for s in held[r]) for r in holders)
     copies = []
     for r in missing:
         older = [s for s in tier.where if r in tier.where[s]]
-        if older:
+        other = sorted(rid for s, rid in tier.have[r] if s == newest and rid != run) if r < len(tier.have) else []
+        if other:
+            copies.append(f"rank {r} (node {reports[r].get('node', '?')}): step {newest} of another run "
+                          f"({', '.join(other)}, not {run})")
+        elif older:
             s = max(older)
             copies.append(f"rank {r} (node {reports[r].get('node', '?')}): step {s} ("
                           + ", ".join(_copy(c) for c in tier.where[s][r]) + ")")

@@ -237,10 +237,14 @@ def encode_file(sink, buf, f: Dict[str, Any], kind: str, *, coalesce: bool = Tru
 
 def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,
                          exc: BaseException) -> None:
-    """Tell the committer that rank ``rank``'s part failed (best effort: the disk may be full)."""
+    """Tell the committer that rank ``rank``'s part failed (best effort: the disk may be full). A part that
+    failed because its partial directory is gone (``FileNotFoundError``: the committer removed it once the
+    commit failed) gets no marker: recreating the directory would leave a stale failure marker that fails
+    the next save of the same step at once (a crash flush of that step)."""
     marker = {"rank": rank, "run_id": run_id, "step": step, "error": error_record(exc)}
     try:
-        storage.makedirs(os.path.join(partial_dir, SIDECAR))
+        if not isinstance(exc, FileNotFoundError):
+            storage.makedirs(os.path.join(partial_dir, SIDECAR))
         storage.write_atomic(os.path.join(partial_dir, fail_marker_name(rank)), json.dumps(marker).encode())
     except OSError:
         pass

@@ -47,8 +47,13 @@ def _writer_pool() -> cf.ThreadPoolExecutor:
 
 
 def open_direct(path: str, buffered_nbytes: int = 8 << 20) -> BinaryIO:
-    """Create (truncate) ``path`` for writing with ``O_DIRECT``; fall back to a buffered file of
-    ``buffered_nbytes`` when the filesystem refuses ``O_DIRECT`` (``EINVAL``)."""
+    """Create ``path`` for writing with ``O_DIRECT`` (a file already there is unlinked first: it may have
+    been left read-only by a spec's ``mode``, which a process that is not root cannot open for writing); fall
+    back to a buffered file of ``buffered_nbytes`` when the filesystem refuses ``O_DIRECT`` (``EINVAL``)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
     if not getattr(os, "O_DIRECT", 0):
         return open(path, "wb", buffering=buffered_nbytes)

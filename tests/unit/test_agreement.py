@@ -91,6 +91,16 @@ def test_several_steps_lost_and_no_tier_complete_is_a_fresh_start_named_as_such(
                         "lost: [3, 6])")
 
 
+def test_a_step_held_by_every_rank_but_from_two_runs_names_the_ranks_of_the_other_run():
+    """Rank 0 holds step 9 of run A, rank 1 step 9 of run B (a replaced node's replica of an earlier run):
+    step 9 is not complete; the warning names rank 1 as missing it and why (it held 'ranks []' before)."""
+    reports = [{"mem": [[9, R]], "node": 0}, {"mem": [[9, "run-b"]], "node": 1}]
+    _, cands, msg = _decide(reports, [6])
+    assert cands[0] == (6, "disk", "step_00000006")
+    assert "step 9 is held in memory by ranks [0] but not by ranks [1]" in msg, msg
+    assert "rank 1 (node 1): step 9 of another run (run-b, not run-a)" in msg, msg
+
+
 def test_nothing_is_lost_when_the_newest_step_is_complete_through_a_replica():
     """Node 1 lost, its rank's replica of the newest step on node 0: step 9 is complete, nothing is lost."""
     reports = [{"mem": [[6, R], [9, R]], "holds": [[0, 9, R, "own"], [1, 9, R, "replica"]], "node": 0},

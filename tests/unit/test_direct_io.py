@@ -1,6 +1,7 @@
 """The O_DIRECT writer (snapckpt/storage/direct.py), in process: exact bytes for any pattern of writes and
-flushes, and a filesystem without O_DIRECT gets a buffered file. Both tests moved whole from
-tests/test_storage_direct.py (its file-size-limit test needs a child process and stays there)."""
+flushes, a filesystem without O_DIRECT gets a buffered file, a read-only file left there is replaced. The
+first two moved whole from tests/test_storage_direct.py (its file-size-limit test needs a child process and
+stays there)."""
 from __future__ import annotations
 
 import errno
@@ -52,3 +53,35 @@ def test_filesystem_refusing_o_direct_gets_a_buffered_file(tmp_path, monkeypatch
         f.write(b"abc" * 1000)
     with open(path, "rb") as r:
         assert r.read() == b"abc" * 1000
+
+
+def test_a_file_left_read_only_is_replaced_not_refused(tmp_path):
+    """A part file written with a spec's ``mode=0o400`` and written again into the same partial directory
+    (a crash flush of a step whose commit was abandoned on a watcher node) is replaced by a fresh file, not
+    refused with EACCES: a persister that is not root cannot open a read-only file for writing. Run as
+    ``nobody`` in a child when this process is root (root ignores permission bits)."""
+    d = tmp_path / "part"
+    d.mkdir()
+    with open_direct(str(d / "f.bin")) as f:
+        f.write(b"old")
+    os.chmod(d / "f.bin", 0o400)
+    pid = os.fork() if os.geteuid() == 0 else None
+    if pid == 0:  # the child: nobody, in the directory (root's tmp_path parents are not searchable by nobody)
+        code = 1
+        try:
+            for p in (d, d / "f.bin"):
+                os.chown(p, 65534, 65534)
+            os.chdir(d)
+            os.setgid(65534)
+            os.setuid(65534)
+            with open_direct("f.bin") as f:
+                f.write(b"new")
+            code = 0
+        finally:
+            os._exit(code)
+    if pid is None:
+        with open_direct(str(d / "f.bin")) as f:
+            f.write(b"new")
+    else:
+        assert os.waitpid(pid, 0)[1] == 0, "open_direct refused to replace a read-only file"
+    assert (d / "f.bin").read_bytes() == b"new"
