@@ -176,10 +176,11 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
     from snapckpt.persister.commit_notices import CommitNotices
 
     rep, port = replicator
-    got, arrived = [], threading.Event()
+    got, aborts, arrived = [], [], threading.Event()
 
-    def on_notice(run_id, step, dirname):
+    def on_notice(run_id, step, dirname, aborted=False):
         got.append((run_id, step, dirname))
+        aborts.append(aborted)
         arrived.set()
 
     receiver = CommitNotices({RUN: SECRET}.get, on_notice)  # the committer's node (node 0)
@@ -202,7 +203,10 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
         committer.configure(RUN, 1, 1, {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)})
         arrived.clear()
         committer.commit_ended(RUN, 8, "step_00000008", "committed")
-        assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008")
+        assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008") and aborts[-1] is False
+        arrived.clear()
+        committer.commit_ended(RUN, 9, "step_00000009", "failed")  # ends the watchers' wait (an abort)
+        assert arrived.wait(10) and got[-1] == (RUN, 9, "step_00000009") and aborts[-1] is True
         committer.shutdown()
         assert sorted(n for _, n in committer.links) == [0]
     finally:

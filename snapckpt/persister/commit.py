@@ -161,8 +161,11 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
 
 
 def raise_local_failure(req: CommitRequest) -> None:
-    """Raise :class:`CommitError` with the error of a local rank whose part of this save failed, if any."""
+    """Raise :class:`CommitError` with the error of a local rank whose part of this save failed, or the
+    committer node's notice that the commit failed (a watcher), if any."""
     exc = req.local_failure() if req.local_failure is not None else None
+    if isinstance(exc, CommitError) and not hasattr(exc, "snapckpt_rank"):  # the committer's abort notice
+        raise exc
     if exc is not None:
         rank = getattr(exc, "snapckpt_rank", "?")
         raise CommitError(f"step {req.step}: rank {rank} failed to write its part: {type(exc).__name__}: "

@@ -114,12 +114,13 @@ class CommitNotices:
     Args:
         secret_of: the secret of a run id (the peer channel's, :class:`~snapckpt.persister.replication.Replicator`),
             ``None`` for a run without a channel.
-        on_notice: ``on_notice(run_id, step, dirname)``, called on a receiving thread for every valid notice
-            (it wakes the waiter of that save; it must not block).
+        on_notice: ``on_notice(run_id, step, dirname, aborted=False)``, called on a receiving thread for every
+            valid notice (it wakes the waiter of that save; it must not block); ``aborted`` is true for the
+            committer's ``commit_ended`` of a failed commit.
     """
 
     def __init__(self, secret_of: Callable[[str], Optional[bytes]],
-                 on_notice: Callable[[str, int, str], None]) -> None:
+                 on_notice: Callable[..., None]) -> None:
         self.secret_of = secret_of
         self.on_notice = on_notice
         self.lock = threading.Lock()
@@ -182,7 +183,8 @@ class CommitNotices:
             log.warning("ignored a malformed commit notice from a peer of run %s: %s", run_id, str(header)[:200])
             return
         self.received += 1
-        self.on_notice(run_id, step, dirname)
+        aborted = header.get("op") == "commit_ended" and header.get("state") == "failed"
+        self.on_notice(run_id, step, dirname, aborted=aborted)
 
     def shutdown(self) -> None:
         """Send what is queued, then stop (at exit; a peer that does not answer delays it 5 s at most)."""

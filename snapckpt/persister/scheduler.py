@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from snapckpt.persister.slot_index import read_index
-from snapckpt.errors import PersisterError
+from snapckpt.errors import CommitError, PersisterError
 from snapckpt.ondisk.manifest import partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
@@ -69,6 +69,7 @@ class Result:
     writers: int = 0  # this node's writer tasks of the step still running
     part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait (commit.py)
     notices: int = 0  # peer notices received for this save (commit_notices.py)
+    aborted_at: Optional[float] = None  # monotonic time the committer's node said its commit failed
 
 
 class Scheduler:
@@ -204,14 +205,17 @@ class Scheduler:
         if self.notices is not None:
             self.notices.part_done(run_id, step, dirname, ranks)
 
-    def on_notice(self, run_id: str, step: int, dirname: str) -> None:
+    def on_notice(self, run_id: str, step: int, dirname: str, aborted: bool = False) -> None:
         """A peer's notice about save ``(run_id, step, dirname)``: wake its commit task, which reads the
         filesystem again (a notice for a save this node has not started is dropped: its commit task reads
-        the filesystem first when it starts)."""
+        the filesystem first when it starts). ``aborted``: the committer's commit of it failed, which ends
+        this node's watch of that commit even if a late part re-created the partial directory."""
         with self.lock:
             res = self.results.get((run_id, step, dirname))
             if res is not None:
                 res.notices += 1
+                if aborted:
+                    res.aborted_at = time.monotonic()
                 res.part_ended.set()
 
     def wake_run(self, run_id: str) -> None:
@@ -244,10 +248,17 @@ class Scheduler:
     def _local_failure(self, key: SaveKey) -> Callable[[], Optional[BaseException]]:
         """For the commit of ``key``: the error of a local rank whose part of that save failed, if any."""
 
+        since = time.monotonic()  # an abort notice about an earlier commit of the same save does not count
+
         def failure() -> Optional[BaseException]:
             with self.lock:
                 res = self.results.get(key)
-                if res is None or not res.part_errors:
+                if res is None:
+                    return None
+                if not res.part_errors:
+                    if res.aborted_at is not None and res.aborted_at >= since:
+                        return CommitError(f"step {key[1]}: the committer's node reports that the commit of "
+                                           f"{key[2]} failed (see rank 0's error)")
                     return None
                 rank, rec = sorted(res.part_errors.items())[0]
             exc = P.error_from_record(rec)

@@ -245,3 +245,47 @@ def test_a_claimed_part_is_awaited_through_its_replica_holder_not_its_lost_node(
     # step 8 was not claimed: node 1's stale lease abandons it as before
     with pytest.raises(PeerLostError, match="ranks \\[2, 3\\]"):
         commit(storage, PosixStorage(), _req(ckpt, watch, step=8))
+
+
+def test_a_watcher_ends_on_the_committers_abort_notice_though_a_late_part_recreated_the_directory(tmp_path):
+    """The committer failed the commit and removed the partial directory, then a late part of this node
+    re-created it: the directory alone would keep the watcher waiting until the commit timeout. The
+    committer's ``commit_ended`` "failed" notice (:meth:`Scheduler.on_notice` with ``aborted``) ends the
+    watch at once; an abort notice that came before this commit's request does not count (a re-commit of
+    the same save). Found by breaking the multi-node commit path (a stopped peer persister)."""
+    from snapckpt.errors import CommitError
+    from snapckpt.persister.scheduler import Result, Scheduler
+    from snapckpt.persister.slots import SlotTable
+
+    ckpt = str(tmp_path)
+    lock = threading.RLock()
+    sched = Scheduler(SlotTable(None, lock), lock)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=30)
+    key = (RUN, 7, "step_00000007")
+    res = sched.results[key] = Result()
+    sched.on_notice(*key, aborted=True)  # an earlier commit's abort
+    req = _req(ckpt, watch)
+    req.wake, req.local_failure = res.part_ended, sched._local_failure(key)
+    _part(ckpt, req, 2)  # the late part: the partial directory is back
+    stop = threading.Event()
+    _beat(ckpt, [0, 1], stop)
+    _beat(ckpt, [2, 3], stop)
+    out: list = []
+
+    def run() -> None:
+        try:
+            watch_commit(PosixStorage(), req)
+        except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        t.join(1.5)
+        assert t.is_alive() and not out  # the earlier abort does not end this watch
+        sched.on_notice(*key, aborted=True)
+        t.join(20)
+        assert not t.is_alive() and out and isinstance(out[0], CommitError), out
+        assert "reports that the commit of step_00000007 failed" in str(out[0])
+    finally:
+        stop.set()
