@@ -169,8 +169,9 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
             hasher) -> None:
     """Read ``[0, size)`` of ``fd``: direct records into their tensors, in ``CHUNK`` pieces on ``READERS`` threads
     (one, in file order: the kernel's sequential readahead beats several readers and ``WILLNEED`` on a cold
-    cache, as the cold-read floor variants of ``benchmarks/recovery.py`` show), the rest into bounce buffers (through the page cache, where the memory map finds them afterwards); fold every
-    piece into ``hasher`` on one more thread, in file order, as soon as it has been read."""
+    cache, as the cold-read floor variants of ``benchmarks/recovery.py`` show), the rest into bounce buffers
+    (through the page cache, where the memory map finds them afterwards); fold every piece into ``hasher`` on
+    one more thread, in file order, as soon as it has been read."""
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
     except OSError:
