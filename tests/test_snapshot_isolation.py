@@ -659,6 +659,32 @@ def test_overlap_copy_failure_is_raised_at_fence(snap_env, monkeypatch):
     assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")) == ["step_00000002"]
 
 
+def test_B3_flipped_byte_in_a_record_read_straight_into_live_tensors_falls_back(snap_env):
+    """A disk load into live tensors reads records of 1 MiB or more straight into them
+    (``snapckpt.engine.disk_restore``, one reader thread, the checksum on another): a flipped byte in such a
+    record fails the checksum before ``load`` returns, and the previous step is loaded over every tensor."""
+    n = 1 << 20  # 4 MiB of float32: a record read straight into live["w"]
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, **OPTS) as ck:
+        for step in (1, 2):
+            ck.save({"w": torch.full((n,), float(step)), "b": torch.full((4,), float(step))}, step,
+                    StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.shm_files(), timeout=15)  # the persister left: disk only
+    path = os.path.join(snap_env.ckpt_dir, "step_00000002", "rank_00000.pt")
+    with open(path, "r+b") as f:  # the middle of the file is inside w's record
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    live = {"w": torch.zeros(n), "b": torch.zeros(4)}
+    live_w = live["w"]
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, **OPTS) as ck:
+        ck.load(live)
+        assert ck.last_load.step == 1 and ck.last_load.tier == StorageType.DISK
+        assert "step_00000002" in " ".join(ck.last_load.skipped), ck.last_load
+        assert live["w"] is live_w and torch.equal(live_w, torch.full((n,), 1.0))
+        assert torch.equal(live["b"], torch.full((4,), 1.0))
+
+
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 def test_A2_load_into_live_state_copies_and_never_aliases_the_arena_or_files(snap_env, tier):
     """``load(state_dict)`` reads a memory snapshot as views of the arena slot (a disk checkpoint as a memory

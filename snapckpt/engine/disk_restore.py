@@ -12,8 +12,9 @@ once:
    a record that exactly one contiguous live tensor of the same dtype takes whole is read with ``preadv``
    straight into that tensor's memory ("direct"); every other byte (the zip headers, small records,
    records that need a cast or feed several tensors) is read into a bounce buffer;
-3. the file is read in 64 MiB pieces on 4 threads, while one more thread folds each piece into the checksum
-   in file order as soon as it is read (XXH3-64 releases the GIL), so the hash costs no second pass;
+3. the file is read in order in 64 MiB pieces by one reader thread (with ``POSIX_FADV_SEQUENTIAL``), while
+   one more thread folds each piece into the checksum as soon as it is read (XXH3-64 releases the GIL), so
+   the hash costs no second pass;
 4. when the checksum matches, the remaining tensors are copied from the memory map (whose pages the pass
    has just brought into the page cache) and the other values replaced.
 
@@ -40,7 +41,8 @@ from snapckpt.ondisk.manifest import CHECKSUMS, record_checksum
 __all__ = ["read_into", "DIRECT_MIN_NBYTES"]
 
 CHUNK = 64 << 20  # bytes per read: large enough to keep the disk busy, small enough to hash while reading
-READERS = 4  # threads reading pieces of the direct records
+READERS = 1  # threads reading pieces of the direct records: one sequential reader keeps the readahead going;
+#              more readers (and WILLNEED) measured 1.3-1.5x slower on 2 cores, 0.5 GiB (issue 18)
 BOUNCE = 8 << 20  # bytes of each of the two bounce buffers (zip headers and small records only: kept small,
 #                  since fresh memory costs a page fault per 4 KiB)
 DIRECT_MIN_NBYTES = 1 << 20  # smaller records go through the bounce buffer (a direct read saves little)
@@ -166,20 +168,16 @@ def read_into(path: str, nbytes: int, record: Dict[str, Any], dst: Any, *, weigh
 def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dict[int, Tuple[str, torch.Tensor]],
             hasher) -> None:
     """Read ``[0, size)`` of ``fd``: direct records into their tensors, in ``CHUNK`` pieces on ``READERS`` threads
-    (the cold-read floor of ``benchmarks/recovery.py`` is fastest with several readers and ``WILLNEED``), the
-    rest into bounce buffers (through the page cache, where the memory map finds them afterwards); fold every
-    piece into ``hasher`` on one more thread, in file order, as soon as it has been read."""
+    (one, in file order: the kernel's sequential readahead beats several readers and ``WILLNEED`` on a cold
+    cache, as the cold-read floor variants of ``benchmarks/recovery.py`` show), the rest into bounce buffers
+    (through the page cache, where the memory map finds them afterwards); fold every piece into ``hasher`` on
+    one more thread, in file order, as soon as it has been read."""
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
     except OSError:
         pass
 
     def read_exact(view: memoryview, off: int) -> None:
-        if len(view) >= CHUNK // 2:
-            try:  # start the disk on this piece and the next while the threads copy
-                os.posix_fadvise(fd, off, 2 * CHUNK, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], off + got)
