@@ -42,7 +42,7 @@ def main():
     if cfg["mode"] == "snap":
         from snapckpt.hf import AcceleratorCheckpointer
 
-        ck = AcceleratorCheckpointer(acc, cfg["out"], persister_idle_timeout_secs=30, **cfg.get("opts", {}))
+        ck = AcceleratorCheckpointer(acc, cfg["out"], persister_idle_timeout_secs=180, **cfg.get("opts", {}))
         resumed = ck.load_state()
     elif cfg["mode"] == "stock_resume":
         resumed = os.path.join(cfg["out"], f"checkpoint_{cfg['resume_from']}")
