@@ -97,7 +97,7 @@ def test_B3_accelerate_only_checkpoint_damaged_raises_instead_of_starting_afresh
     assert f"snapckpt verify {out}" in p.stderr, p.stderr[-3000:]
     assert not os.path.exists(cfg["result"])
     assert os.path.getsize(os.path.join(folder, victim)) == size // 2  # left for the user to inspect
-    kill_persisters(snap_env)  # the failed run left its persister idling (30 s)
+    kill_persisters(snap_env)  # the failed run left its persister idling (180 s)
 
 
 def test_project_configuration_automatic_naming_and_total_limit_as_stock(snap_env, tmp_path):
