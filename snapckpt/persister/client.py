@@ -14,7 +14,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -29,7 +28,6 @@ from snapckpt.storage.urls import is_remote_url
 __all__ = ["PersisterClient", "job_key", "job_of_run", "job_dirs", "lock_file", "private_dir", "JOB_KEY_LEN"]
 
 JOB_KEY_LEN = 16
-WAIT_SLICE_SECS = 0.2  # a blocked request returns to the interpreter this often (signals, see _await_reply)
 
 
 def job_key(checkpoint_dir: str, job_id: Optional[str]) -> str:
@@ -230,7 +228,6 @@ class PersisterClient:
             raise PersisterDiedError(f"not connected to the snapckpt persister (it died or was closed); {RESTART_HINT}")
         try:
             self.sock.sendall(P.encode({"op": op, **fields}))
-            self._await_reply()
             line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
         except socket.timeout as e:
             self._abandon()
@@ -253,24 +250,6 @@ class PersisterClient:
         if not reply.get("ok"):
             raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, op {op}")
         return reply
-
-    def _await_reply(self) -> None:
-        """Wait until the reply starts arriving, in slices of :data:`WAIT_SLICE_SECS`: between slices the
-        interpreter runs pending signal handlers, so a Ctrl-C (SIGINT) delivered to another thread of the
-        process (the kernel picks any thread) raises ``KeyboardInterrupt`` here within a slice, not only when
-        the persister answers (a clean close waiting for a long commit).
-
-        Raises:
-            socket.timeout: no reply within ``request_timeout_secs``.
-        """
-        deadline = time.monotonic() + self.request_timeout_secs
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("timed out")
-            readable, _, _ = select.select([self.sock], [], [], min(WAIT_SLICE_SECS, left))
-            if readable:
-                return
 
     def _abandon(self) -> None:
         """Give up this connection after a request timed out: queue an ``abandon`` behind the unanswered
