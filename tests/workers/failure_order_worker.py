@@ -43,6 +43,9 @@ def interrupted_close(ckpt_dir: str) -> None:
     close waits for step 2's commit and a Ctrl-C (SIGINT) arrives during that wait."""
     from snapckpt import Checkpointer, StorageType
 
+    # A Ctrl-C raises KeyboardInterrupt even where this process inherited SIGINT ignored (a launcher started
+    # in the background of a non-interactive shell, as a CI script's `cmd &`: Python keeps SIG_IGN then).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     state = {"w": torch.zeros(4), "step": 0}
     with Checkpointer(ckpt_dir) as ck:
         for step in range(1, 5):
