@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import tempfile
 from typing import Any, Dict, Optional
 
@@ -103,8 +102,7 @@ def capture_save(engine, *, tag: Optional[str] = None, exclude_frozen_parameters
             for n in names:
                 rel = os.path.relpath(os.path.join(root, n), scratch).replace(os.sep, "/")
                 if rel not in files:
-                    with open(os.path.join(root, n), "rb") as f:  # with its mode: zero_to_fp32.py is executable
-                        files[rel] = RawBytes(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))
+                    files[rel] = RawBytes.from_file(os.path.join(root, n))  # with its mode: zero_to_fp32.py is +x
     finally:
         engine.checkpoint_engine = own
         shutil.rmtree(scratch, ignore_errors=True)

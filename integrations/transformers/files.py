@@ -35,7 +35,6 @@ import io
 import json
 import os
 import random
-import stat
 import tempfile
 from typing import Any, Dict, Optional
 
@@ -179,8 +178,7 @@ def processing_class_files(processing_class: Any) -> Dict[str, RawBytes]:
             if os.path.isdir(p):
                 raise ValueError(f"{type(processing_class).__name__}.save_pretrained wrote a directory {name!r}; "
                                  "SnapckptCallback supports flat processing-class folders only")
-            with open(p, "rb") as f:
-                out[name] = RawBytes(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))  # as save_pretrained made it
+            out[name] = RawBytes.from_file(p)  # with the mode save_pretrained gave it
     return out
 
 

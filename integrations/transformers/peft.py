@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import tempfile
 from typing import Any, Dict
@@ -102,8 +101,7 @@ def card_files(model: Any) -> Dict[str, RawBytes]:
         return {}
     with tempfile.TemporaryDirectory(prefix="snapckpt-card-") as d:
         model.create_or_update_model_card(d)
-        with open(os.path.join(d, MODEL_CARD_NAME), "rb") as f:
-            return {MODEL_CARD_NAME: RawBytes(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))}
+        return {MODEL_CARD_NAME: RawBytes.from_file(os.path.join(d, MODEL_CARD_NAME))}
 
 
 def check_supported(model: Any) -> None:

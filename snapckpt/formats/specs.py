@@ -78,6 +78,17 @@ class RawBytes:
             raise TypeError(f"RawBytes needs bytes, got {type(self.data).__name__}")
         check_mode(self.mode)
 
+    @classmethod
+    def from_file(cls, path: str) -> "RawBytes":
+        """The file at ``path`` as it is: its whole content (``bytes``) and its permission bits
+        (``stat.S_IMODE`` of the open file's mode, e.g. ``0o755`` for an executable script).
+
+        Raises:
+            OSError: ``path`` cannot be opened or read (``FileNotFoundError``, ``IsADirectoryError``, ...).
+        """
+        with open(path, "rb") as f:
+            return cls(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))
+
 
 @dataclass(frozen=True)
 class Concat:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import os
 
 import pytest
 import torch
@@ -29,6 +30,17 @@ def test_raw_bytes_takes_bytes_only():
     for bad in ("text", 3, None, [1]):
         with pytest.raises(TypeError, match="RawBytes needs bytes"):
             RawBytes(bad)
+
+
+def test_raw_bytes_from_file_keeps_content_and_mode(tmp_path):
+    p = tmp_path / "zero_to_fp32.py"
+    p.write_bytes(b"#!/usr/bin/env python\n")
+    os.chmod(p, 0o751)
+    assert RawBytes.from_file(str(p)) == RawBytes(b"#!/usr/bin/env python\n", 0o751)
+    with pytest.raises(FileNotFoundError):
+        RawBytes.from_file(str(tmp_path / "missing"))
+    with pytest.raises(IsADirectoryError):
+        RawBytes.from_file(str(tmp_path))
 
 
 def test_concat_parts_and_size():
