@@ -160,18 +160,9 @@ class Scheduler:
         self.pending += 1
         self.pool.submit(self._write_part_task, entry.rank, s, run, step)
         if key not in self.commits_started:
-            self.commits_started.add(key)
             self.commit_seq += 1
-            req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=s.dirname, step=step,
-                                run_id=run.run_id, world_size=run.world_size,
-                                timeout_secs=run.commit_timeout_secs, keep_last=run.keep_last,
-                                tracker_name=s.tracker_name, tracker_content=s.tracker_content,
-                                tracker_gate=self._tracker_gate(run.checkpoint_dir, s.tracker_name,
-                                                                self.commit_seq),
-                                local_failure=self._local_failure(key), peer_check=self._peer_check(run),
-                                peer_tick_secs=self.watches[run.run_id].tick_secs, wake=res.part_ended)
-            self.pending += 1
-            self.commit_pool.submit(self._commit_task, req, run)
+            self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
+                               self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
 
     def fail_part(self, rank: int, run: Run, step: int, dirname: str, rec: Dict[str, Any]) -> None:
         """Rank ``rank``'s DISK save of ``(step, dirname)`` failed before it reached the persister (error
@@ -190,14 +181,23 @@ class Scheduler:
                                  step=step, exc=P.error_from_record(rec))
             self.part_done(run.run_id, step, dirname, [rank])
         if key not in self.commits_started:
-            self.commits_started.add(key)
-            req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
-                                world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
-                                keep_last=run.keep_last, tracker_name="", tracker_content="",
-                                local_failure=self._local_failure(key), peer_check=self._peer_check(run),
-                                peer_tick_secs=self.watches[run.run_id].tick_secs, wake=res.part_ended)
-            self.pending += 1
-            self.commit_pool.submit(self._commit_task, req, run)
+            self._start_commit(key, run, res, "", "", None)
+
+    def _start_commit(self, key: SaveKey, run: Run, res: Result, tracker_name: str, tracker_content: str,
+                      tracker_gate: Optional[Callable[[Callable[[], None]], None]]) -> None:
+        """Queue the commit task of save ``key`` (once per save; called with the lock). ``tracker_name`` and
+        ``tracker_content``: the tracker file it writes (``""``: none); ``tracker_gate``: see
+        :meth:`_tracker_gate`."""
+        self.commits_started.add(key)
+        _, step, dirname = key
+        req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
+                            world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
+                            keep_last=run.keep_last, tracker_name=tracker_name, tracker_content=tracker_content,
+                            tracker_gate=tracker_gate, local_failure=self._local_failure(key),
+                            peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
+                            wake=res.part_ended)
+        self.pending += 1
+        self.commit_pool.submit(self._commit_task, req, run)
 
     def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
         """Parts of ``ranks`` of the save ended on this node (durable, or failed with their marker): the
