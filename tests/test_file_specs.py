@@ -100,7 +100,7 @@ def test_empty_part_and_bad_specs(snap_env):
         assert os.listdir(os.path.join(snap_env.ckpt_dir, "empty")) == [".snapckpt"]
         with pytest.raises(SnapshotError, match="contiguous"):
             Concat([big.view(5, 8).t()])
-        for mode in (0o10000, -1, "644", True):
+        for mode in (0o4755, 0o10000, -1, "644", True):
             with pytest.raises(ValueError, match="permission bits such as 0o644"):
                 RawBytes(b"x", mode=mode)
         with pytest.raises(SnapshotError, match="share memory"):

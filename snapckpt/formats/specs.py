@@ -38,14 +38,17 @@ __all__ = ["TorchSave", "RawBytes", "Concat", "MemoryOnly", "safetensors_file", 
 
 
 def check_mode(mode: Optional[int]) -> Optional[int]:
-    """``mode`` if it is ``None`` or permission bits (an int in ``0 .. 0o7777``).
+    """``mode`` if it is ``None`` or permission bits (an int in ``0 .. 0o777``: read, write and execute for
+    user, group and others; setuid, setgid and sticky bits are never written, so they are refused rather
+    than recorded in the manifest for a file that does not have them).
 
     Raises:
         ValueError: anything else.
     """
-    if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777):
-        raise ValueError(f"a file mode must be permission bits such as 0o644 (an int in 0..0o7777) or None, "
-                         f"got {mode!r}")
+    if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777):
+        shown = oct(mode) if type(mode) is int and mode > 0 else repr(mode)
+        raise ValueError(f"a file mode must be permission bits such as 0o644 (an int in 0..0o777; setuid, "
+                         f"setgid and sticky bits are not written) or None, got {shown}")
     return mode
 
 
@@ -81,13 +84,14 @@ class RawBytes:
     @classmethod
     def from_file(cls, path: str) -> "RawBytes":
         """The file at ``path`` as it is: its whole content (``bytes``) and its permission bits
-        (``stat.S_IMODE`` of the open file's mode, e.g. ``0o755`` for an executable script).
+        (``0o777`` of the open file's mode, e.g. ``0o755`` for an executable script; setuid, setgid and
+        sticky bits are dropped, see :func:`check_mode`).
 
         Raises:
             OSError: ``path`` cannot be opened or read (``FileNotFoundError``, ``IsADirectoryError``, ...).
         """
         with open(path, "rb") as f:
-            return cls(f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))
+            return cls(f.read(), os.fstat(f.fileno()).st_mode & 0o777)
 
 
 @dataclass(frozen=True)

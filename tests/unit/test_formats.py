@@ -37,10 +37,21 @@ def test_raw_bytes_from_file_keeps_content_and_mode(tmp_path):
     p.write_bytes(b"#!/usr/bin/env python\n")
     os.chmod(p, 0o751)
     assert RawBytes.from_file(str(p)) == RawBytes(b"#!/usr/bin/env python\n", 0o751)
+    os.chmod(p, 0o1751)  # the sticky bit is never written: dropped, not refused
+    assert RawBytes.from_file(str(p)).mode == 0o751
     with pytest.raises(FileNotFoundError):
         RawBytes.from_file(str(tmp_path / "missing"))
     with pytest.raises(IsADirectoryError):
         RawBytes.from_file(str(tmp_path))
+
+
+def test_modes_above_0o777_are_refused_with_the_value_and_the_range():
+    assert TorchSave({}, mode=0o777).mode == 0o777 and RawBytes(b"", mode=0).mode == 0
+    for make in (lambda m: TorchSave({}, mode=m), lambda m: RawBytes(b"x", m), lambda m: Concat([b"x"], m)):
+        for bad, shown in ((0o4755, "0o4755"), (0o1777, "0o1777"), (0o10000, "0o10000"), (-1, "-1"),
+                           ("644", "'644'"), (True, "True")):
+            with pytest.raises(ValueError, match=rf"0\.\.0o777.* got {shown}$"):
+                make(bad)
 
 
 def test_concat_parts_and_size():
