@@ -211,3 +211,44 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
         assert sorted(n for _, n in committer.links) == [0]
     finally:
         sender.shutdown()
+
+
+def test_notice_links_end_once_the_run_is_over_on_the_node(replicator, tmp_path):
+    """A node's notice link (a thread and a kept socket per run and target node) ends once the run is over
+    on that node (:meth:`Scheduler.release_if_over`: no local rank connected, no save of it pending here),
+    not at the persister's exit; a later notice of the run opens a new link."""
+    from snapckpt.persister.commit_notices import CommitNotices
+    from snapckpt.persister.scheduler import Result, Scheduler
+
+    rep, port = replicator
+    arrived = threading.Event()
+    rep.on_notice = CommitNotices({RUN: SECRET}.get, lambda *a, **k: arrived.set()).receive
+    sender = CommitNotices({RUN: SECRET}.get, lambda *a: None)  # node 1
+    sender.configure(RUN, 1, 0, {0: ("127.0.0.1", port)})
+    lock = threading.RLock()
+    sched = Scheduler(SlotTable(None, lock), lock)
+    sched.notices = sender
+    run = Run(RUN, 2, [1], False, str(tmp_path), None, 60.0, True, False)
+    try:
+        sender.part_done(RUN, 6, "step_00000006", [1])
+        assert arrived.wait(10)
+        link = sender.links[(RUN, 0)]
+        run.connected.add(1)
+        res = sched.results[(RUN, 6, "step_00000006")] = Result()
+        with lock:
+            sched.release_if_over(run)  # rank 1 is connected
+            run.connected.clear()
+            sched.release_if_over(run)  # the commit of step 6 is pending
+        link.join(0.5)
+        assert link.is_alive() and sender.links
+        res.state = "committed"
+        with lock:
+            sched.release_if_over(run)
+        link.join(10)
+        assert not link.is_alive() and link.sock is None and not sender.links
+        arrived.clear()
+        sender.part_done(RUN, 7, "step_00000007", [1])  # the run's node map is kept
+        assert arrived.wait(10) and sender.links[(RUN, 0)] is not link
+    finally:
+        sender.shutdown()
+        sched.shutdown()

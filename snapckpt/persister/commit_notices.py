@@ -21,7 +21,8 @@ the manifest or the partial directory itself, and validates them). A notice that
 connection broke twice, the peer has no channel, a job whose persister could not listen) costs only
 latency: the waits re-check the filesystem every :data:`~snapckpt.persister.commit.BACKSTOP_SECS` anyway.
 Sending never blocks the caller: each target node has one sender thread with its own queue and one kept
-connection (reconnected once per notice when it broke).
+connection (reconnected once per notice when it broke), per run; :meth:`CommitNotices.forget` ends them once
+the run is over on this node.
 
 The addresses come from the ranks at start (``replica_peers``, :mod:`snapckpt.engine.replicas`): every
 node's persister listens on the peer channel when the job spans several nodes, with or without replicas.
@@ -127,6 +128,7 @@ class CommitNotices:
         # run id -> (this node, the committer's node, {node: (addr, port)} of the other nodes)
         self.runs: Dict[str, Tuple[int, int, Dict[int, Tuple[str, int]]]] = {}
         self.links: Dict[Tuple[str, int], _Link] = {}
+        self.retired: List[_Link] = []  # links of forgotten runs, possibly still sending their last notices
         self.received = 0
 
     def configure(self, run_id: str, node: int, committer_node: int, addrs: Dict[int, Tuple[str, int]]) -> None:
@@ -186,10 +188,20 @@ class CommitNotices:
         aborted = header.get("op") == "commit_ended" and header.get("state") == "failed"
         self.on_notice(run_id, step, dirname, aborted=aborted)
 
+    def forget(self, run_id: str) -> None:
+        """Run ``run_id`` is over on this node: its links send what they have queued, then close their
+        connection and end their thread (without waiting for them: never blocks). Its node map is kept: a
+        notice of the run sent later (a rank of it reconnected) opens a new link."""
+        with self.lock:
+            links = [self.links.pop(k) for k in [k for k in self.links if k[0] == run_id]]
+            self.retired = [link for link in self.retired if link.is_alive()] + links
+        for link in links:
+            link.stop()
+
     def shutdown(self) -> None:
         """Send what is queued, then stop (at exit; a peer that does not answer delays it 5 s at most)."""
         with self.lock:
-            links = list(self.links.values())
+            links = list(self.links.values()) + self.retired
         for link in links:
             link.stop()
         for link in links:

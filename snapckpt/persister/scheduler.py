@@ -224,6 +224,17 @@ class Scheduler:
             if rid == run_id and res.state == "pending":
                 res.part_ended.set()
 
+    def release_if_over(self, run: Run) -> None:
+        """Close ``run``'s commit-notice links (a thread and a socket per other node) once the run is over on
+        this node: none of its local ranks is connected and none of its saves here is pending or still
+        writing (called with the lock: when a rank leaves, when a commit or a part ends)."""
+        if self.notices is None or run.connected:
+            return
+        if any(rid == run.run_id and (r.state == "pending" or r.writers > 0)
+               for (rid, _, _), r in self.results.items()):
+            return
+        self.notices.forget(run.run_id)
+
     def _peer_check(self, run: Run) -> Callable[..., None]:
         """The dead-peer check of ``run``'s commits (one :class:`PeerWatch` per run; called with the lock)."""
         watch = self.watches.get(run.run_id)
@@ -356,6 +367,7 @@ class Scheduler:
                         self.part_done(run.run_id, step, key[2], sorted(set(res.parts_done) | set(res.part_errors)))
                     self._remove_failed_partial(run, res, key)
                 self.pending -= 1
+                self.release_if_over(run)
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
         storage = open_storage(fsync=run.fsync, part=(None, req.step))
@@ -402,6 +414,7 @@ class Scheduler:
                     self._discard_remote(run.checkpoint_dir, dirname)
         with self.lock:
             self.pending -= 1
+            self.release_if_over(run)
 
     def _remove_failed_partial(self, run: Run, res: Result, key: SaveKey) -> None:
         """On the committer, once a step's commit failed and this node's writers of it are done, delete

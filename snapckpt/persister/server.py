@@ -452,6 +452,7 @@ class Server:
         if run.gone:  # after the flush: the parts it accepted are still coming
             self._record_gone(run)
             self.scheduler.wake_run(run.run_id)  # this node's commits of the run check their peers at once
+        self.scheduler.release_if_over(run)  # its notice links, unless the flush or a commit still needs them
 
     # ---------------------------------------------------------------------------------- operations
     def _op_hello(self, conn: socket.socket, _rank: Optional[int], msg: Dict[str, Any]) -> Dict[str, Any]:
