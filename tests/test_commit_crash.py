@@ -615,6 +615,46 @@ def test_B4_full_disk_efbig_reaches_trainer_previous_intact(snap_env, numel):
         assert_equal_state(ck.load(step=1), 1)
 
 
+def test_B4_failed_partial_is_deleted_off_the_lock_and_a_resave_waits_for_it(snap_env, monkeypatch):
+    """B4, then a slow filesystem: step 2's part fails (ENOSPC) and the deletion of its partial directory is
+    held (fault point ``commit.remove_failed_partial``, action=wait). Right: meanwhile the persister serves
+    every request (it deletes without the server lock): a MEMORY save and the DISK save of step 3 go through;
+    a save of step 2 again, to the same directory, neither writes nor commits into the directory being
+    deleted: it waits, then commits once the deletion ends, and loads back as the new state."""
+    d = snap_env.ckpt_dir
+    plan, release = os.path.join(snap_env.tmp, "plan.json"), os.path.join(snap_env.tmp, "release")
+    with open(plan, "w") as f:
+        json.dump({"phase": "write", "errno": errno.ENOSPC, "rank": 0, "step": 2}, f)
+    monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", "@" + plan)
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"commit.remove_failed_partial:step=2:action=wait:path={release}")
+    ck = Checkpointer(d, **OPTS)
+    try:
+        ck.save(make_state(1, 0), 1).wait()
+        with pytest.raises(OSError) as ei:
+            bounded(lambda: ck.save(make_state(2, 0), 2).wait())
+        assert ei.value.errno == errno.ENOSPC, repr(ei.value)
+        assert wait_until(lambda: "hit commit.remove_failed_partial" in persister_log(snap_env, d), timeout=30)
+        open(plan, "w").close()  # no more storage faults
+        bounded(lambda: ck.save(make_state(3, 0), 3, StorageType.MEMORY).wait(), 30)
+        bounded(lambda: ck.save(make_state(4, 0), 4).wait(), 30)  # the lock is free during the deletion
+        assert tracker(d) == "step_00000004" and len(partials(d)) == 1
+        again = {**make_state(5, 0), "step": 2}  # step 2 again, another state
+        h = ck.save(again, 2)
+        time.sleep(1.5)
+        assert not h.done() and not os.path.exists(step_dir(d, 2)) and len(partials(d)) == 1
+        open(release, "w").close()
+        bounded(lambda: h.wait(timeout=60))
+        assert tracker(d) == "step_00000002" and not partials(d) and committed_steps(d) == [1, 2, 4]
+        out = ck.load(step=2)
+        assert out["step"] == 2 and torch.equal(out["w"], again["w"])
+    finally:
+        open(release, "w").close()
+        ck.close()
+    with Checkpointer(d, **OPTS) as ck:  # from disk, in a new job
+        out = ck.load(step=2)
+        assert ck.last_load.tier == StorageType.DISK and out["step"] == 2 and torch.equal(out["w"], again["w"])
+
+
 # ----------------------------------------------------------------------------------------------- B5
 def test_B5_stopped_persister_times_out_and_nothing_is_marked_complete(snap_env, monkeypatch):
     """B5: a slow persister is SIGSTOPped right after ``save(step 2)`` returned. Right: ``wait()`` ends

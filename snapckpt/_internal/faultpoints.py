@@ -30,6 +30,7 @@ point                                      process     where
                                                        one not yet renamed (fires only when replacing)
 ``commit.before_tracker``                  persister   renamed, tracker not yet replaced
 ``commit.after_tracker_before_retention``  persister   tracker replaced, retention not run
+``commit.remove_failed_partial``           persister   a commit failed; its partial directory not yet deleted
 ``remote.mid_upload``                      persister   a block of a data object sent to the remote tier
 ``remote.before_manifest``                 persister   every data object uploaded, no manifest object yet
 ``remote.before_tracker``                  persister   manifest object written, tracker object not yet
@@ -62,8 +63,8 @@ __all__ = ["point", "armed", "set_rank", "POINTS", "PHASES"]
 
 POINTS = ("snapshot.mid_copy", "snapshot.before_ready", "persist.mid_file", "persist.before_part_marker",
           "commit.before_rename", "commit.between_renames", "commit.before_tracker",
-          "commit.after_tracker_before_retention", "remote.mid_upload", "remote.before_manifest",
-          "remote.before_tracker", "replica.before_send")
+          "commit.after_tracker_before_retention", "commit.remove_failed_partial", "remote.mid_upload",
+          "remote.before_manifest", "remote.before_tracker", "replica.before_send")
 PHASES = ("open", "write", "fsync", "part_marker", "manifest", "rename", "tracker")
 
 _specs: Optional[List[Dict[str, object]]] = None  # parsed once; [] when unset

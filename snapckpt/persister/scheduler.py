@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.slot_index import read_index
 from snapckpt.errors import CommitError, PersisterError
 from snapckpt.ondisk.manifest import partial_dirname
@@ -97,8 +98,11 @@ class Scheduler:
         self.uploader = Uploader(self._upload_done)  # the remote tier (runs with a remote_dir only)
         # remote-only: URL -> prefixes of failed saves the store was too sick to delete (retried after a commit)
         self.undiscarded: Dict[str, Set[str]] = {}
-        # (URL, prefix) -> set once its discard (store calls, off the lock) has ended; a writer of that prefix waits
+        # (checkpoint dir or URL, dirname) -> set once the deletion of a failed save's partial directory (or, in
+        # remote-only mode, its prefix) has ended, off the lock; a writer or commit of that save waits for it
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
+        # deletions of failed partial directories, one at a time (not on commit_pool: commits wait for them)
+        self.remove_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-remove")
         self.notices: Optional[CommitNotices] = None  # set by the server (the peer channel's notices)
 
     def shutdown(self) -> None:
@@ -106,6 +110,7 @@ class Scheduler:
         self.pool.shutdown(wait=True)
         self.syncer.shutdown()
         self.commit_pool.shutdown(wait=True)
+        self.remove_pool.shutdown(wait=True)
         self.uploader.shutdown()
 
     def _upload_done(self) -> None:
@@ -312,11 +317,11 @@ class Scheduler:
                 index = read_index(buf, s.path)
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
+                with self.lock:
+                    discard = self.discarding.get((run.checkpoint_dir, s.dirname))
+                if discard is not None:  # a failed save of this directory is being deleted: not under our part
+                    discard.wait()
                 if run.remote_only:  # straight from the slot to the object store
-                    with self.lock:
-                        discard = self.discarding.get((run.checkpoint_dir, s.dirname))
-                    if discard is not None:  # a failed save of this prefix is being deleted: not under our part
-                        discard.wait()
                     files = write_part_remote(store_for(run.checkpoint_dir), buf, index, s.dirname, rank=rank,
                                               run_id=run.run_id, step=step, on_data_read=lambda: self.slots.release(s))
                 else:
@@ -370,6 +375,11 @@ class Scheduler:
                 self.release_if_over(run)
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
+        if not run.remote_only:
+            with self.lock:
+                removing = self.discarding.get((run.checkpoint_dir, req.dirname))
+            if removing is not None:  # a failed save's partial directory: its failure markers are not ours
+                removing.wait()
         storage = open_storage(fsync=run.fsync, part=(None, req.step))
         retired: List[str] = []
         t0 = time.monotonic()
@@ -418,20 +428,35 @@ class Scheduler:
 
     def _remove_failed_partial(self, run: Run, res: Result, key: SaveKey) -> None:
         """On the committer, once a step's commit failed and this node's writers of it are done, delete
-        its partial directory, then tell the other nodes (called with the lock)."""
+        its partial directory, then tell the other nodes (called with the lock; the deletion runs without
+        it: a slow filesystem must not hold every rank's request and the lease heartbeat). A writer or
+        commit of a later save of the same directory waits until the deletion has ended."""
         if not run.committer or res.state != "failed" or res.writers > 0:
             return
         partial = _partial(run, key[2])
         if run.remote_only:  # the prefix in the store, unless a manifest made it a checkpoint
             self._discard_remote(run.checkpoint_dir, os.path.basename(partial))
             return
+        done = self.discarding[(run.checkpoint_dir, key[2])] = threading.Event()  # the newest is waited for
+        self.pending += 1
+        self.remove_pool.submit(self._remove_partial_task, run, key, partial, done)
+
+    def _remove_partial_task(self, run: Run, key: SaveKey, partial: str, done: threading.Event) -> None:
         try:
+            faults.point("commit.remove_failed_partial", step=key[1], rank=None)
             open_storage().remove_tree(partial)
         except Exception as e:
             log.warning("could not remove %s after a failed commit: %s: %s", partial, type(e).__name__, e)
-            return
-        if self.notices is not None and not run.remote_only:  # the watchers see the abort at once
-            self.notices.commit_ended(run.run_id, key[1], key[2], "failed")
+        else:
+            if self.notices is not None:  # the watchers see the abort at once
+                self.notices.commit_ended(run.run_id, key[1], key[2], "failed")
+        finally:
+            with self.lock:
+                if self.discarding.get((run.checkpoint_dir, key[2])) is done:
+                    del self.discarding[(run.checkpoint_dir, key[2])]
+                done.set()
+                self.pending -= 1
+                self.release_if_over(run)
 
     def _discard_remote(self, url: str, dirname: str) -> None:
         """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads, in the
