@@ -286,8 +286,13 @@ def test_bad_input_is_refused_with_the_fix(snap_env):
         SnapckptCallback(keep_last=2)
     with pytest.raises(ValueError, match="memory_interval_steps"):
         SnapckptCallback(memory_interval_steps=0)
-    with pytest.raises(TypeError, match="unknown snapckpt option"):
+    with pytest.raises(TypeError, match="unknown snapckpt option") as ei:
         SnapckptCallback(keep_lats=2)
+    with pytest.raises(TypeError, match="unknown snapckpt option") as ei:
+        SnapckptCallback(memory_interval=5)  # the list names the callback's own parameters, not keep_last
+    assert "'memory_interval_steps'" in str(ei.value) and "'keep_last'" not in str(ei.value)
+    with pytest.raises(ValueError, match=r"does not take disk_interval_steps: set TrainingArguments\(save_steps"):
+        SnapckptCallback(disk_interval_steps=10)
 
 
 def _flip(path):

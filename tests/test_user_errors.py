@@ -141,6 +141,13 @@ def test_retention_keeps_the_most_recent_commits_after_a_rewind(snap_env):
     names = sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_"))
     assert names == ["step_00000006", "step_00000007"]
     assert open(os.path.join(snap_env.ckpt_dir, "latest")).read() == "step_00000007"
+    # a step that is not there: the error lists the steps that are (memory and disk)
+    from snapckpt.errors import CheckpointNotFoundError
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        ck.save({"w": 8}, 8, StorageType.MEMORY).wait()
+        with pytest.raises(CheckpointNotFoundError, match=r"no complete checkpoint of step 999 .*"
+                                                          r"\(loadable steps: \[6, 7, 8\]\)"):
+            ck.load(step=999)
 
 
 def test_paths_the_persister_cannot_use(snap_env, tmp_path):
@@ -153,6 +160,10 @@ def test_paths_the_persister_cannot_use(snap_env, tmp_path):
     a_file.write_text("x")
     with pytest.raises(CheckpointDirError, match="not a directory"):
         Checkpointer(str(a_file))
+    # a directory that cannot be created (here: under a file) names mkdir, not permissions
+    with pytest.raises(CheckpointDirError, match=r"cannot be created by rank 0 \(mkdir: Not a directory\); "
+                                                 r"create it first"):
+        Checkpointer(str(a_file / "ckpt"))
 
 
 def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):

@@ -69,6 +69,7 @@ step (the Trainer's ``store_flos`` is not reachable from a callback), and the st
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -104,6 +105,27 @@ class _Pending:
     step: int
     tier: StorageType
     rng: bytes
+
+
+def _check_options(options: Dict[str, Any]) -> None:
+    """Validate the callback's ``**options`` now, not at Trainer construction.
+
+    Raises:
+        ValueError: a key the Trainer's own arguments decide (``keep_last``, ``disk_interval_steps``),
+            naming the ``TrainingArguments`` field to set; or a bad value.
+        TypeError: an unknown name, listing the callback's parameters and the valid options.
+    """
+    for key, instead in D.TRAINER_DECIDES.items():
+        if key in options:
+            raise ValueError(f"SnapckptCallback does not take {key}: set {instead}, which the callback honours "
+                             "(retention together with the best-model rule)")
+    valid = sorted(f.name for f in dataclasses.fields(CheckpointOptions) if f.name not in D.TRAINER_DECIDES)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(f"unknown snapckpt option(s) {unknown} for SnapckptCallback; its parameters: "
+                        f"['memory_interval_steps', 'max_shard_size', 'resume_from_memory'], and the "
+                        f"CheckpointOptions fields: {valid}")
+    CheckpointOptions.from_kwargs(**options)
 
 
 class SnapckptCallback(TrainerCallback):
@@ -151,10 +173,7 @@ class SnapckptCallback(TrainerCallback):
                  resume_from_memory: bool = True, **options: Any) -> None:
         # the core's cadence rule (and its check: a positive int or None), memory tier only
         self._policy = SnapshotPolicy(memory_interval_steps=memory_interval_steps)
-        if "keep_last" in options:
-            raise ValueError("SnapckptCallback does not take keep_last: set TrainingArguments(save_total_limit=...), "
-                             "which the callback honours together with the best-model rule")
-        CheckpointOptions.from_kwargs(**options)  # validate now, not at Trainer construction
+        _check_options(options)
         if not isinstance(resume_from_memory, bool):
             raise ValueError(f"resume_from_memory must be True or False, got {resume_from_memory!r}")
         try:

@@ -33,7 +33,7 @@ from snapckpt.integrations.transformers import peft as P
 __all__ = ["engine_of", "checkpoint_files", "section_options"]
 
 # keys of the DeepSpeed config's "snapckpt" section that the Trainer's own arguments decide instead
-_TRAINER_DECIDES = {"disk_interval_steps": "TrainingArguments(save_steps=..., save_strategy=...)",
+TRAINER_DECIDES = {"disk_interval_steps": "TrainingArguments(save_steps=..., save_strategy=...)",
                     "keep_last": "TrainingArguments(save_total_limit=...)"}
 
 
@@ -145,7 +145,7 @@ def section_options(args: Any, given: Dict[str, Any]) -> Optional[Dict[str, Any]
     if not isinstance(section, Mapping):  # dict() of a string or a list fails with an unrelated message
         DeepSpeedSnapckptConfig.from_dict(section)  # raises the section's own error
     section = dict(section)
-    for key, instead in _TRAINER_DECIDES.items():
+    for key, instead in TRAINER_DECIDES.items():
         if section.get(key) is not None:
             raise ValueError(f'"snapckpt.{key}" in the DeepSpeed config is decided by the Trainer under '
                              f'SnapckptCallback: remove it and set {instead}')

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -531,6 +531,7 @@ class Loader:
         """``Checkpointer.load_with`` after its checks and ``wait()`` (its docstring has the details)."""
         t0 = time.perf_counter()
         cands = self.candidates(step)
+        held = sorted({c[0] for c in cands} | {d[0] for d in self._disk_saved})
         if step is not None:
             cands = [c for c in cands if c[0] == step]
         if dirname is not None:
@@ -559,7 +560,7 @@ class Loader:
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
-        self._raise_nothing_loadable(step, errors)
+        self._raise_nothing_loadable(step, errors, held)
 
     def _try(self, cand: LoadCandidate, check: Optional[Callable[[LoadCandidate], Any]],
              fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, str]]:
@@ -585,17 +586,21 @@ class Loader:
                 break
         return result, bad
 
-    def _raise_nothing_loadable(self, step: Optional[int], errors: List[str]) -> None:
+    def _raise_nothing_loadable(self, step: Optional[int], errors: List[str],
+                                held: Sequence[int] = ()) -> None:
         """Raise why nothing (of ``step``) can be loaded: :class:`CheckpointCorruptError` when checkpoints
         exist but every one was refused (``errors``, one per candidate) or skipped as damaged
         (``self._damaged``), :class:`CheckpointNotFoundError` only when there is truly nothing. Never "not
         found" for damage: integrations and users rightly read that as "start afresh" or "let the
-        framework's own loader read the directory"."""
+        framework's own loader read the directory". ``held``: the steps that can be loaded (memory or disk),
+        named in the "not found" message."""
         what = f"step {step}" if step is not None else "any step"
         if errors or self._damaged:
             raise all_damaged_error(self.checkpoint_dir, errors, what=what, skipped=self._damaged,
                                     note=" (memory tier included)")
-        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}")
+        steps = f" (loadable steps: {list(held)})" if held else ""
+        raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}"
+                                      f"{steps}")
 
     def _warn_rewind(self, loaded: int) -> None:
         """Warn when a lower step than ``loaded`` was saved to disk after it (a rewind): load() picks the

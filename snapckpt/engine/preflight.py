@@ -63,6 +63,14 @@ def preflight_dir(checkpoint_dir: Optional[str], shm_dir: str, run_id: str, rank
     probe = os.path.join(d, f".snapckpt-probe-{run_id}-{rank}")
     try:
         os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointDirError(f"checkpoint directory {d!r} cannot be created: the file system is full "
+                                     f"(rank {rank}: {e.strerror}); free space or pick another directory") from e
+        raise CheckpointDirError(f"checkpoint directory {d!r} cannot be created by rank {rank} "
+                                 f"(mkdir: {e.strerror or e}); create it first, or pick a directory under a "
+                                 "writable parent") from e
+    try:
         with open(probe, "wb") as f:
             f.write(b"x")
         os.unlink(probe)

@@ -93,6 +93,12 @@ class RemoteStore:
         self.url = url.strip().rstrip("/")
         scheme, _, rest = self.url.partition("://")
         bucket, _, prefix = rest.partition("/")
+        if scheme.lower() in ("file", "local"):  # fsspec's local filesystem: a directory, not a store
+            path = "/" + rest.lstrip("/")
+            raise RemoteStorageError(
+                f"{role} {self.url!r} is a {scheme}:// URL, a local path: pass the plain path {path!r} (a "
+                "checkpoint directory, or a shared filesystem mounted on every node); remote storage is an "
+                "object store URL such as s3://bucket/run1")
         if "@" in bucket or "?" in rest:  # credentials or options pasted into the URL: never echo them
             raise RemoteStorageError(
                 f"{role} for {scheme}:// carries credentials or query options in the URL; pass only "

@@ -29,7 +29,8 @@ def test_factory_gives_posix_storage_for_paths(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("url, words", [("gs://bucket/run1", "not installed (Please install gcsfs"),
                                         ("nope://bucket/run1", "Protocol not known: nope"),
-                                        ("file:///tmp/ckpt", "names no bucket")])
+                                        ("file:///tmp/ckpt", "pass the plain path '/tmp/ckpt'"),
+                                        ("file://bucket/run1", "pass the plain path '/bucket/run1'")])
 def test_checkpointer_refuses_a_url_it_cannot_use_before_creating_anything(url, words, tmp_path, monkeypatch):
     """Case H5: a URL given as the checkpoint directory is remote-only mode (tests/test_remote_s3.py); one that
     fsspec cannot handle (its package not installed, an unknown scheme, no bucket) is refused by name before
