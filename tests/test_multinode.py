@@ -42,11 +42,8 @@ def _args(ckpt_dir, *extra, loss_log=None):
 def _run_all(rig, args, nproc, timeout=120, node_ranks=None):
     """Run ``args`` on every node of the rig; assert every agent exits 0; return their outputs."""
     runs = rig.torchrun_all(args[0], args[1:], nproc, node_ranks=node_ranks)
-    codes = [r.wait(timeout) for r in runs]
-    outs = [r.output() for r in runs]
-    for n, (c, o) in enumerate(zip(codes, outs)):
-        assert c == 0, f"node{n} exited {c}:\n{o}"
-    return outs
+    assert rig.wait_all(runs, timeout) == [0] * len(runs)  # raises naming the node that failed or hung
+    return [r.output() for r in runs]
 
 
 def _results(outs, tag="RESULT"):
