@@ -130,8 +130,7 @@ def test_G2_commit_across_two_nodes(rig):
                60, 0.05)
     for n in rig.nodes:
         seen[n.name] = n.persisters()
-    for n, r in enumerate(runs):
-        assert r.wait(120) == 0, f"node{n}:\n{r.output()}"
+    assert rig.wait_all(runs, 120) == [0, 0]
     res = sorted(_results([r.output() for r in runs]), key=lambda x: x["rank"])
     assert [r["host"] for r in res] == ["node0", "node0", "node1", "node1"], res
     assert {r["num_nodes"] for r in res} == {2}
