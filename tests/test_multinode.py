@@ -39,8 +39,11 @@ def _args(ckpt_dir, *extra, loss_log=None):
     return a + list(extra)
 
 
-def _run_all(rig, args, nproc, timeout=120, node_ranks=None):
-    """Run ``args`` on every node of the rig; assert every agent exits 0; return their outputs."""
+def _run_all(rig, args, nproc, timeout=180, node_ranks=None):
+    """Run ``args`` on every node of the rig; assert every agent exits 0; return their outputs. The timeout
+    only costs a run that hangs (a node that fails ends the wait at once): at load 25 on 2 cores a restart
+    spent 110 s starting torch and finished 9 s past the 120 s it used to get. It stays well under
+    pytest-timeout's 300 s per test, so a hang ends with the rig's report (stacks), not pytest's."""
     runs = rig.torchrun_all(args[0], args[1:], nproc, node_ranks=node_ranks)
     assert rig.wait_all(runs, timeout) == [0] * len(runs)  # raises naming the node that failed or hung
     return [r.output() for r in runs]
