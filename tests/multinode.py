@@ -16,6 +16,10 @@ finds no process (a teardown that scanned by a stale inode killed a concurrent t
 * :meth:`Rig.kill_trainers` kills the node's training processes (torchrun and its workers) only; its
   persister lives on. :meth:`Rig.kill_all_trainers` does it for every node in one sweep.
 * :meth:`Rig.replace_node` starts a fresh node under the same name (empty memory).
+* :meth:`Rig.wait_all` waits for every node's agent at once and fails as soon as one exits non-zero (an agent
+  whose workers succeeded waits up to 300 s in torchrun's exit barrier: node 1's failure looked like node 0
+  hanging); :meth:`Rig.hang_report` (on a failure or a timeout) SIGABRTs what still runs, whose Python stacks
+  then end its output (``PYTHONFAULTHANDLER``), and gathers every node's output and persister log.
 
 Needs root (``unshare --mount`` and ``nsenter``), as CI runs. Use the ``rig`` fixture of
 ``tests/conftest.py``; teardown kills every process of every node and checks none is left.
@@ -76,13 +80,13 @@ class NodeRun:
             return ""
 
     def wait(self, timeout: float = 120) -> int:
-        """Wait for the command; return its exit status. On timeout kill the node's trainers and raise."""
+        """Wait for the command; return its exit status. On timeout raise with every node's state
+        (:meth:`Rig.hang_report`: the trainers' stacks, then they are killed)."""
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.node.rig.kill_trainers(self.node.index)
-            self.proc.wait(timeout=10)
-            raise AssertionError(f"{self.node.name}: {self.what} hung past {timeout} s; output:\n{self.output()}")
+            raise AssertionError(f"{self.node.name}: {self.what} hung past {timeout} s\n"
+                                 + self.node.rig.hang_report()) from None
 
 
 class Node:
@@ -258,7 +262,8 @@ class Rig:
         self.base = f"/tmp/mn-{key}"  # short: the persister's AF_UNIX socket lives under runtime_dir
         self.runtime_dir = f"{self.base}/run"
         self.shm_dir = f"/dev/shm/snapckpt-mn-{key}"
-        self.env: Dict[str, str] = {}
+        # a SIGABRT makes every Python process of a node print each thread's stack first (hang_report)
+        self.env: Dict[str, str] = {"PYTHONFAULTHANDLER": "1"}
         self.nodes: List[Node] = []
         self._all: List[Node] = []
 
@@ -298,6 +303,49 @@ class Rig:
         node.kill(pids)
         assert wait_until(lambda: not set(pids) & set(node.trainers()), 15), f"{node.name}: trainers survived"
         return pids
+
+    def wait_all(self, runs: Sequence[NodeRun], timeout: float = 120) -> List[int]:
+        """Wait for every run (one per node, e.g. from :meth:`torchrun_all`), all within ``timeout`` seconds;
+        return their exit statuses. Raises with :meth:`hang_report` when one exits non-zero while another
+        still runs (torchrun's agent whose workers succeeded waits up to 300 s in its exit barrier for the
+        other nodes' agents: waiting on node 0 alone made node 1's failure look like a hang of node 0), or
+        when the timeout passes."""
+        deadline = time.monotonic() + timeout
+        while any(r.returncode is None for r in runs):
+            failed = [r for r in runs if r.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                what = (f"{failed[0].node.name} exited {failed[0].returncode} while other nodes still ran"
+                        if failed else f"not every node exited within {timeout} s")
+                raise AssertionError(what + "\n" + self.hang_report())
+            time.sleep(0.2)
+        return [r.returncode for r in runs]
+
+    def hang_report(self) -> str:
+        """Every node's state for a failure message: the trainers still running get SIGABRT (their Python
+        stacks go to the run's output: ``PYTHONFAULTHANDLER``), then SIGKILL; then each node's newest run
+        (exit status, output tail) and persister log tail."""
+        trainers = [(n, n.trainers()) for n in self.nodes]
+        for n, pids in trainers:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+        for n, pids in trainers:
+            wait_until(lambda: not set(pids) & set(n.trainers()), 10, 0.1)
+            n.kill(n.trainers())
+        out = []
+        for n in self.nodes:
+            run = n.runs[-1] if n.runs else None
+            if run is not None:
+                try:
+                    run.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+                out.append(f"--- {n.name}: {run.what} exit status {run.returncode}; output (the stacks of the "
+                           f"processes it still had, from SIGABRT, at the end):\n{run.output()[-8000:]}")
+            out.append(f"--- {n.name} persister log (tail):\n{n.persister_log()[-3000:]}")
+        return "\n".join(out)
 
     def kill_all_trainers(self) -> None:
         """SIGKILL the training processes of every node in one sweep (no node gets a head start)."""

@@ -51,10 +51,16 @@ from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
 __all__ = ["CommitRequest", "commit", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
-           "raise_local_failure", "BACKSTOP_SECS"]
+           "raise_local_failure", "BACKSTOP_SECS", "WATCH_GRACE_SECS"]
 
 log = logging.getLogger(__name__)
 BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake (a lost notice; seconds)
+# A watcher waits this long past commit_timeout_secs for the committer's verdict (seconds). The committer's
+# deadline bounds its wait for the parts only, and starts when its own rank's request came; a watcher that
+# gave up at the same deadline failed its ranks while the committer committed the step (issue 15: under
+# load, node 1 raised CommitTimeoutError, node 0 committed, and torchrun's agent on node 0 then waited
+# 300 s in its exit barrier). Below the 30 s margin of SaveHandle.wait, so the rank still gets this error.
+WATCH_GRACE_SECS = 20.0
 
 
 class CommitRequest:
@@ -327,13 +333,17 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
     commit ended, a local part ended) and every :data:`BACKSTOP_SECS`; ``req.peer_check`` runs every
     ``req.peer_tick_secs`` in between.
 
+    The committer decides: its abort (notice, or the partial directory gone) ends the watch at once, its
+    lost node too (``req.peer_check``); the watch's own deadline, ``req.timeout_secs`` plus
+    :data:`WATCH_GRACE_SECS`, only ends a wait for a committer that neither commits nor aborts.
+
     Raises:
         CommitTimeoutError: no manifest by the deadline.
         PeerLostError: a missing part can never come, or the committer's node is lost (``req.peer_check``).
         CommitError: the partial directory vanished without a commit (the committer aborted), or a rank
             wrote a failure marker.
     """
-    deadline = time.monotonic() + req.timeout_secs
+    deadline = time.monotonic() + req.timeout_secs + WATCH_GRACE_SECS
     mpath = os.path.join(req.final_dir, MANIFEST)
     seen_partial = False
     next_read = time.monotonic()
@@ -376,7 +386,14 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
                     return m
                 raise
         if time.monotonic() > deadline:
-            raise CommitTimeoutError(f"step {req.step}: no commit record within {req.timeout_secs:g} s")
+            m = committed()  # the last backstop read may be up to a second old
+            if m is not None:
+                return m
+            raise CommitTimeoutError(
+                f"step {req.step}: no commit record from the committer (the persister of rank 0's node) within "
+                f"{req.timeout_secs + WATCH_GRACE_SECS:g} s (commit_timeout_secs={req.timeout_secs:g} plus "
+                f"{WATCH_GRACE_SECS:g} s), and it did not abort the commit either; its "
+                "persister.log says why")
         _wait(req, next_read)
 
 

@@ -289,3 +289,38 @@ def test_a_watcher_ends_on_the_committers_abort_notice_though_a_late_part_recrea
         assert "reports that the commit of step_00000007 failed" in str(out[0])
     finally:
         stop.set()
+
+
+def test_a_watcher_waits_past_the_commit_timeout_for_a_committer_that_commits_late(tmp_path, monkeypatch):
+    """The committer's deadline bounds its wait for the parts and starts at its own rank's request; its tail
+    (manifest, fsyncs, rename, tracker) comes after. A watcher that gave up at the same deadline failed its
+    ranks while the committer committed (issue 15: node 1 raised CommitTimeoutError, node 0 committed, and
+    node 0's torchrun agent waited 300 s in its exit barrier). Here every part is there, both nodes live,
+    and the committer commits 1.5 s past the watcher's 1 s timeout: the watcher returns the manifest. A
+    committer that neither commits nor aborts still ends the watch, at the timeout plus the grace."""
+    from snapckpt.persister import commit as commit_mod
+
+    ckpt = str(tmp_path)
+    watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=30)
+    req = _req(ckpt, watch, world=2, timeout=1.0)
+    for r in range(2):
+        _part(ckpt, req, r)
+    stop = threading.Event()
+    _beat(ckpt, [0], stop)
+    _beat(ckpt, [1], stop)
+    late = threading.Timer(2.5, lambda: commit(PosixStorage(), PosixStorage(), _req(ckpt, watch, world=2)))
+    late.start()
+    try:
+        t0 = time.monotonic()
+        m = watch_commit(PosixStorage(), req)
+        assert m["step"] == 7 and m["run_id"] == RUN and time.monotonic() - t0 >= 2.0
+        monkeypatch.setattr(commit_mod, "WATCH_GRACE_SECS", 0.5)
+        never = _req(ckpt, watch, step=8, world=2, timeout=0.5)
+        _part(ckpt, never, 0)
+        t0 = time.monotonic()
+        with pytest.raises(CommitTimeoutError, match=r"step 8: no commit record from the committer .* within 1 s"):
+            watch_commit(PosixStorage(), never)
+        assert 0.9 <= time.monotonic() - t0 < 10
+    finally:
+        late.cancel()
+        stop.set()
