@@ -110,3 +110,18 @@ def test_results_page_splice_replaces_one_figure_and_keeps_the_others(tmp_path, 
         rp.splice_page(["nosuch"], page=page, img=img)
     with pytest.raises(ValueError, match="remote_s3.json is absent; run its benchmark first"):
         rp.splice_page(["remote_s3.json"], page=page, img=img)
+
+
+def test_floor_is_the_way_with_the_lowest_median_not_each_repeats_luckiest_way():
+    """``floor_odirect`` reports one way's samples (the lowest median over the repeats), like every other method
+    (one write per repeat); the per-repeat minimum over the ways stays in the record as ``min_of_ways_s``."""
+    suite = _suite()
+    ways = [{"a": 1.0, "b": 1.6}, {"a": 1.4, "b": 0.9}, {"a": 1.2, "b": 1.5}]
+    rec = {"durable_s": 1.0, "extra_samples": [{"variants_s": w} for w in ways]}
+    suite.pick_floor_variant(rec)
+    assert rec["floor_variant"] == "a" and rec["durable_s"] == rec["blocking_s"] == 1.2
+    assert rec["durable_samples_s"] == [1.0, 1.4, 1.2] and rec["min_of_ways_s"] == 1.0
+    assert rec["variant_medians_s"] == {"a": 1.2, "b": 1.5}
+    failed = {"durable_s": None, "extra_samples": []}
+    suite.pick_floor_variant(failed)
+    assert failed == {"durable_s": None, "extra_samples": []}
