@@ -194,6 +194,35 @@ class FloorODirect(stall.Method):
             buf.close()
 
 
+def merge_rounds(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record of a method from its records of ``--rounds`` interleaved rounds (each its own setup, warm-up
+    and repeats): the samples of every round joined and their medians, the first round's warm-up, the last
+    round's restore, the highest peak RSS, each round's load average (``loadavg_at_start_rounds``) and the
+    first error. One round: a copy of that record."""
+    rec = dict(recs[-1])
+    if len(recs) == 1:
+        return rec
+    ok = [r for r in recs if not r.get("error")]
+    rec["error"] = next((r["error"] for r in recs if r.get("error")), None)
+    rec["traceback"] = next((r["traceback"] for r in recs if r.get("traceback")), None)
+    for key in ("blocking_samples_s", "durable_samples_s", "extra_samples"):
+        rec[key] = [x for r in ok for x in r.get(key) or []]
+    rec["blocking_s"] = median(rec["blocking_samples_s"])
+    rec["durable_s"] = median(rec["durable_samples_s"]) if rec["durable_samples_s"] else None
+    rec["warmup"] = recs[0].get("warmup")
+    rec["loadavg_at_start"] = recs[0].get("loadavg_at_start")
+    rec["loadavg_at_start_rounds"] = [r.get("loadavg_at_start") for r in recs]
+    helper = [r["helper_peak_rss_bytes"] for r in recs if r.get("helper_peak_rss_bytes") is not None]
+    rec["helper_peak_rss_bytes"] = max(helper) if helper else None
+    grown = [r for r in recs if r.get("self_peak_rss_bytes") and r.get("self_rss_start_bytes")]
+    if grown:  # the round whose RSS grew most: the host-memory target reads peak - start
+        top = max(grown, key=lambda r: r["self_peak_rss_bytes"] - r["self_rss_start_bytes"])
+        rec["self_peak_rss_bytes"] = top["self_peak_rss_bytes"]
+        rec["self_rss_start_bytes"] = top["self_rss_start_bytes"]
+    rec["rounds"] = len(recs)
+    return rec
+
+
 def pick_floor_variant(rec: dict[str, Any]) -> None:
     """Make ``floor_odirect``'s record that of its fastest way: the way of :data:`WRITE_VARIANTS` with the lowest
     median over the timed repeats gives ``blocking_s``/``durable_s`` and their samples (``floor_variant``
@@ -206,7 +235,8 @@ def pick_floor_variant(rec: dict[str, Any]) -> None:
     medians = {n: median([p[n] for p in per]) for n in names}
     best = min(medians, key=medians.get)
     samples = [p[best] for p in per]
-    rec.update({"min_of_ways_s": rec.get("durable_s"), "floor_variant": best, "variant_medians_s": medians,
+    rec.update({"min_of_ways_s": median([min(p.values()) for p in per]), "floor_variant": best,
+                "variant_medians_s": medians,
                 "blocking_s": medians[best], "durable_s": medians[best], "blocking_samples_s": samples,
                 "durable_samples_s": samples})
 
@@ -591,7 +621,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "suite",
         "machine": {**machine_info(scratch), "scratch_choice": why, "uptime": uptime()},
-        "config": {"sizes_gib": args.sizes, "repeats": args.repeats, "restore_repeats": args.restore_repeats,
+        "config": {"sizes_gib": args.sizes, "repeats": args.repeats, "rounds": args.rounds,
+                   "restore_repeats": args.restore_repeats,
                    "methods": args.methods, "method_timeout_s": args.method_timeout,
                    "persister_exit_wait_s": args.persister_exit_wait, "out": str(out), "plot": args.plot,
                    "argv": sys.argv},
@@ -612,17 +643,22 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
                         "uptime_at_start": uptime()}
             result["sizes"].append(size_rec)
             size_dir = scratch / f"size_{size_gib:g}"
-            for name in args.methods:
-                print(f"[{size_gib:g} GiB] {name} ...", file=sys.stderr, flush=True)
-                rec = stall.run_method(name, state, size_dir, args)
-                if name == "floor_odirect":
-                    pick_floor_variant(rec)
-                size_rec["methods"].append(rec)
-                add_suite_ratios(size_rec["methods"])
-                write(result, out, final=False)
-                print(f"[{size_gib:g} GiB] {name}: blocking {_s(rec['blocking_s'])} s, durable "
-                      f"{_s(rec['durable_s'])} s, restore {_s(rec.get('restore_s'))} s"
-                      + (f", ERROR {rec['error']}" if rec["error"] else ""), file=sys.stderr, flush=True)
+            rounds: dict[str, list[dict[str, Any]]] = {}
+            for r in range(args.rounds):
+                for name in args.methods:
+                    print(f"[{size_gib:g} GiB] {name} (round {r + 1} of {args.rounds}) ...", file=sys.stderr,
+                          flush=True)
+                    rounds.setdefault(name, []).append(stall.run_method(name, state, size_dir, args))
+                    size_rec["methods"] = [merge_rounds(rounds[m]) for m in rounds]
+                    for m in size_rec["methods"]:
+                        if m["method"] == "floor_odirect":
+                            pick_floor_variant(m)
+                    rec = size_rec["methods"][list(rounds).index(name)]
+                    add_suite_ratios(size_rec["methods"])
+                    write(result, out, final=False)
+                    print(f"[{size_gib:g} GiB] {name}: blocking {_s(rec['blocking_s'])} s, durable "
+                          f"{_s(rec['durable_s'])} s, restore {_s(rec.get('restore_s'))} s"
+                          + (f", ERROR {rec['error']}" if rec["error"] else ""), file=sys.stderr, flush=True)
             rmtree_quiet(size_dir)
             del state
             gc.collect()
@@ -1018,6 +1054,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-gib", default="0.5,1,2,4", help="comma-separated state sizes in GiB")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per method (median reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the method list this many times in turn (each method's setup, warm-up and "
+                        "repeats per round) and report the medians of all rounds' samples: on a machine "
+                        "whose load drifts, every method then sees the same spread of load")
     p.add_argument("--restore-repeats", type=int, default=1, help="timed restores per method (0: none)")
     p.add_argument("--methods", default=",".join(SUITE_METHODS),
                    help=f"comma-separated subset of: {','.join(SUITE_METHODS)}")
