@@ -110,3 +110,38 @@ def test_results_page_splice_replaces_one_figure_and_keeps_the_others(tmp_path, 
         rp.splice_page(["nosuch"], page=page, img=img)
     with pytest.raises(ValueError, match="remote_s3.json is absent; run its benchmark first"):
         rp.splice_page(["remote_s3.json"], page=page, img=img)
+
+
+def test_floor_is_the_way_with_the_lowest_median_not_each_repeats_luckiest_way():
+    """``floor_odirect`` reports one way's samples (the lowest median over the repeats), like every other method
+    (one write per repeat); the per-repeat minimum over the ways stays in the record as ``min_of_ways_s``."""
+    suite = _suite()
+    ways = [{"a": 1.0, "b": 1.6}, {"a": 1.4, "b": 0.9}, {"a": 1.2, "b": 1.5}]
+    rec = {"durable_s": 1.0, "extra_samples": [{"variants_s": w} for w in ways]}
+    suite.pick_floor_variant(rec)
+    assert rec["floor_variant"] == "a" and rec["durable_s"] == rec["blocking_s"] == 1.2
+    assert rec["durable_samples_s"] == [1.0, 1.4, 1.2] and rec["min_of_ways_s"] == 1.0
+    assert rec["variant_medians_s"] == {"a": 1.2, "b": 1.5}
+    failed = {"durable_s": None, "extra_samples": []}
+    suite.pick_floor_variant(failed)
+    assert failed == {"durable_s": None, "extra_samples": []}
+
+
+def test_rounds_merge_every_rounds_samples_and_keep_each_rounds_load():
+    """``--rounds``: one record per method from its interleaved rounds: all samples, their medians, the first
+    round's warm-up, the last round's restore, the RSS growth of the round that grew most, and the first error."""
+    suite = _suite()
+    r1 = {"method": "m", "error": None, "blocking_samples_s": [1.0, 3.0], "durable_samples_s": [4.0, 6.0],
+          "extra_samples": [{"x": 1}, {"x": 2}], "warmup": {"w": 1}, "loadavg_at_start": [2.0, 2.0, 2.0],
+          "self_rss_start_bytes": 100, "self_peak_rss_bytes": 300, "helper_peak_rss_bytes": 50, "restore_s": 9.0}
+    r2 = {**r1, "blocking_samples_s": [2.0, 5.0], "durable_samples_s": [5.0, 8.0], "extra_samples": [{"x": 3}],
+          "warmup": {"w": 2}, "loadavg_at_start": [20.0, 10.0, 5.0], "self_rss_start_bytes": 200,
+          "self_peak_rss_bytes": 350, "helper_peak_rss_bytes": 70, "restore_s": 7.0}
+    m = suite.merge_rounds([r1, r2])
+    assert m["blocking_samples_s"] == [1.0, 3.0, 2.0, 5.0] and m["blocking_s"] == 2.5 and m["durable_s"] == 5.5
+    assert m["extra_samples"] == [{"x": 1}, {"x": 2}, {"x": 3}] and m["warmup"] == {"w": 1} and m["restore_s"] == 7.0
+    assert m["loadavg_at_start_rounds"] == [[2.0, 2.0, 2.0], [20.0, 10.0, 5.0]] and m["rounds"] == 2
+    assert (m["self_rss_start_bytes"], m["self_peak_rss_bytes"], m["helper_peak_rss_bytes"]) == (100, 300, 70)
+    bad = suite.merge_rounds([r1, {**r2, "error": "RuntimeError: x", "blocking_samples_s": []}])
+    assert bad["error"] == "RuntimeError: x" and bad["blocking_samples_s"] == [1.0, 3.0]
+    assert suite.merge_rounds([r1]) == r1 and suite.merge_rounds([r1]) is not r1

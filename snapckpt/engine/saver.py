@@ -206,7 +206,10 @@ class Saver:
             return handle
         slot = reply["slot"]
         try:
-            m = self._maps.get(slot, reply["path"], reply["nbytes"], usable=reply.get("usable"))
+            # overlap (CPU sources): a prefault of this slot still running is not waited for on the training
+            # thread; the copy thread takes the page faults it left
+            m = self._maps.get(slot, reply["path"], reply["nbytes"], usable=reply.get("usable"),
+                               wait_prefault=not self._options.overlap or has_cuda_sources(prepared.copies))
         except BaseException:
             self._abort(slot)
             raise

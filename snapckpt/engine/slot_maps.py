@@ -27,6 +27,7 @@ from snapckpt.errors import SnapckptError
 __all__ = ["MappedSlot", "SlotMaps"]
 
 _PAGE = mmap.PAGESIZE
+_PREFAULT_CHUNK = 64 << 20  # bytes prefaulted between two looks at the stop flag
 
 # Set at interpreter exit before concurrent.futures joins its worker threads (threading's exit hooks run
 # last registered first), so a pending prefault ends then instead of holding the exit until its timeout:
@@ -80,12 +81,17 @@ class _Pending:
     path: str
     nbytes: int
 
-    def take(self, wanted: bool) -> Optional[MappedSlot]:
-        """The mapping if ``wanted`` and it got made; otherwise stop it and unmap what it made."""
+    def take(self, wanted: bool, wait: bool = True) -> Optional[MappedSlot]:
+        """The mapping if ``wanted`` and it got made; otherwise stop it and unmap what it made. ``wait=False``:
+        a prefault still running is not waited for (``None``; it is unmapped once it ends)."""
         if self.future.cancel():  # still queued behind another slot's prefault
             return None
         if not wanted:
             self.stop.set()  # it may be waiting for a growth this save will not ask for
+        if not wait and not self.future.done():
+            self.stop.set()
+            self.future.add_done_callback(_close_result)
+            return None
         m = self.future.result()
         if m is not None and not wanted:
             m.close()
@@ -109,16 +115,20 @@ class SlotMaps:
         self._thread: Optional[cf.ThreadPoolExecutor] = None  # started on first use
         self._limit = 0  # the slot limit of the last acquire (see set_limit)
 
-    def get(self, slot: int, path: str, nbytes: int, usable: Optional[List[int]] = None) -> MappedSlot:
+    def get(self, slot: int, path: str, nbytes: int, usable: Optional[List[int]] = None,
+            wait_prefault: bool = True) -> MappedSlot:
         """The mapping of ``slot`` (file ``path``) at ``nbytes`` bytes: the one made before, the prefaulted
         one, or a new one (remapped when the slot grew); then start prefaulting the other slots at ``nbytes``
         (those in ``usable``, the slots the persister lets this rank use; ``None``: all of them).
+        ``wait_prefault=False``: a prefault of ``slot`` still running is not waited for; the slot is mapped
+        anew and the copy into it takes the page faults left (the overlapped copy, off the training thread).
 
         Raises: ``OSError`` / :class:`~snapckpt.errors.SnapshotError` when it cannot be mapped.
         """
         m = self.maps.get(slot)
         pending = self._pending.pop(slot, None)
-        pre = pending.take(wanted=(pending.path, pending.nbytes) == (path, nbytes)) if pending else None
+        pre = pending.take(wanted=(pending.path, pending.nbytes) == (path, nbytes),
+                           wait=wait_prefault) if pending else None
         if pre is not None or m is None or not m.fits(path, nbytes):
             if m is not None:
                 m.close()
@@ -183,6 +193,13 @@ class SlotMaps:
             self._thread = None
 
 
+def _close_result(future: cf.Future) -> None:
+    """Unmap the mapping a prefault made after its save stopped waiting for it."""
+    m = None if future.cancelled() or future.exception() is not None else future.result()
+    if m is not None:
+        m.close()
+
+
 def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event) -> Optional[MappedSlot]:
     """Map slot file ``path`` once the persister has grown it to ``nbytes`` and read one byte of every
     page; ``None`` when it did not grow within ``timeout_secs``, ``stop`` was set, the interpreter is
@@ -203,5 +220,9 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
         m = MappedSlot(path, nbytes)
     except (OSError, SnapckptError):
         return None
-    m.tensor[::_PAGE].sum()  # a read fault per page maps it; no write, no change to the data
+    for lo in range(0, nbytes, _PREFAULT_CHUNK):  # a read fault per page maps it; no write, no change to the data
+        if stop.is_set():  # the save that needs this slot stopped waiting: it takes the faults left itself
+            m.close()
+            return None
+        m.tensor[lo:lo + _PREFAULT_CHUNK:_PAGE].sum()
     return m

@@ -278,8 +278,10 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         CommitError: a rank failed, an unexpected rank wrote a part, or a listed file is damaged.
         OSError: the filesystem failed while committing.
     """
+    t0 = time.monotonic()
     try:
         parts = wait_for_parts(reader, req)
+        t_parts = time.monotonic()
         manifest = build_manifest(step=req.step, dirname=req.dirname, world_size=req.world_size,
                                   requested_unix=req.requested_unix,
                                   run_id=req.run_id, parts=parts)
@@ -288,6 +290,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         check_sizes(reader, req.partial_dir, manifest)
         storage.write_atomic(os.path.join(req.partial_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
         storage.fsync_dir(req.partial_dir)
+        t_manifest = time.monotonic()
         faults.point("commit.before_rename", step=req.step, rank=None)
         aside = None
         if reader.isdir(req.final_dir):
@@ -298,6 +301,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
             faults.point("commit.between_renames", step=req.step, rank=None)
         storage.rename(req.partial_dir, req.final_dir)
         storage.fsync_dir(req.checkpoint_dir)
+        t_renamed = time.monotonic()
     except BaseException:
         if remove_partial_on_failure:
             try:  # never mask why the commit failed
@@ -315,9 +319,12 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
             write_tracker()
         else:
             req.tracker_gate(write_tracker)
+    t_tracker = time.monotonic()
     if aside is not None:
         storage.remove_tree(aside)
-    log.info("committed step %d as %s (%d files)", req.step, req.dirname, len(manifest["files"]))
+    log.info("committed step %d as %s (%d files): parts waited for %.3f s, manifest %.3f s, rename %.3f s, "
+             "tracker %.3f s", req.step, req.dirname, len(manifest["files"]), t_parts - t0, t_manifest - t_parts,
+             t_renamed - t_manifest, t_tracker - t_renamed)
     faults.point("commit.after_tracker_before_retention", step=req.step, rank=None)
     try:
         apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],

@@ -163,7 +163,7 @@ class Scheduler:
         self.slots.start_persist(s)
         res.writers += 1
         self.pending += 1
-        self.pool.submit(self._write_part_task, entry.rank, s, run, step)
+        self.pool.submit(self._write_part_task, entry.rank, s, run, step, time.monotonic())
         if key not in self.commits_started:
             self.commit_seq += 1
             self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
@@ -299,17 +299,18 @@ class Scheduler:
         return gate
 
     # --------------------------------------------------------------------------------------- tasks
-    def _write_part_task(self, rank: int, s: Slot, run: Run, step: int) -> None:
+    def _write_part_task(self, rank: int, s: Slot, run: Run, step: int, queued: float) -> None:
         storage = None if run.remote_only else open_storage(fsync=run.fsync, part=(rank, step))
         # once on_data_read released the slot, the rank may fill it with a newer snapshot: never read the
         # slot's fields after that (they describe the new one)
         key, seq = (run.run_id, step, s.dirname), s.seq
         partial = _partial(run, s.dirname)
-        log.debug("rank %d step %d: writing the part", rank, step)
         t0 = time.monotonic()
+        log.debug("rank %d step %d: writing the part (queued %.3f s)", rank, step, t0 - queued)
+        stages = {"queued": t0 - queued}
 
         def ended(files: Optional[Dict[str, Any]], exc: Optional[BaseException]) -> None:
-            self._part_ended(key, rank, s, seq, run, step, storage, partial, t0, files, exc)
+            self._part_ended(key, rank, s, seq, run, step, storage, partial, t0, files, exc, stages)
 
         try:
             buf = _slot_map(s)
@@ -327,6 +328,7 @@ class Scheduler:
                 else:
                     written = write_part_data(storage, buf, index, partial, rank=rank, run_id=run.run_id,
                                               step=step, on_data_read=lambda: self.slots.release(s))
+                stages["data"] = time.monotonic() - t0
             finally:
                 del buf
             if not run.remote_only:  # fsyncs and marker with the other parts ready on this node (part_sync.py)
@@ -345,13 +347,19 @@ class Scheduler:
         synced.add_done_callback(done)
 
     def _part_ended(self, key: SaveKey, rank: int, s: Slot, seq: int, run: Run, step: int, storage, partial: str,
-                    t0: float, files: Optional[Dict[str, Any]], exc: Optional[BaseException]) -> None:
+                    t0: float, files: Optional[Dict[str, Any]], exc: Optional[BaseException],
+                    stages: Optional[Dict[str, float]] = None) -> None:
         """Record the end of rank ``rank``'s part of ``step``: its files and marker durable (``files``), or
-        its error ``exc`` (recorded in memory, then as a failure marker)."""
+        its error ``exc`` (recorded in memory, then as a failure marker). ``stages``: seconds the part was
+        queued before its writer started and spent writing its data (for the log)."""
         try:
             if exc is None:
-                log.info("rank %d step %d: part written, %d bytes in %.3f s", rank, step,
-                         sum(f["nbytes"] for f in files.values()), time.monotonic() - t0)
+                total, st = time.monotonic() - t0, stages or {}
+                nbytes = sum(f["nbytes"] for f in files.values())
+                data = st.get("data", total)
+                log.info("rank %d step %d: part written, %d bytes in %.3f s (queued %.3f s before; data %.3f s, "
+                         "%.2f GB/s; fsyncs and marker %.3f s)", rank, step, nbytes, total, st.get("queued", 0.0),
+                         data, nbytes / data / 1e9 if data > 0 else 0.0, total - data)
                 with self.lock:
                     self.results[key].parts_done.add(rank)
             else:

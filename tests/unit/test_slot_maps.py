@@ -1,0 +1,52 @@
+"""A rank's slot mappings and their background prefault (snapckpt/engine/slot_maps.py): a save that does not wait
+for a prefault still running (``overlap=True``) gets a working mapping of its own, and the prefault's mapping is
+unmapped, never leaked; a save that waits gets the prefaulted mapping. Real slot files in a temporary directory;
+no persister process."""
+from __future__ import annotations
+
+import os
+import time
+
+from snapckpt.engine.slot_maps import SlotMaps
+
+NBYTES = 4 << 20
+
+
+def _grow_after_prefault_polls(path: str) -> None:
+    """Create the slot file at full size once the prefault, polling for it, has backed off to 0.2 s waits."""
+    time.sleep(1.0)
+    with open(path, "wb") as f:
+        f.truncate(NBYTES)
+
+
+def test_save_that_does_not_wait_maps_the_slot_itself_and_the_prefault_mapping_is_dropped(tmp_path):
+    path = str(tmp_path / "slot0")
+    maps = SlotMaps(rank=0, slots_per_rank=2, wait_timeout_secs=30.0)
+    try:
+        maps.prefault(0, path, NBYTES)  # waits for the persister to grow the file
+        pending = maps._pending[0]
+        _grow_after_prefault_polls(path)
+        m = maps.get(0, path, NBYTES, usable=[0], wait_prefault=False)
+        m.tensor[:8] = 7  # the save's copy writes through its mapping into the file
+        with open(path, "rb") as f:
+            assert f.read(8) == bytes([7] * 8)
+        made = pending.future.result(timeout=30)
+        if made is not m:  # the usual case: stopped while waiting (None), or unmapped once it ended
+            assert made is None or made.tensor is None
+        assert maps.get(0, path, NBYTES, usable=[0]) is m  # kept for the next save of this slot
+    finally:
+        maps.close()
+
+
+def test_save_that_waits_gets_the_prefaulted_mapping(tmp_path):
+    path = str(tmp_path / "slot0")
+    maps = SlotMaps(rank=0, slots_per_rank=2, wait_timeout_secs=30.0)
+    try:
+        maps.prefault(0, path, NBYTES)
+        pending = maps._pending[0]
+        _grow_after_prefault_polls(path)
+        m = maps.get(0, path, NBYTES, usable=[0])
+        assert m is pending.future.result(timeout=0) and m.tensor is not None
+        assert os.path.getsize(path) == NBYTES
+    finally:
+        maps.close()
