@@ -19,7 +19,8 @@ import torch
 
 from snapckpt import Checkpointer, StorageType
 
-OPTS = dict(persister_idle_timeout_secs=30, commit_timeout_secs=30, request_timeout_secs=30,
+# idle 120 s: under load, a torchrun restart can take longer than 30 s, and the persister must still hold memory
+OPTS = dict(persister_idle_timeout_secs=120, commit_timeout_secs=30, request_timeout_secs=30,
             coordination_timeout_secs=30, persister_startup_timeout_secs=60)
 
 
