@@ -7,6 +7,7 @@ the one validation of a step number, used by save and load alike (and by the int
 from __future__ import annotations
 
 import copy
+import gc
 from typing import AbstractSet, Any, Iterator, List, Optional, Tuple
 
 import torch
@@ -70,7 +71,19 @@ def copy_into(dst: Any, src: Any, path: str = "", own: bool = False, skip: Abstr
         IncompatibleCheckpointError: some tensor's shape differs (names every such key path, up to 10).
     """
     check_shapes(dst, src, path)
-    return _copy_into(dst, src, own, {} if own else None, skip)
+    dsts: List[torch.Tensor] = []
+    srcs: List[torch.Tensor] = []
+    enabled = gc.isenabled()
+    gc.disable()  # a state of many tensors: no full collections while its pairs are gathered
+    try:
+        out = _copy_into(dst, src, own, {} if own else None, skip, dsts, srcs)
+    finally:
+        if enabled:
+            gc.enable()
+    if dsts:
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)  # one call: per tensor as Tensor.copy_ (dtype and device follow dst)
+    return out
 
 
 def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
@@ -84,17 +97,19 @@ def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
         out.append(f"{path or 'tensor'}: checkpoint shape {tuple(src.shape)} != live shape {tuple(dst.shape)}")
 
 
-def _copy_into(dst: Any, src: Any, own: bool, memo: Optional[dict], skip: AbstractSet[int] = frozenset()) -> Any:
+def _copy_into(dst: Any, src: Any, own: bool, memo: Optional[dict], skip: AbstractSet[int],
+               dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> Any:
+    """Replace ``dst``'s values as :func:`copy_into` says; the tensor pairs to copy go to ``dsts`` / ``srcs``."""
     if isinstance(dst, dict) and isinstance(src, dict):
         for k, v in src.items():
             both = (k in dst and ((isinstance(dst[k], dict) and isinstance(v, dict))
                                   or (isinstance(dst[k], torch.Tensor) and isinstance(v, torch.Tensor))))
-            dst[k] = _copy_into(dst[k], v, own, memo, skip) if both else (copy.deepcopy(v, memo) if own else v)
+            dst[k] = _copy_into(dst[k], v, own, memo, skip, dsts, srcs) if both else (
+                copy.deepcopy(v, memo) if own else v)
         return dst
     if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
-        if id(dst) in skip:
-            return dst
-        with torch.no_grad():
-            dst.copy_(src)
+        if id(dst) not in skip:
+            dsts.append(dst)
+            srcs.append(src)
         return dst
     return copy.deepcopy(src, memo) if own else src
