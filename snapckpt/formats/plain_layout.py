@@ -19,7 +19,7 @@ _ATOMIC = frozenset({str, int, bool, type(None)})
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _OD = collections.OrderedDict
 # markers in a key (never equal to a value of the state: module-private objects)
-_T, _ALIAS, _FLOAT = object(), object(), object()
+_T, _ALIAS, _FLOAT, _TDICT = object(), object(), object(), object()
 
 
 def plain_layout(obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
@@ -69,28 +69,52 @@ def _walk(obj: Any, out: List[torch.Tensor], seen: Dict[int, int], containers: D
     key.append(len(obj))
     if t is list or t is tuple:
         return all(_walk(v, out, seen, containers, key, depth + 1) for v in obj)
-    append = key.append
-    for k, v in obj.items():
-        tk = type(k)
-        if tk is float:
-            k = k.hex()
-        elif tk not in _ATOMIC:
-            return False
-        append(tk)
-        append(k)
-        tv = type(v)
-        if tv in _TENSOR_TYPES:  # inline: most entries of a large state are tensors
-            i = seen.get(id(v))
-            if i is None:
-                i = seen[id(v)] = len(out)
-                out.append(v)
-            append(_T)
-            append(i)
-        elif not _walk(v, out, seen, containers, key, depth + 1):
-            return False
+    if not (len(obj) > 16 and _tensor_dict(obj, out, seen, key)):  # else walked by C calls
+        append = key.append
+        for k, v in obj.items():
+            tk = type(k)
+            if tk is float:
+                k = k.hex()
+            elif tk not in _ATOMIC:
+                return False
+            append(tk)
+            append(k)
+            tv = type(v)
+            if tv in _TENSOR_TYPES:  # inline: most entries of a large state are tensors
+                i = seen.get(id(v))
+                if i is None:
+                    i = seen[id(v)] = len(out)
+                    out.append(v)
+                append(_T)
+                append(i)
+            elif not _walk(v, out, seen, containers, key, depth + 1):
+                return False
     if t is _OD:
         extra = vars(obj)  # the live __dict__ (not a copy: its id must not be reused during the walk)
         if extra:
             key.append(_OD)
             return _walk(extra, out, seen, containers, key, depth + 1)
+    return True
+
+
+def _tensor_dict(obj: dict, out: List[torch.Tensor], seen: Dict[int, int], key: List[Any]) -> bool:
+    """Walk ``obj`` without a Python step per entry when its keys are atomic (not float) and its values are
+    tensors met nowhere else; ``False`` (nothing appended) otherwise."""
+    values = list(obj.values())
+    if not set(map(type, values)) <= _TENSOR_TYPES:
+        return False
+    keys = tuple(obj)
+    key_types = set(map(type, keys))
+    if not key_types <= _ATOMIC:
+        return False
+    ids = list(map(id, values))
+    if len(set(ids)) != len(ids) or not seen.keys().isdisjoint(ids):
+        return False
+    start = len(out)
+    seen.update(zip(ids, range(start, start + len(ids))))
+    out.extend(values)
+    key.append(_TDICT)
+    key.append(keys)
+    key.append(str if key_types == {str} else tuple(map(type, keys)))  # True == 1 as keys: the types differ
+    key.append(start)
     return True
