@@ -2,14 +2,17 @@
 
 Sequence for one snapshot (all on the training process, no collective, no allocation of tensor memory):
 
-1. :meth:`Stager.prepare` walks the state once to find its tensors (:func:`collect_tensors`), groups them
-   by the storage they live in, and looks up a :class:`Plan` for that exact layout. A plan is cached keyed
-   on every tensor's storage pointer, storage size, offset, shape, stride, dtype and device (contract
-   3), so a changed layout (a replaced optimizer tensor, a new parameter group, a new shape)
-   always gets a new plan. The skeleton (``data.pkl``) of each file is pickled here, with user objects
-   pickled by the training process itself, so the persister never unpickles anything.
-2. :meth:`Stager.copy_into` copies each storage span into the slot, then writes the pickles, the index
-   and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
+1. :meth:`Stager.prepare` walks the state once to find its tensors (a plain state by
+   :func:`~snapckpt.formats.plain_layout.plain_layout`, else :func:`collect_tensors`), groups them by the
+   storage they live in, and looks up the cached :class:`_Layout` (a :class:`Plan` and what later saves reuse)
+   for that exact layout, keyed on every tensor's aliasing, offset, shape, stride, dtype, device, type and
+   ``requires_grad`` (:func:`_signature`, contract 3), so a changed layout (a replaced optimizer tensor, a new
+   parameter group, a new shape) always gets a new plan. The skeleton (``data.pkl``) of each file is pickled
+   here, with user objects pickled by the training process itself, so the persister never unpickles anything;
+   a plain state's skeleton and the slot index are reused while its non-tensor values are equal.
+2. :meth:`Stager.copy_into` copies each storage span into the slot (the tensors that are whole spans with one
+   ``torch._foreach_copy_`` into typed views of the slot, cached per mapping), then writes the pickles, the
+   index and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
    (:mod:`snapckpt.engine.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
    thread, and :meth:`Checkpointer.fence` waits for both.
 
