@@ -517,9 +517,10 @@ class Loader:
             raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
         s = max(mine, key=lambda x: x["seq"])
         m = self._maps.get(s["slot"], s["path"], s["nbytes"])
+        index = read_index(m.buf, m.path)
         got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
-                                    copy=not views)
-        cand._modes = _modes(((f["path"], f) for f in read_index(m.buf, m.path)["files"]), None)
+                                    copy=not views, index=index)
+        cand._modes = _modes(((f["path"], f) for f in index["files"]), None)
         if got_step != cand.step:
             raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
                                          f"not {cand.step}")

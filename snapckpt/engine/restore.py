@@ -7,6 +7,8 @@ the one validation of a step number, used by save and load alike (and by the int
 from __future__ import annotations
 
 import copy
+import gc
+from operator import attrgetter, ne
 from typing import AbstractSet, Any, Iterator, List, Optional, Tuple
 
 import torch
@@ -15,6 +17,9 @@ from snapckpt.errors import IncompatibleCheckpointError
 
 __all__ = ["MAX_STEP", "check_shapes", "check_step", "copy_into", "pairs"]
 
+_SHAPE = attrgetter("shape")
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_MISSING = object()
 MAX_STEP = 2**63 - 1  # steps are signed 64-bit integers in the arena's slot header
 
 
@@ -69,8 +74,30 @@ def copy_into(dst: Any, src: Any, path: str = "", own: bool = False, skip: Abstr
     Raises:
         IncompatibleCheckpointError: some tensor's shape differs (names every such key path, up to 10).
     """
-    check_shapes(dst, src, path)
-    return _copy_into(dst, src, own, {} if own else None, skip)
+    dsts: List[torch.Tensor] = []
+    srcs: List[torch.Tensor] = []
+    sets: List[Tuple[dict, Any, Any]] = []
+    enabled = gc.isenabled()
+    gc.disable()  # a state of many tensors: no full collections while its pairs are gathered
+    try:
+        _gather(dst, src, dsts, srcs, sets)
+    finally:
+        if enabled:
+            gc.enable()
+    if any(map(ne, map(_SHAPE, dsts), map(_SHAPE, srcs))):
+        check_shapes(dst, src, path)  # raises, naming the key paths; nothing changed yet
+    memo: Optional[dict] = {} if own else None
+    for d, k, v in sets:
+        d[k] = copy.deepcopy(v, memo) if own else v
+    if skip:
+        kept = [i for i, t in enumerate(dsts) if id(t) not in skip]
+        dsts, srcs = [dsts[i] for i in kept], [srcs[i] for i in kept]
+    if dsts:
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)  # one call: per tensor as Tensor.copy_ (dtype and device follow dst)
+    both = (isinstance(dst, dict) and isinstance(src, dict)) or (isinstance(dst, torch.Tensor)
+                                                                  and isinstance(src, torch.Tensor))
+    return dst if both else (copy.deepcopy(src, memo) if own else src)
 
 
 def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
@@ -84,17 +111,22 @@ def _shape_mismatches(dst: Any, src: Any, path: str, out: List[str]) -> None:
         out.append(f"{path or 'tensor'}: checkpoint shape {tuple(src.shape)} != live shape {tuple(dst.shape)}")
 
 
-def _copy_into(dst: Any, src: Any, own: bool, memo: Optional[dict], skip: AbstractSet[int] = frozenset()) -> Any:
-    if isinstance(dst, dict) and isinstance(src, dict):
-        for k, v in src.items():
-            both = (k in dst and ((isinstance(dst[k], dict) and isinstance(v, dict))
-                                  or (isinstance(dst[k], torch.Tensor) and isinstance(v, torch.Tensor))))
-            dst[k] = _copy_into(dst[k], v, own, memo, skip) if both else (copy.deepcopy(v, memo) if own else v)
-        return dst
-    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
-        if id(dst) in skip:
-            return dst
-        with torch.no_grad():
-            dst.copy_(src)
-        return dst
-    return copy.deepcopy(src, memo) if own else src
+def _gather(dst: Any, src: Any, dsts: List[torch.Tensor], srcs: List[torch.Tensor],
+            sets: List[Tuple[dict, Any, Any]]) -> None:
+    """Walk ``dst`` and ``src`` as :func:`copy_into` does, changing nothing: the tensor pairs to copy go to
+    ``dsts`` / ``srcs``, the values to replace to ``sets`` as ``(dict, key, value from src)``, in walk order."""
+    if not (isinstance(dst, dict) and isinstance(src, dict)):
+        if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+            dsts.append(dst)
+            srcs.append(src)
+        return
+    for k, v in src.items():
+        d = dst.get(k, _MISSING)
+        if d is not _MISSING and type(v) in _TENSOR_TYPES and isinstance(d, torch.Tensor):
+            dsts.append(d)
+            srcs.append(v)
+        elif d is not _MISSING and ((isinstance(d, dict) and isinstance(v, dict))
+                                    or (isinstance(d, torch.Tensor) and isinstance(v, torch.Tensor))):
+            _gather(d, v, dsts, srcs, sets)
+        else:
+            sets.append((dst, k, v))

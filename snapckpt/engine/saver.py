@@ -236,14 +236,15 @@ class Saver:
     def _copy(self, job: _CopyJob) -> SaveHandle:
         """Copy ``job``'s snapshot into its slot: now, or on the copy thread until the next fence."""
         prepared, m, slot, step, storage_type = job.prepared, job.mapped, job.slot, job.step, job.storage_type
+        prepared.views = m.views
         device_done = None
-        if has_cuda_sources(prepared.copies):
+        if has_cuda_sources(prepared.span_copies):
             # Queued on a side stream after the compute stream's work so far; never waited for here.
             try:
                 if self.cuda is None:
                     self.cuda = CudaCopier()
                 m.cuda = self.cuda
-                device_done = self.cuda.start(prepared.copies, m.tensor)
+                device_done = self.cuda.start(prepared.span_copies, m.tensor)
             except BaseException:
                 self._abort(slot, sync_cuda=True)
                 raise

@@ -46,6 +46,7 @@ class MappedSlot:
         path: the slot file; nbytes: the mapped length (bytes).
         buf: the ``mmap``; tensor: a ``uint8`` tensor of shape ``(nbytes,)`` over it.
         cuda: the :class:`~snapckpt.engine.device_copy.CudaCopier` that page-locked it, once CUDA copies used it.
+        views: typed views of ``tensor`` by state layout, made by the Stager's copies (dropped on close).
 
     Raises (constructor): ``OSError`` / :class:`~snapckpt.errors.SnapshotError` when the file cannot be mapped.
     """
@@ -55,6 +56,7 @@ class MappedSlot:
         self.buf = map_slot(path, nbytes)
         self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
         self.cuda: Optional[CudaCopier] = None
+        self.views: Dict[Any, List[torch.Tensor]] = {}
 
     def fits(self, path: str, nbytes: int) -> bool:
         """Whether this mapping is of ``path`` at exactly ``nbytes`` bytes."""
@@ -65,6 +67,7 @@ class MappedSlot:
         if self.cuda is not None and self.tensor is not None:
             torch.cuda.synchronize()  # no DMA may still target the mapping
             self.cuda.unregister(self.tensor)
+        self.views.clear()  # they hold the mapping's buffer
         self.tensor = None
         try:
             self.buf.close()

@@ -2,14 +2,17 @@
 
 Sequence for one snapshot (all on the training process, no collective, no allocation of tensor memory):
 
-1. :meth:`Stager.prepare` walks the state once to find its tensors (:func:`collect_tensors`), groups them
-   by the storage they live in, and looks up a :class:`Plan` for that exact layout. A plan is cached keyed
-   on every tensor's storage pointer, storage size, offset, shape, stride, dtype and device (contract
-   3), so a changed layout (a replaced optimizer tensor, a new parameter group, a new shape)
-   always gets a new plan. The skeleton (``data.pkl``) of each file is pickled here, with user objects
-   pickled by the training process itself, so the persister never unpickles anything.
-2. :meth:`Stager.copy_into` copies each storage span into the slot, then writes the pickles, the index
-   and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
+1. :meth:`Stager.prepare` walks the state once to find its tensors (a plain state by
+   :func:`~snapckpt.formats.plain_layout.plain_layout`, else :func:`collect_tensors`), groups them by the
+   storage they live in, and looks up the cached :class:`_Layout` (a :class:`Plan` and what later saves reuse)
+   for that exact layout, keyed on every tensor's aliasing, offset, shape, stride, dtype, device, type and
+   ``requires_grad`` (:func:`_signature`, contract 3), so a changed layout (a replaced optimizer tensor, a new
+   parameter group, a new shape) always gets a new plan. The skeleton (``data.pkl``) of each file is pickled
+   here, with user objects pickled by the training process itself, so the persister never unpickles anything;
+   a plain state's skeleton and the slot index are reused while its non-tensor values are equal.
+2. :meth:`Stager.copy_into` copies each storage span into the slot (the tensors that are whole spans with one
+   ``torch._foreach_copy_`` into typed views of the slot, cached per mapping), then writes the pickles, the
+   index and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
    (:mod:`snapckpt.engine.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
    thread, and :meth:`Checkpointer.fence` waits for both.
 
@@ -20,17 +23,19 @@ from __future__ import annotations
 import gc
 import json
 import logging
+from operator import attrgetter, mul, sub
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from snapckpt.persister.arena import HEADER_NBYTES, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
+from snapckpt.formats.plain_layout import plain_layout
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
-                                plain_tensors, weights_only_refusal)
+                                        weights_only_refusal)
 
 __all__ = ["Stager", "Prepared", "Plan"]
 
@@ -69,27 +74,40 @@ class Plan:
     data_end: int
 
 
-def _signature(tensors: List[torch.Tensor]) -> tuple:
-    """The cache key of a plan: everything :func:`_build_plan` reads, and nothing else.
+_DTYPE, _SHAPE, _DEVICE, _GRAD = (attrgetter(a) for a in ("dtype", "shape", "device", "requires_grad"))
+_ITEMSIZE = attrgetter("itemsize")
 
-    Per tensor: device, storage size (bytes), storage offset, shape, stride, dtype, and which storage it
-    views, as the index of that storage in first-use order (with its data pointer standing in only for
-    the grouping). Two states whose tensors are fresh allocations of the same layout (a new
-    ``torch.get_rng_state()`` every save, optimizer state replaced by clones) get the same key and share
-    a plan; a change of aliasing (tied tensors untied), shape, stride, dtype, device or size changes the
-    key (contract 3 (docs/design/contracts.md)). The plan holds no tensor handles: :meth:`Stager.prepare` takes the copy
-    sources from the live tensors at every save, so reusing a plan across allocations is safe.
+
+def _signature(tensors: List[torch.Tensor]) -> tuple:
+    """The cache key of a plan: everything :func:`_build_plan` and the skeleton's tensors read.
+
+    Per tensor: storage offset, shape, stride, dtype, device, type (``nn.Parameter`` or not),
+    ``requires_grad``, and which storage it views, as the index of that storage in first-use order (its data
+    pointer stands in only for the grouping: ``None`` when every tensor has a storage of its own, the common
+    case, found without a Python loop). Two states whose tensors are fresh allocations of the same layout (a
+    new ``torch.get_rng_state()`` every save, optimizer state replaced by clones) get the same key and share
+    a plan; a change of aliasing (tied tensors untied), shape, stride, dtype, device or offset changes the
+    key (contract 3 (docs/design/contracts.md)). The plan holds no tensor handles: :meth:`Stager.prepare`
+    takes the copy sources from the live tensors at every save, so reusing a plan across allocations is safe.
+    Each field is read with one ``map`` over the tensors (C calls, no Python frame per tensor).
+
+    Raises:
+        RuntimeError: a tensor without strides (sparse, nested): the caller checks the tensors then.
     """
-    sig = []
-    storage_ids: Dict[tuple, int] = {}
-    for i, t in enumerate(tensors):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        gkey = (str(t.device), ptr) if ptr != 0 else ("empty", i)
-        g = storage_ids.setdefault(gkey, len(storage_ids))
-        sig.append((str(t.device), g, ptr == 0, st.nbytes(), t.storage_offset(), tuple(t.shape), t.stride(),
-                    t.dtype))
-    return tuple(sig)
+    t_ = torch.Tensor
+    offs = tuple(map(t_.storage_offset, tensors))
+    dtypes = tuple(map(_DTYPE, tensors))
+    devices = tuple(map(_DEVICE, tensors))
+    starts = list(map(sub, map(t_.data_ptr, tensors), map(mul, offs, map(_ITEMSIZE, dtypes))))
+    empty = starts.count(0)  # no storage (a null data pointer): a group of its own each
+    if len(set(starts)) == len(starts) - empty + (1 if empty else 0) and len(set(devices)) <= 1:
+        groups = None
+    else:
+        ids: Dict[tuple, int] = {}
+        groups = tuple(ids.setdefault((d, p) if p else ("empty", i), len(ids))
+                       for i, (d, p) in enumerate(zip(devices, starts)))
+    return (len(tensors), groups, offs, dtypes, devices, tuple(map(_SHAPE, tensors)), tuple(map(t_.stride, tensors)),
+            tuple(map(type, tensors)), tuple(map(_GRAD, tensors)))
 
 
 def _extent_nbytes(t: torch.Tensor) -> Tuple[int, int]:
@@ -157,6 +175,57 @@ def _clusters(tensors: List[torch.Tensor], idx: List[int]) -> List[Tuple[int, in
     return [(lo, hi, members) for lo, hi, members in out]
 
 
+@dataclass(eq=False)  # hashed by identity: the key of a mapping's cache of views
+class _Layout:
+    """A cached plan and what later saves of the same layout reuse (one per :func:`_signature`).
+
+    Attributes:
+        plan: the spans.
+        direct: collected-tensor indices whose span is exactly that tensor, contiguous and on the CPU: copied
+            by one ``torch._foreach_copy_`` from the live tensors into typed views of the slot (no per-save
+            view of their storage); ``direct_all``: that is every tensor, in collection order.
+        direct_dst: per ``direct`` tensor, ``(slot byte offset, dtype, shape, stride)`` of its view.
+        spans: ``(span index, a collected-tensor index viewing its storage)`` of the other spans, copied as
+            bytes of the storage (views of several tensors, CUDA tensors, gaps); their tensors are checked
+            (:func:`_check_supported`) at every save, the direct ones when the plan is built.
+        tensor_nbytes: the sum of span sizes.
+        tail_key, tail, files_json: the last skeleton made with this plan: the key of the files it was made
+            from (``None``: not reusable), the pickles ``(slot offset, bytes)`` and the index's ``"files"``
+            JSON; ``tail_end``: the first byte after the pickles (the index's offset).
+    """
+
+    plan: Plan
+    direct: Tuple[int, ...]
+    direct_all: bool
+    direct_dst: Tuple[Tuple[int, torch.dtype, Tuple[int, ...], Tuple[int, ...]], ...]
+    spans: Tuple[Tuple[int, int], ...]
+    tensor_nbytes: int
+    tail_key: Optional[list] = None
+    tail: Optional[List[Tuple[int, bytes]]] = None
+    files_json: bytes = b""
+    tail_end: int = 0
+
+
+def _layout(tensors: List[torch.Tensor], plan: Plan) -> _Layout:
+    members: List[List[int]] = [[] for _ in plan.spans]
+    for i, s in enumerate(plan.tensor_span):
+        members[s].append(i)
+    direct, dst, spans = [], [], []
+    for s, idx in enumerate(members):
+        span = plan.spans[s]
+        if len(idx) == 1:
+            t, ref = tensors[idx[0]], plan.refs[idx[0]]
+            if (t.device.type == "cpu" and t.numel() and ref.storage_offset == 0 and t.is_contiguous()
+                    and span.nbytes == t.numel() * t.element_size()):
+                direct.append(idx[0])
+                dst.append((span.arena_offset, t.dtype, ref.size, ref.stride))
+                continue
+        if idx:
+            spans.append((s, idx[0]))
+    return _Layout(plan, tuple(direct), direct == list(range(len(tensors))), tuple(dst), tuple(spans),
+                   sum(s.nbytes for s in plan.spans))
+
+
 @dataclass
 class Prepared:
     """A snapshot ready to be copied: what to copy where, plus the bytes that follow the data.
@@ -164,22 +233,64 @@ class Prepared:
     Attributes:
         step: the step being snapshotted.
         total_nbytes: bytes the slot must hold (header, spans, pickles, index).
-        copies: ``(source uint8 tensor view, slot byte offset)`` per span.
+        span_copies: ``(source uint8 tensor view, slot byte offset)`` per span copied as bytes (CUDA sources
+            among them); :attr:`copies` lists every copy that way.
         tail: ``(slot byte offset, bytes)`` for each pickle and the index.
         index_offset, index_nbytes: where the index (JSON) sits.
         tensor_nbytes: bytes of tensor data (the sum of span sizes).
         persistable: whether any file is for disk; a snapshot of ``MemoryOnly`` files only is never written
             by the persister's flush after a crash (it is not a checkpoint in any layout).
+        direct: the CPU tensors copied whole into typed views of the slot (:class:`_Layout`), and their
+            layout (the key of the views' cache, :attr:`views`).
+        views: the slot mapping's cache of typed views (``MappedSlot.views``), set by the caller of
+            :meth:`Stager.copy_into`; ``None``: the views are made for this copy only.
     """
 
     step: int
     total_nbytes: int
-    copies: List[Tuple[torch.Tensor, int]]
+    span_copies: List[Tuple[torch.Tensor, int]]
     tail: List[Tuple[int, bytes]]
     index_offset: int
     index_nbytes: int
     tensor_nbytes: int
     persistable: bool = True  # some file of the snapshot is written to disk (not all MemoryOnly)
+    direct: Sequence[torch.Tensor] = ()
+    layout: Optional[_Layout] = None
+    views: Optional[Dict[Any, List[torch.Tensor]]] = None
+
+    @property
+    def copies(self) -> List[Tuple[torch.Tensor, int]]:
+        """Every copy as ``(source uint8 tensor view, slot byte offset)``: :attr:`span_copies`, then a byte
+        view of each direct tensor (made at each access: for tests and tools, not the save path)."""
+        out = list(self.span_copies)
+        if self.layout is not None:
+            for t, (off, _dtype, _size, _stride) in zip(self.direct, self.layout.direct_dst):
+                out.append((t.detach().reshape(-1).view(torch.uint8), off))
+        return out
+
+
+_VIEWS_KEPT = 4  # layouts whose slot views a mapping keeps (as the Stager's plan cache)
+
+
+def _direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
+                  ) -> List[torch.Tensor]:
+    """The typed views of ``slot`` that ``layout``'s direct tensors are copied into (cached per mapping)."""
+    views = cache.get(layout) if cache is not None else None
+    if views is not None:
+        return views
+    bases: Dict[torch.dtype, torch.Tensor] = {}
+    views = []
+    for off, dtype, size, stride in layout.direct_dst:
+        base = bases.get(dtype)
+        if base is None:
+            es = dtype.itemsize
+            base = bases[dtype] = slot[:slot.numel() // es * es].view(dtype)
+        views.append(base.as_strided(size, stride, off // dtype.itemsize))
+    if cache is not None:
+        while len(cache) >= _VIEWS_KEPT:
+            cache.pop(next(iter(cache)))
+        cache[layout] = views
+    return views
 
 
 def _warn_if_unsafe(name: str, pkl: bytes, warned: set) -> None:
@@ -217,23 +328,34 @@ class Stager:
     """
 
     def __init__(self, cache_size: int = 4) -> None:
-        self._plans: Dict[tuple, Plan] = {}
+        self._plans: Dict[tuple, _Layout] = {}
         self._cache_size = cache_size
         self.plan_builds = 0  # how many plans were built (observable by tests of contract 3)
         self._unsafe_warned: set = set()  # weights_only refusals already warned about
 
-    def _plan_for(self, tensors: List[torch.Tensor]) -> Tuple[Plan, bool]:
-        """The plan of this layout and whether it was built now (not found in the cache)."""
-        sig = _signature(tensors)
-        plan = self._plans.get(sig)
-        if plan is None:
-            plan = _build_plan(tensors)
-            self.plan_builds += 1
-            if len(self._plans) >= self._cache_size:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[sig] = plan
-            return plan, True
-        return plan, False
+    def _plan_for(self, tensors: List[torch.Tensor]) -> Tuple[_Layout, bool]:
+        """The layout of these tensors and whether it was built now (not found in the cache).
+
+        Raises:
+            SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built).
+        """
+        try:
+            sig = _signature(tensors)
+        except RuntimeError:  # no strides or storage (sparse, nested): say which tensor and why
+            for t in tensors:
+                _check_supported(t)
+            raise
+        layout = self._plans.get(sig)
+        if layout is not None:
+            return layout, False
+        for t in tensors:
+            _check_supported(t)
+        layout = _layout(tensors, _build_plan(tensors))
+        self.plan_builds += 1
+        if len(self._plans) >= self._cache_size:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[sig] = layout
+        return layout, True
 
     def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
         """See :meth:`_prepare` (the cyclic garbage collector is paused meanwhile: a state of many tensors makes
@@ -250,7 +372,10 @@ class Stager:
         """Plan a snapshot of ``files`` (``{relative path: value}``) at ``step``.
 
         A value is a file spec of :mod:`snapckpt.formats.specs` (a plain object is a ``TorchSave``). Every
-        tensor of every file joins one plan, so a storage shared between files is copied once.
+        tensor of every file joins one plan, so a storage shared between files is copied once. A later save
+        of the same layout reuses the plan; when every file is a plain ``TorchSave``
+        (:func:`~snapckpt.formats.plain_layout.plain_layout`) with the same non-tensor values, it reuses the
+        pickled skeletons and the index too, so its Python work per tensor is a few C calls.
 
         With ``check_weights_only``, the first time a plan is built (a new layout of tensors, not every
         save) each pickled skeleton is run through PyTorch's weights-only unpickler (no tensor bytes); if
@@ -263,6 +388,7 @@ class Stager:
         """
         specs = []
         per_file_tensors: List[List[torch.Tensor]] = []
+        keys: List[Any] = []  # per file: its plain_layout key, or None (its skeleton is pickled every save)
         plain_files: set = set()
         for name, value in files.items():
             spec, persist = unwrap(value)
@@ -270,11 +396,13 @@ class Stager:
                 spec = Concat([bytes(spec.data)], spec.mode)
             specs.append((spec, persist))
             if isinstance(spec, TorchSave):
-                plain = plain_tensors(spec.obj)
-                if plain is not None:  # only containers, tensors and atomic values: weights_only loads it
-                    per_file_tensors.append(plain)
+                walked = plain_layout(spec.obj)
+                if walked is not None:  # only containers, tensors and atomic values: weights_only loads it
+                    per_file_tensors.append(walked[0])
+                    keys.append(walked[1])
                     plain_files.add(name)
                     continue
+                keys.append(None)
                 try:
                     per_file_tensors.append(collect_tensors(spec.obj))
                 except SnapshotError:
@@ -282,27 +410,55 @@ class Stager:
                 except Exception as e:  # noqa: BLE001 - pickle raises PicklingError, TypeError, AttributeError...
                     raise _unpicklable_error(name, spec.obj, e) from e
             else:
+                keys.append(None)
                 ts = [p for p in spec.parts if isinstance(p, torch.Tensor)]
                 for t in ts:
                     _check_concat_tensor(t)
                 per_file_tensors.append(ts)
-        all_tensors: List[torch.Tensor] = []
-        seen: Dict[int, int] = {}
-        for ts in per_file_tensors:
-            for t in ts:
-                if id(t) not in seen:
-                    seen[id(t)] = len(all_tensors)
-                    all_tensors.append(t)
-        plan, new_plan = self._plan_for(all_tensors)
+        if len(per_file_tensors) == 1:
+            all_tensors = per_file_tensors[0]  # each once already
+            seen: Optional[Dict[int, int]] = None
+        else:
+            all_tensors, seen = [], {}
+            for ts in per_file_tensors:
+                for t in ts:
+                    if id(t) not in seen:
+                        seen[id(t)] = len(all_tensors)
+                        all_tensors.append(t)
+        layout, new_plan = self._plan_for(all_tensors)
+        plan = layout.plan
         copies = []
-        for span in plan.spans:
-            copies.append([None, span.arena_offset])
-        for i, t in enumerate(all_tensors):
-            c = copies[plan.tensor_span[i]]
-            if c[0] is None:
-                span = plan.spans[plan.tensor_span[i]]
-                c[0] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                    t.untyped_storage(), span.start_nbytes, (span.nbytes,), (1,))
+        for s, i in layout.spans:
+            t = all_tensors[i]
+            if not new_plan:
+                _check_supported(t)
+            span = plan.spans[s]
+            copies.append((torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                t.untyped_storage(), span.start_nbytes, (span.nbytes,), (1,)), span.arena_offset))
+        direct = all_tensors if layout.direct_all else [all_tensors[i] for i in layout.direct]
+        tail_key = None
+        if all(k is not None for k in keys):
+            tail_key = [list(files.keys()), [(p, spec.mode) for spec, p in specs], keys]
+            if len(per_file_tensors) > 1:  # which tensor of the plan each file's tensor is
+                tail_key.append([[seen[id(t)] for t in ts] for ts in per_file_tensors])  # type: ignore[index]
+        if tail_key is None or tail_key != layout.tail_key:
+            if seen is None:
+                seen = {id(t): i for i, t in enumerate(all_tensors)}
+            tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
+                                                         check_weights_only and new_plan)
+            layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
+        tail, offset = list(layout.tail), layout.tail_end
+        index = b'{"v":2,"step":%d,"files":%s}' % (step, layout.files_json)  # json.dumps' bytes, the step spliced in
+        tail.append((offset, index))
+        persistable = not specs or any(persist for _, persist in specs)
+        return Prepared(step, offset + len(index), copies, tail, offset, len(index), layout.tensor_nbytes,
+                        persistable, direct, layout)
+
+    def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
+                   plan: Plan, seen: Dict[int, int], plain_files: set, check_weights_only: bool
+                   ) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
+        """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
+        the index's "files" JSON, the first byte after them)``."""
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files = []
@@ -311,7 +467,7 @@ class Stager:
             if isinstance(spec, TorchSave):
                 refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
                 pkl, keys = pickle_skeleton(spec.obj, refs)
-                if new_plan and check_weights_only and path not in plain_files:
+                if check_weights_only and path not in plain_files:
                     _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
                 records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
@@ -331,13 +487,7 @@ class Stager:
                     chunks.append([offset, len(part)])
                     offset += len(part)
             index_files.append({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks, **_mode(spec)})
-        index = json.dumps({"v": 2, "step": step, "files": index_files}, separators=(",", ":")).encode()
-        tail.append((offset, index))
-        total = offset + len(index)
-        tensor_nbytes = sum(s.nbytes for s in plan.spans)
-        persistable = not specs or any(persist for _, persist in specs)
-        return Prepared(step, total, [(c[0], c[1]) for c in copies], tail, offset, len(index), tensor_nbytes,
-                        persistable)
+        return tail, json.dumps(index_files, separators=(",", ":")).encode(), offset
 
     @staticmethod
     def copy_into(prepared: Prepared, slot: torch.Tensor, buf, device_done=None) -> None:
@@ -355,13 +505,25 @@ class Stager:
         # A reused slot still carries the header of the snapshot it held: it goes first, so that the slot's
         # own bytes never describe a half-overwritten snapshot as complete (the header is written last).
         buf[0:HEADER_NBYTES] = bytes(HEADER_NBYTES)
-        half = len(prepared.copies) // 2
-        for i, (src, off) in enumerate(prepared.copies):
+        n_direct = len(prepared.direct)
+        half = (len(prepared.span_copies) + n_direct) // 2
+        for i, (src, off) in enumerate(prepared.span_copies):
             if i == half:
                 faults.point("snapshot.mid_copy", step=prepared.step)
             n = src.numel()
             if n and not (device_done is not None and src.is_cuda):
                 slot[off:off + n].copy_(src)
+        if n_direct:
+            dst = _direct_views(prepared.layout, slot, prepared.views)
+            cut = half - len(prepared.span_copies)
+            with torch.no_grad():  # a Parameter's copy must not enter autograd
+                if 0 <= cut < n_direct:
+                    if cut:
+                        torch._foreach_copy_(dst[:cut], prepared.direct[:cut])
+                    faults.point("snapshot.mid_copy", step=prepared.step)
+                    torch._foreach_copy_(dst[cut:], prepared.direct[cut:])
+                else:
+                    torch._foreach_copy_(dst, prepared.direct)
         for off, data in prepared.tail:
             buf[off:off + len(data)] = data
         if device_done is not None:

@@ -7,8 +7,9 @@ and a JSON index of them. :func:`read_index` is what the persister reads before 
 """
 from __future__ import annotations
 
+import gc
 import json
-from typing import TYPE_CHECKING, Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from snapckpt.errors import SnapshotError
 from snapckpt.persister.arena import read_header
@@ -38,33 +39,63 @@ def read_index(buf, source: str = "arena slot") -> Dict[str, Any]:
 
 
 def read_slot(buf, slot: "torch.Tensor", *, weights_only: bool, source: str = "arena slot",
-              copy: bool = True) -> Tuple[int, Dict[str, Any]]:
+              copy: bool = True, index: Optional[Dict[str, Any]] = None) -> Tuple[int, Dict[str, Any]]:
     """Copy a snapshot out of a slot: ``(step, {relative path: object})`` with CPU tensors.
 
-    ``TorchSave`` files come back unpickled (``weights_only``: the trust decision, as ``torch.load``);
-    ``RawBytes``/``Concat`` files as ``bytes`` (the whole file). ``source`` (the slot file) is named in errors.
-    With ``copy=False`` the tensors are views of the slot itself (no copy, no fresh memory): for a caller
-    that copies them into live tensors at once and drops them before the slot can be reused.
+    ``TorchSave`` files come back unpickled (``weights_only``: the trust decision, as ``torch.load``; a plain
+    state's skeleton goes through :func:`~snapckpt.formats.skeleton_unpickler.load_plain` first, which loads a
+    subset of what ``weights_only=True`` loads, at C speed); ``RawBytes``/``Concat`` files as ``bytes`` (the
+    whole file). ``source`` (the slot file) is named in errors. With ``copy=False`` the tensors are views of the
+    slot itself (no copy, no fresh memory): for a caller that copies them into live tensors at once and drops
+    them before the slot can be reused. ``index``: the slot's index when the caller has read it already
+    (:func:`read_index`).
     """
-    import torch  # here, not at module level: the persister imports this module and starts without torch
+    if index is None:
+        index = read_index(buf, source)
+    enabled = gc.isenabled()
+    gc.disable()  # many small objects are made here: no full collections meanwhile
+    try:
+        return index["step"], _read_files(buf, slot, index, weights_only, copy)
+    finally:
+        if enabled:
+            gc.enable()
 
+
+def _read_files(buf, slot: "torch.Tensor", index: Dict[str, Any], weights_only: bool, copy: bool) -> Dict[str, Any]:
+    import torch
+
+    from snapckpt.formats.skeleton_unpickler import load_plain
     from snapckpt.formats.torch_zip import unpickle_skeleton
 
-    index = read_index(buf, source)
     out: Dict[str, Any] = {}
     for f in index["files"]:
         if f.get("kind", "torch") == "bytes":
             out[f["path"]] = b"".join(bytes(buf[o:o + n]) for o, n in f["chunks"])
             continue
-        storages = {}
-        for key, off, n in f["records"]:
+        records = {key: (off, n) for key, off, n in f["records"]}
+
+        made: Dict[str, "torch.UntypedStorage"] = {}  # shared by both unpicklers: each span read once
+
+        def storage(key: str) -> "torch.UntypedStorage":
+            st = made.get(key)
+            if st is not None:
+                return st
+            off, n = records[key]
             if not copy:
-                storages[key] = (torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off) if n
-                                 else torch.empty(0, dtype=torch.uint8)).untyped_storage()
-                continue
-            dst = torch.empty(n, dtype=torch.uint8)
-            dst.copy_(slot[off:off + n])
-            storages[key] = dst.untyped_storage()
+                st = (torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off) if n
+                      else torch.empty(0, dtype=torch.uint8)).untyped_storage()
+            else:
+                dst = torch.empty(n, dtype=torch.uint8)
+                dst.copy_(slot[off:off + n])
+                st = dst.untyped_storage()
+            made[key] = st
+            return st
+
         po, pn = f["pkl"]
-        out[f["path"]] = unpickle_skeleton(bytes(buf[po:po + pn]), storages, weights_only=weights_only)
-    return index["step"], out
+        pkl = bytes(buf[po:po + pn])
+        try:
+            out[f["path"]] = load_plain(pkl, storage)
+        except Exception:  # noqa: BLE001 - not a plain skeleton (or damaged): PyTorch's unpickler decides
+            out[f["path"]] = unpickle_skeleton(pkl, {key: storage(key) for key in records},
+                                               weights_only=weights_only)
+    return out

@@ -239,3 +239,62 @@ def test_weights_only_refusal_and_memory_tier_unpickle():
     with pytest.raises(UnsafeCheckpointError, match="weights_only=False"):
         Z.unpickle_skeleton(pkl, {}, weights_only=True)
     assert Z.unpickle_skeleton(pkl, {}, weights_only=False)["obj"].v == 5
+
+
+def test_stager_layout_cache_reuses_plan_and_skeleton_only_while_the_structure_is_equal():
+    """A later save of the same layout reuses the plan (and the pickled skeleton while the non-tensor values
+    are equal), saves its own values, and loads back through the fast unpickler or PyTorch's."""
+    from snapckpt.engine.stager import Stager
+    from snapckpt.formats.plain_layout import plain_layout
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf, views = Stager(), bytearray(1 << 20), {}
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+
+    def roundtrip(state, step, weights_only=True):
+        p = stager.prepare({"s.pt": state}, step)
+        p.views = views
+        Stager.copy_into(p, slot, buf)
+        got, files = read_slot(buf, slot, weights_only=weights_only)
+        assert got == step
+        return files["s.pt"], p
+
+    base = torch.arange(40.0)
+
+    def state(lr, k):
+        return {"m": {f"p{i}": torch.full((3, 2), float(i + k)) for i in range(20)},
+                "opt": {"lr": lr, "step": torch.tensor(float(k)), "betas": (0.9, 0.99)},
+                "p": torch.nn.Parameter(torch.rand(2)), "t": torch.rand(3, 4).t(), "view": base[8:12]}
+
+    s1 = state(0.1, 0)
+    back, p1 = roundtrip(s1, 1)
+    assert stager.plan_builds == 1 and back["opt"]["lr"] == 0.1 and back["opt"]["betas"] == (0.9, 0.99)
+    assert type(back["p"]) is torch.nn.Parameter and back["p"].requires_grad
+    assert all(torch.equal(back["m"][k], s1["m"][k]) for k in s1["m"]) and torch.equal(back["t"], s1["t"])
+    assert torch.equal(back["view"], base[8:12]) and len(p1.direct) == 22  # m, opt.step, p; not t nor view
+    assert len(p1.copies) == len(p1.span_copies) + len(p1.direct) == 24
+    s2 = state(0.1, 5)  # fresh tensors, same layout and values: plan and skeleton reused
+    back, p2 = roundtrip(s2, 2)
+    assert stager.plan_builds == 1 and p2.tail[0][1] is p1.tail[0][1] and back["opt"]["step"].item() == 5.0
+    assert all(torch.equal(back["m"][k], s2["m"][k]) for k in s2["m"])
+    back, p3 = roundtrip(state(0.2, 6), 3)  # a new lr: same plan, skeleton pickled again
+    assert stager.plan_builds == 1 and p3.tail[0] != p1.tail[0] and back["opt"]["lr"] == 0.2
+    s4 = state(0.2, 7)
+    s4["m"]["p3"] = torch.zeros(2, 3)  # a new shape: a new plan
+    back, _ = roundtrip(s4, 4)
+    assert stager.plan_builds == 2 and back["m"]["p3"].shape == (2, 3)
+    tied = torch.rand(4)
+    back, _ = roundtrip({"a": tied, "b": tied}, 5)  # one storage, loaded back shared
+    assert back["a"].data_ptr() == back["b"].data_ptr()
+    with pytest.raises(UnsafeCheckpointError):  # not plain: PyTorch's weights-only unpickler refuses it
+        roundtrip({"obj": Plain(5), "w": torch.rand(2)}, 6)
+    back, _ = roundtrip({"obj": Plain(5), "w": torch.rand(2)}, 7, weights_only=False)
+    assert back["obj"].v == 5
+
+    # the layout key tells apart what pickles differently
+    _, key = plain_layout(s1)
+    for other in (dict(s1, opt={**s1["opt"], "lr": 0.11}), dict(s1, opt={**s1["opt"], "betas": [0.9, 0.99]}),
+                  {**s1, "m2": s1["m"]}, dict(s1, m={**s1["m"], "p0": s1["m"]["p1"]})):
+        assert plain_layout(other)[1] != key
+    assert plain_layout({"a": 1})[1] != plain_layout({"a": True})[1] != plain_layout({"a": 1.0})[1]
+    assert plain_layout({"a": 0.0})[1] != plain_layout({"a": -0.0})[1]
