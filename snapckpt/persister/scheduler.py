@@ -100,6 +100,9 @@ class Scheduler:
         # (URL, prefix) -> set once its discard (store calls, off the lock) has ended; a writer of that prefix waits
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
         self.notices: Optional[CommitNotices] = None  # set by the server (the peer channel's notices)
+        # called (any thread, without the lock) when a save ended or a rank's part failed: the server answers
+        # the ranks' held await requests (server.py)
+        self.on_change: Callable[[], None] = lambda: None
 
     def shutdown(self) -> None:
         """Wait for every writer, commit and upload task (at exit)."""
@@ -356,6 +359,8 @@ class Scheduler:
                         self.part_done(run.run_id, step, key[2], sorted(set(res.parts_done) | set(res.part_errors)))
                     self._remove_failed_partial(run, res, key)
                 self.pending -= 1
+            if exc is not None:
+                self.on_change()
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
         storage = open_storage(fsync=run.fsync, part=(None, req.step))
@@ -386,6 +391,7 @@ class Scheduler:
             if run.committer and self.notices is not None:
                 self.notices.commit_ended(req.run_id, req.step, req.dirname, state)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
+        self.on_change()
         if run.multi_node:  # what the commit path cost: read by tests/test_multinode.py (no fast polling)
             log.info("step %d: commit %s after %.3f s (%s): %d filesystem checks, %d wakes, %d peer notices",
                      req.step, state, time.monotonic() - t0, "committer, checks: listings of the partial "
