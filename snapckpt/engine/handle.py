@@ -25,7 +25,8 @@ class SaveOwner(Protocol):
     """What a :class:`SaveHandle` needs from the one that made it.
 
     Sequence: ``wait()`` on a handle whose copy is still running (``overlap=True``) calls :meth:`fence`;
-    then ``done()`` polls :meth:`status` until the persister says ``committed`` (the handle calls
+    then ``done()`` asks :meth:`status` once, and ``wait()`` asks it with ``wait_secs`` (the persister answers
+    when the save ends, not at once) until the persister says ``committed`` (the handle calls
     :meth:`on_committed`), ``failed`` (it builds the error with :meth:`context` and calls :meth:`on_failed`)
     or ``unknown`` (the error is :meth:`lost_error`).
     """
@@ -33,8 +34,9 @@ class SaveOwner(Protocol):
     commit_timeout_secs: float
     """Default bound of ``SaveHandle.wait``, before its margin (seconds)."""
 
-    def status(self, step: int, dirname: str) -> Dict[str, Any]:
-        """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ..., "error": ...}``)."""
+    def status(self, step: int, dirname: str, wait_secs: float = 0.0) -> Dict[str, Any]:
+        """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ..., "error": ...}``);
+        with ``wait_secs`` > 0 answered once the save is no longer pending, or after about ``wait_secs`` s."""
         ...
 
     def on_committed(self, handle: "SaveHandle") -> None:
@@ -61,7 +63,7 @@ class SaveOwner(Protocol):
 class SaveHandle:
     """Observe one save. Created by :meth:`snapckpt.Checkpointer.save`; not built by users."""
 
-    _POLL_SECS = 0.01
+    _AWAIT_SECS = 1.0  # the longest one status request of wait() is held by the persister (seconds)
 
     def __init__(self, owner: SaveOwner, step: int, tier: StorageType, stats: Optional[SaveStats],
                  skipped_reason: Optional[str] = None, dirname: str = "", copying: bool = False,
@@ -121,10 +123,10 @@ class SaveHandle:
         self._error = exc
         self._owner.on_failed(self, exc)
 
-    def _poll(self) -> None:
+    def _poll(self, wait_secs: float = 0.0) -> None:
         if self._state != "pending" or self._copying:
             return
-        reply = self._owner.status(self.step, self.dirname)
+        reply = self._owner.status(self.step, self.dirname, wait_secs)
         state = reply.get("state")
         if state == "committed":
             self._state = "done"
@@ -141,8 +143,11 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether the save has finished (committed, held in memory, skipped or failed). Never blocks
         for long: one status request to the persister at most."""
+        return self._done(0.0)
+
+    def _done(self, wait_secs: float) -> bool:
         try:
-            self._poll()
+            self._poll(wait_secs)
         except Exception as e:  # a dead persister ends the save too
             self.fail(e)
         return self._state != "pending"
@@ -165,15 +170,12 @@ class SaveHandle:
             self._owner.fence()
         limit = timeout if timeout is not None else self._owner.commit_timeout_secs + 30.0
         deadline = time.monotonic() + limit
-        delay = 0.002
-        while not self.done():
+        # each status request is held by the persister until the save ends (or _AWAIT_SECS): one request per
+        # wait, instead of every rank of the node polling every few milliseconds
+        while not self._done(min(self._AWAIT_SECS, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(f"step {self.step} was not committed within {limit:g} s; "
                                          f"{self._owner.context(self.step)}")
-            time.sleep(delay)
-            # at most 20 ms between two status requests: the commit is noticed soon after it ends (a 50 ms cap
-            # added 30-40 ms to the time to durable of a 2 s save here), at one small request per 20 ms
-            delay = min(delay * 2, self._POLL_SECS * 2)
         self._reported = True
         if self._error is not None:
             raise self._error

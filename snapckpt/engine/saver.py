@@ -119,10 +119,10 @@ class Saver:
         """The options' ``commit_timeout_secs``."""
         return self._options.commit_timeout_secs
 
-    def status(self, step: int, dirname: str) -> Dict[str, Any]:
-        """The persister's state of a save (:meth:`PersisterSession.status`); the remote tier's notes it
-        carries (uploads skipped or failed) become ``upload_skipped`` / ``upload_failed`` events."""
-        reply = self._session.status(step, dirname)
+    def status(self, step: int, dirname: str, wait_secs: float = 0.0) -> Dict[str, Any]:
+        """The persister's state of a save (:meth:`PersisterSession.status`, ``wait_secs`` as there); the remote
+        tier's notes it carries (uploads skipped or failed) become ``upload_skipped`` / ``upload_failed`` events."""
+        reply = self._session.status(step, dirname, wait_secs)
         notes = reply.get("remote") or []
         for n in notes[self._remote_seen:]:
             log.warning("rank %d: remote tier: %s of step %s: %s", self._rank, n.get("kind"), n.get("step"),

@@ -110,8 +110,13 @@ class PersisterSession:
             self.connect()
         return self.client.request(op, **fields)
 
-    def status(self, step: int, dirname: str) -> Dict[str, Any]:
-        """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ...}``)."""
+    def status(self, step: int, dirname: str, wait_secs: float = 0.0) -> Dict[str, Any]:
+        """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ...}``); with
+        ``wait_secs`` > 0, answered once the save is no longer pending or after ``wait_secs`` seconds (at most
+        half the request timeout), whichever comes first."""
+        if wait_secs > 0:
+            wait = min(wait_secs, self._options.request_timeout_secs / 2)
+            return self.request("await", step=step, dirname=dirname, wait_secs=float(wait))
         return self.request("status", step=step, dirname=dirname)
 
     def context(self, step: int) -> str:

@@ -112,6 +112,9 @@ class PersisterClient:
         self.sock: Optional[socket.socket] = None
         self.rfile = None
         self.persister_pid: Optional[int] = None
+        # requests sent whose reply was never read (a KeyboardInterrupt in the wait for it): the next request
+        # reads and drops those replies first, which the persister sends in order
+        self._unread = 0
         if len(self.sock_path.encode()) > 107:
             raise PersisterError(
                 f"runtime directory {runtime_dir!r} is too long for a unix socket path "
@@ -228,7 +231,14 @@ class PersisterClient:
             raise PersisterDiedError(f"not connected to the snapckpt persister (it died or was closed); {RESTART_HINT}")
         try:
             self.sock.sendall(P.encode({"op": op, **fields}))
-            line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
+            self._unread += 1
+            while True:
+                line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
+                if not line:
+                    break
+                self._unread -= 1
+                if not self._unread:
+                    break  # this request's reply; the lines before it answered interrupted requests
         except socket.timeout as e:
             self._abandon()
             raise PersisterTimeoutError(
@@ -278,3 +288,4 @@ class PersisterClient:
                 pass
         self.sock = None
         self.rfile = None
+        self._unread = 0

@@ -113,11 +113,15 @@ class CommitRequest:
 
 
 def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optional[Dict[str, str]] = None, *,
-                  in_dir: Optional[str] = None) -> Dict[int, Dict[str, Any]]:
+                  in_dir: Optional[str] = None, seen: Optional[Dict[str, Dict[str, Any]]] = None
+                  ) -> Dict[int, Dict[str, Any]]:
     """The part records of the partial directory (JSON markers, never unpickled). A marker that does not
     parse is skipped for this poll and described in ``unreadable`` (path -> why), which a timeout names.
     ``in_dir``: where the markers are instead (``<url>/<dirname>`` in remote-only mode, ``reader`` the
-    :class:`~snapckpt.storage.remote.RemoteStore`).
+    :class:`~snapckpt.storage.remote.RemoteStore`). ``seen``: the valid part markers of this save read by
+    an earlier call (marker name -> file records), filled here: a wait lists the directory at each wake,
+    and reads only the markers that are new (a part marker of a save is written once, by a rename), so
+    the markers of N ranks cost N reads in all, not one per rank per wake.
 
     Raises:
         CommitError: a failure marker (that rank's error), or a part marker listing a file outside the
@@ -130,6 +134,9 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
             continue
         kind, _, rest = name[:-5].partition("_")
         if kind not in ("part", "fail") or not rest.isdigit():
+            continue
+        if seen is not None and name in seen:
+            parts[int(rest)] = seen[name]
             continue
         path = os.path.join(side, name)
         try:
@@ -163,6 +170,8 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
                     and isinstance(frec.get(CHECKSUM), str)):
                 raise CommitError(f"step {req.step}: part marker {path} has a malformed record for {fname!r}")
         parts[rank] = files
+        if seen is not None:
+            seen[name] = files
     return parts
 
 
@@ -232,6 +241,7 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
     """
     deadline = time.monotonic() + req.timeout_secs
     unreadable: Dict[str, str] = {}
+    seen: Dict[str, Dict[str, Any]] = {}  # markers already read and valid (each is read once)
     next_read = time.monotonic()
     missing: List[int] = []
     while True:
@@ -240,7 +250,7 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
             req.wake.clear()  # before looking: a part ending from now on wakes the wait below
             next_read = time.monotonic() + poll_secs
             req.stats["listings"] += 1
-            parts = collect_parts(reader, req, unreadable, in_dir=in_dir)
+            parts = collect_parts(reader, req, unreadable, in_dir=in_dir, seen=seen)
             unexpected = sorted(r for r in parts if r >= req.world_size)
             if unexpected:
                 raise CommitError(f"step {req.step}: parts from ranks {unexpected} but the world size is "
@@ -355,6 +365,7 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
     seen_partial = False
     next_read = time.monotonic()
     parts: Dict[int, Dict[str, Any]] = {}
+    seen: Dict[str, Dict[str, Any]] = {}  # markers already read (collect_parts)
 
     def committed() -> Optional[Dict[str, Any]]:
         req.stats["listings"] += 1
@@ -374,14 +385,14 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
             raise_local_failure(req)
             if reader.isdir(req.partial_dir):
                 seen_partial = True
-                parts = collect_parts(reader, req)  # raises on a failure marker
+                parts = collect_parts(reader, req, seen=seen)  # raises on a failure marker
             elif seen_partial:
                 m = committed()  # the rename may have happened between the two checks
                 if m is not None:
                     return m
                 raise CommitError(f"step {req.step}: the committer aborted the commit (see rank 0's error)")
             else:
-                parts = {}
+                parts, seen = {}, {}
         else:
             raise_local_failure(req)
         if req.peer_check is not None:  # the committer (rank 0's persister) must live to finish it, too

@@ -42,6 +42,8 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "fail": {"step": _INT, "dirname": _STR, "type": _STR, "message": _STR},
     "persist": {"step": _INT},
     "status": {"step": _INT, "dirname": _STR},
+    # status, answered once the save is no longer pending or after wait_secs (seconds), whichever comes first
+    "await": {"step": _INT, "dirname": _STR, "wait_secs": _FLOAT},
     "held": {},
     # the peer channel (persister/channel.py): listen for peers, take the run's secret, its replica target
     # nodes (persister/replication.py; [] without replicas) and every node's address, this node's index and

@@ -104,6 +104,9 @@ class Scheduler:
         # deletions of failed partial directories, one at a time (not on commit_pool: commits wait for them)
         self.remove_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-remove")
         self.notices: Optional[CommitNotices] = None  # set by the server (the peer channel's notices)
+        # called (any thread, without the lock) when a save ended or a rank's part failed: the server answers
+        # the ranks' held await requests (server.py)
+        self.on_change: Callable[[], None] = lambda: None
 
     def shutdown(self) -> None:
         """Wait for every writer, commit and upload task (at exit)."""
@@ -381,6 +384,8 @@ class Scheduler:
                     self._remove_failed_partial(run, res, key)
                 self.pending -= 1
                 self.release_if_over(run)
+            if exc is not None:
+                self.on_change()
 
     def _commit_task(self, req: CommitRequest, run: Run) -> None:
         if not run.remote_only:
@@ -416,6 +421,7 @@ class Scheduler:
             if run.committer and self.notices is not None:
                 self.notices.commit_ended(req.run_id, req.step, req.dirname, state)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
+        self.on_change()
         if run.multi_node:  # what the commit path cost: read by tests/test_multinode.py (no fast polling)
             log.info("step %d: commit %s after %.3f s (%s): %d filesystem checks, %d wakes, %d peer notices",
                      req.step, state, time.monotonic() - t0, "committer, checks: listings of the partial "

@@ -66,6 +66,8 @@ log = logging.getLogger("snapckpt.persister")
 __all__ = ["Server", "main", "HELLO_TIMEOUT_SECS"]
 
 HELLO_TIMEOUT_SECS = 10.0  # a connection that has not authenticated by then is dropped
+MAX_AWAIT_SECS = 30.0  # the longest an ``await`` request is held before its answer (seconds)
+_NOT_ENDED = ("pending", "held")  # status states an await is held in
 
 
 class _WarningSeen(logging.Handler):
@@ -125,6 +127,13 @@ class Server:
         self.leases: Dict[str, Run] = {}  # run id -> run whose node lease this persister refreshes
         self.lease_seq = 0
         self.lease_stop = threading.Event()
+        # await requests held until their save ends: connection -> (rank, request, monotonic deadline); the
+        # commit tasks wake the loop through a socket pair (Scheduler.on_change), so no rank polls status
+        self.waiters: Dict[socket.socket, Tuple[int, Dict[str, Any], float]] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.scheduler.on_change = self._poke
 
     # ----------------------------------------------------------------------------------- lifecycle
     def serve(self) -> None:
@@ -132,16 +141,23 @@ class Server:
         write_token(self.runtime_dir, self.token)
         listener = listen(self.sock_path)
         self.sel.register(listener, selectors.EVENT_READ, None)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         log.info("persister pid %d serving job %s at %s", os.getpid(), self.job, self.sock_path)
         beat = threading.Thread(target=self._beat, name="snapckpt-lease", daemon=True)
         beat.start()
         try:
             while not self.stop:
-                for key, _ in self.sel.select(timeout=0.2):
+                woken = False
+                for key, _ in self.sel.select(timeout=self._select_timeout()):
                     if key.data is None:
                         self._accept(listener)
+                    elif key.data == "wake":
+                        self._drain_wakes()
+                        woken = True
                     else:
                         self._readable(key.fileobj)
+                if self.waiters and (woken or self._select_timeout() == 0.0):  # a save ended, or a wait is over
+                    self._answer_waiters()
                 self._drop_silent_connections()
                 self._reap_abandoned()
                 if self._should_exit(listener):
@@ -162,6 +178,8 @@ class Server:
                 except OSError:
                     pass
             self._remove_files()
+            for s in (self._wake_r, self._wake_w):
+                s.close()
             log.info("persister pid %d exiting", os.getpid())
 
     # ------------------------------------------------------------------------ liveness (peers.py)
@@ -277,6 +295,48 @@ class Server:
                             "persister_idle_timeout_secs (now %g s) if restarts take longer", run.run_id, steps,
                             run.checkpoint_dir, self.idle_timeout_secs)
 
+    # ------------------------------------------------------------------------------ await (status)
+    def _poke(self) -> None:
+        """Wake the loop to answer the held ``await`` requests (any thread; never blocks)."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # the pair is full (the loop is already woken) or closed (exiting)
+            pass
+
+    def _drain_wakes(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:  # BlockingIOError: drained
+            pass
+
+    def _select_timeout(self) -> float:
+        """The socket loop's wait: 0.2 s, or less until the first held ``await`` is due."""
+        if not self.waiters:
+            return 0.2
+        due = min(deadline for _, _, deadline in self.waiters.values())
+        return min(0.2, max(0.0, due - time.monotonic()))
+
+    def _answer_waiters(self, only: Optional[socket.socket] = None) -> None:
+        """Answer the held ``await`` requests whose save is no longer pending or whose wait is over (``only``:
+        that connection's, whatever its state: it sent another request)."""
+        now = time.monotonic()
+        out = []
+        with self.lock:
+            for conn, (rank, msg, deadline) in list(self.waiters.items()):
+                if only is not None and conn is not only:
+                    continue
+                entry = self.slots.ranks.get(rank)
+                try:
+                    reply = self._op_status(entry, msg) if entry is not None else P.ok(state="unknown")
+                except Exception as e:
+                    reply = P.fail(e)
+                if only is not None or reply.get("state") not in _NOT_ENDED or now >= deadline:
+                    del self.waiters[conn]
+                    out.append((conn, reply))
+        for conn, reply in out:
+            self._send(conn, reply)
+
     # --------------------------------------------------------------------------------- connections
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -358,6 +418,8 @@ class Server:
         of a connection that has not said a valid ``hello`` yet: an intruder gets one error, not a stream
         of them that it might never read), or ``"abandoned"`` when ``abandon`` already closed it."""
         rank = self.conn_rank.get(conn)
+        if conn in self.waiters:  # a new request: its held await is answered first (replies stay in order)
+            self._answer_waiters(only=conn)
         try:
             msg = P.decode(line)
             op = P.validate_request(msg)
@@ -386,6 +448,9 @@ class Server:
             handler = getattr(self, f"_op_{op}")
             with self.lock:
                 reply = handler(conn, rank, msg) if op == "hello" else handler(self.slots.ranks[rank], msg)
+            if reply is None:  # an await held until its save ends (answered by _answer_waiters)
+                self.waiters[conn] = (rank, msg, time.monotonic() + min(msg["wait_secs"], MAX_AWAIT_SECS))
+                return False
         except Exception as e:  # every error goes back to the client, the loop goes on
             if not isinstance(e, (P.ProtocolError, PersisterError, SlotBusyError, CheckpointDirInUseError, OSError,
                                   ValueError)):
@@ -408,6 +473,7 @@ class Server:
         except (KeyError, ValueError):
             pass
         conn.close()
+        self.waiters.pop(conn, None)
         with self.lock:
             self.buffers.pop(conn, None)
             pid = self.conn_pid.pop(conn, None)
@@ -631,6 +697,12 @@ class Server:
             return P.ok(state="failed", error=res.part_errors[entry.rank], where="part")
         return P.ok(state=res.state, error=res.error, where="commit",
                     remote=self.scheduler.uploader.notes_for(entry.run_id))
+
+    def _op_await(self, entry: RankEntry, msg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """``status``, held (``None``: no reply yet) while the save is pending and ``wait_secs`` is positive:
+        a rank waiting for its commit sends one request and is answered when the commit ends."""
+        reply = self._op_status(entry, msg)
+        return None if reply.get("state") in _NOT_ENDED and msg["wait_secs"] > 0 else reply
 
     def _op_held(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         # interrupted: slots whose copy never completed (the writer died or gave up): never loaded, but the
