@@ -650,6 +650,7 @@ def test_B4_failed_partial_is_deleted_off_the_lock_and_a_resave_waits_for_it(sna
     finally:
         open(release, "w").close()
         ck.close()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=30)  # a new job, not the exiting persister
     with Checkpointer(d, **OPTS) as ck:  # from disk, in a new job
         out = ck.load(step=2)
         assert ck.last_load.tier == StorageType.DISK and out["step"] == 2 and torch.equal(out["w"], again["w"])

@@ -27,7 +27,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
     gen = torch.Generator().manual_seed(42)
     loader_state = {"epoch_gen": gen.get_state(), "consumed": 0}
-    ck = Checkpointer(ckpt_dir, persister_idle_timeout_secs=20, weights_only=True)
+    ck = Checkpointer(ckpt_dir, persister_idle_timeout_secs=120, weights_only=True)
     step = 0
     if ck.latest_step() is not None:
         s = ck.load()
