@@ -414,6 +414,7 @@ class Server:
             self.conn_since.pop(conn, None)
             rank = self.conn_rank.pop(conn, None)
             if rank is not None:
+                self.slots.holds.set(rank, False)
                 entry = self.slots.ranks[rank]
                 entry.conn = None
                 run = self.slots.runs.get(entry.run_id)
@@ -558,6 +559,10 @@ class Server:
     def _op_reserve(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         grown = self.slots.reserve(entry, msg["nbytes"], msg["slots"])
         return P.ok(slots=[{"slot": s.index, "path": s.path, "nbytes": msg["nbytes"]} for s in grown])
+
+    def _op_reserve_hold(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        self.slots.holds.set(entry.rank, msg["hold"])
+        return P.ok()
 
     def _op_ready(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         slot = self.slots.ready(entry, msg["slot"], msg["step"], index_offset=msg["index_offset"],
