@@ -127,11 +127,18 @@ class Server:
         self.lease_stop = threading.Event()
 
     # ----------------------------------------------------------------------------------- lifecycle
-    def serve(self) -> None:
-        """Bind, serve until the job is over, clean up."""
+    def serve(self, ready_fd: Optional[int] = None) -> None:
+        """Bind, serve until the job is over, clean up. ``ready_fd``: a pipe's write end, written to and closed
+        once the socket listens (the client that started this process waits on it instead of polling)."""
         write_token(self.runtime_dir, self.token)
         listener = listen(self.sock_path)
         self.sel.register(listener, selectors.EVENT_READ, None)
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, b"1")
+                os.close(ready_fd)
+            except OSError:  # the client is gone or stopped waiting: it connects through the socket anyway
+                pass
         log.info("persister pid %d serving job %s at %s", os.getpid(), self.job, self.sock_path)
         beat = threading.Thread(target=self._beat, name="snapckpt-lease", daemon=True)
         beat.start()
@@ -655,6 +662,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--arena-dir", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--idle-timeout-secs", type=float, required=True)
+    p.add_argument("--ready-fd", type=int, default=None, help="pipe written to once the socket listens")
     a = p.parse_args(argv)
     logging.basicConfig(level=_env.log_level(),
                         format="%(asctime)s snapckpt-persister[%(process)d] %(levelname)s %(message)s")
@@ -671,5 +679,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    server.serve()
+    server.serve(a.ready_fd)
     return 0
