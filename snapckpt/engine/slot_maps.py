@@ -121,6 +121,8 @@ class SlotMaps:
         """
         m = self.maps.get(slot)
         pending = self._pending.pop(slot, None)
+        if pending is not None:
+            self._go.set()  # wanted now (a load's fn may save): paused prefaults go on, this one in their queue
         pre = pending.take(wanted=(pending.path, pending.nbytes) == (path, nbytes)) if pending else None
         if pre is not None or m is None or not m.fits(path, nbytes):
             if m is not None:
@@ -146,7 +148,8 @@ class SlotMaps:
     def pause(self, paused: bool) -> None:
         """Hold back (``True``) or resume the background prefaults: a load that reads a checkpoint holds them,
         so that mapping fresh shared memory does not compete with its read for the CPUs; the wait for the
-        persister's growth does not count towards ``wait_timeout_secs`` meanwhile."""
+        persister's growth does not count towards ``wait_timeout_secs`` meanwhile. :meth:`get` of a slot
+        being prefaulted resumes them."""
         if paused:
             self._go.clear()
         else:

@@ -27,7 +27,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import validate_dirname
@@ -114,13 +114,16 @@ class ReserveHolds:
     made ahead of a first save (:meth:`SlotTable.reserve`) wait between pieces, so that a restart's load does
     not share the node's CPUs and memory bandwidth with zeroing shared memory (issue 18: a 1 GiB disk restore
     read 1.5-2x slower beside it). Node-wide, since any rank's read competes with any reservation. A rank's
-    hold ends with its connection; a wait ends after :attr:`MAX_WAIT_SECS` whatever holds it."""
+    hold ends with its connection; a wait ends after :attr:`MAX_WAIT_SECS` whatever holds it, and for good
+    once :meth:`hurry` is called after it began (a save needs its slot now: a load's ``fn`` may save)."""
 
     MAX_WAIT_SECS = 300.0
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._holders: Set[int] = set()
+        self._issued = 0  # growths that may pause (tokens handed out by pauser)
+        self._hurried = 0  # growths up to this token no longer pause
 
     def set(self, rank: int, hold: bool) -> None:
         """Start (``hold``) or end the hold of global ``rank``."""
@@ -137,10 +140,24 @@ class ReserveHolds:
             self._holders.clear()
             self._cond.notify_all()
 
-    def wait(self) -> None:
-        """Return once no rank holds (or after :attr:`MAX_WAIT_SECS`)."""
+    def pauser(self) -> Callable[[], None]:
+        """The ``pause`` of one growth (:meth:`~snapckpt.persister.arena.SlotFiles.ensure_size`): it returns once
+        no rank holds, or at once after :meth:`hurry` (or after :attr:`MAX_WAIT_SECS`)."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._holders, timeout=self.MAX_WAIT_SECS)
+            self._issued += 1
+            token = self._issued
+
+        def pause() -> None:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._holders or token <= self._hurried, timeout=self.MAX_WAIT_SECS)
+        return pause
+
+    def hurry(self) -> None:
+        """Let every growth that may pause so far run to its end without pausing (an ``acquire`` waits for
+        one; the grow thread takes them in order, so all of them)."""
+        with self._cond:
+            self._hurried = self._issued
+            self._cond.notify_all()
 
 
 class SlotTable:
@@ -321,7 +338,7 @@ class SlotTable:
         for s in self.usable(entry, limit):
             if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
                 s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes,
-                                                  pause=self.holds.wait)
+                                                  pause=self.holds.pauser())
                 out.append(s)
         return out
 
@@ -331,6 +348,8 @@ class SlotTable:
         raises with the rank's full capacity need."""
         if slot.growing is None:
             return
+        if not slot.growing.done():
+            self.holds.hurry()  # a reservation paused by a load (whose fn may save) must not hold this save
         try:
             slot.nbytes = max(slot.nbytes, slot.growing.result())
         except Exception as e:

@@ -4,6 +4,7 @@ it; slots beyond a budget's count are emptied. Real slot files (``posix_fallocat
 directory; no persister process."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import threading
 import time
@@ -50,8 +51,8 @@ def test_one_slot_is_reused_but_never_while_persisted_or_pinned(table):
 
 def test_a_reservation_waits_while_a_rank_reads_a_checkpoint(table, monkeypatch):
     """Issue 18: a restart's reservation ahead of its first save (SlotTable.reserve) pauses between pieces
-    while a rank holds it (its load reads), and completes once the hold ends; acquire's own growth never
-    waits for a hold."""
+    while a rank holds it (its load reads), and completes once the hold ends; a save's acquire never waits
+    for a hold (a load's fn may save): the paused growth of its slot goes on at once."""
     import snapckpt.persister.arena as arena
 
     monkeypatch.setattr(arena, "GROW_CHUNK", 64 * KiB)
@@ -67,10 +68,17 @@ def test_a_reservation_waits_while_a_rank_reads_a_checkpoint(table, monkeypatch)
     table.holds.set(0, False)
     assert [s.growing.result(timeout=30) for s in grown] == [4 * 64 * KiB] * 2
     assert [size(p) for p in paths] == [4 * 64 * KiB] * 2
-    table.holds.set(0, True)  # a save's acquire grows its slot at once, whatever holds
-    s = table.acquire(entry, 1, 8 * 64 * KiB)
+    for slot in grown:
+        table._grown(slot)  # take the sizes, as the next acquire would
+    table.holds.set(0, True)  # a save's acquire during a hold: the paused growth of its slot goes on
+    assert len(table.reserve(entry, 8 * 64 * KiB)) == 2
+    ex = cf.ThreadPoolExecutor(1)
+    try:
+        s = ex.submit(table.acquire, entry, 1, 8 * 64 * KiB).result(timeout=30)
+    finally:
+        table.holds.set(0, False)  # a hung acquire ends (the test fails on the timeout, not after 300 s)
+        ex.shutdown(wait=True)
     assert s.nbytes == 8 * 64 * KiB and size(table.arena.path(0, s.index)) == 8 * 64 * KiB
-    table.holds.set(0, False)
 
 
 def test_two_slots_keep_the_newest_snapshot(table):
