@@ -89,7 +89,8 @@ class CheckpointOptions:
             ``None`` (default): the size of this rank's files in the newest checkpoint named by
             ``checkpoint_dir/latest`` (a restart), else nothing is reserved before the first save. ``0``:
             never reserve ahead. A wrong guess costs nothing but the reservation: a larger state regrows
-            the slot at the save, as without it.
+            the slot at the save, as without it. A load pauses the reservation while it reads (it goes
+            on afterwards), so that a restart's read does not share the CPUs with it.
     """
 
     keep_last: Optional[int] = None

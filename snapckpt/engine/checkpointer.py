@@ -131,6 +131,7 @@ class Checkpointer:
                               self._maps, self._session, dir_id, remote, remote_only=self.remote_only,
                               emit=self._emit)
         self._session.connect()
+        self._reserving = False  # a reservation ahead of the first save may still run: loads hold it back
         self._reserve_ahead()
         self._coord.all_gather("connected", {"ok": True}, t)
         # the peer-memory tier (several nodes, replicas >= 1): the persisters' addresses and the run's secret
@@ -151,7 +152,7 @@ class Checkpointer:
             except InsufficientSharedMemoryError as e:
                 log.warning("rank %d: for the expected snapshot size: %s", self.rank, e)
                 return
-            self._session.reserve(want, limit)
+            self._reserving = self._session.reserve(want, limit)
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every
@@ -342,6 +343,7 @@ class Checkpointer:
             check_weights_only: warn once per new plan when :meth:`load` (``weights_only=True``) would
                 refuse the state (:meth:`save` sets it; integrations have their own loaders).
         """
+        self._reserving = False  # the save's own acquire waits for what the reservation grew
         return self._saver.save_files(files, step, storage_type, dirname=dirname, tracker_name=tracker_name,
                                       tracker_content=tracker_content, check_weights_only=check_weights_only)
 
@@ -410,7 +412,14 @@ class Checkpointer:
         if step is not None:
             check_step(step)
         self.wait()
-        return self._loader.load_with(fn, step, dirname=dirname, check=check)
+        if not self._reserving:
+            return self._loader.load_with(fn, step, dirname=dirname, check=check)
+        # A restart reserves the arena for its first save at construction; its load reads first (issue 18).
+        self._session.hold_reserve(True)
+        try:
+            return self._loader.load_with(fn, step, dirname=dirname, check=check)
+        finally:
+            self._session.hold_reserve(False)
 
     def load(self, state_dict: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> Dict[str, Any]:
         """Restore the newest step complete on every rank (or ``step``); collective.

@@ -12,7 +12,8 @@ once:
    a record that exactly one contiguous live tensor of the same dtype takes whole is read with ``preadv``
    straight into that tensor's memory ("direct"); every other byte (the zip headers, small records,
    records that need a cast or feed several tensors) is read into a bounce buffer;
-3. the file is read in order in 64 MiB pieces by one reader thread (with ``POSIX_FADV_SEQUENTIAL``), while
+3. the file is read in order in 64 MiB pieces by one reader thread (``POSIX_FADV_SEQUENTIAL``, and
+   ``POSIX_FADV_WILLNEED`` for a window of 128 MiB ahead of each piece), while
    one more thread folds each piece into the checksum as soon as it is read (XXH3-64 releases the GIL), so
    the hash costs no second pass;
 4. when the checksum matches, the remaining tensors are copied from the memory map (whose pages the pass
@@ -42,10 +43,15 @@ __all__ = ["read_into", "DIRECT_MIN_NBYTES"]
 
 CHUNK = 64 << 20  # bytes per read: large enough to keep the disk busy, small enough to hash while reading
 READERS = 1  # threads reading pieces of the direct records: one sequential reader keeps the readahead going;
-#              more readers (and WILLNEED) measured 1.3-1.5x slower on 2 cores, 0.5 GiB (issue 18)
+#              more readers (and WILLNEED of the whole file) measured 1.3-1.5x slower on 2 cores, 0.5 GiB
 BOUNCE = 8 << 20  # bytes of each of the two bounce buffers (zip headers and small records only: kept small,
 #                  since fresh memory costs a page fault per 4 KiB)
 DIRECT_MIN_NBYTES = 1 << 20  # smaller records go through the bounce buffer (a direct read saves little)
+AHEAD = 128 << 20  # bytes past each piece asked for with POSIX_FADV_WILLNEED before it is read: the disk
+#                   reads ahead at its own queue depth while the piece is copied (cold 0.5 GiB, loaded 2-core VM:
+#                   0.27-0.50 s against 0.73-1.22 s with SEQUENTIAL alone and 0.61-0.64 s with WILLNEED of
+#                   the whole file, which would also fill the page cache with a file larger than memory;
+#                   O_DIRECT through aligned bounce buffers 0.73-0.97 s: issue 18)
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (30 bytes)
 
 
@@ -168,8 +174,8 @@ def read_into(path: str, nbytes: int, record: Dict[str, Any], dst: Any, *, weigh
 def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dict[int, Tuple[str, torch.Tensor]],
             hasher) -> None:
     """Read ``[0, size)`` of ``fd``: direct records into their tensors, in ``CHUNK`` pieces on ``READERS`` threads
-    (one, in file order: the kernel's sequential readahead beats several readers and ``WILLNEED`` on a cold
-    cache, as the cold-read floor variants of ``benchmarks/recovery.py`` show), the rest into bounce buffers
+    (one, in file order, each piece with ``WILLNEED`` for it and the next :data:`AHEAD` bytes: a bounded window
+    of readahead that keeps the disk busy while the piece is copied), the rest into bounce buffers
     (through the page cache, where the memory map finds them afterwards); fold every piece into ``hasher`` on
     one more thread, in file order, as soon as it has been read."""
     try:
@@ -178,6 +184,10 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
         pass
 
     def read_exact(view: memoryview, off: int) -> None:
+        try:
+            os.posix_fadvise(fd, off, len(view) + AHEAD, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], off + got)

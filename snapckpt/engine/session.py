@@ -84,18 +84,34 @@ class PersisterSession:
             "flush_on_crash": o.flush_on_crash,
             "fsync": o.fsync, "dir_id": self._dir_id, "remote_dir": o.resolved_remote_dir or ""})
 
-    def reserve(self, nbytes: int, slots: int = 0) -> None:
+    def reserve(self, nbytes: int, slots: int = 0) -> bool:
         """Before the first save: have the persister grow this rank's free slots (the first ``slots`` it may
-        use; 0: all) to ``nbytes`` bytes and map them here, both on background threads. Best effort: a failure
-        (too little shared memory) is left for the first save's own ``acquire`` to raise, with its full
-        message."""
+        use; 0: all) to ``nbytes`` bytes and map them here, both on background threads; return whether any
+        slot is being grown. Best effort: a failure (too little shared memory) is left for the first save's
+        own ``acquire`` to raise, with its full message."""
         try:
             reply = self.request("reserve", nbytes=nbytes, slots=slots)
         except SnapckptError as e:
             log.info("rank %d: reserving the arena ahead of the first save failed: %s", self._topology.rank, e)
-            return
+            return False
         for s in reply.get("slots", []):
             self._maps.prefault(s["slot"], s["path"], s["nbytes"])
+        return bool(reply.get("slots"))
+
+    def hold_reserve(self, hold: bool) -> None:
+        """Hold back (``hold``) or resume the reservation of :meth:`reserve`, here (the prefaults) and in the
+        persister (the growth), while this rank reads a checkpoint. Best effort: a failure is logged (a
+        persister that died has no reservation left to hold)."""
+        if hold:
+            self._maps.pause(True)
+        try:
+            self.request("reserve_hold", hold=hold)
+        except SnapckptError as e:
+            log.info("rank %d: %s the arena reservation failed: %s", self._topology.rank,
+                     "holding" if hold else "resuming", e)
+        finally:
+            if not hold:
+                self._maps.pause(False)
 
     def request(self, op: str, **fields: Any) -> Dict[str, Any]:
         """Send one request (reconnecting first if the persister went away); return its reply.

@@ -27,7 +27,7 @@ from snapckpt.errors import SnapckptError
 __all__ = ["MappedSlot", "SlotMaps"]
 
 _PAGE = mmap.PAGESIZE
-_PREFAULT_CHUNK = 64 << 20  # bytes prefaulted between two looks at the stop flag
+_PREFAULT_CHUNK = 64 << 20  # bytes prefaulted between two looks at the stop flag and at a pause (SlotMaps.pause)
 
 # Set at interpreter exit before concurrent.futures joins its worker threads (threading's exit hooks run
 # last registered first), so a pending prefault ends then instead of holding the exit until its timeout:
@@ -117,6 +117,8 @@ class SlotMaps:
         self._pending: Dict[int, _Pending] = {}
         self._thread: Optional[cf.ThreadPoolExecutor] = None  # started on first use
         self._limit = 0  # the slot limit of the last acquire (see set_limit)
+        self._go = threading.Event()  # cleared while a load reads (see pause): prefaults wait
+        self._go.set()
 
     def get(self, slot: int, path: str, nbytes: int, usable: Optional[List[int]] = None,
             wait_prefault: bool = True) -> MappedSlot:
@@ -130,6 +132,8 @@ class SlotMaps:
         """
         m = self.maps.get(slot)
         pending = self._pending.pop(slot, None)
+        if pending is not None:
+            self._go.set()  # wanted now (a load's fn may save): paused prefaults go on, this one in their queue
         pre = pending.take(wanted=(pending.path, pending.nbytes) == (path, nbytes),
                            wait=wait_prefault) if pending else None
         if pre is not None or m is None or not m.fits(path, nbytes):
@@ -153,6 +157,16 @@ class SlotMaps:
         for p in pending:
             p.take(wanted=False)
 
+    def pause(self, paused: bool) -> None:
+        """Hold back (``True``) or resume the background prefaults: a load that reads a checkpoint holds them,
+        so that mapping fresh shared memory does not compete with its read for the CPUs; the wait for the
+        persister's growth does not count towards ``wait_timeout_secs`` meanwhile. :meth:`get` of a slot
+        being prefaulted resumes them."""
+        if paused:
+            self._go.clear()
+        else:
+            self._go.set()
+
     def prefault(self, slot: int, path: str, nbytes: int) -> None:
         """Map ``slot`` (file ``path``) at ``nbytes`` bytes on the background thread, once the persister has
         grown it that far (a reservation made before the first save); :meth:`get` then finds it mapped."""
@@ -162,7 +176,7 @@ class SlotMaps:
         if self._thread is None:
             self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
         stop = threading.Event()
-        fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop)
+        fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go)
         self._pending[slot] = _Pending(fut, stop, path, nbytes)
 
     def _prefault_others(self, slot: int, arena_dir: str, nbytes: int, usable: Optional[List[int]]) -> None:
@@ -174,7 +188,7 @@ class SlotMaps:
                 self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
             path = os.path.join(arena_dir, slot_file_name(self.rank, other))
             stop = threading.Event()
-            fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop)
+            fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go)
             self._pending[other] = _Pending(fut, stop, path, nbytes)
 
     def drop(self) -> None:
@@ -203,14 +217,21 @@ def _close_result(future: cf.Future) -> None:
         m.close()
 
 
-def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event) -> Optional[MappedSlot]:
+def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event,
+              go: threading.Event) -> Optional[MappedSlot]:
     """Map slot file ``path`` once the persister has grown it to ``nbytes`` and read one byte of every
-    page; ``None`` when it did not grow within ``timeout_secs``, ``stop`` was set, the interpreter is
-    exiting (:data:`_EXITING`: no save will use it, and the exit joins this thread), or it could not be
-    mapped (the save that needs it maps it itself)."""
+    page; ``None`` when it did not grow within ``timeout_secs`` (not counting time paused: ``go`` clear),
+    ``stop`` was set, the interpreter is exiting (:data:`_EXITING`: no save will use it, and the exit joins
+    this thread), or it could not be mapped (the save that needs it maps it itself)."""
     deadline = time.monotonic() + timeout_secs
     delay = 0.005
     while True:
+        if not go.is_set():
+            t0 = time.monotonic()
+            if not _wait_go(go, stop):
+                return None
+            deadline += time.monotonic() - t0
+            delay = 0.005
         try:
             if os.stat(path).st_size >= nbytes:
                 break
@@ -224,8 +245,18 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
     except (OSError, SnapckptError):
         return None
     for lo in range(0, nbytes, _PREFAULT_CHUNK):  # a read fault per page maps it; no write, no change to the data
-        if stop.is_set():  # the save that needs this slot stopped waiting: it takes the faults left itself
+        # stop: the save that needs this slot stopped waiting and takes the faults left itself; go clear: a load
+        # reads, wait for it
+        if stop.is_set() or (not go.is_set() and not _wait_go(go, stop)):
             m.close()
             return None
         m.tensor[lo:lo + _PREFAULT_CHUNK:_PAGE].sum()
     return m
+
+
+def _wait_go(go: threading.Event, stop: threading.Event) -> bool:
+    """Wait until ``go`` is set; ``False`` when ``stop`` is set or the interpreter exits meanwhile."""
+    while not go.wait(0.1):
+        if stop.is_set() or _EXITING.is_set():
+            return False
+    return not stop.is_set()

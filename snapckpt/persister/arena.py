@@ -22,7 +22,7 @@ import mmap
 import os
 import re
 import struct
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import InsufficientSharedMemoryError, PreflightError, SnapshotError
@@ -34,6 +34,7 @@ __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read
 MAGIC = b"SNAPCKPT"
 LAYOUT_VERSION = 1
 HEADER_NBYTES = 64
+GROW_CHUNK = 64 << 20  # bytes reserved per posix_fallocate by a growth that may pause (SlotFiles.ensure_size)
 _HEADER = struct.Struct("<8sIqQQ")  # magic, version, step, index offset, index length
 # SlotFiles.path's names, and the peer replicas' (persister/replication.py: one per peer rank, and the
 # one being received)
@@ -103,8 +104,13 @@ class SlotFiles:
         return os.path.join(self.directory, slot_file_name(rank, slot))
 
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
-                    reserve_nbytes: int = 0, *, slots: int = 1, held_nbytes: int = 0) -> int:
+                    reserve_nbytes: int = 0, *, slots: int = 1, held_nbytes: int = 0,
+                    pause: Optional[Callable[[], None]] = None) -> int:
         """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
+
+        ``pause``: called before each :data:`GROW_CHUNK` bytes are reserved (a background reservation waits
+        there while a rank reads a checkpoint: :class:`ReserveHolds`); the file reaches ``nbytes`` with the
+        last piece.
 
         ``reserve_nbytes`` is what the rank's other slots still need to reach ``nbytes``: the capacity
         check counts it too, so an arena that cannot hold every slot fails at the first snapshot, not at
@@ -139,7 +145,12 @@ class SlotFiles:
         try:
             os.fchmod(fd, 0o600)
             try:
-                os.posix_fallocate(fd, 0, nbytes)
+                if pause is None:
+                    os.posix_fallocate(fd, 0, nbytes)
+                else:
+                    for lo in range(current_nbytes, nbytes, GROW_CHUNK):
+                        pause()
+                        os.posix_fallocate(fd, lo, min(GROW_CHUNK, nbytes - lo))
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     os.ftruncate(fd, current_nbytes)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import select
 import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import PersisterDiedError, PersisterError, PersisterTimeoutError
@@ -140,22 +141,29 @@ class PersisterClient:
             s.close()
             return None
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self) -> Tuple[subprocess.Popen, int]:
+        """Start the persister; return it and the read end of the pipe it writes to once it listens."""
         import snapckpt
 
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(snapckpt.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
         log = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        ready_r, ready_w = os.pipe()
         try:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "snapckpt.persister", "--runtime-dir", self.runtime_dir,
                  "--arena-dir", self.arena_dir, "--job", self.job,
-                 "--idle-timeout-secs", str(self.idle_timeout_secs)],
+                 "--idle-timeout-secs", str(self.idle_timeout_secs), "--ready-fd", str(ready_w)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
-                close_fds=True)
+                close_fds=True, pass_fds=(ready_w,))
+        except BaseException:
+            os.close(ready_r)
+            raise
         finally:
             log.close()
+            os.close(ready_w)
+        return proc, ready_r
 
     def _log_tail(self) -> str:
         try:
@@ -189,24 +197,35 @@ class PersisterClient:
         self.close()
         lock_fd = lock_file(os.path.join(self.runtime_dir, "spawn.lock"), deadline,
                             "another process of this job")
+        ready = -1  # the read end of the started persister's readiness pipe
         try:
             sock = self._try_connect()
             proc = None
             while sock is None:
                 if proc is None:
-                    proc = self._spawn()
+                    proc, ready = self._spawn()
                 elif proc.poll() is not None and proc.returncode != 0:
                     raise PersisterError(f"the snapckpt persister exited with code {proc.returncode} at "
                                          f"startup; its log ({self.log_path}) ends with:\n{self._log_tail()}")
-                if time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if left < 0:
                     raise PersisterTimeoutError(
                         f"the snapckpt persister did not start listening on {self.sock_path} within "
                         f"{self.startup_timeout_secs:g} s; raise persister_startup_timeout_secs or see "
                         f"{self.log_path}")
-                time.sleep(0.02)
+                if ready >= 0:
+                    # woken by its "listening" byte, or by end of file when it exits; bounded slices so
+                    # that an exit is seen (a grandchild could keep the pipe open)
+                    if select.select([ready], [], [], min(left, 0.2))[0]:
+                        os.close(ready)
+                        ready = -1
+                else:  # listening already said, or exited: poll (rare)
+                    time.sleep(0.02)
                 sock = self._try_connect()
         finally:
             os.close(lock_fd)
+            if ready >= 0:
+                os.close(ready)
         self.sock = sock
         self.sock.settimeout(self.request_timeout_secs)
         self.rfile = sock.makefile("rb")

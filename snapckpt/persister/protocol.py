@@ -35,6 +35,8 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     # slots: how many of its slots the rank may use (0: all), from its host-memory budget (persister/budget.py)
     "acquire": {"step": _INT, "nbytes": _INT, "slots": _INT},
     "reserve": {"nbytes": _INT, "slots": _INT},
+    # hold: the rank starts (True) or ends reading a checkpoint; reservations wait meanwhile (slots.ReserveHolds)
+    "reserve_hold": {"hold": _BOOL},
     "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
               "persistable": _BOOL, "persist": _BOOL,
               "tracker_name": _STR, "tracker_content": _STR},

@@ -27,13 +27,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CommitError, SnapckptError
 from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, ChecksumWriter, build_manifest, part_marker_name, \
     validate_file_name
-from snapckpt.storage.remote import RemoteStore, is_remote_url
+from snapckpt.storage.urls import is_remote_url
+
+if TYPE_CHECKING:  # imported where a store is made: a persister of a local directory never needs it
+    from snapckpt.storage.remote import RemoteStore
 
 __all__ = ["store_for", "write_part_remote", "commit_remote", "clean_start", "newest_committed_step",
            "POLL_SECS", "is_remote_url"]
@@ -58,6 +61,8 @@ def store_for(url: str) -> RemoteStore:
     with _stores_lock:
         store = _stores.get(url)
         if store is None:
+            from snapckpt.storage.remote import RemoteStore
+
             store = _stores[url] = RemoteStore(url, role="checkpoint_dir")
         return store
 

@@ -136,12 +136,19 @@ class Server:
         self.scheduler.on_change = self._poke
 
     # ----------------------------------------------------------------------------------- lifecycle
-    def serve(self) -> None:
-        """Bind, serve until the job is over, clean up."""
+    def serve(self, ready_fd: Optional[int] = None) -> None:
+        """Bind, serve until the job is over, clean up. ``ready_fd``: a pipe's write end, written to and closed
+        once the socket listens (the client that started this process waits on it instead of polling)."""
         write_token(self.runtime_dir, self.token)
         listener = listen(self.sock_path)
         self.sel.register(listener, selectors.EVENT_READ, None)
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, b"1")
+                os.close(ready_fd)
+            except OSError:  # the client is gone or stopped waiting: it connects through the socket anyway
+                pass
         log.info("persister pid %d serving job %s at %s", os.getpid(), self.job, self.sock_path)
         beat = threading.Thread(target=self._beat, name="snapckpt-lease", daemon=True)
         beat.start()
@@ -480,6 +487,7 @@ class Server:
             self.conn_since.pop(conn, None)
             rank = self.conn_rank.pop(conn, None)
             if rank is not None:
+                self.slots.holds.set(rank, False)
                 entry = self.slots.ranks[rank]
                 entry.conn = None
                 run = self.slots.runs.get(entry.run_id)
@@ -626,6 +634,10 @@ class Server:
         grown = self.slots.reserve(entry, msg["nbytes"], msg["slots"])
         return P.ok(slots=[{"slot": s.index, "path": s.path, "nbytes": msg["nbytes"]} for s in grown])
 
+    def _op_reserve_hold(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        self.slots.holds.set(entry.rank, msg["hold"])
+        return P.ok()
+
     def _op_ready(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
         slot = self.slots.ready(entry, msg["slot"], msg["step"], index_offset=msg["index_offset"],
                                 index_nbytes=msg["index_nbytes"], dirname=msg["dirname"],
@@ -723,6 +735,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--arena-dir", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--idle-timeout-secs", type=float, required=True)
+    p.add_argument("--ready-fd", type=int, default=None, help="pipe written to once the socket listens")
     a = p.parse_args(argv)
     logging.basicConfig(level=_env.log_level(),
                         format="%(asctime)s snapckpt-persister[%(process)d] %(levelname)s %(message)s")
@@ -739,5 +752,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    server.serve()
+    server.serve(a.ready_fd)
     return 0

@@ -27,7 +27,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import validate_dirname
@@ -37,7 +37,7 @@ from snapckpt.storage.urls import is_remote_url
 
 log = logging.getLogger("snapckpt.persister")
 
-__all__ = ["Slot", "RankEntry", "Run", "SlotTable"]
+__all__ = ["Slot", "RankEntry", "Run", "SlotTable", "ReserveHolds"]
 
 HELD = (SlotState.READY, SlotState.PERSISTING)  # states of a slot that holds a complete snapshot
 
@@ -109,6 +109,57 @@ class Run:
         return len(self.local_ranks) < self.world_size
 
 
+class ReserveHolds:
+    """The ranks reading a checkpoint right now (``reserve_hold`` requests): while any holds, the reservations
+    made ahead of a first save (:meth:`SlotTable.reserve`) wait between pieces, so that a restart's load does
+    not share the node's CPUs and memory bandwidth with zeroing shared memory (issue 18: a 1 GiB disk restore
+    read 1.5-2x slower beside it). Node-wide, since any rank's read competes with any reservation. A rank's
+    hold ends with its connection; a wait ends after :attr:`MAX_WAIT_SECS` whatever holds it, and for good
+    once :meth:`hurry` is called after it began (a save needs its slot now: a load's ``fn`` may save)."""
+
+    MAX_WAIT_SECS = 300.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holders: Set[int] = set()
+        self._issued = 0  # growths that may pause (tokens handed out by pauser)
+        self._hurried = 0  # growths up to this token no longer pause
+
+    def set(self, rank: int, hold: bool) -> None:
+        """Start (``hold``) or end the hold of global ``rank``."""
+        with self._cond:
+            if hold:
+                self._holders.add(rank)
+            else:
+                self._holders.discard(rank)
+                self._cond.notify_all()
+
+    def clear(self) -> None:
+        """End every hold (at exit)."""
+        with self._cond:
+            self._holders.clear()
+            self._cond.notify_all()
+
+    def pauser(self) -> Callable[[], None]:
+        """The ``pause`` of one growth (:meth:`~snapckpt.persister.arena.SlotFiles.ensure_size`): it returns once
+        no rank holds, or at once after :meth:`hurry` (or after :attr:`MAX_WAIT_SECS`)."""
+        with self._cond:
+            self._issued += 1
+            token = self._issued
+
+        def pause() -> None:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._holders or token <= self._hurried, timeout=self.MAX_WAIT_SECS)
+        return pause
+
+    def hurry(self) -> None:
+        """Let every growth that may pause so far run to its end without pausing (an ``acquire`` waits for
+        one; the grow thread takes them in order, so all of them)."""
+        with self._cond:
+            self._hurried = self._issued
+            self._cond.notify_all()
+
+
 class SlotTable:
     """The runs, ranks and slots this persister knows, and the transitions of their slots.
 
@@ -127,9 +178,11 @@ class SlotTable:
         # each of them does not pay for zeroing fresh shared memory (about 0.3 s per GiB) on the training
         # path.
         self.grow_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-grow")
+        self.holds = ReserveHolds()
 
     def shutdown(self) -> None:
         """Wait for the background growths (at exit)."""
+        self.holds.clear()
         self.grow_pool.shutdown(wait=True)
 
     # ----------------------------------------------------------------------------------- records
@@ -284,7 +337,8 @@ class SlotTable:
         out = []
         for s in self.usable(entry, limit):
             if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
-                s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes)
+                s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes,
+                                                  pause=self.holds.pauser())
                 out.append(s)
         return out
 
@@ -294,6 +348,8 @@ class SlotTable:
         raises with the rank's full capacity need."""
         if slot.growing is None:
             return
+        if not slot.growing.done():
+            self.holds.hurry()  # a reservation paused by a load (whose fn may save) must not hold this save
         try:
             slot.nbytes = max(slot.nbytes, slot.growing.result())
         except Exception as e:

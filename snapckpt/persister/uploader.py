@@ -30,11 +30,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set
 
 from snapckpt.ondisk.manifest import list_committed
 from snapckpt.storage.factory import open_storage
-from snapckpt.storage.remote import RemoteStore
+
+if TYPE_CHECKING:  # imported where a store is made: a persister without a remote tier never needs it
+    from snapckpt.storage.remote import RemoteStore
 
 __all__ = ["Uploader", "UploadJob", "QUEUE_DEPTH", "RETRIES"]
 
@@ -127,6 +129,8 @@ class Uploader:
     def _store(self, url: str) -> RemoteStore:
         store = self._stores.get(url)
         if store is None:
+            from snapckpt.storage.remote import RemoteStore
+
             store = self._stores[url] = RemoteStore(url)
         return store
 

@@ -4,8 +4,10 @@ it; slots beyond a budget's count are emptied. Real slot files (``posix_fallocat
 directory; no persister process."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import threading
+import time
 
 import pytest
 
@@ -45,6 +47,38 @@ def test_one_slot_is_reused_but_never_while_persisted_or_pinned(table):
     assert table.held(entry) == [], "a slot being overwritten must not count as a complete snapshot"
     table.drop_writes(entry)  # the rank died mid-copy
     assert s.state == SlotState.INVALID and not table.held(entry)
+
+
+def test_a_reservation_waits_while_a_rank_reads_a_checkpoint(table, monkeypatch):
+    """Issue 18: a restart's reservation ahead of its first save (SlotTable.reserve) pauses between pieces
+    while a rank holds it (its load reads), and completes once the hold ends; a save's acquire never waits
+    for a hold (a load's fn may save): the paused growth of its slot goes on at once."""
+    import snapckpt.persister.arena as arena
+
+    monkeypatch.setattr(arena, "GROW_CHUNK", 64 * KiB)
+    entry = table.attach(0, table.runs["run"], None, 2)
+    table.holds.set(0, True)
+    grown = table.reserve(entry, 4 * 64 * KiB)
+    assert len(grown) == 2
+    paths = [table.arena.path(0, s.index) for s in grown]
+    size = lambda p: os.path.getsize(p) if os.path.exists(p) else 0  # noqa: E731
+    time.sleep(0.3)  # the grow thread sits in the hold meanwhile: at most its first piece
+    assert grown[0].growing.running() and size(paths[0]) <= 64 * KiB and size(paths[1]) == 0, \
+        [size(p) for p in paths]
+    table.holds.set(0, False)
+    assert [s.growing.result(timeout=30) for s in grown] == [4 * 64 * KiB] * 2
+    assert [size(p) for p in paths] == [4 * 64 * KiB] * 2
+    for slot in grown:
+        table._grown(slot)  # take the sizes, as the next acquire would
+    table.holds.set(0, True)  # a save's acquire during a hold: the paused growth of its slot goes on
+    assert len(table.reserve(entry, 8 * 64 * KiB)) == 2
+    ex = cf.ThreadPoolExecutor(1)
+    try:
+        s = ex.submit(table.acquire, entry, 1, 8 * 64 * KiB).result(timeout=30)
+    finally:
+        table.holds.set(0, False)  # a hung acquire ends (the test fails on the timeout, not after 300 s)
+        ex.shutdown(wait=True)
+    assert s.nbytes == 8 * 64 * KiB and size(table.arena.path(0, s.index)) == 8 * 64 * KiB
 
 
 def test_two_slots_keep_the_newest_snapshot(table):
