@@ -143,7 +143,7 @@ def test_retention_keeps_the_most_recent_commits_after_a_rewind(snap_env):
     assert open(os.path.join(snap_env.ckpt_dir, "latest")).read() == "step_00000007"
 
 
-def test_paths_the_persister_cannot_use(snap_env, tmp_path):
+def test_paths_the_persister_cannot_use(snap_env, tmp_path, monkeypatch):
     with pytest.raises(PersisterError, match="too long for a unix socket"):
         Checkpointer(snap_env.ckpt_dir, runtime_dir=str(tmp_path / ("x" * 120)))
     with pytest.raises(PreflightError, match="does not exist"):
@@ -153,6 +153,10 @@ def test_paths_the_persister_cannot_use(snap_env, tmp_path):
     a_file.write_text("x")
     with pytest.raises(CheckpointDirError, match="not a directory"):
         Checkpointer(str(a_file))
+    # found by a break-it trial: the persister crashed at startup on it (a PersisterError with a traceback)
+    monkeypatch.setenv("SNAPCKPT_LOG_LEVEL", "LOUD")
+    with pytest.raises(ValueError, match="SNAPCKPT_LOG_LEVEL='LOUD' must be one of DEBUG, INFO"):
+        Checkpointer(snap_env.ckpt_dir)
 
 
 def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):

@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.dist.coordination import Coordinator, make_coordinator
 from snapckpt.dist.topology import Topology, host_identity
@@ -82,6 +83,7 @@ class Checkpointer:
                 f"({type(checkpoint_dir).__name__})")
         self.options = CheckpointOptions.from_kwargs(**options)
         self.options.resolved_host_memory_budget_nbytes  # a malformed SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES fails here
+        _env.log_level()  # so does a malformed SNAPCKPT_LOG_LEVEL (not a persister crash at startup)
         url = remote_only_url(checkpoint_dir)
         #: True when ``checkpoint_dir`` is an object-store URL: remote-only mode (no local directory)
         self.remote_only = url is not None
