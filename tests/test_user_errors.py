@@ -308,6 +308,14 @@ def test_tracker_that_is_a_directory_is_refused_before_anything_is_written(snap_
         os.rmdir(tracker)
         ck.save({"w": torch.ones(8)}, 3, StorageType.DISK).wait()
         assert open(tracker).read() == "step_00000003"
+        # found by a break-it trial: a tag naming the tracker file (DeepSpeed's tag="latest") or another plain
+        # file wrote the whole step, then failed its commit with a bare NotADirectoryError naming a partial dir
+        open(os.path.join(d, "notes.txt"), "w").close()
+        for tag, words in (("latest", "the tracker file's name"), ("notes.txt", "which is not a directory")):
+            with pytest.raises(CheckpointDirError, match=f"checkpoint tag '{tag}' names .*{words}: pick another tag"):
+                ck.save_files({"f.pt": {"w": torch.ones(8)}}, 4, StorageType.DISK, dirname=tag, tracker_name="latest")
+        assert not [n for n in os.listdir(d) if ".partial" in n], os.listdir(d)
+        assert open(tracker).read() == "step_00000003" and ck.load()["w"].shape == (8,)
 
 
 def test_rewind_then_crash_loads_the_highest_step_and_warns(snap_env, caplog):

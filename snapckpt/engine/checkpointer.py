@@ -341,8 +341,14 @@ class Checkpointer:
                 plain object (a ``TorchSave``). ``{}`` is a valid, empty part.
             dirname: the checkpoint's directory name under ``checkpoint_dir`` (a tag: one path component).
             tracker_name: tracker file replaced with ``tracker_content`` after the commit (``None``: none).
+                ``dirname`` may not be ``tracker_name``.
             check_weights_only: warn once per new plan when :meth:`load` (``weights_only=True``) would
                 refuse the state (:meth:`save` sets it; integrations have their own loaders).
+
+        Raises:
+            ValueError: ``dirname`` or a file name is not a valid name (``/``, hidden, control characters).
+            CheckpointDirError: DISK, and ``dirname`` is ``tracker_name`` or names an existing file that is not
+                a directory (no commit could rename onto it); nothing was saved. And :meth:`save`'s errors.
         """
         return self._saver.save_files(files, step, storage_type, dirname=dirname, tracker_name=tracker_name,
                                       tracker_content=tracker_content, check_weights_only=check_weights_only)
