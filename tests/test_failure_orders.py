@@ -32,6 +32,18 @@ def test_G1_rank_fails_first_the_others_die_of_the_collective_error_resume_from_
     assert wait_until(lambda: 4 in committed(snap_env.ckpt_dir), 60), committed(snap_env.ckpt_dir)
 
 
+def test_a_persister_killed_and_restarted_by_rank_1_first_still_commits(snap_env):
+    """Found by a break-it trial (2 ranks, kill -9 of the persister, training goes on): the restarted persister
+    took itself for a watcher when a rank other than 0 reached it first, so the next DISK save never committed
+    (``CommitTimeoutError`` on every rank, in 2 of 4 runs; ``Checkpointer.wait()`` then blocked up to
+    ``commit_timeout_secs``). Rank 1 now reaches it first on purpose: step 2 commits."""
+    snap_env.leftover_ok = True  # the killed persister's arena files
+    outs = finish(launch("failure_order_worker.py", 2, ["persister_killed", snap_env.ckpt_dir], snap_env.env),
+                  timeout=180)
+    assert [[json.loads(line) for line in result_lines(o)] for o in outs] == [[{"latest": 2}]] * 2, outs
+    assert 2 in committed(snap_env.ckpt_dir)
+
+
 def test_G1_ctrl_c_while_the_clean_close_waits_for_a_commit_keeps_the_memory_tier(snap_env, tmp_path):
     """A KeyboardInterrupt that arrives while ``close()`` waits for an outstanding commit ends the job as a
     failure: the memory snapshot of step 4 is kept (and flushed), not dropped with a goodbye. Step 2's commit

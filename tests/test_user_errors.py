@@ -150,7 +150,7 @@ def test_retention_keeps_the_most_recent_commits_after_a_rewind(snap_env):
             ck.load(step=999)
 
 
-def test_paths_the_persister_cannot_use(snap_env, tmp_path):
+def test_paths_the_persister_cannot_use(snap_env, tmp_path, monkeypatch):
     with pytest.raises(PersisterError, match="too long for a unix socket"):
         Checkpointer(snap_env.ckpt_dir, runtime_dir=str(tmp_path / ("x" * 120)))
     with pytest.raises(PreflightError, match="does not exist"):
@@ -164,6 +164,10 @@ def test_paths_the_persister_cannot_use(snap_env, tmp_path):
     with pytest.raises(CheckpointDirError, match=r"cannot be created by rank 0 \(mkdir: Not a directory\); "
                                                  r"create it first"):
         Checkpointer(str(a_file / "ckpt"))
+    # found by a break-it trial: the persister crashed at startup on it (a PersisterError with a traceback)
+    monkeypatch.setenv("SNAPCKPT_LOG_LEVEL", "LOUD")
+    with pytest.raises(ValueError, match="SNAPCKPT_LOG_LEVEL='LOUD' must be one of DEBUG, INFO"):
+        Checkpointer(snap_env.ckpt_dir)
 
 
 def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):
@@ -315,6 +319,14 @@ def test_tracker_that_is_a_directory_is_refused_before_anything_is_written(snap_
         os.rmdir(tracker)
         ck.save({"w": torch.ones(8)}, 3, StorageType.DISK).wait()
         assert open(tracker).read() == "step_00000003"
+        # found by a break-it trial: a tag naming the tracker file (DeepSpeed's tag="latest") or another plain
+        # file wrote the whole step, then failed its commit with a bare NotADirectoryError naming a partial dir
+        open(os.path.join(d, "notes.txt"), "w").close()
+        for tag, words in (("latest", "the tracker file's name"), ("notes.txt", "which is not a directory")):
+            with pytest.raises(CheckpointDirError, match=f"checkpoint tag '{tag}' names .*{words}: pick another tag"):
+                ck.save_files({"f.pt": {"w": torch.ones(8)}}, 4, StorageType.DISK, dirname=tag, tracker_name="latest")
+        assert not [n for n in os.listdir(d) if ".partial" in n], os.listdir(d)
+        assert open(tracker).read() == "step_00000003" and ck.load()["w"].shape == (8,)
 
 
 def test_rewind_then_crash_loads_the_highest_step_and_warns(snap_env, caplog):

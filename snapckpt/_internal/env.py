@@ -49,9 +49,13 @@ def remote_block_nbytes() -> int:
     raw = os.environ.get("SNAPCKPT_REMOTE_BLOCK_NBYTES", "")
     if not raw:
         return 16 << 20
-    value = int(raw)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
     if value < (5 << 20):
-        raise ValueError(f"SNAPCKPT_REMOTE_BLOCK_NBYTES={raw!r} must be at least 5 MiB (5242880), S3's smallest part")
+        raise ValueError(f"SNAPCKPT_REMOTE_BLOCK_NBYTES={raw!r} must be an integer number of bytes, at least 5 MiB "
+                         "(5242880, S3's smallest part), or unset for the default, 16 MiB (16777216)")
     return value
 
 
@@ -116,9 +120,21 @@ def master_addr() -> str:
     return os.environ.get("MASTER_ADDR", "").strip()
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level() -> str:
-    """Log level name for the persister process."""
-    return os.environ.get("SNAPCKPT_LOG_LEVEL", "INFO").upper()
+    """Log level name for the persister process (``SNAPCKPT_LOG_LEVEL``, any case; default ``INFO``).
+
+    Raises:
+        ValueError: the variable is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL.
+    """
+    raw = os.environ.get("SNAPCKPT_LOG_LEVEL", "")
+    level = raw.strip().upper() or "INFO"
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"SNAPCKPT_LOG_LEVEL={raw!r} must be one of {', '.join(_LOG_LEVELS)} (any case), or unset "
+                         "for the default, INFO")
+    return level
 
 
 def fault_write_delay_secs() -> float:

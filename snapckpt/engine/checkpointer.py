@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.dist.coordination import Coordinator, make_coordinator
 from snapckpt.dist.topology import Topology, host_identity
@@ -82,6 +83,7 @@ class Checkpointer:
                 f"({type(checkpoint_dir).__name__})")
         self.options = CheckpointOptions.from_kwargs(**options)
         self.options.resolved_host_memory_budget_nbytes  # a malformed SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES fails here
+        _env.log_level()  # so does a malformed SNAPCKPT_LOG_LEVEL (not a persister crash at startup)
         url = remote_only_url(checkpoint_dir)
         #: True when ``checkpoint_dir`` is an object-store URL: remote-only mode (no local directory)
         self.remote_only = url is not None
@@ -340,8 +342,14 @@ class Checkpointer:
                 plain object (a ``TorchSave``). ``{}`` is a valid, empty part.
             dirname: the checkpoint's directory name under ``checkpoint_dir`` (a tag: one path component).
             tracker_name: tracker file replaced with ``tracker_content`` after the commit (``None``: none).
+                ``dirname`` may not be ``tracker_name``.
             check_weights_only: warn once per new plan when :meth:`load` (``weights_only=True``) would
                 refuse the state (:meth:`save` sets it; integrations have their own loaders).
+
+        Raises:
+            ValueError: ``dirname`` or a file name is not a valid name (``/``, hidden, control characters).
+            CheckpointDirError: DISK, and ``dirname`` is ``tracker_name`` or names an existing file that is not
+                a directory (no commit could rename onto it); nothing was saved. And :meth:`save`'s errors.
         """
         self._reserving = False  # the save's own acquire waits for what the reservation grew
         return self._saver.save_files(files, step, storage_type, dirname=dirname, tracker_name=tracker_name,

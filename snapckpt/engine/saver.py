@@ -186,6 +186,13 @@ class Saver:
                 raise CheckpointDirError(
                     f"the tracker file {tracker} is a directory, so no commit could replace it: remove or rename "
                     f"it (the checkpoints themselves are in {self._checkpoint_dir}); nothing was written")
+        target = os.path.join(self._checkpoint_dir, dirname)
+        if storage_type == StorageType.DISK and self._local and (
+                dirname == tracker_name or (os.path.lexists(target) and not os.path.isdir(target))):
+            # the commit's rename() onto a file fails with a bare NotADirectoryError after the whole write
+            what = "the tracker file's name" if dirname == tracker_name else f"{target}, which is not a directory"
+            raise CheckpointDirError(f"checkpoint tag {dirname!r} names {what}: pick another tag (or move that "
+                                     f"file away); nothing was written")
         for name in files:
             validate_file_name(name)
         if not self._claimed:

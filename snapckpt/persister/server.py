@@ -556,7 +556,9 @@ class Server:
                 "that each process knows its rank")
         run = self.slots.runs.get(msg["run_id"])
         if run is None:
-            run = Run(msg["run_id"], world, list(msg["local_ranks"]), False, msg["checkpoint_dir"],
+            # the node of global rank 0 commits, whichever of its ranks reaches it first (after a persister
+            # restart, rank 1's save can arrive before rank 0's hello: a watcher would wait for nobody)
+            run = Run(msg["run_id"], world, list(msg["local_ranks"]), 0 in msg["local_ranks"], msg["checkpoint_dir"],
                       None if msg["keep_last"] < 0 else msg["keep_last"], float(msg["commit_timeout_secs"]),
                       msg["flush_on_crash"], msg["fsync"], msg["dir_id"], msg["remote_dir"],
                       peer_timeout_secs=float(msg["peer_timeout_secs"]))

@@ -90,8 +90,9 @@ class RemoteStore:
         self.role = role
         if not isinstance(url, str) or not is_remote_url(url.strip()):
             raise RemoteStorageError(f"{role} {url!r} is not a URL: pass e.g. {role}=\"s3://bucket/run1\"")
-        self.url = url.strip().rstrip("/")
-        scheme, _, rest = self.url.partition("://")
+        scheme, _, rest = url.strip().partition("://")
+        rest = rest.rstrip("/")
+        self.url = f"{scheme}://{rest}"  # "s3://" stays "s3://" in messages, not "s3:"
         bucket, _, prefix = rest.partition("/")
         if scheme.lower() in ("file", "local"):  # fsspec's local filesystem: a directory, not a store
             path = "/" + rest.lstrip("/")

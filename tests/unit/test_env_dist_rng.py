@@ -15,6 +15,7 @@ from snapckpt.dist.coordination import Coordinator, LocalCoordinator, make_coord
 from snapckpt.dist.topology import Topology, host_identity
 
 ENV_KNOBS = ("SNAPCKPT_SHM_DIR", "SNAPCKPT_RUNTIME_DIR", "XDG_RUNTIME_DIR", "SNAPCKPT_LOG_LEVEL",
+             "SNAPCKPT_REMOTE_BLOCK_NBYTES",
              "SNAPCKPT_FAULT_WRITE_DELAY_SECS", "SNAPCKPT_FAULT_POINT", "SNAPCKPT_FAULT_STORAGE")
 
 
@@ -42,6 +43,20 @@ def test_knobs_are_read_at_call_time_and_empty_means_unset(clean_env):
     assert env.runtime_dir() == "/r"  # snapckpt's own knob wins
     clean_env.setenv("SNAPCKPT_LOG_LEVEL", "debug")
     assert env.log_level() == "DEBUG"
+
+
+@pytest.mark.parametrize("name, fn, raw", [("SNAPCKPT_LOG_LEVEL", env.log_level, "LOUD"),
+                                           ("SNAPCKPT_LOG_LEVEL", env.log_level, "5"),
+                                           ("SNAPCKPT_REMOTE_BLOCK_NBYTES", env.remote_block_nbytes, "zz"),
+                                           ("SNAPCKPT_REMOTE_BLOCK_NBYTES", env.remote_block_nbytes, "16MiB"),
+                                           ("SNAPCKPT_REMOTE_BLOCK_NBYTES", env.remote_block_nbytes, "0")])
+def test_a_garbage_knob_is_a_value_error_naming_it_and_its_values(clean_env, name, fn, raw):
+    """Found by a break-it trial: ``SNAPCKPT_LOG_LEVEL=LOUD`` crashed the persister at startup (a traceback
+    in persister.log behind a PersisterError); ``SNAPCKPT_REMOTE_BLOCK_NBYTES=zz`` was a bare "invalid literal
+    for int()". Each names the variable, the value and what it accepts."""
+    clean_env.setenv(name, raw)
+    with pytest.raises(ValueError, match=f"{name}={raw!r} must be .*or unset for the default"):
+        fn()
 
 
 @pytest.mark.parametrize("raw,want", [("0", 0.0), ("0.25", 0.25), ("3", 3.0)])

@@ -96,3 +96,6 @@ def test_remote_store_needs_a_bucket_and_a_prefix_and_never_echoes_credentials(u
     with pytest.raises(RemoteStorageError, match=words) as ei:
         RemoteStore(url)
     assert "SECRET" not in str(ei.value) and "secret=x" not in str(ei.value)
+    assert ":://" not in str(ei.value) and "'s3:'" not in str(ei.value), ei.value  # "s3://" was shown as 's3:'
+    if "no bucket" in words:
+        assert "pass s3://bucket/prefix" in str(ei.value), ei.value

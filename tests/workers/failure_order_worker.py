@@ -59,6 +59,28 @@ def interrupted_close(ckpt_dir: str) -> None:
     print("CLOSED", flush=True)  # not reached: the KeyboardInterrupt leaves through close()
 
 
+def persister_killed(ckpt_dir: str) -> None:
+    """Step 1 to DISK; rank 0 SIGKILLs the persister; every rank's next call starts a new one, rank 1's
+    first (rank 0 waits 2 s): step 2 to DISK must commit. Prints ``RESULT {"committed": [steps]}``."""
+    from snapckpt import Checkpointer
+    from snapckpt.errors import PersisterDiedError
+
+    with Checkpointer(ckpt_dir, persister_idle_timeout_secs=5) as ck:
+        ck.save({"w": torch.ones(4)}, 1).wait()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.kill(ck.persister_pid, signal.SIGKILL)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            threading.Event().wait(2.0)  # rank 1 reaches the new persister first
+        try:
+            ck.save({"w": torch.full((4,), 2.0)}, 2)
+        except PersisterDiedError:  # raised once, by the first call after the death
+            ck.save({"w": torch.full((4,), 2.0)}, 2)
+        ck.wait(timeout=60)
+        print("RESULT " + json.dumps({"latest": ck.latest_step()}), flush=True)
+
+
 def resume(ckpt_dir: str) -> None:
     from snapckpt import Checkpointer
 
@@ -72,5 +94,6 @@ def resume(ckpt_dir: str) -> None:
 if __name__ == "__main__":
     mode, ckpt_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    {"crash": crash, "interrupted_close": interrupted_close, "resume": resume}[mode](ckpt_dir)
+    {"crash": crash, "interrupted_close": interrupted_close, "resume": resume,
+     "persister_killed": persister_killed}[mode](ckpt_dir)
     dist.destroy_process_group()
