@@ -164,8 +164,10 @@ def run_ranks(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str]
 
 
 def result_lines(out: str, tag: str = "RESULT") -> List[str]:
-    """Lines of a worker's output that start with ``tag`` (the tag removed)."""
-    return [l[len(tag):].strip() for l in out.splitlines() if l.startswith(tag)]
+    """What follows each ``tag`` in a worker's output, one entry per tag (the tag removed). Several ranks share
+    one stream under torchrun and an unbuffered ``print`` writes its text and its newline separately, so two
+    ranks' records can land on one line (``RESULT {...}RESULT {...}``): each is split off."""
+    return [part.strip() for l in out.splitlines() if tag in l for part in l.split(tag)[1:]]
 
 
 def used_bytes(path: str) -> int:
