@@ -449,7 +449,6 @@ class Loader:
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
         """
         from snapckpt.engine.disk_restore import read_into
-        from snapckpt.engine.restore import check_shapes
 
         name = layout.rank_filename(self.rank)
         if self._remote_only:  # read into memory from the store, then copied into dst by the caller

@@ -214,9 +214,10 @@ class Saver:
         slot = reply["slot"]
         try:
             # overlap (CPU sources): a prefault of this slot still running is not waited for on the training
-            # thread; the copy thread takes the page faults it left
+            # thread; the copy thread takes the page faults it left. CUDA sources are among the span copies only
+            # (direct tensors are CPU tensors): Prepared.copies would make a view per tensor on every save
             m = self._maps.get(slot, reply["path"], reply["nbytes"], usable=reply.get("usable"),
-                               wait_prefault=not self._options.overlap or has_cuda_sources(prepared.copies))
+                               wait_prefault=not self._options.overlap or has_cuda_sources(prepared.span_copies))
         except BaseException:
             self._abort(slot)
             raise

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CommitError, SnapckptError
-from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, ChecksumWriter, build_manifest, part_marker_name, \
+from snapckpt.ondisk.manifest import MANIFEST, ChecksumWriter, build_manifest, part_marker_name, \
     validate_file_name
 from snapckpt.storage.urls import is_remote_url
 
