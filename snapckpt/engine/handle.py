@@ -170,8 +170,8 @@ class SaveHandle:
             self._owner.fence()
         limit = timeout if timeout is not None else self._owner.commit_timeout_secs + 30.0
         deadline = time.monotonic() + limit
-        # each status request is held by the persister until the save ends (or _AWAIT_SECS): one request per
-        # wait, instead of every rank of the node polling every few milliseconds
+        # each status request is held by the persister until the save ends or _AWAIT_SECS pass: about one request
+        # per second of waiting, instead of every rank of the node polling every few milliseconds
         while not self._done(min(self._AWAIT_SECS, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(f"step {self.step} was not committed within {limit:g} s; "

@@ -530,8 +530,7 @@ class Loader:
                   ) -> Tuple[Any, LoadCandidate]:
         """``Checkpointer.load_with`` after its checks and ``wait()`` (its docstring has the details)."""
         t0 = time.perf_counter()
-        cands = self.candidates(step)
-        held = sorted({c[0] for c in cands} | {d[0] for d in self._disk_saved})
+        cands = all_cands = self.candidates(step)
         if step is not None:
             cands = [c for c in cands if c[0] == step]
         if dirname is not None:
@@ -560,7 +559,7 @@ class Loader:
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
-        self._raise_nothing_loadable(step, errors, held)
+        self._raise_nothing_loadable(step, errors, sorted({c[0] for c in all_cands} | {d[0] for d in self._disk_saved}))
 
     def _try(self, cand: LoadCandidate, check: Optional[Callable[[LoadCandidate], Any]],
              fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, str]]:

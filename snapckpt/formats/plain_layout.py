@@ -1,8 +1,8 @@
 """The layout of a *plain* state: its tensors in pickling order, and a key of everything else it pickles.
 
 A plain state holds only tensors (``torch.Tensor`` / ``nn.Parameter``), ``dict`` / ``OrderedDict`` with atomic
-keys, lists, tuples and ``str`` / ``int`` / ``float`` / ``bool`` / ``None`` (what
-:func:`snapckpt.formats.torch_zip.plain_tensors` accepts). Two plain states with equal keys
+keys, lists, tuples and ``str`` / ``int`` / ``float`` / ``bool`` / ``None``; anything else is walked by
+pickling it (:func:`snapckpt.formats.torch_zip.collect_tensors`). Two plain states with equal keys
 (:func:`plain_layout`) whose tensors have the same plan pickle to the same skeleton, so the Stager pickles it
 once per layout, not once per save (a state of 200,000 tensors: seconds per save otherwise).
 """
@@ -26,7 +26,7 @@ def plain_layout(obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
     """``(tensors, key)`` of a plain ``obj``, or ``None`` when ``obj`` is not plain (or nests deeper than 100).
 
     ``tensors``: every tensor in pickling order, each once (the order of
-    :func:`~snapckpt.formats.torch_zip.plain_tensors`). ``key``: a flat list that equals another state's key
+    :func:`~snapckpt.formats.torch_zip.collect_tensors`). ``key``: a flat list that equals another state's key
     exactly when that state pickles to the same skeleton given the same tensor layout: container types and
     lengths, keys and atomic values with their types (``True`` and ``1``, ``0.0`` and ``-0.0`` differ), each
     tensor as its index in ``tensors``, and a container met again (pickle's memo) as its first position.

@@ -45,7 +45,6 @@ check_torch()  # the private PyTorch names used below exist (else UnsupportedTor
 
 __all__ = [
     "collect_tensors",
-    "plain_tensors",
     "pickle_skeleton",
     "find_unpicklable",
     "weights_only_refusal",
@@ -124,58 +123,9 @@ def collect_tensors(obj: Any) -> List[torch.Tensor]:
         SnapshotError: a tensor type snapckpt cannot snapshot (sparse, quantized, subclass, meta).
         pickle.PicklingError / TypeError: ``obj`` holds something that cannot be pickled at all.
     """
-    tensors = plain_tensors(obj)
-    if tensors is not None:
-        return tensors
     c = _Collector()
     c.dump(obj)
     return c.tensors
-
-
-def plain_tensors(obj: Any) -> Optional[List[torch.Tensor]]:
-    """The tensors of ``obj`` (as :func:`collect_tensors`) when ``obj`` is *plain*: tensors, ``dict`` and
-    ``OrderedDict`` with atomic keys, lists, tuples, and ``str``/``int``/``float``/``bool``/``None`` only; else
-    ``None``. A plain object is walked in Python (faster than a pickling pass: 20,000 tensors) and its skeleton
-    is always loadable with ``weights_only=True`` (so the Stager need not run PyTorch's checking unpickler on it).
-
-    Raises:
-        SnapshotError: a tensor type snapckpt cannot snapshot.
-    """
-    tensors: List[torch.Tensor] = []
-    return tensors if _walk_plain(obj, tensors, set(), 0) else None
-
-
-# Values that pickle as themselves, with nothing inside, and that weights_only=True loads.
-_ATOMIC_TYPES = frozenset({str, int, float, bool, type(None)})
-
-
-def _walk_plain(obj: Any, out: List[torch.Tensor], seen: set, depth: int) -> bool:
-    """Append the tensors of ``obj`` to ``out`` in pickling order, each once (``seen``: their ids), when ``obj``
-    holds only tensors, plain dicts (and ``OrderedDict``, whose attributes are walked after its items, as pickle
-    saves them), lists, tuples and atomic values; return ``False`` (``out`` then incomplete) as soon as it meets
-    anything else, or nests deeper than 100: the caller then walks it by pickling it."""
-    t = type(obj)
-    if t in _ATOMIC_TYPES:
-        return True
-    if isinstance(obj, torch.Tensor):
-        _check_supported(obj)
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            out.append(obj)
-        return True
-    if depth > 100:
-        return False
-    if t is dict or t is collections.OrderedDict:
-        for k, v in obj.items():
-            if type(k) not in _ATOMIC_TYPES or not _walk_plain(v, out, seen, depth + 1):
-                return False
-        if t is collections.OrderedDict:
-            extra = vars(obj)
-            return not extra or _walk_plain(dict(extra), out, seen, depth + 1)
-        return True
-    if t is list or t is tuple:
-        return all(_walk_plain(v, out, seen, depth + 1) for v in obj)
-    return False
 
 
 def _pickles(obj: Any) -> Optional[BaseException]:
