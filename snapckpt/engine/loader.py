@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -153,6 +153,7 @@ class Loader:
         self._damaged: List[str] = []  # directories skipped as damaged by the last candidates()
         self._warned_lost: Optional[Tuple[Any, Any]] = None  # the last _warn_lost_memory warning
         self._warned_no_common = False  # the "no step held by every rank" warning, said once
+        self._warned_damaged: Set[str] = set()  # damaged directories warned of: latest_step() + load() say it once
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
@@ -195,7 +196,9 @@ class Loader:
                 saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
                 disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
             for p in problems:
-                log.warning("not a loadable checkpoint: %s", p)
+                if p not in self._warned_damaged:
+                    self._warned_damaged.add(p)
+                    log.warning("not a loadable checkpoint: %s", p)
         remote = self._remote_listing() if self.rank == 0 else []
         holds = self._holdings()
         everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems,
