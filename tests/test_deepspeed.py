@@ -169,7 +169,10 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     assert r["latest_while_b_persists"] == "a" and r["b_visible_while_persisting"] is False
     assert r["latest_after_b"] == "b"
     assert r["a_unchanged_by_memory_save"] is True and r["latest_after_memory_save"] == "b"
-    assert "single directory name" in r["tag x/y"] and "single directory name" in r["tag .hidden"]
+    for bad in ("x/y", "..", ".hidden"):  # the core's message, naming DeepSpeed's argument and the fix
+        assert f"DeepSpeed tag (the tag= argument of engine.save_checkpoint) {bad!r} must be a single directory " \
+            "name" in r[f"tag {bad}"] and "choose a plain name" in r[f"tag {bad}"], r[f"tag {bad}"]
+    assert "tag= argument of engine.load_checkpoint" in r["load_tag ../x"] and "'../x'" in r["load_tag ../x"]
     assert "glob" in r["tag glob*tag"]
     assert "file DeepSpeed keeps" in r["tag latest"] and "whitespace" in r["tag  lead"]
     assert "one DeepSpeedCheckpointer per checkpoint directory" in r["other_dir"]

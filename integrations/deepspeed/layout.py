@@ -65,7 +65,7 @@ def check_tag(tag: str) -> None:
     Raises:
         ValueError: naming the problem.
     """
-    validate_dirname(tag)
+    validate_dirname(tag, what="DeepSpeed tag (the tag= argument of engine.save_checkpoint)")
     bad = sorted(set(tag) & set("*?["))
     if bad:
         raise ValueError(f"DeepSpeed tag {tag!r} contains {bad}: DeepSpeed's load_checkpoint finds a tag's files "

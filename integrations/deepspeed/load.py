@@ -74,7 +74,8 @@ class DeepSpeedLoader:
             return None, None
 
     def _load_tag(self, tag, kwargs) -> Tuple[Any, Any]:
-        tag = validate_dirname(str(tag))  # a tag of this directory: never a path out of it
+        # a tag of this directory: never a path out of it
+        tag = validate_dirname(str(tag), what="DeepSpeed tag (the tag= argument of engine.load_checkpoint)")
         if not os.path.isdir(os.path.join(self.checkpoint_dir, tag)):
             raise CheckpointNotFoundError(f"no tag {tag!r} in {self.checkpoint_dir} (memory snapshots "
                                           "are loaded with tag=None)")

@@ -71,17 +71,20 @@ CHECKSUM = "xxh3_64"
 CHECKSUMS = {"xxh3_64": xxhash.xxh3_64, "crc32": _Crc32}
 
 
-def validate_dirname(name: str) -> str:
+def validate_dirname(name: str, what: str = "checkpoint tag") -> str:
     """Check a checkpoint directory name (a tag): one path component, not hidden, no control chars.
 
-    Spaces, colons, brackets and non-ASCII are fine. Raises ``ValueError`` naming the problem.
+    Spaces, colons, brackets and non-ASCII are fine. ``what`` names the argument in the message (an
+    integration names its own, e.g. DeepSpeed's ``tag=``). Raises ``ValueError`` naming the problem and the fix.
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"checkpoint tag must be a non-empty string, got {name!r}")
+        raise ValueError(f"{what} must be a non-empty string, got {name!r}")
     if "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
-        raise ValueError(f"checkpoint tag {name!r} must be a single directory name (no '/', not hidden)")
+        raise ValueError(f"{what} {name!r} must be a single directory name inside the checkpoint directory (no "
+                         "'/' or '\\', not '.' or '..', not hidden): choose a plain name such as 'global_step100'")
     if any(ord(c) < 32 for c in name) or len(name.encode()) > 200:
-        raise ValueError(f"checkpoint tag {name!r} has control characters or is over 200 bytes")
+        raise ValueError(f"{what} {name!r} has control characters or is over 200 bytes: choose a shorter, "
+                         "printable name")
     return name
 
 

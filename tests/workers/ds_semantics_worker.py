@@ -43,7 +43,7 @@ def main():
         dist.barrier()
         out["a_unchanged_by_memory_save"] = snapshot_of(os.path.join(ckpt, "a")) == before
         out["latest_after_memory_save"] = open(os.path.join(ckpt, "latest")).read()
-        for bad in ("x/y", "glob*tag", ".hidden", "latest", " lead"):
+        for bad in ("x/y", "..", "glob*tag", ".hidden", "latest", " lead"):
             try:
                 ck.save_checkpoint(ckpt, tag=bad)
                 out[f"tag {bad}"] = "accepted"
@@ -67,6 +67,11 @@ def main():
         got = ds_common.full_params(engine)
         out["tag_x_path"] = os.path.basename(os.path.dirname(path))
         out["tag_x_weights"] = all(torch.equal(first[k], got[k]) for k in first)
+        try:
+            ck.load_checkpoint(ckpt, tag="../x")
+            out["load_tag ../x"] = "loaded"
+        except ValueError as e:
+            out["load_tag ../x"] = str(e)
         try:
             ck.load_checkpoint(ckpt, tag="nope")
             out["missing_tag"] = "loaded"
