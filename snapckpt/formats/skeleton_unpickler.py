@@ -63,10 +63,21 @@ def _rebuild_tensor(storage: Any, storage_offset: int, size: tuple, stride: tupl
     return t
 
 
+def _sealed(fn: Callable, name: str) -> type:
+    """``fn`` as a class whose call calls ``fn``: pickle's BUILD on a function would set its attributes for the
+    whole process (``__qualname__``, ``__defaults__``...; PyTorch's weights-only unpickler refuses it), BUILD
+    on this class calls its ``__setstate__``, which refuses naming the global (``name``)."""
+    def refuse(cls, state: Any) -> None:
+        raise Refused(f"BUILD (__setstate__) on the global {name}")
+    return type(fn.__name__, (), {"__slots__": (), "__new__": staticmethod(lambda cls, *args: fn(*args)),
+                                  "__setstate__": classmethod(refuse)})
+
+
 _GLOBALS: Mapping[tuple, Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _sealed(_rebuild_tensor, "torch._utils._rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"): _sealed(torch._utils._rebuild_parameter,
+                                                     "torch._utils._rebuild_parameter"),
+    ("collections", "OrderedDict"): collections.OrderedDict,  # a builtin type: BUILD on it fails (TypeError)
 }
 
 

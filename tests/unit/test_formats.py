@@ -298,3 +298,25 @@ def test_stager_layout_cache_reuses_plan_and_skeleton_only_while_the_structure_i
         assert plain_layout(other)[1] != key
     assert plain_layout({"a": 1})[1] != plain_layout({"a": True})[1] != plain_layout({"a": 1.0})[1]
     assert plain_layout({"a": 0.0})[1] != plain_layout({"a": -0.0})[1]
+
+
+@pytest.mark.parametrize("name", ["_rebuild_parameter", "_rebuild_tensor_v2"])
+def test_fast_unpickler_refuses_build_on_a_global(name):
+    """A crafted skeleton: BUILD with slot state ``{"__qualname__": "hijacked"}`` on one of the globals the fast
+    unpickler allows. Unrefused, it renames a torch function for the whole process (a later ``torch.save`` of
+    a Parameter fails). Right: ``load_plain`` refuses it naming BUILD and the global, the function is
+    unchanged, and the fallback (PyTorch's weights-only unpickler) refuses it with UnsafeCheckpointError."""
+    from snapckpt.formats.skeleton_unpickler import Refused, load_plain
+
+    def s(text):  # pickle's BINUNICODE
+        return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+    crafted = (b"\x80\x02ctorch._utils\n" + name.encode() + b"\n" + b"N}" + s("__qualname__") + s("hijacked")
+               + b"s\x86b0}.")  # GLOBAL, (None, {...}), BUILD, POP, then an empty dict as the result
+    fn = getattr(torch._utils, name)
+    with pytest.raises(Refused, match=f"BUILD.*torch._utils.{name}"):
+        load_plain(crafted, lambda key: None)
+    assert fn.__qualname__ == name
+    torch.save(torch.nn.Parameter(torch.ones(2)), io.BytesIO())
+    with pytest.raises(UnsafeCheckpointError, match="weights_only"):
+        Z.unpickle_skeleton(crafted, {}, weights_only=True)
