@@ -22,6 +22,7 @@ __all__ = [
     "PersisterDiedError",
     "PersisterTimeoutError",
     "PersistError",
+    "DiskFullError",
     "CommitError",
     "CommitTimeoutError",
     "PeerLostError",
@@ -88,6 +89,14 @@ class PersisterTimeoutError(PersisterError):
 
 class PersistError(SnapckptError):
     """Writing a rank's part of a checkpoint failed in the persister (the original error is chained)."""
+
+
+class DiskFullError(PersistError, OSError):
+    """The checkpoint directory's filesystem ran full (``ENOSPC``) or the disk quota ran out (``EDQUOT``) while
+    the persister wrote a checkpoint that passed the free-space preflight (something else filled the disk
+    meanwhile). The message names the checkpoint directory, the bytes the rank's part needs and those free,
+    and the fix. It is an ``OSError`` too: ``errno`` and ``filename`` are the failed write's. The previous
+    checkpoint is intact; the step's partial directory is removed."""
 
 
 class CommitError(SnapckptError):

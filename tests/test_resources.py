@@ -7,6 +7,7 @@ Real tmpfs mounts (the tests run as root), real persister processes, real SIGKIL
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import torch
 from _harness import finish, launch, result_lines, tree, used_bytes, wait_until
 from faults import point_env
 from snapckpt import Checkpointer, StorageType
-from snapckpt.errors import (CheckpointDirError, InsufficientDiskError, PersisterError,
+from snapckpt.errors import (CheckpointDirError, DiskFullError, InsufficientDiskError, PersisterError,
                              PersisterTimeoutError)
 
 MiB = 1 << 20
@@ -286,6 +287,40 @@ def test_contract7_disk_too_small_for_checkpoint(snap_env):
             assert ck.last_load.tier == StorageType.DISK
             assert torch.equal(out["w"], first["w"])
             assert torch.equal(ck.load()["w"], torch.full((1024,), 4.0)) and ck.last_load.step == 4
+        assert wait_until(lambda: not snap_env.persisters(), timeout=15)
+
+
+def test_B4_disk_fills_during_the_write(snap_env, monkeypatch):
+    """B4 with a real full disk: an 8 MiB tmpfs holds committed step 1; the DISK save of a 4 MiB step 2 passes
+    the preflight, then another process fills the disk while the (slowed) persister writes. Right: ``wait()``
+    raises DiskFullError (an OSError, errno ENOSPC) naming the checkpoint directory, the bytes the part needs
+    and those free, and the fix; the partial directory is removed; once the other file is gone a new job
+    loads step 1 from disk."""
+    monkeypatch.setenv("SNAPCKPT_FAULT_WRITE_DELAY_SECS", "0.05")  # 64 records: about 3 s of writing
+    d = os.path.join(snap_env.tmp, "filling-disk")
+    with tmpfs(d, "8m"):
+        ck_dir = os.path.join(d, "ck")
+        with Checkpointer(ck_dir, **QUICK) as ck:
+            ck.save({"w": torch.ones(1024)}, 1, StorageType.DISK).wait()
+            h = ck.save({f"t{i}": torch.full((16384,), float(i)) for i in range(64)}, 2, StorageType.DISK)
+            with open(os.path.join(d, "ballast"), "wb") as f, pytest.raises(OSError):
+                while True:  # another program fills the disk meanwhile
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            with pytest.raises(DiskFullError) as ei:
+                h.wait()
+            msg = str(ei.value)
+            assert ei.value.errno == errno.ENOSPC and isinstance(ei.value, OSError), repr(ei.value)
+            assert f"checkpoint directory {ck_dir}:" in msg and re.search(r"needs about \d{7} bytes, \d+ bytes "
+                                                                           r"are free", msg), msg
+            assert "free space there or keep fewer checkpoints" in msg and "previous checkpoint is intact" in msg
+            assert wait_until(lambda: sorted(os.listdir(ck_dir)) == ["latest", "step_00000001"], timeout=30), \
+                os.listdir(ck_dir)
+        os.remove(os.path.join(d, "ballast"))
+        assert wait_until(lambda: not snap_env.persisters(), timeout=15)
+        with Checkpointer(ck_dir, **QUICK) as ck:
+            assert torch.equal(ck.load()["w"], torch.ones(1024)) and ck.last_load.step == 1
+            assert ck.last_load.tier == StorageType.DISK
         assert wait_until(lambda: not snap_env.persisters(), timeout=15)
 
 

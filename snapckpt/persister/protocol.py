@@ -8,7 +8,8 @@ acted on. A response is ``{"ok": true, ...}`` or ``{"ok": false, "error": <error
 Errors cross the process boundary as records ``{"type", "message", "errno", "filename"}`` and are rebuilt
 by :func:`error_from_record` with their original type when it is an ``OSError`` (``errno`` picks the
 subclass, e.g. ``PermissionError``) or a class of :mod:`snapckpt.errors`; anything else becomes a
-:class:`~snapckpt.errors.PersistError` carrying the original type's name.
+:class:`~snapckpt.errors.PersistError` carrying the original type's name. ``ENOSPC`` and ``EDQUOT`` become
+:class:`~snapckpt.errors.DiskFullError` (an ``OSError`` too) with the cause and the fix in its message.
 """
 from __future__ import annotations
 
@@ -126,7 +127,12 @@ def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
     msg = rec.get("message", "")
     exc: Exception
     errno_ = rec.get("errno")
-    if errno_ is not None:
+    hint = _DISK_FULL_HINTS.get(errno_) if errno_ is not None else None
+    if errno_ in _DISK_FULL and hint:  # the cause and the fix in the message itself, once however often relayed
+        msg = msg if hint in msg else f"{msg}; {hint}"
+        exc = _errors.DiskFullError(*((errno_, msg, rec["filename"]) if rec.get("filename") else (errno_, msg)))
+        hint = None
+    elif errno_ is not None:
         exc = OSError(errno_, msg, rec.get("filename")) if rec.get("filename") else OSError(errno_, msg)
     elif hasattr(_errors, typ) and isinstance(getattr(_errors, typ), type):
         exc = getattr(_errors, typ)(msg)
@@ -139,7 +145,6 @@ def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
         exc = _errors.PersistError(f"{typ}: {msg}")
     if context:
         add_note(exc, context)
-    hint = _DISK_FULL_HINTS.get(errno_) if errno_ is not None else None
     if hint:
         add_note(exc, hint)
     return exc
@@ -147,6 +152,7 @@ def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
 
 _FULL = ("the previous checkpoint is intact and nothing of this save is left where a loader looks; "
          "{what}, then save again")
+_DISK_FULL = (28, 122)  # ENOSPC, EDQUOT: rebuilt as DiskFullError
 #: Notes added to storage errors that reach the trainer (the cause and the fix; errno values as Linux).
 _DISK_FULL_HINTS = {
     28: "ENOSPC: the filesystem holding the checkpoint directory is full; " + _FULL.format(

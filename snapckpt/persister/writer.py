@@ -13,6 +13,7 @@ remove with the partial directory, and a failure marker carries the error record
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import json
 import os
 import time
@@ -99,6 +100,8 @@ def write_part_data(storage: StorageWriter, buf, index: Dict[str, Any], partial_
             try:
                 part.files[rel] = _write_file(storage, buf, f, path, kind, delay, mid_file, rank, step, part)
             except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _disk_full(e, path, partial_dir, index, rank, step)
                 raise _with_path(e, path)
     except BaseException:
         part.close()
@@ -172,6 +175,26 @@ def _with_path(e: OSError, path: str) -> OSError:
         new.__cause__ = e
         return new
     return e
+
+
+def _disk_full(e: OSError, path: str, partial_dir: str, index: Dict[str, Any], rank: int, step: int) -> OSError:
+    """``e`` (ENOSPC/EDQUOT) as an ``OSError`` of the same errno whose text names the checkpoint directory, the
+    bytes rank ``rank``'s part of ``step`` needs (its spans and skeletons, without archive headers) and the bytes
+    free now; the trainer gets it as :class:`~snapckpt.errors.DiskFullError` with the fix added."""
+    need = 0
+    for f in index["files"]:
+        if f.get("persist", True):
+            need += sum(r[-1] for r in f.get("records", ())) + sum(c[-1] for c in f.get("chunks", ()))
+            need += f.get("pkl", (0, 0))[1]
+    try:
+        st = os.statvfs(partial_dir)
+        free = f"{st.f_bavail * st.f_frsize} bytes are free there now"
+    except OSError:
+        free = "the free space there cannot be read"
+    new = OSError(e.errno, f"{e.strerror or os.strerror(e.errno)} writing step {step} into checkpoint directory "
+                  f"{os.path.dirname(partial_dir)}: rank {rank}'s part needs about {need} bytes, {free}", path)
+    new.__cause__ = e
+    return new
 
 
 def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind: str, delay: float, mid_file: bool,

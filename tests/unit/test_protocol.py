@@ -136,11 +136,20 @@ def test_unknown_odd_or_non_exception_types_become_persist_error(typ):
 
 
 @pytest.mark.parametrize("code,word", [(errno.ENOSPC, "ENOSPC"), (errno.EDQUOT, "EDQUOT"), (errno.EFBIG, "EFBIG")])
-def test_disk_full_errors_carry_a_remediation_note(code, word):
-    exc = P.error_from_record(P.error_record(OSError(code, "no room")), context="step 3")
-    assert isinstance(exc, OSError) and exc.errno == code
+def test_disk_full_errors_carry_the_cause_and_the_fix(code, word):
+    """ENOSPC/EDQUOT: DiskFullError (an OSError too) with the cause and the fix in its message, said once
+    however often the record is relayed (part failure -> commit -> trainer); EFBIG: an OSError with a note."""
+    exc = P.error_from_record(P.error_record(OSError(code, "no room", "/ck/f")), context="step 3")
+    assert isinstance(exc, OSError) and exc.errno == code and exc.filename == "/ck/f"
     assert exc.__notes__[0] == "step 3"
-    assert exc.__notes__[1].startswith(word) and "previous checkpoint is intact" in exc.__notes__[1]
+    if code == errno.EFBIG:
+        assert type(exc) is OSError
+        assert exc.__notes__[1].startswith(word) and "previous checkpoint is intact" in exc.__notes__[1]
+        return
+    assert type(exc) is errors.DiskFullError and len(exc.__notes__) == 1
+    assert str(exc).startswith(f"[Errno {code}] no room; {word}") and "previous checkpoint is intact" in str(exc)
+    again = P.error_from_record(P.error_record(exc))
+    assert str(again) == str(exc) and not hasattr(again, "__notes__")
 
 
 def test_ok_and_fail_responses():
