@@ -357,6 +357,61 @@ def test_B1_job_and_persister_killed_before_commit_previous_checkpoint_kept(snap
     assert not partials(d), "the restarted job's persister did not remove the dead run's partial"
 
 
+def test_B1_another_jobs_dead_partial_is_removed_once_provably_dead(snap_env, monkeypatch):
+    """B1 across jobs: job "a"'s persister is killed (kill -9) while it writes step 2, leaving its partial
+    directory; the next job saving there is another job (``job_id="b"``), whose start never removed "a"'s
+    leftovers. Right: while it is fresh, ``ls`` lists it as incomplete and b's start keeps it (its writer may
+    live on another host); once nothing changed in it for 10 minutes (mtimes set back: real time passing)
+    and no persister of "a" runs here, ``ls`` lists it as no checkpoint (a warning naming it) and the next
+    start of b removes it; a partial of a job whose persister is alive is kept however old; step 1 loads."""
+    import subprocess
+    import sys
+
+    snap_env.leftover_ok = True  # job a's arena outlives its killed persister
+    d = snap_env.ckpt_dir
+
+    def age(path):  # every entry's mtime an hour back
+        for root, dirs, files in os.walk(path):
+            for n in dirs + files:
+                os.utime(os.path.join(root, n), (time.time() - 3600,) * 2)
+        os.utime(path, (time.time() - 3600,) * 2)
+
+    def ls():
+        r = subprocess.run([sys.executable, "-m", "snapckpt", "ls", d], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    monkeypatch.setenv(DELAY, "0.2")
+    ck = Checkpointer(d, job_id="a", **OPTS)
+    ck.save(make_state(1, 0), 1).wait()
+    ck.save({f"t{i}": torch.ones(1000) for i in range(50)}, 2)
+    assert wait_until(lambda: partials(d), timeout=30)
+    pid = ck.persister_pid
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: gone(pid), timeout=30)
+    with pytest.raises(PersisterDiedError):
+        ck.close()
+    monkeypatch.delenv(DELAY)
+    [left] = partials(d)
+    assert "incomplete" in ls()
+    with Checkpointer(d, job_id="b", **OPTS) as ck:  # fresh: its writer might be alive elsewhere
+        assert partials(d) == [left]
+    age(os.path.join(d, left))
+    out = ls()
+    assert "incomplete" not in out and f"warning: {left}" in out and "dead save" in out, out
+    live = Checkpointer(d, job_id="c", **OPTS)  # another job whose persister lives
+    try:
+        planted = os.path.join(d, f".step_00000009.partial-{live.run_id}")
+        os.makedirs(os.path.join(planted, ".snapckpt"))
+        age(planted)
+        with Checkpointer(d, job_id="b", **OPTS) as ck:
+            assert partials(d) == [os.path.basename(planted)]  # a's is gone, c's is kept: its persister lives
+            assert ck.load()["step"] == 1 and ck.last_load.step == 1
+    finally:
+        live.close()
+
+
 def test_B1_in_flight_commit_completes_after_job_killed_tracker_moves_last(snap_env):
     """Case B1 with the node alive: 2 ranks, keep_last=1, a slow persister; SIGKILL both ranks right
     after ``save(step 2, DISK)`` returned. Right: the persister finishes step 2 on its own; while it does,

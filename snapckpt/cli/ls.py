@@ -4,7 +4,8 @@ Reads DIR only (through :func:`snapckpt.storage.factory.open_storage`): the mani
 committed directories (:mod:`snapckpt.ondisk.manifest`), the part/fail markers of hidden in-flight
 ``.NAME.partial-RUN`` directories, and the tracker files (``latest``, Megatron's
 ``latest_checkpointed_iteration.txt``). States: ``committed``, ``incomplete``, ``damaged`` (see
-:mod:`snapckpt.cli`).
+:mod:`snapckpt.cli`). A partial directory a dead save left (:mod:`snapckpt.persister.leftovers`) is no
+checkpoint: a warning names it instead of a row.
 
 ``--json`` prints one object instead of the table: ``{"dir": DIR as given, "checkpoints": [{"name",
 "state", "step" (int or null), "world_size" (int or null), "bytes" (int), "trackers" (list of tracker file
@@ -18,10 +19,12 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from snapckpt._internal.env import runtime_dir
 from snapckpt.cli.common import bad_records, checkpoint_dir, dir_bytes, human_bytes, print_json, table
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN, TRACKER
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, check_sizes, parse_manifest
+from snapckpt.persister.leftovers import writer_is_dead
 from snapckpt.storage.base import StorageReader
 from snapckpt.storage.factory import open_storage
 from snapckpt.storage.urls import is_remote_url
@@ -30,6 +33,7 @@ __all__ = ["Row", "TRACKERS", "scan", "cmd_ls"]
 
 TRACKERS = (TRACKER, "latest_checkpointed_iteration.txt")
 _PARTIAL = ".partial-"
+DEAD_QUIET_SECS = 600.0  # a partial directory unchanged this long, of no persister here: a dead save's leftover
 
 
 @dataclass
@@ -87,8 +91,10 @@ def _committed_row(reader: StorageReader, path: str, name: str) -> Row:
     return row
 
 
-def scan(d: str) -> Tuple[List[Row], int]:
-    """Every checkpoint directory in ``d`` (sorted by step, then name) and how many others were seen."""
+def scan(d: str, dead: Optional[List[str]] = None) -> Tuple[List[Row], int]:
+    """Every checkpoint directory in ``d`` (sorted by step, then name) and how many others were seen. A
+    partial directory whose writer is provably dead (:func:`snapckpt.persister.leftovers.writer_is_dead`) is
+    no checkpoint: its note goes to ``dead`` instead of a row."""
     reader = open_storage()
     rows, others = [], 0
     for name in reader.listdir(d):
@@ -96,6 +102,11 @@ def scan(d: str) -> Tuple[List[Row], int]:
         if not os.path.isdir(path):
             continue
         if name.startswith(".") and _PARTIAL in name:
+            run_id = name.rpartition(_PARTIAL)[2]
+            if dead is not None and writer_is_dead(path, run_id, runtime_dir(), DEAD_QUIET_SECS):
+                dead.append(f"{name} ({human_bytes(dir_bytes(path))}) is what a dead save (run {run_id}) left, not "
+                            "a checkpoint: the next job saving here removes it, or delete it")
+                continue
             rows.append(_partial_row(path, name))
         elif not name.startswith(".") and (os.path.isdir(os.path.join(path, SIDECAR))
                                            or STEP_DIR_PATTERN.fullmatch(name)):
@@ -136,8 +147,10 @@ def cmd_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from snapckpt.cli.remote import ls_remote
         return ls_remote(args, parser)
     d = checkpoint_dir(parser, args.dir)
-    rows, others = scan(d)
+    dead: List[str] = []
+    rows, others = scan(d, dead)
     named, notes = _trackers(d, rows)
+    notes += dead
     if getattr(args, "json", False):
         print_json({"dir": args.dir,
                     "checkpoints": [{"name": r.name, "state": r.state, "step": r.step, "world_size": r.world_size,

@@ -47,6 +47,7 @@ from snapckpt.ondisk.manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifes
                         partial_dirname, validate_file_name)
 from snapckpt.storage.base import StorageReader, StorageWriter
 from snapckpt.persister.client import job_of_run
+from snapckpt.persister.leftovers import leftover_run, writer_is_dead
 from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
@@ -416,7 +417,8 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
 
 
 def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, job: str,
-                                known_runs: Set[str]) -> None:
+                                known_runs: Set[str], runtime_root: Optional[str] = None,
+                                quiet_secs: float = 600.0) -> None:
     """The commit's own crash recovery, run by the committer's persister when a run of ``job`` starts in
     ``checkpoint_dir``: restore interrupted re-commits and remove partial directories left by earlier runs
     of this job that this persister does not know (``known_runs``: the run ids it serves; others crashed).
@@ -429,8 +431,10 @@ def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, 
     job key). Only one job writes a directory (:mod:`snapckpt.ondisk.dirclaim`); should another job's live
     commit be between its two renames at this very moment (microseconds), its rename fails and its
     commit raises ``CommitError``, its old copy restored: nothing is lost. Other leftovers are removed
-    only when their run id starts with this job's key: another job sharing the directory (another ``job_id``) has its own
-    persister, and its directories in flight are never touched.
+    only when their run id starts with this job's key, or (with ``runtime_root``) when their writer is provably
+    dead (:func:`snapckpt.persister.leftovers.writer_is_dead`: no persister of that job on this host, nothing
+    changed for ``quiet_secs``): another job sharing the directory has its own persister, and its directories
+    in flight are never touched.
 
     Raises:
         OSError: the filesystem failed while listing, renaming or removing.
@@ -448,10 +452,16 @@ def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, 
         log.warning("restored %s from %s: a commit replacing it was interrupted between its two renames "
                     "(the persister died); the interrupted new copy is discarded", final, name)
     for name in storage.listdir(checkpoint_dir):
-        rid = name.rsplit("-", 1)[-1]
-        if (name.startswith(".") and any(k in name for k in (".partial-", ".replaced-", ".deleted-", ".peers-"))
-                and rid not in known_runs and rid.startswith(job)):
-            storage.remove_tree(os.path.join(checkpoint_dir, name))
+        rid = leftover_run(name)
+        if rid is None or rid in known_runs:
+            continue
+        path = os.path.join(checkpoint_dir, name)
+        if rid.startswith(job):
+            storage.remove_tree(path)
+        elif runtime_root is not None and writer_is_dead(path, rid, runtime_root, quiet_secs):
+            storage.remove_tree(path)
+            log.warning("removed %s: left by a save of another job (run %s) whose persister is gone and which "
+                        "changed nothing for %.0f s", path, rid, quiet_secs)
 
 
 def _restorable(path: str) -> bool:

@@ -574,7 +574,9 @@ class Server:
                 remote_only.clean_start(run.checkpoint_dir, list(self.slots.runs))
             else:
                 recover_interrupted_commits(open_storage(), run.checkpoint_dir, job=self.job,
-                                            known_runs=set(self.slots.runs))
+                                            known_runs=set(self.slots.runs),
+                                            runtime_root=os.path.dirname(os.path.dirname(self.runtime_dir)),
+                                            quiet_secs=max(run.commit_timeout_secs, 600.0))
             if run.remote_dir:  # remove what an interrupted upload of an earlier persister left
                 self.scheduler.clean_remote(run)
         if run.gone.pop(rank, None) is not None:  # the rank is back (a new connection of the same run)
