@@ -58,7 +58,8 @@ class SaveStats:
 @dataclass(frozen=True)
 class Event:
     """One event: ``kind`` is ``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait``, ``failed``,
-    ``upload_skipped``, ``upload_failed``, ``replicated``, ``replica_lagging`` or ``steps_lost``.
+    ``upload_skipped``, ``upload_failed``, ``replicated``, ``replica_lagging``, ``steps_lost`` or
+    ``world_size_changed``.
 
     ``skipped`` means no snapshot was taken for the step; ``slot_wait`` means the save is waiting for a
     free arena slot (``on_slot_busy="wait"``) and its snapshot is still to come. ``upload_skipped`` /
@@ -71,7 +72,8 @@ class Event:
     newer step than the newest step complete in any tier, but not for every rank (a node lost with no
     surviving replica, two nodes lost, a replica behind); ``step`` is the newest such step and ``reason`` the
     warning's text (the ranks holding it and where, the ranks no node holds it for, the step and tier resumed
-    from).
+    from). ``world_size_changed`` (rank 0, at the first save): the checkpoint directory holds committed
+    checkpoints written by another world size; ``reason`` names them (a DISK save into one is refused).
 
     Attributes:
         kind: what happened.
@@ -80,7 +82,7 @@ class Event:
         rank: global rank that observed it.
         stats: for ``snapshot_taken``; for ``committed`` too, with ``durable_secs`` and ``persist_gbps`` set.
         reason: for ``skipped``, ``slot_wait``, ``upload_skipped``, ``upload_failed``, ``replicated``,
-            ``replica_lagging`` and ``steps_lost``.
+            ``replica_lagging``, ``steps_lost`` and ``world_size_changed``.
         error: for ``failed``.
     """
 

@@ -25,7 +25,7 @@ import torch
 
 from _harness import launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
-from snapckpt.errors import (CheckpointCorruptError, PersisterDiedError,
+from snapckpt.errors import (CheckpointCorruptError, CheckpointDirError, PersisterDiedError,
                              PersisterTimeoutError)
 from snapckpt.ondisk.manifest import MANIFEST, check_checksums, list_committed
 from snapckpt.persister.client import job_dirs, job_key
@@ -410,6 +410,33 @@ def test_B1_another_jobs_dead_partial_is_removed_once_provably_dead(snap_env, mo
             assert ck.load()["step"] == 1 and ck.last_load.step == 1
     finally:
         live.close()
+
+
+def test_save_next_to_another_world_sizes_checkpoints(snap_env):
+    """A 2-rank job committed steps 4 and 5; a 1-rank job (a resume with another world size: resharding
+    elsewhere) saves into the same directory. Right: its first save warns once and emits a
+    ``world_size_changed`` event naming the other world size; its save of step 6 commits next to them; its
+    DISK save of step 5 (which would replace the 2-rank run's committed step 5) raises CheckpointDirError
+    naming the step, both world sizes and the fix, before anything is written, and step 5 stays the 2-rank
+    run's (both parts); a MEMORY save of step 5 is fine."""
+    d = snap_env.ckpt_dir
+    run_ranks(WORKER, 2, ["save_steps", d, "4", "5"], snap_env.env)
+    before = {n: sorted(os.listdir(os.path.join(d, "step_00000005", n))) for n in ("", ".snapckpt")}
+    events = []
+    with Checkpointer(d, keep_last=None, **OPTS) as ck:
+        ck.add_listener(events.append)
+        ck.save(make_state(6, 0), 6).wait()
+        with pytest.raises(CheckpointDirError) as ei:
+            ck.save(make_state(5, 0), 5)
+        msg = str(ei.value)
+        assert "step 5" in msg and "world size 2" in msg and "world size 1" in msg, msg
+        assert "another step" in msg and "nothing was written" in msg, msg
+        ck.save(make_state(5, 0), 5, StorageType.MEMORY).wait()
+    changed = [e for e in events if e.kind == "world_size_changed"]
+    assert len(changed) == 1 and "[2]" in changed[0].reason and "step_00000005" in changed[0].reason, events
+    assert committed_steps(d) == [4, 5, 6] and not partials(d)
+    assert {n: sorted(os.listdir(os.path.join(d, "step_00000005", n))) for n in ("", ".snapckpt")} == before
+    assert json.loads(open(os.path.join(d, "step_00000005", MANIFEST)).read())["world_size"] == 2
 
 
 def test_B1_in_flight_commit_completes_after_job_killed_tracker_moves_last(snap_env):

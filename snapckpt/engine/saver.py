@@ -38,7 +38,7 @@ from snapckpt.errors import CheckpointDirError, InsufficientDiskError, SlotBusyE
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.metrics import summary_line
 from snapckpt.ondisk import dirclaim
-from snapckpt.ondisk.manifest import validate_dirname, validate_file_name
+from snapckpt.ondisk.manifest import list_committed, validate_dirname, validate_file_name
 from snapckpt.options import CheckpointOptions
 from snapckpt.storage.posix import PosixStorage
 
@@ -109,6 +109,7 @@ class Saver:
         self.cuda: Optional[CudaCopier] = None
         self._claim: Optional[dirclaim.DirClaim] = None
         self._claimed = not local  # the writer claim of checkpoint_dir was settled (see _claim_dir)
+        self._other_world: Dict[str, int] = {}  # committed dirname -> world size, another world size's (_claim_dir)
         self.last_stats: Optional[SaveStats] = None
         self._remote_seen = 0  # remote-tier notes of the persister already emitted as events
         self._checked_nbytes = 0  # the largest slot size the host-memory preflight has checked
@@ -196,7 +197,9 @@ class Saver:
         for name in files:
             validate_file_name(name)
         if not self._claimed:
-            self._claim_dir()
+            self._claim_dir(step, storage_type)
+        if storage_type == StorageType.DISK and dirname in self._other_world and os.path.isdir(target):
+            self._refuse_other_world(step, dirname, target)
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step, check_weights_only=check_weights_only)
@@ -274,9 +277,12 @@ class Saver:
             raise
         return self._copied(job)
 
-    def _claim_dir(self) -> None:
+    def _claim_dir(self, step: int, storage_type: StorageType) -> None:
         """First save of this Checkpointer: global rank 0 claims ``checkpoint_dir`` for this job
         (:mod:`snapckpt.ondisk.dirclaim`) and every rank learns the outcome, so that all ranks raise together.
+        Rank 0 also lists the committed checkpoints written by another world size (every rank learns them:
+        a DISK save of one of their directories is refused, :meth:`_refuse_other_world`), with a warning
+        and a ``world_size_changed`` event.
 
         Raises:
             CheckpointDirInUseError: another job holds the claim (on every rank; nothing was saved).
@@ -290,6 +296,7 @@ class Saver:
             try:
                 self._claim = dirclaim.claim_dir(self._checkpoint_dir, {"job_id": self._options.job_id,
                                                                         "run_id": self._run_id})
+                mine["other_world"] = self._other_world_checkpoints()
             except SnapckptError as e:
                 err, mine = e, {"ok": False, "type": type(e).__name__, "error": str(e)}
         got = self._coord.all_gather("claim", mine, self._options.coordination_timeout_secs)[0]
@@ -298,6 +305,38 @@ class Saver:
         if not got["ok"]:
             raise getattr(error_types, got["type"], CheckpointDirError)(got["error"])
         self._claimed = True
+        self._other_world = got.get("other_world") or {}
+        if self._other_world and self._rank == 0:
+            reason = (f"{self._checkpoint_dir} holds checkpoints written by world size "
+                      f"{sorted(set(self._other_world.values()))} ({', '.join(sorted(self._other_world))}); this "
+                      f"job has world size {self._coord.world_size}. Its saves go next to them (retention counts "
+                      "them); a save into one of their directories is refused")
+            log.warning("rank 0: %s", reason)
+            self._emit(Event("world_size_changed", step, storage_type, self._rank, reason=reason))
+
+    def _other_world_checkpoints(self) -> Dict[str, int]:
+        """Rank 0: ``{dirname: world size}`` of the committed checkpoints of another world size ({} when the
+        directory cannot be listed: the save itself then says why)."""
+        try:
+            return {c.dirname: c.manifest["world_size"] for c in list_committed(
+                self._storage, self._checkpoint_dir, quick_check=False)
+                if c.manifest.get("world_size") != self._coord.world_size}
+        except OSError:
+            return {}
+
+    def _refuse_other_world(self, step: int, dirname: str, target: str) -> None:
+        """Raise ``CheckpointDirError`` (and fail this step for the other ranks at once): ``target`` is a
+        committed checkpoint written by another world size, which this DISK save would replace."""
+        err = CheckpointDirError(
+            f"step {step}: {target} is a committed checkpoint written by world size {self._other_world[dirname]}, "
+            f"and this job has world size {self._coord.world_size}: saving would replace another run's checkpoint. "
+            "Save under another step or tag, or into another checkpoint directory; delete it first if it is "
+            "meant to be replaced; nothing was written")
+        try:
+            self._session.request("fail", step=step, dirname=dirname, type=type(err).__name__, message=str(err))
+        except SnapckptError:
+            pass
+        raise err
 
     def _abort(self, slot: int, sync_cuda: bool = False) -> None:
         if sync_cuda:  # a queued device-to-host copy must not land in the slot after it is handed back

@@ -113,6 +113,15 @@ def load(d: str) -> None:
                consistent=consistent(out, rank))
 
 
+def save_steps(d: str, *steps: str) -> None:
+    """A job that saves ``steps`` to DISK and exits (a checkpoint directory of this world size)."""
+    dist, rank = init_dist()
+    with Checkpointer(d, **OPTS) as ck:
+        for step in map(int, steps):
+            ck.save(make_state(step, rank), step).wait()
+    result(rank=rank, saved=list(map(int, steps)))
+
+
 def parts(d: str) -> None:
     """Case B9 / C5: an extra rank's part marker, a rank that does not save, an empty shard."""
     dist, rank = init_dist()
@@ -246,6 +255,6 @@ def preflight_fail_one_rank(d: str) -> None:
 
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
-    {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts,
+    {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts, "save_steps": save_steps,
      "slow_disk": slow_disk, "hung_then_exit": hung_then_exit, "save_loop": save_loop,
      "full_disk_one_rank": full_disk_one_rank, "preflight_fail_one_rank": preflight_fail_one_rank}[scenario](*rest)
