@@ -72,8 +72,8 @@ class Event:
     newer step than the newest step complete in any tier, but not for every rank (a node lost with no
     surviving replica, two nodes lost, a replica behind); ``step`` is the newest such step and ``reason`` the
     warning's text (the ranks holding it and where, the ranks no node holds it for, the step and tier resumed
-    from). ``world_size_changed`` (rank 0, at the first save): the checkpoint directory holds committed
-    checkpoints written by another world size; ``reason`` names them (a DISK save into one is refused).
+    from). ``world_size_changed`` (rank 0): at the first save, the checkpoint directory holds committed
+    checkpoints written by another world size (``reason`` names them); or a DISK save replaces one of them.
 
     Attributes:
         kind: what happened.

@@ -25,7 +25,7 @@ import torch
 
 from _harness import launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
-from snapckpt.errors import (CheckpointCorruptError, CheckpointDirError, PersisterDiedError,
+from snapckpt.errors import (CheckpointCorruptError, PersisterDiedError,
                              PersisterTimeoutError)
 from snapckpt.ondisk.manifest import MANIFEST, check_checksums, list_committed
 from snapckpt.persister.client import job_dirs, job_key
@@ -412,31 +412,33 @@ def test_B1_another_jobs_dead_partial_is_removed_once_provably_dead(snap_env, mo
         live.close()
 
 
-def test_save_next_to_another_world_sizes_checkpoints(snap_env):
-    """A 2-rank job committed steps 4 and 5; a 1-rank job (a resume with another world size: resharding
-    elsewhere) saves into the same directory. Right: its first save warns once and emits a
-    ``world_size_changed`` event naming the other world size; its save of step 6 commits next to them; its
-    DISK save of step 5 (which would replace the 2-rank run's committed step 5) raises CheckpointDirError
-    naming the step, both world sizes and the fix, before anything is written, and step 5 stays the 2-rank
-    run's (both parts); a MEMORY save of step 5 is fine."""
+def test_save_next_to_another_world_sizes_checkpoints(snap_env, caplog):
+    """A 2-rank job committed steps 4 and 5; a 1-rank job (a resume with another world size, e.g. a Trainer
+    resumed at another DDP size, which goes on from an earlier step) saves into the same directory. Right:
+    allowed, never silent: its first save warns once and emits a ``world_size_changed`` event naming the
+    other world size and its checkpoints; step 6 commits next to them; its DISK save of step 5 replaces the
+    2-rank run's step 5 (as a re-save of a step does) with a second warning and event naming the replaced
+    directory, both world sizes and how to keep it; step 4 stays the 2-rank run's, step 5 loads back."""
+    import logging
+
     d = snap_env.ckpt_dir
     run_ranks(WORKER, 2, ["save_steps", d, "4", "5"], snap_env.env)
-    before = {n: sorted(os.listdir(os.path.join(d, "step_00000005", n))) for n in ("", ".snapckpt")}
     events = []
-    with Checkpointer(d, keep_last=None, **OPTS) as ck:
-        ck.add_listener(events.append)
-        ck.save(make_state(6, 0), 6).wait()
-        with pytest.raises(CheckpointDirError) as ei:
-            ck.save(make_state(5, 0), 5)
-        msg = str(ei.value)
-        assert "step 5" in msg and "world size 2" in msg and "world size 1" in msg, msg
-        assert "another step" in msg and "nothing was written" in msg, msg
-        ck.save(make_state(5, 0), 5, StorageType.MEMORY).wait()
-    changed = [e for e in events if e.kind == "world_size_changed"]
-    assert len(changed) == 1 and "[2]" in changed[0].reason and "step_00000005" in changed[0].reason, events
+    with caplog.at_level(logging.WARNING, logger="snapckpt.engine.saver"):
+        with Checkpointer(d, keep_last=None, **OPTS) as ck:
+            ck.add_listener(events.append)
+            ck.save(make_state(6, 0), 6).wait()
+            ck.save(make_state(5, 0), 5).wait()
+            assert ck.load(step=5)["step"] == 5 and ck.last_load.step == 5
+    changed = [e.reason for e in events if e.kind == "world_size_changed"]
+    assert len(changed) == 2, events
+    assert "world size [2]" in changed[0] and "step_00000005" in changed[0] and "world size 1" in changed[0]
+    assert f"replaces {os.path.join(d, 'step_00000005')}" in changed[1] and "world size 2" in changed[1]
+    assert "another step or tag" in changed[1], changed[1]
+    assert sum("world size" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 2
     assert committed_steps(d) == [4, 5, 6] and not partials(d)
-    assert {n: sorted(os.listdir(os.path.join(d, "step_00000005", n))) for n in ("", ".snapckpt")} == before
-    assert json.loads(open(os.path.join(d, "step_00000005", MANIFEST)).read())["world_size"] == 2
+    ws = {s: json.loads(open(os.path.join(step_dir(d, s), MANIFEST)).read())["world_size"] for s in (4, 5, 6)}
+    assert ws == {4: 2, 5: 1, 6: 1}
 
 
 def test_B1_in_flight_commit_completes_after_job_killed_tracker_moves_last(snap_env):

@@ -198,8 +198,8 @@ class Saver:
             validate_file_name(name)
         if not self._claimed:
             self._claim_dir(step, storage_type)
-        if storage_type == StorageType.DISK and dirname in self._other_world and os.path.isdir(target):
-            self._refuse_other_world(step, dirname, target)
+        if storage_type == StorageType.DISK and dirname in self._other_world:
+            self._warn_replacing(step, storage_type, dirname, target)
         t0 = time.perf_counter()
         self.poll()
         prepared = self._stager.prepare(files, step, check_weights_only=check_weights_only)
@@ -280,9 +280,8 @@ class Saver:
     def _claim_dir(self, step: int, storage_type: StorageType) -> None:
         """First save of this Checkpointer: global rank 0 claims ``checkpoint_dir`` for this job
         (:mod:`snapckpt.ondisk.dirclaim`) and every rank learns the outcome, so that all ranks raise together.
-        Rank 0 also lists the committed checkpoints written by another world size (every rank learns them:
-        a DISK save of one of their directories is refused, :meth:`_refuse_other_world`), with a warning
-        and a ``world_size_changed`` event.
+        Rank 0 also lists the committed checkpoints written by another world size, with a warning and a
+        ``world_size_changed`` event (and another when a DISK save replaces one, :meth:`_warn_replacing`).
 
         Raises:
             CheckpointDirInUseError: another job holds the claim (on every rank; nothing was saved).
@@ -310,7 +309,7 @@ class Saver:
             reason = (f"{self._checkpoint_dir} holds checkpoints written by world size "
                       f"{sorted(set(self._other_world.values()))} ({', '.join(sorted(self._other_world))}); this "
                       f"job has world size {self._coord.world_size}. Its saves go next to them (retention counts "
-                      "them); a save into one of their directories is refused")
+                      "them); a save of one of their steps replaces it, with a warning")
             log.warning("rank 0: %s", reason)
             self._emit(Event("world_size_changed", step, storage_type, self._rank, reason=reason))
 
@@ -324,19 +323,18 @@ class Saver:
         except OSError:
             return {}
 
-    def _refuse_other_world(self, step: int, dirname: str, target: str) -> None:
-        """Raise ``CheckpointDirError`` (and fail this step for the other ranks at once): ``target`` is a
-        committed checkpoint written by another world size, which this DISK save would replace."""
-        err = CheckpointDirError(
-            f"step {step}: {target} is a committed checkpoint written by world size {self._other_world[dirname]}, "
-            f"and this job has world size {self._coord.world_size}: saving would replace another run's checkpoint. "
-            "Save under another step or tag, or into another checkpoint directory; delete it first if it is "
-            "meant to be replaced; nothing was written")
-        try:
-            self._session.request("fail", step=step, dirname=dirname, type=type(err).__name__, message=str(err))
-        except SnapckptError:
-            pass
-        raise err
+    def _warn_replacing(self, step: int, storage_type: StorageType, dirname: str, target: str) -> None:
+        """Rank 0: a warning and a ``world_size_changed`` event: this DISK save replaces ``target``, a committed
+        checkpoint written by another world size (a resume from an earlier step goes on from there, as a
+        re-save of a step by the same world size does; said, never silent)."""
+        ws = self._other_world.pop(dirname)
+        if self._rank != 0 or not os.path.isdir(target):
+            return
+        reason = (f"step {step}: this save replaces {target}, a committed checkpoint written by world size {ws} "
+                  f"(this job has world size {self._coord.world_size}) once it commits; to keep it, save under "
+                  "another step or tag, or into another checkpoint directory")
+        log.warning("rank 0: %s", reason)
+        self._emit(Event("world_size_changed", step, storage_type, self._rank, reason=reason))
 
     def _abort(self, slot: int, sync_cuda: bool = False) -> None:
         if sync_cuda:  # a queued device-to-host copy must not land in the slot after it is handed back
