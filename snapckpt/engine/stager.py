@@ -25,7 +25,7 @@ import json
 import logging
 from itertools import islice
 from operator import attrgetter, eq, mul, sub
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -229,6 +229,7 @@ class _Layout:
         tail_key, tail, files_json: the last skeleton made with this plan: the key of the files it was made
             from (``None``: not reusable), the pickles ``(slot offset, bytes)`` and the index's ``"files"``
             JSON; ``tail_end``: the first byte after the pickles (the index's offset).
+        pickles: per plain file, its last pickle (see :meth:`Stager._skeletons`).
     """
 
     plan: Plan
@@ -238,6 +239,7 @@ class _Layout:
     spans: Tuple[Tuple[int, int], ...]
     tensor_nbytes: int
     tail_key: Optional[list] = None
+    pickles: Dict[str, tuple] = field(default_factory=dict)
     tail: Optional[List[Tuple[int, bytes]]] = None
     files_json: bytes = b""
     tail_end: int = 0
@@ -520,7 +522,7 @@ class Stager:
             if seen is None:
                 seen = {id(t): i for i, t in enumerate(all_tensors)}
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
-                                                         check_weights_only and new_plan)
+                                                         check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
         tail, offset = list(layout.tail), layout.tail_end
         index = b'{"v":2,"step":%d,"files":%s}' % (step, layout.files_json)  # json.dumps' bytes, the step spliced in
@@ -530,22 +532,31 @@ class Stager:
                         persistable, direct, layout)
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
-                   plan: Plan, seen: Dict[int, int], plain_files: set, check_weights_only: bool
-                   ) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
+                   plan: Plan, seen: Dict[int, int], plain_files: set, check_weights_only: bool,
+                   keys: List[Any], pickles: Dict[str, tuple]) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
-        the index's "files" JSON, the first byte after them)``."""
+        the index's "files" JSON, the first byte after them)``. A plain file's pickle is reused from
+        ``pickles`` (``path -> (plain_layout key, its tensors' plan indices, pickle, span keys)``, updated) while
+        its key and tensors are those of the last pickle (a save that also writes changing raw bytes, such as
+        the Hugging Face callback's, pickles only what changed)."""
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files = []
         by_key = {s.key: s for s in plan.spans}
-        for path, (spec, persist), ts in zip(files.keys(), specs, per_file_tensors):
+        for path, (spec, persist), ts, key in zip(files.keys(), specs, per_file_tensors, keys):
             if isinstance(spec, TorchSave):
-                refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
-                pkl, keys = pickle_skeleton(spec.obj, refs)
+                idx = list(map(seen.__getitem__, map(id, ts)))
+                hit = pickles.get(path) if key is not None else None
+                if hit is not None and hit[0] == key and hit[1] == idx:
+                    pkl, skeys = hit[2], hit[3]
+                else:
+                    pkl, skeys = pickle_skeleton(spec.obj, {id(t): plan.refs[i] for t, i in zip(ts, idx)})
+                    if key is not None:
+                        pickles[path] = (key, idx, pkl, skeys)
                 if check_weights_only and path not in plain_files:
                     _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
-                records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
+                records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in skeys]
                 index_files.append({"path": path, "kind": "torch", "persist": persist,
                                     "pkl": [offset, len(pkl)], "records": records, **_mode(spec)})
                 offset += len(pkl)

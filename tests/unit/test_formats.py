@@ -400,3 +400,34 @@ def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
         if change is tie_storage:
             assert back["x"].untyped_storage().data_ptr() == back["y"].untyped_storage().data_ptr()
     assert back["y2"] is back["y"] and stager._rechecks
+
+
+def test_a_plain_file_keeps_its_pickle_beside_raw_bytes_that_change_every_save():
+    """Files saved together (a model, an optimizer, raw JSON as the Hugging Face callback adds): a plain file
+    whose structure and values did not change reuses its pickle; a changed one is pickled again."""
+    from snapckpt.engine.stager import Stager
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf = Stager(), bytearray(1 << 20)
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    model = {f"w{i}": torch.rand(2) for i in range(20)}
+    opt = {"lr": 0.1, "state": {0: {"m": torch.rand(2)}}}
+
+    def roundtrip(step):
+        files = {"model.pt": model, "opt.pt": opt, "state.json": RawBytes(b"{}" * step)}
+        p = stager.prepare(files, step)
+        Stager.copy_into(p, slot, buf)
+        got = read_slot(buf, slot, weights_only=True)[1]
+        _same(got["model.pt"], model)
+        _same(got["opt.pt"], opt)
+        assert got["state.json"] == b"{}" * step
+        return [data for _, data in p.tail]
+
+    t1 = roundtrip(1)
+    t2 = roundtrip(2)
+    assert t2[0] is t1[0] and t2[1] is t1[1] and t2[2] != t1[2]  # both pickles reused, the JSON is new
+    opt["lr"] = 0.2
+    t3 = roundtrip(3)
+    assert t3[0] is t1[0] and t3[1] != t1[1]
+    model["w0"] = torch.rand(3)  # a new plan: everything pickled again
+    assert roundtrip(4)[0] is not t1[0] and stager.plan_builds == 2
