@@ -115,7 +115,8 @@ def _groups(tensors: List[torch.Tensor], offs: tuple, itemsizes: tuple, devices:
     if one_device and list(map(eq, ordered, islice(ordered, 1, None))).count(True) == max(empty - 1, 0):
         return None
     ids: Dict[tuple, int] = {}
-    return tuple(ids.setdefault((d, p) if p else ("empty", i), len(ids)) for i, (d, p) in enumerate(zip(devices, starts)))
+    return tuple(ids.setdefault((d, p) if p else ("empty", i), len(ids))
+                 for i, (d, p) in enumerate(zip(devices, starts)))
 
 
 try:  # PyTorch's C++ check of many tensors' dtype, device, shape, stride, requires_grad (and dispatch keys)
