@@ -403,10 +403,14 @@ class Stager:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[sig] = layout
         if _TensorGuards is not None:
+            try:
+                recheck = _Recheck(tensors, sig, layout)
+            except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
+                return layout, built
             if quick not in self._rechecks and len(self._rechecks) >= self._cache_size:
                 self._rechecks.pop(next(iter(self._rechecks)))
             entries = self._rechecks.setdefault(quick, [])
-            entries.append(_Recheck(tensors, sig, layout))
+            entries.append(recheck)
             del entries[:-self._cache_size]
         return layout, built
 
