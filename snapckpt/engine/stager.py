@@ -23,8 +23,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
-from operator import attrgetter, mul, sub
-from dataclasses import dataclass
+from itertools import islice
+from operator import attrgetter, eq, mul, sub
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from snapckpt.persister.arena import HEADER_NBYTES, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
-from snapckpt.formats.plain_layout import plain_layout
+from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
                                         weights_only_refusal)
@@ -98,16 +99,53 @@ def _signature(tensors: List[torch.Tensor]) -> tuple:
     offs = tuple(map(t_.storage_offset, tensors))
     dtypes = tuple(map(_DTYPE, tensors))
     devices = tuple(map(_DEVICE, tensors))
-    starts = list(map(sub, map(t_.data_ptr, tensors), map(mul, offs, map(_ITEMSIZE, dtypes))))
-    empty = starts.count(0)  # no storage (a null data pointer): a group of its own each
-    if len(set(starts)) == len(starts) - empty + (1 if empty else 0) and len(set(devices)) <= 1:
-        groups = None
-    else:
-        ids: Dict[tuple, int] = {}
-        groups = tuple(ids.setdefault((d, p) if p else ("empty", i), len(ids))
-                       for i, (d, p) in enumerate(zip(devices, starts)))
+    groups = _groups(tensors, offs, tuple(map(_ITEMSIZE, dtypes)), devices, len(set(devices)) <= 1)
     return (len(tensors), groups, offs, dtypes, devices, tuple(map(_SHAPE, tensors)), tuple(map(t_.stride, tensors)),
             tuple(map(type, tensors)), tuple(map(_GRAD, tensors)))
+
+
+def _groups(tensors: List[torch.Tensor], offs: tuple, itemsizes: tuple, devices: tuple, one_device: bool
+            ) -> Optional[tuple]:
+    """:func:`_signature`'s storage grouping: ``None`` when every tensor has a storage of its own (on one
+    device: ``one_device``)."""
+    starts = list(map(sub, map(torch.Tensor.data_ptr, tensors), map(mul, offs, itemsizes)))
+    empty = starts.count(0)  # no storage (a null data pointer): a group of its own each
+    # sorted, not a set: a set of 200,000 aligned pointers is several times slower (hash collisions, misses)
+    ordered = sorted(starts)
+    if one_device and list(map(eq, ordered, islice(ordered, 1, None))).count(True) == max(empty - 1, 0):
+        return None
+    ids: Dict[tuple, int] = {}
+    return tuple(ids.setdefault((d, p) if p else ("empty", i), len(ids))
+                 for i, (d, p) in enumerate(zip(devices, starts)))
+
+
+try:  # PyTorch's C++ check of many tensors' dtype, device, shape, stride, requires_grad (and dispatch keys)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - every supported torch has it; the full signature is the fallback
+    _TensorGuards = None
+
+
+class _Recheck:
+    """A quick way to tell that tensors have a known :func:`_signature`, without reading it (a plan-cache hit).
+
+    Found by ``(count, storage offsets, types)``; then PyTorch's ``TensorGuards`` (a C++ loop) checks each
+    tensor's dtype, device, shape, stride and ``requires_grad`` against the tensors the entry was made from,
+    and the storage grouping is recomputed from the data pointers (with the known element sizes). Every field
+    of the signature is compared, so a hit means the same signature; any failure (or a guard that cannot be
+    made) falls back to the full :func:`_signature`.
+    """
+
+    __slots__ = ("guards", "itemsizes", "devices", "one_device", "groups", "layout")
+
+    def __init__(self, tensors: List[torch.Tensor], sig: tuple, layout: "_Layout") -> None:
+        self.guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        self.itemsizes = tuple(map(_ITEMSIZE, sig[3]))
+        self.devices, self.groups, self.layout = sig[4], sig[1], layout
+        self.one_device = len(set(self.devices)) <= 1
+
+    def matches(self, tensors: List[torch.Tensor], offs: tuple) -> bool:
+        return (self.guards.check(*tensors)
+                and _groups(tensors, offs, self.itemsizes, self.devices, self.one_device) == self.groups)
 
 
 def _extent_nbytes(t: torch.Tensor) -> Tuple[int, int]:
@@ -192,6 +230,7 @@ class _Layout:
         tail_key, tail, files_json: the last skeleton made with this plan: the key of the files it was made
             from (``None``: not reusable), the pickles ``(slot offset, bytes)`` and the index's ``"files"``
             JSON; ``tail_end``: the first byte after the pickles (the index's offset).
+        pickles: per plain file, its last pickle (see :meth:`Stager._skeletons`).
     """
 
     plan: Plan
@@ -201,6 +240,7 @@ class _Layout:
     spans: Tuple[Tuple[int, int], ...]
     tensor_nbytes: int
     tail_key: Optional[list] = None
+    pickles: Dict[str, tuple] = field(default_factory=dict)
     tail: Optional[List[Tuple[int, bytes]]] = None
     files_json: bytes = b""
     tail_end: int = 0
@@ -332,6 +372,8 @@ class Stager:
         self._cache_size = cache_size
         self.plan_builds = 0  # how many plans were built (observable by tests of contract 3)
         self._unsafe_warned: set = set()  # weights_only refusals already warned about
+        self._rechecks: Dict[tuple, List[_Recheck]] = {}  # (count, offsets, types) -> quick plan-cache hits
+        self._memos: Dict[str, Any] = {}  # file -> its LayoutMemo, else its last plain_layout key ((key,): no memo)
 
     def _plan_for(self, tensors: List[torch.Tensor]) -> Tuple[_Layout, bool]:
         """The layout of these tensors and whether it was built now (not found in the cache).
@@ -340,22 +382,62 @@ class Stager:
             SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built).
         """
         try:
+            offs = tuple(map(torch.Tensor.storage_offset, tensors))
+            quick = (len(tensors), offs, tuple(map(type, tensors)))
+            for r in self._rechecks.get(quick, ()):
+                if r.matches(tensors, offs):
+                    return r.layout, False
             sig = _signature(tensors)
         except RuntimeError:  # no strides or storage (sparse, nested): say which tensor and why
             for t in tensors:
                 _check_supported(t)
             raise
         layout = self._plans.get(sig)
-        if layout is not None:
-            return layout, False
-        for t in tensors:
-            _check_supported(t)
-        layout = _layout(tensors, _build_plan(tensors))
-        self.plan_builds += 1
-        if len(self._plans) >= self._cache_size:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[sig] = layout
-        return layout, True
+        built = layout is None
+        if built:
+            for t in tensors:
+                _check_supported(t)
+            layout = _layout(tensors, _build_plan(tensors))
+            self.plan_builds += 1
+            if len(self._plans) >= self._cache_size:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[sig] = layout
+        if _TensorGuards is not None:
+            try:
+                recheck = _Recheck(tensors, sig, layout)
+            except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
+                return layout, built
+            if quick not in self._rechecks and len(self._rechecks) >= self._cache_size:
+                self._rechecks.pop(next(iter(self._rechecks)))
+            entries = self._rechecks.setdefault(quick, [])
+            entries.append(recheck)
+            del entries[:-self._cache_size]
+        return layout, built
+
+    def _plain_layout(self, name: str, obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+        """:func:`plain_layout` of file ``name``'s ``obj``, by its :class:`LayoutMemo` while the structure is
+        the one of the memo. A memo is made once two saves in a row walk to equal keys (a state whose values
+        change every save, such as a step counter, is walked each time and never pays for one)."""
+        memo = self._memos.get(name)
+        if type(memo) is LayoutMemo:
+            found = memo.match(obj)
+            if found is not None:
+                return found, memo.key
+        walked = plain_layout(obj)
+        if walked is None:
+            self._memos.pop(name, None)
+            return None
+        last = memo.key if type(memo) is LayoutMemo else memo[0] if type(memo) is tuple else memo
+        if last == walked[1]:
+            if type(memo) is not tuple:  # (key,): a structure no memo can be made of (aliasing), not retried
+                memo = LayoutMemo.build(obj, *walked) or (walked[1],)
+        else:
+            memo = walked[1]
+        self._memos.pop(name, None)
+        if len(self._memos) >= 4 * self._cache_size:
+            self._memos.pop(next(iter(self._memos)))
+        self._memos[name] = memo
+        return walked
 
     def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
         """See :meth:`_prepare` (the cyclic garbage collector is paused meanwhile: a state of many tensors makes
@@ -396,7 +478,7 @@ class Stager:
                 spec = Concat([bytes(spec.data)], spec.mode)
             specs.append((spec, persist))
             if isinstance(spec, TorchSave):
-                walked = plain_layout(spec.obj)
+                walked = self._plain_layout(name, spec.obj)
                 if walked is not None:  # only containers, tensors and atomic values: weights_only loads it
                     per_file_tensors.append(walked[0])
                     keys.append(walked[1])
@@ -445,7 +527,7 @@ class Stager:
             if seen is None:
                 seen = {id(t): i for i, t in enumerate(all_tensors)}
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
-                                                         check_weights_only and new_plan)
+                                                         check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
         tail, offset = list(layout.tail), layout.tail_end
         index = b'{"v":2,"step":%d,"files":%s}' % (step, layout.files_json)  # json.dumps' bytes, the step spliced in
@@ -455,22 +537,31 @@ class Stager:
                         persistable, direct, layout)
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
-                   plan: Plan, seen: Dict[int, int], plain_files: set, check_weights_only: bool
-                   ) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
+                   plan: Plan, seen: Dict[int, int], plain_files: set, check_weights_only: bool,
+                   keys: List[Any], pickles: Dict[str, tuple]) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
-        the index's "files" JSON, the first byte after them)``."""
+        the index's "files" JSON, the first byte after them)``. A plain file's pickle is reused from
+        ``pickles`` (``path -> (plain_layout key, its tensors' plan indices, pickle, span keys)``, updated) while
+        its key and tensors are those of the last pickle (a save that also writes changing raw bytes, such as
+        the Hugging Face callback's, pickles only what changed)."""
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files = []
         by_key = {s.key: s for s in plan.spans}
-        for path, (spec, persist), ts in zip(files.keys(), specs, per_file_tensors):
+        for path, (spec, persist), ts, key in zip(files.keys(), specs, per_file_tensors, keys):
             if isinstance(spec, TorchSave):
-                refs = {id(t): plan.refs[seen[id(t)]] for t in ts}
-                pkl, keys = pickle_skeleton(spec.obj, refs)
+                idx = list(map(seen.__getitem__, map(id, ts)))
+                hit = pickles.get(path) if key is not None else None
+                if hit is not None and hit[0] == key and hit[1] == idx:
+                    pkl, skeys = hit[2], hit[3]
+                else:
+                    pkl, skeys = pickle_skeleton(spec.obj, {id(t): plan.refs[i] for t, i in zip(ts, idx)})
+                    if key is not None:
+                        pickles[path] = (key, idx, pkl, skeys)
                 if check_weights_only and path not in plain_files:
                     _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
-                records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in keys]
+                records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in skeys]
                 index_files.append({"path": path, "kind": "torch", "persist": persist,
                                     "pkl": [offset, len(pkl)], "records": records, **_mode(spec)})
                 offset += len(pkl)

@@ -5,15 +5,19 @@ keys, lists, tuples and ``str`` / ``int`` / ``float`` / ``bool`` / ``None``; any
 pickling it (:func:`snapckpt.formats.torch_zip.collect_tensors`). Two plain states with equal keys
 (:func:`plain_layout`) whose tensors have the same plan pickle to the same skeleton, so the Stager pickles it
 once per layout, not once per save (a state of 200,000 tensors: seconds per save otherwise).
+:class:`LayoutMemo` finds a later save's tensors and key without the Python walk while the structure is equal.
 """
 from __future__ import annotations
 
 import collections
+import operator
+from itertools import chain, islice
+from operator import methodcaller
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["plain_layout"]
+__all__ = ["plain_layout", "LayoutMemo"]
 
 _ATOMIC = frozenset({str, int, bool, type(None)})
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -118,3 +122,111 @@ def _tensor_dict(obj: dict, out: List[torch.Tensor], seen: Dict[int, int], key: 
     key.append(str if key_types == {str} else tuple(map(type, keys)))  # True == 1 as keys: the types differ
     key.append(start)
     return True
+
+
+_VALUES = methodcaller("values")
+_CONTAINERS = frozenset({dict, _OD, list, tuple})
+
+
+class _Level:
+    """One breadth-first level of a plain state: its containers and what their entries were."""
+
+    __slots__ = ("types", "lens", "maps", "seqs", "ods", "ktypes", "vtypes", "leaf_pos", "leaves", "float_pos",
+                 "float_hex", "cont_pos", "tensor_pos")
+
+
+class LayoutMemo:
+    """:func:`plain_layout` of one file's state, remembered so that a later save of an equal structure skips the walk.
+
+    The memo holds the structure breadth-first, level by level: container types and lengths, every key and
+    atomic value (strong references to those only: never a container nor a tensor of the state) and where
+    the containers and tensors sit. :meth:`match` checks a state against it with C-level passes
+    (``map``/``chain`` over each level, no Python step per entry) and returns the state's own tensors in
+    walking order with the remembered key, or ``None`` (the caller walks again) on any difference: a
+    container's type or length, a key, a value or its type (``True`` / ``1``, ``0.0`` / ``-0.0``), a tensor
+    where a value was (or the reverse), a container or tensor met twice (aliasing; a memo is not made for
+    such states). Tensors are only found here, not checked: a replaced or resized tensor is the plan's
+    business (:func:`snapckpt.engine.stager._signature`).
+    """
+
+    __slots__ = ("levels", "order", "key")
+
+    def __init__(self, levels: List[_Level], order: List[int], key: List[Any]) -> None:
+        self.levels, self.order, self.key = levels, order, key
+
+    @classmethod
+    def build(cls, obj: Any, tensors: List[torch.Tensor], key: List[Any]) -> Optional["LayoutMemo"]:
+        """The memo of ``obj`` whose :func:`plain_layout` is ``(tensors, key)``; ``None`` when a container or
+        tensor occurs twice in it (the walk is then kept)."""
+        index = {id(t): i for i, t in enumerate(tensors)}
+        met: set = set()
+        levels: List[_Level] = []
+        order: List[int] = []
+        cur = [obj]
+        while cur:
+            lv = _Level()
+            met.update(map(id, cur))
+            lv.types = tuple(map(type, cur))
+            lv.lens = tuple(map(len, cur))
+            lv.maps = tuple(i for i, t in enumerate(lv.types) if t is dict or t is _OD)
+            lv.seqs = tuple(i for i, t in enumerate(lv.types) if t is list or t is tuple)
+            lv.ods = tuple(i for i, t in enumerate(lv.types) if t is _OD)
+            keys, vals = _entries(cur, lv)
+            lv.ktypes = tuple(map(type, keys))
+            lv.vtypes = tuple(map(type, vals))
+            lv.leaf_pos = tuple(j for j, t in enumerate(lv.vtypes) if t not in _TENSOR_TYPES and t not in _CONTAINERS)
+            lv.cont_pos = tuple(j for j, t in enumerate(lv.vtypes) if t in _CONTAINERS)
+            lv.tensor_pos = tuple(j for j, t in enumerate(lv.vtypes) if t in _TENSOR_TYPES)
+            lv.leaves = keys + [vals[j] for j in lv.leaf_pos]
+            lv.float_pos = tuple(j for j, v in enumerate(lv.leaves) if type(v) is float)
+            lv.float_hex = [lv.leaves[j].hex() for j in lv.float_pos]
+            order.extend(index[id(vals[j])] for j in lv.tensor_pos)
+            cur = [vals[j] for j in lv.cont_pos] + [vars(cur[i]) for i in lv.ods]
+            if len(met) != sum(len(x.types) for x in levels) + len(lv.types) or not met.isdisjoint(map(id, cur)):
+                return None  # a container met twice
+            levels.append(lv)
+        if len(order) != len(tensors):
+            return None  # a tensor met twice
+        return cls(levels, order, key)
+
+    def match(self, obj: Any) -> Optional[List[torch.Tensor]]:
+        """``obj``'s tensors in :func:`plain_layout` order when ``plain_layout(obj)`` is ``(those, self.key)``;
+        ``None`` when that is not certain (the caller walks ``obj``)."""
+        cur = [obj]
+        ids: List[int] = []
+        found: List[torch.Tensor] = []
+        for lv in self.levels:
+            if tuple(map(type, cur)) != lv.types or tuple(map(len, cur)) != lv.lens:
+                return None
+            keys, vals = _entries(cur, lv)
+            if tuple(map(type, vals)) != lv.vtypes or tuple(map(type, keys)) != lv.ktypes:
+                return None
+            keys.extend(map(vals.__getitem__, lv.leaf_pos))
+            if keys != lv.leaves:  # exact types compared above: True == 1 cannot pass
+                return None
+            if lv.float_pos and list(map(float.hex, map(keys.__getitem__, lv.float_pos))) != lv.float_hex:
+                return None  # -0.0 == 0.0
+            found.extend(map(vals.__getitem__, lv.tensor_pos))
+            ids.extend(map(id, cur))
+            nxt = list(map(vals.__getitem__, lv.cont_pos))
+            if lv.ods:
+                nxt.extend(map(vars, map(cur.__getitem__, lv.ods)))
+            cur = nxt
+        if _repeats(ids) or _repeats(list(map(id, found))):
+            return None  # a container or a tensor met twice now
+        return list(map(found.__getitem__, self.order))
+
+
+def _repeats(ids: List[int]) -> bool:
+    """Whether ``ids`` holds a value twice (sorted: a set of 200,000 object addresses is several times slower)."""
+    ids.sort()
+    return any(map(operator.eq, ids, islice(ids, 1, None)))
+
+
+def _entries(cur: List[Any], lv: _Level) -> Tuple[List[Any], List[Any]]:
+    """(keys, values) of a level's containers, flat: the mappings' entries first, then the sequences'."""
+    maps = list(map(cur.__getitem__, lv.maps))
+    keys = list(chain.from_iterable(maps))
+    vals = list(chain.from_iterable(map(_VALUES, maps)))
+    vals.extend(chain.from_iterable(map(cur.__getitem__, lv.seqs)))
+    return keys, vals

@@ -320,3 +320,136 @@ def test_fast_unpickler_refuses_build_on_a_global(name):
     torch.save(torch.nn.Parameter(torch.ones(2)), io.BytesIO())
     with pytest.raises(UnsafeCheckpointError, match="weights_only"):
         Z.unpickle_skeleton(crafted, {}, weights_only=True)
+
+
+def _same(a, b, path="state"):
+    """Equal values of equal types (floats bit for bit); tensors by type, dtype, shape, stride, grad and values."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.requires_grad) == (b.dtype, b.shape, b.stride(), b.requires_grad), path
+        assert torch.equal(a.detach(), b.detach()), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], path
+        for k in a:
+            _same(a[k], b[k], f"{path}[{k!r}]")
+        if type(a) is collections.OrderedDict:
+            _same(vars(a), vars(b), f"{path}.__dict__")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert (a.hex() == b.hex()) if type(a) is float else a == b, f"{path}: {a!r} != {b!r}"
+
+
+def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
+    """A state saved again and again (the same objects, changed in place between saves) is saved as it is
+    now: the memo of its structure (plain_layout.LayoutMemo) and the quick plan-cache check (TensorGuards)
+    must miss on each change below, or the loaded state differs from the saved one."""
+    from snapckpt.engine.stager import Stager
+    from snapckpt.formats.plain_layout import LayoutMemo
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf, views = Stager(), bytearray(1 << 20), {}
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+
+    def roundtrip(state, step):
+        p = stager.prepare({"s.pt": state}, step)
+        p.views = views
+        Stager.copy_into(p, slot, buf)
+        assert read_slot(buf, slot, weights_only=True)[0] == step
+        return read_slot(buf, slot, weights_only=True)[1]["s.pt"]
+
+    base = torch.arange(40.0)
+    od = collections.OrderedDict(w=torch.rand(2), v=torch.rand(3))
+    s = {"m": {f"p{i}": torch.rand(3, 2) for i in range(20)}, "od": od, "p": torch.nn.Parameter(torch.rand(2)),
+         "opt": {"lr": 0.1, "betas": (0.9, 0.99), "step": 3, "name": "adam", "eps": None, "z": 0.0,
+                 "groups": [[1, 2], {"a": torch.rand(2)}]},
+         "d1": {"a": torch.rand(1), "b": torch.rand(1)}, "d2": {"c": torch.rand(1)}, "view": base[8:12],
+         1: torch.rand(2), "x": torch.rand(4), "y": torch.rand(4)}
+
+    def move_entry(s):
+        s["d2"] = {"b": s["d1"].pop("b"), **s["d2"]}  # the same keys and values in the same flat order
+
+    def reinsert(s):
+        s["opt"]["lr"] = s["opt"].pop("lr")
+
+    def int_key_to_bool(s):
+        s[True] = s.pop(1)
+
+    def tie_storage(s):
+        s["x"].set_(s["y"].untyped_storage(), 0, (4,), (1,))
+
+    changes = [
+        lambda s: s["m"].__setitem__("p0", torch.rand(3, 2)),  # a new tensor, same layout
+        lambda s: s["m"].__setitem__("p1", torch.rand(2, 3)),  # a new shape
+        lambda s: s["m"]["p2"].resize_(6),  # the same object resized
+        lambda s: setattr(s["m"]["p3"], "data", s["m"]["p3"].data.double()),  # the same object, a new dtype
+        lambda s: s["m"]["p4"].t_(),  # new strides
+        lambda s: s["p"].requires_grad_(False),
+        lambda s: s.__setitem__("view", base[4:8]),  # a new storage offset
+        tie_storage,  # two tensors now share a storage
+        lambda s: s["m"].__setitem__("extra", torch.rand(1)),
+        lambda s: s["m"].pop("p5"),
+        lambda s: s["opt"].__setitem__("lr", 0.2),
+        lambda s: s["opt"].__setitem__("step", True),
+        lambda s: s["opt"].__setitem__("z", -0.0),
+        lambda s: s["opt"].__setitem__("name", "adamw"),
+        lambda s: s["opt"].__setitem__("eps", 0),
+        lambda s: s["opt"].__setitem__("betas", (0.9, 0.999)),
+        lambda s: s["opt"]["groups"][0].append(3),
+        lambda s: s["opt"]["groups"][0].__setitem__(1, torch.rand(2)),  # an int became a tensor
+        lambda s: s["opt"]["groups"][1].__setitem__("a", 5),  # a tensor became an int
+        move_entry,
+        reinsert,
+        int_key_to_bool,
+        lambda s: setattr(s["od"], "_metadata", {"w": {"version": 1}}),
+        lambda s: s["od"]._metadata["w"].__setitem__("version", 2),
+        lambda s: s.__setitem__("m2", s["m"]),  # one container twice
+        lambda s: s.pop("m2"),
+        lambda s: s.__setitem__("y2", s["y"]),  # one tensor twice
+    ]
+    step = 0
+    for i, change in enumerate(changes):
+        for _ in range(2):  # two equal saves: the second makes the memo, a third would use it
+            step += 1
+            _same(roundtrip(s, step), s)
+        assert (type(stager._memos["s.pt"]) is LayoutMemo) == ("m2" not in s), i  # a container met twice: no memo
+        change(s)
+        step += 1
+        back = roundtrip(s, step)
+        _same(back, s)
+        if change is tie_storage:
+            assert back["x"].untyped_storage().data_ptr() == back["y"].untyped_storage().data_ptr()
+    assert back["y2"] is back["y"] and stager._rechecks
+
+
+def test_a_plain_file_keeps_its_pickle_beside_raw_bytes_that_change_every_save():
+    """Files saved together (a model, an optimizer, raw JSON as the Hugging Face callback adds): a plain file
+    whose structure and values did not change reuses its pickle; a changed one is pickled again."""
+    from snapckpt.engine.stager import Stager
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf = Stager(), bytearray(1 << 20)
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    model = {f"w{i}": torch.rand(2) for i in range(20)}
+    opt = {"lr": 0.1, "state": {0: {"m": torch.rand(2)}}}
+
+    def roundtrip(step):
+        files = {"model.pt": model, "opt.pt": opt, "state.json": RawBytes(b"{}" * step)}
+        p = stager.prepare(files, step)
+        Stager.copy_into(p, slot, buf)
+        got = read_slot(buf, slot, weights_only=True)[1]
+        _same(got["model.pt"], model)
+        _same(got["opt.pt"], opt)
+        assert got["state.json"] == b"{}" * step
+        return [data for _, data in p.tail]
+
+    t1 = roundtrip(1)
+    t2 = roundtrip(2)
+    assert t2[0] is t1[0] and t2[1] is t1[1] and t2[2] != t1[2]  # both pickles reused, the JSON is new
+    opt["lr"] = 0.2
+    t3 = roundtrip(3)
+    assert t3[0] is t1[0] and t3[1] != t1[1]
+    model["w0"] = torch.rand(3)  # a new plan: everything pickled again
+    assert roundtrip(4)[0] is not t1[0] and stager.plan_builds == 2
