@@ -4,12 +4,16 @@ The persister creates and sizes the slot files (:mod:`snapckpt.persister.arena`)
 hands it and copies its snapshot in. The first copy into a freshly mapped slot takes one page fault per
 4 KiB page on the training thread (measured here: 1.1-1.4 s per GiB against 0.4-0.5 s for a copy into
 mapped pages, on a loaded 2-core VM). So once a rank knows its snapshot size it maps its *other* slots at
-that size on one background thread, reading one byte per page (never writing: a slot may hold an older
-snapshot that a load still needs); the save that first uses such a slot finds it mapped.
+that size on one background thread with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+: the kernel maps every
+page writable in one call and leaves the data as it is, so a slot that holds an older snapshot a load still needs is
+unchanged; 2x faster here than reading one byte per page, which older kernels fall back to); the save that first
+uses such a slot finds it mapped and takes no page fault.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
+import errno
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _EXITING)
 import mmap
 import os
@@ -28,6 +32,7 @@ __all__ = ["MappedSlot", "SlotMaps"]
 
 _PAGE = mmap.PAGESIZE
 _PREFAULT_CHUNK = 64 << 20  # bytes prefaulted between two looks at the stop flag and at a pause (SlotMaps.pause)
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module has no name for it before 3.13
 
 # Set at interpreter exit before concurrent.futures joins its worker threads (threading's exit hooks run
 # last registered first), so a pending prefault ends then instead of holding the exit until its timeout:
@@ -244,14 +249,41 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
         m = MappedSlot(path, nbytes)
     except (OSError, SnapckptError):
         return None
-    for lo in range(0, nbytes, _PREFAULT_CHUNK):  # a read fault per page maps it; no write, no change to the data
+    for lo in range(0, nbytes, _PREFAULT_CHUNK):
         # stop: the save that needs this slot stopped waiting and takes the faults left itself; go clear: a load
         # reads, wait for it
         if stop.is_set() or (not go.is_set() and not _wait_go(go, stop)):
             m.close()
             return None
-        m.tensor[lo:lo + _PREFAULT_CHUNK:_PAGE].sum()
+        if not _populate(m, lo, min(_PREFAULT_CHUNK, nbytes - lo)):
+            m.close()
+            return None
     return m
+
+
+_madvise = None  # libc's madvise (ctypes: the call releases the GIL, which mmap.madvise holds), False: none
+
+
+def _populate(m: MappedSlot, lo: int, n: int) -> bool:
+    """Map bytes ``[lo, lo + n)`` of ``m`` writable without changing them (``MADV_POPULATE_WRITE``), or read one
+    byte per page where the kernel lacks it; ``False`` when the kernel refused (a file truncated meanwhile:
+    the save maps the slot itself)."""
+    global _madvise
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise:
+        if _madvise(m.tensor.data_ptr() + lo, n, _MADV_POPULATE_WRITE) == 0:
+            return True
+        if ctypes.get_errno() != errno.EINVAL:  # EINVAL: a kernel before 5.14; anything else: give up
+            return False
+        _madvise = False
+    m.tensor[lo:lo + n:_PAGE].sum()  # a read fault per page maps it; no write, no change to the data
+    return True
 
 
 def _wait_go(go: threading.Event, stop: threading.Event) -> bool:
