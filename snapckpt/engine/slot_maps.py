@@ -31,7 +31,7 @@ from snapckpt.errors import SnapckptError
 __all__ = ["MappedSlot", "SlotMaps"]
 
 _PAGE = mmap.PAGESIZE
-_PREFAULT_CHUNK = 64 << 20  # bytes prefaulted between two looks at the stop flag and at a pause (SlotMaps.pause)
+_PREFAULT_CHUNK = 16 << 20  # bytes prefaulted between two looks at the stop flag and at a pause (SlotMaps.pause)
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module has no name for it before 3.13
 
 # Set at interpreter exit before concurrent.futures joins its worker threads (threading's exit hooks run
@@ -82,12 +82,14 @@ class MappedSlot:
 
 @dataclass
 class _Pending:
-    """A background prefault of one slot: its future, its stop flag, what it maps."""
+    """A background prefault of one slot: its future, its stop flag, what it maps, and its hand-over flag (set
+    with ``stop``: return the mapping as far as it is populated, for a save that needs it now)."""
 
     future: Any
     stop: threading.Event
     path: str
     nbytes: int
+    handoff: threading.Event
 
     def take(self, wanted: bool, wait: bool = True) -> Optional[MappedSlot]:
         """The mapping if ``wanted`` and it got made; otherwise stop it and unmap what it made. ``wait=False``:
@@ -100,6 +102,11 @@ class _Pending:
             self.stop.set()
             self.future.add_done_callback(_close_result)
             return None
+        if wanted and not self.future.done():
+            # a save waits: the rest of the slot is faulted by its copy (on all of torch's threads) rather than
+            # waited for here on one; the prefault hands its mapping over at its next chunk
+            self.handoff.set()
+            self.stop.set()
         m = self.future.result()
         if m is not None and not wanted:
             m.close()
@@ -180,9 +187,9 @@ class SlotMaps:
             return
         if self._thread is None:
             self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
-        stop = threading.Event()
-        fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go)
-        self._pending[slot] = _Pending(fut, stop, path, nbytes)
+        stop, handoff = threading.Event(), threading.Event()
+        fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go, handoff)
+        self._pending[slot] = _Pending(fut, stop, path, nbytes, handoff)
 
     def _prefault_others(self, slot: int, arena_dir: str, nbytes: int, usable: Optional[List[int]]) -> None:
         for other in (range(self.slots_per_rank) if usable is None else usable):
@@ -192,9 +199,9 @@ class SlotMaps:
             if self._thread is None:
                 self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
             path = os.path.join(arena_dir, slot_file_name(self.rank, other))
-            stop = threading.Event()
-            fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go)
-            self._pending[other] = _Pending(fut, stop, path, nbytes)
+            stop, handoff = threading.Event(), threading.Event()
+            fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go, handoff)
+            self._pending[other] = _Pending(fut, stop, path, nbytes, handoff)
 
     def drop(self) -> None:
         """Stop every prefault and unmap every slot (a new persister recreates the slot files)."""
@@ -223,11 +230,12 @@ def _close_result(future: cf.Future) -> None:
 
 
 def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event,
-              go: threading.Event) -> Optional[MappedSlot]:
-    """Map slot file ``path`` once the persister has grown it to ``nbytes`` and read one byte of every
-    page; ``None`` when it did not grow within ``timeout_secs`` (not counting time paused: ``go`` clear),
-    ``stop`` was set, the interpreter is exiting (:data:`_EXITING`: no save will use it, and the exit joins
-    this thread), or it could not be mapped (the save that needs it maps it itself)."""
+              go: threading.Event, handoff: threading.Event) -> Optional[MappedSlot]:
+    """Map slot file ``path`` once the persister has grown it to ``nbytes`` and populate every page
+    (:func:`_populate`); with ``handoff`` set at ``stop`` (a save needs the slot now), the mapping as far as it is
+    populated. ``None`` when it did not grow within ``timeout_secs`` (not counting time paused: ``go`` clear),
+    ``stop`` was set without ``handoff``, the interpreter is exiting (:data:`_EXITING`: no save will use it, and
+    the exit joins this thread), or it could not be mapped (the save that needs it maps it itself)."""
     deadline = time.monotonic() + timeout_secs
     delay = 0.005
     while True:
@@ -242,7 +250,11 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
                 break
         except FileNotFoundError:
             pass
-        if time.monotonic() > deadline or stop.wait(delay) or _EXITING.is_set():
+        if time.monotonic() > deadline or _EXITING.is_set():
+            return None
+        if handoff.is_set():
+            time.sleep(0.001)  # the acquire of the save waiting for it grew the file: it shows at once
+        elif stop.wait(delay) and not handoff.is_set():
             return None
         delay = min(delay * 2, 0.2)
     try:
@@ -250,9 +262,11 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
     except (OSError, SnapckptError):
         return None
     for lo in range(0, nbytes, _PREFAULT_CHUNK):
-        # stop: the save that needs this slot stopped waiting and takes the faults left itself; go clear: a load
-        # reads, wait for it
+        # stop: the save that needs this slot takes the faults left itself (handoff: in this mapping); go clear:
+        # a load reads, wait for it
         if stop.is_set() or (not go.is_set() and not _wait_go(go, stop)):
+            if handoff.is_set():
+                return m
             m.close()
             return None
         if not _populate(m, lo, min(_PREFAULT_CHUNK, nbytes - lo)):
