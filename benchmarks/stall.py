@@ -113,6 +113,9 @@ class Method:
         """Take checkpoint number ``i`` (0 = warm-up) and return its timings."""
         raise NotImplementedError
 
+    #: Buffers the method takes turns in (snapckpt: arena slots per rank); the first use of each is a sample.
+    slots = 1
+
     #: Tier a restore reads from (``"memory"``, ``"disk"``), or None: the method has no restore.
     restore_tier: str | None = None
 
@@ -358,6 +361,7 @@ class SnapckptBase(Method):
         self.snapckpt = snapckpt
         self.st = getattr(snapckpt.StorageType, self.storage)
         self.ckpt = self._open()
+        self.slots = self.ckpt.options.slots_per_rank  # the warm-up uses one; the first repeats the others
 
     def restore(self, i: int) -> tuple[float, dict[str, Any]]:
         """``ckpt.load(state)``: in place into the live tensors, from the newest tier (memory)."""
@@ -502,6 +506,9 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
     blocking = [s[0] for s in samples]
     durable = [s[1] for s in samples if s[1] is not None]
     rec.update({
+        # the saves after the warm-up that were the first into one of the method's buffers (snapckpt: the
+        # arena's other slots); kept among the samples too
+        "first_use_samples_s": blocking[:max(0, getattr(method, "slots", 1) - 1)],
         "blocking_s": median(blocking),
         "durable_s": median(durable) if method.durable else None,
         "blocking_samples_s": blocking,

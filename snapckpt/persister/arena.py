@@ -105,7 +105,8 @@ class SlotFiles:
 
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
                     reserve_nbytes: int = 0, *, slots: int = 1, held_nbytes: int = 0,
-                    pause: Optional[Callable[[], None]] = None) -> int:
+                    pause: Optional[Callable[[], None]] = None,
+                    checked: Optional[Callable[[], None]] = None) -> int:
         """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
 
         ``pause``: called before each :data:`GROW_CHUNK` bytes are reserved (a background reservation waits
@@ -116,6 +117,9 @@ class SlotFiles:
         check counts it too, so an arena that cannot hold every slot fails at the first snapshot, not at
         a later one. ``slots`` (how many slots the rank uses) and ``held_nbytes`` (bytes its slots already
         hold, up to ``nbytes`` each) only shape the error's advice: which ``slots_per_rank`` would fit.
+
+        ``checked``: called once the capacity check passed, before the pages are reserved (the caller starts
+        the other slots' growths there, so that they run alongside this one).
 
         Raises:
             InsufficientSharedMemoryError: the tmpfs or RAM cannot hold it (names the bytes needed, the bytes
@@ -140,6 +144,8 @@ class SlotFiles:
             raise InsufficientSharedMemoryError(
                 f"{where} but the {slots} snapshot slot(s) of rank {rank} need {need} more ({nbytes} bytes per "
                 f"slot, {fmt_nbytes(nbytes * slots)} in all); {advice}; or: {hint}")
+        if checked is not None:
+            checked()
         path = self.path(rank, slot)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

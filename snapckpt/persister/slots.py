@@ -319,14 +319,20 @@ class SlotTable:
         self._grown(slot)
         reserve = sum(max(0, nbytes - s.nbytes) for s in usable if s is not slot)
         held_nbytes = sum(min(s.nbytes, nbytes) for s in usable)
+
+        def grow_others() -> None:
+            # reserve the other slots' pages now, off the training path, alongside this slot's growth (the
+            # check just passed counted them): the rank's prefault of the next slot waits for its file to grow
+            for other in usable:
+                if (other is not slot and other.growing is None and other.nbytes < nbytes
+                        and other.state in (SlotState.FREE, SlotState.INVALID)):
+                    other.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, other.index,
+                                                          nbytes, other.nbytes)
+
         slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve,
-                                             slots=len(usable), held_nbytes=held_nbytes)
+                                             slots=len(usable), held_nbytes=held_nbytes, checked=grow_others)
         slot.state, slot.step, slot.run_id, slot.origin = SlotState.WRITING, step, entry.run_id, None
-        for other in usable:  # reserve the other slots' pages now, off the training path
-            if (other is not slot and other.growing is None and other.nbytes < nbytes
-                    and other.state in (SlotState.FREE, SlotState.INVALID)):
-                other.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, other.index,
-                                                      nbytes, other.nbytes)
+        grow_others()  # when this slot needed no growth
         return slot
 
     def reserve(self, entry: RankEntry, nbytes: int, limit: int = 0) -> List[Slot]:
