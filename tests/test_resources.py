@@ -355,8 +355,22 @@ def test_contract7_persister_startup_failure_reports_log(snap_env, monkeypatch, 
     created inside the shared-memory directory). Right: the constructor raises PersisterError, not a
     timeout and not a hang, within persister_startup_timeout_secs, with the tail of the persister's log
     (the real cause) in the message; no persister is left. (A shared-memory directory that does not
-    exist at all is refused earlier by the preflight: tests/test_user_errors.py.)"""
+    exist at all is refused earlier by the preflight: tests/test_user_errors.py.) With a newest checkpoint
+    named by ``latest`` (a restart), the read-ahead of its file started with the persister
+    (engine/prefetch.py) changes nothing of that error and does not outlive the constructor."""
+    import threading
+
     from snapckpt.persister.client import job_key
+
+    if via == "option":  # a restart's directory: a tracker and a manifest naming this rank's 256 MiB file
+        step = os.path.join(snap_env.ckpt_dir, "step_00000001")
+        os.makedirs(os.path.join(step, ".snapckpt"))
+        with open(os.path.join(step, "rank_00000.pt"), "wb") as f:
+            f.truncate(256 << 20)  # sparse: read at memory speed, long enough to be running at the error
+        with open(os.path.join(step, ".snapckpt", "manifest.json"), "w") as f:
+            json.dump({"files": {"rank_00000.pt": {"rank": 0, "nbytes": 256 << 20}}}, f)
+        with open(os.path.join(snap_env.ckpt_dir, "latest"), "w") as f:
+            f.write("step_00000001")
 
     shm = os.path.join(snap_env.tmp, "shm")
     os.makedirs(shm)
@@ -373,4 +387,5 @@ def test_contract7_persister_startup_failure_reports_log(snap_env, monkeypatch, 
     assert not isinstance(ei.value, PersisterTimeoutError), f"a timeout instead of the cause: {ei.value}"
     msg = str(ei.value)
     assert "persister.log" in msg and "Error" in msg and bad in msg, msg
+    assert not [t for t in threading.enumerate() if t.name == "snapckpt-prefetch"]
     assert wait_until(lambda: not snap_env.persisters(), timeout=10)

@@ -1,6 +1,7 @@
 """Smoke: one process saves to both tiers, mutates, loads back from memory and from disk."""
 import os
 import resource
+import threading
 
 import torch
 
@@ -39,22 +40,31 @@ def test_arena_reserved_at_construction_for_the_first_save(snap_env):
     ``expected_nbytes`` the persister grows both slots of the rank right after construction, before any save,
     and the first save of a state of that size uses a reserved slot as it is (no regrowth); on a restart the
     default hint is the size of the rank's files in the newest checkpoint. A hint larger than shared memory
-    never fails the constructor: the save of the real (small) state works."""
+    never fails the constructor: the save of the real (small) state works. A restart that starts the persister
+    reads the rank's file of the newest checkpoint into the page cache meanwhile (engine/prefetch.py); the
+    load into live tensors is exact and no prefetch thread outlives ``close()``."""
     def slot_sizes():
         return sorted(os.path.getsize(f) for f in snap_env.shm_files() if os.path.basename(f).startswith("r"))
 
     mib = 1 << 20
     state = {"w": torch.randn(2 * mib // 4)}  # 2 MiB
     with Checkpointer(snap_env.ckpt_dir, keep_last=2, expected_nbytes=2 * mib) as ck:
+        assert ck._prefetch is None  # a new job: no checkpoint to read ahead
         assert wait_until(lambda: len(slot_sizes()) == 2 and min(slot_sizes()) >= 2 * mib, timeout=30), slot_sizes()
         reserved = slot_sizes()
         ck.save(state, 1, StorageType.DISK).wait()
         assert slot_sizes() == reserved, (reserved, slot_sizes())  # the first save fitted the reserved slot
     assert wait_until(lambda: not snap_env.shm_files(), timeout=15)  # that persister exited, its arena is gone
     with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:  # restart: the hint comes from step 1 on disk
+        # it started the persister, so it read this rank's file of step 1 into the page cache meanwhile
+        part = f"{snap_env.ckpt_dir}/step_00000001/rank_00000.pt"
+        assert ck._prefetch is not None and ck._prefetch._files == [(part, os.path.getsize(part))]
         assert wait_until(lambda: len(slot_sizes()) == 2 and min(slot_sizes()) >= 2 * mib, timeout=30), slot_sizes()
-        out = ck.load(state)
-        assert ck.last_load.step == 1 and torch.equal(out["w"], state["w"])
+        fresh = {"w": torch.zeros_like(state["w"])}
+        out = ck.load(fresh)
+        assert ck.last_load.step == 1 and out is fresh and torch.equal(out["w"], state["w"])
+        assert ck._prefetch.done.wait(30)
+    assert not [t for t in threading.enumerate() if t.name == "snapckpt-prefetch"]
     assert wait_until(lambda: not snap_env.shm_files(), timeout=15)
     with Checkpointer(snap_env.ckpt_dir, keep_last=2, expected_nbytes=1 << 50) as ck:  # 1 PiB: cannot fit
         ck.save(state, 2, StorageType.MEMORY).wait()

@@ -24,7 +24,9 @@ from snapckpt.dist.topology import Topology, host_identity
 from snapckpt.engine.device_copy import CudaCopier
 from snapckpt.engine.handle import SaveHandle
 from snapckpt.engine.loader import LoadCandidate, LoadInfo, Loader
-from snapckpt.engine.preflight import check_shared_dir, dir_identity, newest_part_nbytes, preflight_dir
+from snapckpt.engine.prefetch import Prefetch
+from snapckpt.engine.preflight import (check_shared_dir, dir_identity, newest_part_files, newest_part_nbytes,
+                                      preflight_dir)
 from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.replicas import setup_replicas
@@ -60,6 +62,11 @@ class Checkpointer:
     The constructor is collective when ``torch.distributed`` is initialized: every rank must build its
     Checkpointers in the same order. Rank, world size and the ranks of this node come from
     ``torch.distributed`` (case C6).
+
+    With no live persister for the job on this node (a restart after the node was lost) the constructor starts
+    one and waits until it answers, so that a persister that cannot start raises here; meanwhile this rank's
+    files of the checkpoint named by ``checkpoint_dir/latest`` are read into the page cache on a background
+    thread (:mod:`snapckpt.engine.prefetch`), for the ``load`` that follows.
 
     Raises:
         CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL fsspec
@@ -132,12 +139,30 @@ class Checkpointer:
         self._loader = Loader(self.options, self.checkpoint_dir, self.topology, self._coord, self._storage,
                               self._maps, self._session, dir_id, remote, remote_only=self.remote_only,
                               emit=self._emit)
-        self._session.connect()
+        self._prefetch: Optional[Prefetch] = None
+        if not self.remote_only:  # a persister to start: read the newest checkpoint into the page cache meanwhile
+            self._client.on_spawn = self._start_prefetch
+        try:
+            self._session.connect()
+        except BaseException:
+            if self._prefetch is not None:
+                self._prefetch.stop()
+            raise
+        finally:
+            self._client.on_spawn = None
         self._reserving = False  # a reservation ahead of the first save may still run: loads hold it back
         self._reserve_ahead()
         self._coord.all_gather("connected", {"ok": True}, t)
         # the peer-memory tier (several nodes, replicas >= 1): the persisters' addresses and the run's secret
         self._loader.peers = setup_replicas(self.options, self.topology, self._coord, self._session, t)
+
+    def _start_prefetch(self) -> None:
+        """This rank's files of the newest checkpoint into the page cache, in the background, while the persister
+        this constructor started comes up (:mod:`snapckpt.engine.prefetch`): the load that follows a restart
+        then reads them warm."""
+        files = newest_part_files(self.checkpoint_dir, self.rank)
+        if files and self._prefetch is None:
+            self._prefetch = Prefetch(files)
 
     def _reserve_ahead(self) -> None:
         """Reserve and map the arena for the expected snapshot size, in the background, so that the first save
@@ -553,6 +578,8 @@ class Checkpointer:
             err = e
         finally:
             self._saver.stop_copy_thread()
+            if self._prefetch is not None:
+                self._prefetch.stop()
             # a KeyboardInterrupt or SystemExit while waiting for the commits ends the job as a failure
             self._session.detach(clean and (err is None or isinstance(err, Exception)))
             self._maps.close()

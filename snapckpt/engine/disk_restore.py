@@ -12,10 +12,9 @@ once:
    a record that exactly one contiguous live tensor of the same dtype takes whole is read with ``preadv``
    straight into that tensor's memory ("direct"); every other byte (the zip headers, small records,
    records that need a cast or feed several tensors) is read into a bounce buffer;
-3. the file is read in order in 64 MiB pieces by one reader thread (``POSIX_FADV_SEQUENTIAL``, and
-   ``POSIX_FADV_WILLNEED`` for a window of 128 MiB ahead of each piece), while
-   one more thread folds each piece into the checksum as soon as it is read (XXH3-64 releases the GIL), so
-   the hash costs no second pass;
+3. the file is read in order, by the calling thread, in pieces of at most 64 MiB (``POSIX_FADV_SEQUENTIAL``:
+   the same reads as the cold-read floor of ``benchmarks/recovery.py``), while one more thread folds each
+   piece into the checksum as soon as it is read (XXH3-64 releases the GIL), so the hash costs no second pass;
 4. when the checksum matches, the remaining tensors are copied from the memory map (whose pages the pass
    has just brought into the page cache) and the other values replaced.
 
@@ -42,16 +41,13 @@ from snapckpt.ondisk.manifest import CHECKSUMS, record_checksum
 __all__ = ["read_into", "DIRECT_MIN_NBYTES"]
 
 CHUNK = 64 << 20  # bytes per read: large enough to keep the disk busy, small enough to hash while reading
-READERS = 1  # threads reading pieces of the direct records: one sequential reader keeps the readahead going;
-#              more readers (and WILLNEED of the whole file) measured 1.3-1.5x slower on 2 cores, 0.5 GiB
 BOUNCE = 8 << 20  # bytes of each of the two bounce buffers (zip headers and small records only: kept small,
 #                  since fresh memory costs a page fault per 4 KiB)
 DIRECT_MIN_NBYTES = 1 << 20  # smaller records go through the bounce buffer (a direct read saves little)
-AHEAD = 128 << 20  # bytes past each piece asked for with POSIX_FADV_WILLNEED before it is read: the disk
-#                   reads ahead at its own queue depth while the piece is copied (cold 0.5 GiB, loaded 2-core VM:
-#                   0.27-0.50 s against 0.73-1.22 s with SEQUENTIAL alone and 0.61-0.64 s with WILLNEED of
-#                   the whole file, which would also fill the page cache with a file larger than memory;
-#                   O_DIRECT through aligned bounce buffers 0.73-0.97 s: issue 18)
+# One reader in file order with SEQUENTIAL advice only, as the floor: cold 0.5 GiB on the 2-core VM, 12 rounds
+# alternating, median 2.6 s against 4.0 s with WILLNEED of a 128 MiB window ahead of each piece on a reader
+# thread, the floor 2.2 s (load 8-10; WILLNEED, or several readers, queue more I/O than this disk serves
+# faster: issue 18).
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (30 bytes)
 
 
@@ -173,21 +169,16 @@ def read_into(path: str, nbytes: int, record: Dict[str, Any], dst: Any, *, weigh
 
 def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dict[int, Tuple[str, torch.Tensor]],
             hasher) -> None:
-    """Read ``[0, size)`` of ``fd``: direct records into their tensors, in ``CHUNK`` pieces on ``READERS`` threads
-    (one, in file order, each piece with ``WILLNEED`` for it and the next :data:`AHEAD` bytes: a bounded window
-    of readahead that keeps the disk busy while the piece is copied), the rest into bounce buffers
-    (through the page cache, where the memory map finds them afterwards); fold every piece into ``hasher`` on
-    one more thread, in file order, as soon as it has been read."""
+    """Read ``[0, size)`` of ``fd`` in file order on this thread: direct records into their tensors in pieces
+    of at most ``CHUNK`` bytes, the rest into two bounce buffers in turn (through the page cache, where the
+    memory map finds them afterwards); fold every piece into ``hasher`` on one more thread, in file order, as
+    soon as it has been read (a bounce buffer is reused once its previous piece is hashed)."""
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
     except OSError:
         pass
 
     def read_exact(view: memoryview, off: int) -> None:
-        try:
-            os.posix_fadvise(fd, off, len(view) + AHEAD, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], off + got)
@@ -214,7 +205,6 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
     turn = 0
     pending: List[cf.Future] = []
     hash_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-hash") if hasher else None
-    readers = cf.ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="snapckpt-read")
 
     def fold(view: memoryview) -> Optional[cf.Future]:
         if hash_pool is None:
@@ -224,10 +214,9 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
         return fut
 
     try:
-        reads = {id(seg): readers.submit(read_exact, seg[1], seg[2]) for seg in segments if seg[0] == "direct"}
         for seg in segments:
             if seg[0] == "direct":
-                reads[id(seg)].result()
+                read_exact(seg[1], seg[2])
                 fold(seg[1])
                 continue
             lo, hi = seg[1], seg[2]
@@ -243,6 +232,5 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
         for fut in pending:
             fut.result()
     finally:
-        readers.shutdown(wait=True, cancel_futures=True)
         if hash_pool is not None:
             hash_pool.shutdown(wait=True)

@@ -19,14 +19,14 @@ import errno
 import logging
 import os
 import uuid
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, PreflightError
 from snapckpt.persister.arena import mem_available_bytes
 from snapckpt.persister.budget import arena_nbytes, fitting_setting, fmt_nbytes, slots_within
 
 __all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "host_memory_shortfall",
-           "newest_part_nbytes", "preflight_dir", "slot_limit"]
+           "newest_part_files", "newest_part_nbytes", "preflight_dir", "slot_limit"]
 
 DIR_ID_XATTR = "user.snapckpt.dir_id"  # random id of a checkpoint directory, an extended attribute of it
 
@@ -92,6 +92,13 @@ def newest_part_nbytes(checkpoint_dir: str, rank: int) -> Optional[int]:
     size of that rank's state when it was last saved), or ``None`` when there is no such checkpoint or it
     cannot be read. A hint only (:attr:`~snapckpt.options.CheckpointOptions.expected_nbytes`): nothing is
     verified here."""
+    return sum(n for _, n in newest_part_files(checkpoint_dir, rank)) or None
+
+
+def newest_part_files(checkpoint_dir: str, rank: int) -> List[Tuple[str, int]]:
+    """``[(path, nbytes)]`` of ``rank``'s files in the checkpoint the tracker file ``checkpoint_dir/latest``
+    names, sorted by name, from its manifest; ``[]`` when there is none or it cannot be read. A hint only
+    (nothing is verified here)."""
     import json
 
     from snapckpt.ondisk.layout import TRACKER
@@ -101,13 +108,13 @@ def newest_part_nbytes(checkpoint_dir: str, rank: int) -> Optional[int]:
         with open(os.path.join(checkpoint_dir, TRACKER)) as f:
             name = f.read(4096).strip()
         if not name or "/" in name or name in (".", ".."):
-            return None
+            return []
         with open(os.path.join(checkpoint_dir, name, MANIFEST), "rb") as f:
             files = json.loads(f.read(64 << 20)).get("files", {})
-        total = sum(int(r.get("nbytes", 0)) for r in files.values() if isinstance(r, dict) and r.get("rank") == rank)
+        return [(os.path.join(checkpoint_dir, name, fname), int(r.get("nbytes", 0)))
+                for fname, r in sorted(files.items()) if isinstance(r, dict) and r.get("rank") == rank]
     except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    return total or None
+        return []
 
 
 def dir_identity(checkpoint_dir: str) -> str:

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import PersisterDiedError, PersisterError, PersisterTimeoutError
@@ -116,6 +116,8 @@ class PersisterClient:
         # requests sent whose reply was never read (a KeyboardInterrupt in the wait for it): the next request
         # reads and drops those replies first, which the persister sends in order
         self._unread = 0
+        #: called (no arguments) right after this client started a persister, while it waits for it to listen
+        self.on_spawn: Optional[Callable[[], None]] = None
         if len(self.sock_path.encode()) > 107:
             raise PersisterError(
                 f"runtime directory {runtime_dir!r} is too long for a unix socket path "
@@ -204,6 +206,8 @@ class PersisterClient:
             while sock is None:
                 if proc is None:
                     proc, ready = self._spawn()
+                    if self.on_spawn is not None:
+                        self.on_spawn()
                 elif proc.poll() is not None and proc.returncode != 0:
                     raise PersisterError(f"the snapckpt persister exited with code {proc.returncode} at "
                                          f"startup; its log ({self.log_path}) ends with:\n{self._log_tail()}")
