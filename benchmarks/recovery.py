@@ -15,7 +15,20 @@ one run, each in a fresh process:
 - ``dcp_load``: ``torch.distributed.checkpoint.load`` in place from a ``FileSystemWriter`` directory;
 - ``snapckpt_memory`` / ``snapckpt_disk``: a job saves a DISK checkpoint and is killed with ``SIGKILL``; the
   new process runs ``Checkpointer(dir)`` (persister attach: a running persister, or a new one for the disk
-  tier), ``load(state)`` (agreement; read and copy-in, from ``LoadInfo``).
+  tier), ``load(state)`` (agreement; read and copy-in, from ``LoadInfo``);
+- ``dlrover_memory`` / ``dlrover_disk`` (``dlrover==0.6.1``; skipped with the import error when absent): DLRover's
+  own restart path without its launcher. What is the same as a ``dlrover-run`` restart: an agent process (this
+  benchmark's ``dlrover_agent`` child) runs DLRover's saver factory exactly as the launcher's agent does
+  (``AsyncCheckpointSaver.start_async_saving_ckpt()``); the trainer runs with ``ROLE_NAME=dlrover-trainer`` so its
+  engine uses that saver instead of forking its own; the job saves step 1 with ``save_checkpoint(DISK)``, waits for
+  DLRover's tracker file to name it and is killed with ``SIGKILL``; the agent calls ``AsyncCheckpointSaver.reset()``
+  as the launcher does before it restarts workers; the new trainer runs ``DdpCheckpointer(dir)`` (attach) and
+  ``load_checkpoint()`` (DLRover's shared memory when it holds a step, else ``torch.load`` of its latest file),
+  then copies into the live tensors. Memory tier: the agent survived, its shared memory holds step 1. Disk tier: the
+  agent is killed too (a lost node), DLRover's shared memory and sockets are removed, the page cache of its files is
+  dropped and a fresh agent is started, untimed (the launcher starts before its trainer). What is not the same: no
+  elastic launcher, master, rendezvous or process group (one trainer, ``dist`` not initialised), so the launcher's
+  own restart latency (failure detection, rendezvous) is in neither DLRover's nor snapckpt's figure.
 
 Each process reports wall-clock marks from the parent's ``Popen`` (``start``): interpreter and imports, the
 model's state built (fresh random tensors, as a model's initialisation), the phases of the restore, and the
@@ -51,7 +64,9 @@ from _common import (write_results, GiB, REPO_ROOT, drop_page_cache, fsync_path,
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 METHODS = ["floor_shm_copy", "floor_cold_read", "torch_load", "torch_load_mmap", "dcp_load", "snapckpt_memory",
-           "snapckpt_disk"]
+           "snapckpt_disk", "dlrover_memory", "dlrover_disk"]
+DLROVER_ENV = {"ROLE_NAME": "dlrover-trainer", "LOCAL_RANK": "0"}  # a trainer under an agent: no own saver
+DLROVER_SOCK_DIR = Path("/tmp/ckpt_sock")  # DLRover's fixed names: one DLRover job per machine
 
 
 def drop_cache(path: Path, everything: bool = False) -> str:
@@ -150,7 +165,39 @@ def _read_variants(sd: Any, path: str) -> dict:
     return out
 
 
+def dlrover_agent() -> None:
+    """DLRover's agent side: its saver factory, as ``dlrover-run``'s agent starts it; then, per stdin line,
+    ``reset`` (what the agent does before it restarts workers) or ``exit``."""
+    from dlrover.python.elastic_agent.torch.ckpt_saver import AsyncCheckpointSaver
+
+    AsyncCheckpointSaver.start_async_saving_ckpt()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "reset":
+            AsyncCheckpointSaver.reset()
+            print("ok", flush=True)
+        else:
+            break
+    os._exit(0)
+
+
+def _dlrover_wait_tracker(d: Path, step: int, timeout: float = 600.0) -> None:
+    tracker = d / "dlrover_latest.txt"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if tracker.read_text().strip() == str(step):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"DLRover did not commit step {step} within {timeout} s")
+        time.sleep(0.005)
+
+
 def child(role: str, a: argparse.Namespace) -> None:
+    if role == "dlrover_agent":
+        dlrover_agent()
     marks: dict = {"start": float(os.environ["RECOVERY_T0"])}
     import torch
 
@@ -165,6 +212,15 @@ def child(role: str, a: argparse.Namespace) -> None:
         ck = snapckpt.Checkpointer(str(d / "snap"), keep_last=2)
         ck.save(sd, 1, snapckpt.StorageType.DISK).wait()
         print(json.dumps({"persister_pid": ck.persister_pid}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if role == "dlrover_job":  # DLRover's job: save step 1 to disk through the agent's saver, then SIGKILL itself
+        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+        sd = make_state(size, seed=0)
+        ck = DdpCheckpointer(str(d / "dlrover"))
+        ck.save_checkpoint(1, sd, storage_type=StorageType.DISK)
+        _dlrover_wait_tracker(d / "dlrover", 1)
+        print(json.dumps({"committed": 1}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     sd = _fresh_state(size)
     _now(marks, "state_built")
@@ -214,6 +270,24 @@ def child(role: str, a: argparse.Namespace) -> None:
         li = ck.last_load
         info.update(tier=li.tier.value, step=li.step, agree_s=li.agree_secs, read_s=li.read_secs,
                     copy_s=li.copy_secs, load_s=li.seconds)
+    elif role == "dlrover_restore":
+        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+        ck = DdpCheckpointer(str(d / "dlrover"))
+        _now(marks, "attached")
+        obj = ck.load_checkpoint()
+        _now(marks, "read")
+        if isinstance(obj, dict) and set(obj) == {"model_states"}:
+            obj = obj["model_states"]
+        with torch.no_grad():
+            for dst, src in zip(iter_tensors(sd), iter_tensors(obj)):
+                dst.copy_(src)
+        _now(marks, "copied")
+        from dlrover.python.elastic_agent.torch.ckpt_saver import CheckpointConfig
+
+        # after the timed part: the step DLRover's shared memory names (0: none, so it read its file)
+        info["tier"] = "memory" if ck._engine._shm_handler.get_checkpoint_config(CheckpointConfig()).step else "disk"
+        del obj
     with torch.no_grad():  # the first resumed step: a small in-place update
         next(iter_tensors(sd)).add_(0.0)
     _now(marks, "first_step")
@@ -233,9 +307,9 @@ def run_child(role: str, a: argparse.Namespace, env: dict, extra: list | None = 
     p = subprocess.run(cmd, env={**env, "RECOVERY_T0": repr(t0)}, capture_output=True, text=True,
                        timeout=a.child_timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if role == "snap_job":
+    if role.endswith("_job"):
         if p.returncode != -signal.SIGKILL or not lines:
-            raise RuntimeError(f"snap_job ended {p.returncode}: {p.stderr[-2000:]}")
+            raise RuntimeError(f"{role} ended {p.returncode}: {p.stderr[-2000:]}")
         return json.loads(lines[-1])
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"{role} exited {p.returncode}: {p.stderr[-3000:]}")
@@ -320,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         expected, _ = prepare(a, env)
         result["expected_checksum"] = expected
         for m in methods:
-            if m.startswith("snapckpt"):
+            if m.startswith(("snapckpt", "dlrover")):  # restarts after a killed job: below
                 continue
             recs = []
             for _ in range(a.repeats):
@@ -351,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
                     result["methods"][name] = _summarise(recs, expected)
                     print(f"{name}: {result['methods'][name]['phases']} tier {recs[0]['info'].get('tier')}",
                           file=sys.stderr, flush=True)
+        if any(m.startswith("dlrover") for m in methods):
+            try:
+                run_dlrover(a, env, methods, result, expected)
+            except Exception as e:  # noqa: BLE001 -- a peer that cannot run here is recorded, the page goes on
+                result["dlrover_error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"dlrover: {result['dlrover_error']}", file=sys.stderr, flush=True)
     finally:
         rmtree_quiet(a.dir)
         rmtree_quiet(shm_root)
@@ -362,6 +442,94 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(result)
     write_results(a.out, result, markdown(result))
     return 0
+
+
+class _DlroverAgent:
+    """One ``dlrover_agent`` child (DLRover's saver factory, as its launcher's agent runs it)."""
+
+    def __init__(self, a: argparse.Namespace, env: dict):
+        self.log = open(Path(a.dir) / "dlrover_agent.log", "a")
+        self.p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", "dlrover_agent",
+                                   "--dir", a.dir, "--size-gib", str(a.size_gib), "--shm-file", a.shm_file],
+                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._expect("ready")
+
+    def _expect(self, word: str) -> None:
+        line = self.p.stdout.readline().strip()
+        if line != word:
+            raise RuntimeError(f"DLRover agent said {line!r}, not {word!r} (log: dlrover_agent.log)")
+
+    def reset(self) -> None:
+        """``AsyncCheckpointSaver.reset()``, as the launcher's agent calls it before restarting workers."""
+        self.p.stdin.write("reset\n")
+        self.p.stdin.flush()
+        self._expect("ok")
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(timeout=30)
+        self.log.close()
+
+
+def _dlrover_remove_shared(shm_before: set, socks_before: set) -> None:
+    """Remove DLRover's shared memory and sockets created since ``*_before`` (what a lost node loses)."""
+    for name in set(os.listdir("/dev/shm")) - shm_before:
+        if name.startswith("ckpt_"):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except OSError:
+                pass
+    if DLROVER_SOCK_DIR.is_dir():
+        for name in set(os.listdir(DLROVER_SOCK_DIR)) - socks_before:
+            try:
+                os.unlink(DLROVER_SOCK_DIR / name)
+            except OSError:
+                pass
+        try:
+            DLROVER_SOCK_DIR.rmdir()  # only when empty
+        except OSError:
+            pass
+
+
+def run_dlrover(a: argparse.Namespace, env: dict, methods: list[str], result: dict, expected: float) -> None:
+    """DLRover's restarts (module docstring): a job saves step 1 through the agent's saver and is killed; the
+    memory restart finds the agent alive; the disk restart follows the agent's death and a cold page cache."""
+    import importlib.util
+
+    if importlib.util.find_spec("dlrover") is None:
+        raise RuntimeError("DLRover is not installed: `pip install dlrover==0.6.1 grpcio`")
+    denv = {**env, **DLROVER_ENV}
+    shm_before = set(os.listdir("/dev/shm"))
+    socks_before = set(os.listdir(DLROVER_SOCK_DIR)) if DLROVER_SOCK_DIR.is_dir() else set()
+    mem, disk = [], []
+    agent = None
+    try:
+        for _ in range(a.repeats):
+            rmtree_quiet(Path(a.dir) / "dlrover")
+            agent = _DlroverAgent(a, denv)
+            run_child("dlrover_job", a, denv)  # saves step 1 (DISK), waits for the tracker, then SIGKILL
+            agent.reset()
+            if "dlrover_memory" in methods:
+                mem.append(run_child("dlrover_restore", a, denv))  # the agent holds the shared memory
+            agent.kill()  # a lost node: the agent and its memory go too
+            _dlrover_remove_shared(shm_before, socks_before)
+            result["drop"] = drop_cache(Path(a.dir) / "dlrover", a.drop_all)
+            agent = _DlroverAgent(a, denv)  # the new node's agent, up before its trainer (untimed)
+            if "dlrover_disk" in methods:
+                disk.append(run_child("dlrover_restore", a, denv))
+            agent.kill()
+            agent = None
+            _dlrover_remove_shared(shm_before, socks_before)
+    finally:
+        if agent is not None:
+            agent.kill()
+        _dlrover_remove_shared(shm_before, socks_before)
+    for name, recs in (("dlrover_memory", mem), ("dlrover_disk", disk)):
+        if recs:
+            result["methods"][name] = _summarise(recs, expected)
+            print(f"{name}: {result['methods'][name]['phases']} tier {recs[0]['info'].get('tier')}",
+                  file=sys.stderr, flush=True)
 
 
 def _wait_gone(pid: int, timeout: float = 30.0) -> None:
@@ -394,6 +562,10 @@ def add_ratios(result: dict) -> None:
         "snapckpt_disk / dcp_load": r("snapckpt_disk", "dcp_load"),
         "torch_load / floor_cold_read": r("torch_load", "floor_cold_read"),
         "dcp_load / floor_cold_read": r("dcp_load", "floor_cold_read"),
+        "snapckpt_memory / dlrover_memory": r("snapckpt_memory", "dlrover_memory"),
+        "snapckpt_disk / dlrover_disk": r("snapckpt_disk", "dlrover_disk"),
+        "dlrover_memory / floor_shm_copy": r("dlrover_memory", "floor_shm_copy"),
+        "dlrover_disk / floor_cold_read": r("dlrover_disk", "floor_cold_read"),
     }
 
 
@@ -428,8 +600,19 @@ def markdown(result: dict) -> str:
     targets = {"snapckpt_memory / floor_shm_copy": "<= 1.2", "snapckpt_disk / floor_cold_read": "<= 1.2"}
     for k, v in result["ratios"].items():
         lines.append(f"| {k} | {'n/a' if v is None else f'{v:.2f}x'} | {targets.get(k, '')} |")
-    lines += ["", "DLRover's restore is not measured here (it needs its launcher's saver process; the suite's "
-              "restore column has its in-process restore)."]
+    dl = [n for n in ("dlrover_memory", "dlrover_disk") if n in result["methods"]]
+    if dl:
+        tiers = ", ".join(f"{n} from {result['methods'][n]['info'][0].get('tier')}" for n in dl)
+        lines += ["", f"DLRover (0.6.1) restarts through its own saver without its launcher ({tiers}): an agent "
+                  "process runs DLRover's saver factory as `dlrover-run`'s agent does, the trainer "
+                  "(`ROLE_NAME=dlrover-trainer`) saves step 1 to disk and is killed with SIGKILL, the agent "
+                  "resets as before a worker restart, and the new trainer runs `DdpCheckpointer(dir)` + "
+                  "`load_checkpoint()` + a copy into the live tensors; for the disk tier the agent was killed, "
+                  "DLRover's shared memory removed, the page cache of its files dropped and a new agent started "
+                  "(untimed). Not included: the launcher's failure detection and rendezvous (no launcher, master "
+                  "or process group here, for snapckpt neither)."]
+    elif result.get("dlrover_error"):
+        lines += ["", f"DLRover's restart was not measured: {result['dlrover_error']}"]
     return "\n".join(lines) + "\n"
 
 

@@ -110,7 +110,8 @@ def loop_part(lp: dict, img: Path) -> list:
 
     recs = [r for r in lp["methods"] if not r.get("error")]
     _bars(img / "bench-loop.png", "training loop: extra seconds per checkpoint", [r["method"] for r in recs],
-          {"extra s per checkpoint": [r.get("extra_per_ckpt_s") for r in recs]}, "seconds")
+          {"extra s per checkpoint": [r.get("extra_per_ckpt_s") for r in recs],
+           "median blocked s": [r.get("median_blocked_s") for r in recs]}, "seconds")
     body = suite.loop_markdown(lp).split("\n", 2)[2]
     return ["## Training-loop cost (`suite.py --loop`)", "", body.strip(), "",
             "![loop cost](img/bench-loop.png)", ""]

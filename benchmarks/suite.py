@@ -701,7 +701,9 @@ class LoopCkpt:
         self.pending: Any = None
         self.skipped = 0
         self.last_disk_step: int | None = None
-        if name.startswith("snapckpt"):
+        if name == "floor_copy":  # the copy floor in the loop: copy_ into buffers allocated (and touched) once
+            self.pairs = [(t, t.clone()) for t in iter_tensors(state)]
+        elif name.startswith("snapckpt"):
             import snapckpt
 
             self.st = snapckpt.StorageType.DISK if "disk" in name else snapckpt.StorageType.MEMORY
@@ -718,7 +720,11 @@ class LoopCkpt:
 
     def call(self, step: int) -> None:
         n = self.name
-        if n.startswith("snapckpt"):
+        if n == "floor_copy":
+            with torch.no_grad():
+                for src, dst in self.pairs:
+                    dst.copy_(src)
+        elif n.startswith("snapckpt"):
             self.pending = self.ck.save(self.state, step, storage_type=self.st)
         elif n.startswith("dlrover"):
             disk = n == "dlrover_disk"
@@ -841,7 +847,8 @@ def loop_once(trainer: Trainer, steps: int, every: int, ck: LoopCkpt | None) -> 
 
 
 LOOP_PLAN = [  # (method, checkpoint every N steps)
-    ("snapckpt_memory", 1), ("snapckpt_memory_overlap", 1), ("dlrover_memory", 1), ("dcp_async_save", 1),
+    ("floor_copy", 1), ("snapckpt_memory", 1), ("snapckpt_memory_overlap", 1), ("dlrover_memory", 1),
+    ("dcp_async_save", 1),
     ("snapckpt_disk", 10), ("snapckpt_disk_overlap", 10), ("dlrover_disk", 10), ("torch_save", 10),
     ("dcp_save", 10), ("dcp_async_save_process", 10),
 ]
@@ -968,10 +975,19 @@ def loop_markdown(result: dict[str, Any]) -> str:
     best_peer = min(peers.items(), key=lambda kv: kv[1]) if peers else None
     lines += ["", "| target | limit | measured | |", "|---|---|---:|---|"]
 
-    def row(name: str, a: float | None, b: float | None) -> None:
+    def row(name: str, a: float | None, b: float | None, limit: float | None = 0.5) -> None:
         q = ratio(a, b) if (b or 0) > 0 else None
-        lines.append(f"| {name} | <= 0.5 | {_x(q)} | {'n/a' if q is None else ('met' if q <= 0.5 else 'missed')} |")
+        verdict = "" if limit is None or q is None else ("met" if q <= limit else "missed")
+        lines.append(f"| {name} | {'' if limit is None else f'<= {limit:g}'} | {_x(q)} | "
+                     f"{'n/a' if q is None else verdict} |")
 
+    # The loop target (2-core CPU: the copy shares the cores with training): extra time per memory
+    # checkpoint <= 1.1x the copy floor's own extra time per checkpoint in the same loop.
+    for name, label, limit in (("snapckpt_memory", "snapckpt memory, overlap off", 1.1),
+                               ("snapckpt_memory_overlap", "snapckpt memory, overlap on", 1.1),
+                               ("dlrover_memory", "peer: DLRover memory", None),
+                               ("dcp_async_save", "peer: DCP async_save (thread)", None)):
+        row(f"extra s per memory checkpoint / copy floor's ({label})", g(name), g("floor_copy"), limit)
     row("memory tier cost / DLRover memory cost (best snapckpt overlap mode)", mem, g("dlrover_memory"))
     row(f"disk tier cost / best peer disk cost ({best_peer[0] if best_peer else 'n/a'})", disk,
         best_peer[1] if best_peer else None)
@@ -1072,7 +1088,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds one checkpoint may take before the run is declared hung")
     p.add_argument("--persister-exit-wait", type=float, default=15.0)
     p.add_argument("--loop", action="store_true", help="run the training-loop benchmark instead")
-    p.add_argument("--loop-size-gib", type=float, default=1.0)
+    p.add_argument("--loop-size-gib", type=float, default=0.5, help="state of the loop (0.5: ~4 min idle 2-core)")
     p.add_argument("--step-s", type=float, default=0.3, help="target seconds of one training step")
     p.add_argument("--loop-ckpts", type=int, default=3, help="timed checkpoints per method in the loop")
     p.add_argument("--loop-baseline-steps", type=int, default=20)

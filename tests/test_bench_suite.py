@@ -56,16 +56,19 @@ def test_suite_loop_and_readme_outputs(snap_env, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
     assert suite.main(["--loop", "--loop-size-gib", "0.004", "--step-s", "0.01", "--loop-ckpts", "1",
-                       "--loop-baseline-steps", "3", "--loop-methods", "snapckpt_memory_overlap,torch_save",
-                       *common]) == 0
+                       "--loop-baseline-steps", "3", "--loop-methods",
+                       "floor_copy,snapckpt_memory_overlap,torch_save", *common]) == 0
     loop = json.loads((out.parent / "loop.json").read_text())
     lby = {r["method"]: r for r in loop["methods"]}
-    assert set(lby) == {"snapckpt_memory_overlap", "torch_save"}
+    assert set(lby) == {"floor_copy", "snapckpt_memory_overlap", "torch_save"}
     assert lby["snapckpt_memory_overlap"]["every"] == 1 and lby["torch_save"]["every"] == 10
     for name, r in lby.items():
         assert r["error"] is None, (name, r.get("traceback"))
         assert r["n_ckpt"] == 1 and isinstance(r["extra_per_ckpt_s"], float), name
-    assert "| method | every | extra s per checkpoint |" in (out.parent / "loop.md").read_text()
+    loop_md = (out.parent / "loop.md").read_text()
+    assert "| method | every | extra s per checkpoint |" in loop_md
+    # the loop target: against the copy floor measured in the same loop
+    assert "| extra s per memory checkpoint / copy floor's (snapckpt memory, overlap on) | <= 1.1 |" in loop_md
 
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n## Performance\n\nintro\n\n<!-- perf:begin -->\nold\n<!-- perf:end -->\n\n## Next\n")
