@@ -460,3 +460,19 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
+
+
+def dlrover_wait_tracker(ckpt_dir: Path, step: int, timeout: float) -> None:
+    """Poll (every 5 ms) until DLRover's tracker file ``dlrover_latest.txt`` in ``ckpt_dir`` names ``step``
+    (DLRover writes it once the step's files are saved). Raises ``TimeoutError`` after ``timeout`` seconds."""
+    tracker = Path(ckpt_dir) / "dlrover_latest.txt"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if tracker.read_text().strip() == str(step):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"DLRover did not commit step {step} within {timeout} s")
+        time.sleep(0.005)

@@ -59,8 +59,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from _common import (write_results, GiB, REPO_ROOT, drop_page_cache, fsync_path, iter_tensors, machine_info,  # noqa: E402
-                     make_state, ratio, rmtree_quiet, scratch_root)
+from _common import (write_results, GiB, dlrover_wait_tracker, REPO_ROOT, drop_page_cache, fsync_path,  # noqa: E402
+                     iter_tensors, machine_info, make_state, ratio, rmtree_quiet, scratch_root)
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 METHODS = ["floor_shm_copy", "floor_cold_read", "torch_load", "torch_load_mmap", "dcp_load", "snapckpt_memory",
@@ -181,20 +181,6 @@ def dlrover_agent() -> None:
     os._exit(0)
 
 
-def _dlrover_wait_tracker(d: Path, step: int, timeout: float = 600.0) -> None:
-    tracker = d / "dlrover_latest.txt"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if tracker.read_text().strip() == str(step):
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"DLRover did not commit step {step} within {timeout} s")
-        time.sleep(0.005)
-
-
 def child(role: str, a: argparse.Namespace) -> None:
     if role == "dlrover_agent":
         dlrover_agent()
@@ -219,7 +205,7 @@ def child(role: str, a: argparse.Namespace) -> None:
         sd = make_state(size, seed=0)
         ck = DdpCheckpointer(str(d / "dlrover"))
         ck.save_checkpoint(1, sd, storage_type=StorageType.DISK)
-        _dlrover_wait_tracker(d / "dlrover", 1)
+        dlrover_wait_tracker(d / "dlrover", 1, 600.0)
         print(json.dumps({"committed": 1}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     sd = _fresh_state(size)

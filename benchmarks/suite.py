@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import stall  # noqa: E402  (script-relative import)
 from _common import (  # noqa: E402
+    dlrover_wait_tracker,
     GiB,
     REPO_ROOT,
     copy_tensors,
@@ -288,17 +289,7 @@ class Dlrover:
 
     def wait_committed(self, step: int, timeout: float) -> None:
         """Poll (every 5 ms) until DLRover's tracker file names ``step``."""
-        tracker = self.dir / "dlrover_latest.txt"
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if tracker.read_text().strip() == str(step):
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"DLRover did not commit step {step} within {timeout} s")
-            time.sleep(0.005)
+        dlrover_wait_tracker(self.dir, step, timeout)
 
     def fsync_step(self, step: int) -> None:
         """fsync the files of one step directory and the directory (DLRover does not)."""
