@@ -2,8 +2,14 @@
 
 Run on a CUDA machine (``benchmarks/gpu_check.sh`` does). The state is ``benchmarks/_common.make_state``
 moved to the GPU (model + AdamW-like tensors, fp32). Methods, each with one warm-up then ``--repeats``
-timed checkpoints (medians reported):
+timed checkpoints (medians reported; snapckpt methods warm up with two saves, one per arena slot, since a
+slot is page-locked at its first use):
 
+- ``memcpy_pinned``: one ``cudaMemcpyAsync`` (a ``copy_(non_blocking=True)`` of one flat device buffer) of all
+  the state's bytes into ``cudaHostAlloc``'ed memory: the D2H bandwidth of this machine (issue 18's reference
+  for "pinned-memory D2H bandwidth", target >= 80% of it);
+- ``memcpy_shm_registered``: the same into a ``/dev/shm`` file mapping page-locked with ``cudaHostRegister``,
+  the kind of memory the arena is;
 - ``floor_pinned_copy``: ``copy_(non_blocking=True)`` of every tensor into a page-locked host buffer
   allocated once, then ``torch.cuda.synchronize()``: the PCIe lower bound for any host snapshot;
 - ``floor_pageable_copy``: the same into ordinary (pageable) host memory: what a plain ``.cpu()`` costs;
@@ -70,7 +76,43 @@ def bench(state, method: str, repeats: int, scratch: str) -> dict:
                 b.copy_(t, non_blocking=pinned)
             torch.cuda.synchronize()
             samples.append(time.perf_counter() - t0)
-        return {"blocking_s": statistics.median(samples[1:]), "warmup_s": samples[0]}
+        b = statistics.median(samples[1:])
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        return {"blocking_s": b, "warmup_s": samples[0], "gbps": total / b / 1e9}
+    if method.startswith("memcpy"):
+        # One cudaMemcpyAsync of all the bytes (one flat device buffer): the D2H bandwidth the issue's
+        # "pinned-memory D2H bandwidth against cudaMemcpyAsync of the same bytes" compares with.
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+        dev.fill_(7)
+        if method == "memcpy_pinned":  # cudaHostAlloc'ed memory
+            host, cleanup = torch.empty(total, dtype=torch.uint8, pin_memory=True), None
+        else:  # memcpy_shm_registered: a /dev/shm file mapping page-locked with cudaHostRegister, as the arena
+            import mmap
+            fd, path = tempfile.mkstemp(dir=os.environ.get("SNAPCKPT_SHM_DIR", "/dev/shm"))
+            os.ftruncate(fd, total)
+            mm = mmap.mmap(fd, total)
+            os.close(fd)
+            os.unlink(path)
+            host = torch.frombuffer(mm, dtype=torch.uint8)
+            host.fill_(0)  # fault the pages in before registering
+            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), total, 0)
+            if int(getattr(err, "value", err)) != 0:
+                raise RuntimeError(f"cudaHostRegister failed: {err}")
+
+            def cleanup():
+                torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+        for i in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            host.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        if cleanup:
+            cleanup()
+        del host, dev
+        b = statistics.median(samples[1:])
+        return {"blocking_s": b, "warmup_s": samples[0], "gbps": total / b / 1e9}
     if method == "torch_save":
         for i in range(repeats + 1):
             path = os.path.join(scratch, f"ts{i}.pt")
@@ -88,8 +130,9 @@ def bench(state, method: str, repeats: int, scratch: str) -> dict:
     tier = StorageType.DISK if "disk" in method else StorageType.MEMORY
     d = tempfile.mkdtemp(dir=scratch)
     durable, fences = [], []
+    warm = 2  # one save per arena slot: a slot is page-locked (cudaHostRegister) at its first use
     with Checkpointer(d, overlap=overlap, keep_last=1) as ck:
-        for i in range(repeats + 1):
+        for i in range(repeats + warm):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             h = ck.save(state, i, tier)
@@ -104,15 +147,17 @@ def bench(state, method: str, repeats: int, scratch: str) -> dict:
             h.wait()
             durable.append(time.perf_counter() - t0)
     shutil.rmtree(d, ignore_errors=True)
-    out = {"blocking_s": statistics.median(samples[1:]), "warmup_s": samples[0]}
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    b = statistics.median(samples[warm:])
+    out = {"blocking_s": b, "warmup_s": samples[:warm], "gbps": total / b / 1e9, "samples_s": samples}
     if tier == StorageType.DISK:
-        out["durable_s"] = statistics.median(durable[1:])
+        out["durable_s"] = statistics.median(durable[warm:])
     if overlap:
-        out["fence_after_0.3s_compute_s"] = statistics.median(fences[1:])
+        out["fence_after_0.3s_compute_s"] = statistics.median(fences[warm:])
     return out
 
 
-METHODS = ["floor_pinned_copy", "floor_pageable_copy", "torch_save", "snapckpt_memory", "snapckpt_disk",
+METHODS = ["memcpy_pinned", "memcpy_shm_registered", "floor_pinned_copy", "floor_pageable_copy", "torch_save", "snapckpt_memory", "snapckpt_disk",
            "snapckpt_memory_overlap"]
 
 
@@ -147,8 +192,9 @@ def main() -> int:
     with open(a.out + ".json", "w") as f:
         json.dump({"machine": info, "results": results}, f, indent=1)
     lines = [f"# GPU stall ({info['gpu']}, torch {info['torch']}, git {info['git'][:10]}, {info['date']})", "",
-             "| size GiB | method | blocking s | / pinned floor | durable s | fence after 0.3 s compute s |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "| size GiB | method | blocking s | GB/s | / pinned floor | / one cudaMemcpyAsync | durable s | "
+             "fence after 0.3 s compute s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     def fmt(x, spec):
         return "" if x is None else format(x, spec)
 
@@ -157,8 +203,11 @@ def main() -> int:
         floor = results.get(f"{size}/floor_pinned_copy", {}).get("blocking_s")
         b = r.get("blocking_s")
         rel = f"{b / floor:.2f}x" if b and floor else ""
+        one = results.get(f"{size}/memcpy_pinned", {}).get("blocking_s")
+        rel1 = f"{b / one:.2f}x" if b and one else ""
         err = f" error: {r['error']}" if "error" in r else ""
-        lines.append(f"| {size} | {m} | {fmt(b, '.4f')} | {rel} | {fmt(r.get('durable_s'), '.3f')} | "
+        lines.append(f"| {size} | {m} | {fmt(b, '.4f')} | {fmt(r.get('gbps'), '.1f')} | {rel} | {rel1} | "
+                     f"{fmt(r.get('durable_s'), '.3f')} | "
                      f"{fmt(r.get('fence_after_0.3s_compute_s'), '.4f')} |{err}")
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -1,4 +1,4 @@
-"""The CUDA path (snapckpt/device_copy.py): run only on a machine with a CUDA GPU, by
+"""The CUDA path (snapckpt/engine/device_copy.py): run only on a machine with a CUDA GPU, by
 ``benchmarks/gpu_check.sh`` (``pytest tests/gpu_cuda_path.py``).
 
 The file name does not match ``test_*.py`` on purpose: the CPU suite (``scripts/test.sh``) never collects
