@@ -117,6 +117,7 @@ def test_cuda_memory_and_disk_tiers_round_trip(snap_env):
         mem = ck.load()
         assert ck.last_load.tier == StorageType.MEMORY and ck.last_load.step == 2
         assert _equal(_cpu(mem), expected)
+        ck.save(state, 3, StorageType.MEMORY).wait()  # two slots per rank: step 1's slot now holds step 3
         disk = ck.load(step=1)
-        assert ck.last_load.tier == StorageType.DISK
+        assert ck.last_load.tier == StorageType.DISK, "step 1 is no longer in memory; it must come from disk"
         assert _equal(_cpu(disk), expected)
