@@ -8,7 +8,9 @@ copy on the compute stream. This measures how long such a copy takes while a lar
 - ``all_queued``: every tensor's ``copy_(non_blocking=True)`` queued at once (snapckpt before the pacing);
 - ``chunked_<M>MiB``: the same in pieces of M MiB, all queued at once;
 - ``paced_<K>x<M>MiB``: pieces of M MiB, at most K in flight, issued by a host thread that waits for the
-  oldest piece's event (``query()`` + a short sleep) before issuing the next.
+  oldest piece's event before issuing the next (K = 1: ``Event.synchronize()``, as snapckpt's pacer; else
+  ``query()`` + a short sleep). Measured on an H200: with K = 2 the side stream always has a copy queued and
+  ``item()`` waited for the whole snapshot, as with everything queued at once.
 
 Per way: ``item_s`` (median latency of ``x.item()`` issued right after the copy starts), ``copy_s`` (the whole
 copy, alone), ``overlap_s`` (the copy started, then ``--compute-s`` of matmuls on the compute stream, then
@@ -50,6 +52,8 @@ def _issue(pieces, stream, inflight):
         for src, dst in pieces:
             if inflight:
                 while len(events) >= inflight:
+                    if inflight == 1:  # as snapckpt's pacer: a blocking wait for the previous piece
+                        events[0].synchronize()
                     while not events[0].query():
                         time.sleep(50e-6)
                     events.popleft()
@@ -113,8 +117,8 @@ def main() -> int:
     torch.cuda.synchronize()
     compute_alone = time.perf_counter() - t0
 
-    ways = {"all_queued": (None, None), "chunked_16MiB": (16 * MiB, None), "paced_2x16MiB": (16 * MiB, 2),
-            "paced_4x16MiB": (16 * MiB, 4), "paced_2x64MiB": (64 * MiB, 2)}
+    ways = {"all_queued": (None, None), "paced_2x64MiB": (64 * MiB, 2), "paced_1x16MiB": (16 * MiB, 1),
+            "paced_1x64MiB": (64 * MiB, 1), "paced_1x256MiB": (256 * MiB, 1)}
     results = {"machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                "args": vars(a), "compute_alone_s": compute_alone, "ways": {}}

@@ -91,6 +91,13 @@ class CheckpointOptions:
             never reserve ahead. A wrong guess costs nothing but the reservation: a larger state regrows
             the slot at the save, as without it. A load pauses the reservation while it reads (it goes
             on afterwards), so that a restart's read does not share the CPUs with it.
+        cuda_copy_piece_nbytes: ``overlap=True`` with CUDA state: the snapshot's device-to-host copy is issued
+            in pieces of this many bytes, one piece at a time, from a background thread. A GPU's copy engine
+            serves a stream that always has a copy queued before any other stream's copies, so a host sync of
+            the training loop between ``save`` and ``fence`` (``loss.item()``, a NaN check) would otherwise wait
+            for the whole snapshot; between two pieces it waits for one piece at most. ``0``: every tensor's
+            copy is queued at once (the copy's full bandwidth; a loop with no host sync before ``fence`` loses
+            nothing). Measured on an H200 (docs/performance.md): see there for the bandwidth it costs.
     """
 
     keep_last: Optional[int] = None
@@ -116,6 +123,7 @@ class CheckpointOptions:
     remote_dir: Optional[str] = None
     replicas: Optional[int] = None
     expected_nbytes: Optional[int] = None
+    cuda_copy_piece_nbytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -132,6 +140,10 @@ class CheckpointOptions:
                                                  or not isinstance(self.expected_nbytes, int)
                                                  or self.expected_nbytes < 0):
             raise ValueError(f"expected_nbytes must be an int >= 0 (bytes) or None, got {self.expected_nbytes!r}")
+        piece = self.cuda_copy_piece_nbytes
+        if isinstance(piece, bool) or not isinstance(piece, int) or piece < 0:
+            raise ValueError(f"cuda_copy_piece_nbytes must be an int >= 0 (bytes; 0 queues every copy at once), "
+                             f"got {piece!r}")
         if self.on_slot_busy not in ("wait", "skip"):
             raise ValueError(f"on_slot_busy must be 'wait' or 'skip', got {self.on_slot_busy!r}")
         for f in dataclasses.fields(self):

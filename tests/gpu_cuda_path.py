@@ -60,10 +60,20 @@ def _equal(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_A1_cuda_state_mutated_after_fence_checkpoint_holds_step(snap_env, overlap):
+# (overlap, cuda_copy_piece_nbytes): overlap off; overlap on paced in the default pieces, in 1 MiB pieces (many
+# pieces per tensor), and queued at once
+COPY_MODES = pytest.mark.parametrize("overlap,piece", [(False, None), (True, None), (True, 1 << 20), (True, 0)],
+                                     ids=["overlap_off", "paced", "paced_1MiB", "queued"])
+
+
+def _opts(piece):
+    return dict(OPTS, **({} if piece is None else {"cuda_copy_piece_nbytes": piece}))
+
+
+@COPY_MODES
+def test_A1_cuda_state_mutated_after_fence_checkpoint_holds_step(snap_env, overlap, piece):
     model, opt = _model()
-    with Checkpointer(snap_env.ckpt_dir, overlap=overlap, **OPTS) as ck:
+    with Checkpointer(snap_env.ckpt_dir, overlap=overlap, **_opts(piece)) as ck:
         for step in range(1, 4):
             _step(model, opt)
             state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
@@ -82,17 +92,19 @@ def test_A1_cuda_state_mutated_after_fence_checkpoint_holds_step(snap_env, overl
             assert _equal(expected, got), f"step {step}: the checkpoint does not hold the state at save()"
             assert got["model"]["0.weight"].is_cuda  # stock torch.load restores the CUDA location
         assert ck._cuda is not None and ck._cuda._streams, "the copy did not go through the side stream"
+        assert (ck._cuda._pacer is not None) == bool(overlap and piece != 0), "paced exactly when overlap is on"
         assert ck._cuda._registered, "no arena slot was page-locked (cudaHostRegister)"
         loaded = ck.load()
         assert ck.last_load.tier == StorageType.MEMORY
         assert _equal(_cpu(loaded), expected)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_A3_cuda_temporary_freed_right_after_save_is_not_reused_before_the_copy(snap_env, overlap):
+@COPY_MODES
+def test_A3_cuda_temporary_freed_right_after_save_is_not_reused_before_the_copy(snap_env, overlap, piece):
     """``record_stream``: a tensor whose only reference is dropped right after ``save()`` keeps its memory
-    until the side-stream copy has read it, although new allocations follow at once."""
-    with Checkpointer(snap_env.ckpt_dir, overlap=overlap, **OPTS) as ck:
+    until the side-stream copy has read it, although new allocations follow at once (paced: also the pieces
+    the pacer has not issued yet when the caller drops it)."""
+    with Checkpointer(snap_env.ckpt_dir, overlap=overlap, **_opts(piece)) as ck:
         for step in range(1, 6):
             t = torch.full((64 << 20,), float(step), device="cuda")  # 256 MiB
             h = ck.save({"t": t}, step, StorageType.MEMORY)

@@ -253,7 +253,7 @@ class Saver:
             # Queued on a side stream after the compute stream's work so far; never waited for here.
             try:
                 if self.cuda is None:
-                    self.cuda = CudaCopier()
+                    self.cuda = CudaCopier(self._options.cuda_copy_piece_nbytes if self._options.overlap else 0)
                 m.cuda = self.cuda
                 device_done = self.cuda.start(prepared.span_copies, m.tensor)
             except BaseException:
@@ -336,10 +336,13 @@ class Saver:
         log.warning("rank 0: %s", reason)
         self._emit(Event("world_size_changed", step, storage_type, self._rank, reason=reason))
 
-    def _abort(self, slot: int, sync_cuda: bool = False) -> None:
-        if sync_cuda:  # a queued device-to-host copy must not land in the slot after it is handed back
+    def _abort(self, slot: int, sync_cuda: bool = False, device_done=None) -> None:
+        # a queued device-to-host copy must not land in the slot after it is handed back (a paced copy: nor a
+        # piece issued later, so its pacer is waited for first)
+        for wait in ([device_done.synchronize] if device_done is not None else []) + \
+                ([torch.cuda.synchronize] if sync_cuda or device_done is not None else []):
             try:
-                torch.cuda.synchronize()
+                wait()
             except Exception:
                 log.exception("rank %d: CUDA synchronize after a failed snapshot copy", self._rank)
         try:
@@ -448,7 +451,7 @@ class Saver:
         try:
             t_copy = job.future.result()
         except BaseException as e:
-            self._abort(job.slot, sync_cuda=job.device_done is not None)
+            self._abort(job.slot, device_done=job.device_done)
             job.handle.fail(e)
             job.handle.mark_reported()
             raise
@@ -490,9 +493,11 @@ class Saver:
             raise first
 
     def stop_copy_thread(self) -> None:
-        """Stop the copy thread, if one was started, after its current job (``Checkpointer.close``)."""
+        """Stop the copy thread and the CUDA pacer, if started, after their current jobs (``Checkpointer.close``)."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
+        if self.cuda is not None:
+            self.cuda.close()
 
     def release_claim(self) -> None:
         """Release the writer claim of ``checkpoint_dir`` (rank 0, if it claimed it)."""
