@@ -151,8 +151,10 @@ def run(a) -> dict:
         print(f"gpu_loop {name}: median step {results[name]['step_median_s']:.4f} s, "
               f"{saves} checkpoints", flush=True)
 
-    phase("baseline", 0)
-    phase("floor_pinned_copy", a.every)
+    wanted = set(a.phases.split(",")) if a.phases else None
+    phase("baseline", 0)  # always: the reference of every other phase
+    if wanted is None or "floor_pinned_copy" in wanted:
+        phase("floor_pinned_copy", a.every)
     pinned = None
     torch.cuda.empty_cache()
     shm = tempfile.mkdtemp(prefix="snapckpt-gpu-loop-")
@@ -162,6 +164,8 @@ def run(a) -> dict:
                 ("snapckpt_overlap_on_log_first", True, None, True),
                 ("snapckpt_overlap_on_queued_log_first", True, 0, True)]
     for name, overlap, piece, log_first in variants:
+        if wanted is not None and name not in wanted:
+            continue
         kw = {} if piece is None else {"cuda_copy_piece_nbytes": piece}
         with Checkpointer(os.path.join(shm, name), overlap=overlap, keep_last=1, expected_nbytes=state_nbytes,
                           **kw) as ck:
@@ -175,7 +179,7 @@ def run(a) -> dict:
     for name, r in results.items():
         if r["checkpoints"]:
             r["extra_per_checkpoint_s"] = (r["step_mean_s"] - base) * r["steps"] / r["checkpoints"]
-    floor = results["floor_pinned_copy"].get("extra_per_checkpoint_s")
+    floor = results.get("floor_pinned_copy", {}).get("extra_per_checkpoint_s")
     for r in results.values():
         if floor and "extra_per_checkpoint_s" in r:
             r["extra_vs_copy_floor"] = r["extra_per_checkpoint_s"] / floor
@@ -192,6 +196,7 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=2, help="checkpoint every N steps")
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps per phase (>= 2 checkpoints: one per slot)")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--phases", default="", help="comma-separated phases to run besides baseline (default all)")
     ap.add_argument("--out", default="benchmarks/results/gpu_loop")
     a = ap.parse_args()
     if not torch.cuda.is_available():
