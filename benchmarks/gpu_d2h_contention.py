@@ -89,6 +89,21 @@ def _matmuls(seconds_hint, a):
     return a
 
 
+def markdown(results: dict) -> str:
+    """The table of a ``gpu_d2h_contention.json``."""
+    a = results["args"]
+    lines = [f"# D2H contention ({results['machine']['gpu']}, torch {results['machine']['torch']}, {a['gib']:g} GiB "
+             f"in {a['tensor_mib']} MiB tensors, compute {results['compute_alone_s']:.3f} s alone)", "",
+             "| way | pieces | item() latency s | copy s | GB/s | copy + compute, then item() s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in results["ways"].items():
+        lines.append(f"| {name} | {r['pieces']} | {r['item_s']:.4f} | {r['copy_s']:.4f} | {r['gbps']:.1f} | "
+                     f"{r['overlap_s']:.4f} |")
+    lines += ["", f"Python progress in the main thread during `Event.synchronize()` in another thread: "
+                  f"{results['py_progress_during_event_synchronize']:.2f} of idle"]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=8)
@@ -180,19 +195,10 @@ def main() -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    lines = [f"# D2H contention ({results['machine']['gpu']}, torch {torch.__version__}, {a.gib:g} GiB in "
-             f"{a.tensor_mib} MiB tensors, compute {compute_alone:.3f} s alone)", "",
-             "| way | pieces | item() latency s | copy s | GB/s | copy + compute, then item() s |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for name, r in results["ways"].items():
-        lines.append(f"| {name} | {r['pieces']} | {r['item_s']:.4f} | {r['copy_s']:.4f} | {r['gbps']:.1f} | "
-                     f"{r['overlap_s']:.4f} |")
-    lines.append("")
-    lines.append(f"Python progress in the main thread during `Event.synchronize()` in another thread: "
-                 f"{results['py_progress_during_event_synchronize']:.2f} of idle")
+    text = markdown(results)
     with open(a.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(text)
+    print(text, end="")
     return 0
 
 

@@ -186,6 +186,21 @@ def run(a) -> dict:
     return {"n_params": n_params, "state_nbytes": state_nbytes, "phases": results}
 
 
+def markdown(data: dict) -> str:
+    """The table of a ``gpu_loop.json`` (``{"machine": {..., "args": ...}, "n_params", "state_nbytes", "phases"}``)."""
+    info, args = data["machine"], data["machine"]["args"]
+    lines = [f"# GPU loop ({info['gpu']}, torch {info['torch']}, git {info['git'][:10]}, {info['date']})", "",
+             f"{data['n_params'] / 1e6:.0f} M parameters, state {data['state_nbytes'] / 2**30:.2f} GiB, batch "
+             f"{args['batch']} x {args['seq'] - 1} tokens; a checkpoint every {args['every']} steps", "",
+             "| phase | median step s | extra per checkpoint s | / copy floor |", "|---|---:|---:|---:|"]
+    for name, r in data["phases"].items():
+        extra = r.get("extra_per_checkpoint_s")
+        rel = r.get("extra_vs_copy_floor")
+        lines.append(f"| {name} | {r['step_median_s']:.4f} | {'' if extra is None else f'{extra:.4f}'} | "
+                     f"{'' if rel is None else f'{rel:.3f}x'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -208,18 +223,10 @@ def main() -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"machine": info, **out}, f, indent=1)
-    lines = [f"# GPU loop ({info['gpu']}, torch {info['torch']}, git {info['git'][:10]}, {info['date']})", "",
-             f"{out['n_params'] / 1e6:.0f} M parameters, state {out['state_nbytes'] / 2**30:.2f} GiB; "
-             f"a checkpoint every {a.every} steps", "",
-             "| phase | median step s | extra per checkpoint s | / copy floor |", "|---|---:|---:|---:|"]
-    for name, r in out["phases"].items():
-        extra = r.get("extra_per_checkpoint_s")
-        rel = r.get("extra_vs_copy_floor")
-        lines.append(f"| {name} | {r['step_median_s']:.4f} | {'' if extra is None else f'{extra:.4f}'} | "
-                     f"{'' if rel is None else f'{rel:.3f}x'} |")
+    text = markdown({"machine": info, **out})
     with open(a.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(text)
+    print(text, end="")
     return 0
 
 

@@ -163,6 +163,30 @@ METHODS = ["memcpy_pinned", "memcpy_shm_registered", "floor_pinned_copy", "floor
            "snapckpt_memory_overlap"]
 
 
+def markdown(data: dict) -> str:
+    """The table of a ``gpu_stall.json`` (``{"machine": ..., "results": {"<GiB>/<method>": {...}}}``)."""
+    info, results = data["machine"], data["results"]
+    lines = [f"# GPU stall ({info['gpu']}, torch {info['torch']}, git {info['git'][:10]}, {info['date']})", "",
+             "| size GiB | method | blocking s | GB/s | / pinned floor | / one cudaMemcpyAsync | durable s | "
+             "fence after 0.3 s compute s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    def fmt(x, spec):
+        return "" if x is None else format(x, spec)
+
+    for key, r in results.items():
+        size, m = key.split("/")
+        floor = results.get(f"{size}/floor_pinned_copy", {}).get("blocking_s")
+        b = r.get("blocking_s")
+        rel = f"{b / floor:.2f}x" if b and floor else ""
+        one = results.get(f"{size}/memcpy_pinned", {}).get("blocking_s")
+        rel1 = f"{b / one:.2f}x" if b and one else ""
+        err = f" error: {r['error']}" if "error" in r else ""
+        lines.append(f"| {size} | {m} | {fmt(b, '.4f')} | {fmt(r.get('gbps'), '.1f')} | {rel} | {rel1} | "
+                     f"{fmt(r.get('durable_s'), '.3f')} | "
+                     f"{fmt(r.get('fence_after_0.3s_compute_s'), '.4f')} |{err}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-gib", default="1,4")
@@ -193,27 +217,10 @@ def main() -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"machine": info, "results": results}, f, indent=1)
-    lines = [f"# GPU stall ({info['gpu']}, torch {info['torch']}, git {info['git'][:10]}, {info['date']})", "",
-             "| size GiB | method | blocking s | GB/s | / pinned floor | / one cudaMemcpyAsync | durable s | "
-             "fence after 0.3 s compute s |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    def fmt(x, spec):
-        return "" if x is None else format(x, spec)
-
-    for key, r in results.items():
-        size, m = key.split("/")
-        floor = results.get(f"{size}/floor_pinned_copy", {}).get("blocking_s")
-        b = r.get("blocking_s")
-        rel = f"{b / floor:.2f}x" if b and floor else ""
-        one = results.get(f"{size}/memcpy_pinned", {}).get("blocking_s")
-        rel1 = f"{b / one:.2f}x" if b and one else ""
-        err = f" error: {r['error']}" if "error" in r else ""
-        lines.append(f"| {size} | {m} | {fmt(b, '.4f')} | {fmt(r.get('gbps'), '.1f')} | {rel} | {rel1} | "
-                     f"{fmt(r.get('durable_s'), '.3f')} | "
-                     f"{fmt(r.get('fence_after_0.3s_compute_s'), '.4f')} |{err}")
+    text = markdown({"machine": info, "results": results})
     with open(a.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(text)
+    print(text, end="")
     return 0
 
 

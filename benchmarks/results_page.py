@@ -4,7 +4,9 @@ Reads what the benchmarks left in ``benchmarks/results/`` (each part is skipped 
 ``suite.json`` (stall, durable, restore per method and size), ``loop.json`` (training-loop cost),
 ``recovery.json`` (restart to first step), ``many_tensors.json``, ``first_save.json``, ``memory_budget.json``
 (stall against arena memory, 2 slots vs 1), ``commit_latency.json`` (commit latency against rank count),
-``remote_s3.json`` (the remote tier against plain S3 clients, and its training-loop cost). Writes the page
+``remote_s3.json`` (the remote tier against plain S3 clients, and its training-loop cost), and from a GPU
+machine (``benchmarks/gpu_check.sh``) ``gpu_stall.json``, ``gpu_loop.json``, ``gpu_loop_b16.json`` and
+``gpu_d2h_contention.json``. Writes the page
 ``docs/benchmarks.md`` (each figure's table, its run's date, commit and load, and its plot) and the plots
 ``docs/img/bench-*.png`` (matplotlib, from the ``bench`` extra). Like the generated part of
 ``docs/performance.md``, the page and its plots are committed after a run (``benchmarks/results/`` itself is
@@ -208,9 +210,58 @@ def remote_part(rs: dict, img: Path) -> list:
     return lines + ["![remote tier](img/bench-remote-s3.png)", ""]
 
 
+def _gpu_when(m: dict) -> str:
+    return (f"Measured on {m['gpu']} (torch {m['torch']}), {m['date']}, commit `{m['git']}`, with "
+            "`benchmarks/gpu_check.sh` on a device machine lent to the session (CI has no GPU; these results are "
+            "spliced into this page with `--splice`).")
+
+
+def gpu_stall_part(gs: dict, img: Path) -> list:
+    import gpu_stall  # noqa: PLC0415
+
+    keys = [k for k, r in gs["results"].items() if r.get("gbps") and k.split("/")[1] != "snapckpt_memory_overlap"]
+    _bars(img / "bench-gpu-d2h.png", "GPU state to host: GB/s (one cudaMemcpyAsync = the floor)", keys,
+          {"GB/s": [gs["results"][k]["gbps"] for k in keys]}, "GB/s")
+    body = gpu_stall.markdown(gs).split("\n", 2)[2]
+    return ["## GPU: device-to-host snapshot bandwidth and stall (`gpu_stall.py`)", "", _gpu_when(gs["machine"]), "",
+            body.strip(), "", "![GPU D2H bandwidth](img/bench-gpu-d2h.png)", ""]
+
+
+def _gpu_loop(name: str, title: str):
+    def part(gl: dict, img: Path) -> list:
+        import gpu_loop  # noqa: PLC0415
+
+        ph = {k: r for k, r in gl["phases"].items() if r.get("extra_per_checkpoint_s") is not None}
+        _bars(img / f"bench-{name}.png", "GPU training loop: extra seconds per checkpoint", list(ph),
+              {"extra s per checkpoint": [r["extra_per_checkpoint_s"] for r in ph.values()]}, "seconds")
+        body = gpu_loop.markdown(gl).split("\n", 2)[2]
+        return [f"## {title}", "", _gpu_when(gl["machine"]), "", body.strip(), "",
+                f"![GPU loop](img/bench-{name}.png)", ""]
+    return part
+
+
+def gpu_d2h_part(gd: dict, img: Path) -> list:
+    import gpu_d2h_contention  # noqa: PLC0415
+
+    ways = list(gd["ways"])
+    _bars(img / "bench-gpu-d2h-contention.png", "a loop's item() while the snapshot copies (seconds, log)", ways,
+          {"item() latency s": [gd["ways"][w]["item_s"] for w in ways],
+           "whole copy s": [gd["ways"][w]["copy_s"] for w in ways]}, "seconds", log=True)
+    body = gpu_d2h_contention.markdown(gd).split("\n", 2)[2]
+    return ["## GPU: a loop's host sync during the snapshot copy (`gpu_d2h_contention.py`)", "",
+            _gpu_when(gd["machine"]), "", body.strip(), "",
+            "![D2H contention](img/bench-gpu-d2h-contention.png)", ""]
+
+
 PARTS = [("suite.json", suite_part), ("loop.json", loop_part), ("recovery.json", recovery_part),
          ("many_tensors.json", many_part), ("first_save.json", first_part), ("memory_budget.json", budget_part),
-         ("commit_latency.json", commit_latency_part), ("remote_s3.json", remote_part)]
+         ("commit_latency.json", commit_latency_part), ("remote_s3.json", remote_part),
+         ("gpu_stall.json", gpu_stall_part),
+         ("gpu_loop.json", _gpu_loop("gpu-loop", "GPU: training-loop cost, copy about as long as forward and backward "
+                                                 "(`gpu_loop.py`)")),
+         ("gpu_loop_b16.json", _gpu_loop("gpu-loop-b16", "GPU: training-loop cost, forward and backward longer than "
+                                                         "the copy (`gpu_loop.py --batch 16`)")),
+         ("gpu_d2h_contention.json", gpu_d2h_part)]
 NOT_MEASURED = "Not measured in this page's runs: "
 
 
@@ -269,6 +320,8 @@ def splice_page(names: list, page: Path = PAGE, img: Path = IMG) -> Path:
         if at:
             sections[at[0]] = new
         else:
+            if sections and sections[-1][-1] != "":  # the page's last section lost its blank line to rstrip
+                sections[-1].append("")
             sections.append(new)
         missing = [m for m in missing if m != f]
     page.write_text("\n".join(head + [line for sec in sections for line in sec] + _not_measured(missing)) + "\n")
