@@ -199,6 +199,16 @@ def free_port() -> int:
 # Machine info
 # --------------------------------------------------------------------------------------------
 
+def write_results(out: str, data: Any, markdown: str) -> None:
+    """Write ``out + ".json"`` (``data``) and ``out + ".md"`` (``markdown``), making the folder; print the markdown."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(markdown)
+    print(markdown, end="")
+
+
 def git_commit() -> str:
     """HEAD commit of the repo (with ``+dirty`` when the work tree has changes), or a note."""
     try:

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_results  # noqa: E402
 
 MiB = 1 << 20
 
@@ -192,13 +194,7 @@ def main() -> int:
     results["py_progress_during_event_synchronize"] = during / base
     print(f"python progress during Event.synchronize in another thread: {during / base:.2f} of idle", flush=True)
 
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    text = markdown(results)
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    print(text, end="")
+    write_results(a.out, results, markdown(results))
     return 0
 
 

@@ -26,7 +26,6 @@ time < 5% of the copy floor's. Output: JSON + markdown (``--out``); no assertion
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit  # noqa: E402
+from _common import git_commit, iter_tensors, write_results  # noqa: E402
 
 from snapckpt import Checkpointer, StorageType  # noqa: E402
 
@@ -62,17 +61,6 @@ class GPT(torch.nn.Module):
         for b in self.blocks:
             x = b(x, src_mask=mask, is_causal=True)
         return self.head(self.norm(x))
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def run(a) -> dict:
@@ -100,7 +88,7 @@ def run(a) -> dict:
     fwd_bwd()
     opt_step()
     torch.cuda.synchronize()
-    state_nbytes = sum(t.numel() * t.element_size() for t in _tensors(state(0)))
+    state_nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(state(0)))
     print(f"gpu_loop: {n_params / 1e6:.0f} M parameters, state {state_nbytes / 2**30:.2f} GiB, "
           f"batch {a.batch} x seq {a.seq}", flush=True)
 
@@ -125,7 +113,7 @@ def run(a) -> dict:
                 loss.item()
             if every and step_no % every == 0:
                 if name == "floor_pinned_copy":
-                    src = list(_tensors(state(step_no)))
+                    src = list(iter_tensors(state(step_no)))
                     if pinned is None:
                         pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in src]
                     for b, t in zip(pinned, src):
@@ -220,13 +208,8 @@ def main() -> int:
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "git": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(a)}
     out = run(a)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"machine": info, **out}, f, indent=1)
-    text = markdown({"machine": info, **out})
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    print(text, end="")
+    data = {"machine": info, **out}
+    write_results(a.out, data, markdown(data))
     return 0
 
 

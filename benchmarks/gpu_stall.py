@@ -23,7 +23,6 @@ Output: a JSON file and a markdown table (``--out``). No assertion on any time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GiB, git_commit, iter_tensors, make_state  # noqa: E402
+from _common import GiB, git_commit, iter_tensors, make_state, write_results  # noqa: E402
 
 from snapckpt import Checkpointer, StorageType  # noqa: E402
 
@@ -214,13 +213,8 @@ def main() -> int:
             print(f"{size:g} GiB {m}: {results[f'{size:g}/{m}']}", flush=True)
         del state
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"machine": info, "results": results}, f, indent=1)
-    text = markdown({"machine": info, "results": results})
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    print(text, end="")
+    data = {"machine": info, "results": results}
+    write_results(a.out, data, markdown(data))
     return 0
 
 
