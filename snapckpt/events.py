@@ -21,6 +21,11 @@ class StorageType(str, enum.Enum):
     def __str__(self) -> str:  # f"{tier}" prints "memory" / "disk"
         return self.value
 
+    @classmethod
+    def _missing_(cls, value: object) -> "StorageType":
+        raise ValueError(f"storage_type must be StorageType.MEMORY or StorageType.DISK (or the strings 'memory', "
+                         f"'disk'), got {value!r}")
+
 
 @dataclass(frozen=True)
 class SaveStats:

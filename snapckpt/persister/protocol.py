@@ -153,7 +153,8 @@ def error_from_record(rec: Dict[str, Any], *, context: str = "") -> Exception:
 _FULL = ("the previous checkpoint is intact and nothing of this save is left where a loader looks; "
          "{what}, then save again")
 _DISK_FULL = (28, 122)  # ENOSPC, EDQUOT: rebuilt as DiskFullError
-#: Notes added to storage errors that reach the trainer (the cause and the fix; errno values as Linux).
+#: Notes added to storage errors that reach the trainer (the cause and the fix; errno values as Linux; the
+#: two of _DISK_FULL become DiskFullError).
 _DISK_FULL_HINTS = {
     28: "ENOSPC: the filesystem holding the checkpoint directory is full; " + _FULL.format(
         what="free space there or keep fewer checkpoints (keep_last; save_total_limit under the Trainer)"),
@@ -162,6 +163,17 @@ _DISK_FULL_HINTS = {
     27: "EFBIG: a file-size limit stopped the write (ulimit -f / RLIMIT_FSIZE of the process that started the "
         "persister, or the filesystem's maximum file size); " + _FULL.format(
             what="raise the limit (ulimit -f unlimited) before starting the job"),
+    13: "EACCES: the persister (it runs as the user who started the job) may not write in the checkpoint "
+        "directory; " + _FULL.format(what="give that user write access to checkpoint_dir, or choose another "
+                                          "checkpoint_dir"),
+    1: "EPERM: the filesystem refused the operation (an immutable or append-only file or directory, or a "
+       "filesystem that refuses renames); " + _FULL.format(what="check the attributes (lsattr) and the mount of "
+                                                                "checkpoint_dir, or choose another checkpoint_dir"),
+    30: "EROFS: the filesystem holding the checkpoint directory is mounted read-only; " + _FULL.format(
+        what="remount it read-write or point checkpoint_dir at a writable filesystem"),
+    5: "EIO: the storage reported an I/O error (a failing disk, a lost network filesystem); the snapshot is "
+       "still held in memory; " + _FULL.format(what="check the device and the kernel log (dmesg) or move "
+                                                    "checkpoint_dir"),
 }
 
 

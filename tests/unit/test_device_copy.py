@@ -36,3 +36,4 @@ def test_cuda_copy_piece_nbytes_is_validated():
     for bad in (-1, 1.5, True, "64M"):
         with pytest.raises(ValueError, match="cuda_copy_piece_nbytes"):
             Options(cuda_copy_piece_nbytes=bad)
+

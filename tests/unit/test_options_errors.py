@@ -154,3 +154,11 @@ def test_replicas_option_env_and_default(monkeypatch):
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="replicas must be a non-negative int"):
             CheckpointOptions(replicas=bad)
+
+
+def test_a_mistyped_storage_type_names_the_valid_ones():
+    from snapckpt import StorageType
+
+    assert StorageType("disk") is StorageType.DISK and StorageType(StorageType.MEMORY) is StorageType.MEMORY
+    with pytest.raises(ValueError, match=r"StorageType.MEMORY or StorageType.DISK .*'memory', 'disk'.*got 'dsk'"):
+        StorageType("dsk")

@@ -113,7 +113,7 @@ def test_os_error_round_trips_with_errno_subclass_and_filename():
     exc = P.error_from_record(rec, context="rank 1, step 5")
     assert type(exc) is PermissionError  # OSError(errno) picks the subclass
     assert exc.errno == errno.EACCES and exc.filename == "/ckpt/step_1"
-    assert exc.__notes__ == ["rank 1, step 5"]
+    assert exc.__notes__[0] == "rank 1, step 5" and exc.__notes__[1].startswith("EACCES")
     lost = P.error_from_record(P.error_record(FileNotFoundError(errno.ENOENT, "No such file")))
     assert type(lost) is FileNotFoundError and lost.filename is None
 
@@ -135,17 +135,23 @@ def test_unknown_odd_or_non_exception_types_become_persist_error(typ):
     assert str(exc) == f"{typ}: boom"
 
 
-@pytest.mark.parametrize("code,word", [(errno.ENOSPC, "ENOSPC"), (errno.EDQUOT, "EDQUOT"), (errno.EFBIG, "EFBIG")])
-def test_disk_full_errors_carry_the_cause_and_the_fix(code, word):
+@pytest.mark.parametrize("code,word,fix", [
+    (errno.ENOSPC, "ENOSPC", "keep_last"), (errno.EDQUOT, "EDQUOT", "quota"), (errno.EFBIG, "EFBIG", "ulimit -f"),
+    (errno.EACCES, "EACCES", "write access"), (errno.EPERM, "EPERM", "lsattr"), (errno.EROFS, "EROFS", "read-write"),
+    (errno.EIO, "EIO", "dmesg")])
+def test_storage_errors_carry_the_cause_and_the_fix(code, word, fix):
     """ENOSPC/EDQUOT: DiskFullError (an OSError too) with the cause and the fix in its message, said once
-    however often the record is relayed (part failure -> commit -> trainer); EFBIG: an OSError with a note."""
+    however often the record is relayed (part failure -> commit -> trainer); EFBIG, EACCES, EPERM, EROFS,
+    EIO: an OSError (of the errno's subclass) with a note naming the cause and the fix."""
     exc = P.error_from_record(P.error_record(OSError(code, "no room", "/ck/f")), context="step 3")
     assert isinstance(exc, OSError) and exc.errno == code and exc.filename == "/ck/f"
     assert exc.__notes__[0] == "step 3"
-    if code == errno.EFBIG:
-        assert type(exc) is OSError
+    if code not in (errno.ENOSPC, errno.EDQUOT):
+        assert not isinstance(exc, errors.DiskFullError)
         assert exc.__notes__[1].startswith(word) and "previous checkpoint is intact" in exc.__notes__[1]
+        assert fix in exc.__notes__[1]
         return
+    assert fix in str(exc)
     assert type(exc) is errors.DiskFullError and len(exc.__notes__) == 1
     assert str(exc).startswith(f"[Errno {code}] no room; {word}") and "previous checkpoint is intact" in str(exc)
     again = P.error_from_record(P.error_record(exc))
