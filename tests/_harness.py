@@ -5,15 +5,18 @@ the ``SNAPCKPT_RUNTIME_DIR`` / ``SNAPCKPT_SHM_DIR`` knobs, so tests never collid
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import psutil
 import torch
@@ -108,6 +111,41 @@ class SnapEnv:
                 p.send_signal(sig)
             except psutil.NoSuchProcess:
                 pass
+
+
+@contextlib.contextmanager
+def isolated_snap_env(tmp: str) -> Iterator[SnapEnv]:
+    """A fresh :class:`SnapEnv` under ``tmp`` (its own runtime and shared-memory directories, given to child
+    processes through ``env``; this process's environment is left alone).
+
+    On exit, unless ``leftover_ok`` was set: its persisters must have exited and its shared memory must be
+    empty (contract 10). Then whatever is left is killed and the directories are removed. The ``snap_env``
+    fixture (tests/conftest.py) is this per test; a module-scoped fixture that runs one job for several tests
+    uses it directly."""
+    key = uuid.uuid4().hex[:8]
+    runtime_root = f"/tmp/sr-{key}"
+    shm_root = f"/dev/shm/snapckpt-test-{key}"
+    os.makedirs(runtime_root, mode=0o700)
+    os.makedirs(shm_root, mode=0o700)
+    env = {"SNAPCKPT_RUNTIME_DIR": runtime_root, "SNAPCKPT_SHM_DIR": shm_root}
+    se = SnapEnv(runtime_root, shm_root, os.path.join(tmp, "ckpt"), tmp, env)
+    se.leftover_ok = False
+    ok = False
+    try:
+        yield se
+        ok = True
+    finally:
+        try:
+            if ok and not se.leftover_ok:
+                gone = wait_until(lambda: not se.persisters(), timeout=15)
+                assert gone, f"persister processes outlived the test: {[p.pid for p in se.persisters()]}"
+                assert wait_until(lambda: not se.shm_files(), timeout=5), \
+                    f"shared-memory files outlived the test: {se.shm_files()}"
+        finally:
+            se.kill_persisters(signal.SIGKILL)
+            wait_until(lambda: not se.persisters(), timeout=5)
+            shutil.rmtree(runtime_root, ignore_errors=True)
+            shutil.rmtree(shm_root, ignore_errors=True)
 
 
 def launch(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str],

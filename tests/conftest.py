@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
-import shutil
-import signal
-import uuid
 
 import pytest
 
-from _harness import SnapEnv, wait_until
+from _harness import isolated_snap_env, wait_until
 
 
 def pytest_addoption(parser):
@@ -67,28 +63,10 @@ def snap_env(tmp_path, monkeypatch):
     At teardown the test's persisters must have exited and its shared memory must be empty (contract 10);
     a test that deliberately leaves a persister behind (kill tests) calls ``snap_env.leftover_ok = True``.
     """
-    key = uuid.uuid4().hex[:8]
-    runtime_root = f"/tmp/sr-{key}"
-    shm_root = f"/dev/shm/snapckpt-test-{key}"
-    os.makedirs(runtime_root, mode=0o700)
-    os.makedirs(shm_root, mode=0o700)
-    env = {"SNAPCKPT_RUNTIME_DIR": runtime_root, "SNAPCKPT_SHM_DIR": shm_root}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    se = SnapEnv(runtime_root, shm_root, str(tmp_path / "ckpt"), str(tmp_path), env)
-    se.leftover_ok = False
-    yield se
-    try:
-        if not se.leftover_ok:
-            gone = wait_until(lambda: not se.persisters(), timeout=15)
-            assert gone, f"persister processes outlived the test: {[p.pid for p in se.persisters()]}"
-            assert wait_until(lambda: not se.shm_files(), timeout=5), \
-                f"shared-memory files outlived the test: {se.shm_files()}"
-    finally:
-        se.kill_persisters(signal.SIGKILL)
-        wait_until(lambda: not se.persisters(), timeout=5)
-        shutil.rmtree(runtime_root, ignore_errors=True)
-        shutil.rmtree(shm_root, ignore_errors=True)
+    with isolated_snap_env(str(tmp_path)) as se:
+        for k, v in se.env.items():
+            monkeypatch.setenv(k, v)
+        yield se
 
 
 @pytest.fixture

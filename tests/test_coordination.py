@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from _harness import finish, launch, result_lines, run_ranks, wait_until
+from _harness import finish, isolated_snap_env, launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import PersisterTimeoutError
 from snapckpt.persister.client import job_dirs, job_key
@@ -41,21 +41,6 @@ def persister_log(snap_env, ckpt_dir, job_id=None) -> str:
         return f.read()
 
 
-# ---------------------------------------------------------------------------------------------- C4
-def test_C4_racing_mkdir_of_nested_checkpoint_dir(snap_env):
-    """C4: 8 ranks construct Checkpointers on the same missing nested directory at the same moment (and
-    create the same runtime directories). Right: no FileExistsError, every rank gets the directory, one
-    persister serves all 8, and a DISK save/load round trip works on every rank."""
-    nested = os.path.join(snap_env.ckpt_dir, "a", "b", "c", "d")
-    outs = run_ranks(WORKER, 8, ["construct", nested], snap_env.env, timeout=150)
-    recs = results(outs)
-    assert not any("FileExistsError" in o for o in outs)
-    assert os.path.isdir(os.path.join(nested, "step_00000001"))
-    assert len({r["pid"] for r in recs}) == 1
-    assert all(r["loaded_step"] == 1 and r["loaded_ok"] for r in recs)
-    assert all(r["local_ranks"] == list(range(8)) for r in recs)
-
-
 # ---------------------------------------------------------------------------------------------- C5
 def test_C5_only_rank0_calls_collectives_gets_named_timeouts(snap_env):
     """C5: only rank 0 calls save (DISK), latest_step and load; rank 1 never does. Right: the save fails
@@ -72,31 +57,67 @@ def test_C5_only_rank0_calls_collectives_gets_named_timeouts(snap_env):
     assert not [n for n in os.listdir(snap_env.ckpt_dir) if ".partial-" in n]
 
 
-# ---------------------------------------------------------------------------------------------- C6
+# ------------------------------------------------------------------------------------- C4, C6, C7
+# C4, C6 (no launcher variables) and C7 are one job: every rank of a plain gloo launch (no LOCAL_RANK or
+# LOCAL_WORLD_SIZE) constructs a Checkpointer at the same moment with no persister running, on a missing
+# nested directory, then saves and loads. It runs once, at 8 ranks (the largest of the three), and each
+# case's checks are their own test on its result; `construct_job`'s group keeps them on one pytest-xdist
+# worker so that the job is not run once per worker.
+CONSTRUCT = pytest.mark.xdist_group("test_coordination_construct")
+
+
+@pytest.fixture(scope="module")
+def construct_job(tmp_path_factory):
+    """The 8-rank ``construct`` job on a missing nested directory, in its own isolated environment (leaks
+    checked when the module is done): ``(env, nested_dir, persisters_before, outputs, records)``."""
+    with isolated_snap_env(str(tmp_path_factory.mktemp("construct"))) as se:
+        before = se.persisters()
+        nested = os.path.join(se.ckpt_dir, "a", "b", "c", "d")
+        outs = run_ranks(WORKER, 8, ["construct", nested], se.env, timeout=150)
+        yield se, nested, before, outs, results(outs)
+
+
+@CONSTRUCT
+def test_C4_racing_mkdir_of_nested_checkpoint_dir(construct_job):
+    """C4: 8 ranks construct Checkpointers on the same missing nested directory at the same moment (and
+    create the same runtime directories). Right: no FileExistsError, every rank gets the directory, one
+    persister serves all 8, and a DISK save/load round trip works on every rank."""
+    _, nested, _, outs, recs = construct_job
+    assert len(recs) == 8
+    assert not any("FileExistsError" in o for o in outs)
+    assert os.path.isdir(os.path.join(nested, "step_00000001"))
+    assert len({r["pid"] for r in recs}) == 1
+    assert all(r["loaded_step"] == 1 and r["loaded_ok"] for r in recs)
+    assert all(r["local_ranks"] == list(range(8)) for r in recs)
+
+
+@CONSTRUCT
 @pytest.mark.parametrize("launcher", ["no_local_vars", "wrong_local_vars"])
-def test_C6_topology_comes_from_torch_distributed(snap_env, launcher):
-    """C6: ranks started without LOCAL_RANK/LOCAL_WORLD_SIZE, or with wrong ones (LOCAL_WORLD_SIZE=1 and
-    LOCAL_RANK=0 on every rank, plus other launchers' equivalents). Right: the topology still says both
-    ranks are on this node, one persister serves both, and save/load works on both ranks."""
-    env = dict(snap_env.env)
+def test_C6_topology_comes_from_torch_distributed(snap_env, launcher, request):
+    """C6: ranks started without LOCAL_RANK/LOCAL_WORLD_SIZE (the 8 ranks of `construct_job`), or with
+    wrong ones (2 ranks, LOCAL_WORLD_SIZE=1 and LOCAL_RANK=0 on every rank, plus other launchers'
+    equivalents). Right: the topology still says every rank is on this node, one persister serves them all,
+    and save/load works on every rank."""
     if launcher == "wrong_local_vars":
-        env["COORD_FAKE_LAUNCHER"] = "1"
-    recs = results(run_ranks(WORKER, 2, ["construct", snap_env.ckpt_dir], env, timeout=90))
+        recs = results(run_ranks(WORKER, 2, ["construct", snap_env.ckpt_dir],
+                                 {**snap_env.env, "COORD_FAKE_LAUNCHER": "1"}, timeout=90))
+    else:
+        recs = request.getfixturevalue("construct_job")[4]
     for r in recs:
-        assert r["local_ranks"] == [0, 1] and r["num_nodes"] == 1, r
+        assert r["local_ranks"] == list(range(len(recs))) and r["num_nodes"] == 1, r
         assert r["local_rank"] == r["rank"], r
         assert r["loaded_step"] == 1 and r["loaded_ok"], r
         assert r["env_local_world_size"] == ("1" if launcher == "wrong_local_vars" else None)
-    assert recs[0]["pid"] == recs[1]["pid"]
+    assert len({r["pid"] for r in recs}) == 1
 
 
-# ---------------------------------------------------------------------------------------------- C7
-def test_C7_startup_race_one_persister(snap_env):
-    """C7: 4 ranks construct at the same instant with no persister running. Right: exactly one persister
-    process is started, every rank is connected to it (same pid), nobody sees FileNotFoundError."""
-    assert not snap_env.persisters()
-    outs = run_ranks(WORKER, 4, ["construct", snap_env.ckpt_dir], snap_env.env, timeout=120)
-    recs = results(outs)
+@CONSTRUCT
+def test_C7_startup_race_one_persister(construct_job):
+    """C7: the ranks (8 of `construct_job`) construct at the same instant with no persister running.
+    Right: exactly one persister process is started, every rank is connected to it (same pid), nobody sees
+    FileNotFoundError."""
+    _, _, before, outs, recs = construct_job
+    assert not before
     assert len({r["pid"] for r in recs}) == 1
     assert all(r["persisters"] == 1 for r in recs), recs
     assert not any("FileNotFoundError" in o for o in outs)
