@@ -20,7 +20,6 @@ from typing import Any, List, Optional
 
 import torch
 
-from snapckpt.engine.restore import _gather
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.stager import Stager, _Layout, direct_views
 from snapckpt.errors import SnapshotError
@@ -29,6 +28,7 @@ from snapckpt.persister.arena import read_header
 __all__ = ["SlotCopies", "find"]
 
 _SHAPE = attrgetter("shape")
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SIZE = itemgetter(2)  # of a _Layout.direct_dst entry
 
 
@@ -96,6 +96,22 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
         # copy_into copies a tensor in place only when dicts lead to it (one in a list or tuple is replaced by
         # a copy): this path, which copies every tensor in place, is taken only when that is every tensor.
         dsts: List[torch.Tensor] = []
-        _gather(dst, dst, dsts, [], [])
+        _copied_in_place(dst, dsts)
         layout.restore_ok = len(dsts) == len(tensors) and all(map(is_, dsts, tensors))
     return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views)) if layout.restore_ok else None
+
+
+def _copied_in_place(obj: Any, out: List[torch.Tensor]) -> None:
+    """Append the tensors of ``obj`` that :func:`~snapckpt.engine.restore.copy_into` copies into in place when the
+    loaded state has ``obj``'s structure: those reached through dicts only, in its walking order (a dict of
+    tensors only by one C-level pass)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        values = list(obj.values())
+        if set(map(type, values)) <= _TENSOR_TYPES:
+            out.extend(values)
+            return
+        for v in values:
+            if isinstance(v, (dict, torch.Tensor)):
+                _copied_in_place(v, out)

@@ -112,3 +112,25 @@ def test_a_tensor_in_a_list_keeps_copy_into_semantics():
     plain = {"w": torch.rand(2), "betas": [0.9, 0.99]}  # a list of values only: restored here
     _save(stager, m, plain, 2)
     assert slot_restore.find(stager, m, NAME, 2, plain) is not None
+
+
+def test_the_tensors_copied_in_place_are_those_copy_into_copies():
+    """slot_restore's walk finds exactly the tensors (and order) that copy_into copies in place."""
+    from collections import OrderedDict
+
+    from snapckpt.engine.restore import _gather
+
+    t = [torch.rand(2) for _ in range(8)]
+    states = [
+        {"a": t[0], "b": {"c": t[1], "d": 3, "e": {"f": t[2]}}, "g": [t[3], {"h": t[4]}], "i": (t[5],)},
+        OrderedDict(x=t[0], y=OrderedDict(z=t[1]), w=[0.9, 0.99]),
+        {f"p{i}": t[i] for i in range(8)},  # a dict of tensors only: one C-level pass
+        {"groups": [{"params": [0, 1], "w": t[6]}], "state": {0: {"m": t[7], "step": 2}}},
+        t[0],
+    ]
+    for s in states:
+        want: list = []
+        _gather(s, s, want, [], [])
+        got: list = []
+        slot_restore._copied_in_place(s, got)
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
