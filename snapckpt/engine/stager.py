@@ -108,7 +108,9 @@ def _groups(tensors: List[torch.Tensor], offs: tuple, itemsizes: tuple, devices:
             ) -> Optional[tuple]:
     """:func:`_signature`'s storage grouping: ``None`` when every tensor has a storage of its own (on one
     device: ``one_device``)."""
-    starts = list(map(sub, map(torch.Tensor.data_ptr, tensors), map(mul, offs, itemsizes)))
+    ptrs = map(torch.Tensor.data_ptr, tensors)
+    # every offset 0 (the common case): the data pointers are the storages' starts (two passes fewer)
+    starts = list(map(sub, ptrs, map(mul, offs, itemsizes)) if any(offs) else ptrs)
     empty = starts.count(0)  # no storage (a null data pointer): a group of its own each
     # sorted, not a set: a set of 200,000 aligned pointers is several times slower (hash collisions, misses)
     ordered = sorted(starts)
