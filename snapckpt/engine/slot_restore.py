@@ -89,8 +89,9 @@ def _holds(mapped: MappedSlot, layout: _Layout, step: int) -> bool:
 
 
 def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor]) -> Optional[SlotCopies]:
-    r = layout.recheck  # the save's check of dtypes, shapes and strides (C++): enough when the state is the saved one
-    if not (r is not None and r.guards.check(*tensors)) and list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)):
+    r = layout.recheck  # the save's check of dtypes, shapes and strides (C++): passes when the state is the saved one
+    same = r is not None and r.guards.check(*tensors)
+    if not same and list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)):
         return None  # the general path names the mismatches
     if layout.restore_ok is None:
         # copy_into copies a tensor in place only when dicts lead to it (one in a list or tuple is replaced by
