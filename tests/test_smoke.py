@@ -91,3 +91,33 @@ def test_second_slot_is_mapped_before_its_first_save(snap_env):
         second = faults_of(2)  # slot 1
         assert second < pages // 8, (first, second, pages)  # without the prefault: a fault per page, as `first`
         assert torch.equal(ck.load()["w"], state["w"]) and ck.last_load.step == 2
+
+
+def test_memory_load_into_the_saved_state_copies_from_the_slot_without_reading_its_skeleton(snap_env, monkeypatch):
+    """A memory load into a live state of the layout this process saved copies each tensor from the slot in
+    place (snapckpt.engine.slot_restore); a live state that differs goes the general way and still gets the
+    saved values."""
+    import snapckpt.engine.loader as loader_mod
+
+    state = {"model": {f"w{i}": torch.rand(3, 2) for i in range(30)}, "opt": {"lr": 0.1}, "iteration": 4}
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        ck.save(state, 1, StorageType.MEMORY)
+        ck.fence()
+        saved = {k: v.clone() for k, v in state["model"].items()}
+        live = list(state["model"].values())
+        for t in live:
+            t.add_(1.0)
+        general = loader_mod.read_slot
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the slot's skeleton was read")
+
+        monkeypatch.setattr(loader_mod, "read_slot", refuse)
+        assert ck.load(state) is state and ck.last_load.tier == StorageType.MEMORY
+        assert list(state["model"].values()) == live and all(torch.equal(state["model"][k], saved[k]) for k in saved)
+        monkeypatch.setattr(loader_mod, "read_slot", general)
+        for t in live:
+            t.add_(1.0)
+        state["iteration"] = 5  # a value the load replaces: the general path
+        ck.load(state)
+        assert state["iteration"] == 4 and all(torch.equal(state["model"][k], saved[k]) for k in saved)

@@ -31,6 +31,7 @@ from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.replicas import setup_replicas
 from snapckpt.engine.session import PersisterSession
+from snapckpt.engine import slot_restore
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
 from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, RemoteStorageError
@@ -497,14 +498,24 @@ class Checkpointer:
         # the live ones, the checksum computed on the way (snapckpt.engine.disk_restore), the rest copied from
         # the file's memory map. Values that are not copied into a live tensor are deep-copied, so nothing the
         # caller keeps points into the arena or a file.
+        # A memory slot that still holds what this process saved from a state of this one's layout is copied
+        # from the save's typed views, without reading its skeleton (snapckpt.engine.slot_restore).
+        name = layout.rank_filename(self.rank)
+
         def read(c: LoadCandidate) -> Tuple[Any, Any]:
             if c.tier == StorageType.DISK:
                 return self._loader.read_into(c, state_dict)
-            return self._loader.read(c, views=True)[layout.rank_filename(self.rank)], frozenset()
+            found = slot_restore.find(self._stager, self._loader.memory_slot(c), name, c.step, state_dict)
+            if found is not None:
+                return found, None
+            return self._loader.read(c, views=True)[name], frozenset()
 
         (obj, filled), _ = self.load_with(read, step)
         t0 = time.perf_counter()
-        copy_into(state_dict, obj, own=True, skip=filled)
+        if filled is None:
+            obj.run()
+        else:
+            copy_into(state_dict, obj, own=True, skip=filled)
         if self.last_load is not None:
             self.last_load = dataclasses.replace(self.last_load, copy_secs=time.perf_counter() - t0)
         return state_dict

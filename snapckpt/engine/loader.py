@@ -27,7 +27,7 @@ from snapckpt.dist.topology import Topology
 from snapckpt.engine.agreement import MemoryTier, lost_steps, memory_tier, ranked
 from snapckpt.engine.replicas import PeerMap
 from snapckpt.engine.session import PersisterSession
-from snapckpt.engine.slot_maps import SlotMaps
+from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.persister.slot_index import read_index, read_slot
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
                              UnsafeCheckpointError, all_damaged_error)
@@ -507,6 +507,23 @@ class Loader:
         return m, out
 
     def _read_memory(self, cand: LoadCandidate, views: bool) -> Dict[str, Any]:
+        m = self.memory_slot(cand)
+        index = read_index(m.buf, m.path)
+        got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
+                                    copy=not views, index=index)
+        cand._modes = _modes(((f["path"], f) for f in index["files"]), None)
+        if got_step != cand.step:
+            raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
+                                         f"not {cand.step}")
+        return files
+
+    def memory_slot(self, cand: LoadCandidate) -> MappedSlot:
+        """The mapping of the slot that holds this rank's part of the MEMORY candidate ``cand`` (fetched from a
+        peer's memory first when this node does not hold it).
+
+        Raises:
+            CheckpointNotFoundError: the memory snapshot is no longer held.
+        """
         held = self._session.request("held")["slots"]
         mine = [s for s in held if s["step"] == cand.step and s["run_id"] == cand.run_id]
         if not mine:
@@ -518,15 +535,7 @@ class Loader:
         if not mine:
             raise CheckpointNotFoundError(f"rank {self.rank} no longer holds step {cand.step} in memory")
         s = max(mine, key=lambda x: x["seq"])
-        m = self._maps.get(s["slot"], s["path"], s["nbytes"])
-        index = read_index(m.buf, m.path)
-        got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
-                                    copy=not views, index=index)
-        cand._modes = _modes(((f["path"], f) for f in index["files"]), None)
-        if got_step != cand.step:
-            raise CheckpointCorruptError(f"memory slot of rank {self.rank} holds step {got_step}, "
-                                         f"not {cand.step}")
-        return files
+        return self._maps.get(s["slot"], s["path"], s["nbytes"])
 
     def load_with(self, fn: Callable[[LoadCandidate], Any], step: Optional[int] = None, *,
                   dirname: Optional[str] = None, check: Optional[Callable[[LoadCandidate], Any]] = None

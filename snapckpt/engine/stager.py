@@ -108,7 +108,9 @@ def _groups(tensors: List[torch.Tensor], offs: tuple, itemsizes: tuple, devices:
             ) -> Optional[tuple]:
     """:func:`_signature`'s storage grouping: ``None`` when every tensor has a storage of its own (on one
     device: ``one_device``)."""
-    starts = list(map(sub, map(torch.Tensor.data_ptr, tensors), map(mul, offs, itemsizes)))
+    ptrs = map(torch.Tensor.data_ptr, tensors)
+    # every offset 0 (the common case): the data pointers are the storages' starts (two passes fewer)
+    starts = list(map(sub, ptrs, map(mul, offs, itemsizes)) if any(offs) else ptrs)
     empty = starts.count(0)  # no storage (a null data pointer): a group of its own each
     # sorted, not a set: a set of 200,000 aligned pointers is several times slower (hash collisions, misses)
     ordered = sorted(starts)
@@ -126,26 +128,30 @@ except ImportError:  # pragma: no cover - every supported torch has it; the full
 
 
 class _Recheck:
-    """A quick way to tell that tensors have a known :func:`_signature`, without reading it (a plan-cache hit).
+    """A quick way to tell that tensors have their layout's :func:`_signature`, without reading it (a plan-cache hit).
 
-    Found by ``(count, storage offsets, types)``; then PyTorch's ``TensorGuards`` (a C++ loop) checks each
+    Found by ``quick`` (count, storage offsets, types); then PyTorch's ``TensorGuards`` (a C++ loop) checks each
     tensor's dtype, device, shape, stride and ``requires_grad`` against the tensors the entry was made from,
     and the storage grouping is recomputed from the data pointers (with the known element sizes). Every field
     of the signature is compared, so a hit means the same signature; any failure (or a guard that cannot be
     made) falls back to the full :func:`_signature`.
     """
 
-    __slots__ = ("guards", "itemsizes", "devices", "one_device", "groups", "layout")
+    __slots__ = ("quick", "guards", "itemsizes", "devices", "one_device", "groups")
 
-    def __init__(self, tensors: List[torch.Tensor], sig: tuple, layout: "_Layout") -> None:
+    def __init__(self, tensors: List[torch.Tensor], quick: tuple, sig: tuple) -> None:
         self.guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        self.quick = quick
         self.itemsizes = tuple(map(_ITEMSIZE, sig[3]))
-        self.devices, self.groups, self.layout = sig[4], sig[1], layout
+        self.devices, self.groups = sig[4], sig[1]
         self.one_device = len(set(self.devices)) <= 1
 
-    def matches(self, tensors: List[torch.Tensor], offs: tuple) -> bool:
-        return (self.guards.check(*tensors)
-                and _groups(tensors, offs, self.itemsizes, self.devices, self.one_device) == self.groups)
+    def matches(self, tensors: List[torch.Tensor], quick: tuple) -> bool:
+        return (quick == self.quick and self.guards.check(*tensors)
+                and _groups(tensors, quick[1], self.itemsizes, self.devices, self.one_device) == self.groups)
+
+
+_RECHECKS_KEPT = 2  # quick checks made for one layout before it goes without (see Stager._plan_for)
 
 
 def _extent_nbytes(t: torch.Tensor) -> Tuple[int, int]:
@@ -231,6 +237,11 @@ class _Layout:
             from (``None``: not reusable), the pickles ``(slot offset, bytes)`` and the index's ``"files"``
             JSON; ``tail_end``: the first byte after the pickles (the index's offset).
         pickles: per plain file, its last pickle (see :meth:`Stager._skeletons`).
+        recheck: the quick check of tensors of this layout (:class:`_Recheck`), ``None`` until made or when
+            it cannot be; ``rechecks_made``: how many were made (a layout whose check keeps missing while its
+            signature hits stops getting new ones).
+        restore_ok: whether a live state of the tail's key takes a slot of this layout by one copy per tensor
+            (:mod:`snapckpt.engine.slot_restore`); ``None``: not known yet (reset with the tail).
     """
 
     plan: Plan
@@ -244,6 +255,9 @@ class _Layout:
     tail: Optional[List[Tuple[int, bytes]]] = None
     files_json: bytes = b""
     tail_end: int = 0
+    recheck: Optional[_Recheck] = None
+    rechecks_made: int = 0
+    restore_ok: Optional[bool] = None
 
 
 def _layout(tensors: List[torch.Tensor], plan: Plan) -> _Layout:
@@ -312,7 +326,7 @@ class Prepared:
 _VIEWS_KEPT = 4  # layouts whose slot views a mapping keeps (as the Stager's plan cache)
 
 
-def _direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
+def direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
                   ) -> List[torch.Tensor]:
     """The typed views of ``slot`` that ``layout``'s direct tensors are copied into (cached per mapping)."""
     views = cache.get(layout) if cache is not None else None
@@ -360,6 +374,22 @@ def _unpicklable_error(name: str, obj: Any, err: BaseException) -> SnapshotError
         "a config as a dict)")
 
 
+@dataclass
+class _FileMemo:
+    """What the Stager keeps of one plain file's walk between saves.
+
+    Attributes:
+        key: the :func:`plain_layout` key of its last save.
+        memo: its :class:`LayoutMemo`, made once two saves in a row walked to equal keys (``None`` before).
+        memoizable: ``False`` once a memo could not be made of this structure (a container or tensor met twice):
+            not tried again until the key changes.
+    """
+
+    key: List[Any]
+    memo: Optional[LayoutMemo] = None
+    memoizable: bool = True
+
+
 class Stager:
     """Turns ``{relative file path: object}`` into slot bytes. One per training process and rank.
 
@@ -368,76 +398,89 @@ class Stager:
     """
 
     def __init__(self, cache_size: int = 4) -> None:
-        self._plans: Dict[tuple, _Layout] = {}
+        self._layouts: Dict[tuple, _Layout] = {}  # signature -> layout, oldest first
         self._cache_size = cache_size
         self.plan_builds = 0  # how many plans were built (observable by tests of contract 3)
         self._unsafe_warned: set = set()  # weights_only refusals already warned about
-        self._rechecks: Dict[tuple, List[_Recheck]] = {}  # (count, offsets, types) -> quick plan-cache hits
-        self._memos: Dict[str, Any] = {}  # file -> its LayoutMemo, else its last plain_layout key ((key,): no memo)
+        self._memos: Dict[str, _FileMemo] = {}  # per plain file: what its next save may reuse of its walk
 
     def _plan_for(self, tensors: List[torch.Tensor]) -> Tuple[_Layout, bool]:
         """The layout of these tensors and whether it was built now (not found in the cache).
+
+        A cached layout is found by its quick check (:class:`_Recheck`), else by the full :func:`_signature`;
+        a layout found by its signature gets a new quick check, at most ``_RECHECKS_KEPT`` in its life (one
+        whose check keeps missing, for something the signature does not hold, goes on by the signature alone
+        instead of paying for a check per save).
 
         Raises:
             SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built).
         """
         try:
-            offs = tuple(map(torch.Tensor.storage_offset, tensors))
-            quick = (len(tensors), offs, tuple(map(type, tensors)))
-            for r in self._rechecks.get(quick, ()):
-                if r.matches(tensors, offs):
-                    return r.layout, False
+            quick = (len(tensors), tuple(map(torch.Tensor.storage_offset, tensors)), tuple(map(type, tensors)))
+            for cached in reversed(self._layouts.values()):  # newest first
+                r = cached.recheck
+                if r is not None and r.matches(tensors, quick):
+                    return cached, False
             sig = _signature(tensors)
         except RuntimeError:  # no strides or storage (sparse, nested): say which tensor and why
             for t in tensors:
                 _check_supported(t)
             raise
-        layout = self._plans.get(sig)
+        layout = self._layouts.get(sig)
         built = layout is None
-        if built:
+        if layout is None:
             for t in tensors:
                 _check_supported(t)
             layout = _layout(tensors, _build_plan(tensors))
             self.plan_builds += 1
-            if len(self._plans) >= self._cache_size:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[sig] = layout
-        if _TensorGuards is not None:
-            try:
-                recheck = _Recheck(tensors, sig, layout)
-            except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
-                return layout, built
-            if quick not in self._rechecks and len(self._rechecks) >= self._cache_size:
-                self._rechecks.pop(next(iter(self._rechecks)))
-            entries = self._rechecks.setdefault(quick, [])
-            entries.append(recheck)
-            del entries[:-self._cache_size]
+            if len(self._layouts) >= self._cache_size:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[sig] = layout
+        if _TensorGuards is None:
+            return layout, built
+        if layout.rechecks_made >= _RECHECKS_KEPT:
+            layout.recheck = None
+            return layout, built
+        layout.rechecks_made += 1
+        try:
+            layout.recheck = _Recheck(tensors, quick, sig)
+        except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
+            layout.recheck, layout.rechecks_made = None, _RECHECKS_KEPT
         return layout, built
 
     def _plain_layout(self, name: str, obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
         """:func:`plain_layout` of file ``name``'s ``obj``, by its :class:`LayoutMemo` while the structure is
         the one of the memo. A memo is made once two saves in a row walk to equal keys (a state whose values
         change every save, such as a step counter, is walked each time and never pays for one)."""
-        memo = self._memos.get(name)
-        if type(memo) is LayoutMemo:
-            found = memo.match(obj)
+        fm = self._memos.get(name)
+        if fm is not None and fm.memo is not None:
+            found = fm.memo.match(obj)
             if found is not None:
-                return found, memo.key
+                return found, fm.memo.key
         walked = plain_layout(obj)
-        if walked is None:
-            self._memos.pop(name, None)
-            return None
-        last = memo.key if type(memo) is LayoutMemo else memo[0] if type(memo) is tuple else memo
-        if last == walked[1]:
-            if type(memo) is not tuple:  # (key,): a structure no memo can be made of (aliasing), not retried
-                memo = LayoutMemo.build(obj, *walked) or (walked[1],)
-        else:
-            memo = walked[1]
         self._memos.pop(name, None)
+        if walked is None:
+            return None
+        if fm is not None and fm.key == walked[1]:
+            if fm.memoizable:
+                fm.memo = LayoutMemo.build(obj, *walked)
+                fm.memoizable = fm.memo is not None
+        else:
+            fm = _FileMemo(walked[1])
         if len(self._memos) >= 4 * self._cache_size:
             self._memos.pop(next(iter(self._memos)))
-        self._memos[name] = memo
+        self._memos[name] = fm
         return walked
+
+    def live_layout(self, name: str, obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+        """:func:`plain_layout` of ``obj`` as file ``name`` (by its memo when the structure is the memo's), without
+        changing what the next save of ``name`` reuses; ``None`` when ``obj`` is not plain."""
+        fm = self._memos.get(name)
+        if fm is not None and fm.memo is not None:
+            found = fm.memo.match(obj)
+            if found is not None:
+                return found, fm.memo.key
+        return plain_layout(obj)
 
     def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
         """See :meth:`_prepare` (the cyclic garbage collector is paused meanwhile: a state of many tensors makes
@@ -529,6 +572,7 @@ class Stager:
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
                                                          check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
+            layout.restore_ok = None
         tail, offset = list(layout.tail), layout.tail_end
         index = b'{"v":2,"step":%d,"files":%s}' % (step, layout.files_json)  # json.dumps' bytes, the step spliced in
         tail.append((offset, index))
@@ -605,7 +649,7 @@ class Stager:
             if n and not (device_done is not None and src.is_cuda):
                 slot[off:off + n].copy_(src)
         if n_direct:
-            dst = _direct_views(prepared.layout, slot, prepared.views)
+            dst = direct_views(prepared.layout, slot, prepared.views)
             cut = half - len(prepared.span_copies)
             with torch.no_grad():  # a Parameter's copy must not enter autograd
                 if 0 <= cut < n_direct:

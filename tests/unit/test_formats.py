@@ -414,14 +414,14 @@ def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
         for _ in range(2):  # two equal saves: the second makes the memo, a third would use it
             step += 1
             _same(roundtrip(s, step), s)
-        assert (type(stager._memos["s.pt"]) is LayoutMemo) == ("m2" not in s), i  # a container met twice: no memo
+        assert (type(stager._memos["s.pt"].memo) is LayoutMemo) == ("m2" not in s), i  # a container met twice: no memo
         change(s)
         step += 1
         back = roundtrip(s, step)
         _same(back, s)
         if change is tie_storage:
             assert back["x"].untyped_storage().data_ptr() == back["y"].untyped_storage().data_ptr()
-    assert back["y2"] is back["y"] and stager._rechecks
+    assert back["y2"] is back["y"] and any(lay.recheck for lay in stager._layouts.values())
 
 
 def test_a_plain_file_keeps_its_pickle_beside_raw_bytes_that_change_every_save():
@@ -453,3 +453,31 @@ def test_a_plain_file_keeps_its_pickle_beside_raw_bytes_that_change_every_save()
     assert t3[0] is t1[0] and t3[1] != t1[1]
     model["w0"] = torch.rand(3)  # a new plan: everything pickled again
     assert roundtrip(4)[0] is not t1[0] and stager.plan_builds == 2
+
+
+def test_a_quick_check_that_keeps_missing_is_not_remade_every_save(monkeypatch):
+    """A layout found by its signature after its quick check missed gets a new check, but not forever: a check
+    that keeps missing (something outside the signature changes between saves) stops being made, and the
+    layout is still found by its signature (no new plan)."""
+    from snapckpt.engine import stager as stager_mod
+
+    made = []
+    init = stager_mod._Recheck.__init__
+
+    def counting_init(self, *args):
+        made.append(1)
+        init(self, *args)
+
+    monkeypatch.setattr(stager_mod._Recheck, "__init__", counting_init)
+    monkeypatch.setattr(stager_mod._Recheck, "matches", lambda self, tensors, quick: False)
+    stager, buf = stager_mod.Stager(), bytearray(1 << 16)
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    state = {f"w{i}": torch.rand(3) for i in range(5)}
+    for step in range(6):
+        p = stager.prepare({"s.pt": state}, step)
+        stager_mod.Stager.copy_into(p, slot, buf)
+    assert stager.plan_builds == 1 and len(made) == stager_mod._RECHECKS_KEPT == 2
+    assert all(lay.recheck is None for lay in stager._layouts.values())
+    monkeypatch.undo()
+    other = {f"w{i}": torch.rand(3) for i in range(5)}
+    assert stager.prepare({"s.pt": other}, 7).layout is p.layout and stager.plan_builds == 1

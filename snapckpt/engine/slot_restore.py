@@ -1,0 +1,118 @@
+"""The memory-tier restore of a slot this process wrote, into a live state of the same layout: one copy per tensor.
+
+``Checkpointer.load(state_dict)`` from memory reads a slot by unpickling its skeleton (a Python call per
+tensor: seconds for 200,000 tensors) and walking it beside the live state. When the slot still holds what this
+process's :class:`~snapckpt.engine.stager.Stager` wrote into it, that work is known in advance: :func:`find`
+recognises the slot's bytes as those of a cached layout (the index and the pickle compared byte for byte, so a
+slot rewritten since, by a later save or a fetch from a peer, is recognised only if it is the same layout) and
+the live state as a state of that layout (:func:`~snapckpt.formats.plain_layout.plain_layout` key equal: the
+same containers, keys and non-tensor values), and returns the copies from the slot's typed views (made by the
+saves already) into the live tensors. Anything else (another layout, a state that differs, a tensor that is not
+a whole contiguous CPU span, a shape that differs) gets ``None``: the caller reads the slot the general way,
+which also names any incompatibility.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from operator import attrgetter, is_, itemgetter
+from typing import Any, List, Optional
+
+import torch
+
+from snapckpt.engine.slot_maps import MappedSlot
+from snapckpt.engine.stager import Stager, _Layout, direct_views
+from snapckpt.errors import SnapshotError
+from snapckpt.persister.arena import read_header
+
+__all__ = ["SlotCopies", "find"]
+
+_SHAPE = attrgetter("shape")
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_SIZE = itemgetter(2)  # of a _Layout.direct_dst entry
+
+
+@dataclass
+class SlotCopies:
+    """A restore found by :func:`find`: ``torch._foreach_copy_(dsts, srcs)`` (live tensors, views of the slot)."""
+
+    dsts: List[torch.Tensor]
+    srcs: List[torch.Tensor]
+
+    def run(self) -> None:
+        """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``)."""
+        with torch.no_grad():  # a Parameter's copy must not enter autograd
+            torch._foreach_copy_(self.dsts, self.srcs)
+
+
+def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
+    """The copies that restore ``dst`` (the live state of file ``name``) from ``mapped`` holding ``step``, or
+    ``None`` when the slot or ``dst`` is not of a layout this process saved into that mapping (see the module)."""
+    if not mapped.views or mapped.tensor is None:
+        return None
+    enabled = gc.isenabled()
+    gc.disable()  # a state of many tensors: no full collections while its shapes are read
+    try:
+        return _find(stager, mapped, name, step, dst)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
+    walked = stager.live_layout(name, dst)
+    if walked is None:
+        return None
+    tensors, key = walked
+    for layout in reversed(list(mapped.views)):  # the layouts copied into this mapping, newest first
+        tk = layout.tail_key
+        if (layout.direct_all and tk is not None and len(tk) == 3 and tk[0] == [name] and tk[2][0] == key
+                and len(tensors) == len(layout.direct_dst) and _holds(mapped, layout, step)):
+            return _copies(mapped, layout, dst, tensors)
+    return None
+
+
+def _holds(mapped: MappedSlot, layout: _Layout, step: int) -> bool:
+    """Whether the slot holds a complete snapshot of ``step`` whose index and pickle are ``layout``'s."""
+    buf = mapped.buf
+    try:
+        got, off, n = read_header(buf)
+    except SnapshotError:
+        return False
+    if got != step or off != layout.tail_end or len(layout.tail or ()) != 1:
+        return False
+    index = b'{"v":2,"step":%d,"files":%s}' % (step, layout.files_json)  # as Stager._prepare writes it
+    (po, pkl), = layout.tail
+    # slices of the mapping are bytes (a memcpy, then a memcmp): far faster than comparing memoryviews, which
+    # compare item by item
+    return n == len(index) and buf[off:off + n] == index and buf[po:po + len(pkl)] == pkl
+
+
+def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor]) -> Optional[SlotCopies]:
+    r = layout.recheck  # the save's check of dtypes, shapes and strides (C++): passes when the state is the saved one
+    same = r is not None and r.guards.check(*tensors)
+    if not same and list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)):
+        return None  # the general path names the mismatches
+    if layout.restore_ok is None:
+        # copy_into copies a tensor in place only when dicts lead to it (one in a list or tuple is replaced by
+        # a copy): this path, which copies every tensor in place, is taken only when that is every tensor.
+        dsts: List[torch.Tensor] = []
+        _copied_in_place(dst, dsts)
+        layout.restore_ok = len(dsts) == len(tensors) and all(map(is_, dsts, tensors))
+    return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views)) if layout.restore_ok else None
+
+
+def _copied_in_place(obj: Any, out: List[torch.Tensor]) -> None:
+    """Append the tensors of ``obj`` that :func:`~snapckpt.engine.restore.copy_into` copies into in place when the
+    loaded state has ``obj``'s structure: those reached through dicts only, in its walking order (a dict of
+    tensors only by one C-level pass)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        values = list(obj.values())
+        if set(map(type, values)) <= _TENSOR_TYPES:
+            out.extend(values)
+            return
+        for v in values:
+            if isinstance(v, (dict, torch.Tensor)):
+                _copied_in_place(v, out)

@@ -1,0 +1,136 @@
+"""The memory-tier restore of a slot this process wrote (snapckpt.engine.slot_restore): one copy per tensor when
+the slot and the live state are of the saved layout; the general path (None) whenever either differs."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from snapckpt.engine import slot_restore
+from snapckpt.engine.stager import Stager
+
+NAME = "s.pt"
+
+
+def _slot(nbytes: int = 1 << 20) -> SimpleNamespace:
+    buf = bytearray(nbytes)  # what a MappedSlot holds: the buffer, a uint8 tensor over it, the views cache
+    return SimpleNamespace(buf=buf, tensor=torch.frombuffer(buf, dtype=torch.uint8), views={})
+
+
+def _save(stager: Stager, m: SimpleNamespace, state, step: int, name: str = NAME) -> None:
+    p = stager.prepare({name: state}, step)
+    p.views = m.views
+    Stager.copy_into(p, m.tensor, m.buf)
+
+
+def _state() -> dict:
+    return {"model": {f"w{i}": torch.rand(3, 2) for i in range(20)},
+            "opt": {"state": {0: {"exp_avg": torch.rand(4), "step": torch.tensor(3.0)}}, "lr": 0.1},
+            "p": torch.nn.Parameter(torch.rand(2)), "iteration": 7}
+
+
+def _copy_of(state: dict) -> dict:
+    return {k: (_copy_of(v) if isinstance(v, dict) else v.detach().clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()}
+
+
+def _assert_equal(a, b) -> None:
+    assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_equal(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def test_a_slot_of_the_saved_layout_is_copied_into_the_live_tensors_in_place():
+    stager, m, state = Stager(), _slot(), _state()
+    _save(stager, m, state, 1)
+    saved, live = _copy_of(state), list(state["model"].values())
+    for t in live:
+        t.add_(1.0)  # training went on
+    with torch.no_grad():
+        state["p"].mul_(2)
+    found = slot_restore.find(stager, m, NAME, 1, state)
+    assert found is not None and len(found.dsts) == 23
+    found.run()
+    _assert_equal(state, saved)
+    assert list(state["model"].values()) == live  # in place: the same tensor objects
+    assert state["p"].requires_grad and type(state["p"]) is torch.nn.Parameter
+
+
+def test_a_live_state_of_another_dtype_is_cast_as_copy_into_does():
+    stager, m, state = Stager(), _slot(), _state()
+    _save(stager, m, state, 1)
+    saved = _copy_of(state)
+    live = _copy_of(state)
+    live["model"] = {k: torch.zeros(3, 2, dtype=torch.float64) for k in live["model"]}
+    found = slot_restore.find(stager, m, NAME, 1, live)
+    assert found is not None
+    found.run()
+    assert all(torch.equal(live["model"][k], saved["model"][k].double()) for k in saved["model"])
+
+
+def test_anything_else_takes_the_general_path():
+    """A state or slot that differs from the saved layout in any way is not restored here (None)."""
+    def changed(change):
+        stager, m, state = Stager(), _slot(), _state()
+        _save(stager, m, state, 1)
+        live = _copy_of(state)
+        change(live)
+        return slot_restore.find(stager, m, NAME, 1, live)
+
+    assert changed(lambda s: None) is not None  # the control: an equal state is restored here
+    assert changed(lambda s: s.__setitem__("iteration", 8)) is None  # a value the restore must replace
+    assert changed(lambda s: s["opt"].__setitem__("lr", 0.2)) is None
+    assert changed(lambda s: s.__setitem__("extra", torch.rand(2))) is None  # a tensor the slot lacks
+    assert changed(lambda s: s["model"].pop("w3")) is None
+    assert changed(lambda s: s["model"].__setitem__("w3", torch.rand(2, 3))) is None  # another shape
+
+    stager, m, state = Stager(), _slot(), _state()
+    _save(stager, m, state, 1)
+    assert slot_restore.find(stager, m, NAME, 2, state) is None  # the slot holds another step
+    assert slot_restore.find(stager, m, "other.pt", 1, state) is None  # another file
+    assert slot_restore.find(stager, _slot(), NAME, 1, state) is None  # a mapping this process never wrote
+    _save(stager, m, {"x": torch.rand(5)}, 2)  # the slot rewritten with another layout
+    assert slot_restore.find(stager, m, NAME, 2, state) is None
+    _save(stager, m, state, 3)
+    m.buf[m.buf.index(b'"records"') + 12] ^= 1  # its index no longer what this layout wrote (a fetch, damage)
+    assert slot_restore.find(stager, m, NAME, 3, state) is None
+
+
+def test_a_tensor_in_a_list_keeps_copy_into_semantics():
+    """copy_into replaces a list (tensors in it are deep copies), it does not copy into its tensors: such a state
+    is left to the general path."""
+    stager, m = Stager(), _slot()
+    state = {"w": torch.rand(2), "hist": [torch.rand(2)]}
+    _save(stager, m, state, 1)
+    assert slot_restore.find(stager, m, NAME, 1, state) is None
+    plain = {"w": torch.rand(2), "betas": [0.9, 0.99]}  # a list of values only: restored here
+    _save(stager, m, plain, 2)
+    assert slot_restore.find(stager, m, NAME, 2, plain) is not None
+
+
+def test_the_tensors_copied_in_place_are_those_copy_into_copies():
+    """slot_restore's walk finds exactly the tensors (and order) that copy_into copies in place."""
+    from collections import OrderedDict
+
+    from snapckpt.engine.restore import _gather
+
+    t = [torch.rand(2) for _ in range(8)]
+    states = [
+        {"a": t[0], "b": {"c": t[1], "d": 3, "e": {"f": t[2]}}, "g": [t[3], {"h": t[4]}], "i": (t[5],)},
+        OrderedDict(x=t[0], y=OrderedDict(z=t[1]), w=[0.9, 0.99]),
+        {f"p{i}": t[i] for i in range(8)},  # a dict of tensors only: one C-level pass
+        {"groups": [{"params": [0, 1], "w": t[6]}], "state": {0: {"m": t[7], "step": 2}}},
+        t[0],
+    ]
+    for s in states:
+        want: list = []
+        _gather(s, s, want, [], [])
+        got: list = []
+        slot_restore._copied_in_place(s, got)
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
