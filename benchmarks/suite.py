@@ -807,10 +807,40 @@ class Trainer:
                 t.add_(1e-7)
 
 
+class GcWatch:
+    """The cyclic garbage collector's work while a loop runs: ``gc`` = ``{"collections": [gen0, gen1, gen2],
+    "seconds": ..., "count_at_start": gc.get_count()}``. A full collection in a process holding torch (~170k
+    objects) takes 0.1-0.4 s on the 2-core machine: one inside a 3-checkpoint window adds 30-130 ms to every
+    checkpoint of the method that happened to trigger it."""
+
+    def __init__(self) -> None:
+        self.collections, self.seconds, self._t0 = [0, 0, 0], 0.0, 0.0
+        self.count_at_start = gc.get_count()
+
+    def _cb(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t0
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def record(self) -> dict[str, Any]:
+        return {"collections": self.collections, "seconds": self.seconds, "count_at_start": list(self.count_at_start)}
+
+
 def loop_once(trainer: Trainer, steps: int, every: int, ck: LoopCkpt | None) -> dict[str, Any]:
     """Run ``steps`` steps, checkpointing at steps ``0, every, 2*every, ...``; returns the loop's
-    wall time (drain excluded), per-step times, blocked seconds per checkpoint and the drain."""
+    wall time (drain excluded), per-step times, blocked seconds per checkpoint, the drain and the garbage
+    collector's work during the steps (:class:`GcWatch`)."""
     step_times, blocked = [], []
+    watch = GcWatch().__enter__()
     t_start = time.perf_counter()
     for s in range(steps):
         t0 = time.perf_counter()
@@ -830,11 +860,29 @@ def loop_once(trainer: Trainer, steps: int, every: int, ck: LoopCkpt | None) -> 
         if due:
             blocked.append(b)
     total = time.perf_counter() - t_start
+    watch.__exit__()
     td = time.perf_counter()
     if ck is not None:
         ck.drain()
     return {"total_s": total, "step_s": step_times, "blocked_s": blocked,
-            "n_ckpt": len(blocked), "drain_s": time.perf_counter() - td}
+            "n_ckpt": len(blocked), "drain_s": time.perf_counter() - td, "gc": watch.record()}
+
+
+def timed_round(trainer: Trainer, steps: int, every: int, ck: LoopCkpt) -> dict[str, Any]:
+    """One paired measurement: the loop without checkpoints (``max(steps, 10)`` steps), then ``steps`` steps
+    with them; each starts right after a full garbage collection (untimed), so that neither window pays for
+    the collections the process owed before it (a method that allocates would otherwise be the one to trigger
+    them: see :class:`GcWatch`). ``extra_per_ckpt_s`` = (loop time - paired baseline step x steps) / checkpoints."""
+    gc.collect()
+    pb = loop_once(trainer, max(steps, 10), 1, None)
+    gc.collect()
+    r = loop_once(trainer, steps, every, ck)
+    base = pb["total_s"] / len(pb["step_s"])
+    r["paired_baseline_step_s"] = base
+    r["baseline_gc"] = pb["gc"]
+    r["extra_per_ckpt_s"] = (r["total_s"] - base * len(r["step_s"])) / r["n_ckpt"]
+    r["uptime"] = uptime()
+    return r
 
 
 LOOP_PLAN = [  # (method, checkpoint every N steps)
@@ -843,6 +891,25 @@ LOOP_PLAN = [  # (method, checkpoint every N steps)
     ("snapckpt_disk", 10), ("snapckpt_disk_overlap", 10), ("dlrover_disk", 10), ("torch_save", 10),
     ("dcp_save", 10), ("dcp_async_save_process", 10),
 ]
+
+
+def merge_loop_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A method's record from its timed rounds (:func:`timed_round`): ``extra_per_ckpt_s`` and
+    ``paired_baseline_step_s`` are the medians over the rounds; steps, blocked seconds, checkpoints, loop time,
+    drain and skipped collections are the rounds' together; ``rounds`` keeps each round's own numbers."""
+    gc_all = [sum(r["gc"]["collections"][g] for r in rounds) for g in range(3)]
+    return {
+        "extra_per_ckpt_s": statistics.median(r["extra_per_ckpt_s"] for r in rounds),
+        "paired_baseline_step_s": statistics.median(r["paired_baseline_step_s"] for r in rounds),
+        "total_s": sum(r["total_s"] for r in rounds),
+        "step_s": [x for r in rounds for x in r["step_s"]],
+        "blocked_s": [x for r in rounds for x in r["blocked_s"]],
+        "n_ckpt": sum(r["n_ckpt"] for r in rounds),
+        "drain_s": sum(r["drain_s"] for r in rounds),
+        "gc": {"collections": gc_all, "seconds": sum(r["gc"]["seconds"] for r in rounds)},
+        "rounds": [{k: r[k] for k in ("extra_per_ckpt_s", "paired_baseline_step_s", "total_s", "n_ckpt",
+                                      "drain_s", "gc", "baseline_gc", "uptime")} for r in rounds],
+    }
 
 
 def run_loop(args: argparse.Namespace) -> dict[str, Any]:
@@ -858,7 +925,8 @@ def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "loop", "machine": {**machine_info(scratch), "uptime": uptime()},
         "config": {"size_gib": size_gib, "state_bytes": state_nbytes(state), "target_step_s": args.step_s,
                    "matmuls_per_step": trainer.k, "matmul_s": trainer.matmul_s, "update_s": trainer.update_s,
-                   "ckpts_per_method": args.loop_ckpts, "warmup_ckpts": 1, "argv": sys.argv},
+                   "ckpts_per_method": args.loop_ckpts, "rounds_every_step": args.loop_rounds, "warmup_ckpts": 1,
+                   "argv": sys.argv},
         "baseline": [], "methods": [],
     }
     print(f"loop: {size_gib:g} GiB state, {trainer.k} matmuls + update ({trainer.update_s:.3f} s) per step; "
@@ -883,12 +951,13 @@ def run_loop(args: argparse.Namespace) -> dict[str, Any]:
                 loop_once(trainer, every, every, ck)  # warm-up: one checkpoint (first touch, start-up)
                 ck.drain()
                 steps = every * args.loop_ckpts
-                # A paired baseline right before the method: the load of this shared machine drifts
-                # over minutes, so each method is compared with the loop it just ran without checkpoints.
-                pb = loop_once(trainer, max(steps, 10), 1, None)
-                rec["paired_baseline_step_s"] = pb["total_s"] / len(pb["step_s"])
-                r = loop_once(trainer, steps, every, ck)
-                rec.update(r)
+                # A paired baseline right before each timed round: the load of this shared machine drifts
+                # over minutes, so each round is compared with the loop it just ran without checkpoints; the
+                # methods that checkpoint every step get --loop-rounds rounds and report the median round
+                # (a load spike or a collection in one round moves one sample, not the result).
+                rounds = [timed_round(trainer, steps, every, ck)
+                          for _ in range(args.loop_rounds if every == 1 else 1)]
+                rec.update(merge_loop_rounds(rounds))
                 rec["skipped"] = ck.skipped
             except Exception as e:  # noqa: BLE001 -- record and go on
                 rec["error"] = f"{type(e).__name__}: {e}"
@@ -914,7 +983,6 @@ def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         if rec["error"]:
             continue
         n = len(rec["step_s"])
-        rec["extra_per_ckpt_s"] = (rec["total_s"] - rec["paired_baseline_step_s"] * n) / rec["n_ckpt"]
         rec["extra_per_ckpt_vs_global_baseline_s"] = (rec["total_s"] - base * n) / rec["n_ckpt"]
         rec["median_blocked_s"] = statistics.median(rec["blocked_s"])
     result["machine"]["uptime_at_end"] = uptime()
@@ -939,22 +1007,27 @@ def loop_markdown(result: dict[str, Any]) -> str:
         f"update of every tensor ({c['update_s']:.3f} s); baseline step {result['base_step_s']:.3f} s "
         f"(mean of the no-checkpoint loop before and after: "
         + ", ".join(f"{b['mean_step_s']:.3f}" for b in result["baseline"]) + ")",
-        f"- {c['ckpts_per_method']} checkpoints per method after 1 warm-up; extra s per checkpoint = (loop time - "
-        "paired baseline step x steps) / checkpoints, the paired baseline being the same loop without checkpoints "
-        "run right before the method; what is still in flight after the last step (drain) is not charged; "
-        "skipped = saves DLRover declined (its saver busy)",
+        f"- {c['ckpts_per_method']} checkpoints per round after 1 warm-up; {c.get('rounds_every_step', 1)} rounds for "
+        "the methods that checkpoint every step, 1 for the others; extra s per checkpoint = (loop time - paired "
+        "baseline step x steps) / checkpoints of the median round, the paired baseline being the same loop without "
+        "checkpoints run right before the round; both start right after a full garbage collection (untimed); "
+        "what is still in flight after the last step (drain) is not charged; skipped = saves DLRover declined "
+        "(its saver busy); GC = collections (gen0/gen1/gen2) and their seconds inside the timed rounds",
         "",
-        "| method | every | extra s per checkpoint | paired baseline step s | median blocked s | drain s | skipped "
-        "| error |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| method | every | extra s per checkpoint | rounds' extra s (min to max) | paired baseline step s "
+        "| median blocked s | drain s | skipped | GC in timed rounds | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["methods"]:
         if r["error"]:
-            lines.append(f"| {r['method']} | {r['every']} | n/a | n/a | n/a | n/a | | {r['error'][:120]} |")
+            lines.append(f"| {r['method']} | {r['every']} | n/a | n/a | n/a | n/a | n/a | | | {r['error'][:120]} |")
             continue
-        lines.append(f"| {r['method']} | {r['every']} | {r['extra_per_ckpt_s']:.3f} "
+        ex = [x["extra_per_ckpt_s"] for x in r.get("rounds") or [r]]
+        g = r.get("gc") or {"collections": [0, 0, 0], "seconds": 0.0}
+        lines.append(f"| {r['method']} | {r['every']} | {r['extra_per_ckpt_s']:.3f} | {min(ex):.3f} to {max(ex):.3f} "
                      f"| {r['paired_baseline_step_s']:.3f} | {r['median_blocked_s']:.3f} "
-                     f"| {r['drain_s']:.3f} | {r.get('skipped', 0)} | |")
+                     f"| {r['drain_s']:.3f} | {r.get('skipped', 0)} "
+                     f"| {'/'.join(map(str, g['collections']))}, {g['seconds']:.3f} s | |")
     g = lambda k: (by.get(k) or {}).get("extra_per_ckpt_s")  # noqa: E731
     mem = min((x for x in (g("snapckpt_memory"), g("snapckpt_memory_overlap")) if x is not None), default=None)
     disk = min((x for x in (g("snapckpt_disk"), g("snapckpt_disk_overlap")) if x is not None), default=None)
@@ -1081,7 +1154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loop", action="store_true", help="run the training-loop benchmark instead")
     p.add_argument("--loop-size-gib", type=float, default=0.5, help="state of the loop (0.5: ~4 min idle 2-core)")
     p.add_argument("--step-s", type=float, default=0.3, help="target seconds of one training step")
-    p.add_argument("--loop-ckpts", type=int, default=3, help="timed checkpoints per method in the loop")
+    p.add_argument("--loop-ckpts", type=int, default=3, help="timed checkpoints per method (per round) in the loop")
+    p.add_argument("--loop-rounds", type=int, default=5,
+                   help="timed rounds (each with its paired baseline) of the methods that checkpoint every step; "
+                        "their extra s per checkpoint is the median round's")
     p.add_argument("--loop-baseline-steps", type=int, default=20)
     p.add_argument("--loop-methods", default=",".join(m for m, _ in LOOP_PLAN))
     p.add_argument("--readme", action="store_true",

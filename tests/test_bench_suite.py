@@ -56,7 +56,7 @@ def test_suite_loop_and_readme_outputs(snap_env, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
     assert suite.main(["--loop", "--loop-size-gib", "0.004", "--step-s", "0.01", "--loop-ckpts", "1",
-                       "--loop-baseline-steps", "3", "--loop-methods",
+                       "--loop-baseline-steps", "3", "--loop-rounds", "3", "--loop-methods",
                        "floor_copy,snapckpt_memory_overlap,torch_save", *common]) == 0
     loop = json.loads((out.parent / "loop.json").read_text())
     lby = {r["method"]: r for r in loop["methods"]}
@@ -64,9 +64,15 @@ def test_suite_loop_and_readme_outputs(snap_env, tmp_path):
     assert lby["snapckpt_memory_overlap"]["every"] == 1 and lby["torch_save"]["every"] == 10
     for name, r in lby.items():
         assert r["error"] is None, (name, r.get("traceback"))
-        assert r["n_ckpt"] == 1 and isinstance(r["extra_per_ckpt_s"], float), name
+        # every-step methods: 3 rounds, each with its paired baseline, the median round reported
+        rounds = r["rounds"]
+        assert len(rounds) == (3 if r["every"] == 1 else 1) and r["n_ckpt"] == len(rounds), name
+        assert r["extra_per_ckpt_s"] == sorted(x["extra_per_ckpt_s"] for x in rounds)[len(rounds) // 2], name
+        for x in rounds:  # each timed window starts right after a full collection: nothing owed before it
+            assert x["gc"]["count_at_start"][1:] == [0, 0] and len(x["gc"]["collections"]) == 3, (name, x)
     loop_md = (out.parent / "loop.md").read_text()
-    assert "| method | every | extra s per checkpoint |" in loop_md
+    assert "| method | every | extra s per checkpoint | rounds' extra s (min to max) |" in loop_md
+    assert "GC in timed rounds" in loop_md
     # the issue's loop target: against the copy floor measured in the same loop
     assert "| extra s per memory checkpoint / copy floor's (snapckpt memory, overlap on) | <= 1.1 |" in loop_md
 

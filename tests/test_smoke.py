@@ -121,3 +121,33 @@ def test_memory_load_into_the_saved_state_copies_from_the_slot_without_reading_i
         state["iteration"] = 5  # a value the load replaces: the general path
         ck.load(state)
         assert state["iteration"] == 4 and all(torch.equal(state["model"][k], saved[k]) for k in saved)
+
+
+def test_state_that_grows_a_little_keeps_its_slots_and_mappings(snap_env):
+    """Issue 18 (loop): a state whose non-tensor part grows by a few bytes every save (a log list, as the HF
+    Trainer's ``log_history``; or the step number gaining a digit) fits the slot's headroom
+    (``slot_headroom``): the slots are not regrown and the rank's mappings of them are kept, so a later save
+    takes no page fault per page of its slot (a regrown slot is mapped anew, and its copy faults every page
+    in again). Counted in the minor faults of this process and in the slot files' sizes, not in time."""
+    nbytes = 16 << 20
+    pages = nbytes // resource.getpagesize()
+    state = {"w": torch.rand(nbytes // 4), "log": []}
+
+    def slot_sizes():
+        return sorted(os.path.getsize(f) for f in snap_env.shm_files() if os.path.basename(f).startswith("r"))
+
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        state["log"].append({"step": 1, "loss": 0.5})
+        ck.save(state, 1, StorageType.MEMORY)
+        for p in list(ck._maps._pending.values()):
+            assert p.future.result(timeout=60) is not None  # slot 1 mapped
+        sizes = slot_sizes()
+        for step in range(2, 13):  # 9 -> 10 adds a digit too
+            state["log"].append({"step": step, "loss": 0.5})
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            ck.save(state, step, StorageType.MEMORY)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            assert faults < pages // 8, (step, faults, pages)
+            assert slot_sizes() == sizes, (step, sizes, slot_sizes())
+        out = ck.load()
+        assert ck.last_load.step == 12 and torch.equal(out["w"], state["w"]) and out["log"] == state["log"]

@@ -113,6 +113,7 @@ class Saver:
         self.last_stats: Optional[SaveStats] = None
         self._remote_seen = 0  # remote-tier notes of the persister already emitted as events
         self._checked_nbytes = 0  # the largest slot size the host-memory preflight has checked
+        self._slot_nbytes = 0  # the slot size the last acquire asked for (see _acquire)
 
     # ------------------------------------------------------------------- SaveOwner (for the handles)
     @property
@@ -409,6 +410,12 @@ class Saver:
     def _acquire(self, step: int, nbytes: int, storage_type: StorageType) -> Optional[Dict[str, Any]]:
         o = self._options
         want = max(int(nbytes * o.slot_headroom), nbytes)
+        if nbytes <= self._slot_nbytes <= want:
+            # The size asked for before still holds the state within its headroom: ask for it again, so that the
+            # persister hands the slot out as it is and the rank keeps its mapping. A new nbytes x headroom at
+            # every save would regrow the slot by the few bytes a state gains per step (a log list, a step
+            # number's new digit), and a regrown slot is mapped anew: its copy faults every page in again.
+            want = self._slot_nbytes
         limit = self.slot_limit(want)
         deadline = time.monotonic() + o.slot_wait_timeout_secs
         delay = 0.001
@@ -419,6 +426,7 @@ class Saver:
                 self._emit(Event(str(n["kind"]), int(n["step"]), StorageType.MEMORY, self._rank,
                                  reason=str(n.get("reason", ""))))
             if not reply["busy"]:
+                self._slot_nbytes = want  # only once granted: a size the arena refused is not asked again
                 return reply
             if o.on_slot_busy == "skip":
                 return None
