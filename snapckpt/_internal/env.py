@@ -15,6 +15,9 @@ Knobs:
 - ``SNAPCKPT_REPLICA_ADDR``: the address this node's persister listens on for its peers (default: the
   address this host uses to reach ``MASTER_ADDR``, the rendezvous host).
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
+- ``SNAPCKPT_STREAM_PERSIST``: ``1`` (default) or ``0``: whether a DISK save of CPU tensors is streamed, its
+  persister writing the slot while the rank still copies into it (:meth:`snapckpt.engine.stager.Stager.copy_into`);
+  ``0`` hands the slot over once the copy is complete, as before (for A/B measurements).
 - ``TORCHELASTIC_RESTART_COUNT`` (set by torchrun, not by users): the launch attempt, part of every
   coordination key so that a restarted attempt never reads an earlier attempt's records (contract 12).
 - ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``: fault injection for tests: the persister sleeps this long before
@@ -121,6 +124,20 @@ def master_addr() -> str:
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def stream_persist() -> bool:
+    """``SNAPCKPT_STREAM_PERSIST`` (default true).
+
+    Raises:
+        ValueError: set to anything but ``0``/``1``/``true``/``false`` (any case).
+    """
+    raw = os.environ.get("SNAPCKPT_STREAM_PERSIST", "").strip().lower()
+    if raw in ("", "1", "true"):
+        return True
+    if raw in ("0", "false"):
+        return False
+    raise ValueError(f"SNAPCKPT_STREAM_PERSIST={raw!r} must be 0 or 1 (or false/true), or unset for the default, 1")
 
 
 def log_level() -> str:

@@ -8,7 +8,9 @@ Sequence of one save of step ``N`` (the only part of snapckpt on the training cr
    space is checked;
 3. ``acquire`` a slot of the rank's arena from the persister (wait or skip when all are busy, contract 2);
 4. copy into the slot: at once, or with ``overlap=True`` on the copy thread until :meth:`Saver.fence`
-   (CUDA tensors on a side stream, :mod:`snapckpt.engine.device_copy`);
+   (CUDA tensors on a side stream, :mod:`snapckpt.engine.device_copy`). A DISK save of CPU tensors is
+   *streamed* (:meth:`Saver._stream`): the pickles and index go first, the persister is told (``stream``) and
+   writes the spans as the copy's watermark passes them, so the write overlaps the copy;
 5. ``ready`` (and, for DISK, persist): :meth:`Saver._copied` builds the :class:`SaveStats` and the event.
 
 A failed copy hands its slot back (``abort``). Each save's :class:`~snapckpt.engine.handle.SaveHandle` sees
@@ -25,6 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 
 from snapckpt import errors as error_types
+from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.dist.coordination import Coordinator
 from snapckpt.engine.device_copy import CudaCopier, has_cuda_sources
@@ -40,6 +43,7 @@ from snapckpt.metrics import summary_line
 from snapckpt.ondisk import dirclaim
 from snapckpt.ondisk.manifest import list_committed, validate_dirname, validate_file_name
 from snapckpt.options import CheckpointOptions
+from snapckpt.persister.arena import stores_in_order
 from snapckpt.storage.posix import PosixStorage
 
 __all__ = ["Saver"]
@@ -112,6 +116,7 @@ class Saver:
         self._other_world: Dict[str, int] = {}  # committed dirname -> world size, another world size's (_claim_dir)
         self.last_stats: Optional[SaveStats] = None
         self._remote_seen = 0  # remote-tier notes of the persister already emitted as events
+        self._streams = _env.stream_persist() and stores_in_order()  # DISK saves of CPU tensors are streamed
         self._checked_nbytes = 0  # the largest slot size the host-memory preflight has checked
         self._slot_nbytes = 0  # the slot size the last acquire asked for (see _acquire)
 
@@ -260,6 +265,12 @@ class Saver:
             except BaseException:
                 self._abort(slot, sync_cuda=True)
                 raise
+        try:
+            if device_done is None:
+                self._stream(job)
+        except BaseException:
+            self._abort(slot)
+            raise
         if self._options.overlap:
             # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
             # hands the slot to the persister. Until then the state must not change.
@@ -277,6 +288,20 @@ class Saver:
             self._abort(slot, sync_cuda=device_done is not None)
             raise
         return self._copied(job)
+
+    def _stream(self, job: _CopyJob) -> None:
+        """Start a streamed copy of ``job`` if it is a local DISK save of CPU tensors (``SNAPCKPT_STREAM_PERSIST``,
+        on a CPU whose stores stay in order): write the slot's pickles and index (:meth:`Stager.begin_stream`:
+        the copy then publishes the watermark), then tell the persister, which starts writing the files while
+        the spans are copied (each byte once the watermark has passed it). The request is not waited for: a
+        persister that cannot stream writes the slot at ``ready``, as for any save."""
+        if job.storage_type != StorageType.DISK or not self._local or not self._streams:
+            return
+        p = job.prepared
+        Stager.begin_stream(p, job.mapped.buf)
+        self._session.post("stream", slot=job.slot, step=job.step, index_offset=p.index_offset,
+                           index_nbytes=p.index_nbytes, data_end=p.layout.plan.data_end, dirname=job.dirname,
+                           tracker_name=job.tracker_name, tracker_content=job.tracker_content)
 
     def _claim_dir(self, step: int, storage_type: StorageType) -> None:
         """First save of this Checkpointer: global rank 0 claims ``checkpoint_dir`` for this job

@@ -126,6 +126,15 @@ class PersisterSession:
             self.connect()
         return self.client.request(op, **fields)
 
+    def post(self, op: str, **fields: Any) -> None:
+        """Send one request without waiting for its answer (:meth:`PersisterClient.post`); as :meth:`request`
+        otherwise."""
+        if self.closed:
+            raise SnapckptError("this Checkpointer is closed")
+        if not self.client.connected:
+            self.connect()
+        self.client.post(op, **fields)
+
     def status(self, step: int, dirname: str, wait_secs: float = 0.0) -> Dict[str, Any]:
         """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ...}``); with
         ``wait_secs`` > 0, answered once the save is no longer pending or after ``wait_secs`` seconds (at most

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from snapckpt.persister.arena import HEADER_NBYTES, write_header
+from snapckpt.persister.arena import HEADER_NBYTES, watermark_view, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
@@ -258,6 +258,56 @@ class _Layout:
     recheck: Optional[_Recheck] = None
     rechecks_made: int = 0
     restore_ok: Optional[bool] = None
+    stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
+
+
+#: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
+STREAM_BATCH_NBYTES = 32 << 20
+
+
+def _stream_steps(layout: _Layout, batch_nbytes: int = STREAM_BATCH_NBYTES) -> List[tuple]:
+    """The copies of a streamed save in ascending slot offset, in batches of about ``batch_nbytes`` bytes, each
+    with the watermark it publishes (the end of its last byte: every span before it is copied by then). A step
+    is ``("direct", i, j, end)`` (direct tensors ``i:j`` by one ``_foreach_copy_``), ``("piece", i, a, b, end)``
+    (elements ``a:b`` of a large direct tensor ``i``) or ``("span", k, a, b, end)`` (bytes ``a:b`` of span copy
+    ``k``). Cached in the layout: its spans never move."""
+    if layout.stream_steps is not None:
+        return layout.stream_steps
+    plan = layout.plan
+    items = [(off, "direct", i, dtype.itemsize, _numel(size)) for i, (off, dtype, size, _st)
+             in enumerate(layout.direct_dst)]
+    items += [(plan.spans[s].arena_offset, "span", k, 1, plan.spans[s].nbytes) for k, (s, _i) in enumerate(layout.spans)]
+    items.sort(key=lambda x: x[0])
+    steps: List[tuple] = []
+    run: Optional[list] = None  # an open batch of consecutive direct tensors: [first, last + 1, bytes, end]
+    for off, kind, i, es, n in items:
+        nbytes = n * es
+        if kind == "direct" and nbytes <= batch_nbytes:
+            if run is not None and run[1] == i and run[2] + nbytes <= batch_nbytes:
+                run[1], run[2], run[3] = i + 1, run[2] + nbytes, off + nbytes
+                continue
+            if run is not None:
+                steps.append(("direct", run[0], run[1], run[3]))
+            run = [i, i + 1, nbytes, off + nbytes]
+            continue
+        if run is not None:
+            steps.append(("direct", run[0], run[1], run[3]))
+            run = None
+        per = max(1, batch_nbytes // es)  # elements per piece
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            steps.append(("piece" if kind == "direct" else "span", i, a, b, off + b * es))
+    if run is not None:
+        steps.append(("direct", run[0], run[1], run[3]))
+    layout.stream_steps = steps
+    return steps
+
+
+def _numel(size: Tuple[int, ...]) -> int:
+    n = 1
+    for d in size:
+        n *= d
+    return n
 
 
 def _layout(tensors: List[torch.Tensor], plan: Plan) -> _Layout:
@@ -298,6 +348,7 @@ class Prepared:
             layout (the key of the views' cache, :attr:`views`).
         views: the slot mapping's cache of typed views (``MappedSlot.views``), set by the caller of
             :meth:`Stager.copy_into`; ``None``: the views are made for this copy only.
+        streamed: set by :meth:`Stager.begin_stream` (a streamed DISK save).
     """
 
     step: int
@@ -311,6 +362,7 @@ class Prepared:
     direct: Sequence[torch.Tensor] = ()
     layout: Optional[_Layout] = None
     views: Optional[Dict[Any, List[torch.Tensor]]] = None
+    streamed: bool = False  # Stager.begin_stream ran: copy_into publishes the watermark
 
     @property
     def copies(self) -> List[Tuple[torch.Tensor, int]]:
@@ -625,6 +677,16 @@ class Stager:
         return tail, json.dumps(index_files, separators=(",", ":")).encode(), offset
 
     @staticmethod
+    def begin_stream(prepared: Prepared, buf) -> None:
+        """First part of a streamed copy (a DISK save whose persister writes while the spans are copied): clear
+        the header (and with it the watermark) and write the pickles and the index, which the persister reads
+        before any span. :meth:`copy_into` then publishes the watermark (``prepared.streamed``)."""
+        prepared.streamed = True
+        buf[0:HEADER_NBYTES] = bytes(HEADER_NBYTES)
+        for off, data in prepared.tail:
+            buf[off:off + len(data)] = data
+
+    @staticmethod
     def copy_into(prepared: Prepared, slot: torch.Tensor, buf, device_done=None) -> None:
         """Copy a prepared snapshot into a slot.
 
@@ -636,7 +698,15 @@ class Stager:
                 (:meth:`snapckpt.engine.device_copy.CudaCopier.start`): CUDA sources are then skipped here, and
                 the event is waited for before the header is written. ``None``: every span is copied here,
                 synchronously, whatever its device.
+
+        With ``prepared.streamed`` (:meth:`begin_stream` ran), the spans are copied in ascending slot offset and
+        the watermark (:mod:`snapckpt.persister.arena`) is published after each batch of about
+        :data:`STREAM_BATCH_NBYTES`; CPU sources only (``device_done`` must be ``None``).
         """
+        if prepared.streamed:
+            Stager._copy_streamed(prepared, slot, buf)
+            write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
+            return
         # A reused slot still carries the header of the snapshot it held: it goes first, so that the slot's
         # own bytes never describe a half-overwritten snapshot as complete (the header is written last).
         buf[0:HEADER_NBYTES] = bytes(HEADER_NBYTES)
@@ -664,6 +734,32 @@ class Stager:
         if device_done is not None:
             device_done.synchronize()
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
+
+
+    @staticmethod
+    def _copy_streamed(prepared: Prepared, slot: torch.Tensor, buf) -> None:
+        """The spans of a streamed copy, in :func:`_stream_steps` order, each batch followed by its watermark."""
+        layout = prepared.layout
+        steps = _stream_steps(layout)
+        dst = _direct_views(layout, slot, prepared.views) if prepared.direct else []
+        src, spans = prepared.direct, prepared.span_copies
+        mark = watermark_view(buf)
+        try:
+            with torch.no_grad():  # a Parameter's copy must not enter autograd
+                for n, step in enumerate(steps):
+                    if n == len(steps) // 2:
+                        faults.point("snapshot.mid_copy", step=prepared.step)
+                    kind, i, a = step[0], step[1], step[2]
+                    if kind == "direct":
+                        torch._foreach_copy_(dst[i:a], src[i:a])
+                    elif kind == "piece":
+                        dst[i].view(-1)[a:step[3]].copy_(src[i].reshape(-1)[a:step[3]])
+                    else:
+                        t, off = spans[i]
+                        slot[off + a:off + step[3]].copy_(t[a:step[3]])
+                    mark[0] = step[-1]  # after the copies returned: the bytes below are final
+        finally:
+            mark.release()
 
 
 def _check_concat_tensor(t: torch.Tensor) -> None:

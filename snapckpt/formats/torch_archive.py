@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import struct
 import sys
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["ALIGNMENT", "ARCHIVE_PREFIX", "TorchArchiveWriter", "write_torch_file"]
+__all__ = ["ALIGNMENT", "ARCHIVE_PREFIX", "READY_PIECE_NBYTES", "TorchArchiveWriter", "write_torch_file"]
 
 ALIGNMENT = 64  # bytes: where each record's data starts (torch.serialization._get_storage_alignment() default)
 ARCHIVE_PREFIX = "archive/"  # PyTorchFileWriter's folder for a file object (a path would give its basename)
@@ -59,6 +59,9 @@ _U16X2 = struct.Struct("<HH")
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _PREFIX = ARCHIVE_PREFIX.encode()
 _FLAGS_DATA = _FLAG_UTF8 | _FLAG_DESCRIPTOR
+#: With a ``ready`` callback (:meth:`TorchArchiveWriter.write_record`), record data is read in pieces of this many
+#: bytes, each once ``ready`` has returned for it.
+READY_PIECE_NBYTES = 8 << 20
 _SMALL_WRITE = 64 << 10  # with coalesce: pieces under this are copied into the pending buffer
 _COALESCED_WRITE = 1 << 20  # with coalesce: the pending buffer goes out once it holds this much
 _PADDING = [_U16X2.pack(0x4246, pad) + b"Z" * pad for pad in range(ALIGNMENT)]  # "FB" extra field of pad bytes
@@ -217,7 +220,7 @@ class TorchArchiveWriter:
             # torch folds the CRC of every write that starts like a data descriptor (also record data doing so)
             self._descriptor_hash = hash_combine(self._descriptor_hash, int.from_bytes(data[4:8], "little"))
 
-    def write_record(self, name: str, data, nbytes: int) -> None:
+    def write_record(self, name: str, data, nbytes: int, ready: Optional[Callable[[int], None]] = None) -> None:
         """Write record ``archive/<name>`` holding the first ``nbytes`` bytes of ``data``.
 
         Args:
@@ -225,6 +228,9 @@ class TorchArchiveWriter:
             data: a bytes-like object (``bytes``, ``memoryview``, ``mmap``...) of at least ``nbytes`` bytes;
                 written as a memoryview slice, not copied.
             nbytes: how many bytes of ``data`` the record holds (``>= 0``).
+            ready: ``ready(k)`` returns once the first ``k`` bytes of ``data`` are final (a buffer still being
+                filled: a streamed save); the data is then read in pieces of :data:`READY_PIECE_NBYTES`, none
+                before ``ready`` returned for it. Same bytes in the archive.
 
         Raises:
             ValueError: ``name`` was written already, holds a NUL or is longer than 65535 bytes encoded
@@ -246,7 +252,15 @@ class TorchArchiveWriter:
         view = memoryview(data).cast("B") if nbytes else None
         if view is not None and view.nbytes < nbytes:
             raise ValueError(f"record {name!r}: {nbytes} bytes requested from a buffer of {view.nbytes}")
-        self._record(raw, view, nbytes)
+        if ready is None or not nbytes:
+            self._record(raw, view, nbytes)
+            return
+        write = self._write
+        try:
+            self._write = _Pieces(write, view, nbytes, ready)  # gates the record data's write (only it is that view)
+            self._record(raw, view, nbytes)
+        finally:
+            self._write = write
 
     def _record(self, raw: bytes, view, nbytes: int) -> None:
         """Write record ``archive/<raw>``: the first ``nbytes`` bytes of memoryview ``view``."""
@@ -344,8 +358,25 @@ class TorchArchiveWriter:
             self._pending = bytearray()
 
 
+class _Pieces:
+    """A ``write`` that hands the record data ``view`` (its first ``nbytes`` bytes) to ``write`` in pieces, each after
+    ``ready`` said it is final; every other piece of the record (header, descriptor) goes through unchanged."""
+
+    def __init__(self, write, view: memoryview, nbytes: int, ready: Callable[[int], None]) -> None:
+        self.write, self.view, self.nbytes, self.ready = write, view, nbytes, ready
+
+    def __call__(self, data) -> None:
+        if not isinstance(data, memoryview) or data.obj is not self.view.obj or data.nbytes != self.nbytes:
+            self.write(data)
+            return
+        for a in range(0, self.nbytes, READY_PIECE_NBYTES):
+            b = min(self.nbytes, a + READY_PIECE_NBYTES)
+            self.ready(b)
+            self.write(data[a:b])
+
+
 def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, Any, int]], *,
-                     coalesce: bool = False) -> None:
+                     coalesce: bool = False, ready: Optional[Callable[[int, int], None]] = None) -> None:
     """Write a ``torch.save``-format archive into ``fileobj``, as ``torch.save`` does under
     ``torch.serialization.set_crc32_options(False)`` (the zip's CRC-32 fields are 0: see the "Checksums"
     note of :mod:`snapckpt.formats.torch_zip`).
@@ -357,6 +388,8 @@ def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, Any,
             memoryview of the arena span) whose first ``nbytes`` bytes are written as ``data/<key>``
             without an intermediate copy (with ``coalesce``, records under 64 KiB are copied).
         coalesce: see :class:`TorchArchiveWriter`.
+        ready: ``ready(i, k)`` returns once the first ``k`` bytes of record ``i``'s data are final (see
+            :meth:`TorchArchiveWriter.write_record`); ``None``: they all are.
 
     Raises:
         OSError: from ``fileobj``.
@@ -369,6 +402,10 @@ def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, Any,
     w.write_record(".storage_alignment", alignment, len(alignment))
     order = sys.byteorder.encode()
     w.write_record("byteorder", order, len(order))
-    for key, data, nbytes in records:
-        w.write_record(f"data/{key}", data, nbytes)
+    if ready is None:
+        for key, data, nbytes in records:
+            w.write_record(f"data/{key}", data, nbytes)
+    else:
+        for i, (key, data, nbytes) in enumerate(records):
+            w.write_record(f"data/{key}", data, nbytes, lambda k, i=i: ready(i, k))
     w.write_end_of_file()

@@ -7,9 +7,18 @@ directory (``0o700``).
 
 Slot bytes (all offsets from the slot start)::
 
-    [0, 64)            header: magic b"SNAPCKPT", layout version, step, index offset, index length
+    [0, 64)            header: magic b"SNAPCKPT", layout version, step, index offset, index length; at
+                       [56, 64) the copy's watermark (a streamed save: see below)
     [64, ...)          span data, each span 64-byte aligned
     ...                one data.pkl per file, then the index (JSON)
+
+The header is written last: a slot whose header is not valid never describes a complete snapshot. A
+streamed DISK save (:meth:`snapckpt.engine.stager.Stager.copy_into` with ``publish``) writes the pickles
+and the index first, then copies the spans in ascending slot offset and after each batch stores the
+*watermark*: every span byte below it is final. The persister's writer starts while the copy runs and
+never reads a span byte at or above the watermark (:func:`read_watermark`). It is one aligned 8-byte store
+and load (a ``memoryview`` cast to ``"Q"``: one machine word, never torn), stored after the batch's copies
+returned: on a CPU that keeps stores in order (x86-64) a reader that sees it sees the bytes below it.
 
 Sizing uses ``posix_fallocate``: on a tmpfs it reserves the pages at once, so a too-small ``/dev/shm``
 fails here with a clear error instead of a SIGBUS on first touch later (case D1).
@@ -29,7 +38,7 @@ from snapckpt.errors import InsufficientSharedMemoryError, PreflightError, Snaps
 from snapckpt.persister.budget import fitting_setting, fmt_nbytes
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
-           "mem_available_bytes"]
+           "mem_available_bytes", "WATERMARK_OFFSET", "watermark_view", "stores_in_order"]
 
 MAGIC = b"SNAPCKPT"
 LAYOUT_VERSION = 1
@@ -55,6 +64,24 @@ class SlotState(str, enum.Enum):
 def write_header(buf, step: int, index_offset: int, index_nbytes: int) -> None:
     """Write the slot header into ``buf`` (a writable buffer of at least 64 bytes)."""
     _HEADER.pack_into(buf, 0, MAGIC, LAYOUT_VERSION, step, index_offset, index_nbytes)
+
+
+#: Byte offset of the copy's watermark in the slot header (8 bytes, native byte order; see the module docstring).
+WATERMARK_OFFSET = 56
+
+
+def watermark_view(buf) -> memoryview:
+    """A one-item ``"Q"`` view of the watermark of slot mapping ``buf``: ``view[0] = n`` publishes ``n`` (bytes
+    from the slot start), ``view[0]`` reads it. Release it (``view.release()``) before the mapping is closed."""
+    return memoryview(buf)[WATERMARK_OFFSET:WATERMARK_OFFSET + 8].cast("Q")
+
+
+def stores_in_order() -> bool:
+    """Whether this CPU makes one thread's stores visible to other processes in program order (x86-64's total
+    store order), which a streamed save's watermark relies on; elsewhere saves are not streamed."""
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def read_header(buf) -> Tuple[int, int, int]:

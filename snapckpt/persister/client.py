@@ -284,6 +284,25 @@ class PersisterClient:
             raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, op {op}")
         return reply
 
+    def post(self, op: str, **fields: Any) -> None:
+        """Send one request without waiting for its answer (the next :meth:`request` skips it, as it skips the
+        answers of interrupted requests). For a request whose refusal changes nothing for the caller (``stream``:
+        the persister then writes the slot at ``ready``).
+
+        Raises:
+            PersisterDiedError: not connected, or the send failed (the connection is then closed).
+        """
+        if self.sock is None:
+            raise PersisterDiedError(f"not connected to the snapckpt persister (it died or was closed); {RESTART_HINT}")
+        try:
+            self.sock.sendall(P.encode({"op": op, **fields}))
+        except OSError as e:
+            self.close()
+            raise PersisterDiedError(
+                f"lost the snapckpt persister (pid {self.persister_pid}) during {op!r}: {e}; snapshots it held in "
+                f"memory are gone, committed checkpoints are intact; {RESTART_HINT} (log: {self.log_path})") from e
+        self._unread += 1
+
     def _abandon(self) -> None:
         """Give up this connection after a request timed out: queue an ``abandon`` behind the unanswered
         request (no reply awaited) and close. The persister reads it before the end of the stream, so a

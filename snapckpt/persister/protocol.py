@@ -41,6 +41,11 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "ready": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "dirname": _STR,
               "persistable": _BOOL, "persist": _BOOL,
               "tracker_name": _STR, "tracker_content": _STR},
+    # a streamed DISK save (engine/stager.py): the rank has written the slot's pickles and index and starts
+    # copying the spans below data_end, publishing the slot's watermark; "ready" follows once the copy is done.
+    # Sent without waiting for the answer (client.post): a persister that cannot stream writes at "ready"
+    "stream": {"slot": _INT, "step": _INT, "index_offset": _INT, "index_nbytes": _INT, "data_end": _INT,
+               "dirname": _STR, "tracker_name": _STR, "tracker_content": _STR},
     "abort": {"slot": _INT},
     "fail": {"step": _INT, "dirname": _STR, "type": _STR, "message": _STR},
     "persist": {"step": _INT},

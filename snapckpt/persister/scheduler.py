@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from snapckpt._internal import faultpoints as faults
-from snapckpt.persister.slot_index import read_index
+from snapckpt.persister.slot_index import read_index, read_index_at
 from snapckpt.errors import CommitError, PersisterError
 from snapckpt.ondisk.manifest import partial_dirname
 from snapckpt.persister import protocol as P
@@ -48,6 +48,7 @@ from snapckpt.persister.remote_only import commit_remote, store_for, write_part_
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.part_sync import PartSyncer
+from snapckpt.persister.stream import Stream
 from snapckpt.persister.writer import write_failure_marker, write_part_data
 from snapckpt.storage.factory import open_storage
 
@@ -71,6 +72,7 @@ class Result:
     part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait (commit.py)
     notices: int = 0  # peer notices received for this save (commit_notices.py)
     aborted_at: Optional[float] = None  # monotonic time the committer's node said its commit failed
+    streams: Dict[int, Stream] = field(default_factory=dict)  # rank -> its streamed part (persister/stream.py)
 
 
 class Scheduler:
@@ -149,6 +151,15 @@ class Scheduler:
             raise PersisterError(f"rank {entry.rank} holds no snapshot of step {step} to persist")
         key = (run.run_id, step, s.dirname)
         res = self.results.get(key)
+        st = res.streams.get(entry.rank) if res is not None else None
+        if st is not None and st.seq is None and st.error is None and entry.rank not in res.rank_seq:
+            # the ready of a streamed part: its writer (and the commit) started at "stream" (a cancelled stream's
+            # slot never becomes READY: this is then another save)
+            res.rank_seq[entry.rank] = s.seq
+            if s.stream is st:  # still writing: it reads the slot until its bytes are durable
+                self.slots.start_persist(s)
+            st.set_ready(s.seq)  # (a writer that failed before has recorded the part's error: the commit fails)
+            return
         if res is not None and res.rank_seq.get(entry.rank, s.seq) != s.seq:
             # this rank saved the same step under the same directory again
             if res.state == "pending":
@@ -171,6 +182,40 @@ class Scheduler:
             self.commit_seq += 1
             self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
                                self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
+
+    def stream(self, entry: RankEntry, s: Slot, run: Run, step: int, dirname: str, tracker_name: str,
+               tracker_content: str, index_offset: int, index_nbytes: int, data_end: int) -> bool:
+        """Start writing rank ``entry``'s part of ``step`` from slot ``s`` while the rank still copies into it
+        (a streamed save, :mod:`snapckpt.persister.stream`), and the step's commit; its ``ready`` comes through
+        :meth:`persist`. Returns ``False`` (nothing started) where the part cannot stream: a remote-only run, a
+        slot that is not WRITING(``step``), an index outside the slot, or a save of the same step and directory
+        by this rank still pending (``ready`` then persists it as any save, or refuses it)."""
+        if (run.remote_only or s.state != SlotState.WRITING or s.step != step or s.stream is not None
+                or not 0 < data_end <= index_offset or index_offset + index_nbytes > s.nbytes):
+            return False
+        key = (run.run_id, step, dirname)
+        res = self.results.get(key)
+        if res is not None and any(entry.rank in x for x in (res.rank_seq, res.streams, res.parts_done,
+                                                             res.part_errors)):
+            if res.state == "pending":  # this rank's earlier save of the same step and directory
+                return False
+            self.results.pop(key)  # it ended: this one is a new save that replaces it (as persist())
+            self.commits_started.discard(key)
+            res = None
+        if res is None:
+            res = self.results.setdefault(key, Result())
+        st = Stream(entry.rank, step, data_end)
+        s.stream = st
+        res.streams[entry.rank] = st
+        res.writers += 1
+        self.pending += 1
+        self.pool.submit(self._write_part_task, entry.rank, s, run, step, time.monotonic(),
+                         (st, dirname, index_offset, index_nbytes))
+        if key not in self.commits_started:
+            self.commit_seq += 1
+            self._start_commit(key, run, res, tracker_name, tracker_content,
+                               self._tracker_gate(run.checkpoint_dir, tracker_name, self.commit_seq))
+        return True
 
     def fail_part(self, rank: int, run: Run, step: int, dirname: str, rec: Dict[str, Any]) -> None:
         """Rank ``rank``'s DISK save of ``(step, dirname)`` failed before it reached the persister (error
@@ -302,27 +347,43 @@ class Scheduler:
         return gate
 
     # --------------------------------------------------------------------------------------- tasks
-    def _write_part_task(self, rank: int, s: Slot, run: Run, step: int, queued: float) -> None:
+    def _write_part_task(self, rank: int, s: Slot, run: Run, step: int, queued: float,
+                         streamed: Optional[Tuple[Stream, str, int, int]] = None) -> None:
+        """Write rank ``rank``'s part of ``step`` from slot ``s`` (READY, or WRITING for a part ``streamed``:
+        ``(its stream, dirname, index offset, index bytes)``), then hand it to the part syncer."""
         storage = None if run.remote_only else open_storage(fsync=run.fsync, part=(rank, step))
         # once on_data_read released the slot, the rank may fill it with a newer snapshot: never read the
         # slot's fields after that (they describe the new one)
-        key, seq = (run.run_id, step, s.dirname), s.seq
-        partial = _partial(run, s.dirname)
+        stream = streamed[0] if streamed is not None else None
+        dirname = streamed[1] if streamed is not None else s.dirname
+        key, seq = (run.run_id, step, dirname), [s.seq if stream is None else None]  # a stream's: at its ready
+        partial = _partial(run, dirname)
         t0 = time.monotonic()
-        log.debug("rank %d step %d: writing the part (queued %.3f s)", rank, step, t0 - queued)
+        log.debug("rank %d step %d: writing the part (queued %.3f s%s)", rank, step, t0 - queued,
+                  ", streamed" if stream is not None else "")
         stages = {"queued": t0 - queued}
 
         def ended(files: Optional[Dict[str, Any]], exc: Optional[BaseException]) -> None:
-            self._part_ended(key, rank, s, seq, run, step, storage, partial, t0, files, exc, stages)
+            self._part_ended(key, rank, s, seq[0], run, step, storage, partial, t0, files, exc, stages, stream)
+
+        def data_read() -> None:
+            with self.lock:
+                if stream is not None and s.stream is stream:
+                    s.stream = None
+                self.slots.release(s)
 
         try:
             buf = _slot_map(s)
             try:
-                index = read_index(buf, s.path)
+                if stream is None:
+                    index = read_index(buf, s.path)
+                else:
+                    index = read_index_at(buf, streamed[2], streamed[3], step, s.path)
+                    stream.attach(buf)
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
                 with self.lock:
-                    discard = self.discarding.get((run.checkpoint_dir, s.dirname))
+                    discard = self.discarding.get((run.checkpoint_dir, dirname))
                 if discard is not None:  # a failed save of this directory is being deleted: not under our part
                     discard.wait()
                 if run.remote_only:  # straight from the slot to the object store
@@ -330,10 +391,20 @@ class Scheduler:
                                               run_id=run.run_id, step=step, on_data_read=lambda: self.slots.release(s))
                 else:
                     written = write_part_data(storage, buf, index, partial, rank=rank, run_id=run.run_id,
-                                              step=step, on_data_read=lambda: self.slots.release(s))
+                                              step=step, on_data_read=data_read,
+                                              gate=stream.wait if stream is not None else None)
                 stages["data"] = time.monotonic() - t0
             finally:
+                if stream is not None:
+                    stream.detach()
                 del buf
+            if stream is not None:  # no fsync and no marker before the rank handed the slot over
+                try:
+                    seq[0] = stream.wait_ready()
+                except BaseException:
+                    written.close()
+                    raise
+                stages["ready"] = time.monotonic() - t0
             if not run.remote_only:  # fsyncs and marker with the other parts ready on this node (part_sync.py)
                 synced = self.syncer.submit(written)
         except BaseException as e:
@@ -349,20 +420,24 @@ class Scheduler:
 
         synced.add_done_callback(done)
 
-    def _part_ended(self, key: SaveKey, rank: int, s: Slot, seq: int, run: Run, step: int, storage, partial: str,
-                    t0: float, files: Optional[Dict[str, Any]], exc: Optional[BaseException],
-                    stages: Optional[Dict[str, float]] = None) -> None:
+    def _part_ended(self, key: SaveKey, rank: int, s: Slot, seq: Optional[int], run: Run, step: int, storage,
+                    partial: str, t0: float, files: Optional[Dict[str, Any]], exc: Optional[BaseException],
+                    stages: Optional[Dict[str, float]] = None, stream: Optional[Stream] = None) -> None:
         """Record the end of rank ``rank``'s part of ``step``: its files and marker durable (``files``), or
         its error ``exc`` (recorded in memory, then as a failure marker). ``stages``: seconds the part was
-        queued before its writer started and spent writing its data (for the log)."""
+        queued before its writer started and spent writing its data (for the log). ``seq``: the slot's
+        snapshot the part came from (``None``: a streamed part whose copy never completed); ``stream``: the
+        part's stream, no longer reading the slot now."""
         try:
             if exc is None:
                 total, st = time.monotonic() - t0, stages or {}
                 nbytes = sum(f["nbytes"] for f in files.values())
                 data = st.get("data", total)
                 log.info("rank %d step %d: part written, %d bytes in %.3f s (queued %.3f s before; data %.3f s, "
-                         "%.2f GB/s; fsyncs and marker %.3f s)", rank, step, nbytes, total, st.get("queued", 0.0),
-                         data, nbytes / data / 1e9 if data > 0 else 0.0, total - data)
+                         "%.2f GB/s%s; fsyncs and marker %.3f s)", rank, step, nbytes, total, st.get("queued", 0.0),
+                         data, nbytes / data / 1e9 if data > 0 else 0.0,
+                         f", streamed, copy done at {st['ready']:.3f} s" if "ready" in st else "",
+                         total - st.get("ready", data))
                 with self.lock:
                     self.results[key].parts_done.add(rank)
             else:
@@ -374,7 +449,13 @@ class Scheduler:
                     write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=exc)
         finally:
             with self.lock:
-                self.slots.finish_persist(s, seq)
+                if stream is not None:
+                    if s.stream is stream:
+                        s.stream = None  # its writer no longer reads the slot: it may be handed out again
+                    if seq is None:  # failed before it waited for ready: ready may still have made it PERSISTING
+                        seq = stream.seq
+                if seq is not None:
+                    self.slots.finish_persist(s, seq)
                 res = self.results.get(key)
                 if res is not None:
                     res.writers -= 1

@@ -255,6 +255,8 @@ class Server:
         if self.files_removed:
             return
         self.files_removed = True
+        # a background slot growth still running would recreate its slot file (O_CREAT) after the arena's removal
+        self.slots.shutdown()
         self.keep_log = self.keep_log or self.scheduler.failed or self._warned.seen
         remove_runtime_files(self.runtime_dir, self.keep_log)
         self.arena.remove_all()
@@ -642,7 +644,23 @@ class Server:
         self.slots.holds.set(entry.rank, msg["hold"])
         return P.ok()
 
+    def _op_stream(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        """A streamed DISK save starts (:mod:`snapckpt.persister.stream`): its writer and commit start now,
+        while the rank copies; ``streaming`` False: they start at ``ready``, as for any save (the rank does not
+        read the answer)."""
+        s = self.slots.slot(entry, msg["slot"])
+        dirname = validate_dirname(msg["dirname"])
+        if msg["tracker_name"]:
+            validate_dirname(msg["tracker_name"])
+        started = self.scheduler.stream(entry, s, self.slots.runs[entry.run_id], msg["step"], dirname,
+                                        msg["tracker_name"], msg["tracker_content"], msg["index_offset"],
+                                        msg["index_nbytes"], msg["data_end"])
+        return P.ok(streaming=started)
+
     def _op_ready(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
+        s = self.slots.slot(entry, msg["slot"])
+        if s.stream is not None and not msg["persist"] and s.state == SlotState.WRITING:
+            s.stream.cancel(f"rank {entry.rank} handed step {msg['step']} over as a memory snapshot, not for disk")
         slot = self.slots.ready(entry, msg["slot"], msg["step"], index_offset=msg["index_offset"],
                                 index_nbytes=msg["index_nbytes"], dirname=msg["dirname"],
                                 tracker_name=msg["tracker_name"], tracker_content=msg["tracker_content"],

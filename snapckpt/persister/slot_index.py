@@ -17,7 +17,7 @@ from snapckpt.persister.arena import read_header
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["read_index", "read_slot"]
+__all__ = ["read_index", "read_index_at", "read_slot"]
 
 
 def read_index(buf, source: str = "arena slot") -> Dict[str, Any]:
@@ -35,6 +35,19 @@ def read_index(buf, source: str = "arena slot") -> Dict[str, Any]:
         raise SnapshotError(f"arena slot index of step {step} in {source} is not a snapckpt index")
     if index.get("step") != step:
         raise SnapshotError(f"arena slot header of {source} says step {step} but its index says {index.get('step')}")
+    return index
+
+
+def read_index_at(buf, offset: int, nbytes: int, step: int, source: str = "arena slot") -> Dict[str, Any]:
+    """Parse the index of a slot whose header is not written yet (a streamed save: the rank named where the
+    index lies, ``offset``/``nbytes`` in bytes from the slot start); ``SnapshotError`` naming ``source`` when it
+    is not the index of ``step``."""
+    try:
+        index = json.loads(bytes(buf[offset:offset + nbytes]))
+    except (ValueError, RecursionError) as e:
+        raise SnapshotError(f"arena slot index of step {step} in {source} is damaged: {str(e)[:200]}") from e
+    if not isinstance(index, dict) or not isinstance(index.get("files"), list) or index.get("step") != step:
+        raise SnapshotError(f"arena slot {source} holds no snapckpt index of step {step} at byte {offset}")
     return index
 
 

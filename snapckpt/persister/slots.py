@@ -9,6 +9,9 @@ arena, copies its snapshot into it and says it is ready; the scheduler
     WRITING(N) --abort, or its rank left--> INVALID
     READY(N) --start_persist--> PERSISTING(N) --release / finish_persist--> READY(N)
 
+A streamed DISK save (:mod:`snapckpt.persister.stream`) is written while its slot is still WRITING; the slot
+carries the stream (``Slot.stream``) until its writer stops reading it, and is not handed out before.
+
 A rank's newest READY slot is never handed out again (it is the memory tier's restore point); the
 other READY ones are reused oldest first once no slot is FREE (contract 2: a slot is rewritten only
 after the persister is done with it). A rank limited to one slot (``slots_per_rank=1``, or a host-memory
@@ -63,6 +66,9 @@ class Slot:
     mapping: Any = None  # the writers' read mapping of the slot file, kept across persists (see scheduler)
     pins: int = 0  # peer sends reading the slot (persister/replication.py): never handed out meanwhile
     origin: Optional[Dict[str, Any]] = None  # a fetched snapshot of an earlier run: its world_size and dir_id
+    # a streamed part's writer reads the slot (persister/stream.py): never handed out, emptied or freed meanwhile,
+    # whatever its state (an aborted copy leaves it INVALID while the writer has not yet stopped)
+    stream: Any = None
 
 
 @dataclass
@@ -243,7 +249,7 @@ class SlotTable:
             if rank in run.local_ranks or entry.conn is not None or entry.run_id == run.run_id:
                 continue
             if any(s.state in (SlotState.WRITING, SlotState.PERSISTING) or s.pins or s.growing is not None
-                   for s in entry.slots):
+                   or s.stream is not None for s in entry.slots):
                 continue
             for s in entry.slots:
                 if s.mapping is not None:
@@ -274,7 +280,7 @@ class SlotTable:
         """Empty the slots of ``entry`` outside ``keep`` that nothing reads (FREE, INVALID, or READY and
         unpinned): their file is truncated to 0 bytes, which returns its pages to the host."""
         for s in entry.slots:
-            if s in keep or s.pins:
+            if s in keep or s.pins or s.stream is not None:
                 continue
             self._grown(s)
             if s.nbytes == 0 or s.state not in (SlotState.FREE, SlotState.INVALID, SlotState.READY):
@@ -310,8 +316,9 @@ class SlotTable:
         # kept for it while the newest is being written to disk)
         held = [s for s in usable if s.state in HELD]
         newest = max(held, key=lambda s: s.seq) if held and len(usable) > 1 else None
-        free = [s for s in usable if s.state in (SlotState.FREE, SlotState.INVALID)]
-        reusable = sorted((s for s in ready if s is not newest and not s.pins), key=lambda s: s.seq)
+        free = [s for s in usable if s.state in (SlotState.FREE, SlotState.INVALID) and s.stream is None]
+        reusable = sorted((s for s in ready if s is not newest and not s.pins and s.stream is None),
+                          key=lambda s: s.seq)
         candidates = free + reusable
         if not candidates:
             return None
@@ -386,10 +393,13 @@ class SlotTable:
         return s
 
     def abort(self, entry: RankEntry, index: int) -> None:
-        """WRITING -> INVALID: the rank gave up copying into slot ``index``."""
+        """WRITING -> INVALID: the rank gave up copying into slot ``index`` (a streamed part's writer fails)."""
         s = self.slot(entry, index)
         if s.state == SlotState.WRITING:
             s.state = SlotState.INVALID
+            if s.stream is not None:
+                s.stream.cancel(f"rank {entry.rank} gave up its snapshot copy of step {s.step} before it was "
+                                "complete (its own error says why)")
 
     def drop_writes(self, entry: RankEntry) -> None:
         """The rank left: a slot it was writing is not trusted (WRITING -> INVALID, case C8)."""
@@ -398,6 +408,9 @@ class SlotTable:
                 log.warning("rank %d left while writing step %d into slot %d: slot marked INVALID",
                             entry.rank, s.step, s.index)
                 s.state = SlotState.INVALID
+                if s.stream is not None:
+                    s.stream.cancel(f"rank {entry.rank} left (its process died) while copying its snapshot of "
+                                    f"step {s.step}: that part never completed")
 
     @staticmethod
     def start_persist(s: Slot) -> None:

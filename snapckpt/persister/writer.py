@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
-from snapckpt.formats.torch_archive import write_torch_file
+from snapckpt.formats.torch_archive import READY_PIECE_NBYTES, write_torch_file
 from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
 from snapckpt.storage.base import StorageWriter
 from snapckpt.persister.protocol import error_record
@@ -77,10 +77,14 @@ class WrittenPart:
 
 def write_part_data(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
                     run_id: str, step: int,
-                    on_data_read: Optional[Callable[[], None]] = None) -> WrittenPart:
+                    on_data_read: Optional[Callable[[], None]] = None,
+                    gate: Optional[Callable[[int, int], None]] = None) -> WrittenPart:
     """Write rank ``rank``'s files of ``step`` from slot mapping ``buf`` (arguments as :func:`write_part`),
     without fsync and without part marker: those are :func:`finish_parts`' job, so that a node's persister
     fsyncs the parts it has ready together instead of one after another.
+
+    ``gate(offset, nbytes)``: a streamed save (:class:`~snapckpt.persister.stream.Stream`): returns once slot
+    bytes ``[offset, offset + nbytes)`` are final, raises when they never will be; no slot byte is read before.
 
     Raises:
         OSError, ValueError: as :func:`write_part` (the files written so far are closed).
@@ -98,7 +102,7 @@ def write_part_data(storage: StorageWriter, buf, index: Dict[str, Any], partial_
             storage.makedirs(os.path.dirname(path))
             kind = f.get("kind", "torch")
             try:
-                part.files[rel] = _write_file(storage, buf, f, path, kind, delay, mid_file, rank, step, part)
+                part.files[rel] = _write_file(storage, buf, f, path, kind, delay, mid_file, rank, step, part, gate)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise _disk_full(e, path, partial_dir, index, rank, step)
@@ -198,7 +202,8 @@ def _disk_full(e: OSError, path: str, partial_dir: str, index: Dict[str, Any], r
 
 
 def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind: str, delay: float, mid_file: bool,
-                rank: int, step: int, part: WrittenPart) -> Dict[str, Any]:
+                rank: int, step: int, part: WrittenPart,
+                gate: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
     """Write one file of a part from the slot (its descriptor, duplicated, joins ``part.handles`` for the
     fsync); return its manifest record."""
     with storage.open_write(path) as raw:
@@ -206,7 +211,7 @@ def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind:
         if mid_file:
             sink = _MidFilePoint(sink, rank, step)
         cw = ChecksumWriter(sink)
-        encode_file(cw, buf, f, kind, coalesce=sink is raw)  # fault injection counts torch's write calls
+        encode_file(cw, buf, f, kind, coalesce=sink is raw, gate=gate)  # fault injection counts torch's write calls
         raw.flush()
         if f.get("mode") is not None:  # the spec's permission bits, before the fsync makes the file durable
             os.fchmod(raw.fileno(), f["mode"] & 0o777)  # never setuid/setgid/sticky from a spec
@@ -242,20 +247,30 @@ class _SyncHandle:
             self.fd = -1
 
 
-def encode_file(sink, buf, f: Dict[str, Any], kind: str, *, coalesce: bool = True) -> None:
+def encode_file(sink, buf, f: Dict[str, Any], kind: str, *, coalesce: bool = True,
+                gate: Optional[Callable[[int, int], None]] = None) -> None:
     """Write one file of a part, as its slot index entry ``f`` describes it, from slot mapping ``buf`` into
     ``sink`` (anything with ``write``): raw chunks back to back for ``kind`` ``"bytes"``, otherwise a
     ``torch.save`` archive whose records are memoryviews of the slot (no copy but of records under 64 KiB with
     ``coalesce``, which joins small writes: see :class:`~snapckpt.formats.torch_archive.TorchArchiveWriter`;
-    torch is not imported)."""
+    torch is not imported). ``gate``: see :func:`write_part_data` (slot bytes are then read in pieces of
+    :data:`~snapckpt.formats.torch_archive.READY_PIECE_NBYTES`, each once it is final)."""
     if kind == "bytes":
         for off, n in f["chunks"]:
-            sink.write(memoryview(buf)[off:off + n])
+            if gate is None:
+                sink.write(memoryview(buf)[off:off + n])
+                continue
+            for a in range(0, n, READY_PIECE_NBYTES):
+                b = min(n, a + READY_PIECE_NBYTES)
+                gate(off + a, b - a)
+                sink.write(memoryview(buf)[off + a:off + b])
         return
     po, pn = f["pkl"]
     view = memoryview(buf)
-    write_torch_file(sink, bytes(view[po:po + pn]), [(key, view[off:off + n], n) for key, off, n in f["records"]],
-                     coalesce=coalesce)
+    records = f["records"]
+    ready = None if gate is None else (lambda i, k: gate(records[i][1], k))
+    write_torch_file(sink, bytes(view[po:po + pn]), [(key, view[off:off + n], n) for key, off, n in records],
+                     coalesce=coalesce, ready=ready)
 
 
 def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,

@@ -7,8 +7,9 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
 
-from snapckpt.storage.direct import BUFFER_NBYTES, DirectFile, open_direct
+from snapckpt.storage.direct import BUFFER_NBYTES, BUFFERS, DirectFile, open_direct
 
 
 def test_any_pattern_of_writes_and_flushes_gives_the_exact_bytes(tmp_path):
@@ -85,3 +86,35 @@ def test_a_file_left_read_only_is_replaced_not_refused(tmp_path):
     else:
         assert os.waitpid(pid, 0)[1] == 0, "open_direct refused to replace a read-only file"
     assert (d / "f.bin").read_bytes() == b"new"
+
+
+def test_several_full_buffers_are_written_out_at_once(tmp_path, monkeypatch):
+    """The device gets up to ``BUFFERS - 1`` writes at a time (one at a time left this VM's disk idle between
+    them: issue 18): with every background write held, the caller still hands over ``BUFFERS - 1`` full buffers
+    without blocking, each at its own offset; the file then holds exactly what was written."""
+    hold = threading.Event()
+    started = []
+    real = DirectFile._write_out
+
+    def held(self, view, nbytes, offset):
+        started.append(offset)
+        hold.wait(120)
+        real(self, view, nbytes, offset)
+
+    monkeypatch.setattr(DirectFile, "_write_out", held)
+    data = [os.urandom(BUFFER_NBYTES) for _ in range(BUFFERS)]
+    path = str(tmp_path / "q.bin")
+    f = open_direct(path)
+    writer = threading.Thread(target=lambda: [f.write(d) for d in data[:BUFFERS - 1]])
+    writer.start()
+    writer.join(60)
+    handed_over = not writer.is_alive()
+    in_flight = sorted(started)
+    hold.set()
+    writer.join()
+    f.write(data[-1])
+    f.close()
+    assert handed_over, "the caller waited for a background write before BUFFERS - 1 were in flight"
+    assert in_flight == [i * BUFFER_NBYTES for i in range(BUFFERS - 1)]
+    with open(path, "rb") as r:
+        assert r.read() == b"".join(data)
