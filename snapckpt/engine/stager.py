@@ -741,7 +741,7 @@ class Stager:
         """The spans of a streamed copy, in :func:`_stream_steps` order, each batch followed by its watermark."""
         layout = prepared.layout
         steps = _stream_steps(layout)
-        dst = _direct_views(layout, slot, prepared.views) if prepared.direct else []
+        dst = direct_views(layout, slot, prepared.views) if prepared.direct else []
         src, spans = prepared.direct, prepared.span_copies
         mark = watermark_view(buf)
         try:
