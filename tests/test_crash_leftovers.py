@@ -9,6 +9,7 @@ bytes per crash, on a long run).
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -65,3 +66,27 @@ def test_B2_partial_of_a_killed_persister_is_removed_when_the_run_saves_on(snap_
         assert out["step"] == 3 and bool((out["w"] == 3).all())
     finally:
         ck.close()
+
+
+def test_B1_tracker_temp_file_of_a_persister_killed_mid_replace_is_removed_by_a_later_commit(snap_env):
+    """A persister SIGKILLed while it replaces the tracker (its temporary file ``.latest.tmp-<12 hex>`` written
+    and fsynced, the rename not done: a window as long as that fsync) leaves the temporary file in the
+    checkpoint directory, next to the native tracker; no later run knew it. Found by killing the persister at
+    random moments of a DISK save (1 kill in 3 landed there). The file is what that kill leaves, aged past
+    the bound within which a live writer renames its own. Right: the next commit of the tracker removes it;
+    a fresh temporary file (a writer that may be live) is left alone."""
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, **OPTS) as ck:
+        ck.save(state(1), 1).wait()
+        stale, fresh = os.path.join(d, ".latest.tmp-0123456789ab"), os.path.join(d, ".latest.tmp-ba9876543210")
+        for path in (stale, fresh):
+            with open(path, "w") as f:
+                f.write("step_00000002")
+        old = time.time() - 3600
+        os.utime(stale, (old, old))
+        ck.save(state(2), 2).wait()
+        assert not os.path.exists(stale), sorted(os.listdir(d))
+        assert os.path.exists(fresh)
+        with open(os.path.join(d, "latest")) as f:
+            assert f.read() == "step_00000002"
+        assert [c.step for c in list_committed(FS, d)] == [1, 2]
