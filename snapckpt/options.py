@@ -91,7 +91,8 @@ class CheckpointOptions:
             ``None`` (default): the size of this rank's files in the newest checkpoint named by
             ``checkpoint_dir/latest`` (a restart), else nothing is reserved before the first save. ``0``:
             never reserve ahead. A wrong guess costs nothing but the reservation: a larger state regrows
-            the slot at the save, as without it. A load pauses the reservation while it reads (it goes
+            the slot at the save, as without it; an arena of the guessed size that does not fit the shared memory is
+            not reserved at all (a warning says so). A load pauses the reservation while it reads (it goes
             on afterwards), so that a restart's read does not share the CPUs with it.
         cuda_copy_piece_nbytes: ``overlap=True`` with CUDA state: the snapshot's device-to-host copy is issued
             in pieces of this many bytes, one piece at a time, from a background thread. A GPU's copy engine

@@ -34,3 +34,22 @@ def test_D1_too_small_expected_nbytes_then_a_state_that_fits_two_slots_saves(sna
             assert out["step"] == 3 and bool((out["a"] == 3).all())
         finally:
             ck.close()
+
+
+def test_D1_too_large_expected_nbytes_reserves_nothing_and_a_state_that_fits_two_slots_saves(snap_env, tmp_path):
+    """A 64 MiB tmpfs; a guess of 40 MiB: two 43 MiB slots do not fit. Before the fix the reservation grew
+    the one slot that fitted (43 MiB) anyway; the 30 MiB state's first save took it, and every later save
+    failed with ``InsufficientSharedMemoryError`` (the second slot, 31.5 MiB, no longer fitted beside it), while
+    without the guess both 31.5 MiB slots fit. Right: an arena of the guessed size that does not fit is not
+    reserved (a warning says so), and the saves size the slots to the state."""
+    shm = str(tmp_path / "shm")
+    with small_shm(shm, 64 << 20):
+        ck = Checkpointer(snap_env.ckpt_dir, shm_dir=shm, expected_nbytes=40 << 20, persister_idle_timeout_secs=5)
+        try:
+            for step in (1, 2, 3):
+                state = {"a": torch.full((30 << 18,), float(step)), "step": step}
+                ck.save(state, step).wait()
+            out = ck.load()
+            assert out["step"] == 3 and bool((out["a"] == 3).all())
+        finally:
+            ck.close()
