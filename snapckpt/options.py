@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -89,7 +91,8 @@ class CheckpointOptions:
             ``None`` (default): the size of this rank's files in the newest checkpoint named by
             ``checkpoint_dir/latest`` (a restart), else nothing is reserved before the first save. ``0``:
             never reserve ahead. A wrong guess costs nothing but the reservation: a larger state regrows
-            the slot at the save, as without it. A load pauses the reservation while it reads (it goes
+            the slot at the save, as without it; an arena of the guessed size that does not fit the shared memory is
+            not reserved at all (a warning says so). A load pauses the reservation while it reads (it goes
             on afterwards), so that a restart's read does not share the CPUs with it.
         cuda_copy_piece_nbytes: ``overlap=True`` with CUDA state: the snapshot's device-to-host copy is issued
             in pieces of this many bytes, one piece at a time, from a background thread. A GPU's copy engine
@@ -126,7 +129,8 @@ class CheckpointOptions:
     cuda_copy_piece_nbytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+        if self.keep_last is not None and (isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int)
+                                           or self.keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
         if isinstance(self.slots_per_rank, bool) or not isinstance(self.slots_per_rank, int) or self.slots_per_rank < 1:
             raise ValueError(f"slots_per_rank must be an int >= 1, got {self.slots_per_rank!r}")
@@ -134,8 +138,9 @@ class CheckpointOptions:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"host_memory_budget_nbytes must be a positive int (bytes of host memory for this "
                              f"node's arena, e.g. 64 << 30 for 64 GiB) or None, got {budget!r}")
-        if not (self.slot_headroom >= 1.0):
-            raise ValueError(f"slot_headroom must be >= 1.0, got {self.slot_headroom!r}")
+        headroom = self.slot_headroom
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1.0 <= headroom < math.inf:
+            raise ValueError(f"slot_headroom must be a finite number >= 1.0, got {headroom!r}")
         if self.expected_nbytes is not None and (isinstance(self.expected_nbytes, bool)
                                                  or not isinstance(self.expected_nbytes, int)
                                                  or self.expected_nbytes < 0):
@@ -153,8 +158,11 @@ class CheckpointOptions:
                 value = getattr(self, f.name)
                 if value is None and f.name == "peer_timeout_secs":
                     continue  # resolved from the environment
-                if not isinstance(value, (int, float)) or not value > 0:  # NaN too
-                    raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
+                # NaN fails both comparisons; past TIMEOUT_MAX (inf included) a socket or lock wait overflows
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not 0 < value <= threading.TIMEOUT_MAX:
+                    raise ValueError(f"{f.name} must be a positive number of seconds, at most "
+                                     f"{threading.TIMEOUT_MAX:.0f} (threading.TIMEOUT_MAX), got {value!r}")
         if self.remote_dir is not None and (not isinstance(self.remote_dir, str) or "://" not in self.remote_dir):
             raise ValueError(f"remote_dir must be an object store URL such as 's3://bucket/run1', got "
                              f"{self.remote_dir!r}")

@@ -25,8 +25,8 @@ from snapckpt.engine.device_copy import CudaCopier
 from snapckpt.engine.handle import SaveHandle
 from snapckpt.engine.loader import LoadCandidate, LoadInfo, Loader
 from snapckpt.engine.prefetch import Prefetch
-from snapckpt.engine.preflight import (check_shared_dir, dir_identity, newest_part_files, newest_part_nbytes,
-                                      preflight_dir)
+from snapckpt.engine.preflight import (check_shared_dir, dir_identity, host_memory_shortfall, newest_part_files,
+                                      newest_part_nbytes, preflight_dir)
 from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.replicas import setup_replicas
@@ -179,6 +179,14 @@ class Checkpointer:
                 limit = self._saver.slot_limit(want)
             except InsufficientSharedMemoryError as e:
                 log.warning("rank %d: for the expected snapshot size: %s", self.rank, e)
+                return
+            # part of an arena that does not fit would hold shared memory that slots of the real state need
+            # (a guess too large then failed every save after the first): reserve all of it or none
+            if host_memory_shortfall(self.options, self._session.topology, want,
+                                     limit or self.options.slots_per_rank, self._session.arena_dir):
+                log.warning("rank %d: nothing is reserved ahead for the expected snapshot size (%d bytes per slot): "
+                            "the node's arena at that size does not fit; the first save sizes the slots to the "
+                            "state it holds", self.rank, want)
                 return
             self._reserving = self._session.reserve(want, limit)
 

@@ -475,7 +475,9 @@ class Saver:
         """``Checkpointer.fence``: wait for the in-flight copy, then hand its slot to the persister.
 
         Raises:
-            The copy's own error (the snapshot is then dropped; the slot is freed).
+            The copy's own error (the snapshot is then dropped; the slot is freed), or the persister's while
+            the slot is handed over (``PersisterDiedError``, ``PersisterTimeoutError``); the save's handle ends
+            with that error either way.
         """
         job, self._inflight = self._inflight, None
         if job is None:
@@ -490,7 +492,12 @@ class Saver:
             raise
         job.fence_secs = time.perf_counter() - t0
         job.copy_secs = t_copy
-        self._copied(job)
+        try:
+            self._copied(job)
+        except BaseException as e:  # the hand-over failed (a dead or hung persister): the save ends with it
+            job.handle.fail(e)
+            job.handle.mark_reported()
+            raise
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """``Checkpointer.wait``: fence, then wait for every DISK save; raise the first unreported failure."""

@@ -170,10 +170,17 @@ _STORAGE_TYPE_CACHE: Dict[torch.dtype, Any] = {}
 
 
 def _storage_type(dtype: torch.dtype):
+    """The storage class ``torch.save`` names for ``dtype``: a legacy ``<Dtype>Storage``, or ``UntypedStorage``
+    for the dtypes that have none (float8, uint16/32/64, complex32...: saved in bytes, rebuilt by
+    ``_rebuild_tensor_v3`` with the dtype as an argument)."""
     st = _STORAGE_TYPE_CACHE.get(dtype)
     if st is None:
-        name = torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type()
-        st = _STORAGE_TYPE_CACHE[dtype] = getattr(torch, name)
+        try:
+            name = torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type()
+            st = getattr(torch, name)
+        except KeyError:
+            st = torch.UntypedStorage
+        _STORAGE_TYPE_CACHE[dtype] = st
     return st
 
 
@@ -208,16 +215,16 @@ class _SkeletonPickler(pickle.Pickler):
         sid = self._storage_ids.get(ref.key)
         if sid is None:
             self.keys.append(ref.key)
-            pid = ("storage", _storage_type(ref.dtype), ref.key, ref.location, ref.span_numel)
-            sid = self._storage_ids[ref.key] = _StorageId(pid)
+            st = _storage_type(ref.dtype)
+            numel = ref.span_numel * ref.dtype.itemsize if st is torch.UntypedStorage else ref.span_numel
+            sid = self._storage_ids[ref.key] = _StorageId(("storage", st, ref.key, ref.location, numel))
         return sid
 
     def _tensor_reduce(self, ref: TensorRef, requires_grad: bool):
-        return (
-            torch._utils._rebuild_tensor_v2,
-            (self._storage(ref), ref.storage_offset, ref.size, ref.stride, requires_grad,
-             collections.OrderedDict()),
-        )
+        args = (self._storage(ref), ref.storage_offset, ref.size, ref.stride, requires_grad, collections.OrderedDict())
+        if _storage_type(ref.dtype) is torch.UntypedStorage:  # as torch.save: the dtype travels in the call
+            return torch._utils._rebuild_tensor_v3, args + (ref.dtype,)
+        return torch._utils._rebuild_tensor_v2, args
 
     def reducer_override(self, obj: Any):
         if isinstance(obj, _TensorData):

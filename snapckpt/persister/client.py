@@ -87,6 +87,30 @@ def lock_file(path: str, deadline: float, what: str) -> int:
         os.close(fd)
 
 
+def _pid_in(path: str) -> Optional[int]:
+    """The pid written in a ``persister.pid`` file, or ``None`` (missing, unreadable, not a number)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _hung_state(pid: Optional[int]) -> str:
+    """What ``/proc`` says of a persister that does not answer: stopped (``SIGSTOP``, a debugger), gone, or
+    running (it may be hung); a phrase for an error message."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, ValueError, TypeError):
+        return "it may be hung"
+    if state in ("T", "t"):
+        return "it is stopped (SIGSTOP or a debugger: resume it with kill -CONT, or kill it)"
+    if state in ("Z", "X"):
+        return "it has exited"
+    return f"it is alive (state {state}) but may be hung"
+
+
 #: The remedy every :class:`PersisterDiedError` names.
 RESTART_HINT = ("the next snapckpt call starts a new persister; repeat any save that was not committed "
                 "(its snapshot is lost)")
@@ -264,9 +288,13 @@ class PersisterClient:
                     break  # this request's reply; the lines before it answered interrupted requests
         except socket.timeout as e:
             self._abandon()
+            pid = self.persister_pid or _pid_in(os.path.join(self.runtime_dir, "persister.pid"))  # before hello's reply
             raise PersisterTimeoutError(
-                f"the snapckpt persister (pid {self.persister_pid}) did not answer {op!r} within "
-                f"{self.request_timeout_secs:g} s; it may be hung (log: {self.log_path})") from e
+                f"the snapckpt persister (pid {pid}) did not answer {op!r} within "
+                f"{self.request_timeout_secs:g} s; {_hung_state(pid)}; committed checkpoints "
+                f"are intact. If it is only slow (an overloaded node), raise request_timeout_secs; if it is "
+                f"hung, kill it (kill -9 {pid if pid else 'its pid, in persister.pid'}): {RESTART_HINT} "
+                f"(log: {self.log_path})") from e
         except OSError as e:
             self.close()
             raise PersisterDiedError(

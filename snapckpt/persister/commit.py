@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set
@@ -62,6 +63,8 @@ BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake 
 # load, node 1 raised CommitTimeoutError, node 0 committed, and torchrun's agent on node 0 then waited
 # 300 s in its exit barrier). Below the 30 s margin of SaveHandle.wait, so the rank still gets this error.
 WATCH_GRACE_SECS = 20.0
+# a temporary tracker file older than this was left by a killed writer: a live one renames it within an fsync
+STALE_TRACKER_TEMP_SECS = 60.0
 
 
 class CommitRequest:
@@ -324,6 +327,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     faults.point("commit.before_tracker", step=req.step, rank=None)
     if req.tracker_name:
         def write_tracker() -> None:
+            remove_stale_tracker_temps(req.checkpoint_dir, req.tracker_name)
             storage.write_atomic(os.path.join(req.checkpoint_dir, req.tracker_name), req.tracker_content.encode())
 
         if req.tracker_gate is None:
@@ -462,6 +466,35 @@ def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, 
             storage.remove_tree(path)
             log.warning("removed %s: left by a save of another job (run %s) whose persister is gone and which "
                         "changed nothing for %.0f s", path, rid, quiet_secs)
+
+
+def remove_stale_tracker_temps(checkpoint_dir: str, tracker_name: str,
+                               stale_secs: float = STALE_TRACKER_TEMP_SECS) -> None:
+    """Remove the temporary files of ``tracker_name`` (``.<name>.tmp-<12 hex>``, written by
+    :meth:`~snapckpt.storage.posix.PosixStorage.write_atomic`) left in ``checkpoint_dir`` by a persister killed
+    while it replaced the tracker (between the temporary file's fsync and its rename). Called by the writer of
+    the tracker, so no writer of this job is between those two steps; a file changed in the last
+    ``stale_secs`` seconds may be a live writer's (a download rebuilding the tracker) and is left alone. A
+    failure is logged, never raised: the commit has happened."""
+    prefix = f".{tracker_name}.tmp-"
+    try:
+        names = os.listdir(checkpoint_dir)
+    except OSError:
+        return
+    for name in names:
+        suffix = name[len(prefix):]
+        if not name.startswith(prefix) or len(suffix) != 12 or any(c not in "0123456789abcdef" for c in suffix):
+            continue
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > stale_secs:
+                os.unlink(path)
+                log.info("removed %s: the temporary file of a tracker replace that a killed persister left", path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove the stale temporary tracker file %s: %s", path, e)
 
 
 def _restorable(path: str) -> bool:

@@ -557,6 +557,7 @@ class Server:
                 "launcher, call torch.distributed.init_process_group() before creating the Checkpointer, so "
                 "that each process knows its rank")
         run = self.slots.runs.get(msg["run_id"])
+        fresh = run is None
         if run is None:
             # the node of global rank 0 commits, whichever of its ranks reaches it first (after a persister
             # restart, rank 1's save can arrive before rank 0's hello: a watcher would wait for nobody)
@@ -570,16 +571,22 @@ class Server:
                 self._write_lease(run, create=True)
             log.info("job %s run %s: checkpoint directory %s (world size %d, local ranks %s)", self.job,
                      run.run_id, run.checkpoint_dir, world, run.local_ranks)
-        if msg["committer"]:
-            run.committer = True
+        # A run this persister has just met on one node has no save in flight here yet, and no other persister
+        # serves it: in-flight directories of its run id were left by this job's previous persister, killed
+        # while the training processes lived on (they reconnect with their run id). With several nodes,
+        # another node's persister may still write into them; dead-peer checks and the commit timeout end those.
+        orphaned = {run.run_id} if fresh and not run.multi_node and not run.remote_only else set()
+        if msg["committer"] or orphaned:
+            if msg["committer"]:
+                run.committer = True
             if run.remote_only:  # before any save of this run: what killed persisters left in the store
                 remote_only.clean_start(run.checkpoint_dir, list(self.slots.runs))
             else:
                 recover_interrupted_commits(open_storage(), run.checkpoint_dir, job=self.job,
-                                            known_runs=set(self.slots.runs),
+                                            known_runs=set(self.slots.runs) - orphaned,
                                             runtime_root=os.path.dirname(os.path.dirname(self.runtime_dir)),
                                             quiet_secs=max(run.commit_timeout_secs, 600.0))
-            if run.remote_dir:  # remove what an interrupted upload of an earlier persister left
+            if run.remote_dir and run.committer:  # remove what an interrupted upload of an earlier persister left
                 self.scheduler.clean_remote(run)
         if run.gone.pop(rank, None) is not None:  # the rank is back (a new connection of the same run)
             peers.remove_gone(run.checkpoint_dir, run.run_id, rank)

@@ -323,7 +323,11 @@ class SlotTable:
         if not candidates:
             return None
         slot = candidates[0]
-        self._grown(slot)
+        # every slot's background growth (the reservation ahead, an earlier save's grow_others) is taken
+        # before the capacity check: a finished one's pages are counted in the tmpfs's free bytes already,
+        # so counting that slot as still to be reserved in full refused states that fit (they grow alongside)
+        for s in usable:
+            self._grown(s)
         reserve = sum(max(0, nbytes - s.nbytes) for s in usable if s is not slot)
         held_nbytes = sum(min(s.nbytes, nbytes) for s in usable)
 

@@ -35,6 +35,15 @@ def test_defaults_are_valid_and_frozen():
     ({"persister_idle_timeout_secs": "60"}, "persister_idle_timeout_secs"),
     ({"job_id": ""}, "job_id"), ({"job_id": "a/b"}, "job_id"), ({"job_id": "nul\x00"}, "job_id"),
     ({"remote_dir": "/a/local/path"}, "remote_dir must be an object store URL"), ({"remote_dir": 3}, "remote_dir"),
+    # found by breaking it: each of these was accepted and failed later, far from the option (an
+    # OverflowError from the socket or a ProtocolError at the first save) or meant something else
+    ({"keep_last": True}, "keep_last"), ({"slot_headroom": float("inf")}, "slot_headroom"),
+    ({"slot_headroom": True}, "slot_headroom"), ({"slot_headroom": "1.1"}, "slot_headroom"),
+    ({"request_timeout_secs": float("inf")}, "request_timeout_secs"),
+    ({"request_timeout_secs": 1e10}, "request_timeout_secs"),
+    ({"commit_timeout_secs": float("inf")}, "commit_timeout_secs"),
+    ({"slot_wait_timeout_secs": True}, "slot_wait_timeout_secs"),
+    ({"peer_timeout_secs": float("inf")}, "peer_timeout_secs"),
 ])
 def test_invalid_options_are_refused_naming_the_field(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -162,3 +171,11 @@ def test_a_mistyped_storage_type_names_the_valid_ones():
     assert StorageType("disk") is StorageType.DISK and StorageType(StorageType.MEMORY) is StorageType.MEMORY
     with pytest.raises(ValueError, match=r"StorageType.MEMORY or StorageType.DISK .*'memory', 'disk'.*got 'dsk'"):
         StorageType("dsk")
+
+
+def test_largest_timeout_is_accepted_and_used_as_given():
+    """The bound of the ``*_secs`` options is what a thread or socket wait can take (``threading.TIMEOUT_MAX``)."""
+    import threading
+
+    o = CheckpointOptions(request_timeout_secs=threading.TIMEOUT_MAX, commit_timeout_secs=86400.0 * 365)
+    assert (o.request_timeout_secs, o.commit_timeout_secs) == (threading.TIMEOUT_MAX, 86400.0 * 365)
