@@ -61,6 +61,8 @@ def test_streamed_disk_save_round_trips(snap_env, overlap):
         assert all(torch.equal(plain["opt"][i]["exp_avg"], expected["opt"][i]["exp_avg"]) for i in range(20))
         assert (plain["epoch"], plain["name"]) == (step, "s")
     target = _state(0)
+    # the old persister exits once its last client closed; until then a new Checkpointer would find its memory tier
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60), "the persister did not exit after close()"
     with Checkpointer(snap_env.ckpt_dir) as ck:  # a new persister: the disk tier
         ck.load(target)
         assert (ck.last_load.step, ck.last_load.tier.name) == (3, "DISK")
