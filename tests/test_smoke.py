@@ -151,3 +151,32 @@ def test_state_that_grows_a_little_keeps_its_slots_and_mappings(snap_env):
             assert slot_sizes() == sizes, (step, sizes, slot_sizes())
         out = ck.load()
         assert ck.last_load.step == 12 and torch.equal(out["w"], state["w"]) and out["log"] == state["log"]
+
+
+def test_memory_restore_copies_before_the_other_slot_is_prefaulted(snap_env, monkeypatch):
+    """Issue 18 (recovery time): a restart that loads from memory maps the slot holding the snapshot, which starts
+    the background prefault of the rank's other slot (for the first save); that prefault waits until the copy
+    into the live tensors is done, instead of sharing the CPUs and memory bandwidth with it, then goes on."""
+    import snapckpt.engine.checkpointer as checkpointer_mod
+
+    state = {"w": torch.rand((4 << 20) // 4), "step": 7}
+    ck = Checkpointer(snap_env.ckpt_dir, keep_last=2)
+    ck.save(state, 1, StorageType.MEMORY).wait()
+    ck.close(clean=False)  # leaves like a crashed rank: the persister keeps the snapshot
+    seen = []
+    real = checkpointer_mod.copy_into
+
+    def copy_into(*args, **kwargs):
+        pending = list(ck2._maps._pending.values())
+        seen.append((ck2._maps._go.is_set(), [p.future.done() for p in pending]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_mod, "copy_into", copy_into)
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck2:
+        fresh = {"w": torch.zeros_like(state["w"]), "step": 0}
+        out = ck2.load(fresh)
+        assert ck2.last_load.tier == StorageType.MEMORY and torch.equal(out["w"], state["w"]) and out["step"] == 7
+        assert seen == [(False, [False])], seen  # the other slot's prefault was queued and held during the copy
+        assert ck2._maps._go.is_set()
+        for p in list(ck2._maps._pending.values()):
+            assert p.future.result(timeout=60) is not None  # then it mapped the slot

@@ -9,13 +9,14 @@ any rank cannot read it; cases B3, C2, C9) and :mod:`~snapckpt.engine.restore` (
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
@@ -152,6 +153,7 @@ class Checkpointer:
         finally:
             self._client.on_spawn = None
         self._reserving = False  # a reservation ahead of the first save may still run: loads hold it back
+        self._reading_now = False  # a load runs: background prefaults and growth wait (see _reading)
         self._reserve_ahead()
         self._coord.all_gather("connected", {"ok": True}, t)
         # the peer-memory tier (several nodes, replicas >= 1): the persisters' addresses and the run's secret
@@ -454,14 +456,31 @@ class Checkpointer:
         if step is not None:
             check_step(step)
         self.wait()
-        if not self._reserving:
+        with self._reading():
             return self._loader.load_with(fn, step, dirname=dirname, check=check)
-        # A restart reserves the arena for its first save at construction; its load reads first (issue 18).
-        self._session.hold_reserve(True)
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """While a load reads and copies (the block), hold back this rank's background prefaults of its other
+        slots (the one a memory read maps starts them: :meth:`SlotMaps.get`) and the persister's growth of the
+        reservation made at construction (:meth:`_reserve_ahead`): on a restart they would share the CPUs and
+        the memory bandwidth with the load's own copy (issue 18); they go on after it. Nested blocks hold once."""
+        if self._reading_now:
+            yield
+            return
+        self._reading_now, held = True, self._reserving
+        if held:
+            self._session.hold_reserve(True)  # pauses the prefaults too
+        else:
+            self._maps.pause(True)
         try:
-            return self._loader.load_with(fn, step, dirname=dirname, check=check)
+            yield
         finally:
-            self._session.hold_reserve(False)
+            self._reading_now = False
+            if held:
+                self._session.hold_reserve(False)
+            else:
+                self._maps.pause(False)
 
     def load(self, state_dict: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> Dict[str, Any]:
         """Restore the newest step complete on every rank (or ``step``); collective.
@@ -518,12 +537,13 @@ class Checkpointer:
                 return found, None
             return self._loader.read(c, views=True)[name], frozenset()
 
-        (obj, filled), _ = self.load_with(read, step)
-        t0 = time.perf_counter()
-        if filled is None:
-            obj.run()
-        else:
-            copy_into(state_dict, obj, own=True, skip=filled)
+        with self._reading():  # through the copy into the live tensors, the larger part of a memory load
+            (obj, filled), _ = self.load_with(read, step)
+            t0 = time.perf_counter()
+            if filled is None:
+                obj.run()
+            else:
+                copy_into(state_dict, obj, own=True, skip=filled)
         if self.last_load is not None:
             self.last_load = dataclasses.replace(self.last_load, copy_secs=time.perf_counter() - t0)
         return state_dict

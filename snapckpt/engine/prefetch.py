@@ -8,10 +8,11 @@ on a background thread while the persister starts, so that the load's own pass
 (:mod:`snapckpt.engine.disk_restore`, which verifies the checksum and fills the live tensors) finds the
 bytes cached.
 
-Nothing is trusted from it: it only reads the file named by the tracker ``checkpoint_dir/latest`` into a
-scratch buffer (the page cache keeps the pages); the load still agrees on its candidate with every rank,
-checks the size and checksum, and a wrong guess (another step agreed, the file damaged or gone) costs only
-the read. It reads at most half of ``MemAvailable`` (the pages must still be cached when the load reads
+Nothing is trusted from it: it only asks the kernel to read the file named by the tracker
+``checkpoint_dir/latest`` into the page cache (``POSIX_FADV_WILLNEED``, piece by piece: no byte is copied into
+this process, which the load's own read then does once); the load still agrees on its candidate with every
+rank, checks the size and checksum, and a wrong guess (another step agreed, the file damaged or gone) costs
+only the read. It reads at most half of ``MemAvailable`` (the pages must still be cached when the load reads
 them) and stops at :meth:`Prefetch.stop`.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["Prefetch", "CHUNK"]
 
 log = logging.getLogger(__name__)
 
-CHUNK = 8 << 20  # bytes per read into the scratch buffer (a reused one: no fresh pages to fault in)
+CHUNK = 8 << 20  # bytes per WILLNEED request (the stop flag is looked at between two)
 
 
 class Prefetch:
@@ -53,8 +54,6 @@ class Prefetch:
     def _run(self) -> None:
         try:
             budget = (mem_available_bytes() or 0) // 2
-            buf = bytearray(min(CHUNK, max(budget, 1)))
-            view = memoryview(buf)
             for path, nbytes in self._files:
                 left = min(nbytes, budget)
                 if left <= 0 or self._stop.is_set():
@@ -62,16 +61,12 @@ class Prefetch:
                 budget -= left
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    except OSError:
-                        pass
-                    off = 0
-                    while off < left and not self._stop.is_set():
-                        n = os.preadv(fd, [view[:min(len(view), left - off)]], off)
-                        if n <= 0:
+                    # WILLNEED, not read(): the kernel fills the page cache without a copy into this process (a
+                    # read would copy every byte once more than the load's own read does, on a busy node's CPUs)
+                    for off in range(0, left, CHUNK):
+                        if self._stop.is_set():
                             break
-                        off += n
+                        os.posix_fadvise(fd, off, min(CHUNK, left - off), os.POSIX_FADV_WILLNEED)
                 finally:
                     os.close(fd)
         except OSError as e:  # a hint only: the load reads (and reports) the file itself

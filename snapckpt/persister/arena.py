@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import enum
 import errno
+import logging
 import mmap
 import os
 import re
 import struct
-from typing import Callable, Optional, Tuple
+import threading
+from typing import Callable, List, Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import InsufficientSharedMemoryError, PreflightError, SnapshotError
@@ -39,6 +41,8 @@ from snapckpt.persister.budget import fitting_setting, fmt_nbytes
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
            "mem_available_bytes", "WATERMARK_OFFSET", "watermark_view", "stores_in_order"]
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"SNAPCKPT"
 LAYOUT_VERSION = 1
@@ -48,6 +52,8 @@ _HEADER = struct.Struct("<8sIqQQ")  # magic, version, step, index offset, index 
 # SlotFiles.path's names, and the peer replicas' (persister/replication.py: one per peer rank, and the
 # one being received)
 _SLOT_NAME = re.compile(r"r\d{5,}-s\d+|p\d{5,}(\.part)?")
+# a dead persister's slot file set aside by the next one (SlotFiles), deleted in the background
+_STALE_NAME = re.compile(r"(r\d{5,}-s\d+|p\d{5,}(\.part)?)\.stale-\d+")
 
 
 class SlotState(str, enum.Enum):
@@ -108,8 +114,11 @@ class SlotFiles:
     """Persister side: creates and sizes slot files in ``directory``.
 
     Args:
-        directory: the job's arena directory (created ``0o700``; stale files from a dead persister of the
-            same job are removed, since nothing in them can be trusted).
+        directory: the job's arena directory (created ``0o700``). Stale files from a dead persister of the
+            same job are removed, since nothing in them can be trusted: renamed aside at once, then deleted on
+            a background thread (freeing a GiB of tmpfs pages takes 0.1-0.2 s, which a restart's constructor
+            would otherwise wait for before this persister listens; issue 18). :meth:`ensure_size` waits for
+            that deletion (:attr:`cleared`), so that the capacity check sees the pages it frees.
 
     Raises:
         PersisterError: ``directory`` is a symbolic link, not a directory or another user's
@@ -119,12 +128,35 @@ class SlotFiles:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         private_dir(directory)
+        stale = []
         for name in os.listdir(directory):
             if _SLOT_NAME.fullmatch(name):
+                aside = f"{name}.stale-{os.getpid()}"
                 try:
-                    os.unlink(os.path.join(directory, name))
+                    os.rename(os.path.join(directory, name), os.path.join(directory, aside))
+                except FileNotFoundError:
+                    continue
+                stale.append(aside)
+            elif _STALE_NAME.fullmatch(name):  # set aside by a persister that died before deleting it
+                stale.append(name)
+        #: set once the stale files found at construction are deleted
+        self.cleared = threading.Event()
+        if stale:
+            threading.Thread(target=self._remove, args=(stale,), name="snapckpt-arena-clear", daemon=True).start()
+        else:
+            self.cleared.set()
+
+    def _remove(self, names: List[str]) -> None:
+        try:
+            for name in names:
+                try:
+                    os.unlink(os.path.join(self.directory, name))
                 except FileNotFoundError:
                     pass
+        except OSError as e:  # the next persister of the job finds what is left
+            log.warning("could not remove stale arena files in %s: %s", self.directory, e)
+        finally:
+            self.cleared.set()
 
     def path(self, rank: int, slot: int) -> str:
         """Path of the file of ``slot`` of global ``rank``."""
@@ -155,6 +187,7 @@ class SlotFiles:
         """
         if nbytes <= current_nbytes:
             return current_nbytes
+        self.cleared.wait()  # a dead persister's slot files still being deleted: their pages count as free
         grow = nbytes - current_nbytes
         need = grow + reserve_nbytes
         st = os.statvfs(self.directory)
@@ -227,7 +260,7 @@ class SlotFiles:
         except FileNotFoundError:
             return
         for name in names:
-            if not _SLOT_NAME.fullmatch(name):
+            if not (_SLOT_NAME.fullmatch(name) or _STALE_NAME.fullmatch(name)):
                 continue
             try:
                 os.unlink(os.path.join(self.directory, name))
