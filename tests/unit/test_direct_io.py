@@ -8,6 +8,7 @@ import errno
 import os
 import random
 import threading
+import time
 
 from snapckpt.storage.direct import BUFFER_NBYTES, BUFFERS, DirectFile, open_direct
 
@@ -109,6 +110,10 @@ def test_several_full_buffers_are_written_out_at_once(tmp_path, monkeypatch):
     writer.start()
     writer.join(60)
     handed_over = not writer.is_alive()
+    deadline = time.monotonic() + 60  # a handed-over write reaches its pool thread a moment later
+    while len(started) < BUFFERS - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # and no fourth one may follow
     in_flight = sorted(started)
     hold.set()
     writer.join()
