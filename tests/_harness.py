@@ -76,6 +76,16 @@ def persisters(runtime_root: str) -> List[psutil.Process]:
     return out
 
 
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` exited and its files are closed (a zombie of the process that started it, whose
+    other threads are gone too, counts)."""
+    try:
+        p = psutil.Process(pid)
+        return p.status() == psutil.STATUS_ZOMBIE and p.num_threads() <= 1
+    except psutil.NoSuchProcess:
+        return True
+
+
 def wait_until(pred, timeout: float, interval: float = 0.02) -> bool:
     """Poll ``pred()`` until true or ``timeout`` seconds pass; return its last value."""
     deadline = time.monotonic() + timeout

@@ -19,11 +19,10 @@ import threading
 import time
 from typing import List, Optional
 
-import psutil
 import pytest
 import torch
 
-from _harness import launch, result_lines, run_ranks, wait_until
+from _harness import gone, launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointCorruptError, PersisterDiedError,
                              PersisterTimeoutError)
@@ -86,14 +85,6 @@ def persister_log(snap_env, d: str) -> str:
     except FileNotFoundError:
         return ""
 
-
-def gone(pid: int) -> bool:
-    """The process exited and its files are closed (a zombie whose other threads are gone too)."""
-    try:
-        p = psutil.Process(pid)
-        return p.status() == psutil.STATUS_ZOMBIE and p.num_threads() <= 1
-    except psutil.NoSuchProcess:
-        return True
 
 
 def bounded(fn, secs: float = 60):

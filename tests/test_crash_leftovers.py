@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import time
 
-import psutil
 import pytest
 import torch
 
-from _harness import wait_until
+from _harness import gone, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import PersisterDiedError
 from snapckpt.ondisk.manifest import check_checksums, list_committed
@@ -29,14 +28,6 @@ FS = PosixStorage()
 def state(step: int) -> dict:
     return {"w": torch.full((256, 1024), float(step)), "b": torch.full((4096,), float(step)), "step": step}
 
-
-def gone(pid: int) -> bool:
-    """The process exited (a zombie of the rank that started it counts) and its threads are gone."""
-    try:
-        p = psutil.Process(pid)
-        return p.status() == psutil.STATUS_ZOMBIE and p.num_threads() <= 1
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_B2_partial_of_a_killed_persister_is_removed_when_the_run_saves_on(snap_env, monkeypatch):

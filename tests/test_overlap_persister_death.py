@@ -7,22 +7,13 @@ from __future__ import annotations
 import os
 import signal
 
-import psutil
 import pytest
 import torch
 
-from _harness import wait_until
+from _harness import gone, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import PersisterDiedError
 
-
-def gone(pid: int) -> bool:
-    """The process exited (a zombie of the rank that started it counts) and its threads are gone."""
-    try:
-        p = psutil.Process(pid)
-        return p.status() == psutil.STATUS_ZOMBIE and p.num_threads() <= 1
-    except psutil.NoSuchProcess:
-        return True
 
 
 @pytest.mark.parametrize("tier", [StorageType.DISK, StorageType.MEMORY])
