@@ -38,7 +38,7 @@ step() {  # step NAME COMMAND...
 
 step suite          "$PY" benchmarks/suite.py --sizes-gib 0.5 --rounds 2
 step loop           "$PY" benchmarks/suite.py --loop --loop-size-gib 0.5
-step recovery       "$PY" benchmarks/recovery.py --size-gib 0.5
+step recovery       "$PY" benchmarks/recovery.py --size-gib 0.5 --repeats 3
 step many_tensors   "$PY" benchmarks/many_tensors.py --total-mib 256
 step first_save     "$PY" benchmarks/first_save.py --size-gib 0.5
 step memory_budget  "$PY" benchmarks/memory_budget.py --size-gib 0.5

@@ -37,6 +37,12 @@ def _log(ck: Checkpointer) -> str:
         return f.read()
 
 
+@pytest.fixture(autouse=True)
+def _streamed(monkeypatch):
+    """Streaming is opt-in (``SNAPCKPT_STREAM_PERSIST=1``); launched workers inherit it through os.environ."""
+    monkeypatch.setenv("SNAPCKPT_STREAM_PERSIST", "1")
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_streamed_disk_save_round_trips(snap_env, overlap):
     """Three DISK saves of changing states: each is streamed (the persister's log says so), commits, verifies

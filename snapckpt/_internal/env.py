@@ -15,9 +15,11 @@ Knobs:
 - ``SNAPCKPT_REPLICA_ADDR``: the address this node's persister listens on for its peers (default: the
   address this host uses to reach ``MASTER_ADDR``, the rendezvous host).
 - ``SNAPCKPT_LOG_LEVEL``: log level of the persister process (default ``INFO``).
-- ``SNAPCKPT_STREAM_PERSIST``: ``1`` (default) or ``0``: whether a DISK save of CPU tensors is streamed, its
-  persister writing the slot while the rank still copies into it (:meth:`snapckpt.engine.stager.Stager.copy_into`);
-  ``0`` hands the slot over once the copy is complete, as before (for A/B measurements).
+- ``SNAPCKPT_STREAM_PERSIST``: ``0`` (default) or ``1``: whether a DISK save of CPU tensors is streamed, its
+  persister writing the slot while the rank still copies into it (:meth:`snapckpt.engine.stager.Stager.copy_into`).
+  It shortens the time to durable when the copy is a large share of the write (a slow copy on a loaded node, a
+  fast disk) and lengthens the save's blocking time, the copy sharing the cores with the writer: measured on
+  2 cores, docs/performance.md. ``0`` hands the slot over once the copy is complete.
 - ``TORCHELASTIC_RESTART_COUNT`` (set by torchrun, not by users): the launch attempt, part of every
   coordination key so that a restarted attempt never reads an earlier attempt's records (contract 12).
 - ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``: fault injection for tests: the persister sleeps this long before
@@ -127,17 +129,17 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def stream_persist() -> bool:
-    """``SNAPCKPT_STREAM_PERSIST`` (default true).
+    """``SNAPCKPT_STREAM_PERSIST`` (default false).
 
     Raises:
         ValueError: set to anything but ``0``/``1``/``true``/``false`` (any case).
     """
     raw = os.environ.get("SNAPCKPT_STREAM_PERSIST", "").strip().lower()
-    if raw in ("", "1", "true"):
+    if raw in ("1", "true"):
         return True
-    if raw in ("0", "false"):
+    if raw in ("", "0", "false"):
         return False
-    raise ValueError(f"SNAPCKPT_STREAM_PERSIST={raw!r} must be 0 or 1 (or false/true), or unset for the default, 1")
+    raise ValueError(f"SNAPCKPT_STREAM_PERSIST={raw!r} must be 0 or 1 (or false/true), or unset for the default, 0")
 
 
 def log_level() -> str:

@@ -155,3 +155,17 @@ def test_rng_restore_leaves_missing_entries_alone():
     np.random.seed(5)
     rng.restore(state)
     assert np.random.rand() == want
+
+
+def test_stream_persist_is_opt_in(monkeypatch):
+    """``SNAPCKPT_STREAM_PERSIST``: off unless set to 1/true (it trades blocking time for time to durable)."""
+    from snapckpt._internal import env as _env
+
+    monkeypatch.delenv("SNAPCKPT_STREAM_PERSIST", raising=False)
+    assert _env.stream_persist() is False
+    for raw, want in (("1", True), ("TRUE", True), ("0", False), ("false", False), ("", False)):
+        monkeypatch.setenv("SNAPCKPT_STREAM_PERSIST", raw)
+        assert _env.stream_persist() is want, raw
+    monkeypatch.setenv("SNAPCKPT_STREAM_PERSIST", "yes")
+    with pytest.raises(ValueError, match="SNAPCKPT_STREAM_PERSIST='yes' must be 0 or 1"):
+        _env.stream_persist()
