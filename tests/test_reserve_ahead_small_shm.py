@@ -12,6 +12,15 @@ from faults import small_shm
 from snapckpt import Checkpointer
 
 
+def _save_three_steps_and_load_the_last(ck) -> None:
+    """Three DISK saves of a 30 MiB state (each waited for), then the newest loads whole."""
+    for step in (1, 2, 3):
+        state = {"a": torch.full((30 << 18,), float(step)), "step": step}
+        ck.save(state, step).wait()
+    out = ck.load()
+    assert out["step"] == 3 and bool((out["a"] == 3).all())
+
+
 def test_D1_too_small_expected_nbytes_then_a_state_that_fits_two_slots_saves(snap_env, tmp_path):
     """A 64 MiB tmpfs; the slots are reserved ahead at a guess of 20 MiB (two 22 MiB files); the state is
     30 MiB: two 31.5 MiB slots fit in 64 MiB, as they do without the guess. Before the fix the capacity check
@@ -27,11 +36,7 @@ def test_D1_too_small_expected_nbytes_then_a_state_that_fits_two_slots_saves(sna
                 return len(files) == 2 and all(os.path.getsize(f) >= 20 << 20 for f in files)
 
             assert wait_until(reserved, timeout=60), "the slots were never reserved ahead"
-            for step in (1, 2, 3):
-                state = {"a": torch.full((30 << 18,), float(step)), "step": step}
-                ck.save(state, step).wait()
-            out = ck.load()
-            assert out["step"] == 3 and bool((out["a"] == 3).all())
+            _save_three_steps_and_load_the_last(ck)
         finally:
             ck.close()
 
@@ -46,10 +51,6 @@ def test_D1_too_large_expected_nbytes_reserves_nothing_and_a_state_that_fits_two
     with small_shm(shm, 64 << 20):
         ck = Checkpointer(snap_env.ckpt_dir, shm_dir=shm, expected_nbytes=40 << 20, persister_idle_timeout_secs=5)
         try:
-            for step in (1, 2, 3):
-                state = {"a": torch.full((30 << 18,), float(step)), "step": step}
-                ck.save(state, step).wait()
-            out = ck.load()
-            assert out["step"] == 3 and bool((out["a"] == 3).all())
+            _save_three_steps_and_load_the_last(ck)
         finally:
             ck.close()

@@ -4,8 +4,8 @@ once); a real file in a temporary directory."""
 from __future__ import annotations
 
 import os
-import time
 
+from _harness import wait_until
 from snapckpt.engine import prefetch as prefetch_mod
 from snapckpt.engine.prefetch import Prefetch
 
@@ -49,14 +49,6 @@ def test_prefetch_fills_the_page_cache_without_reading_into_the_process(tmp_path
     p.stop(5)
     assert reads == []  # no byte copied into this process: the kernel reads ahead on its own
     monkeypatch.undo()
-    assert _wait_cached(path)
+    assert wait_until(lambda: _cached(path), timeout=30)
 
-
-def _wait_cached(path: str, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not _cached(path):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
