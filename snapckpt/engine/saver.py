@@ -8,8 +8,8 @@ Sequence of one save of step ``N`` (the only part of snapckpt on the training cr
    space is checked;
 3. ``acquire`` a slot of the rank's arena from the persister (wait or skip when all are busy, contract 2);
 4. copy into the slot: at once, or with ``overlap=True`` on the copy thread until :meth:`Saver.fence`
-   (CUDA tensors on a side stream, :mod:`snapckpt.engine.device_copy`). A DISK save of CPU tensors is
-   *streamed* (:meth:`Saver._stream`): the pickles and index go first, the persister is told (``stream``) and
+   (CUDA tensors on a side stream, :mod:`snapckpt.engine.device_copy`). With ``SNAPCKPT_STREAM_PERSIST=1`` a
+   DISK save of CPU tensors is *streamed* (:meth:`Saver._stream`): the pickles and index go first, the persister is told (``stream``) and
    writes the spans as the copy's watermark passes them, so the write overlaps the copy;
 5. ``ready`` (and, for DISK, persist): :meth:`Saver._copied` builds the :class:`SaveStats` and the event.
 
@@ -365,8 +365,10 @@ class Saver:
     def _abort(self, slot: int, sync_cuda: bool = False, device_done=None) -> None:
         # a queued device-to-host copy must not land in the slot after it is handed back (a paced copy: nor a
         # piece issued later, so its pacer is waited for first)
-        for wait in ([device_done.synchronize] if device_done is not None else []) + \
-                ([torch.cuda.synchronize] if sync_cuda or device_done is not None else []):
+        waits = [] if device_done is None else [device_done.synchronize]
+        if sync_cuda or device_done is not None:
+            waits.append(torch.cuda.synchronize)
+        for wait in waits:
             try:
                 wait()
             except Exception:
