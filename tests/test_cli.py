@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from _harness import wait_until
+from _harness import persisters, wait_until
 from snapckpt import Checkpointer
 from snapckpt.cli import main
 from snapckpt.cli.common import human_bytes
@@ -39,10 +39,15 @@ def cli(*args: str, extra_python: str = "") -> subprocess.CompletedProcess:
 
 
 def save_steps(ckpt_dir: str, states: dict) -> None:
-    """Commit ``{step: state}`` with one Checkpointer (one rank), waiting for every commit."""
+    """Commit ``{step: state}`` with one Checkpointer (one rank), waiting for every commit, then for the
+    persister to exit (``persister_idle_timeout_secs``): the tests here damage the disk tier, and a live
+    persister would still hold the last step in memory, which a later ``Checkpointer`` rightly loads first
+    (a CI run whose ``verify`` and ``ls`` took under 2 s got step 3 from memory)."""
     with Checkpointer(ckpt_dir, **OPTS) as ck:
         for step, state in states.items():
             ck.save(state, step).wait(timeout=30)
+    root = os.environ["SNAPCKPT_RUNTIME_DIR"]
+    assert wait_until(lambda: not persisters(root), timeout=30), "the persister outlived its idle timeout"
 
 
 def small_state(step: int) -> dict:
