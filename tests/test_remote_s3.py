@@ -116,9 +116,11 @@ def test_H3_kill_persister_mid_upload_keeps_previous_remote_checkpoint(snap_env,
 def test_missing_bucket_is_refused_at_start(snap_env, s3_bucket):
     """remote_dir naming a bucket that does not exist: every rank's Checkpointer raises
     RemoteStorageError at construction, naming the URL and the fix, with no credential in it; nothing
-    was written locally beyond the directory itself."""
+    was written locally, not even the checkpoint directory the constructor had created."""
     url = f"s3://{s3_bucket.name}-missing/run"
+    assert not os.path.exists(snap_env.ckpt_dir)
     outs = run_ranks("remote_worker.py", 2, ["start", snap_env.ckpt_dir, url], snap_env.env, timeout=90)
+    assert not os.path.exists(snap_env.ckpt_dir), os.listdir(snap_env.ckpt_dir)
     for o in outs:
         line = [l for l in o.splitlines() if l.startswith("ERROR ")]
         assert line, o
@@ -148,7 +150,7 @@ def test_wrong_credentials_are_refused_at_start(snap_env, s3_bucket, monkeypatch
     assert "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY" in msg and "~/.aws/credentials" in msg
     assert key not in msg and secret not in msg
     assert not snap_env.persisters()
-    assert not [n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")]
+    assert not os.path.exists(snap_env.ckpt_dir)  # not even the directory the constructor had created
     assert not s3_bucket.keys("run/")  # no probe, no owner record: nothing was written with the wrong key
 
 

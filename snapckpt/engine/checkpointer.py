@@ -124,10 +124,17 @@ class Checkpointer:
             preflight_dir(None, self.options.resolved_shm_dir, self.run_id, self.rank)
             remote, mine = self._open_remote_only(t)
         else:
+            existed = os.path.isdir(self.checkpoint_dir)
             preflight_dir(self.checkpoint_dir, self.options.resolved_shm_dir, self.run_id, self.rank)
-            check_shared_dir(self.checkpoint_dir, self.run_id, self._coord, self.topology,
-                             [p["host"] for p in everyone], t)  # case G7, only when the job spans nodes
-            remote = self._open_remote(t)
+            try:
+                check_shared_dir(self.checkpoint_dir, self.run_id, self._coord, self.topology,
+                                 [p["host"] for p in everyone], t)  # case G7, only when the job spans nodes
+                remote = self._open_remote(t)
+            except BaseException:
+                if not existed:  # a refused remote_dir leaves no empty directory behind
+                    with contextlib.suppress(OSError):
+                        os.rmdir(self.checkpoint_dir)
+                raise
             # The directory's identity: memory snapshots taken for a directory that was deleted and re-created
             # since belong to another run and are never loaded (inode numbers are reused: a random id instead).
             mine = dir_identity(self.checkpoint_dir) if self._coord.rank == 0 else ""
