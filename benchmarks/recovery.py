@@ -36,6 +36,12 @@ first step (one small in-place update). The restore ratios compare the restore p
 is built to the state in hand), which is what a checkpoint method controls; the start-to-first-step totals
 are in the table too.
 
+Garbage collection: each process runs one full collection after building its state, before the restore (counted
+in "build state"). The interpreter's and torch's start leave a full collection owed (about 170,000 objects: 50-150
+ms on a 2-core VM); without this it fell into whichever restore allocated the last few thousand objects that
+trigger it (snapckpt's memory restore: two thirds of its 0.074 s attach at 3bf4e8c), a matter of chance, not
+of the method. A collection a method's own allocations cause still counts in its restore.
+
 Page cache: ``posix_fadvise(DONTNEED)`` on every file of the checkpoint (the interpreter and libraries stay
 cached, as on a node that restarts a job); ``--drop-all`` drops the whole page cache through
 ``/proc/sys/vm/drop_caches`` where that is writable (then every import is cold too). The JSON's ``drop`` says
@@ -47,6 +53,7 @@ Run from the repo root: ``.venv/bin/python benchmarks/recovery.py --size-gib 1``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -209,6 +216,7 @@ def child(role: str, a: argparse.Namespace) -> None:
         print(json.dumps({"committed": 1}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     sd = _fresh_state(size)
+    gc.collect()  # the full collection owed to the start, before the restore in every method (module docstring)
     _now(marks, "state_built")
     if role == "floor_shm_copy":
         import mmap
@@ -564,7 +572,8 @@ def markdown(result: dict) -> str:
         f"state {c['size_gib']:g} GiB; medians of {c['repeats']}; page cache dropped by {result.get('drop', 'n/a')}",
         f"- uptime at start: {m.get('uptime', '')}",
         "- every method in a fresh process started by the benchmark; restore = from the model's state built to "
-        "the state in hand (what the method controls); start to first step = the whole restart",
+        "the state in hand (what the method controls); start to first step = the whole restart; one full garbage "
+        "collection after the state is built, in build state (the one the start owes, not a method's)",
         "",
         "| method | start to first step s | imports s | build state s | restore s | attach s | agree s | read s "
         "| copy-in s | restored |",
