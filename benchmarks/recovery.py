@@ -43,7 +43,7 @@ them at its top; their import time is in "imports" (snapckpt's engine: about 0.0
 Garbage collection: each process runs one full collection after building its state, before the restore (counted
 in "build state"). The interpreter's and torch's start leave a full collection owed (about 170,000 objects: 50-150
 ms on a 2-core VM); without this it fell into whichever restore allocated the last few thousand objects that
-trigger it (snapckpt's memory restore: two thirds of its 0.074 s attach at 3bf4e8c), a matter of chance, not
+trigger it (snapckpt's memory restore: about 0.055 s of its 0.074 s attach at 3bf4e8c), a matter of chance, not
 of the method. A collection a method's own allocations cause still counts in its restore.
 
 Page cache: ``posix_fadvise(DONTNEED)`` on every file of the checkpoint (the interpreter and libraries stay
