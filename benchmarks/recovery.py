@@ -36,6 +36,16 @@ first step (one small in-place update). The restore ratios compare the restore p
 is built to the state in hand), which is what a checkpoint method controls; the start-to-first-step totals
 are in the table too.
 
+Imports: each process imports torch and its method's library (``from snapckpt import Checkpointer``, DLRover's
+``DdpCheckpointer``, ``torch.distributed.checkpoint``) before building its state, as a training script imports
+them at its top; their import time is in "imports" (snapckpt's engine: about 0.015 s), not in the restore.
+
+Garbage collection: each process runs one full collection after building its state, before the restore (counted
+in "build state"). The interpreter's and torch's start leave a full collection owed (about 170,000 objects: 50-150
+ms on a 2-core VM); without this it fell into whichever restore allocated the last few thousand objects that
+trigger it (snapckpt's memory restore: about 0.055 s of its 0.074 s attach at 3bf4e8c), a matter of chance, not
+of the method. A collection a method's own allocations cause still counts in its restore.
+
 Page cache: ``posix_fadvise(DONTNEED)`` on every file of the checkpoint (the interpreter and libraries stay
 cached, as on a node that restarts a job); ``--drop-all`` drops the whole page cache through
 ``/proc/sys/vm/drop_caches`` where that is writable (then every import is cold too). The JSON's ``drop`` says
@@ -47,6 +57,7 @@ Run from the repo root: ``.venv/bin/python benchmarks/recovery.py --size-gib 1``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -181,12 +192,25 @@ def dlrover_agent() -> None:
     os._exit(0)
 
 
+def _import_library(role: str) -> None:
+    """Import the library of ``role``'s method with torch, as a training script does at its top (``from snapckpt
+    import Checkpointer``, README): its import time counts in "imports" and the restart, not in the restore; the
+    imports in the branches of :func:`child` are then look-ups."""
+    if role == "snap_restore":
+        from snapckpt import Checkpointer  # noqa: F401  (snapckpt's public names are imported on first use)
+    elif role == "dlrover_restore":
+        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer  # noqa: F401
+    elif role == "dcp_load":
+        import torch.distributed.checkpoint  # noqa: F401
+
+
 def child(role: str, a: argparse.Namespace) -> None:
     if role == "dlrover_agent":
         dlrover_agent()
     marks: dict = {"start": float(os.environ["RECOVERY_T0"])}
     import torch
 
+    _import_library(role)
     _now(marks, "imported")
     info: dict = {}
     size = int(a.size_gib * GiB)
@@ -209,6 +233,7 @@ def child(role: str, a: argparse.Namespace) -> None:
         print(json.dumps({"committed": 1}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     sd = _fresh_state(size)
+    gc.collect()  # the full collection owed to the start, before the restore in every method (module docstring)
     _now(marks, "state_built")
     if role == "floor_shm_copy":
         import mmap
@@ -564,7 +589,9 @@ def markdown(result: dict) -> str:
         f"state {c['size_gib']:g} GiB; medians of {c['repeats']}; page cache dropped by {result.get('drop', 'n/a')}",
         f"- uptime at start: {m.get('uptime', '')}",
         "- every method in a fresh process started by the benchmark; restore = from the model's state built to "
-        "the state in hand (what the method controls); start to first step = the whole restart",
+        "the state in hand (what the method controls); start to first step = the whole restart; one full garbage "
+        "collection after the state is built, in build state (the one the start owes, not a method's); each "
+        "method's library imported with torch, in imports",
         "",
         "| method | start to first step s | imports s | build state s | restore s | attach s | agree s | read s "
         "| copy-in s | restored |",

@@ -180,3 +180,27 @@ def test_memory_restore_copies_before_the_other_slot_is_prefaulted(snap_env, mon
         assert ck2._maps._go.is_set()
         for p in list(ck2._maps._pending.values()):
             assert p.future.result(timeout=60) is not None  # then it mapped the slot
+
+
+def test_memory_restore_asks_the_persister_once_for_the_slot(snap_env, monkeypatch):
+    """Issue 18 (recovery time): a restart that loads from memory into a live state asks the persister which slots
+    it holds once for the agreement and once for the slot to read, not a third time when the slot is read the
+    general way (a restart's mapping has no saved layout to copy from): each question is a round trip to the
+    persister process, on a node whose CPUs the restarting ranks share."""
+    state = {"w": torch.rand(1 << 16), "step": 7}
+    ck = Checkpointer(snap_env.ckpt_dir, keep_last=2)
+    ck.save(state, 1, StorageType.MEMORY).wait()
+    ck.close(clean=False)  # leaves like a crashed rank: the persister keeps the snapshot
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck2:
+        ops = []
+        real = ck2._session.request
+
+        def request(op, **fields):
+            ops.append(op)
+            return real(op, **fields)
+
+        monkeypatch.setattr(ck2._session, "request", request)
+        fresh = {"w": torch.zeros_like(state["w"]), "step": 0}
+        out = ck2.load(fresh)
+        assert ck2.last_load.tier == StorageType.MEMORY and torch.equal(out["w"], state["w"]) and out["step"] == 7
+        assert ops.count("held") == 2, ops

@@ -539,10 +539,11 @@ class Checkpointer:
         def read(c: LoadCandidate) -> Tuple[Any, Any]:
             if c.tier == StorageType.DISK:
                 return self._loader.read_into(c, state_dict)
-            found = slot_restore.find(self._stager, self._loader.memory_slot(c), name, c.step, state_dict)
+            slot = self._loader.memory_slot(c)
+            found = slot_restore.find(self._stager, slot, name, c.step, state_dict)
             if found is not None:
                 return found, None
-            return self._loader.read(c, views=True)[name], frozenset()
+            return self._loader.read(c, views=True, slot=slot)[name], frozenset()
 
         with self._reading():  # through the copy into the live tensors, the larger part of a memory load
             (obj, filled), _ = self.load_with(read, step)

@@ -395,11 +395,13 @@ class Loader:
             check_sizes(self._storage, path, m, rank=self.rank)
         return m
 
-    def read(self, cand: LoadCandidate, views: bool = False) -> Dict[str, Any]:
+    def read(self, cand: LoadCandidate, views: bool = False, slot: Optional[MappedSlot] = None) -> Dict[str, Any]:
         """This rank's files of ``cand`` (what :meth:`LoadCandidate.files` returns).
 
         Args:
             views: MEMORY: views of the arena slot instead of copies; DISK: memory-mapped torch files.
+            slot: MEMORY: the slot's mapping when the caller has it (:meth:`memory_slot`), so that the persister
+                is not asked again which slot holds the step.
 
         Raises:
             CheckpointNotFoundError: the memory snapshot is no longer held.
@@ -407,7 +409,7 @@ class Loader:
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
         """
         if cand.tier == StorageType.MEMORY:
-            return self._read_memory(cand, views)
+            return self._read_memory(cand, views, slot)
         if self._remote_only:
             m, files = self._read_remote(cand.dirname)
             cand._modes = _modes(m["files"].items(), self.rank)
@@ -506,8 +508,8 @@ class Loader:
             del raw
         return m, out
 
-    def _read_memory(self, cand: LoadCandidate, views: bool) -> Dict[str, Any]:
-        m = self.memory_slot(cand)
+    def _read_memory(self, cand: LoadCandidate, views: bool, slot: Optional[MappedSlot]) -> Dict[str, Any]:
+        m = slot if slot is not None else self.memory_slot(cand)
         index = read_index(m.buf, m.path)
         got_step, files = read_slot(m.buf, m.tensor, weights_only=self.options.weights_only, source=m.path,
                                     copy=not views, index=index)
