@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from _harness import REPO, assert_equal_state
+from _harness import REPO, assert_equal_state, wait_until
 from faults import kill_persisters
 
 WORKER = os.path.join(REPO, "tests", "workers", "accel_worker.py")
@@ -84,6 +84,9 @@ def test_B3_accelerate_only_checkpoint_damaged_raises_instead_of_starting_afresh
     the folder is left as it is (nothing deleted)."""
     out = os.path.join(snap_env.tmp, "run")
     _run({"out": out, "mode": "snap", "steps": 5, "save_at": 5}, snap_env.env)
+    # the run's clean end lets its persister exit, but a restart that reaches it first keeps it (and step 5,
+    # intact, in memory) alive and resumes from there: wait for it to go, so that only the damaged disk is left
+    assert wait_until(lambda: not snap_env.persisters(), 30), "the persister outlived the clean end"
     folder = os.path.join(out, "checkpoint_5")
     victim = max((n for n in os.listdir(folder) if n != ".snapckpt"),
                  key=lambda n: os.path.getsize(os.path.join(folder, n)))

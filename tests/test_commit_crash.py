@@ -323,7 +323,12 @@ def test_B1_job_and_persister_killed_before_commit_previous_checkpoint_kept(snap
     step 2 is only a hidden partial directory; a restarted job loads step 1 from disk on both ranks."""
     snap_env.leftover_ok = True
     d = snap_env.ckpt_dir
-    env = {**snap_env.env, DELAY: "0.02"}
+    # step 2's parts are held before their markers (never released: the persister is killed there), so step 2
+    # is still being written at both moments however late this process gets to look (a slow persister alone
+    # left a window of a few seconds, which a loaded machine may let pass)
+    never = os.path.join(snap_env.tmp, "never")
+    env = {**snap_env.env, DELAY: "0.02",
+           "SNAPCKPT_FAULT_POINT": f"persist.before_part_marker:step=2:action=wait:path={never}"}
     procs = launch(WORKER, 2, ["crash_after_save", d, "0", "disk", "150"], env)
     try:
         for l in [Lines(p) for p in procs]:
@@ -439,7 +444,11 @@ def test_B1_in_flight_commit_completes_after_job_killed_tracker_moves_last(snap_
     to step 2 only once step 2 has its manifest, then step 1 is rotated away and step 2 verifies."""
     snap_env.leftover_ok = True
     d = snap_env.ckpt_dir
-    env = {**snap_env.env, DELAY: "0.02"}
+    # step 2's parts are held before their markers until the ranks are dead and the tracker was seen naming
+    # step 1 (with a slow persister alone, a loaded machine could let step 2 commit before the first look)
+    release = os.path.join(snap_env.tmp, "release")
+    env = {**snap_env.env, DELAY: "0.02",
+           "SNAPCKPT_FAULT_POINT": f"persist.before_part_marker:step=2:action=wait:path={release}"}
     procs = launch(WORKER, 2, ["crash_after_save", d, "0", "disk", "30"], env)
     try:
         for l in [Lines(p) for p in procs]:
@@ -458,8 +467,11 @@ def test_B1_in_flight_commit_completes_after_job_killed_tracker_moves_last(snap_
             assert os.path.exists(os.path.join(step_dir(d, 2), MANIFEST))
         return t == "step_00000002"
 
+    try:
+        assert not check() and observed == ["step_00000001"], "step 2 was already committed when the ranks died"
+    finally:
+        open(release, "w").close()
     assert wait_until(check, timeout=60, interval=0.005)
-    assert observed[0] == "step_00000001", "step 2 was already committed when the ranks died"
     assert wait_until(lambda: committed_steps(d) == [2], timeout=10)
     c = list_committed(FS, d)[0]
     check_checksums(FS, c.path, c.manifest)
@@ -504,7 +516,11 @@ def test_B2_job_killed_while_files_half_written_resume_skips_partial(snap_env):
     directory nor the manifest-less one; the restarted persister removes the dead run's partial."""
     snap_env.leftover_ok = True
     d = snap_env.ckpt_dir
-    [proc] = launch(WORKER, 1, ["slow_disk", d, "100"], {**snap_env.env, DELAY: "0.02"})
+    # the persister is held in the middle of step 2's file (never released: it is killed there), so the kill
+    # finds the file half written however late it comes (a slow persister alone left a few seconds)
+    never = os.path.join(snap_env.tmp, "never")
+    env = {**snap_env.env, DELAY: "0.02", "SNAPCKPT_FAULT_POINT": f"persist.mid_file:step=2:action=wait:path={never}"}
+    [proc] = launch(WORKER, 1, ["slow_disk", d, "100"], env)
     try:
         Lines(proc).wait_for("SAVED 2")
         assert wait_until(lambda: any(os.path.exists(os.path.join(d, p, "rank_00000.pt"))

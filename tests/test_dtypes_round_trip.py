@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from _harness import wait_until
 from snapckpt import Checkpointer, StorageType
 
 
@@ -36,6 +37,9 @@ def test_float8_and_unsigned_dtypes_round_trip_memory_disk_and_torch_load(snap_e
         ck.save(want, 7, StorageType.DISK).wait()  # the second save of one layout reuses the cached plan
         from_memory = ck.load()
         assert ck.last_load.tier == StorageType.MEMORY
+    # the persister exits after the clean close, but a Checkpointer that reaches it first keeps it (and step 7
+    # in memory) alive: wait for it to go, so that the next load reads the disk
+    assert wait_until(lambda: not snap_env.persisters(), 30), "the persister outlived the clean close"
     with Checkpointer(d, persister_idle_timeout_secs=5) as ck:
         from_disk = ck.load()
         assert ck.last_load.tier == StorageType.DISK

@@ -159,7 +159,7 @@ def _run_point(snap_env, integration: str, fp: F.FaultPoint) -> dict:
             F.damage(os.path.join(snap_env.ckpt_dir, damaged[1]), fp.damage)
     if not fired:
         alive = False  # a clean close: the persister is gone
-        wait_until(lambda: not snap_env.persisters(), 15)
+        assert wait_until(lambda: not snap_env.persisters(), 15), f"{fp}: the persister outlived the clean close"
     t1 = time.monotonic()
     summary = check_after_fault(snap_env, integration, outs, persister_alive=alive, damaged=damaged, what=str(fp))
     F.kill_persisters(snap_env)

@@ -408,6 +408,9 @@ def test_frozen_parameters_memory_and_disk_tier_match_the_trainer(snap_env):
         assert _folder_diffs(os.path.join(out, name), os.path.join(stock_out, name), ["save_steps"]) == [], name
     for name in ("checkpoint-5", "checkpoint-6"):
         shutil.rmtree(os.path.join(out, name))
+    # the second run's clean end lets its persister exit, but a Trainer that reaches it first keeps it (and step
+    # 6 in memory) alive and resumes from there: wait for it to go, so that the third resumes from the disk
+    assert wait_until(lambda: not snap_env.persisters(), 30), "the persister outlived the clean end"
     runs.append(_train(out, True, model=_frozen_model(), resume=True, cb_kw=cb_kw, max_steps=6, save_steps=2))
     assert runs[-1]["callback"].resumed_from is None  # resumed from the disk tier's checkpoint-4
     assert _folder_diffs(os.path.join(out, "checkpoint-6"), os.path.join(stock_out, "checkpoint-6"),
