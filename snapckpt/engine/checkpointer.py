@@ -32,7 +32,7 @@ from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.replicas import setup_replicas
 from snapckpt.engine.session import PersisterSession
-from snapckpt.engine import slot_restore
+from snapckpt.engine import plain_restore, slot_restore
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
 from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, RemoteStorageError
@@ -526,13 +526,17 @@ class Checkpointer:
         # the file's memory map. Values that are not copied into a live tensor are deep-copied, so nothing the
         # caller keeps points into the arena or a file.
         # A memory slot that still holds what this process saved from a state of this one's layout is copied
-        # from the save's typed views, without reading its skeleton (snapckpt.engine.slot_restore).
+        # from the save's typed views, without reading its skeleton (snapckpt.engine.slot_restore); one that another
+        # process saved from a state of this one's layout (a restart), by its plain digest (snapckpt.engine.plain_restore).
         name = layout.rank_filename(self.rank)
 
         def read(c: LoadCandidate) -> Tuple[Any, Any]:
             if c.tier == StorageType.DISK:
                 return self._loader.read_into(c, state_dict)
-            found = slot_restore.find(self._stager, self._loader.memory_slot(c), name, c.step, state_dict)
+            mapped = self._loader.memory_slot(c)
+            found = slot_restore.find(self._stager, mapped, name, c.step, state_dict)
+            if found is None:
+                found = plain_restore.find(self._stager.live_layout, mapped, name, c.step, state_dict)
             if found is not None:
                 return found, None
             return self._loader.read(c, views=True)[name], frozenset()
