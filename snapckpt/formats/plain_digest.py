@@ -53,7 +53,9 @@ class Facts:
 def tensor_part(facts: Facts, offsets: bytes) -> bytes:
     """The tensors' share of the digest: dtypes, shapes (dims, element counts, the sizes of those of 2 dims or
     more) and span offsets (bytes from the slot start, as native int64: ``array("q", offsets).tobytes()``)."""
-    return b"\0".join((repr(facts.dtypes).encode(), facts.dims.tobytes(), facts.numels.tobytes(),
+    kinds = list(dict.fromkeys(facts.dtypes))  # each dtype once, in first-use order; then each tensor's as its index
+    codes = array("q", map({d: i for i, d in enumerate(kinds)}.__getitem__, facts.dtypes))
+    return b"\0".join((repr(kinds).encode(), codes.tobytes(), facts.dims.tobytes(), facts.numels.tobytes(),
                        facts.multi_dim_sizes.tobytes(), offsets))
 
 
