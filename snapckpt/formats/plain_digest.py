@@ -28,7 +28,7 @@ __all__ = ["Facts", "tensor_part", "digest", "direct_offsets", "ALIGN", "DATA_ST
 ALIGN = 64  # span alignment in a slot (snapckpt.engine.stager.ALIGN)
 DATA_START = 64  # the first span's offset: the slot header's size (snapckpt.persister.arena.HEADER_NBYTES)
 
-_DTYPE, _SHAPE, _ITEMSIZE = attrgetter("dtype"), attrgetter("shape"), attrgetter("itemsize")
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 _IS_MULTI_DIM = (1).__lt__
 # plain_layout's markers by id (they are module objects: no other live object has their id), as bytes: a key never
 # holds bytes, so a marker cannot read as one of the key's values
@@ -36,14 +36,17 @@ _TAGS = {id(_pl._T): b"T", id(_pl._ALIAS): b"A", id(_pl._FLOAT): b"F", id(_pl._T
 
 
 class Facts:
-    """What the digest reads of each tensor, each field with one ``map`` (no Python step per tensor): ``dtypes``,
-    ``dims``, ``numels`` (lists in tensor order) and the shapes of the tensors of 2 dims or more, flat."""
+    """What the digest reads of each tensor, each field with one ``map`` (no Python step per tensor): ``kinds`` (each
+    dtype once, in first-use order) and ``codes`` (each tensor's dtype as its index in ``kinds``), ``dims``,
+    ``numels`` (int64 arrays in tensor order) and the shapes of the tensors of 2 dims or more, flat."""
 
-    __slots__ = ("dtypes", "dims", "numels", "multi_dim_sizes")
+    __slots__ = ("kinds", "codes", "dims", "numels", "multi_dim_sizes")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         t_ = torch.Tensor
-        self.dtypes = list(map(_DTYPE, tensors))
+        dtypes = list(map(_DTYPE, tensors))
+        self.kinds = list(dict.fromkeys(dtypes))
+        self.codes = array("q", map({d: i for i, d in enumerate(self.kinds)}.__getitem__, dtypes))
         self.dims = array("q", map(t_.dim, tensors))
         self.numels = array("q", map(t_.numel, tensors))
         self.multi_dim_sizes = array("q", chain.from_iterable(map(_SHAPE, compress(tensors, map(_IS_MULTI_DIM,
@@ -53,10 +56,8 @@ class Facts:
 def tensor_part(facts: Facts, offsets: bytes) -> bytes:
     """The tensors' share of the digest: dtypes, shapes (dims, element counts, the sizes of those of 2 dims or
     more) and span offsets (bytes from the slot start, as native int64: ``array("q", offsets).tobytes()``)."""
-    kinds = list(dict.fromkeys(facts.dtypes))  # each dtype once, in first-use order; then each tensor's as its index
-    codes = array("q", map({d: i for i, d in enumerate(kinds)}.__getitem__, facts.dtypes))
-    return b"\0".join((repr(kinds).encode(), codes.tobytes(), facts.dims.tobytes(), facts.numels.tobytes(),
-                       facts.multi_dim_sizes.tobytes(), offsets))
+    return b"\0".join((repr(facts.kinds).encode(), facts.codes.tobytes(), facts.dims.tobytes(),
+                       facts.numels.tobytes(), facts.multi_dim_sizes.tobytes(), offsets))
 
 
 def digest(name: str, key: List[Any], tensors_part: bytes) -> str:
@@ -77,7 +78,10 @@ def direct_offsets(facts: Facts) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(slot byte offsets, byte sizes)`` (int64 tensors) of tensors laid out as the Stager lays out tensors that
     are each their own whole span, in order: from :data:`DATA_START`, each span ``ALIGN``-aligned after the
     previous one."""
-    nbytes = torch.frombuffer(facts.numels, dtype=torch.int64) if facts.numels else torch.zeros(0, dtype=torch.int64)
-    nbytes = nbytes.mul(torch.tensor(list(map(_ITEMSIZE, facts.dtypes)), dtype=torch.int64))
+    if not facts.numels:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    itemsizes = torch.tensor([d.itemsize for d in facts.kinds], dtype=torch.int64)
+    nbytes = itemsizes[torch.frombuffer(facts.codes, dtype=torch.int64)].mul_(torch.frombuffer(facts.numels,
+                                                                                              dtype=torch.int64))
     aligned = nbytes.add(ALIGN - 1).div_(ALIGN, rounding_mode="floor").mul_(ALIGN)
     return aligned.cumsum(0).sub_(aligned).add_(DATA_START), nbytes
