@@ -204,8 +204,9 @@ def markdown(result: dict) -> str:
              "plan cache hit | restore s | restore / floor | restarted restore s | restarted / floor |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in result["states"]:
-        restart = (f"{r['restart_restore_s']:.3f} ({r['restart_tier']}{'' if r['restart_exact'] else ', VALUES DIFFER'})"
-                   f" | {r['restart_vs_floor']:.2f}x" if "restart_restore_s" in r else "- | -")
+        differ = "" if r.get("restart_exact") else ", VALUES DIFFER"
+        restart = (f"{r['restart_restore_s']:.3f} ({r['restart_tier']}{differ}) | {r['restart_vs_floor']:.2f}x"
+                   if "restart_restore_s" in r else "- | -")
         lines.append(f"| {r['state']} | {r['n_tensors']} | {r['state_bytes'] / 2**20:.0f} | {r['floor_copy_s']:.3f} "
                      f"| {r['first_save_s']:.3f} | {r['save_s']:.3f} | {r['save_vs_floor']:.2f}x "
                      f"| {r['first_vs_later']:.2f}x | {'yes' if r['plan_cache_hit'] else 'NO'} "

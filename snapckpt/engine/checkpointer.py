@@ -526,8 +526,9 @@ class Checkpointer:
         # the file's memory map. Values that are not copied into a live tensor are deep-copied, so nothing the
         # caller keeps points into the arena or a file.
         # A memory slot that still holds what this process saved from a state of this one's layout is copied
-        # from the save's typed views, without reading its skeleton (snapckpt.engine.slot_restore); one that another
-        # process saved from a state of this one's layout (a restart), by its plain digest (snapckpt.engine.plain_restore).
+        # from the save's typed views, without reading its skeleton (snapckpt.engine.slot_restore); one that
+        # another process saved from a state of this one's layout (a restart), by its plain digest
+        # (snapckpt.engine.plain_restore).
         name = layout.rank_filename(self.rank)
 
         def read(c: LoadCandidate) -> Tuple[Any, Any]:

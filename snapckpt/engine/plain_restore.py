@@ -99,12 +99,12 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     if walked is None:
         return None
     tensors, key = walked
-    ptrs = _data_ptrs(tensors)
+    facts = Facts(tensors)
+    ptrs = _data_ptrs(tensors, any(map(attrgetter("is_complex"), facts.kinds)))
     if ptrs is None:
         return None
-    facts = Facts(tensors)
     offsets, nbytes = direct_offsets(facts)
-    if digest(name, key, tensor_part(facts, offsets.numpy().tobytes())) != saved:
+    if digest(name, key, tensor_part(facts, offsets.tolist())) != saved:  # no numpy: snapckpt does not need it
         return None
     if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
         return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
@@ -126,10 +126,10 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
                        nbytes[small].tolist(), mapped)
 
 
-def _data_ptrs(tensors: List[torch.Tensor]) -> Optional[List[int]]:
+def _data_ptrs(tensors: List[torch.Tensor], complex_dtypes: bool) -> Optional[List[int]]:
     """The live tensors' data pointers when every one can take its bytes by a copy of bytes: on the CPU, with a
-    storage (strided), contiguous, without a conjugate or negative bit (views whose bytes are not their values);
-    ``None`` otherwise."""
+    storage (strided), contiguous, without a conjugate or negative bit (views whose bytes are not their values;
+    the conjugate bit only on complex dtypes, ``complex_dtypes``: whether any is); ``None`` otherwise."""
     t_ = torch.Tensor
     if not all(map(_IS_CPU, tensors)):
         return None
@@ -139,4 +139,6 @@ def _data_ptrs(tensors: List[torch.Tensor]) -> Optional[List[int]]:
             return None
     except RuntimeError:
         return None
-    return None if any(map(t_.is_neg, tensors)) or any(map(t_.is_conj, tensors)) else ptrs
+    if any(map(t_.is_neg, tensors)) or (complex_dtypes and any(map(t_.is_conj, tensors))):
+        return None
+    return ptrs

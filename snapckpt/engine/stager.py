@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import json
-from array import array
 import logging
 from itertools import islice
 from operator import attrgetter, eq, mul, sub
@@ -782,7 +781,7 @@ def _plain_head(files: Mapping[str, Any], keys: List[Any], layout: _Layout, dire
     if len(keys) != 1 or keys[0] is None or not layout.direct_all:
         return b""
     if layout.plain_part is None:
-        layout.plain_part = tensor_part(Facts(direct), array("q", [d[0] for d in layout.direct_dst]).tobytes())
+        layout.plain_part = tensor_part(Facts(direct), [d[0] for d in layout.direct_dst])
     return b'"plain":"%s",' % digest(next(iter(files)), keys[0], layout.plain_part).encode()
 
 

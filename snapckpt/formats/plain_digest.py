@@ -53,11 +53,11 @@ class Facts:
                                                                                                   self.dims)))))
 
 
-def tensor_part(facts: Facts, offsets: bytes) -> bytes:
+def tensor_part(facts: Facts, offsets: Sequence[int]) -> bytes:
     """The tensors' share of the digest: dtypes, shapes (dims, element counts, the sizes of those of 2 dims or
-    more) and span offsets (bytes from the slot start, as native int64: ``array("q", offsets).tobytes()``)."""
+    more) and span offsets (bytes from the slot start)."""
     return b"\0".join((repr(facts.kinds).encode(), facts.codes.tobytes(), facts.dims.tobytes(),
-                       facts.numels.tobytes(), facts.multi_dim_sizes.tobytes(), offsets))
+                       facts.numels.tobytes(), facts.multi_dim_sizes.tobytes(), array("q", offsets).tobytes()))
 
 
 def digest(name: str, key: List[Any], tensors_part: bytes) -> str:
