@@ -3,6 +3,7 @@ import os
 import resource
 import threading
 
+import pytest
 import torch
 
 from _harness import wait_until
@@ -121,6 +122,44 @@ def test_memory_load_into_the_saved_state_copies_from_the_slot_without_reading_i
         state["iteration"] = 5  # a value the load replaces: the general path
         ck.load(state)
         assert state["iteration"] == 4 and all(torch.equal(state["model"][k], saved[k]) for k in saved)
+
+
+def test_restarted_process_restores_memory_into_a_state_of_the_saved_layout_without_its_skeleton(snap_env,
+                                                                                                  monkeypatch):
+    """Issue 18 (5): a restarted rank (a new Checkpointer, its Stager fresh) loads a memory snapshot into a live
+    state of the saved structure by the slot's plain digest (snapckpt.engine.plain_restore), without reading the
+    skeleton; a live state whose shape differs goes the general way, which names the mismatch."""
+    import snapckpt.engine.loader as loader_mod
+    from snapckpt.errors import IncompatibleCheckpointError
+
+    def build(fill):
+        return {"model": {f"layers.{i}.w": fill((8, 4)) for i in range(50)},
+                "opt": {"state": {i: {"exp_avg": fill((8, 4)), "step": fill(())} for i in range(50)},
+                        "param_groups": [{"lr": 0.1, "params": list(range(50))}]}, "iteration": 9}
+
+    state = build(torch.rand)
+    ck = Checkpointer(snap_env.ckpt_dir, keep_last=2)
+    ck.save(state, 9, StorageType.MEMORY).wait()
+    ck.close(clean=False)  # leaves like a crashed rank: the persister keeps the snapshot
+    general = loader_mod.read_slot
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the slot's skeleton was read")
+
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck2:
+        live = build(torch.zeros)
+        monkeypatch.setattr(loader_mod, "read_slot", refuse)
+        assert ck2.load(live) is live and ck2.last_load.tier == StorageType.MEMORY and ck2.last_load.step == 9
+        for k, v in state["model"].items():
+            assert torch.equal(live["model"][k], v)
+        for i, d in state["opt"]["state"].items():
+            assert torch.equal(live["opt"]["state"][i]["exp_avg"], d["exp_avg"])
+            assert torch.equal(live["opt"]["state"][i]["step"], d["step"])
+        monkeypatch.setattr(loader_mod, "read_slot", general)
+        other = build(torch.zeros)
+        other["model"]["layers.3.w"] = torch.zeros(4, 8)
+        with pytest.raises(IncompatibleCheckpointError, match="layers.3.w"):
+            ck2.load(other)
 
 
 def test_state_that_grows_a_little_keeps_its_slots_and_mappings(snap_env):

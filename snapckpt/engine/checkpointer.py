@@ -32,7 +32,7 @@ from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.replicas import setup_replicas
 from snapckpt.engine.session import PersisterSession
-from snapckpt.engine import slot_restore
+from snapckpt.engine import plain_restore, slot_restore
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
 from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, RemoteStorageError
@@ -533,7 +533,9 @@ class Checkpointer:
         # the file's memory map. Values that are not copied into a live tensor are deep-copied, so nothing the
         # caller keeps points into the arena or a file.
         # A memory slot that still holds what this process saved from a state of this one's layout is copied
-        # from the save's typed views, without reading its skeleton (snapckpt.engine.slot_restore).
+        # from the save's typed views, without reading its skeleton (snapckpt.engine.slot_restore); one that
+        # another process saved from a state of this one's layout (a restart), by its plain digest
+        # (snapckpt.engine.plain_restore).
         name = layout.rank_filename(self.rank)
 
         def read(c: LoadCandidate) -> Tuple[Any, Any]:
@@ -541,6 +543,8 @@ class Checkpointer:
                 return self._loader.read_into(c, state_dict)
             slot = self._loader.memory_slot(c)
             found = slot_restore.find(self._stager, slot, name, c.step, state_dict)
+            if found is None:
+                found = plain_restore.find(self._stager.live_layout, slot, name, c.step, state_dict)
             if found is not None:
                 return found, None
             return self._loader.read(c, views=True, slot=slot)[name], frozenset()

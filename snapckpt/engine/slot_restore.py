@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 import torch
 
 from snapckpt.engine.slot_maps import MappedSlot
-from snapckpt.engine.stager import Stager, _Layout, direct_views
+from snapckpt.engine.stager import Stager, _Layout, direct_views, index_bytes
 from snapckpt.errors import SnapshotError
 from snapckpt.persister.arena import read_header
 
@@ -81,7 +81,7 @@ def _holds(mapped: MappedSlot, layout: _Layout, step: int) -> bool:
         return False
     if got != step or off != layout.tail_end or len(layout.tail or ()) != 1:
         return False
-    index = b'{"v":2,"step":%d,"files":%s}' % (step, layout.files_json)  # as Stager._prepare writes it
+    index = index_bytes(step, layout)  # as Stager._prepare writes it
     (po, pkl), = layout.tail
     # slices of the mapping are bytes (a memcpy, then a memcmp): far faster than comparing memoryviews, which
     # compare item by item

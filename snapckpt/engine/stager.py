@@ -34,6 +34,7 @@ from snapckpt.persister.arena import HEADER_NBYTES, watermark_view, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
+from snapckpt.formats.plain_digest import Facts, digest, tensor_part
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
                                         weights_only_refusal)
@@ -242,6 +243,9 @@ class _Layout:
             signature hits stops getting new ones).
         restore_ok: whether a live state of the tail's key takes a slot of this layout by one copy per tensor
             (:mod:`snapckpt.engine.slot_restore`); ``None``: not known yet (reset with the tail).
+        plain_part, index_head: see :mod:`snapckpt.formats.plain_digest`: the digest written into the index when
+            the tail is one plain file and every tensor is direct (a restarted process restores such a slot
+            straight into its live state, :mod:`snapckpt.engine.plain_restore`).
     """
 
     plan: Plan
@@ -259,6 +263,8 @@ class _Layout:
     rechecks_made: int = 0
     restore_ok: Optional[bool] = None
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
+    plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
+    index_head: bytes = b""  # the index's ``"plain":"<digest>",`` entry of the tail's files, or nothing
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -625,8 +631,9 @@ class Stager:
                                                          check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
             layout.restore_ok = None
+            layout.index_head = _plain_head(files, keys, layout, direct)
         tail, offset = list(layout.tail), layout.tail_end
-        index = b'{"v":2,"step":%d,"files":%s}' % (step, layout.files_json)  # json.dumps' bytes, the step spliced in
+        index = index_bytes(step, layout)  # json.dumps' bytes, the step spliced in
         tail.append((offset, index))
         persistable = not specs or any(persist for _, persist in specs)
         return Prepared(step, offset + len(index), copies, tail, offset, len(index), layout.tensor_nbytes,
@@ -760,6 +767,22 @@ class Stager:
                     mark[0] = step[-1]  # after the copies returned: the bytes below are final
         finally:
             mark.release()
+
+
+def index_bytes(step: int, layout: _Layout) -> bytes:
+    """The slot index of a snapshot of ``step`` with ``layout``'s tail (JSON; ``"plain"`` comes right after the step,
+    where :mod:`snapckpt.engine.plain_restore` finds it without parsing the records)."""
+    return b'{"v":2,"step":%d,%s"files":%s}' % (step, layout.index_head, layout.files_json)
+
+
+def _plain_head(files: Mapping[str, Any], keys: List[Any], layout: _Layout, direct: Sequence[torch.Tensor]) -> bytes:
+    """The index's ``"plain":"<hex>",`` entry (:mod:`snapckpt.formats.plain_digest`) when the snapshot is one plain
+    file whose every tensor is its own whole CPU span; ``b""`` otherwise."""
+    if len(keys) != 1 or keys[0] is None or not layout.direct_all:
+        return b""
+    if layout.plain_part is None:
+        layout.plain_part = tensor_part(Facts(direct), [d[0] for d in layout.direct_dst])
+    return b'"plain":"%s",' % digest(next(iter(files)), keys[0], layout.plain_part).encode()
 
 
 def _check_concat_tensor(t: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ Slot bytes (all offsets from the slot start)::
     [0, 64)            header: magic b"SNAPCKPT", layout version, step, index offset, index length; at
                        [56, 64) the copy's watermark (a streamed save: see below)
     [64, ...)          span data, each span 64-byte aligned
-    ...                one data.pkl per file, then the index (JSON)
+    ...                one data.pkl per file, then the index (JSON: ``{"v":2,"step":N,["plain":"<hex>",]"files":[...]}``,
+                       :mod:`snapckpt.persister.slot_index`; ``"plain"``: :mod:`snapckpt.formats.plain_digest`)
 
 The header is written last: a slot whose header is not valid never describes a complete snapshot. A
 streamed DISK save (:meth:`snapckpt.engine.stager.Stager.copy_into` with ``publish``) writes the pickles

@@ -1,0 +1,144 @@
+"""The memory-tier restore of a slot into a live state of its layout, in a process that did not write it (a restart).
+
+A restarted rank builds its model, then ``load(state_dict)``; the general path unpickles the slot's skeleton (a
+Python call per tensor, seconds for 200,000 tensors) and walks it beside the live state. :mod:`slot_restore`
+avoids that only for slots this process wrote. Here the slot is recognised by content: its index carries the
+digest of its plain layout (:mod:`snapckpt.formats.plain_digest`, written by the Stager when the snapshot is one
+plain file of whole contiguous CPU tensors); :func:`find` computes the same digest from the live state (its
+``plain_layout`` walk, each tensor's dtype and shape, and the offsets the Stager's rule gives them) and, when
+they are equal, copies each span straight into its live tensor: tensors of 1 MiB or more with one
+``torch._foreach_copy_`` from views of the slot, the others with one ``memmove`` each (a state of many small
+tensors would otherwise spend most of the restore making a view of the slot per tensor), their autograd version
+counters bumped as an in-place copy bumps them. Anything else (no digest: an older slot, another layout, a
+live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would replace
+rather than copy into) gets ``None``, and the caller reads the slot the general way, which also names any
+incompatibility.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+from collections import deque
+from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, is_
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from snapckpt.engine.slot_maps import MappedSlot
+from snapckpt.engine.slot_restore import _copied_in_place
+from snapckpt.errors import SnapshotError
+from snapckpt.formats.plain_digest import Facts, digest, direct_offsets, tensor_part
+from snapckpt.persister.arena import read_header
+
+__all__ = ["PlainCopies", "find"]
+
+#: Tensors of at least this many bytes are copied by torch (its copy of a large tensor runs on several threads).
+LARGE_NBYTES = 1 << 20
+
+# the start of the index the Stager writes (snapckpt.engine.stager.index_bytes): its step, then the digest
+_HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})",')
+_HEAD_MAX = 128  # bytes of the index read for it
+_IS_CPU = attrgetter("is_cpu")
+
+
+@dataclass
+class PlainCopies:
+    """A restore found by :func:`find`: the large tensors as ``torch._foreach_copy_(large_dsts, large_srcs)``,
+    the others as ``memmove(dst_ptrs[i], src_ptrs[i], nbytes[i])`` into ``small`` (whose versions are bumped).
+    ``slot`` keeps the mapping the sources point into alive until the copy ran."""
+
+    large_dsts: List[torch.Tensor]
+    large_srcs: List[torch.Tensor]
+    small: List[torch.Tensor]
+    dst_ptrs: List[int]
+    src_ptrs: List[int]
+    nbytes: List[int]
+    slot: MappedSlot
+
+    def run(self) -> None:
+        """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
+        if self.slot.tensor is None:
+            raise SnapshotError(f"the mapping of {self.slot.path} was closed before the restore copied from it")
+        if self.large_dsts:
+            with torch.no_grad():  # a Parameter's copy must not enter autograd
+                torch._foreach_copy_(self.large_dsts, self.large_srcs)
+        if self.small:
+            deque(map(ctypes.memmove, self.dst_ptrs, self.src_ptrs, self.nbytes), maxlen=0)
+            torch.autograd.graph.increment_version(self.small)  # as an in-place copy would
+
+
+def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], List[Any]]]], mapped: MappedSlot,
+         name: str, step: int, dst: Any) -> Optional[PlainCopies]:
+    """The copies that restore ``dst`` (the live state of file ``name``) from ``mapped`` holding ``step``, or
+    ``None`` when the slot's plain digest is absent or not that of ``dst`` (see the module). ``live_layout``:
+    ``plain_layout`` of a file's object (:meth:`Stager.live_layout`)."""
+    if mapped.tensor is None:
+        return None
+    try:
+        got, index_offset, _n = read_header(mapped.buf)
+    except SnapshotError:
+        return None
+    head = _HEAD.match(mapped.buf[index_offset:index_offset + _HEAD_MAX]) if got == step else None
+    if head is None or int(head[1]) != step:
+        return None
+    enabled = gc.isenabled()
+    gc.disable()  # a state of many tensors: no full collections while its layout is read
+    try:
+        return _find(live_layout, mapped, name, dst, head[2].decode(), index_offset)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int
+          ) -> Optional[PlainCopies]:
+    walked = live_layout(name, dst)
+    if walked is None:
+        return None
+    tensors, key = walked
+    facts = Facts(tensors)
+    ptrs = _data_ptrs(tensors, any(map(attrgetter("is_complex"), facts.kinds)))
+    if ptrs is None:
+        return None
+    offsets, nbytes = direct_offsets(facts)
+    if digest(name, key, tensor_part(facts, offsets.tolist())) != saved:  # no numpy: snapckpt does not need it
+        return None
+    if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
+        return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
+    in_place: List[torch.Tensor] = []
+    _copied_in_place(dst, in_place)  # the general path replaces tensors inside lists and tuples: it decides those
+    if len(in_place) != len(tensors) or not all(map(is_, in_place, tensors)):
+        return None
+    base = mapped.tensor.data_ptr()
+    large = nbytes >= LARGE_NBYTES
+    if not bool(large.any()):  # the common case of many tensors: all small
+        return PlainCopies([], [], tensors, ptrs, offsets.add_(base).tolist(), nbytes.tolist(), mapped)
+    small = large.logical_not()
+    big = large.tolist()
+    large_srcs = [mapped.tensor[o:o + n].view(t.dtype).view(t.shape) for t, o, n in
+                  zip(compress(tensors, big), offsets[large].tolist(), nbytes[large].tolist())]
+    few = small.tolist()
+    return PlainCopies(list(compress(tensors, big)), large_srcs, list(compress(tensors, few)),
+                       list(compress(ptrs, few)), offsets[small].add_(base).tolist(),
+                       nbytes[small].tolist(), mapped)
+
+
+def _data_ptrs(tensors: List[torch.Tensor], complex_dtypes: bool) -> Optional[List[int]]:
+    """The live tensors' data pointers when every one can take its bytes by a copy of bytes: on the CPU, with a
+    storage (strided), contiguous, without a conjugate or negative bit (views whose bytes are not their values;
+    the conjugate bit only on complex dtypes, ``complex_dtypes``: whether any is); ``None`` otherwise."""
+    t_ = torch.Tensor
+    if not all(map(_IS_CPU, tensors)):
+        return None
+    try:  # a tensor without a storage (sparse, nested) raises on either
+        ptrs = list(map(t_.data_ptr, tensors))
+        if not all(map(t_.is_contiguous, tensors)):
+            return None
+    except RuntimeError:
+        return None
+    if any(map(t_.is_neg, tensors)) or (complex_dtypes and any(map(t_.is_conj, tensors))):
+        return None
+    return ptrs

@@ -1,0 +1,87 @@
+"""The digest of a plain state's slot layout: how a restarted process knows a memory snapshot fits its live state.
+
+A slot written from one plain file (:func:`~snapckpt.formats.plain_layout.plain_layout`) whose every tensor is its
+own whole, contiguous CPU span (the Stager's ``direct_all`` layout) carries ``"plain": <hex>`` in its index: the
+SHA-256 of the file's name, its ``plain_layout`` key (containers, keys, non-tensor values, where the tensors sit),
+every tensor's dtype, shape, and the slot byte offset of its span. A process that never saved that slot (a
+restart) computes the same digest from its live state, with the span offsets that the Stager's rule gives for
+those tensors (:func:`direct_offsets`); equal digests mean that unpickling the slot's skeleton would give a state
+of the live state's structure and values whose tensors are the spans at those offsets, in walking order, so the
+restore copies the spans straight into the live tensors (:mod:`snapckpt.engine.plain_restore`) without reading the
+skeleton or the index's records. Any difference (another name, structure, value, dtype, shape or offset) gives
+another digest, and the general path. Nothing here is read as code: the digest is compared, never decoded.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from itertools import chain, compress
+from operator import attrgetter
+from typing import Any, List, Sequence, Tuple
+
+import torch
+
+from snapckpt.formats import plain_layout as _pl
+
+__all__ = ["Facts", "tensor_part", "digest", "direct_offsets", "ALIGN", "DATA_START"]
+
+ALIGN = 64  # span alignment in a slot (snapckpt.engine.stager.ALIGN)
+DATA_START = 64  # the first span's offset: the slot header's size (snapckpt.persister.arena.HEADER_NBYTES)
+
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+_IS_MULTI_DIM = (1).__lt__
+# plain_layout's markers by id (they are module objects: no other live object has their id), as bytes: a key never
+# holds bytes, so a marker cannot read as one of the key's values
+_TAGS = {id(_pl._T): b"T", id(_pl._ALIAS): b"A", id(_pl._FLOAT): b"F", id(_pl._TDICT): b"D"}
+
+
+class Facts:
+    """What the digest reads of each tensor, each field with one ``map`` (no Python step per tensor): ``kinds`` (each
+    dtype once, in first-use order) and ``codes`` (each tensor's dtype as its index in ``kinds``), ``dims``,
+    ``numels`` (int64 arrays in tensor order) and the shapes of the tensors of 2 dims or more, flat."""
+
+    __slots__ = ("kinds", "codes", "dims", "numels", "multi_dim_sizes")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        t_ = torch.Tensor
+        dtypes = list(map(_DTYPE, tensors))
+        self.kinds = list(dict.fromkeys(dtypes))
+        self.codes = array("q", map({d: i for i, d in enumerate(self.kinds)}.__getitem__, dtypes))
+        self.dims = array("q", map(t_.dim, tensors))
+        self.numels = array("q", map(t_.numel, tensors))
+        self.multi_dim_sizes = array("q", chain.from_iterable(map(_SHAPE, compress(tensors, map(_IS_MULTI_DIM,
+                                                                                                  self.dims)))))
+
+
+def tensor_part(facts: Facts, offsets: Sequence[int]) -> bytes:
+    """The tensors' share of the digest: dtypes, shapes (dims, element counts, the sizes of those of 2 dims or
+    more) and span offsets (bytes from the slot start)."""
+    return b"\0".join((repr(facts.kinds).encode(), facts.codes.tobytes(), facts.dims.tobytes(),
+                       facts.numels.tobytes(), facts.multi_dim_sizes.tobytes(), array("q", offsets).tobytes()))
+
+
+def digest(name: str, key: List[Any], tensors_part: bytes) -> str:
+    """The hex SHA-256 of file ``name`` with ``plain_layout`` key ``key`` and :func:`tensor_part` ``tensors_part``.
+
+    The key is written as the ``repr`` of its items with plain_layout's markers as bytes: strings, ints, bools,
+    ``None``, types (``<class 'int'>``), float hex strings and tuples of dict keys all have a ``repr`` that is the
+    same in every process and tells them apart (``1`` / ``True`` / ``'1'``)."""
+    h = hashlib.sha256(repr(name).encode())
+    h.update(b"\0")
+    h.update(repr(list(map(_TAGS.get, map(id, key), key))).encode())
+    h.update(b"\0")
+    h.update(tensors_part)
+    return h.hexdigest()
+
+
+def direct_offsets(facts: Facts) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(slot byte offsets, byte sizes)`` (int64 tensors) of tensors laid out as the Stager lays out tensors that
+    are each their own whole span, in order: from :data:`DATA_START`, each span ``ALIGN``-aligned after the
+    previous one."""
+    if not facts.numels:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    itemsizes = torch.tensor([d.itemsize for d in facts.kinds], dtype=torch.int64)
+    nbytes = itemsizes[torch.frombuffer(facts.codes, dtype=torch.int64)].mul_(torch.frombuffer(facts.numels,
+                                                                                              dtype=torch.int64))
+    aligned = nbytes.add(ALIGN - 1).div_(ALIGN, rounding_mode="floor").mul_(ALIGN)
+    return aligned.cumsum(0).sub_(aligned).add_(DATA_START), nbytes
