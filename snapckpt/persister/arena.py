@@ -20,14 +20,15 @@ never reads a span byte at or above the watermark (:func:`read_watermark`). It i
 and load (a ``memoryview`` cast to ``"Q"``: one machine word, never torn), stored after the batch's copies
 returned: on a CPU that keeps stores in order (x86-64) a reader that sees it sees the bytes below it.
 
-Sizing writes zeros (:func:`write_zeros`): on a tmpfs that reserves the pages at once, so a too-small
+Sizing writes zeros (:func:`write_zeros`) on a tmpfs: that reserves the pages at once, so a too-small
 ``/dev/shm`` fails here with a clear error instead of a SIGBUS on first touch later (case D1), and it leaves
-them *up to date*. ``posix_fallocate`` reserves pages too but leaves them not yet zeroed: the first fault of
-each page in a rank's mapping then zeroes it, one fault per 4 KiB page, on the rank. A page written here is
-mapped by a rank with the kernel's fault-around instead (a read fault maps the 16 pages around it,
-``fault_around_bytes``, writable on a tmpfs, which tracks no dirty pages), so the rank's prefault
-(:mod:`snapckpt.engine.slot_maps`) costs less than half of what it did (issue 18, 0.5 GiB on a loaded 2-core
-VM: 0.10 s against 0.23 s); the zeroing moves into the persister, off the training process.
+them *up to date*. ``posix_fallocate`` (still used where the directory is not a tmpfs) reserves pages too but
+leaves them not yet zeroed: the first fault of each page in a rank's mapping then zeroes it, one fault per
+4 KiB page, on the rank. A page written here is mapped by a rank with the kernel's fault-around instead (a read
+fault maps the 16 pages around it, ``fault_around_bytes``, writable on a tmpfs, which tracks no dirty pages),
+so the rank's prefault (:mod:`snapckpt.engine.slot_maps`) costs less than half of what it did (issue 18,
+0.5 GiB on a loaded 2-core VM: 0.10 s against 0.23 s); the zeroing moves into the persister, off the
+training process.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ from snapckpt.errors import InsufficientSharedMemoryError, PreflightError, Snaps
 from snapckpt.persister.budget import fitting_setting, fmt_nbytes
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
-           "mem_available_bytes", "WATERMARK_OFFSET", "watermark_view", "stores_in_order", "write_zeros"]
+           "mem_available_bytes", "WATERMARK_OFFSET", "watermark_view", "stores_in_order", "write_zeros",
+           "fs_type"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,9 @@ class SlotFiles:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         private_dir(directory)
+        # zeros written into the pages on a tmpfs only (the module docstring): on a disk they would be written
+        # out, and a hugetlbfs takes no write(2); elsewhere posix_fallocate reserves the blocks, as it always did
+        self._zero_fill = fs_type(directory) == "tmpfs"
         stale = []
         for name in os.listdir(directory):
             if _SLOT_NAME.fullmatch(name):
@@ -226,7 +231,10 @@ class SlotFiles:
                 for lo in range(max(size, current_nbytes), nbytes, step):
                     if pause is not None:
                         pause()
-                    write_zeros(fd, lo, min(lo + step, nbytes))
+                    if self._zero_fill:
+                        write_zeros(fd, lo, min(lo + step, nbytes))
+                    else:
+                        os.posix_fallocate(fd, lo, min(lo + step, nbytes) - lo)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     os.ftruncate(fd, current_nbytes)
@@ -280,6 +288,22 @@ class SlotFiles:
             os.rmdir(self.directory)
         except OSError:
             pass
+
+
+def fs_type(path: str) -> Optional[str]:
+    """Filesystem type of the mount holding ``path`` (from ``/proc/mounts``), ``None`` if unknown."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for mnt, fstype in mounts:
+        mnt = mnt.replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[0])):
+            best = (mnt, fstype)
+    return best[1] if best else None
 
 
 def write_zeros(fd: int, lo: int, hi: int) -> None:

@@ -66,3 +66,19 @@ def test_growing_a_slot_keeps_its_bytes_and_zeroes_the_new_ones(arena_dir):
     pauses = []
     assert files.ensure_size(0, 1, 3 * NBYTES // 2, 0, pause=lambda: pauses.append(1)) == 3 * NBYTES // 2
     assert os.path.getsize(files.path(0, 1)) == 3 * NBYTES // 2 and pauses
+
+
+def test_zeros_are_written_on_a_tmpfs_only(tmp_path, monkeypatch):
+    """Elsewhere (an ``shm_dir`` on a disk, which works with a warning) zeros would be written out to the disk:
+    ``posix_fallocate`` reserves the blocks there, as before."""
+    from snapckpt.persister import arena
+
+    written = []
+    real = arena.write_zeros
+    monkeypatch.setattr(arena, "write_zeros", lambda fd, lo, hi: (written.append((lo, hi)), real(fd, lo, hi)))
+    for fstype, zeroed in (("ext4", []), ("tmpfs", [(0, NBYTES)])):
+        monkeypatch.setattr(arena, "fs_type", lambda path, fstype=fstype: fstype)
+        files = SlotFiles(str(tmp_path / fstype))
+        written.clear()
+        assert files.ensure_size(0, 0, NBYTES, 0) == NBYTES == os.path.getsize(files.path(0, 0))
+        assert written == zeroed, fstype
