@@ -75,7 +75,8 @@ class MappedSlot:
         of copy (issue 18). A no-op once done (every later save into this mapping); a kernel that refuses leaves the
         pages to the copy's faults."""
         upto = min(upto, self.nbytes)
-        if self.populated < upto and _populate(self, self.populated, upto - self.populated):
+        lo = self.populated - self.populated % _PAGE  # madvise takes a page-aligned start (EINVAL otherwise)
+        if self.populated < upto and _populate(self, lo, upto - lo):
             self.populated = upto
 
     def fits(self, path: str, nbytes: int) -> bool:

@@ -82,3 +82,25 @@ def test_zeros_are_written_on_a_tmpfs_only(tmp_path, monkeypatch):
         written.clear()
         assert files.ensure_size(0, 0, NBYTES, 0) == NBYTES == os.path.getsize(files.path(0, 0))
         assert written == zeroed, fstype
+
+
+def test_a_save_maps_the_rest_of_a_slot_from_where_the_last_one_stopped(arena_dir):
+    """A save maps the pages up to its own size (MappedSlot.populate); a later, slightly larger state maps the rest
+    from where that stopped, which need not be a page boundary: it is rounded down to one (madvise refuses an
+    unaligned start with EINVAL, which would read as a kernel without MADV_POPULATE_READ and turn it off)."""
+    from snapckpt.engine import slot_maps
+
+    files = SlotFiles(arena_dir)
+    files.ensure_size(0, 0, NBYTES, 0)
+    m = MappedSlot(files.path(0, 0), NBYTES)
+    try:
+        m.populate(NBYTES // 2 + 100)
+        assert m.populated == NBYTES // 2 + 100
+        m.populate(NBYTES)
+        assert m.populated == NBYTES and slot_maps._madvise  # still in use, not turned off
+        before = _thread_minflt()
+        for off in range(0, NBYTES, mmap.PAGESIZE):
+            m.buf[off] = 1
+        assert _thread_minflt() - before < PAGES // 64
+    finally:
+        m.close()
