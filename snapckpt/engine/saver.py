@@ -71,8 +71,8 @@ class _CopyJob:
 
 
 def _timed_copy(prepared, mapped: MappedSlot, device_done=None) -> float:
-    """The copy thread's job: map the slot's pages not mapped yet (:meth:`MappedSlot.populate`), copy a prepared
-    snapshot into it (and wait for its queued CUDA copies); returns the seconds it took."""
+    """The copy thread's job: map the reserved slot's pages not mapped yet (:meth:`MappedSlot.populate`), copy a
+    prepared snapshot into it (and wait for its queued CUDA copies); returns the seconds it took."""
     t0 = time.perf_counter()
     mapped.populate(prepared.total_nbytes)
     Stager.copy_into(prepared, mapped.tensor, mapped.buf, device_done)
@@ -258,8 +258,8 @@ class Saver:
         device_done = None
         cuda = has_cuda_sources(prepared.span_copies)
         if cuda or not self._options.overlap:
-            # a slot mapped anew (the first save into it, no prefault) or whose prefault was cut short: its pages
-            # mapped by read faults before the copy writes them (overlap, CPU sources: on the copy thread)
+            # a reserved slot whose prefault was cut short (the first save came first): the rest of its pages mapped
+            # by read faults before the copy writes them (overlap, CPU sources: on the copy thread)
             m.populate(prepared.total_nbytes)
         if cuda:
             # Queued on a side stream after the compute stream's work so far; never waited for here.

@@ -20,15 +20,17 @@ never reads a span byte at or above the watermark (:func:`read_watermark`). It i
 and load (a ``memoryview`` cast to ``"Q"``: one machine word, never torn), stored after the batch's copies
 returned: on a CPU that keeps stores in order (x86-64) a reader that sees it sees the bytes below it.
 
-Sizing writes zeros (:func:`write_zeros`) on a tmpfs: that reserves the pages at once, so a too-small
-``/dev/shm`` fails here with a clear error instead of a SIGBUS on first touch later (case D1), and it leaves
-them *up to date*. ``posix_fallocate`` (still used where the directory is not a tmpfs) reserves pages too but
-leaves them not yet zeroed: the first fault of each page in a rank's mapping then zeroes it, one fault per
-4 KiB page, on the rank. A page written here is mapped by a rank with the kernel's fault-around instead (a read
-fault maps the 16 pages around it, ``fault_around_bytes``, writable on a tmpfs, which tracks no dirty pages),
-so the rank's prefault (:mod:`snapckpt.engine.slot_maps`) costs less than half of what it did (issue 18,
-0.5 GiB on a loaded 2-core VM: 0.10 s against 0.23 s); the zeroing moves into the persister, off the
-training process.
+Sizing reserves the pages at once, so a too-small ``/dev/shm`` fails here with a clear error instead of a
+SIGBUS on first touch later (case D1): ``posix_fallocate``, or, for a reservation ahead of the first save on a
+tmpfs, zeros written into the pages (:func:`write_zeros`, ``SlotFiles.ensure_size(zero=True)``), which also
+leaves them *up to date*. ``posix_fallocate`` leaves them not yet zeroed: the first fault of each page in a
+rank's mapping zeroes it, one fault per 4 KiB page, on the rank. A page written here is mapped by a rank with the
+kernel's fault-around instead (a read fault maps the 16 pages around it, ``fault_around_bytes``, writable on a
+tmpfs, which tracks no dirty pages), so the rank's prefault of a reservation (:mod:`snapckpt.engine.slot_maps`)
+costs less than half of what it did (issue 18, 0.5 GiB on a loaded 2-core VM: 0.10 s against 0.23 s). Writing
+zeros takes the persister longer than ``posix_fallocate`` (0.35 s against 0.25 s there), so a growth that a
+save waits for, or that runs beside one, still uses ``posix_fallocate`` (paired runs at load 6-7: a fresh job's
+first save took 1.5 s with zeros written for both slots, against 0.96 s).
 """
 from __future__ import annotations
 
@@ -178,7 +180,7 @@ class SlotFiles:
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
                     reserve_nbytes: int = 0, *, slots: int = 1, held_nbytes: int = 0,
                     pause: Optional[Callable[[], None]] = None,
-                    checked: Optional[Callable[[], None]] = None) -> int:
+                    checked: Optional[Callable[[], None]] = None, zero: bool = False) -> int:
         """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
 
         ``pause``: called before each :data:`GROW_CHUNK` bytes are reserved (a background reservation waits
@@ -192,6 +194,11 @@ class SlotFiles:
 
         ``checked``: called once the capacity check passed, before the pages are reserved (the caller starts
         the other slots' growths there, so that they run alongside this one).
+
+        ``zero``: write zeros into the new pages on a tmpfs (see the module docstring), for a growth off the save
+        path (a reservation ahead of the first save), where the rank then maps them cheaply; otherwise
+        ``posix_fallocate``, which reserves them faster: a save that waits for its slot's growth (or runs beside
+        it) lets its copy zero the pages through its own faults, on all of torch's threads.
 
         Raises:
             InsufficientSharedMemoryError: the tmpfs or RAM cannot hold it (names the bytes needed, the bytes
@@ -231,7 +238,7 @@ class SlotFiles:
                 for lo in range(max(size, current_nbytes), nbytes, step):
                     if pause is not None:
                         pause()
-                    if self._zero_fill:
+                    if zero and self._zero_fill:
                         write_zeros(fd, lo, min(lo + step, nbytes))
                     else:
                         os.posix_fallocate(fd, lo, min(lo + step, nbytes) - lo)

@@ -374,7 +374,7 @@ class SlotTable:
         for s in self.usable(entry, limit):
             if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
                 s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes,
-                                                  pause=self.holds.pauser())
+                                                  pause=self.holds.pauser(), zero=True)
                 s.growing_to = nbytes
                 out.append(s)
         return out
