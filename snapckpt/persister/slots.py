@@ -64,7 +64,7 @@ class Slot:
     persistable: bool = True  # the snapshot has files for disk (False: a memory-only record, never flushed)
     seq: int = 0  # order of READY transitions: the newest READY slot has the highest seq
     growing: Optional["cf.Future[int]"] = None  # a background ensure_size of this FREE slot (its new size)
-    growing_to: int = 0  # the size that background growth makes (bytes)
+    growing_to: int = 0  # the size a reservation's growth makes (bytes; its file grows piece by piece); 0: none
     mapping: Any = None  # the writers' read mapping of the slot file, kept across persists (see scheduler)
     pins: int = 0  # peer sends reading the slot (persister/replication.py): never handed out meanwhile
     origin: Optional[Dict[str, Any]] = None  # a fetched snapshot of an earlier run: its world_size and dir_id
@@ -340,9 +340,9 @@ class SlotTable:
         # the slots' background growths (the reservation ahead, an earlier save's grow_others) are taken before
         # the capacity check: a finished one's pages are counted in the tmpfs's free bytes already, so counting
         # that slot as still to be reserved in full refused states that fit (they grow alongside). One still
-        # running for another slot, to at least this size, is not waited for: the first save after construction
-        # does not wait for the reservation of the rank's other slot (issue 18); what that growth has yet to
-        # reserve is counted from its file's size, which grows as its pages are reserved (SlotFiles.ensure_size).
+        # running for another slot, a reservation to at least this size, is not waited for: the first save after
+        # construction does not wait for the reservation of the rank's other slot (issue 18); what that growth has
+        # yet to reserve is counted from its file's size, which grows piece by piece (SlotFiles.ensure_size, pause).
         for s in usable:
             if s is slot or s.growing is None or s.growing.done() or s.growing_to < nbytes:
                 self._grown(s)
@@ -357,7 +357,9 @@ class SlotTable:
                         and other.state in (SlotState.FREE, SlotState.INVALID)):
                     other.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, other.index,
                                                           nbytes, other.nbytes)
-                    other.growing_to = nbytes
+                    # one posix_fallocate: its file's size says nothing of its progress until it ends, so a save
+                    # that acquires another slot meanwhile waits for it (growing_to 0), as it always did
+                    other.growing_to = 0
 
         slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve,
                                              slots=len(usable), held_nbytes=held_nbytes, checked=grow_others)
@@ -391,7 +393,7 @@ class SlotTable:
             slot.nbytes = max(slot.nbytes, slot.growing.result())
         except Exception as e:
             log.info("slot %d: reserving its pages in the background failed: %s", slot.index, e)
-        slot.growing = None
+        slot.growing, slot.growing_to = None, 0
 
     def ready(self, entry: RankEntry, index: int, step: int, *, index_offset: int, index_nbytes: int,
               dirname: str, tracker_name: str, tracker_content: str, persistable: bool) -> Slot:
