@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 from snapckpt.events import Event, StorageType
 
 __all__ = ["STALL_SECS", "BYTES", "DURABLE_SECS", "PERSIST_GBPS", "SKIPPED", "REPLICATED", "REPLICA_LAGGING", "METRICS", "event_metrics",
-           "summary_line"]
+           "human_bytes", "summary_line"]
 
 STALL_SECS = "snapckpt/stall_secs"
 BYTES = "snapckpt/bytes"
@@ -79,6 +79,25 @@ def event_metrics(event: Event) -> Dict[str, float]:
     return {}
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def human_bytes(n: Optional[int]) -> str:
+    """``n`` bytes for a person: ``"512 B"``, ``"1.2 GiB"`` (powers of 1024, one decimal); ``"-"`` for ``None``.
+
+    Here rather than in the CLI: :func:`summary_line` runs on rank 0's first save, and importing
+    ``snapckpt.cli`` there (every subcommand's module) cost that save a few milliseconds (issue 18)."""
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    value, unit = float(n), 0
+    while unit < len(_UNITS) - 1 and round(value, 1) >= 1024:
+        value /= 1024
+        unit += 1
+    return f"{value:.1f} {_UNITS[unit]}"
+
+
 def summary_line(event: Event) -> Optional[str]:
     """The one-line summary of a checkpoint, or ``None`` for an event that ends none.
 
@@ -87,8 +106,6 @@ def summary_line(event: Event) -> Optional[str]:
         step 200 (disk): 1.2 GiB, stall 0.031 s, durable 2.40 s, 0.54 GB/s
         step 210 (memory): 1.2 GiB, stall 0.029 s
     """
-    from snapckpt.cli.common import human_bytes  # (no import cycle at module load)
-
     st = event.stats
     if st is None:
         return None

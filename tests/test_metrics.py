@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -69,3 +71,18 @@ def test_event_metrics_of_skipped_and_other_events():
     assert names == [M.STALL_SECS, M.BYTES, M.DURABLE_SECS, M.PERSIST_GBPS, M.SKIPPED, M.REPLICATED,
                      M.REPLICA_LAGGING]
     assert all(n.startswith("snapckpt/") for n in names)
+
+
+def test_first_memory_save_does_not_import_the_cli(snap_env, tmp_path):
+    """Rank 0's summary line of its first save formats bytes without importing ``snapckpt.cli`` (every
+    subcommand's module: a few milliseconds of that first save, issue 18). In a fresh interpreter, since this
+    one may have imported the CLI already."""
+    code = (
+        "import sys, torch\n"
+        "from snapckpt import Checkpointer, StorageType\n"
+        f"with Checkpointer({str(tmp_path / 'ck')!r}) as ck:\n"
+        "    ck.save({'w': torch.ones(4)}, 1, StorageType.MEMORY)\n"
+        "    print(sorted(m for m in sys.modules if m.startswith('snapckpt.cli')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -642,7 +642,7 @@ def test_overlap_copy_failure_is_raised_at_fence(snap_env, monkeypatch):
     next save works."""
     from snapckpt.engine import saver as ck_mod
 
-    def boom(prepared, slot, buf, device_done=None):
+    def boom(prepared, mapped, device_done=None):
         raise MemoryError("injected copy failure")
 
     model, opt = make_model()

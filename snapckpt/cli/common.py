@@ -14,24 +14,10 @@ import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from snapckpt._internal.progress import byte_bar
+from snapckpt.metrics import human_bytes
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, record_checksum
 
 __all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir", "human_bytes", "print_json", "report_verified"]
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-
-
-def human_bytes(n: Optional[int]) -> str:
-    """``n`` bytes for a person: ``"512 B"``, ``"1.2 GiB"`` (powers of 1024, one decimal); ``"-"`` for ``None``."""
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{n} B"
-    value, unit = float(n), 0
-    while unit < len(_UNITS) - 1 and round(value, 1) >= 1024:
-        value /= 1024
-        unit += 1
-    return f"{value:.1f} {_UNITS[unit]}"
 
 
 def print_json(obj: Any) -> None:

@@ -22,7 +22,7 @@ import uuid
 from typing import List, Optional, Tuple
 
 from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, PreflightError
-from snapckpt.persister.arena import mem_available_bytes
+from snapckpt.persister.arena import fs_type, mem_available_bytes
 from snapckpt.persister.budget import arena_nbytes, fitting_setting, fmt_nbytes, slots_within
 
 __all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "host_memory_shortfall",
@@ -194,22 +194,6 @@ def check_shared_dir(checkpoint_dir: str, run_id: str, coord, topology, hosts: l
             "filesystem every node mounts at the same path (NFS, Lustre, GPFS, a shared volume), or "
             "every commit would wait for parts written on other nodes")
     coord.all_gather("shared_dir_done", {"ok": True}, timeout_secs)
-
-
-def fs_type(path: str) -> Optional[str]:
-    """Filesystem type of the mount holding ``path`` (from ``/proc/mounts``), ``None`` if unknown."""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:3] for line in f]
-    except OSError:
-        return None
-    real = os.path.realpath(path)
-    best = None
-    for mnt, fstype in mounts:
-        mnt = mnt.replace("\\040", " ")
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[0])):
-            best = (mnt, fstype)
-    return best[1] if best else None
 
 
 def slot_limit(options, topology, slot_nbytes: int) -> int:

@@ -70,11 +70,12 @@ class _CopyJob:
         self.device_done = None  # the event of the CUDA copies queued for this job, if any
 
 
-def _timed_copy(prepared, slot_tensor, buf, device_done=None) -> float:
-    """The copy thread's job: copy a prepared snapshot into its slot (and wait for its queued CUDA copies);
-    returns the seconds it took."""
+def _timed_copy(prepared, mapped: MappedSlot, device_done=None) -> float:
+    """The copy thread's job: map the reserved slot's pages not mapped yet (:meth:`MappedSlot.populate`), copy a
+    prepared snapshot into it (and wait for its queued CUDA copies); returns the seconds it took."""
     t0 = time.perf_counter()
-    Stager.copy_into(prepared, slot_tensor, buf, device_done)
+    mapped.populate(prepared.total_nbytes)
+    Stager.copy_into(prepared, mapped.tensor, mapped.buf, device_done)
     return time.perf_counter() - t0
 
 
@@ -255,7 +256,12 @@ class Saver:
         prepared, m, slot, step, storage_type = job.prepared, job.mapped, job.slot, job.step, job.storage_type
         prepared.views = m.views
         device_done = None
-        if has_cuda_sources(prepared.span_copies):
+        cuda = has_cuda_sources(prepared.span_copies)
+        if cuda or not self._options.overlap:
+            # a reserved slot whose prefault was cut short (the first save came first): the rest of its pages mapped
+            # by read faults before the copy writes them (overlap, CPU sources: on the copy thread)
+            m.populate(prepared.total_nbytes)
+        if cuda:
             # Queued on a side stream after the compute stream's work so far; never waited for here.
             try:
                 if self.cuda is None:
@@ -275,7 +281,7 @@ class Saver:
             # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
             # hands the slot to the persister. Until then the state must not change.
             job.device_done = device_done
-            job.future = self._copy_thread().submit(_timed_copy, prepared, m.tensor, m.buf, device_done)
+            job.future = self._copy_thread().submit(_timed_copy, prepared, m, device_done)
             job.handle = SaveHandle(self, step, storage_type, None, dirname=job.dirname, copying=True,
                                     started=job.started)
             self._inflight = job

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class Slot:
     persistable: bool = True  # the snapshot has files for disk (False: a memory-only record, never flushed)
     seq: int = 0  # order of READY transitions: the newest READY slot has the highest seq
     growing: Optional["cf.Future[int]"] = None  # a background ensure_size of this FREE slot (its new size)
+    growing_to: int = 0  # the size a reservation's growth makes (bytes; its file grows piece by piece); 0: none
     mapping: Any = None  # the writers' read mapping of the slot file, kept across persists (see scheduler)
     pins: int = 0  # peer sends reading the slot (persister/replication.py): never handed out meanwhile
     origin: Optional[Dict[str, Any]] = None  # a fetched snapshot of an earlier run: its world_size and dir_id
@@ -113,6 +115,18 @@ class Run:
     def multi_node(self) -> bool:
         """Whether ranks of this run live on other nodes (their persisters need files to learn things)."""
         return len(self.local_ranks) < self.world_size
+
+
+def _still_to_reserve(s: Slot, nbytes: int) -> int:
+    """Bytes slot ``s`` has yet to reserve to hold ``nbytes``: to its background growth's size while that runs (its
+    file's size says how far it got), else up to ``nbytes``."""
+    if s.growing is None:
+        return max(0, nbytes - s.nbytes)
+    try:
+        done = max(s.nbytes, os.path.getsize(s.path))
+    except OSError:
+        done = s.nbytes
+    return max(0, max(nbytes, s.growing_to) - done)
 
 
 class ReserveHolds:
@@ -323,12 +337,16 @@ class SlotTable:
         if not candidates:
             return None
         slot = candidates[0]
-        # every slot's background growth (the reservation ahead, an earlier save's grow_others) is taken
-        # before the capacity check: a finished one's pages are counted in the tmpfs's free bytes already,
-        # so counting that slot as still to be reserved in full refused states that fit (they grow alongside)
+        # the slots' background growths (the reservation ahead, an earlier save's grow_others) are taken before
+        # the capacity check: a finished one's pages are counted in the tmpfs's free bytes already, so counting
+        # that slot as still to be reserved in full refused states that fit (they grow alongside). One still
+        # running for another slot, a reservation to at least this size, is not waited for: the first save after
+        # construction does not wait for the reservation of the rank's other slot (issue 18); what that growth has
+        # yet to reserve is counted from its file's size, which grows piece by piece (SlotFiles.ensure_size, pause).
         for s in usable:
-            self._grown(s)
-        reserve = sum(max(0, nbytes - s.nbytes) for s in usable if s is not slot)
+            if s is slot or s.growing is None or s.growing.done() or s.growing_to < nbytes:
+                self._grown(s)
+        reserve = sum(_still_to_reserve(s, nbytes) for s in usable if s is not slot)
         held_nbytes = sum(min(s.nbytes, nbytes) for s in usable)
 
         def grow_others() -> None:
@@ -339,6 +357,9 @@ class SlotTable:
                         and other.state in (SlotState.FREE, SlotState.INVALID)):
                     other.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, other.index,
                                                           nbytes, other.nbytes)
+                    # one posix_fallocate: its file's size says nothing of its progress until it ends, so a save
+                    # that acquires another slot meanwhile waits for it (growing_to 0), as it always did
+                    other.growing_to = 0
 
         slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve,
                                              slots=len(usable), held_nbytes=held_nbytes, checked=grow_others)
@@ -355,7 +376,8 @@ class SlotTable:
         for s in self.usable(entry, limit):
             if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
                 s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes,
-                                                  pause=self.holds.pauser())
+                                                  pause=self.holds.pauser(), zero=True)
+                s.growing_to = nbytes
                 out.append(s)
         return out
 
@@ -371,7 +393,7 @@ class SlotTable:
             slot.nbytes = max(slot.nbytes, slot.growing.result())
         except Exception as e:
             log.info("slot %d: reserving its pages in the background failed: %s", slot.index, e)
-        slot.growing = None
+        slot.growing, slot.growing_to = None, 0
 
     def ready(self, entry: RankEntry, index: int, step: int, *, index_offset: int, index_nbytes: int,
               dirname: str, tracker_name: str, tracker_content: str, persistable: bool) -> Slot:

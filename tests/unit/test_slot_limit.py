@@ -117,3 +117,28 @@ def test_budget_arithmetic_and_advice():
     assert advice.startswith("slots_per_rank=1 fits: needs 4.00 GiB") and "of 5.00 GiB" in advice, advice
     none = fitting_setting(1 << 30, 2, 4, 1, 5 << 30)
     assert "no slot count fits" in none and "8.00 GiB" in none and "replicas=0" in none, none
+
+
+def test_a_save_does_not_wait_for_the_reservation_of_the_ranks_other_slot(table, monkeypatch):
+    """Issue 18: the first save after construction takes its slot as soon as that slot's reservation is done; the
+    reservation of the rank's other slot goes on meanwhile (it used to be waited for too), and the capacity check
+    still counts what that growth has yet to reserve."""
+    entry = table.attach(0, table.runs["run"], None, 2)
+    other_may_grow = threading.Event()
+    real = table.arena.ensure_size
+
+    def ensure_size(rank, slot, *args, **kwargs):
+        if slot == 1:
+            other_may_grow.wait(20)  # bounded: without the fix the acquire below waits this long, then fails
+        return real(rank, slot, *args, **kwargs)
+
+    monkeypatch.setattr(table.arena, "ensure_size", ensure_size)
+    assert [s.index for s in table.reserve(entry, 64 * KiB)] == [0, 1]
+    s = table.acquire(entry, 1, 64 * KiB)
+    other = entry.slots[1]
+    assert s.index == 0 and s.nbytes == 64 * KiB and other.growing is not None and not other.growing.done()
+    other_may_grow.set()
+    _ready(table, entry, s, 1)
+    again = table.acquire(entry, 2, 64 * KiB)  # takes the finished growth of the other slot
+    assert again is other and other.nbytes == 64 * KiB and other.growing is None
+    assert os.path.getsize(table.arena.path(0, 1)) == 64 * KiB

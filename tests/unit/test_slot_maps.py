@@ -59,7 +59,7 @@ def _thread_minflt() -> int:
 
 
 def test_prefault_maps_every_page_writable_and_leaves_the_data(tmp_path):
-    """The prefault (``MADV_POPULATE_WRITE``) maps the slot so that writes into it take no page fault, and it
+    """The prefault (``MADV_POPULATE_READ``) maps the slot so that writes into it take no page fault, and it
     never changes what the slot holds (an older snapshot a load may still need). Counted in minor faults of
     this thread, not in time."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)  # slots live on a tmpfs
