@@ -41,7 +41,7 @@ from snapckpt.ondisk.manifest import CHECKSUMS, record_checksum
 __all__ = ["read_into", "DIRECT_MIN_NBYTES"]
 
 CHUNK = 64 << 20  # bytes per read: large enough to keep the disk busy, small enough to hash while reading
-BOUNCE = 8 << 20  # bytes of each of the two bounce buffers (zip headers and small records only: kept small,
+BOUNCE = 8 << 20  # most bytes of each of the two bounce buffers (zip headers and small records only: kept small,
 #                  since fresh memory costs a page fault per 4 KiB)
 DIRECT_MIN_NBYTES = 1 << 20  # smaller records go through the bounce buffer (a direct read saves little)
 # One reader in file order with SEQUENTIAL advice only, as the floor: cold 0.5 GiB on the 2-core VM, 12 rounds
@@ -200,7 +200,10 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
     if size > pos:
         segments.append(("bounce", pos, size))
 
-    bounce = [bytearray(BOUNCE), bytearray(BOUNCE)]
+    # no larger than the largest gap: fresh memory costs a page fault per 4 KiB (a state of large tensors has
+    # gaps of a few KiB, the zip headers and small records: 16 MiB of bounce buffers cost 4096 faults)
+    gap = max((seg[2] - seg[1] for seg in segments if seg[0] == "bounce"), default=0)
+    bounce = [bytearray(min(BOUNCE, gap)), bytearray(min(BOUNCE, gap))]
     last_use: List[Optional[cf.Future]] = [None, None]
     turn = 0
     pending: List[cf.Future] = []
@@ -221,7 +224,7 @@ def _stream(fd: int, size: int, records: Dict[str, Tuple[int, int]], direct: Dic
                 continue
             lo, hi = seg[1], seg[2]
             while lo < hi:
-                n = min(BOUNCE, hi - lo)
+                n = min(len(bounce[turn]), hi - lo)
                 if last_use[turn] is not None:
                     last_use[turn].result()  # its previous piece is hashed: the buffer may be reused
                 view = memoryview(bounce[turn])[:n]
