@@ -117,6 +117,9 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     if not bool(large.any()):  # the common case of many tensors: all small
         return PlainCopies([], [], tensors, ptrs, offsets.add_(base).tolist(), nbytes.tolist(), mapped)
     small = large.logical_not()
+    ptr = torch.tensor(ptrs, dtype=torch.int64)
+    if _shared(ptr[large], nbytes[large], ptr[small], nbytes[small]):
+        return None
     big = large.tolist()
     large_srcs = [mapped.tensor[o:o + n].view(t.dtype).view(t.shape) for t, o, n in
                   zip(compress(tensors, big), offsets[large].tolist(), nbytes[large].tolist())]
@@ -124,6 +127,21 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     return PlainCopies(list(compress(tensors, big)), large_srcs, list(compress(tensors, few)),
                        list(compress(ptrs, few)), offsets[small].add_(base).tolist(),
                        nbytes[small].tolist(), mapped)
+
+
+def _shared(large_ptrs: torch.Tensor, large_nbytes: torch.Tensor, small_ptrs: torch.Tensor,
+            small_nbytes: torch.Tensor) -> bool:
+    """Whether a small live tensor shares bytes with a large one (a view beside its base, tied weights): copy_into
+    copies in walking order, :meth:`PlainCopies.run` the large tensors first, so the last copy into the shared
+    bytes would differ; such a state is left to the general path. (Among the small ones, or among the large ones,
+    the copies keep the walking order.) Byte ranges ``[ptr, ptr + nbytes)``; a few large tensors, any number of
+    small ones: each small start is looked up among the sorted large starts."""
+    starts, order = large_ptrs.sort()
+    reach = starts.add(large_nbytes[order]).cummax(0).values  # the furthest end of the large ranges up to each
+    i = torch.searchsorted(starts, small_ptrs, right=True)  # the large ranges starting at or before each small one
+    before = i.gt(0) & reach[i.sub(1).clamp_(min=0)].gt(small_ptrs)
+    after = i.lt(len(starts)) & starts[i.clamp(max=len(starts) - 1)].lt(small_ptrs.add(small_nbytes))
+    return bool((before | after).any())
 
 
 def _data_ptrs(tensors: List[torch.Tensor], complex_dtypes: bool) -> Optional[List[int]]:

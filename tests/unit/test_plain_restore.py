@@ -205,3 +205,26 @@ def test_the_offsets_rule_is_the_stagers():
     p = Stager().prepare({NAME: state}, 1)
     offsets, _ = plain_digest.direct_offsets(plain_digest.Facts(_tensors(state)))
     assert offsets.tolist() == [d[0] for d in p.layout.direct_dst]
+
+
+def test_live_tensors_sharing_bytes_take_the_general_path():
+    """Live tensors that share bytes (a view beside its base, tied weights) match a slot saved from separate tensors,
+    but the result then depends on the copies' order: copy_into copies in walking order, the plain restore the large
+    tensors first. Such a state is left to the general path, so both give the same bytes."""
+    from snapckpt.engine.restore import copy_into
+
+    g = torch.Generator().manual_seed(2)
+    n = plain_restore.LARGE_NBYTES // 4 + 16
+    state = {"head": torch.rand(4, generator=g), "body": torch.rand(n, generator=g)}
+    m = _save(state, m=_slot(8 << 20))
+
+    def live():
+        body = torch.zeros(n)
+        return {"head": body[:4], "body": body}  # a small view of a large tensor, walked first
+
+    assert _find(m, live()) is None
+    general = live()
+    copy_into(general, read_slot(m.buf, m.tensor, weights_only=True)[1][NAME], own=True)
+    assert torch.equal(general["head"], state["body"][:4])  # the large copy, made last, wins
+    separate = {"head": torch.zeros(4), "body": torch.zeros(n)}
+    assert _find(m, separate) is not None  # the control: the same layout without shared bytes
