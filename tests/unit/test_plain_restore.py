@@ -228,3 +228,19 @@ def test_live_tensors_sharing_bytes_take_the_general_path():
     assert torch.equal(general["head"], state["body"][:4])  # the large copy, made last, wins
     separate = {"head": torch.zeros(4), "body": torch.zeros(n)}
     assert _find(m, separate) is not None  # the control: the same layout without shared bytes
+
+
+def test_a_nan_value_keeps_its_sign_in_the_skeleton_and_the_digest():
+    """``float.hex`` gives ``'nan'`` for every NaN, but pickle keeps a NaN's sign: a save whose only change is a NaN's
+    sign must pickle its skeleton again (not reuse the last one), and a live NaN of the other sign must not match."""
+    import math
+
+    nan, neg = float("nan"), -float("nan")
+    assert math.copysign(1, neg) == -1
+    stager, m, w = Stager(), _slot(), torch.rand(3)
+    for step, v in ((1, nan), (2, neg)):  # one Stager: the second save may reuse the first one's skeleton
+        Stager.copy_into(stager.prepare({NAME: {"w": w, "loss": v}}, step), m.tensor, m.buf)
+    got = read_slot(m.buf, m.tensor, weights_only=True)[1][NAME]["loss"]
+    assert math.isnan(got) and math.copysign(1, got) == -1
+    assert _find(m, {"w": torch.zeros(3), "loss": nan}, step=2) is None
+    assert _find(m, {"w": torch.zeros(3), "loss": -float("nan")}, step=2) is not None  # the control
