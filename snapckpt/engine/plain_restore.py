@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import re
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from itertools import compress
@@ -117,8 +118,7 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     if not bool(large.any()):  # the common case of many tensors: all small
         return PlainCopies([], [], tensors, ptrs, offsets.add_(base).tolist(), nbytes.tolist(), mapped)
     small = large.logical_not()
-    ptr = torch.tensor(ptrs, dtype=torch.int64)
-    if _shared(ptr[large], nbytes[large], ptr[small], nbytes[small]):
+    if _shared(torch.frombuffer(array("q", ptrs), dtype=torch.int64), nbytes, large, small):
         return None
     big = large.tolist()
     large_srcs = [mapped.tensor[o:o + n].view(t.dtype).view(t.shape) for t, o, n in
@@ -129,18 +129,33 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
                        nbytes[small].tolist(), mapped)
 
 
-def _shared(large_ptrs: torch.Tensor, large_nbytes: torch.Tensor, small_ptrs: torch.Tensor,
-            small_nbytes: torch.Tensor) -> bool:
+def _shared(ptrs: torch.Tensor, nbytes: torch.Tensor, large: torch.Tensor, small: torch.Tensor) -> bool:
     """Whether a small live tensor shares bytes with a large one (a view beside its base, tied weights): copy_into
     copies in walking order, :meth:`PlainCopies.run` the large tensors first, so the last copy into the shared
     bytes would differ; such a state is left to the general path. (Among the small ones, or among the large ones,
-    the copies keep the walking order.) Byte ranges ``[ptr, ptr + nbytes)``; a few large tensors, any number of
-    small ones: each small start is looked up among the sorted large starts."""
-    starts, order = large_ptrs.sort()
-    reach = starts.add(large_nbytes[order]).cummax(0).values  # the furthest end of the large ranges up to each
-    i = torch.searchsorted(starts, small_ptrs, right=True)  # the large ranges starting at or before each small one
-    before = i.gt(0) & reach[i.sub(1).clamp_(min=0)].gt(small_ptrs)
-    after = i.lt(len(starts)) & starts[i.clamp(max=len(starts) - 1)].lt(small_ptrs.add(small_nbytes))
+    the copies keep the walking order.) Tensor ``i`` holds bytes ``[ptrs[i], ptrs[i] + nbytes[i])``; ``large``
+    and ``small`` are the masks of the two kinds.
+
+    A few large tensors, any number of small ones: a small one (under :data:`LARGE_NBYTES`) that overlaps a large
+    one starts less than that before it, so one lookup of every start among those widened ranges (merged) finds
+    the few candidates, which are then checked exactly."""
+    starts, order = ptrs[large].sort()
+    ends = starts.add(nbytes[large][order])
+    bounds: List[int] = []  # the widened ranges, merged: [lo, hi) pairs, ascending
+    for lo, hi in zip(starts.sub(LARGE_NBYTES - 1).tolist(), ends.tolist()):
+        if bounds and lo <= bounds[-1]:
+            bounds[-1] = max(bounds[-1], hi)
+        else:
+            bounds += [lo, hi]
+    near = torch.searchsorted(torch.tensor(bounds, dtype=torch.int64), ptrs, right=True).bitwise_and_(1)
+    if int(near.sum()) == len(starts):  # the large tensors themselves only
+        return False
+    cand = (near.bool() & small).nonzero().flatten()
+    a, b = ptrs[cand], ptrs[cand].add(nbytes[cand])
+    reach = ends.cummax(0).values  # the furthest end of the large ranges up to each
+    i = torch.searchsorted(starts, a, right=True)  # the large ranges starting at or before each candidate
+    before = i.gt(0) & reach[i.sub(1).clamp_(min=0)].gt(a)
+    after = i.lt(len(starts)) & starts[i.clamp(max=len(starts) - 1)].lt(b)
     return bool((before | after).any())
 
 
