@@ -244,3 +244,24 @@ def test_a_nan_value_keeps_its_sign_in_the_skeleton_and_the_digest():
     assert math.isnan(got) and math.copysign(1, got) == -1
     assert _find(m, {"w": torch.zeros(3), "loss": nan}, step=2) is None
     assert _find(m, {"w": torch.zeros(3), "loss": -float("nan")}, step=2) is not None  # the control
+
+
+def test_the_shared_bytes_check_tells_touching_ranges_from_overlapping_ones():
+    """plain_restore._shared on byte ranges (start, nbytes): small ranges near a large one (within LARGE_NBYTES
+    before it, which makes them candidates) overlap it only when they cross its start or lie inside it."""
+    big = plain_restore.LARGE_NBYTES
+    base = 10 * big
+
+    def shared(*ranges):
+        ptrs = torch.tensor([p for p, _ in ranges], dtype=torch.int64)
+        nbytes = torch.tensor([n for _, n in ranges], dtype=torch.int64)
+        large = nbytes >= big
+        return plain_restore._shared(ptrs, nbytes, large, large.logical_not())
+
+    assert not shared((base, big), (base - 64, 64), (base + big, 64))  # ending at its start, starting at its end
+    assert not shared((base, big), (base - big + 1, 8), (base + 4 * big, 2 * big))  # near; another large far off
+    assert shared((base, big), (base - 8, 16))  # crossing its start
+    assert shared((base, big), (base + big - 64, 64))  # inside, at its end
+    # past the end of the large range that starts last before it, inside an earlier, longer one
+    assert shared((base, 3 * big), (base + big, big), (base + 2 * big + 8, 8))
+    assert not shared((base, big), (base, big))  # two large tensors alone: their copies keep the walking order
