@@ -11,8 +11,8 @@ they are equal, copies each span straight into its live tensor: tensors of 1 MiB
 tensors would otherwise spend most of the restore making a view of the slot per tensor), their autograd version
 counters bumped as an in-place copy bumps them. Anything else (no digest: an older slot, another layout, a
 live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would replace
-rather than copy into) gets ``None``, and the caller reads the slot the general way, which also names any
-incompatibility.
+rather than copy into, a small live tensor sharing bytes with a large one) gets ``None``, and the caller reads the
+slot the general way, which also names any incompatibility.
 """
 from __future__ import annotations
 
