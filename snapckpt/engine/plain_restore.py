@@ -11,14 +11,15 @@ they are equal, copies each span straight into its live tensor: tensors of 1 MiB
 tensors would otherwise spend most of the restore making a view of the slot per tensor), their autograd version
 counters bumped as an in-place copy bumps them. Anything else (no digest: an older slot, another layout, a
 live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would replace
-rather than copy into) gets ``None``, and the caller reads the slot the general way, which also names any
-incompatibility.
+rather than copy into, a small live tensor sharing bytes with a large one) gets ``None``, and the caller reads the
+slot the general way, which also names any incompatibility.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
 import re
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from itertools import compress
@@ -117,6 +118,8 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     if not bool(large.any()):  # the common case of many tensors: all small
         return PlainCopies([], [], tensors, ptrs, offsets.add_(base).tolist(), nbytes.tolist(), mapped)
     small = large.logical_not()
+    if _shared(torch.frombuffer(array("q", ptrs), dtype=torch.int64), nbytes, large, small):
+        return None
     big = large.tolist()
     large_srcs = [mapped.tensor[o:o + n].view(t.dtype).view(t.shape) for t, o, n in
                   zip(compress(tensors, big), offsets[large].tolist(), nbytes[large].tolist())]
@@ -124,6 +127,36 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     return PlainCopies(list(compress(tensors, big)), large_srcs, list(compress(tensors, few)),
                        list(compress(ptrs, few)), offsets[small].add_(base).tolist(),
                        nbytes[small].tolist(), mapped)
+
+
+def _shared(ptrs: torch.Tensor, nbytes: torch.Tensor, large: torch.Tensor, small: torch.Tensor) -> bool:
+    """Whether a small live tensor shares bytes with a large one (a view beside its base, tied weights): copy_into
+    copies in walking order, :meth:`PlainCopies.run` the large tensors first, so the last copy into the shared
+    bytes would differ; such a state is left to the general path. (Among the small ones, or among the large ones,
+    the copies keep the walking order.) Tensor ``i`` holds bytes ``[ptrs[i], ptrs[i] + nbytes[i])``; ``large``
+    and ``small`` are the masks of the two kinds.
+
+    A few large tensors, any number of small ones: a small one (under :data:`LARGE_NBYTES`) that overlaps a large
+    one starts less than that before it, so one lookup of every start among those widened ranges (merged) finds
+    the few candidates, which are then checked exactly."""
+    starts, order = ptrs[large].sort()
+    ends = starts.add(nbytes[large][order])
+    bounds: List[int] = []  # the widened ranges, merged: [lo, hi) pairs, ascending
+    for lo, hi in zip(starts.sub(LARGE_NBYTES - 1).tolist(), ends.tolist()):
+        if bounds and lo <= bounds[-1]:
+            bounds[-1] = max(bounds[-1], hi)
+        else:
+            bounds += [lo, hi]
+    near = torch.searchsorted(torch.tensor(bounds, dtype=torch.int64), ptrs, right=True).bitwise_and_(1)
+    if int(near.sum()) == len(starts):  # the large tensors themselves only
+        return False
+    cand = (near.bool() & small).nonzero().flatten()
+    a, b = ptrs[cand], ptrs[cand].add(nbytes[cand])
+    reach = ends.cummax(0).values  # the furthest end of the large ranges up to each
+    i = torch.searchsorted(starts, a, right=True)  # the large ranges starting at or before each candidate
+    before = i.gt(0) & reach[i.sub(1).clamp_(min=0)].gt(a)
+    after = i.lt(len(starts)) & starts[i.clamp(max=len(starts) - 1)].lt(b)
+    return bool((before | after).any())
 
 
 def _data_ptrs(tensors: List[torch.Tensor], complex_dtypes: bool) -> Optional[List[int]]:

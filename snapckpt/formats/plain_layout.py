@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import struct
 from itertools import chain, islice
 from operator import methodcaller
 from typing import Any, Dict, List, Optional, Tuple
@@ -24,6 +25,13 @@ _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _OD = collections.OrderedDict
 # markers in a key (never equal to a value of the state: module-private objects)
 _T, _ALIAS, _FLOAT, _TDICT = object(), object(), object(), object()
+_PACK_DOUBLE = struct.Struct("<d").pack
+
+
+def _float_key(x: float) -> str:
+    """A float as a key item: its hex (exact, and ``-0.0`` != ``0.0``), or for a NaN its bits (``float.hex`` gives
+    ``'nan'`` for every NaN, whose sign and payload pickle keeps)."""
+    return x.hex() if x == x else "nan:" + _PACK_DOUBLE(x).hex()
 
 
 def plain_layout(obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
@@ -51,7 +59,7 @@ def _walk(obj: Any, out: List[torch.Tensor], seen: Dict[int, int], containers: D
         return True
     if t is float:
         key.append(_FLOAT)
-        key.append(obj.hex())  # exact, and -0.0 != 0.0
+        key.append(_float_key(obj))
         return True
     if t in _TENSOR_TYPES:
         i = seen.get(id(obj))
@@ -78,7 +86,7 @@ def _walk(obj: Any, out: List[torch.Tensor], seen: Dict[int, int], containers: D
         for k, v in obj.items():
             tk = type(k)
             if tk is float:
-                k = k.hex()
+                k = _float_key(k)
             elif tk not in _ATOMIC:
                 return False
             append(tk)
@@ -179,7 +187,7 @@ class LayoutMemo:
             lv.tensor_pos = tuple(j for j, t in enumerate(lv.vtypes) if t in _TENSOR_TYPES)
             lv.leaves = keys + [vals[j] for j in lv.leaf_pos]
             lv.float_pos = tuple(j for j, v in enumerate(lv.leaves) if type(v) is float)
-            lv.float_hex = [lv.leaves[j].hex() for j in lv.float_pos]
+            lv.float_hex = [_float_key(lv.leaves[j]) for j in lv.float_pos]
             order.extend(index[id(vals[j])] for j in lv.tensor_pos)
             cur = [vals[j] for j in lv.cont_pos] + [vars(cur[i]) for i in lv.ods]
             if len(met) != sum(len(x.types) for x in levels) + len(lv.types) or not met.isdisjoint(map(id, cur)):
@@ -204,7 +212,7 @@ class LayoutMemo:
             keys.extend(map(vals.__getitem__, lv.leaf_pos))
             if keys != lv.leaves:  # exact types compared above: True == 1 cannot pass
                 return None
-            if lv.float_pos and list(map(float.hex, map(keys.__getitem__, lv.float_pos))) != lv.float_hex:
+            if lv.float_pos and list(map(_float_key, map(keys.__getitem__, lv.float_pos))) != lv.float_hex:
                 return None  # -0.0 == 0.0
             found.extend(map(vals.__getitem__, lv.tensor_pos))
             ids.extend(map(id, cur))

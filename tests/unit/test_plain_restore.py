@@ -205,3 +205,63 @@ def test_the_offsets_rule_is_the_stagers():
     p = Stager().prepare({NAME: state}, 1)
     offsets, _ = plain_digest.direct_offsets(plain_digest.Facts(_tensors(state)))
     assert offsets.tolist() == [d[0] for d in p.layout.direct_dst]
+
+
+def test_live_tensors_sharing_bytes_take_the_general_path():
+    """Live tensors that share bytes (a view beside its base, tied weights) match a slot saved from separate tensors,
+    but the result then depends on the copies' order: copy_into copies in walking order, the plain restore the large
+    tensors first. Such a state is left to the general path, so both give the same bytes."""
+    from snapckpt.engine.restore import copy_into
+
+    g = torch.Generator().manual_seed(2)
+    n = plain_restore.LARGE_NBYTES // 4 + 16
+    state = {"head": torch.rand(4, generator=g), "body": torch.rand(n, generator=g)}
+    m = _save(state, m=_slot(8 << 20))
+
+    def live():
+        body = torch.zeros(n)
+        return {"head": body[:4], "body": body}  # a small view of a large tensor, walked first
+
+    assert _find(m, live()) is None
+    general = live()
+    copy_into(general, read_slot(m.buf, m.tensor, weights_only=True)[1][NAME], own=True)
+    assert torch.equal(general["head"], state["body"][:4])  # the large copy, made last, wins
+    separate = {"head": torch.zeros(4), "body": torch.zeros(n)}
+    assert _find(m, separate) is not None  # the control: the same layout without shared bytes
+
+
+def test_a_nan_value_keeps_its_sign_in_the_skeleton_and_the_digest():
+    """``float.hex`` gives ``'nan'`` for every NaN, but pickle keeps a NaN's sign: a save whose only change is a NaN's
+    sign must pickle its skeleton again (not reuse the last one), and a live NaN of the other sign must not match."""
+    import math
+
+    nan, neg = float("nan"), -float("nan")
+    assert math.copysign(1, neg) == -1
+    stager, m, w = Stager(), _slot(), torch.rand(3)
+    for step, v in ((1, nan), (2, neg)):  # one Stager: the second save may reuse the first one's skeleton
+        Stager.copy_into(stager.prepare({NAME: {"w": w, "loss": v}}, step), m.tensor, m.buf)
+    got = read_slot(m.buf, m.tensor, weights_only=True)[1][NAME]["loss"]
+    assert math.isnan(got) and math.copysign(1, got) == -1
+    assert _find(m, {"w": torch.zeros(3), "loss": nan}, step=2) is None
+    assert _find(m, {"w": torch.zeros(3), "loss": -float("nan")}, step=2) is not None  # the control
+
+
+def test_the_shared_bytes_check_tells_touching_ranges_from_overlapping_ones():
+    """plain_restore._shared on byte ranges (start, nbytes): small ranges near a large one (within LARGE_NBYTES
+    before it, which makes them candidates) overlap it only when they cross its start or lie inside it."""
+    big = plain_restore.LARGE_NBYTES
+    base = 10 * big
+
+    def shared(*ranges):
+        ptrs = torch.tensor([p for p, _ in ranges], dtype=torch.int64)
+        nbytes = torch.tensor([n for _, n in ranges], dtype=torch.int64)
+        large = nbytes >= big
+        return plain_restore._shared(ptrs, nbytes, large, large.logical_not())
+
+    assert not shared((base, big), (base - 64, 64), (base + big, 64))  # ending at its start, starting at its end
+    assert not shared((base, big), (base - big + 1, 8), (base + 4 * big, 2 * big))  # near; another large far off
+    assert shared((base, big), (base - 8, 16))  # crossing its start
+    assert shared((base, big), (base + big - 64, 64))  # inside, at its end
+    # past the end of the large range that starts last before it, inside an earlier, longer one
+    assert shared((base, 3 * big), (base + big, big), (base + 2 * big + 8, 8))
+    assert not shared((base, big), (base, big))  # two large tensors alone: their copies keep the walking order
