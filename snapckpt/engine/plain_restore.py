@@ -31,10 +31,11 @@ import torch
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.slot_restore import _copied_in_place
 from snapckpt.errors import SnapshotError
-from snapckpt.formats.plain_digest import Facts, digest, direct_offsets, tensor_part
-from snapckpt.persister.arena import read_header
+from snapckpt.engine.stager import ALIGN
+from snapckpt.formats.plain_digest import Facts, digest, tensor_part
+from snapckpt.persister.arena import HEADER_NBYTES, read_header
 
-__all__ = ["PlainCopies", "find"]
+__all__ = ["PlainCopies", "find", "direct_offsets"]
 
 #: Tensors of at least this many bytes are copied by torch (its copy of a large tensor runs on several threads).
 LARGE_NBYTES = 1 << 20
@@ -175,3 +176,16 @@ def _data_ptrs(tensors: List[torch.Tensor], complex_dtypes: bool) -> Optional[Li
     if any(map(t_.is_neg, tensors)) or (complex_dtypes and any(map(t_.is_conj, tensors))):
         return None
     return ptrs
+
+
+def direct_offsets(facts: Facts) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(slot byte offsets, byte sizes)`` (int64 tensors) of tensors laid out as the Stager lays out tensors that
+    are each their own whole span, in order: from the end of the slot header, each span ``ALIGN``-aligned after the
+    previous one."""
+    if not facts.numels:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    itemsizes = torch.tensor([d.itemsize for d in facts.kinds], dtype=torch.int64)
+    nbytes = itemsizes[torch.frombuffer(facts.codes, dtype=torch.int64)].mul_(torch.frombuffer(facts.numels,
+                                                                                              dtype=torch.int64))
+    aligned = nbytes.add(ALIGN - 1).div_(ALIGN, rounding_mode="floor").mul_(ALIGN)
+    return aligned.cumsum(0).sub_(aligned).add_(HEADER_NBYTES), nbytes

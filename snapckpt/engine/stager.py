@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 from itertools import islice
 from operator import attrgetter, eq, mul, sub
 from dataclasses import dataclass, field
@@ -280,7 +281,7 @@ def _stream_steps(layout: _Layout, batch_nbytes: int = STREAM_BATCH_NBYTES) -> L
     if layout.stream_steps is not None:
         return layout.stream_steps
     plan = layout.plan
-    items = [(off, "direct", i, dtype.itemsize, _numel(size)) for i, (off, dtype, size, _st)
+    items = [(off, "direct", i, dtype.itemsize, math.prod(size)) for i, (off, dtype, size, _st)
              in enumerate(layout.direct_dst)]
     items += [(plan.spans[s].arena_offset, "span", k, 1, plan.spans[s].nbytes) for k, (s, _i) in enumerate(layout.spans)]
     items.sort(key=lambda x: x[0])
@@ -307,13 +308,6 @@ def _stream_steps(layout: _Layout, batch_nbytes: int = STREAM_BATCH_NBYTES) -> L
         steps.append(("direct", run[0], run[1], run[3]))
     layout.stream_steps = steps
     return steps
-
-
-def _numel(size: Tuple[int, ...]) -> int:
-    n = 1
-    for d in size:
-        n *= d
-    return n
 
 
 def _layout(tensors: List[torch.Tensor], plan: Plan) -> _Layout:

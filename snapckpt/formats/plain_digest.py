@@ -5,7 +5,7 @@ own whole, contiguous CPU span (the Stager's ``direct_all`` layout) carries ``"p
 SHA-256 of the file's name, its ``plain_layout`` key (containers, keys, non-tensor values, where the tensors sit),
 every tensor's dtype, shape, and the slot byte offset of its span. A process that never saved that slot (a
 restart) computes the same digest from its live state, with the span offsets that the Stager's rule gives for
-those tensors (:func:`direct_offsets`); equal digests mean that unpickling the slot's skeleton would give a state
+those tensors (:func:`snapckpt.engine.plain_restore.direct_offsets`); equal digests mean that unpickling the slot's skeleton would give a state
 of the live state's structure and values whose tensors are the spans at those offsets, in walking order, so the
 restore copies the spans straight into the live tensors (:mod:`snapckpt.engine.plain_restore`) without reading the
 skeleton or the index's records. Any difference (another name, structure, value, dtype, shape or offset) gives
@@ -17,16 +17,13 @@ import hashlib
 from array import array
 from itertools import chain, compress
 from operator import attrgetter
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Sequence
 
 import torch
 
 from snapckpt.formats import plain_layout as _pl
 
-__all__ = ["Facts", "tensor_part", "digest", "direct_offsets", "ALIGN", "DATA_START"]
-
-ALIGN = 64  # span alignment in a slot (snapckpt.engine.stager.ALIGN)
-DATA_START = 64  # the first span's offset: the slot header's size (snapckpt.persister.arena.HEADER_NBYTES)
+__all__ = ["Facts", "tensor_part", "digest"]
 
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 _IS_MULTI_DIM = (1).__lt__
@@ -72,16 +69,3 @@ def digest(name: str, key: List[Any], tensors_part: bytes) -> str:
     h.update(b"\0")
     h.update(tensors_part)
     return h.hexdigest()
-
-
-def direct_offsets(facts: Facts) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(slot byte offsets, byte sizes)`` (int64 tensors) of tensors laid out as the Stager lays out tensors that
-    are each their own whole span, in order: from :data:`DATA_START`, each span ``ALIGN``-aligned after the
-    previous one."""
-    if not facts.numels:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    itemsizes = torch.tensor([d.itemsize for d in facts.kinds], dtype=torch.int64)
-    nbytes = itemsizes[torch.frombuffer(facts.codes, dtype=torch.int64)].mul_(torch.frombuffer(facts.numels,
-                                                                                              dtype=torch.int64))
-    aligned = nbytes.add(ALIGN - 1).div_(ALIGN, rounding_mode="floor").mul_(ALIGN)
-    return aligned.cumsum(0).sub_(aligned).add_(DATA_START), nbytes

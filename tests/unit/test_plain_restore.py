@@ -15,7 +15,7 @@ import torch
 from snapckpt.engine import plain_restore
 from snapckpt.engine.stager import Stager
 from snapckpt.formats import plain_digest
-from snapckpt.persister.arena import HEADER_NBYTES, read_header
+from snapckpt.persister.arena import read_header
 from snapckpt.persister.slot_index import read_slot
 
 NAME = "rank_00000.pt"
@@ -182,9 +182,10 @@ def test_the_digest_is_the_same_in_another_process():
     """The digest hashes no object identity: a fresh interpreter computes the same one for an equal state."""
     code = ("import torch; from collections import OrderedDict\n"
             "from snapckpt.formats import plain_digest as d; from snapckpt.formats.plain_layout import plain_layout\n"
+            "from snapckpt.engine.plain_restore import direct_offsets\n"
             "s = {'m': OrderedDict(a=torch.zeros(3, 2), b=torch.zeros(4)), 'x': [1, 2.5, None, 'y', True],"
             " 'd': {i: torch.zeros(1) for i in range(20)}}\n"
-            "t, k = plain_layout(s); f = d.Facts(t); o, _ = d.direct_offsets(f)\n"
+            "t, k = plain_layout(s); f = d.Facts(t); o, _ = direct_offsets(f)\n"
             "print(d.digest('r.pt', k, d.tensor_part(f, o.tolist())))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     from snapckpt.formats.plain_layout import plain_layout
@@ -193,17 +194,14 @@ def test_the_digest_is_the_same_in_another_process():
          "d": {i: torch.ones(1) for i in range(20)}}
     t, k = plain_layout(s)
     f = plain_digest.Facts(t)
-    o, _ = plain_digest.direct_offsets(f)
+    o, _ = plain_restore.direct_offsets(f)
     assert plain_digest.digest("r.pt", k, plain_digest.tensor_part(f, o.tolist())) == out
 
 
 def test_the_offsets_rule_is_the_stagers():
-    from snapckpt.engine import stager
-
-    assert plain_digest.ALIGN == stager.ALIGN and plain_digest.DATA_START == HEADER_NBYTES
     state = _state()
     p = Stager().prepare({NAME: state}, 1)
-    offsets, _ = plain_digest.direct_offsets(plain_digest.Facts(_tensors(state)))
+    offsets, _ = plain_restore.direct_offsets(plain_digest.Facts(_tensors(state)))
     assert offsets.tolist() == [d[0] for d in p.layout.direct_dst]
 
 
