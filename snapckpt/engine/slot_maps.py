@@ -10,8 +10,8 @@ holds an older snapshot a load still needs is unchanged; the save that first use
 takes no page fault. The slots of a reservation ahead of the first save (``expected_nbytes``, a restart) are
 mapped with ``MADV_POPULATE_READ`` instead (:attr:`MappedSlot.zeroed`): the persister wrote their pages
 (:mod:`snapckpt.persister.arena`), and a read fault on such pages maps the 16 around it at once (the kernel's
-fault-around), writable, since a tmpfs tracks no dirty pages, where a write fault maps one page: 0.5 GiB on a
-loaded 2-core VM, 0.10 s against 0.23 s (issue 18). On pages not yet zeroed (``posix_fallocate``) each read fault
+fault-around), writable, since a tmpfs tracks no dirty pages, where a write fault maps one page (less than half
+the time: docs/performance.md). On pages not yet zeroed (``posix_fallocate``) each read fault
 zeroes its own page, and fault-around finds nothing to map: ``MADV_POPULATE_WRITE`` is faster there.
 """
 from __future__ import annotations

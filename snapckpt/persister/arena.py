@@ -23,15 +23,12 @@ returned: on a CPU that keeps stores in order (x86-64) a reader that sees it see
 
 Sizing reserves the pages at once, so a too-small ``/dev/shm`` fails here with a clear error instead of a
 SIGBUS on first touch later (case D1): ``posix_fallocate``, or, for a reservation ahead of the first save on a
-tmpfs, zeros written into the pages (:func:`write_zeros`, ``SlotFiles.ensure_size(zero=True)``), which also
-leaves them *up to date*. ``posix_fallocate`` leaves them not yet zeroed: the first fault of each page in a
-rank's mapping zeroes it, one fault per 4 KiB page, on the rank. A page written here is mapped by a rank with the
-kernel's fault-around instead (a read fault maps the 16 pages around it, ``fault_around_bytes``, writable on a
-tmpfs, which tracks no dirty pages), so the rank's prefault of a reservation (:mod:`snapckpt.engine.slot_maps`)
-costs less than half of what it did (issue 18, 0.5 GiB on a loaded 2-core VM: 0.10 s against 0.23 s). Writing
-zeros takes the persister longer than ``posix_fallocate`` (0.35 s against 0.25 s there), so a growth that a
-save waits for, or that runs beside one, still uses ``posix_fallocate`` (paired runs at load 6-7: a fresh job's
-first save took 1.5 s with zeros written for both slots, against 0.96 s).
+tmpfs, zeros written into the pages (:func:`write_zeros`, ``SlotFiles.ensure_size(zero=True)``). Pages that
+``posix_fallocate`` reserved are zeroed by the first fault of each in a rank's mapping, one fault per 4 KiB page;
+pages written here are up to date, and a rank maps them with the kernel's fault-around (16 pages per read fault,
+writable on a tmpfs), so its background prefault of a reservation (:mod:`snapckpt.engine.slot_maps`) costs less
+than half. Writing zeros takes the persister longer than ``posix_fallocate``, so a growth that a save waits for,
+or that runs beside one, keeps ``posix_fallocate``. Measurements: docs/performance.md, "First save".
 """
 from __future__ import annotations
 
