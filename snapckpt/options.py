@@ -12,6 +12,13 @@ from snapckpt._internal import env as _env
 __all__ = ["CheckpointOptions"]
 
 
+def _int_at_least(value: object, low: int, optional: bool = False) -> bool:
+    """Whether ``value`` is an int (not a bool) >= ``low``, or ``None`` when ``optional``."""
+    if value is None:
+        return optional
+    return not isinstance(value, bool) and isinstance(value, int) and value >= low
+
+
 @dataclass(frozen=True)
 class CheckpointOptions:
     """Everything a :class:`snapckpt.Checkpointer` can be told.
@@ -129,24 +136,21 @@ class CheckpointOptions:
     cuda_copy_piece_nbytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        if self.keep_last is not None and (isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int)
-                                           or self.keep_last < 1):
+        if not _int_at_least(self.keep_last, 1, optional=True):
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
-        if isinstance(self.slots_per_rank, bool) or not isinstance(self.slots_per_rank, int) or self.slots_per_rank < 1:
+        if not _int_at_least(self.slots_per_rank, 1):
             raise ValueError(f"slots_per_rank must be an int >= 1, got {self.slots_per_rank!r}")
         budget = self.host_memory_budget_nbytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        if not _int_at_least(budget, 1, optional=True):
             raise ValueError(f"host_memory_budget_nbytes must be a positive int (bytes of host memory for this "
                              f"node's arena, e.g. 64 << 30 for 64 GiB) or None, got {budget!r}")
         headroom = self.slot_headroom
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1.0 <= headroom < math.inf:
             raise ValueError(f"slot_headroom must be a finite number >= 1.0, got {headroom!r}")
-        if self.expected_nbytes is not None and (isinstance(self.expected_nbytes, bool)
-                                                 or not isinstance(self.expected_nbytes, int)
-                                                 or self.expected_nbytes < 0):
+        if not _int_at_least(self.expected_nbytes, 0, optional=True):
             raise ValueError(f"expected_nbytes must be an int >= 0 (bytes) or None, got {self.expected_nbytes!r}")
         piece = self.cuda_copy_piece_nbytes
-        if isinstance(piece, bool) or not isinstance(piece, int) or piece < 0:
+        if not _int_at_least(piece, 0):
             raise ValueError(f"cuda_copy_piece_nbytes must be an int >= 0 (bytes; 0 queues every copy at once), "
                              f"got {piece!r}")
         if self.on_slot_busy not in ("wait", "skip"):
@@ -166,8 +170,7 @@ class CheckpointOptions:
         if self.remote_dir is not None and (not isinstance(self.remote_dir, str) or "://" not in self.remote_dir):
             raise ValueError(f"remote_dir must be an object store URL such as 's3://bucket/run1', got "
                              f"{self.remote_dir!r}")
-        if self.replicas is not None and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
-                                          or self.replicas < 0):
+        if not _int_at_least(self.replicas, 0, optional=True):
             raise ValueError(f"replicas must be a non-negative int (0: off) or None, got {self.replicas!r}")
         if self.job_id is not None and (not self.job_id or "/" in self.job_id or "\x00" in self.job_id):
             raise ValueError(f"job_id must be a non-empty string without '/', got {self.job_id!r}")
