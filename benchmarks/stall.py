@@ -9,7 +9,15 @@ One run, one process tree, the same model + AdamW-like state for every method (s
 * ``durable_s`` -- seconds from the start of the call until the bytes are fsynced on disk
   (``None`` for methods that never reach disk);
 * peak RSS in bytes of this process and of helper processes (the snapckpt persister, DCP's
-  background process) over warm-up + repeats.
+  background process) over warm-up + repeats;
+* ``minflt`` (in each sample's extras) -- minor page faults of this process (all its threads) during
+  the call: a save into buffers whose pages are not mapped yet takes about one per 4 KiB page.
+
+Between the warm-up and the first timed repeat every method gets ``--settle-s-per-gib`` seconds per GiB
+of state (untimed, a training step's worth): background work that the warm-up started (snapckpt maps its
+other arena slot, a copy of 0.2-0.4 s per 0.5 GiB on 2 cores) ends there, as it would during the steps of
+a training loop, instead of leaking into the first timed save. A save taken right after the first one,
+back to back, is ``first_save.py``'s "second save" column.
 
 Methods (``--methods``, comma separated; default all):
 
@@ -45,6 +53,7 @@ import faulthandler
 import gc
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -86,6 +95,9 @@ ALL_METHODS = [
     "snapckpt_memory",
     "snapckpt_disk",
 ]
+
+#: seconds per GiB of state between the warm-up and the first timed repeat (see the module docstring)
+SETTLE_S_PER_GIB = 1.0
 
 # Result of one timed call: (blocking seconds, durable seconds or None, extra facts).
 Sample = tuple[float, "float | None", dict[str, Any]]
@@ -468,9 +480,10 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
                 warm = method.once(0)
                 rec["warmup"] = {"blocking_s": warm[0], "durable_s": warm[1], **warm[2]}
                 method.cleanup_after(0)
+                time.sleep(settle_secs(args, state))  # the warm-up's background work ends (module docstring)
                 for i in range(1, args.repeats + 1):
                     os.sync()
-                    samples.append(method.once(i))
+                    samples.append(_counting_faults(method, i))
                     method.cleanup_after(i)
                 n_restore = getattr(args, "restore_repeats", 0)
                 if n_restore and method.restore_tier:
@@ -524,6 +537,18 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
     return rec
 
 
+def settle_secs(args: argparse.Namespace, state: dict[str, Any]) -> float:
+    """Seconds between the warm-up and the first timed repeat: ``--settle-s-per-gib`` per GiB of ``state``."""
+    return getattr(args, "settle_s_per_gib", 0.0) * state_nbytes(state) / GiB
+
+
+def _counting_faults(method: Method, i: int) -> Sample:
+    """``method.once(i)`` with the minor page faults of this process during it in the extras (``minflt``)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocking, durable, extra = method.once(i)
+    return blocking, durable, {**extra, "minflt": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}
+
+
 def add_ratios(records: list[dict[str, Any]]) -> None:
     """Add ratio fields to each record of one size (in place)."""
     by = {r["method"]: r for r in records}
@@ -573,7 +598,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"- load average (1 min) at each method's start: {_loads(result)} on {m['cpu_count']} cpus "
         "(above the cpu count, other tenants were competing)",
         f"- scratch: {m['scratch_dir']} ({m['scratch_fstype']}); repeats: {result['config']['repeats']} "
-        f"(median shown) after 1 warm-up",
+        f"(median shown) after 1 warm-up and {result['config'].get('settle_s_per_gib', 0):g} s per GiB of state "
+        "(untimed: the warm-up's background work ends)",
         "- blocking = training thread blocked; durable = until fsynced on disk; peak RSS in GiB "
         "(process = this process incl. the state itself; helpers = persister / DCP background process)",
         "",
@@ -721,6 +747,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds to wait (untimed) after close() for a persister to exit")
     p.add_argument("--restore-repeats", type=int, default=1,
                    help="timed restores per method (0: none); see Method.restore")
+    p.add_argument("--settle-s-per-gib", type=float, default=SETTLE_S_PER_GIB,
+                   help="untimed seconds per GiB of state between the warm-up and the first timed repeat")
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.sizes_gib.split(",") if s.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -743,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "stall",
         "machine": {**machine_info(scratch), "scratch_choice": why},
         "config": {"sizes_gib": args.sizes, "repeats": args.repeats, "methods": args.methods,
-                   "method_timeout_s": args.method_timeout,
+                   "method_timeout_s": args.method_timeout, "settle_s_per_gib": args.settle_s_per_gib,
                    "persister_exit_wait_s": args.persister_exit_wait, "out": str(out), "plot": args.plot,
                    "argv": sys.argv},
         "sizes": [],

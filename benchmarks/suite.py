@@ -618,8 +618,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"sizes_gib": args.sizes, "repeats": args.repeats, "rounds": args.rounds,
                    "restore_repeats": args.restore_repeats,
                    "methods": args.methods, "method_timeout_s": args.method_timeout,
-                   "persister_exit_wait_s": args.persister_exit_wait, "out": str(out), "plot": args.plot,
-                   "argv": sys.argv},
+                   "persister_exit_wait_s": args.persister_exit_wait, "settle_s_per_gib": args.settle_s_per_gib,
+                   "out": str(out), "plot": args.plot, "argv": sys.argv},
         "sizes": [],
         "skipped_sizes": [],
     }
@@ -1151,6 +1151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method-timeout", type=float, default=600.0,
                    help="seconds one checkpoint may take before the run is declared hung")
     p.add_argument("--persister-exit-wait", type=float, default=15.0)
+    p.add_argument("--settle-s-per-gib", type=float, default=stall.SETTLE_S_PER_GIB,
+                   help="untimed seconds per GiB of state between a method's warm-up and its first timed repeat "
+                        "(stall.py's module docstring)")
     p.add_argument("--loop", action="store_true", help="run the training-loop benchmark instead")
     p.add_argument("--loop-size-gib", type=float, default=0.5, help="state of the loop (0.5: ~4 min idle 2-core)")
     p.add_argument("--step-s", type=float, default=0.3, help="target seconds of one training step")

@@ -1,11 +1,15 @@
 """Smoke test of the benchmark suite (benchmarks/suite.py): a tiny state, three methods, the loop mode
 with two methods and the README generator; asserts that the outputs exist with the expected fields.
 No timing assertions (docs/performance.md): the numbers themselves are not checked, only their presence."""
+import argparse
 import importlib
 import json
 import math
+import mmap
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,3 +158,35 @@ def test_rounds_merge_every_rounds_samples_and_keep_each_rounds_load():
     bad = suite.merge_rounds([r1, {**r2, "error": "RuntimeError: x", "blocking_samples_s": []}])
     assert bad["error"] == "RuntimeError: x" and bad["blocking_samples_s"] == [1.0, 3.0]
     assert suite.merge_rounds([r1]) == r1 and suite.merge_rounds([r1]) is not r1
+
+
+def test_stall_waits_after_the_warm_up_and_counts_each_repeats_page_faults(tmp_path, monkeypatch):
+    """``stall.run_method`` sleeps ``--settle-s-per-gib`` per GiB of state between the warm-up and the first timed
+    repeat (untimed: the warm-up's background work, snapckpt's prefault of its other slot, ends there instead of
+    in the first timed save), and each repeat's extras hold the minor page faults of the call (``minflt``): a
+    repeat that writes fresh pages counts one per page."""
+    suite = _suite()
+    stall = suite.stall
+    calls = []
+
+    class Touch(stall.Method):
+        durable = False
+
+        def once(self, i):
+            calls.append(("once", i))
+            buf = mmap.mmap(-1, 64 * mmap.PAGESIZE)  # fresh anonymous pages: one fault each on first write
+            for off in range(0, len(buf), mmap.PAGESIZE):
+                buf[off] = 1
+            buf.close()
+            return 0.0, None, {}
+
+    monkeypatch.setitem(stall.METHOD_CLASSES, "touch", Touch)
+    monkeypatch.setattr(stall.time, "sleep", lambda s: calls.append(("sleep", s)))
+    state = {"w": torch.zeros(1 << 18)}  # 1 MiB
+    args = argparse.Namespace(repeats=2, method_timeout=60.0, persister_exit_wait=1.0, restore_repeats=0,
+                              settle_s_per_gib=2.0)
+    rec = stall.run_method("touch", state, tmp_path, args)
+    assert rec["error"] is None, rec.get("traceback")
+    assert calls == [("once", 0), ("sleep", 2.0 / 1024), ("once", 1), ("once", 2)]
+    assert all(e["minflt"] >= 64 for e in rec["extra_samples"]), rec["extra_samples"]
+    assert stall.parse_args([]).settle_s_per_gib == stall.SETTLE_S_PER_GIB > 0
