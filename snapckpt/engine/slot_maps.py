@@ -104,22 +104,52 @@ class MappedSlot:
             pass
 
 
+class _Made:
+    """The mapping a prefault has made so far, shared with the save that takes it over while the prefault still runs
+    (:meth:`_Pending.take`): once ``adopted``, the prefault thread neither closes it nor writes its ``populated`` any
+    more, and returns it at its next chunk. ``lock`` makes the hand-over and the prefault's closing exclusive."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.mapping: Optional[MappedSlot] = None
+        self.adopted = False
+
+    def adopt(self) -> Optional[MappedSlot]:
+        """The mapping made so far, now the caller's (``None``: none made yet)."""
+        with self.lock:
+            if self.mapping is not None:
+                self.adopted = True
+            return self.mapping
+
+
 @dataclass
 class _Pending:
-    """A background prefault of one slot: its future, its stop flag, what it maps, and its hand-over flag (set
-    with ``stop``: return the mapping as far as it is populated, for a save that needs it now)."""
+    """A background prefault of one slot: its future, its stop flag, what it maps, its hand-over flag (set with
+    ``stop``: return the mapping as far as it is populated, for a save that needs it now), and the mapping it has
+    made so far (``made``)."""
 
     future: Any
     stop: threading.Event
     path: str
     nbytes: int
     handoff: threading.Event
+    made: _Made
 
     def take(self, wanted: bool, wait: bool = True) -> Optional[MappedSlot]:
-        """The mapping if ``wanted`` and it got made; otherwise stop it and unmap what it made. ``wait=False``:
-        a prefault still running is not waited for (``None``; it is unmapped once it ends)."""
+        """The mapping if ``wanted`` and it got made; otherwise stop it and unmap what it made. A ``wanted`` mapping
+        the prefault has made already is taken over at once, however far it got (the prefault stops at its next
+        chunk; the copy maps the rest: its write faults, or :meth:`MappedSlot.populate`), rather than waited for or
+        mapped anew: a new mapping of the slot would fault in every page again, even those mapped already. Not made
+        yet (the prefault waits for the persister's growth): ``wait=False`` stops it (``None``; the save maps the
+        slot itself), ``wait=True`` waits for it to map the slot and hand it over."""
         if self.future.cancel():  # still queued behind another slot's prefault
             return None
+        if wanted:
+            m = self.made.adopt()
+            if m is not None:
+                self.handoff.set()
+                self.stop.set()
+                return m
         if not wanted:
             self.stop.set()  # it may be waiting for a growth this save will not ask for
         if not wait and not self.future.done():
@@ -127,8 +157,8 @@ class _Pending:
             self.future.add_done_callback(_close_result)
             return None
         if wanted and not self.future.done():
-            # a save waits: the prefault hands its mapping over at its next chunk, and the save maps the rest
-            # itself (MappedSlot.populate, before its copy)
+            # a save waits: the prefault hands its mapping over once made, and the save maps the rest itself
+            # (MappedSlot.populate, before its copy)
             self.handoff.set()
             self.stop.set()
         m = self.future.result()
@@ -211,9 +241,9 @@ class SlotMaps:
             return
         if self._thread is None:
             self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
-        stop, handoff = threading.Event(), threading.Event()
-        fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go, handoff, True)
-        self._pending[slot] = _Pending(fut, stop, path, nbytes, handoff)
+        stop, handoff, made = threading.Event(), threading.Event(), _Made()
+        fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go, handoff, True, made)
+        self._pending[slot] = _Pending(fut, stop, path, nbytes, handoff, made)
 
     def _prefault_others(self, slot: int, arena_dir: str, nbytes: int, usable: Optional[List[int]]) -> None:
         for other in (range(self.slots_per_rank) if usable is None else usable):
@@ -223,9 +253,10 @@ class SlotMaps:
             if self._thread is None:
                 self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-prefault")
             path = os.path.join(arena_dir, slot_file_name(self.rank, other))
-            stop, handoff = threading.Event(), threading.Event()
-            fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go, handoff, False)
-            self._pending[other] = _Pending(fut, stop, path, nbytes, handoff)
+            stop, handoff, made = threading.Event(), threading.Event(), _Made()
+            fut = self._thread.submit(_prefault, path, nbytes, self.wait_timeout_secs, stop, self._go, handoff, False,
+                                      made)
+            self._pending[other] = _Pending(fut, stop, path, nbytes, handoff, made)
 
     def drop(self) -> None:
         """Stop every prefault and unmap every slot (a new persister recreates the slot files)."""
@@ -254,13 +285,14 @@ def _close_result(future: cf.Future) -> None:
 
 
 def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event,
-              go: threading.Event, handoff: threading.Event, zeroed: bool) -> Optional[MappedSlot]:
+              go: threading.Event, handoff: threading.Event, zeroed: bool, made: _Made) -> Optional[MappedSlot]:
     """Map slot file ``path`` once the persister has grown it to ``nbytes`` (``zeroed``: a reservation, its pages
     written: :attr:`MappedSlot.zeroed`) and populate every page (:func:`_populate`); with ``handoff`` set at
-    ``stop`` (a save needs the slot now), the mapping as far as it is populated. ``None`` when it did not grow
-    within ``timeout_secs`` (not counting time paused: ``go`` clear), ``stop`` was set without ``handoff``, the
-    interpreter is exiting (:data:`_EXITING`: no save will use it, and the exit joins this thread), or it could not
-    be mapped (the save that needs it maps it itself)."""
+    ``stop`` (a save needs the slot now), the mapping as far as it is populated. The mapping is in ``made`` from the
+    moment it exists: a save that takes it over there (:meth:`_Pending.take`) owns it, and this thread stops at its
+    next chunk without closing it. ``None`` when it did not grow within ``timeout_secs`` (not counting time paused:
+    ``go`` clear), ``stop`` was set without ``handoff``, the interpreter is exiting (:data:`_EXITING`: no save will
+    use it, and the exit joins this thread), or it could not be mapped (the save that needs it maps it itself)."""
     deadline = time.monotonic() + timeout_secs
     delay = 0.005
     while True:
@@ -286,18 +318,29 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
         m = MappedSlot(path, nbytes, zeroed)
     except (OSError, SnapckptError):
         return None
+    with made.lock:
+        made.mapping = m
+
+    def give_up() -> Optional[MappedSlot]:
+        # a save that took the mapping over owns it: it is not closed here
+        with made.lock:
+            if made.adopted:
+                return m
+            made.mapping = None
+        m.close()
+        return None
+
     for lo in range(0, nbytes, _PREFAULT_CHUNK):
         # stop: the save that needs this slot takes the faults left itself (handoff: in this mapping); go clear:
         # a load reads, wait for it
         if stop.is_set() or (not go.is_set() and not _wait_go(go, stop)):
-            if handoff.is_set():
-                return m
-            m.close()
-            return None
+            return m if handoff.is_set() else give_up()
         if not _populate(m, lo, min(_PREFAULT_CHUNK, nbytes - lo)):
-            m.close()
-            return None
-        m.populated = min(lo + _PREFAULT_CHUNK, nbytes)  # a save handed this mapping maps only the rest
+            return give_up()
+        with made.lock:
+            if made.adopted:  # the save that took it over maps the rest; its own populate sets ``populated``
+                return m
+            m.populated = min(lo + _PREFAULT_CHUNK, nbytes)  # a save handed this mapping maps only the rest
     return m
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import resource
+import threading
 import time
 
 from snapckpt.engine.slot_maps import SlotMaps
@@ -81,5 +82,78 @@ def test_prefault_maps_every_page_writable_and_leaves_the_data(tmp_path):
         assert faults < nbytes // page // 64, (faults, nbytes // page)
         assert bytes(m.buf[:len(pattern)]) == pattern and not any(m.buf[len(pattern):])
     finally:
+        maps.close()
+        os.unlink(path)
+
+
+def _prefault_blocked_after_its_first_chunk(monkeypatch, tmp_path):
+    """A slot file on a tmpfs holding data, a prefault of it whose first 1 MiB chunk is mapped and which then blocks
+    (until ``release``): a save comes while the prefault still runs."""
+    import snapckpt.engine.slot_maps as sm
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    path = os.path.join(shm, f"snapckpt-test-takeover-{os.getpid()}")
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * (NBYTES // 256))
+    chunk, release, blocked = 1 << 20, threading.Event(), threading.Event()
+    populate = sm._populate
+
+    def first_chunk_then_block(m, lo, n):
+        ok = populate(m, lo, n)
+        if lo == 0:
+            blocked.set()
+            release.wait(60)
+        return ok
+
+    monkeypatch.setattr(sm, "_PREFAULT_CHUNK", chunk)
+    monkeypatch.setattr(sm, "_populate", first_chunk_then_block)
+    maps = SlotMaps(rank=0, slots_per_rank=2, wait_timeout_secs=30.0)
+    maps.prefault(0, path, NBYTES)
+    assert blocked.wait(60)
+    return maps, path, chunk, release
+
+
+def test_save_that_does_not_wait_takes_over_the_mapping_the_prefault_made_so_far(monkeypatch, tmp_path):
+    """``overlap=True``: a save that comes while its slot's prefault runs gets the prefault's mapping, as far as
+    it got, instead of a new mapping of the slot, whose every page would fault again: writes into the part
+    mapped already take no page fault (minor faults of this thread, not time). The prefault stops and leaves the
+    mapping open; it is unmapped once, with the rest."""
+    maps, path, chunk, release = _prefault_blocked_after_its_first_chunk(monkeypatch, tmp_path)
+    pending = maps._pending[0]
+    try:
+        m = maps.get(0, path, NBYTES, usable=[0], wait_prefault=False)
+        before = _thread_minflt()
+        for off in range(0, chunk, mmap.PAGESIZE):
+            m.buf[off] = 7
+        faults = _thread_minflt() - before
+        assert faults < chunk // mmap.PAGESIZE // 16, (faults, chunk // mmap.PAGESIZE)  # a new mapping: 256
+        release.set()
+        assert pending.future.result(timeout=60) is m and m.tensor is not None  # not closed by the prefault
+        assert maps.get(0, path, NBYTES, usable=[0]) is m
+        m.buf[chunk:chunk + 1] = b"\x07"  # the rest is writable through it too
+        with open(path, "rb") as f:
+            assert f.read(1) == b"\x07"
+    finally:
+        release.set()
+        maps.close()
+        os.unlink(path)
+
+
+def test_save_that_waits_takes_over_the_mapping_without_waiting_for_the_prefaults_chunk(monkeypatch, tmp_path):
+    """``overlap=False``: a save that needs its slot while the prefault maps it takes the mapping over at once, not
+    after the chunk the prefault is in (16 MiB by default); the prefault ends on its own later."""
+    maps, path, chunk, release = _prefault_blocked_after_its_first_chunk(monkeypatch, tmp_path)
+    pending = maps._pending[0]
+    got = []
+    try:
+        t = threading.Thread(target=lambda: got.append(maps.get(0, path, NBYTES, usable=[0])))
+        t.start()
+        t.join(timeout=30)
+        assert got and not release.is_set(), "the save waited for the prefault's chunk"
+        release.set()
+        assert pending.future.result(timeout=60) is got[0] and got[0].tensor is not None
+    finally:
+        release.set()
+        t.join(timeout=60)
         maps.close()
         os.unlink(path)
