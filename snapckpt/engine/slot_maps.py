@@ -331,8 +331,10 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
         return None
 
     for lo in range(0, nbytes, _PREFAULT_CHUNK):
-        # stop: the save that needs this slot takes the faults left itself (handoff: in this mapping); go clear:
-        # a load reads, wait for it
+        # taken over: the save maps the rest. stop: the save that needs this slot takes the faults left itself
+        # (handoff: in this mapping); go clear: a load reads, wait for it
+        if made.adopted:
+            return m
         if stop.is_set() or (not go.is_set() and not _wait_go(go, stop)):
             return m if handoff.is_set() else give_up()
         if not _populate(m, lo, min(_PREFAULT_CHUNK, nbytes - lo)):
