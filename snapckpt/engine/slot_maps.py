@@ -8,7 +8,8 @@ that size on one background thread with ``madvise(MADV_POPULATE_WRITE)`` (Linux 
 byte per page): the kernel maps every page writable in one call and leaves the data as it is, so a slot that
 holds an older snapshot a load still needs is unchanged; the save that first uses such a slot finds it mapped and
 takes no page fault. A save that comes before the prefault has ended takes its mapping over as far as it got, and
-its copy maps the rest (a new mapping of the slot would fault in every page again). The slots of a reservation ahead of the first save (``expected_nbytes``, a restart) are
+its copy maps the rest (a new mapping of the slot would fault in every page again).
+The slots of a reservation ahead of the first save (``expected_nbytes``, a restart) are
 mapped with ``MADV_POPULATE_READ`` instead (:attr:`MappedSlot.zeroed`): the persister wrote their pages
 (:mod:`snapckpt.persister.arena`), and a read fault on such pages maps the 16 around it at once (the kernel's
 fault-around), writable, since a tmpfs tracks no dirty pages, where a write fault maps one page (less than half
