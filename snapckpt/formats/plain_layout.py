@@ -195,7 +195,12 @@ class LayoutMemo:
             levels.append(lv)
         if len(order) != len(tensors):
             return None  # a tensor met twice
-        return cls(levels, order, key)
+        # ``order`` gives each tensor met breadth-first its walking index; match wants the reverse, the
+        # breadth-first position of each walking index (the two differ once tensors sit at several depths)
+        by_walk = [0] * len(order)
+        for bfs, walk in enumerate(order):
+            by_walk[walk] = bfs
+        return cls(levels, by_walk, key)
 
     def match(self, obj: Any) -> Optional[List[torch.Tensor]]:
         """``obj``'s tensors in :func:`plain_layout` order when ``plain_layout(obj)`` is ``(those, self.key)``;
