@@ -98,8 +98,8 @@ def test_second_slot_is_mapped_before_its_first_save(snap_env):
 
 def test_memory_load_into_the_saved_state_copies_from_the_slot_without_reading_its_skeleton(snap_env, monkeypatch):
     """A memory load into a live state of the layout this process saved copies each tensor from the slot in
-    place (snapckpt.engine.slot_restore); a live state that differs goes the general way and still gets the
-    saved values."""
+    place (snapckpt.engine.slot_restore); one whose non-tensor values differ, by the plain digest
+    (snapckpt.engine.plain_restore); one whose value types differ goes the general way; all get the saved values."""
     import snapckpt.engine.loader as loader_mod
 
     state = {"model": {f"w{i}": torch.rand(3, 2) for i in range(30)}, "opt": {"lr": 0.1}, "iteration": 4}
@@ -118,10 +118,13 @@ def test_memory_load_into_the_saved_state_copies_from_the_slot_without_reading_i
         monkeypatch.setattr(loader_mod, "read_slot", refuse)
         assert ck.load(state) is state and ck.last_load.tier == StorageType.MEMORY
         assert list(state["model"].values()) == live and all(torch.equal(state["model"][k], saved[k]) for k in saved)
-        monkeypatch.setattr(loader_mod, "read_slot", general)
         for t in live:
             t.add_(1.0)
-        state["iteration"] = 5  # a value the load replaces: the general path
+        state["iteration"] = 5  # another value, which the load replaces: by the plain digest, no skeleton read either
+        ck.load(state)
+        assert state["iteration"] == 4 and all(torch.equal(state["model"][k], saved[k]) for k in saved)
+        monkeypatch.setattr(loader_mod, "read_slot", general)
+        state["iteration"] = 5.0  # a value of another type: the general path
         ck.load(state)
         assert state["iteration"] == 4 and all(torch.equal(state["model"][k], saved[k]) for k in saved)
 
