@@ -98,8 +98,8 @@ def test_second_slot_is_mapped_before_its_first_save(snap_env):
 
 def test_memory_load_into_the_saved_state_copies_from_the_slot_without_reading_its_skeleton(snap_env, monkeypatch):
     """A memory load into a live state of the layout this process saved copies each tensor from the slot in
-    place (snapckpt.engine.slot_restore); a live state that differs goes the general way and still gets the
-    saved values."""
+    place (snapckpt.engine.slot_restore); one whose non-tensor values differ, by the plain digest
+    (snapckpt.engine.plain_restore); one whose value types differ goes the general way; all get the saved values."""
     import snapckpt.engine.loader as loader_mod
 
     state = {"model": {f"w{i}": torch.rand(3, 2) for i in range(30)}, "opt": {"lr": 0.1}, "iteration": 4}
@@ -118,10 +118,13 @@ def test_memory_load_into_the_saved_state_copies_from_the_slot_without_reading_i
         monkeypatch.setattr(loader_mod, "read_slot", refuse)
         assert ck.load(state) is state and ck.last_load.tier == StorageType.MEMORY
         assert list(state["model"].values()) == live and all(torch.equal(state["model"][k], saved[k]) for k in saved)
-        monkeypatch.setattr(loader_mod, "read_slot", general)
         for t in live:
             t.add_(1.0)
-        state["iteration"] = 5  # a value the load replaces: the general path
+        state["iteration"] = 5  # another value, which the load replaces: by the plain digest, no skeleton read either
+        ck.load(state)
+        assert state["iteration"] == 4 and all(torch.equal(state["model"][k], saved[k]) for k in saved)
+        monkeypatch.setattr(loader_mod, "read_slot", general)
+        state["iteration"] = 5.0  # a value of another type: the general path
         ck.load(state)
         assert state["iteration"] == 4 and all(torch.equal(state["model"][k], saved[k]) for k in saved)
 
@@ -130,14 +133,18 @@ def test_restarted_process_restores_memory_into_a_state_of_the_saved_layout_with
                                                                                                   monkeypatch):
     """Issue 18 (5): a restarted rank (a new Checkpointer, its Stager fresh) loads a memory snapshot into a live
     state of the saved structure by the slot's plain digest (snapckpt.engine.plain_restore), without reading the
-    skeleton; a live state whose shape differs goes the general way, which names the mismatch."""
+    skeleton, though its own non-tensor values (iteration, learning rate, RNG state) are a fresh start's: the load
+    sets the saved ones; a live state whose shape differs goes the general way, which names the mismatch."""
+    import random
+
     import snapckpt.engine.loader as loader_mod
     from snapckpt.errors import IncompatibleCheckpointError
 
-    def build(fill):
+    def build(fill, iteration=9, lr=0.1, seed=9):
         return {"model": {f"layers.{i}.w": fill((8, 4)) for i in range(50)},
                 "opt": {"state": {i: {"exp_avg": fill((8, 4)), "step": fill(())} for i in range(50)},
-                        "param_groups": [{"lr": 0.1, "params": list(range(50))}]}, "iteration": 9}
+                        "param_groups": [{"lr": lr, "params": list(range(50))}]}, "iteration": iteration,
+                "sched": {"last_epoch": iteration, "_last_lr": [lr]}, "rng": random.Random(seed).getstate()}
 
     state = build(torch.rand)
     ck = Checkpointer(snap_env.ckpt_dir, keep_last=2)
@@ -149,9 +156,11 @@ def test_restarted_process_restores_memory_into_a_state_of_the_saved_layout_with
         raise AssertionError("the slot's skeleton was read")
 
     with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck2:
-        live = build(torch.zeros)
+        live = build(torch.zeros, iteration=0, lr=1.0, seed=0)
         monkeypatch.setattr(loader_mod, "read_slot", refuse)
         assert ck2.load(live) is live and ck2.last_load.tier == StorageType.MEMORY and ck2.last_load.step == 9
+        assert live["iteration"] == 9 and live["sched"] == {"last_epoch": 9, "_last_lr": [0.1]}
+        assert live["opt"]["param_groups"] == state["opt"]["param_groups"] and live["rng"] == state["rng"]
         for k, v in state["model"].items():
             assert torch.equal(live["model"][k], v)
         for i, d in state["opt"]["state"].items():
@@ -199,20 +208,26 @@ def test_memory_restore_copies_before_the_other_slot_is_prefaulted(snap_env, mon
     the background prefault of the rank's other slot (for the first save); that prefault waits until the copy
     into the live tensors is done, instead of sharing the CPUs and memory bandwidth with it, then goes on."""
     import snapckpt.engine.checkpointer as checkpointer_mod
+    from snapckpt.engine import plain_restore
 
     state = {"w": torch.rand((4 << 20) // 4), "step": 7}
     ck = Checkpointer(snap_env.ckpt_dir, keep_last=2)
     ck.save(state, 1, StorageType.MEMORY).wait()
     ck.close(clean=False)  # leaves like a crashed rank: the persister keeps the snapshot
     seen = []
-    real = checkpointer_mod.copy_into
+    real, real_run = checkpointer_mod.copy_into, plain_restore.PlainCopies.run
 
     def copy_into(*args, **kwargs):
         pending = list(ck2._maps._pending.values())
         seen.append((ck2._maps._go.is_set(), [p.future.done() for p in pending]))
-        return real(*args, **kwargs)
+        return real(*args, **kwargs) if args else None
+
+    def run(self):  # the restore by the plain digest (the fresh state's "step" 0 does not keep it from there)
+        copy_into()
+        return real_run(self)
 
     monkeypatch.setattr(checkpointer_mod, "copy_into", copy_into)
+    monkeypatch.setattr(plain_restore.PlainCopies, "run", run)
     with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck2:
         fresh = {"w": torch.zeros_like(state["w"]), "step": 0}
         out = ck2.load(fresh)

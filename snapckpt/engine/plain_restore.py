@@ -4,15 +4,18 @@ A restarted rank builds its model, then ``load(state_dict)``; the general path u
 Python call per tensor, seconds for 200,000 tensors) and walks it beside the live state. :mod:`slot_restore`
 avoids that only for slots this process wrote. Here the slot is recognised by content: its index carries the
 digest of its plain layout (:mod:`snapckpt.formats.plain_digest`, written by the Stager when the snapshot is one
-plain file of whole contiguous CPU tensors); :func:`find` computes the same digest from the live state (its
-``plain_layout`` walk, each tensor's dtype and shape, and the offsets the Stager's rule gives them) and, when
-they are equal, copies each span straight into its live tensor: tensors of 1 MiB or more with one
+plain file of whole contiguous CPU tensors): structure, the types of the non-tensor values (not the values: a
+restarted loop's step counter differs from the saved one), dtypes, shapes and offsets. :func:`find` computes the
+same digest from the live state (its ``plain_layout`` walk, each tensor's dtype and shape, and the offsets the
+Stager's rule gives them) and, when they are equal, sets the saved non-tensor values into the live state's entries
+as the general path does (the slot's own small pickle of them, :mod:`snapckpt.engine.plain_values`) and copies
+each span straight into its live tensor: tensors of 1 MiB or more with one
 ``torch._foreach_copy_`` from views of the slot, the others with one ``memmove`` each (a state of many small
 tensors would otherwise spend most of the restore making a view of the slot per tensor), their autograd version
-counters bumped as an in-place copy bumps them. Anything else (no digest: an older slot, another layout, a
-live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would replace
-rather than copy into, a small live tensor sharing bytes with a large one) gets ``None``, and the caller reads the
-slot the general way, which also names any incompatibility.
+counters bumped as an in-place copy bumps them. Anything else (no digest or no values: an older slot, another
+layout, a live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would
+replace rather than copy into, a small live tensor sharing bytes with a large one) gets ``None``, and the caller
+reads the slot the general way, which also names any incompatibility.
 """
 from __future__ import annotations
 
@@ -23,13 +26,13 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter, is_
+from operator import attrgetter, is_, setitem
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from snapckpt.engine import plain_values
 from snapckpt.engine.slot_maps import MappedSlot
-from snapckpt.engine.slot_restore import _copied_in_place
 from snapckpt.errors import SnapshotError
 from snapckpt.engine.stager import ALIGN
 from snapckpt.formats.plain_digest import Facts, digest, tensor_part
@@ -40,17 +43,19 @@ __all__ = ["PlainCopies", "find", "direct_offsets"]
 #: Tensors of at least this many bytes are copied by torch (its copy of a large tensor runs on several threads).
 LARGE_NBYTES = 1 << 20
 
-# the start of the index the Stager writes (snapckpt.engine.stager.index_bytes): its step, then the digest
-_HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})",')
-_HEAD_MAX = 128  # bytes of the index read for it
+# the start of the index the Stager writes (snapckpt.engine.stager.index_bytes): its step, the digest, and where the
+# values are (slot byte offset, size); an index without "values" (an older one) does not match
+_HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})","values":\[(\d+),(\d+)\],')
+_HEAD_MAX = 160  # bytes of the index read for it
 _IS_CPU = attrgetter("is_cpu")
 
 
 @dataclass
 class PlainCopies:
-    """A restore found by :func:`find`: the large tensors as ``torch._foreach_copy_(large_dsts, large_srcs)``,
-    the others as ``memmove(dst_ptrs[i], src_ptrs[i], nbytes[i])`` into ``small`` (whose versions are bumped).
-    ``slot`` keeps the mapping the sources point into alive until the copy ran."""
+    """A restore found by :func:`find`: ``dicts[i][keys[i]] = values[i]`` (the saved non-tensor values, fresh
+    objects), the large tensors as ``torch._foreach_copy_(large_dsts, large_srcs)``, the others as
+    ``memmove(dst_ptrs[i], src_ptrs[i], nbytes[i])`` into ``small`` (whose versions are bumped). ``slot`` keeps
+    the mapping the sources point into alive until the copy ran."""
 
     large_dsts: List[torch.Tensor]
     large_srcs: List[torch.Tensor]
@@ -59,11 +64,15 @@ class PlainCopies:
     src_ptrs: List[int]
     nbytes: List[int]
     slot: MappedSlot
+    dicts: List[dict]
+    keys: List[Any]
+    values: List[Any]
 
     def run(self) -> None:
         """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
         if self.slot.tensor is None:
             raise SnapshotError(f"the mapping of {self.slot.path} was closed before the restore copied from it")
+        deque(map(setitem, self.dicts, self.keys, self.values), maxlen=0)
         if self.large_dsts:
             with torch.no_grad():  # a Parameter's copy must not enter autograd
                 torch._foreach_copy_(self.large_dsts, self.large_srcs)
@@ -86,17 +95,20 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
     head = _HEAD.match(mapped.buf[index_offset:index_offset + _HEAD_MAX]) if got == step else None
     if head is None or int(head[1]) != step:
         return None
+    values_at = (int(head[3]), int(head[4]))
+    if values_at[0] + values_at[1] > index_offset:
+        return None  # not where the Stager puts them (before the index): a damaged index
     enabled = gc.isenabled()
     gc.disable()  # a state of many tensors: no full collections while its layout is read
     try:
-        return _find(live_layout, mapped, name, dst, head[2].decode(), index_offset)
+        return _find(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at)
     finally:
         if enabled:
             gc.enable()
 
 
-def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int
-          ) -> Optional[PlainCopies]:
+def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int,
+          values_at: Tuple[int, int]) -> Optional[PlainCopies]:
     walked = live_layout(name, dst)
     if walked is None:
         return None
@@ -111,13 +123,20 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
         return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
     in_place: List[torch.Tensor] = []
-    _copied_in_place(dst, in_place)  # the general path replaces tensors inside lists and tuples: it decides those
-    if len(in_place) != len(tensors) or not all(map(is_, in_place, tensors)):
+    dicts: List[dict] = []
+    keys: List[Any] = []
+    # the general path replaces tensors inside lists and tuples: it decides those
+    if (not plain_values.entries(dst, in_place, dicts, keys) or len(in_place) != len(tensors)
+            or not all(map(is_, in_place, tensors))):
         return None
+    values = plain_values.unpack(mapped.buf[values_at[0]:values_at[0] + values_at[1]])
+    if values is None or len(values) != len(dicts):
+        return None  # a damaged slot (a digest never lets another count through)
+    sets = (dicts, keys, values)
     base = mapped.tensor.data_ptr()
     large = nbytes >= LARGE_NBYTES
     if not bool(large.any()):  # the common case of many tensors: all small
-        return PlainCopies([], [], tensors, ptrs, offsets.add_(base).tolist(), nbytes.tolist(), mapped)
+        return PlainCopies([], [], tensors, ptrs, offsets.add_(base).tolist(), nbytes.tolist(), mapped, *sets)
     small = large.logical_not()
     if _shared(torch.frombuffer(array("q", ptrs), dtype=torch.int64), nbytes, large, small):
         return None
@@ -127,7 +146,7 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     few = small.tolist()
     return PlainCopies(list(compress(tensors, big)), large_srcs, list(compress(tensors, few)),
                        list(compress(ptrs, few)), offsets[small].add_(base).tolist(),
-                       nbytes[small].tolist(), mapped)
+                       nbytes[small].tolist(), mapped, *sets)
 
 
 def _shared(ptrs: torch.Tensor, nbytes: torch.Tensor, large: torch.Tensor, small: torch.Tensor) -> bool:

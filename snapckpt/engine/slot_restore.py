@@ -79,13 +79,14 @@ def _holds(mapped: MappedSlot, layout: _Layout, step: int) -> bool:
         got, off, n = read_header(buf)
     except SnapshotError:
         return False
-    if got != step or off != layout.tail_end or len(layout.tail or ()) != 1:
+    if got != step or off != layout.tail_end or not layout.tail:
         return False
     index = index_bytes(step, layout)  # as Stager._prepare writes it
-    (po, pkl), = layout.tail
-    # slices of the mapping are bytes (a memcpy, then a memcmp): far faster than comparing memoryviews, which
+    # the tail: the pickle, and the plain restore's values (snapckpt.engine.plain_values) when the index says so.
+    # Slices of the mapping are bytes (a memcpy, then a memcmp): far faster than comparing memoryviews, which
     # compare item by item
-    return n == len(index) and buf[off:off + n] == index and buf[po:po + len(pkl)] == pkl
+    return (n == len(index) and buf[off:off + n] == index
+            and all(buf[o:o + len(data)] == data for o, data in layout.tail))
 
 
 def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor]) -> Optional[SlotCopies]:

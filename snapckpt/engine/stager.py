@@ -36,6 +36,7 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, tensor_part
+from snapckpt.engine.plain_values import pack
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
                                         weights_only_refusal)
@@ -246,7 +247,8 @@ class _Layout:
             (:mod:`snapckpt.engine.slot_restore`); ``None``: not known yet (reset with the tail).
         plain_part, index_head: see :mod:`snapckpt.formats.plain_digest`: the digest written into the index when
             the tail is one plain file and every tensor is direct (a restarted process restores such a slot
-            straight into its live state, :mod:`snapckpt.engine.plain_restore`).
+            straight into its live state, :mod:`snapckpt.engine.plain_restore`), with where the tail holds the
+            values that restore sets (:mod:`snapckpt.engine.plain_values`: then the tail's last entry).
     """
 
     plan: Plan
@@ -265,7 +267,7 @@ class _Layout:
     restore_ok: Optional[bool] = None
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
-    index_head: bytes = b""  # the index's ``"plain":"<digest>",`` entry of the tail's files, or nothing
+    index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -625,7 +627,10 @@ class Stager:
                                                          check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
             layout.restore_ok = None
-            layout.index_head = _plain_head(files, keys, layout, direct)
+            layout.index_head, values = _plain_head(files, specs, keys, layout, direct)
+            if values:  # after the pickle, before the index (which says where)
+                layout.tail.append((layout.tail_end, values))
+                layout.tail_end += len(values)
         tail, offset = list(layout.tail), layout.tail_end
         index = index_bytes(step, layout)  # json.dumps' bytes, the step spliced in
         tail.append((offset, index))
@@ -769,14 +774,21 @@ def index_bytes(step: int, layout: _Layout) -> bytes:
     return b'{"v":2,"step":%d,%s"files":%s}' % (step, layout.index_head, layout.files_json)
 
 
-def _plain_head(files: Mapping[str, Any], keys: List[Any], layout: _Layout, direct: Sequence[torch.Tensor]) -> bytes:
-    """The index's ``"plain":"<hex>",`` entry (:mod:`snapckpt.formats.plain_digest`) when the snapshot is one plain
-    file whose every tensor is its own whole CPU span; ``b""`` otherwise."""
+def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: _Layout,
+                direct: Sequence[torch.Tensor]) -> Tuple[bytes, bytes]:
+    """``(the index's "plain":"<hex>","values":[<offset>,<nbytes>], entry, the values' bytes)`` when the snapshot is
+    one plain file whose every tensor is its own whole CPU span and whose replaced values hold no tensor
+    (:mod:`snapckpt.formats.plain_digest`, :mod:`snapckpt.engine.plain_values`; the bytes go at ``layout.tail_end``);
+    ``(b"", b"")`` otherwise."""
     if len(keys) != 1 or keys[0] is None or not layout.direct_all:
-        return b""
+        return b"", b""
+    values = pack(specs[0][0].obj)
+    if values is None:
+        return b"", b""
     if layout.plain_part is None:
         layout.plain_part = tensor_part(Facts(direct), [d[0] for d in layout.direct_dst])
-    return b'"plain":"%s",' % digest(next(iter(files)), keys[0], layout.plain_part).encode()
+    hexd = digest(next(iter(files)), keys[0], layout.plain_part).encode()
+    return b'"plain":"%s","values":[%d,%d],' % (hexd, layout.tail_end, len(values)), values
 
 
 def _check_concat_tensor(t: torch.Tensor) -> None:

@@ -18,13 +18,18 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["plain_layout", "LayoutMemo"]
+__all__ = ["plain_layout", "LayoutMemo", "VALUE_MARKERS"]
 
 _ATOMIC = frozenset({str, int, bool, type(None)})
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _OD = collections.OrderedDict
 # markers in a key (never equal to a value of the state: module-private objects)
 _T, _ALIAS, _FLOAT, _TDICT = object(), object(), object(), object()
+# an atomic value's type in a key, as a marker of its own (a dict key's type is the type itself): the value is the
+# item after it, so a key's values can be told from its dict keys (snapckpt.formats.plain_digest hashes their
+# types only); _FLOAT marks a float value the same way
+_VALUE_TYPE = {t: object() for t in (str, int, bool, type(None))}
+VALUE_MARKERS = (*_VALUE_TYPE.values(), _FLOAT)
 _PACK_DOUBLE = struct.Struct("<d").pack
 
 
@@ -41,7 +46,8 @@ def plain_layout(obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
     :func:`~snapckpt.formats.torch_zip.collect_tensors`). ``key``: a flat list that equals another state's key
     exactly when that state pickles to the same skeleton given the same tensor layout: container types and
     lengths, keys and atomic values with their types (``True`` and ``1``, ``0.0`` and ``-0.0`` differ), each
-    tensor as its index in ``tensors``, and a container met again (pickle's memo) as its first position.
+    tensor as its index in ``tensors``, and a container met again (pickle's memo) as its first position. Every
+    atomic value is the item right after one of :data:`VALUE_MARKERS` (its type's; a dict key follows its type).
     Tensors are not checked here (their type only: a tensor subclass makes ``obj`` not plain).
     """
     tensors: List[torch.Tensor] = []
@@ -54,7 +60,7 @@ def _walk(obj: Any, out: List[torch.Tensor], seen: Dict[int, int], containers: D
           depth: int) -> bool:
     t = type(obj)
     if t in _ATOMIC:
-        key.append(t)
+        key.append(_VALUE_TYPE[t])
         key.append(obj)
         return True
     if t is float:
@@ -195,7 +201,12 @@ class LayoutMemo:
             levels.append(lv)
         if len(order) != len(tensors):
             return None  # a tensor met twice
-        return cls(levels, order, key)
+        # ``order`` gives each tensor met breadth-first its walking index; match wants the reverse, the
+        # breadth-first position of each walking index (the two differ once tensors sit at several depths)
+        by_walk = [0] * len(order)
+        for bfs, walk in enumerate(order):
+            by_walk[walk] = bfs
+        return cls(levels, by_walk, key)
 
     def match(self, obj: Any) -> Optional[List[torch.Tensor]]:
         """``obj``'s tensors in :func:`plain_layout` order when ``plain_layout(obj)`` is ``(those, self.key)``;

@@ -342,6 +342,21 @@ def _same(a, b, path="state"):
         assert (a.hex() == b.hex()) if type(a) is float else a == b, f"{path}: {a!r} != {b!r}"
 
 
+def test_layout_memo_finds_the_tensors_in_walking_order_at_any_depth():
+    """LayoutMemo.match returns plain_layout's tensors in plain_layout's order, also when tensors sit at several
+    depths (its levels meet them breadth-first: a Parameter beside the model dict before the model's tensors)."""
+    from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
+
+    state = {"model": {f"w{i}": torch.rand(3, 2) for i in range(4)},
+             "opt": {"state": {0: {"exp_avg": torch.rand(4), "step": torch.tensor(3.0)}}, "lr": 0.1},
+             "p": torch.nn.Parameter(torch.rand(2)), "last": [torch.rand(1), {"deep": torch.rand(5)}]}
+    tensors, key = plain_layout(state)
+    memo = LayoutMemo.build(state, tensors, key)
+    assert memo is not None
+    found = memo.match(state)
+    assert found is not None and len(found) == len(tensors) and all(a is b for a, b in zip(found, tensors))
+
+
 def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
     """A state saved again and again (the same objects, changed in place between saves) is saved as it is
     now: the memo of its structure (plain_layout.LayoutMemo) and the quick plan-cache check (TensorGuards)

@@ -1,18 +1,22 @@
 """The memory-tier restore of a slot by its plain digest (snapckpt.engine.plain_restore): a process that did not write
-the slot (a restart: a fresh Stager) copies it straight into a live state of the saved layout; any difference of
-name, structure, value, dtype, shape or step, a slot without a digest, or a live tensor that cannot take bytes
-leaves it to the general path (None)."""
+the slot (a restart: a fresh Stager) copies it straight into a live state of the saved layout, whatever its
+non-tensor values (the saved ones are set, as the general path sets them); any difference of name, structure, value
+type, dtype, shape or step, a slot without a digest or its values, or a live tensor that cannot take bytes leaves
+it to the general path (None)."""
 from __future__ import annotations
 
 import json
+import random
+import struct
 import subprocess
 import sys
 from collections import OrderedDict
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from snapckpt.engine import plain_restore
+from snapckpt.engine import plain_restore, plain_values
 from snapckpt.engine.stager import Stager
 from snapckpt.formats import plain_digest
 from snapckpt.persister.arena import read_header
@@ -108,8 +112,9 @@ def test_a_dict_of_many_tensors_is_restored():
 
 
 def test_anything_else_takes_the_general_path():
-    """A live state that differs from the saved one in structure, key, value, dtype or shape gets None, and so does
-    a slot of another step or file, or one without a digest (an older slot, or a layout that is not direct)."""
+    """A live state that differs from the saved one in structure, key, value type, dtype or shape gets None, and so
+    does a slot of another step or file, or one without a digest or values (an older slot, or a layout that is not
+    direct)."""
     def changed(change, state_fn=_state):
         state = state_fn()
         m = _save(state)
@@ -118,9 +123,17 @@ def test_anything_else_takes_the_general_path():
         return _find(m, live)
 
     assert changed(lambda s: None) is not None  # the control
-    assert changed(lambda s: s.__setitem__("iteration", 8)) is None  # a value the restore must replace
+    assert changed(lambda s: s.__setitem__("iteration", 8)) is not None  # another value: the restore sets the saved
     assert changed(lambda s: s.__setitem__("iteration", 7.0)) is None  # an equal value of another type
-    assert changed(lambda s: s["opt"]["param_groups"][0].__setitem__("lr", 0.2)) is None
+    assert changed(lambda s: s.__setitem__("iteration", True)) is None  # a bool is not an int
+    assert changed(lambda s: s.__setitem__("iteration", None)) is None
+    assert changed(lambda s: s.__setitem__("name", b"gpt")) is None  # bytes: not a plain value
+    assert changed(lambda s: s.__setitem__("p", None)) is None  # None where a tensor was
+    assert changed(lambda s: s.__setitem__("iteration", torch.tensor(7))) is None  # a tensor where an int was
+    assert changed(lambda s: s["opt"]["param_groups"][0].__setitem__("betas", [0.9, 0.99])) is None  # list for tuple
+    assert changed(lambda s: s.__setitem__("iteration", np.int64(7))) is None  # a numpy scalar: not plain
+    assert changed(lambda s: s["opt"]["param_groups"][0]["params"].append(2)) is None  # a list's length
+    assert changed(lambda s: s["opt"]["param_groups"][0].__setitem__("lr2", 0.1)) is None  # a dict's keys
     assert changed(lambda s: s["model"].move_to_end("layers.0.w")) is None  # the key order
     assert changed(lambda s: s["model"].__setitem__("layers.3.w", torch.zeros(2, 3))) is None  # a shape
     assert changed(lambda s: s["model"].__setitem__("layers.3.w", torch.zeros(3, 2).double())) is None  # a dtype
@@ -142,17 +155,22 @@ def test_anything_else_takes_the_general_path():
     assert _find(m, _zeros_like(state), name="other.pt") is None  # another file
     assert _find(_slot(), _zeros_like(state)) is None  # no snapshot at all
 
-    # an index without the digest (written before it existed): the entry blanked, still valid JSON
-    old = _save(state)
-    _, off, n = read_header(old.buf)
-    index = bytes(old.buf[off:off + n])
-    start = index.index(b'"plain"')
-    old.buf[off + start:off + start + 75] = b" " * 75
-    assert json.loads(bytes(old.buf[off:off + n]))["step"] == 1
-    assert _find(old, _zeros_like(state)) is None
-    assert read_slot(old.buf, old.tensor, weights_only=True)[0] == 1  # and the general path reads it
+    # an index without the digest (written before it existed), or with a digest but without the values (written
+    # by the rule that hashed values): the entries blanked, still valid JSON
+    for blank in ("plain", "values"):
+        old = _save(state)
+        _, off, n = read_header(old.buf)
+        index = bytes(old.buf[off:off + n])
+        start = index.index(b'"%s"' % blank.encode())
+        end = index.index(b",", index.index(b"]", start) if blank == "values" else start) + 1
+        old.buf[off + start:off + end] = b" " * (end - start)
+        assert blank not in json.loads(bytes(old.buf[off:off + n]))
+        assert _find(old, _zeros_like(state)) is None
+        assert read_slot(old.buf, old.tensor, weights_only=True)[0] == 1  # and the general path reads it
     # a damaged digest
     bad = _save(state)
+    _, off, n = read_header(bad.buf)
+    start = bytes(bad.buf[off:off + n]).index(b'"plain"')
     bad.buf[off + start + 9] = ord("0") if bad.buf[off + start + 9] != ord("0") else ord("1")
     assert _find(bad, _zeros_like(state)) is None
 
@@ -228,9 +246,10 @@ def test_live_tensors_sharing_bytes_take_the_general_path():
     assert _find(m, separate) is not None  # the control: the same layout without shared bytes
 
 
-def test_a_nan_value_keeps_its_sign_in_the_skeleton_and_the_digest():
+def test_a_nan_value_keeps_its_sign_in_the_skeleton_and_the_restore():
     """``float.hex`` gives ``'nan'`` for every NaN, but pickle keeps a NaN's sign: a save whose only change is a NaN's
-    sign must pickle its skeleton again (not reuse the last one), and a live NaN of the other sign must not match."""
+    sign must pickle its skeleton (and its values) again, not reuse the last ones, and the restore into a live state
+    of any float there sets the saved NaN, sign included."""
     import math
 
     nan, neg = float("nan"), -float("nan")
@@ -240,8 +259,11 @@ def test_a_nan_value_keeps_its_sign_in_the_skeleton_and_the_digest():
         Stager.copy_into(stager.prepare({NAME: {"w": w, "loss": v}}, step), m.tensor, m.buf)
     got = read_slot(m.buf, m.tensor, weights_only=True)[1][NAME]["loss"]
     assert math.isnan(got) and math.copysign(1, got) == -1
-    assert _find(m, {"w": torch.zeros(3), "loss": nan}, step=2) is None
-    assert _find(m, {"w": torch.zeros(3), "loss": -float("nan")}, step=2) is not None  # the control
+    for live in ({"w": torch.zeros(3), "loss": nan}, {"w": torch.zeros(3), "loss": 0.5}):  # another value: the saved
+        found = _find(m, live, step=2)
+        assert found is not None
+        found.run()
+        assert math.isnan(live["loss"]) and math.copysign(1, live["loss"]) == -1
 
 
 def test_the_shared_bytes_check_tells_touching_ranges_from_overlapping_ones():
@@ -263,3 +285,120 @@ def test_the_shared_bytes_check_tells_touching_ranges_from_overlapping_ones():
     # past the end of the large range that starts last before it, inside an earlier, longer one
     assert shared((base, 3 * big), (base + big, big), (base + 2 * big + 8, 8))
     assert not shared((base, big), (base, big))  # two large tensors alone: their copies keep the walking order
+
+
+def _rich(seed: int, it: int, lr: float, word: str, flag: bool, nan_bits: int, version: int) -> dict:
+    """A state of many dtypes and non-tensor value kinds; the arguments change values, never the structure."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
+              torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+    dtypes += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16") if hasattr(torch, n)]
+    bits = torch.randint(0, 256, (len(dtypes), 48), dtype=torch.uint8, generator=g)
+    bits[dtypes.index(torch.bool)] &= 1  # a bool byte is 0 or 1
+    typed = {str(d): bits[i].view(d).clone() for i, d in enumerate(dtypes)}  # random bit patterns, NaNs included
+    model = OrderedDict((f"layers.{i}.w", torch.rand(3, 2, generator=g)) for i in range(20))
+    model._metadata = {"": {"version": version}}  # copy_into leaves an OrderedDict's attributes alone
+    shared = ["warmup", it]  # one list at two keys: one list after a load
+    return {"model": model, "typed": typed, "iteration": it, "neg_zero": -0.0 if flag else 0.0,
+            "nan": struct.unpack("<d", struct.pack("<Q", nan_bits))[0], "big": 2**70 + it, "none": None,
+            "flag": flag, "word": word, "a": shared, "b": shared, "rng": random.Random(seed).getstate(),
+            "sched": {"last_epoch": it, "_last_lr": [lr], "base_lrs": [0.1], "name": word,
+                      "nested": OrderedDict(deep={"x": it, "t": torch.rand(2, generator=g)})},
+            "opt": {"state": {0: {"step": float(it), "exp_avg": torch.rand(4, generator=g)}},
+                    "param_groups": [{"lr": lr, "betas": (0.9, lr), "params": [0], "foreach": None, "tag": word}]}}
+
+
+def _same(a, b, pairs: dict) -> bool:
+    """``a`` and ``b`` are the same to the bit: types, values (a float by its bits, a tensor by its bytes), dict
+    order, an OrderedDict's attributes, and which containers are one object (``pairs``: id in ``a`` -> id in ``b``)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple, dict)):
+        if pairs.setdefault(id(a), id(b)) != id(b):
+            return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype == b.dtype and a.shape == b.shape
+                and a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist())
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        same = list(a) == list(b) and all(_same(a[k], b[k], pairs) for k in a)
+        return same and (type(a) is not OrderedDict or _same(dict(vars(a)), dict(vars(b)), {}))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, pairs) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_restart_with_other_values_restores_the_saved_ones_bit_for_bit_as_the_general_path():
+    """A restarted loop's state has the saved structure but its own step counter, learning rate, RNG state...: the
+    plain restore takes it, and leaves it exactly as the general path (skeleton unpickled, copy_into) leaves it:
+    tensors of every dtype bit for bit, every non-tensor value the saved one with its type (a NaN's payload,
+    -0.0, a bool, a 71-bit int, a string, None, a tuple, the RNG tuple), a list at two keys one list, the live
+    OrderedDict's attributes untouched."""
+    from snapckpt.engine.restore import copy_into
+
+    saved = _rich(0, 1234, 0.03, "saved", True, 0xFFF8_0000_0000_1234, 1)
+    m = _save(saved)
+
+    def live():
+        return _rich(1, 0, 1.0, "live!", False, 0x7FF8_0000_0000_0001, 2)
+
+    fast = live()
+    found = _find(m, fast)
+    assert found is not None
+    found.run()
+    general = live()
+    copy_into(general, read_slot(m.buf, m.tensor, weights_only=True)[1][NAME], own=True)
+    assert _same(fast, general, {})
+    assert fast["iteration"] == 1234 and fast["sched"]["_last_lr"] == [0.03] and fast["word"] == "saved"
+    assert fast["a"] is fast["b"] and fast["a"] == ["warmup", 1234] and fast["rng"] == random.Random(0).getstate()
+    assert struct.pack("<d", fast["nan"]).hex() == struct.pack("<Q", 0xFFF8_0000_0000_1234).hex()
+    assert fast["model"]._metadata == {"": {"version": 2}} and fast["flag"] is True
+    assert _same(fast["typed"], saved["typed"], {}) and _same(fast["model"], saved["model"], {}) is False  # metadata
+    assert all(torch.equal(fast["model"][k], saved["model"][k]) for k in saved["model"])
+
+
+def test_a_later_save_with_other_values_writes_its_own_values():
+    """One Stager saving a state whose values change every save (a step counter): each save's slot holds that
+    save's values, and a process that did not save it restores them."""
+    stager, m, w = Stager(), _slot(), torch.rand(3)
+    for step in (1, 2, 3):
+        Stager.copy_into(stager.prepare({NAME: {"w": w, "iteration": step, "lr": [0.1 * step]}}, step), m.tensor,
+                         m.buf)
+    live = {"w": torch.zeros(3), "iteration": 0, "lr": [0.0]}
+    found = _find(m, live, step=3)
+    assert found is not None
+    found.run()
+    assert live["iteration"] == 3 and live["lr"] == [0.1 * 3] and torch.equal(live["w"], w)
+
+
+def test_a_slot_with_damaged_values_takes_the_general_path():
+    state = _state()
+    m = _save(state)
+    _, off, n = read_header(m.buf)
+    at, nbytes = json.loads(bytes(m.buf[off:off + n]))["values"]
+    assert _find(m, _zeros_like(state)) is not None  # the control
+    m.buf[at:at + nbytes] = b"\x00" * nbytes
+    assert _find(m, _zeros_like(state)) is None
+
+
+def test_values_are_plain_values_only():
+    """The values' pickle loads plain values (an OrderedDict the one global) and refuses any other global; a state
+    whose replaced values hold a tensor (copy_into replaces a list of tensors by copies) has none."""
+    import collections
+    import pickle
+
+    values = [1, 2.5, "s", None, True, (1, [2]), OrderedDict(a=1), [{"k": -0.0}]]
+    back = plain_values.unpack(pickle.dumps(values, protocol=4))
+    assert back == values and type(back[6]) is OrderedDict and type(back[5]) is tuple and type(back[4]) is bool
+    assert plain_values.unpack(pickle.dumps([collections.Counter(a=1)])) is None
+    assert plain_values.unpack(pickle.dumps((1, 2))) is None  # not a list
+    assert plain_values.unpack(b"garbage") is None
+    assert plain_values.pack({"w": torch.zeros(1), "hist": [torch.zeros(1)]}) is None
+    assert plain_values.pack({"w": torch.zeros(1), "hist": ({"t": torch.zeros(1)},)}) is None
+    m = _save({"w": torch.rand(2), "hist": [torch.rand(2)]})
+    _, off, n = read_header(m.buf)
+    assert b'"plain"' not in bytes(m.buf[off:off + n])
+    cyclic: dict = {"w": torch.zeros(1)}
+    cyclic["self"] = cyclic
+    assert plain_values.pack(cyclic) is None  # deeper than 100 dicts: no plain restore

@@ -2,12 +2,14 @@
 the slot and the live state are of the saved layout; the general path (None) whenever either differs."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import torch
 
 from snapckpt.engine import slot_restore
 from snapckpt.engine.stager import Stager
+from snapckpt.persister.arena import read_header
 
 NAME = "s.pt"
 
@@ -98,7 +100,14 @@ def test_anything_else_takes_the_general_path():
     _save(stager, m, {"x": torch.rand(5)}, 2)  # the slot rewritten with another layout
     assert slot_restore.find(stager, m, NAME, 2, state) is None
     _save(stager, m, state, 3)
-    m.buf[m.buf.index(b'"records"') + 12] ^= 1  # its index no longer what this layout wrote (a fetch, damage)
+    _, off, _n = read_header(m.buf)  # the slot's own index (older ones may lie before it in the buffer)
+    m.buf[m.buf.index(b'"records"', off) + 12] ^= 1  # its index no longer what this layout wrote (a fetch, damage)
+    assert slot_restore.find(stager, m, NAME, 3, state) is None
+    _save(stager, m, state, 3)
+    assert slot_restore.find(stager, m, NAME, 3, state) is not None  # the control
+    _, off, _n = read_header(m.buf)
+    at = json.loads(bytes(m.buf[off:off + _n]))["values"][0]
+    m.buf[at + 2] ^= 1  # the plain restore's values (snapckpt.engine.plain_values) no longer the saved ones
     assert slot_restore.find(stager, m, NAME, 3, state) is None
 
 
