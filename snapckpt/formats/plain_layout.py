@@ -157,7 +157,7 @@ class LayoutMemo:
     business (:func:`snapckpt.engine.stager._signature`).
     """
 
-    __slots__ = ("levels", "order", "key")
+    __slots__ = ("levels", "order", "key")  # order: per tensor in walking order, its breadth-first position
 
     def __init__(self, levels: List[_Level], order: List[int], key: List[Any]) -> None:
         self.levels, self.order, self.key = levels, order, key
@@ -195,7 +195,11 @@ class LayoutMemo:
             levels.append(lv)
         if len(order) != len(tensors):
             return None  # a tensor met twice
-        return cls(levels, order, key)
+        # order[k] is the walking position of the k-th tensor met breadth-first; match needs the inverse
+        walked = [0] * len(order)
+        for k, w in enumerate(order):
+            walked[w] = k
+        return cls(levels, walked, key)
 
     def match(self, obj: Any) -> Optional[List[torch.Tensor]]:
         """``obj``'s tensors in :func:`plain_layout` order when ``plain_layout(obj)`` is ``(those, self.key)``;

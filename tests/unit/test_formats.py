@@ -424,6 +424,30 @@ def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
     assert back["y2"] is back["y"] and any(lay.recheck for lay in stager._layouts.values())
 
 
+def test_a_memo_finds_tensors_at_different_depths_in_walking_order():
+    """A state whose tensors sit at different depths (a deeper dict before a tensor of the top level) is met in
+    another order breadth-first than walked: the memo's match must give the walking order back, or, with every
+    shape equal (the same plan), each tensor's values are saved under another's key from the third save on."""
+    from snapckpt.engine.stager import Stager
+    from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf, views = Stager(), bytearray(1 << 18), {}
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    s = {"m": {f"p{i}": torch.rand(2) for i in range(3)}, "e": torch.rand(2), "l": [{"q": torch.rand(2)}]}
+    tensors, key = plain_layout(s)
+    got = LayoutMemo.build(s, tensors, key).match(s)
+    assert len(got) == len(tensors) == 5 and all(a is b for a, b in zip(got, tensors))
+    for step in range(4):  # the third and fourth saves find the tensors by the memo
+        p = stager.prepare({"s.pt": s}, step)
+        p.views = views
+        Stager.copy_into(p, slot, buf)
+        _same(read_slot(buf, slot, weights_only=True)[1]["s.pt"], s)
+        for t in tensors:
+            t.add_(1.0)
+    assert type(stager._memos["s.pt"].memo) is LayoutMemo and stager.plan_builds == 1
+
+
 def test_a_plain_file_keeps_its_pickle_beside_raw_bytes_that_change_every_save():
     """Files saved together (a model, an optimizer, raw JSON as the Hugging Face callback adds): a plain file
     whose structure and values did not change reuses its pickle; a changed one is pickled again."""
