@@ -542,12 +542,14 @@ class Stager:
         self._memos[name] = fm
         return walked[0], walked[1], False
 
-    def live_layout(self, name: str, obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+    def live_layout(self, name: str, obj: Any, distinct_tensors: bool = True
+                    ) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
         """:func:`plain_layout` of ``obj`` as file ``name`` (by its memo when the structure is the memo's), without
-        changing what the next save of ``name`` reuses; ``None`` when ``obj`` is not plain."""
+        changing what the next save of ``name`` reuses; ``None`` when ``obj`` is not plain.
+        ``distinct_tensors=False``: see :meth:`LayoutMemo.match` (the caller checks for a tensor met twice)."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
-            found = fm.memo.match(obj)
+            found = fm.memo.match(obj, distinct_tensors)
             if found is not None:
                 return found, fm.memo.key
         return plain_layout(obj)
