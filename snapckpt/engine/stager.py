@@ -155,7 +155,6 @@ class _Recheck:
         self.one_device = len(set(self.devices)) <= 1
         self.ptrs = list(map(_DATA_PTR, tensors))
 
-
     def matches(self, tensors: List[torch.Tensor], offsets: tuple) -> bool:
         if offsets != self.offsets or not self.guards.check(*tensors):
             return False
@@ -470,9 +469,10 @@ class Stager:
         self._unsafe_warned: set = set()  # weights_only refusals already warned about
         self._memos: Dict[str, _FileMemo] = {}  # per plain file: what its next save may reuse of its walk
 
-    def _plan_for(self, tensors: List[torch.Tensor]) -> Tuple[_Layout, bool, bool]:
-        """The layout of these tensors, whether it was built now (not found in the cache) and whether the tensors
-        are known to be distinct objects (found by a quick check, :class:`_Recheck`; ``False``: not known).
+    def _plan_for(self, tensors: List[torch.Tensor], check_repeats: bool = False) -> Optional[Tuple[_Layout, bool]]:
+        """The layout of these tensors and whether it was built now (not found in the cache). With
+        ``check_repeats`` (tensors from a memo's match that left that check here): ``None`` when a tensor object
+        occurs twice, checked only when no quick check hits (a hit rules a repeat out, :class:`_Recheck`).
 
         A cached layout is found by its quick check (:class:`_Recheck`), else by the full :func:`_signature`;
         a layout found by its signature gets a new quick check, at most ``_RECHECKS_KEPT`` in its life (one
@@ -487,7 +487,9 @@ class Stager:
             for cached in reversed(self._layouts.values()):  # newest first
                 r = cached.recheck
                 if r is not None and r.matches(tensors, offsets):
-                    return cached, False, True
+                    return cached, False
+            if check_repeats and has_repeats(tensors):
+                return None
             sig = _signature(tensors)
         except RuntimeError:  # no strides or storage (sparse, nested): say which tensor and why
             for t in tensors:
@@ -504,16 +506,16 @@ class Stager:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[sig] = layout
         if _TensorGuards is None:
-            return layout, built, False
+            return layout, built
         if layout.rechecks_made >= _RECHECKS_KEPT:
             layout.recheck = None
-            return layout, built, False
+            return layout, built
         layout.rechecks_made += 1
         try:
             layout.recheck = _Recheck(tensors, offsets, sig)
         except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
             layout.recheck, layout.rechecks_made = None, _RECHECKS_KEPT
-        return layout, built, False
+        return layout, built
 
     def _plain_layout(self, name: str, obj: Any, distinct_tensors: bool = True
                       ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool]]:
@@ -627,11 +629,11 @@ class Stager:
                     if id(t) not in seen:
                         seen[id(t)] = len(all_tensors)
                         all_tensors.append(t)
-        layout, new_plan, distinct = self._plan_for(all_tensors)
-        if unchecked and not distinct and has_repeats(all_tensors):
-            # a tensor met twice: the memo's key is not this state's (the walk marks the repeat): walk it now
+        found = self._plan_for(all_tensors, check_repeats=unchecked)
+        if found is None:  # a tensor met twice: the memo's key is not this state's (a walk marks the repeat)
             self._memos.pop(next(iter(files)), None)
             return self._prepare(files, step, check_weights_only=check_weights_only)
+        layout, new_plan = found
         plan = layout.plan
         copies = []
         for s, i in layout.spans:

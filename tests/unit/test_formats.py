@@ -564,3 +564,11 @@ def test_a_quick_plan_hit_reads_the_grouping_from_the_data_pointers_and_sees_one
     back = roundtrip(s, 5)
     _same(back, s)
     assert back["e2"] is back["e1"]
+    s["e2"] = torch.empty(0)
+    for step in range(6, 9):  # the memo and the quick check of this layout again
+        roundtrip(s, step)
+    builds = stager.plan_builds
+    s["m"]["p1"] = s["m"]["p2"]  # a repeat seen before a plan is made for the matched list: one new plan, the walk's
+    back = roundtrip(s, 9)
+    _same(back, s)
+    assert back["m"]["p1"] is back["m"]["p2"] and stager.plan_builds == builds + 1
