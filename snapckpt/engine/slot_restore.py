@@ -23,6 +23,7 @@ import torch
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.stager import Stager, _Layout, direct_views, index_bytes
 from snapckpt.errors import SnapshotError
+from snapckpt.formats.plain_layout import has_repeats
 from snapckpt.persister.arena import read_header
 
 __all__ = ["SlotCopies", "find"]
@@ -60,7 +61,7 @@ def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> 
 
 
 def _find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
-    walked = stager.live_layout(name, dst)
+    walked = stager.live_layout(name, dst, distinct_tensors=False)  # _copies checks for a tensor met twice
     if walked is None:
         return None
     tensors, key = walked
@@ -90,10 +91,12 @@ def _holds(mapped: MappedSlot, layout: _Layout, step: int) -> bool:
 
 
 def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor]) -> Optional[SlotCopies]:
-    r = layout.recheck  # the save's check of dtypes, shapes and strides (C++): passes when the state is the saved one
+    # The save's check of types, dtypes, shapes and strides (C++): passes when the state is the saved one; it also
+    # refuses a tensor object met twice (see stager._Recheck), which the memo's match left to this check.
+    r = layout.recheck
     same = r is not None and r.guards.check(*tensors)
-    if not same and list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)):
-        return None  # the general path names the mismatches
+    if not same and (list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)) or has_repeats(tensors)):
+        return None  # the general path names the mismatches (a tensor twice: the key is not the saved one)
     if layout.restore_ok is None:
         # copy_into copies a tensor in place only when dicts lead to it (one in a list or tuple is replaced by
         # a copy): this path, which copies every tensor in place, is taken only when that is every tensor.

@@ -34,7 +34,7 @@ import torch
 from snapckpt.persister.arena import HEADER_NBYTES, watermark_view, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
-from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
+from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, tensor_part
 from snapckpt.engine.plain_values import pack
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
@@ -80,6 +80,7 @@ class Plan:
 
 _DTYPE, _SHAPE, _DEVICE, _GRAD = (attrgetter(a) for a in ("dtype", "shape", "device", "requires_grad"))
 _ITEMSIZE = attrgetter("itemsize")
+_DATA_PTR, _OFFSET = torch.Tensor.data_ptr, torch.Tensor.storage_offset
 
 
 def _signature(tensors: List[torch.Tensor]) -> tuple:
@@ -102,16 +103,16 @@ def _signature(tensors: List[torch.Tensor]) -> tuple:
     offs = tuple(map(t_.storage_offset, tensors))
     dtypes = tuple(map(_DTYPE, tensors))
     devices = tuple(map(_DEVICE, tensors))
-    groups = _groups(tensors, offs, tuple(map(_ITEMSIZE, dtypes)), devices, len(set(devices)) <= 1)
+    groups = _groups(list(map(_DATA_PTR, tensors)), offs, tuple(map(_ITEMSIZE, dtypes)), devices,
+                     len(set(devices)) <= 1)
     return (len(tensors), groups, offs, dtypes, devices, tuple(map(_SHAPE, tensors)), tuple(map(t_.stride, tensors)),
             tuple(map(type, tensors)), tuple(map(_GRAD, tensors)))
 
 
-def _groups(tensors: List[torch.Tensor], offs: tuple, itemsizes: tuple, devices: tuple, one_device: bool
-            ) -> Optional[tuple]:
-    """:func:`_signature`'s storage grouping: ``None`` when every tensor has a storage of its own (on one
+def _groups(ptrs: List[int], offs: tuple, itemsizes: tuple, devices: tuple, one_device: bool) -> Optional[tuple]:
+    """:func:`_signature`'s storage grouping of tensors with data pointers ``ptrs`` (a function of ``ptrs``,
+    ``offs``, ``itemsizes`` and ``devices`` only): ``None`` when every tensor has a storage of its own (on one
     device: ``one_device``)."""
-    ptrs = map(torch.Tensor.data_ptr, tensors)
     # every offset 0 (the common case): the data pointers are the storages' starts (two passes fewer)
     starts = list(map(sub, ptrs, map(mul, offs, itemsizes)) if any(offs) else ptrs)
     empty = starts.count(0)  # no storage (a null data pointer): a group of its own each
@@ -133,25 +134,37 @@ except ImportError:  # pragma: no cover - every supported torch has it; the full
 class _Recheck:
     """A quick way to tell that tensors have their layout's :func:`_signature`, without reading it (a plan-cache hit).
 
-    Found by ``quick`` (count, storage offsets, types); then PyTorch's ``TensorGuards`` (a C++ loop) checks each
-    tensor's dtype, device, shape, stride and ``requires_grad`` against the tensors the entry was made from,
-    and the storage grouping is recomputed from the data pointers (with the known element sizes). Every field
-    of the signature is compared, so a hit means the same signature; any failure (or a guard that cannot be
-    made) falls back to the full :func:`_signature`.
+    Found by the storage offsets (and with them the count); then PyTorch's ``TensorGuards`` (a C++ loop) checks
+    each tensor's Python type, dtype, device, shape, stride and ``requires_grad`` against the tensors the entry
+    was made from, and the storage grouping is compared: when the data pointers are those of the last tensors
+    that passed (``ptrs``: the same training state saved again, the common case), it is theirs, since the
+    grouping is a function of the pointers, offsets, element sizes and devices, all equal then; else it is
+    recomputed from the pointers (with the known element sizes). Every field of the signature is compared, so a
+    hit means the same signature; any failure (or a guard that cannot be made) falls back to the full
+    :func:`_signature`. A hit also means that no tensor object occurs twice: ``TensorGuards.check`` refuses
+    repeated objects (dynamo relies on it; a unit test pins it), so :meth:`Stager._prepare` leaves that check of a
+    memo's match to this one.
     """
 
-    __slots__ = ("quick", "guards", "itemsizes", "devices", "one_device", "groups")
+    __slots__ = ("offsets", "guards", "itemsizes", "devices", "one_device", "groups", "ptrs")
 
-    def __init__(self, tensors: List[torch.Tensor], quick: tuple, sig: tuple) -> None:
+    def __init__(self, tensors: List[torch.Tensor], offsets: tuple, sig: tuple) -> None:
         self.guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        self.quick = quick
+        self.offsets = offsets
         self.itemsizes = tuple(map(_ITEMSIZE, sig[3]))
         self.devices, self.groups = sig[4], sig[1]
         self.one_device = len(set(self.devices)) <= 1
+        self.ptrs = list(map(_DATA_PTR, tensors))
 
-    def matches(self, tensors: List[torch.Tensor], quick: tuple) -> bool:
-        return (quick == self.quick and self.guards.check(*tensors)
-                and _groups(tensors, quick[1], self.itemsizes, self.devices, self.one_device) == self.groups)
+    def matches(self, tensors: List[torch.Tensor], offsets: tuple) -> bool:
+        if offsets != self.offsets or not self.guards.check(*tensors):
+            return False
+        ptrs = list(map(_DATA_PTR, tensors))
+        if ptrs != self.ptrs:
+            if _groups(ptrs, offsets, self.itemsizes, self.devices, self.one_device) != self.groups:
+                return False
+            self.ptrs = ptrs
+        return True
 
 
 _RECHECKS_KEPT = 2  # quick checks made for one layout before it goes without (see Stager._plan_for)
@@ -458,8 +471,10 @@ class Stager:
         self._unsafe_warned: set = set()  # weights_only refusals already warned about
         self._memos: Dict[str, _FileMemo] = {}  # per plain file: what its next save may reuse of its walk
 
-    def _plan_for(self, tensors: List[torch.Tensor]) -> Tuple[_Layout, bool]:
-        """The layout of these tensors and whether it was built now (not found in the cache).
+    def _plan_for(self, tensors: List[torch.Tensor], check_repeats: bool = False) -> Optional[Tuple[_Layout, bool]]:
+        """The layout of these tensors and whether it was built now (not found in the cache). With
+        ``check_repeats`` (tensors from a memo's match that left that check here): ``None`` when a tensor object
+        occurs twice, checked only when no quick check hits (a hit rules a repeat out, :class:`_Recheck`).
 
         A cached layout is found by its quick check (:class:`_Recheck`), else by the full :func:`_signature`;
         a layout found by its signature gets a new quick check, at most ``_RECHECKS_KEPT`` in its life (one
@@ -470,11 +485,13 @@ class Stager:
             SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built).
         """
         try:
-            quick = (len(tensors), tuple(map(torch.Tensor.storage_offset, tensors)), tuple(map(type, tensors)))
+            offsets = tuple(map(_OFFSET, tensors))
             for cached in reversed(self._layouts.values()):  # newest first
                 r = cached.recheck
-                if r is not None and r.matches(tensors, quick):
+                if r is not None and r.matches(tensors, offsets):
                     return cached, False
+            if check_repeats and has_repeats(tensors):
+                return None
             sig = _signature(tensors)
         except RuntimeError:  # no strides or storage (sparse, nested): say which tensor and why
             for t in tensors:
@@ -497,20 +514,23 @@ class Stager:
             return layout, built
         layout.rechecks_made += 1
         try:
-            layout.recheck = _Recheck(tensors, quick, sig)
+            layout.recheck = _Recheck(tensors, offsets, sig)
         except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
             layout.recheck, layout.rechecks_made = None, _RECHECKS_KEPT
         return layout, built
 
-    def _plain_layout(self, name: str, obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+    def _plain_layout(self, name: str, obj: Any, distinct_tensors: bool = True
+                      ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool]]:
         """:func:`plain_layout` of file ``name``'s ``obj``, by its :class:`LayoutMemo` while the structure is
         the one of the memo. A memo is made once two saves in a row walk to equal keys (a state whose values
-        change every save, such as a step counter, is walked each time and never pays for one)."""
+        change every save, such as a step counter, is walked each time and never pays for one).
+        ``distinct_tensors=False``: see :meth:`LayoutMemo.match`. Returns ``(tensors, key, whether the memo found
+        them)``, or ``None`` when ``obj`` is not plain."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
-            found = fm.memo.match(obj)
+            found = fm.memo.match(obj, distinct_tensors)
             if found is not None:
-                return found, fm.memo.key
+                return found, fm.memo.key, True
         walked = plain_layout(obj)
         self._memos.pop(name, None)
         if walked is None:
@@ -524,14 +544,16 @@ class Stager:
         if len(self._memos) >= 4 * self._cache_size:
             self._memos.pop(next(iter(self._memos)))
         self._memos[name] = fm
-        return walked
+        return walked[0], walked[1], False
 
-    def live_layout(self, name: str, obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+    def live_layout(self, name: str, obj: Any, distinct_tensors: bool = True
+                    ) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
         """:func:`plain_layout` of ``obj`` as file ``name`` (by its memo when the structure is the memo's), without
-        changing what the next save of ``name`` reuses; ``None`` when ``obj`` is not plain."""
+        changing what the next save of ``name`` reuses; ``None`` when ``obj`` is not plain.
+        ``distinct_tensors=False``: see :meth:`LayoutMemo.match` (the caller checks for a tensor met twice)."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
-            found = fm.memo.match(obj)
+            found = fm.memo.match(obj, distinct_tensors)
             if found is not None:
                 return found, fm.memo.key
         return plain_layout(obj)
@@ -569,16 +591,21 @@ class Stager:
         per_file_tensors: List[List[torch.Tensor]] = []
         keys: List[Any] = []  # per file: its plain_layout key, or None (its skeleton is pickled every save)
         plain_files: set = set()
+        # One file (its tensors are the plan's): a memo's match leaves the check for a tensor met twice to the plan's
+        # quick check, which makes it anyway (below).
+        one_file = len(files) == 1
+        unchecked = False  # the one file's tensors came from a memo's match that left the repeat check to us
         for name, value in files.items():
             spec, persist = unwrap(value)
             if isinstance(spec, RawBytes):
                 spec = Concat([bytes(spec.data)], spec.mode)
             specs.append((spec, persist))
             if isinstance(spec, TorchSave):
-                walked = self._plain_layout(name, spec.obj)
+                walked = self._plain_layout(name, spec.obj, distinct_tensors=not one_file)
                 if walked is not None:  # only containers, tensors and atomic values: weights_only loads it
                     per_file_tensors.append(walked[0])
                     keys.append(walked[1])
+                    unchecked = one_file and walked[2]
                     plain_files.add(name)
                     continue
                 keys.append(None)
@@ -604,7 +631,11 @@ class Stager:
                     if id(t) not in seen:
                         seen[id(t)] = len(all_tensors)
                         all_tensors.append(t)
-        layout, new_plan = self._plan_for(all_tensors)
+        found = self._plan_for(all_tensors, check_repeats=unchecked)
+        if found is None:  # a tensor met twice: the memo's key is not this state's (a walk marks the repeat)
+            self._memos.pop(next(iter(files)), None)
+            return self._prepare(files, step, check_weights_only=check_weights_only)
+        layout, new_plan = found
         plan = layout.plan
         copies = []
         for s, i in layout.spans:

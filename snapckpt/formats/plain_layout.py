@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["plain_layout", "LayoutMemo", "VALUE_MARKERS"]
+__all__ = ["plain_layout", "LayoutMemo", "VALUE_MARKERS", "has_repeats"]
 
 _ATOMIC = frozenset({str, int, bool, type(None)})
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -146,7 +146,7 @@ class _Level:
     """One breadth-first level of a plain state: its containers and what their entries were."""
 
     __slots__ = ("types", "lens", "maps", "seqs", "ods", "ktypes", "vtypes", "leaf_pos", "leaves", "float_pos",
-                 "float_hex", "cont_pos", "tensor_pos")
+                 "float_hex", "cont_pos", "tensor_pos", "all_tensors")
 
 
 class LayoutMemo:
@@ -161,11 +161,15 @@ class LayoutMemo:
     where a value was (or the reverse), a container or tensor met twice (aliasing; a memo is not made for
     such states). Tensors are only found here, not checked: a replaced or resized tensor is the plan's
     business (:func:`snapckpt.engine.stager._signature`).
+
+    Attributes:
+        order: per tensor in walking order, its position in breadth-first order; ``None`` when the two orders
+            are the same (a flat dict of tensors, a model's state: no reordering pass).
     """
 
     __slots__ = ("levels", "order", "key")
 
-    def __init__(self, levels: List[_Level], order: List[int], key: List[Any]) -> None:
+    def __init__(self, levels: List[_Level], order: Optional[List[int]], key: List[Any]) -> None:
         self.levels, self.order, self.key = levels, order, key
 
     @classmethod
@@ -191,6 +195,7 @@ class LayoutMemo:
             lv.leaf_pos = tuple(j for j, t in enumerate(lv.vtypes) if t not in _TENSOR_TYPES and t not in _CONTAINERS)
             lv.cont_pos = tuple(j for j, t in enumerate(lv.vtypes) if t in _CONTAINERS)
             lv.tensor_pos = tuple(j for j, t in enumerate(lv.vtypes) if t in _TENSOR_TYPES)
+            lv.all_tensors = len(lv.tensor_pos) == len(vals)
             lv.leaves = keys + [vals[j] for j in lv.leaf_pos]
             lv.float_pos = tuple(j for j, v in enumerate(lv.leaves) if type(v) is float)
             lv.float_hex = [_float_key(lv.leaves[j]) for j in lv.float_pos]
@@ -201,16 +206,19 @@ class LayoutMemo:
             levels.append(lv)
         if len(order) != len(tensors):
             return None  # a tensor met twice
-        # ``order`` gives each tensor met breadth-first its walking index; match wants the reverse, the
-        # breadth-first position of each walking index (the two differ once tensors sit at several depths)
-        by_walk = [0] * len(order)
-        for bfs, walk in enumerate(order):
-            by_walk[walk] = bfs
-        return cls(levels, by_walk, key)
+        # order[k] is the walking position of the k-th tensor met breadth-first; match needs the inverse
+        walked = [0] * len(order)
+        for k, w in enumerate(order):
+            walked[w] = k
+        return cls(levels, None if walked == list(range(len(walked))) else walked, key)
 
-    def match(self, obj: Any) -> Optional[List[torch.Tensor]]:
+    def match(self, obj: Any, distinct_tensors: bool = True) -> Optional[List[torch.Tensor]]:
         """``obj``'s tensors in :func:`plain_layout` order when ``plain_layout(obj)`` is ``(those, self.key)``;
-        ``None`` when that is not certain (the caller walks ``obj``)."""
+        ``None`` when that is not certain (the caller walks ``obj``).
+
+        With ``distinct_tensors=False`` the tensors are not checked for one object met twice: the caller then
+        must, before it uses the key (the Stager's quick plan check makes that check anyway), and walk ``obj``
+        when one is (the key of such a state marks the repeat)."""
         cur = [obj]
         ids: List[int] = []
         found: List[torch.Tensor] = []
@@ -225,15 +233,20 @@ class LayoutMemo:
                 return None
             if lv.float_pos and list(map(_float_key, map(keys.__getitem__, lv.float_pos))) != lv.float_hex:
                 return None  # -0.0 == 0.0
-            found.extend(map(vals.__getitem__, lv.tensor_pos))
+            found.extend(vals if lv.all_tensors else map(vals.__getitem__, lv.tensor_pos))
             ids.extend(map(id, cur))
             nxt = list(map(vals.__getitem__, lv.cont_pos))
             if lv.ods:
                 nxt.extend(map(vars, map(cur.__getitem__, lv.ods)))
             cur = nxt
-        if _repeats(ids) or _repeats(list(map(id, found))):
+        if _repeats(ids) or (distinct_tensors and has_repeats(found)):
             return None  # a container or a tensor met twice now
-        return list(map(found.__getitem__, self.order))
+        return found if self.order is None else list(map(found.__getitem__, self.order))
+
+
+def has_repeats(objects: List[Any]) -> bool:
+    """Whether an object occurs twice in ``objects`` (by identity)."""
+    return _repeats(list(map(id, objects)))
 
 
 def _repeats(ids: List[int]) -> bool:

@@ -381,7 +381,11 @@ def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
          "opt": {"lr": 0.1, "betas": (0.9, 0.99), "step": 3, "name": "adam", "eps": None, "z": 0.0,
                  "groups": [[1, 2], {"a": torch.rand(2)}]},
          "d1": {"a": torch.rand(1), "b": torch.rand(1)}, "d2": {"c": torch.rand(1)}, "view": base[8:12],
-         1: torch.rand(2), "x": torch.rand(4), "y": torch.rand(4)}
+         1: torch.rand(2), "x": torch.rand(4), "y": torch.rand(4), "u": torch.rand(5), "v": torch.rand(5),
+         "e1": torch.empty(0), "e2": torch.empty(0)}
+    tied = torch.rand(4)
+    s["t1"], s["t2"] = tied, tied.view(4)  # two tensors, one storage, the same data pointer
+    twice = [("u", "v"), ("t2", "t1"), ("e2", "e1"), ("y2", "y")]  # (key, key of the tensor it became)
 
     def move_entry(s):
         s["d2"] = {"b": s["d1"].pop("b"), **s["d2"]}  # the same keys and values in the same flat order
@@ -422,21 +426,56 @@ def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
         lambda s: s["od"]._metadata["w"].__setitem__("version", 2),
         lambda s: s.__setitem__("m2", s["m"]),  # one container twice
         lambda s: s.pop("m2"),
-        lambda s: s.__setitem__("y2", s["y"]),  # one tensor twice
+        # one tensor twice, in place of another (the same keys and types: the memo matches, the plan check must
+        # see it), each undone before the next (no memo is made of a state with a tensor twice):
+        lambda s: s.__setitem__("u", s["v"]),  # ... of distinct storages
+        lambda s: s.__setitem__("u", torch.rand(5)),
+        lambda s: s.__setitem__("t2", s["t1"]),  # ... of one storage: the same data pointers as before
+        lambda s: s.__setitem__("t2", s["t1"].view(4)),
+        lambda s: s.__setitem__("e2", s["e1"]),  # ... without storage (null data pointers)
+        lambda s: s.__setitem__("e2", torch.empty(0)),
+        lambda s: s.__setitem__("u", torch.nn.Parameter(s["u"].detach().clone(), requires_grad=False)),  # type only
+        lambda s: s.__setitem__("y2", s["y"]),  # one tensor twice, under a new key
     ]
     step = 0
     for i, change in enumerate(changes):
         for _ in range(2):  # two equal saves: the second makes the memo, a third would use it
             step += 1
             _same(roundtrip(s, step), s)
-        assert (type(stager._memos["s.pt"].memo) is LayoutMemo) == ("m2" not in s), i  # a container met twice: no memo
+        repeats = "m2" in s or any(s.get(a) is s[b] for a, b in twice)  # a container or tensor met twice: no memo
+        assert (type(stager._memos["s.pt"].memo) is LayoutMemo) != repeats, i
         change(s)
         step += 1
         back = roundtrip(s, step)
         _same(back, s)
         if change is tie_storage:
             assert back["x"].untyped_storage().data_ptr() == back["y"].untyped_storage().data_ptr()
+        assert [back.get(a) is back[b] for a, b in twice] == [s.get(a) is s[b] for a, b in twice], i
     assert back["y2"] is back["y"] and any(lay.recheck for lay in stager._layouts.values())
+
+
+def test_a_memo_finds_tensors_at_different_depths_in_walking_order():
+    """A state whose tensors sit at different depths (a deeper dict before a tensor of the top level) is met in
+    another order breadth-first than walked: the memo's match must give the walking order back, or, with every
+    shape equal (the same plan), each tensor's values are saved under another's key from the third save on."""
+    from snapckpt.engine.stager import Stager
+    from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf, views = Stager(), bytearray(1 << 18), {}
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    s = {"m": {f"p{i}": torch.rand(2) for i in range(3)}, "e": torch.rand(2), "l": [{"q": torch.rand(2)}]}
+    tensors, key = plain_layout(s)
+    got = LayoutMemo.build(s, tensors, key).match(s)
+    assert len(got) == len(tensors) == 5 and all(a is b for a, b in zip(got, tensors))
+    for step in range(4):  # the third and fourth saves find the tensors by the memo
+        p = stager.prepare({"s.pt": s}, step)
+        p.views = views
+        Stager.copy_into(p, slot, buf)
+        _same(read_slot(buf, slot, weights_only=True)[1]["s.pt"], s)
+        for t in tensors:
+            t.add_(1.0)
+    assert type(stager._memos["s.pt"].memo) is LayoutMemo and stager.plan_builds == 1
 
 
 def test_a_plain_file_keeps_its_pickle_beside_raw_bytes_that_change_every_save():
@@ -496,3 +535,55 @@ def test_a_quick_check_that_keeps_missing_is_not_remade_every_save(monkeypatch):
     monkeypatch.undo()
     other = {f"w{i}": torch.rand(3) for i in range(5)}
     assert stager.prepare({"s.pt": other}, 7).layout is p.layout and stager.plan_builds == 1
+
+
+def test_a_quick_plan_hit_reads_the_grouping_from_the_data_pointers_and_sees_one_tensor_twice():
+    """The plan check of a state saved again reads the data pointers and compares them with the last hit's (no
+    grouping recomputed while they are equal); a memo's match leaves the check for one tensor object met twice to
+    it (TensorGuards refuses repeated objects: pinned here), so a tensor put in place of another must still be
+    seen, also where no storage tells them apart (empty tensors have null data pointers)."""
+    from snapckpt.engine import stager as stager_mod
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf, views = stager_mod.Stager(), bytearray(1 << 18), {}
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    grouped = []
+    groups = stager_mod._groups
+
+    def counting_groups(*args):
+        grouped.append(1)
+        return groups(*args)
+
+    def roundtrip(state, step):
+        p = stager.prepare({"s.pt": state}, step)
+        p.views = views
+        stager_mod.Stager.copy_into(p, slot, buf)
+        return read_slot(buf, slot, weights_only=True)[1]["s.pt"]
+
+    s = {"m": {f"p{i}": torch.rand(3) for i in range(20)}, "e1": torch.empty(0), "e2": torch.empty(0)}
+    for step in range(3):  # the third save finds its tensors by the memo and its plan by the quick check
+        roundtrip(s, step)
+    stager_mod._groups = counting_groups
+    try:
+        _same(roundtrip(s, 3), s)
+        assert not grouped and stager.plan_builds == 1  # the same pointers: the grouping is the last hit's
+        s["m"]["p0"] = torch.rand(3)
+        _same(roundtrip(s, 4), s)
+        assert len(grouped) == 1 and stager.plan_builds == 1  # a new pointer: grouped again, the same plan
+    finally:
+        stager_mod._groups = groups
+    x, y = torch.empty(0), torch.empty(0)
+    guards = stager_mod._TensorGuards(x, y, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    assert guards.check(x, y) and not guards.check(x, x) and not guards.check(y, y)
+    s["e2"] = s["e1"]
+    back = roundtrip(s, 5)
+    _same(back, s)
+    assert back["e2"] is back["e1"]
+    s["e2"] = torch.empty(0)
+    for step in range(6, 9):  # the memo and the quick check of this layout again
+        roundtrip(s, step)
+    builds = stager.plan_builds
+    s["m"]["p1"] = s["m"]["p2"]  # a repeat seen before a plan is made for the matched list: one new plan, the walk's
+    back = roundtrip(s, 9)
+    _same(back, s)
+    assert back["m"]["p1"] is back["m"]["p2"] and stager.plan_builds == builds + 1

@@ -111,6 +111,20 @@ def test_anything_else_takes_the_general_path():
     assert slot_restore.find(stager, m, NAME, 3, state) is None
 
 
+def test_a_live_tensor_put_in_place_of_another_takes_the_general_path():
+    """The live state found by the memo of its saves (same keys and types) with one tensor object in two places:
+    its layout is not the saved one (the second place is a reference to the first), so it is not restored here,
+    whether or not the save's quick check holds (another dtype: the shapes are compared instead)."""
+    for dtype in (torch.float32, torch.float64):
+        stager, m, state = Stager(), _slot(), _state()
+        for step in range(3):  # the second save makes the memo, the third uses it
+            _save(stager, m, state, step)
+        live = {**state, "model": {k: v.to(dtype) for k, v in state["model"].items()}}
+        assert slot_restore.find(stager, m, NAME, 2, live) is not None  # the control
+        live["model"]["w1"] = live["model"]["w0"]
+        assert slot_restore.find(stager, m, NAME, 2, live) is None, dtype
+
+
 def test_a_tensor_in_a_list_keeps_copy_into_semantics():
     """copy_into replaces a list (tensors in it are deep copies), it does not copy into its tensors: such a state
     is left to the general path."""
