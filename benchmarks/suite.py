@@ -507,7 +507,7 @@ def targets(recs: list[dict[str, Any]], state_bytes: int) -> list[tuple[str, str
 
     row("overlap off: blocking / floor_copy", 1.05, ratio(g("snapckpt_memory", "blocking_s"), g("floor_copy", "blocking_s")))
     first_use = g("snapckpt_memory", "first_use_samples_s")  # each round's first save into the second slot
-    row("overlap off: first save into each slot after the warm-up (slowest) / floor_copy", 1.05,
+    row("overlap off: first save into each slot after the warm-up and its settle pause (slowest) / floor_copy", 1.05,
         ratio(max(first_use), g("floor_copy", "blocking_s")) if first_use else None)
     row("overlap on: save() returns / floor_copy", 0.05,
         ratio(save_return(by.get("snapckpt_memory_overlap", {})), g("floor_copy", "blocking_s")))
