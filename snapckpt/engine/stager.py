@@ -9,7 +9,8 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    ``requires_grad`` (:func:`_signature`, contract 3), so a changed layout (a replaced optimizer tensor, a new
    parameter group, a new shape) always gets a new plan. The skeleton (``data.pkl``) of each file is pickled
    here, with user objects pickled by the training process itself, so the persister never unpickles anything;
-   a plain state's skeleton and the slot index are reused while its non-tensor values are equal.
+   a plain state's skeleton and the slot index are reused while its non-tensor values are equal, and its skeleton
+   is spliced with the new values when only they changed (:mod:`snapckpt.formats.value_splice`).
 2. :meth:`Stager.copy_into` copies each storage span into the slot (the tensors that are whole spans with one
    ``torch._foreach_copy_`` into typed views of the slot, cached per mapping), then writes the pickles, the
    index and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
@@ -27,7 +28,7 @@ import math
 from itertools import islice
 from operator import attrgetter, eq, mul, sub
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +39,7 @@ from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, tensor_part
 from snapckpt.engine.plain_values import pack
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
+from snapckpt.formats.value_splice import ValueTemplate, split_key
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
                                         weights_only_refusal)
 
@@ -554,7 +556,9 @@ class Stager:
         tensor of every file joins one plan, so a storage shared between files is copied once. A later save
         of the same layout reuses the plan; when every file is a plain ``TorchSave``
         (:func:`~snapckpt.formats.plain_layout.plain_layout`) with the same non-tensor values, it reuses the
-        pickled skeletons and the index too, so its Python work per tensor is a few C calls.
+        pickled skeletons and the index too, so its Python work per tensor is a few C calls; when only its
+        non-tensor values changed (a step counter, a loss), its skeleton is spliced from a template
+        (:func:`_pickle_file`) instead of pickled again.
 
         With ``check_weights_only``, the first time a plan is built (a new layout of tensors, not every
         save) each pickled skeleton is run through PyTorch's weights-only unpickler (no tensor bytes); if
@@ -643,9 +647,10 @@ class Stager:
                    keys: List[Any], pickles: Dict[str, tuple]) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
         the index's "files" JSON, the first byte after them)``. A plain file's pickle is reused from
-        ``pickles`` (``path -> (plain_layout key, its tensors' plan indices, pickle, span keys)``, updated) while
-        its key and tensors are those of the last pickle (a save that also writes changing raw bytes, such as
-        the Hugging Face callback's, pickles only what changed)."""
+        ``pickles`` (``path -> (plain_layout key, its tensors' plan indices, pickle, span keys, value template, key
+        structure)``, updated) while its key and tensors are those of the last pickle (a save that also writes
+        changing raw bytes, such as the Hugging Face callback's, pickles only what changed), and spliced from the
+        template when only its non-tensor values changed (:func:`_pickle_file`)."""
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files = []
@@ -657,9 +662,10 @@ class Stager:
                 if hit is not None and hit[0] == key and hit[1] == idx:
                     pkl, skeys = hit[2], hit[3]
                 else:
-                    pkl, skeys = pickle_skeleton(spec.obj, {id(t): plan.refs[i] for t, i in zip(ts, idx)})
+                    pkl, skeys, template, structure = _pickle_file(
+                        spec.obj, key, idx, hit, lambda: {id(t): plan.refs[i] for t, i in zip(ts, idx)})
                     if key is not None:
-                        pickles[path] = (key, idx, pkl, skeys)
+                        pickles[path] = (key, idx, pkl, skeys, template, structure)
                 if check_weights_only and path not in plain_files:
                     _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
@@ -766,6 +772,32 @@ class Stager:
                     mark[0] = step[-1]  # after the copies returned: the bytes below are final
         finally:
             mark.release()
+
+
+def _pickle_file(obj: Any, key: Optional[List[Any]], idx: List[int], hit: Optional[tuple],
+                 refs: Callable[[], Dict[int, TensorRef]]) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
+    """``(pickle, span keys, template, key structure)`` of a file's ``obj`` (``plain_layout`` key ``key`` or ``None``,
+    tensors at plan indices ``idx``, ``refs()`` their refs: made only when something is pickled) whose last pickle was ``hit`` (a ``pickles`` entry or
+    ``None``). When ``hit`` differs from ``obj`` in non-tensor values only (:func:`split_key`), the pickle is spliced
+    from a :class:`~snapckpt.formats.value_splice.ValueTemplate`: made by the first such save (one pickle of a copy
+    of the state with markers for its values, instead of the pickle of the state) and kept while the structure
+    stays (``False``: none can be made of it). Otherwise ``obj`` is pickled (template ``None``; the structure is
+    computed only when a later save needs it)."""
+    if key is not None and hit is not None and hit[1] == idx:
+        structure, values = split_key(key)
+        template = hit[4]
+        if hit[5] is None:  # the last pickle was a full one: its structure was not computed
+            template = None if split_key(hit[0])[0] != structure else (
+                ValueTemplate.build(obj, key, lambda shadow: pickle_skeleton(shadow, refs())) or False)
+        elif hit[5] != structure:
+            template = None
+        if template:
+            return template.splice(values), template.keys, template, structure
+        if template is False:
+            pkl, skeys = pickle_skeleton(obj, refs())
+            return pkl, skeys, False, structure
+    pkl, skeys = pickle_skeleton(obj, refs())
+    return pkl, skeys, None, None
 
 
 def index_bytes(step: int, layout: _Layout) -> bytes:
