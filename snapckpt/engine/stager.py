@@ -776,13 +776,13 @@ class Stager:
 
 def _pickle_file(obj: Any, key: Optional[List[Any]], idx: List[int], hit: Optional[tuple],
                  refs: Callable[[], Dict[int, TensorRef]]) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
-    """``(pickle, span keys, template, key structure)`` of a file's ``obj`` (``plain_layout`` key ``key`` or ``None``,
-    tensors at plan indices ``idx``, ``refs()`` their refs: made only when something is pickled) whose last pickle was ``hit`` (a ``pickles`` entry or
-    ``None``). When ``hit`` differs from ``obj`` in non-tensor values only (:func:`split_key`), the pickle is spliced
-    from a :class:`~snapckpt.formats.value_splice.ValueTemplate`: made by the first such save (one pickle of a copy
-    of the state with markers for its values, instead of the pickle of the state) and kept while the structure
-    stays (``False``: none can be made of it). Otherwise ``obj`` is pickled (template ``None``; the structure is
-    computed only when a later save needs it)."""
+    """``(pickle, span keys, template, key structure)`` of a file's ``obj`` (``plain_layout`` key ``key`` or
+    ``None``, tensors at plan indices ``idx``, ``refs()`` their refs: made only when something is pickled) whose
+    last pickle was ``hit`` (a ``pickles`` entry or ``None``). When ``hit`` differs from ``obj`` in non-tensor values
+    only (:func:`split_key`), the pickle is spliced from a :class:`~snapckpt.formats.value_splice.ValueTemplate`:
+    made by the first such save (one pickle of a copy of the state with markers for its values, instead of the
+    pickle of the state) and kept while the structure stays (``False``: none can be made of it). Otherwise ``obj``
+    is pickled (template ``None``; the structure is computed only when a later save needs it)."""
     if key is not None and hit is not None and hit[1] == idx:
         structure, values = split_key(key)
         template = hit[4]
