@@ -625,8 +625,6 @@ class Stager:
             if len(per_file_tensors) > 1:  # which tensor of the plan each file's tensor is
                 tail_key.append([[seen[id(t)] for t in ts] for ts in per_file_tensors])  # type: ignore[index]
         if tail_key is None or tail_key != layout.tail_key:
-            if seen is None:
-                seen = {id(t): i for i, t in enumerate(all_tensors)}
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
                                                          check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
@@ -643,41 +641,54 @@ class Stager:
                         persistable, direct, layout)
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
-                   plan: Plan, seen: Dict[int, int], plain_files: set, check_weights_only: bool,
+                   plan: Plan, seen: Optional[Dict[int, int]], plain_files: set, check_weights_only: bool,
                    keys: List[Any], pickles: Dict[str, tuple]) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
-        the index's "files" JSON, the first byte after them)``. A plain file's pickle is reused from
+        the index's "files" JSON, the first byte after them)``. ``seen``: each tensor's plan index by ``id``, or
+        ``None`` for one file (whose tensors are the plan's, in order). A plain file's pickle is reused from
         ``pickles`` (``path -> (plain_layout key, its tensors' plan indices, pickle, span keys, value template, key
-        structure)``, updated) while its key and tensors are those of the last pickle (a save that also writes
-        changing raw bytes, such as the Hugging Face callback's, pickles only what changed), and spliced from the
-        template when only its non-tensor values changed (:func:`_pickle_file`)."""
+        structure, the index's JSON of its records)``, updated) while its key and tensors are those of the last
+        pickle (a save that also writes changing raw bytes, such as the Hugging Face callback's, pickles only what
+        changed), and spliced from the template when only its non-tensor values changed (:func:`_pickle_file`);
+        its records' JSON is kept while its span keys stay."""
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
-        index_files = []
-        by_key = {s.key: s for s in plan.spans}
+        index_files: List[str] = []  # each file's JSON object
+        by_key: Dict[str, _Span] = {}
+        if seen is None and not all(isinstance(spec, TorchSave) for spec, _ in specs):
+            seen = {id(t): i for i, t in enumerate(per_file_tensors[0])}
         for path, (spec, persist), ts, key in zip(files.keys(), specs, per_file_tensors, keys):
             if isinstance(spec, TorchSave):
-                idx = list(map(seen.__getitem__, map(id, ts)))
+                idx = list(range(len(ts))) if seen is None else list(map(seen.__getitem__, map(id, ts)))
                 hit = pickles.get(path) if key is not None else None
                 if hit is not None and hit[0] == key and hit[1] == idx:
-                    pkl, skeys = hit[2], hit[3]
+                    pkl, skeys, records = hit[2], hit[3], hit[6]
                 else:
                     pkl, skeys, template, structure = _pickle_file(
                         spec.obj, key, idx, hit, lambda: {id(t): plan.refs[i] for t, i in zip(ts, idx)})
-                    if key is not None:
-                        pickles[path] = (key, idx, pkl, skeys, template, structure)
+                    records = hit[6] if hit is not None and hit[1] == idx and hit[3] == skeys else None
+                if records is None:
+                    if not by_key:
+                        by_key = {s.key: s for s in plan.spans}
+                    records = json.dumps([[k, by_key[k].arena_offset, by_key[k].nbytes] for k in skeys],
+                                         separators=(",", ":"))
+                if key is not None and (hit is None or hit[2] is not pkl):
+                    pickles[path] = (key, idx, pkl, skeys, template, structure, records)
                 if check_weights_only and path not in plain_files:
                     _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
-                records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in skeys]
-                index_files.append({"path": path, "kind": "torch", "persist": persist,
-                                    "pkl": [offset, len(pkl)], "records": records, **_mode(spec)})
+                entry = {"path": path, "kind": "torch", "persist": persist, "pkl": [offset, len(pkl)], "records": None,
+                         **_mode(spec)}
+                # the records' JSON put in whole (json.dumps' own bytes: a string's quote is escaped, so this is
+                # the entry's one ``"records":null``)
+                index_files.append(json.dumps(entry, separators=(",", ":")).replace(
+                    '"records":null', '"records":' + records, 1))
                 offset += len(pkl)
                 continue
             chunks = []
             for part in spec.parts:
                 if isinstance(part, torch.Tensor):
-                    i = seen[id(part)]
+                    i = seen[id(part)]  # type: ignore[index]
                     span = plan.spans[plan.tensor_span[i]]
                     start = span.arena_offset + part.storage_offset() * part.element_size() - span.start_nbytes
                     chunks.append([start, part.numel() * part.element_size()])
@@ -685,8 +696,9 @@ class Stager:
                     tail.append((offset, part))
                     chunks.append([offset, len(part)])
                     offset += len(part)
-            index_files.append({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks, **_mode(spec)})
-        return tail, json.dumps(index_files, separators=(",", ":")).encode(), offset
+            index_files.append(json.dumps({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks,
+                                           **_mode(spec)}, separators=(",", ":")))
+        return tail, ("[" + ",".join(index_files) + "]").encode(), offset
 
     @staticmethod
     def begin_stream(prepared: Prepared, buf) -> None:
