@@ -270,6 +270,7 @@ class _Layout:
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
+    plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -831,7 +832,15 @@ def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: 
         return b"", b""
     if layout.plain_part is None:
         layout.plain_part = tensor_part(Facts(direct), [d[0] for d in layout.direct_dst])
-    hexd = digest(next(iter(files)), keys[0], layout.plain_part).encode()
+    name = next(iter(files))
+    entry = layout.pickles.get(name)  # its key structure, when this save's skeleton was spliced (_pickle_file)
+    structure = entry[5] if entry is not None and entry[0] is keys[0] else None
+    if structure is not None and layout.plain_hex is not None and layout.plain_hex[:2] == (name, structure):
+        hexd = layout.plain_hex[2]  # the digest covers the structure and the values' types, not the values
+    else:
+        hexd = digest(name, keys[0], layout.plain_part).encode()
+        if structure is not None:
+            layout.plain_hex = (name, structure, hexd)
     return b'"plain":"%s","values":[%d,%d],' % (hexd, layout.tail_end, len(values)), values
 
 
