@@ -81,7 +81,9 @@ class ValueTemplate:
               ) -> Optional["ValueTemplate"]:
         """The template of plain ``obj`` whose :func:`plain_layout` key is ``key``; ``pickle_fn`` pickles a state
         (``(bytes, span keys)``, :func:`snapckpt.formats.torch_zip.pickle_skeleton` with the file's tensor refs).
-        ``None`` when a container is met twice in ``obj`` or the markers cannot be told apart in the bytes."""
+        ``None`` when a container is met twice in ``obj`` or the markers' bytes are not found exactly once each,
+        in order, and nowhere else (a float dict key of a marker's bits: the byte ``0xfa`` never occurs in a
+        string's UTF-8, so a key string cannot hold one; any other occurrence breaks the sequence)."""
         if _pl._ALIAS in key:  # noqa: SLF001 - a container met twice: the copy would pickle it twice
             return None
         count = [0]
