@@ -192,3 +192,21 @@ def test_a_type_or_structure_change_pickles_the_state(monkeypatch, change):
     assert len(s.pickled) == 3 and s.pickled[-1] is state  # the state itself, pickled in full
     s.save(_state(*_VALUES[4], weights=weights), 5)  # back to the template's structure: pickled in full again
     assert len(s.pickled) == 4
+
+
+def test_a_float_key_with_a_markers_bits_gets_no_template():
+    marker0 = struct.unpack(">d", b"\x7f\xfa\x5a\xc3\x00\x00\x00\x00")[0]
+    state = {marker0: 1, "t": torch.zeros(1)}
+    tensors, key = plain_layout(state)
+    refs, _ = _refs(tensors)
+    assert ValueTemplate.build(state, key, lambda s: Z.pickle_skeleton(s, refs)) is None
+
+
+def test_a_string_value_that_is_also_a_key_object_splices_to_the_new_string(monkeypatch):
+    """pickle refers back to a string object met before (a key): the spliced value is written in full."""
+    s = _Saves(monkeypatch)
+    weights = {f"w{i}": torch.rand(2) for i in range(20)}
+    for step, tag in enumerate(["w3", "w4", "other", "w3"], start=1):
+        tag = next(k for k in weights if k == tag) if tag in weights else tag  # the key's own object
+        s.save({"model": weights, "tag": tag, "next": tag, "step": step}, step)
+    assert len(s.pickled) == 2
