@@ -12,10 +12,11 @@ with ``--total-mib 1024``):
 Per state, in one process: ``floor_copy`` = the fastest of a ``copy_`` per tensor and one
 ``torch._foreach_copy_`` into buffers faulted in beforehand; then a ``Checkpointer`` (memory tier,
 ``overlap=False``): the first save (plan built, slot reserved) and the median of ``--repeats`` later saves
-(blocking = ``save`` + ``fence``), whether the later saves hit the plan cache (the Stager's plan count does
-not grow), and a memory-tier restore (``load(state)``) against the floor's copy back: in the same process (a
-rollback), and in a restarted one (``--restarts`` times): a job process saves the state (``seed`` 0) to memory and
-is killed with ``SIGKILL`` (``flush_on_crash=False``: the persister keeps the snapshot and writes nothing), then
+(blocking = ``save`` + ``fence``; each save sets a new ``iteration`` and ``loss``, as a training loop does),
+whether the later saves hit the plan cache (the Stager's plan count does not grow), and a memory-tier restore
+(``load(state)``) against the floor's copy back: in the same process (a rollback), and in a restarted one
+(``--restarts`` times): a job process saves the state (``seed`` 0) to memory and is killed with ``SIGKILL``
+(``flush_on_crash=False``: the persister keeps the snapshot and writes nothing), then
 each new process builds a state of the same structure with a fresh start's values, as a restarted training loop
 does: other tensor values (a model's initialisation) and other non-tensor values (iteration 0, the scheduler's
 ``last_epoch`` and learning rate, the optimizer's ``param_groups`` learning rate, Python's RNG state), constructs a
@@ -52,10 +53,15 @@ def loop_values(iteration: int) -> dict:
     import random
 
     lr = 3e-4 * min(1.0, (iteration + 1) / 100)
-    return {"iteration": iteration, "scheduler": {"last_epoch": iteration, "_step_count": iteration + 1,
-                                                  "_last_lr": [lr], "base_lrs": [3e-4]},
+    return {"iteration": iteration, "loss": loss_at(iteration),
+            "scheduler": {"last_epoch": iteration, "_step_count": iteration + 1, "_last_lr": [lr], "base_lrs": [3e-4]},
             "param_groups": [{"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}],
             "rng": {"python": random.Random(iteration).getstate()}}
+
+
+def loss_at(iteration: int) -> float:
+    """A training loss at ``iteration``: a float that changes every save."""
+    return 2.0 + 8.0 / (iteration + 1)
 
 
 def gpt_state(total_bytes: int, n_tensors: int = 20_000, iteration: int = 1000) -> dict:
@@ -120,6 +126,7 @@ def measure(name: str, sd: dict, a: argparse.Namespace, work: Path) -> dict:
     try:
         blocks, prep = [], []
         for i in range(a.repeats + 1):
+            sd["iteration"], sd["loss"] = 1000 + i, loss_at(1000 + i)  # as a training loop: new scalars each save
             t0 = time.perf_counter()
             ck.save(sd, i, snapckpt.StorageType.MEMORY)
             ck.fence()

@@ -9,7 +9,8 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    ``requires_grad`` (:func:`_signature`, contract 3), so a changed layout (a replaced optimizer tensor, a new
    parameter group, a new shape) always gets a new plan. The skeleton (``data.pkl``) of each file is pickled
    here, with user objects pickled by the training process itself, so the persister never unpickles anything;
-   a plain state's skeleton and the slot index are reused while its non-tensor values are equal.
+   a plain state's skeleton and the slot index are reused while its non-tensor values are equal, and its skeleton
+   is spliced with the new values when only they changed (:mod:`snapckpt.formats.value_splice`).
 2. :meth:`Stager.copy_into` copies each storage span into the slot (the tensors that are whole spans with one
    ``torch._foreach_copy_`` into typed views of the slot, cached per mapping), then writes the pickles, the
    index and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
@@ -27,7 +28,7 @@ import math
 from itertools import islice
 from operator import attrgetter, eq, mul, sub
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +39,7 @@ from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, tensor_part
 from snapckpt.engine.plain_values import pack
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
+from snapckpt.formats.value_splice import ValueTemplate, split_key
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
                                         weights_only_refusal)
 
@@ -281,6 +283,7 @@ class _Layout:
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
+    plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -576,7 +579,9 @@ class Stager:
         tensor of every file joins one plan, so a storage shared between files is copied once. A later save
         of the same layout reuses the plan; when every file is a plain ``TorchSave``
         (:func:`~snapckpt.formats.plain_layout.plain_layout`) with the same non-tensor values, it reuses the
-        pickled skeletons and the index too, so its Python work per tensor is a few C calls.
+        pickled skeletons and the index too, so its Python work per tensor is a few C calls; when only its
+        non-tensor values changed (a step counter, a loss), its skeleton is spliced from a template
+        (:func:`_pickle_file`) instead of pickled again.
 
         With ``check_weights_only``, the first time a plan is built (a new layout of tensors, not every
         save) each pickled skeleton is run through PyTorch's weights-only unpickler (no tensor bytes); if
@@ -652,8 +657,6 @@ class Stager:
             if len(per_file_tensors) > 1:  # which tensor of the plan each file's tensor is
                 tail_key.append([[seen[id(t)] for t in ts] for ts in per_file_tensors])  # type: ignore[index]
         if tail_key is None or tail_key != layout.tail_key:
-            if seen is None:
-                seen = {id(t): i for i, t in enumerate(all_tensors)}
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
                                                          check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
@@ -670,39 +673,54 @@ class Stager:
                         persistable, direct, layout)
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
-                   plan: Plan, seen: Dict[int, int], plain_files: set, check_weights_only: bool,
+                   plan: Plan, seen: Optional[Dict[int, int]], plain_files: set, check_weights_only: bool,
                    keys: List[Any], pickles: Dict[str, tuple]) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
-        the index's "files" JSON, the first byte after them)``. A plain file's pickle is reused from
-        ``pickles`` (``path -> (plain_layout key, its tensors' plan indices, pickle, span keys)``, updated) while
-        its key and tensors are those of the last pickle (a save that also writes changing raw bytes, such as
-        the Hugging Face callback's, pickles only what changed)."""
+        the index's "files" JSON, the first byte after them)``. ``seen``: each tensor's plan index by ``id``, or
+        ``None`` for one file (whose tensors are the plan's, in order). A plain file's pickle is reused from
+        ``pickles`` (``path -> (plain_layout key, its tensors' plan indices, pickle, span keys, value template, key
+        structure, the index's JSON of its records)``, updated) while its key and tensors are those of the last
+        pickle (a save that also writes changing raw bytes, such as the Hugging Face callback's, pickles only what
+        changed), and spliced from the template when only its non-tensor values changed (:func:`_pickle_file`);
+        its records' JSON is kept while its span keys stay."""
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
-        index_files = []
-        by_key = {s.key: s for s in plan.spans}
+        index_files: List[str] = []  # each file's JSON object
+        by_key: Dict[str, _Span] = {}
+        if seen is None and not all(isinstance(spec, TorchSave) for spec, _ in specs):
+            seen = {id(t): i for i, t in enumerate(per_file_tensors[0])}
         for path, (spec, persist), ts, key in zip(files.keys(), specs, per_file_tensors, keys):
             if isinstance(spec, TorchSave):
-                idx = list(map(seen.__getitem__, map(id, ts)))
+                idx = list(range(len(ts))) if seen is None else list(map(seen.__getitem__, map(id, ts)))
                 hit = pickles.get(path) if key is not None else None
                 if hit is not None and hit[0] == key and hit[1] == idx:
-                    pkl, skeys = hit[2], hit[3]
+                    pkl, skeys, records = hit[2], hit[3], hit[6]
                 else:
-                    pkl, skeys = pickle_skeleton(spec.obj, {id(t): plan.refs[i] for t, i in zip(ts, idx)})
-                    if key is not None:
-                        pickles[path] = (key, idx, pkl, skeys)
+                    pkl, skeys, template, structure = _pickle_file(
+                        spec.obj, key, idx, hit, lambda: {id(t): plan.refs[i] for t, i in zip(ts, idx)})
+                    records = hit[6] if hit is not None and hit[1] == idx and hit[3] == skeys else None
+                if records is None:
+                    if not by_key:
+                        by_key = {s.key: s for s in plan.spans}
+                    records = json.dumps([[k, by_key[k].arena_offset, by_key[k].nbytes] for k in skeys],
+                                         separators=(",", ":"))
+                if key is not None and (hit is None or hit[2] is not pkl):
+                    pickles[path] = (key, idx, pkl, skeys, template, structure, records)
                 if check_weights_only and path not in plain_files:
                     _warn_if_unsafe(path, pkl, self._unsafe_warned)
                 tail.append((offset, pkl))
-                records = [[k, by_key[k].arena_offset, by_key[k].nbytes] for k in skeys]
-                index_files.append({"path": path, "kind": "torch", "persist": persist,
-                                    "pkl": [offset, len(pkl)], "records": records, **_mode(spec)})
+                entry = {"path": path, "kind": "torch", "persist": persist, "pkl": [offset, len(pkl)], "records": None,
+                         **_mode(spec)}
+                # the records' JSON put in whole (json.dumps' own bytes: a string's quote is escaped, so this is
+                # the entry's one ``"records":null``)
+                index_files.append(json.dumps(entry, separators=(",", ":")).replace(
+                    '"records":null', '"records":' + records, 1))
                 offset += len(pkl)
                 continue
             chunks = []
             for part in spec.parts:
                 if isinstance(part, torch.Tensor):
-                    i = seen[id(part)]
+                    i = seen[id(part)]  # type: ignore[index]
                     span = plan.spans[plan.tensor_span[i]]
                     start = span.arena_offset + part.storage_offset() * part.element_size() - span.start_nbytes
                     chunks.append([start, part.numel() * part.element_size()])
@@ -710,8 +728,9 @@ class Stager:
                     tail.append((offset, part))
                     chunks.append([offset, len(part)])
                     offset += len(part)
-            index_files.append({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks, **_mode(spec)})
-        return tail, json.dumps(index_files, separators=(",", ":")).encode(), offset
+            index_files.append(json.dumps({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks,
+                                           **_mode(spec)}, separators=(",", ":")))
+        return tail, ("[" + ",".join(index_files) + "]").encode(), offset
 
     @staticmethod
     def begin_stream(prepared: Prepared, buf) -> None:
@@ -799,6 +818,32 @@ class Stager:
             mark.release()
 
 
+def _pickle_file(obj: Any, key: Optional[List[Any]], idx: List[int], hit: Optional[tuple],
+                 refs: Callable[[], Dict[int, TensorRef]]) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
+    """``(pickle, span keys, template, key structure)`` of a file's ``obj`` (``plain_layout`` key ``key`` or
+    ``None``, tensors at plan indices ``idx``, ``refs()`` their refs: made only when something is pickled) whose
+    last pickle was ``hit`` (a ``pickles`` entry or ``None``). When ``hit`` differs from ``obj`` in non-tensor values
+    only (:func:`split_key`), the pickle is spliced from a :class:`~snapckpt.formats.value_splice.ValueTemplate`:
+    made by the first such save (one pickle of a copy of the state with markers for its values, instead of the
+    pickle of the state) and kept while the structure stays (``False``: none can be made of it). Otherwise ``obj``
+    is pickled (template ``None``; the structure is computed only when a later save needs it)."""
+    if key is not None and hit is not None and hit[1] == idx:
+        structure, values = split_key(key)
+        template = hit[4]
+        if hit[5] is None:  # the last pickle was a full one: its structure was not computed
+            template = None if split_key(hit[0])[0] != structure else (
+                ValueTemplate.build(obj, key, lambda shadow: pickle_skeleton(shadow, refs())) or False)
+        elif hit[5] != structure:
+            template = None
+        if template:
+            return template.splice(values), template.keys, template, structure
+        if template is False:
+            pkl, skeys = pickle_skeleton(obj, refs())
+            return pkl, skeys, False, structure
+    pkl, skeys = pickle_skeleton(obj, refs())
+    return pkl, skeys, None, None
+
+
 def index_bytes(step: int, layout: _Layout) -> bytes:
     """The slot index of a snapshot of ``step`` with ``layout``'s tail (JSON; ``"plain"`` comes right after the step,
     where :mod:`snapckpt.engine.plain_restore` finds it without parsing the records)."""
@@ -818,7 +863,15 @@ def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: 
         return b"", b""
     if layout.plain_part is None:
         layout.plain_part = tensor_part(Facts(direct), [d[0] for d in layout.direct_dst])
-    hexd = digest(next(iter(files)), keys[0], layout.plain_part).encode()
+    name = next(iter(files))
+    entry = layout.pickles.get(name)  # its key structure, when this save's skeleton was spliced (_pickle_file)
+    structure = entry[5] if entry is not None and entry[0] is keys[0] else None
+    if structure is not None and layout.plain_hex is not None and layout.plain_hex[:2] == (name, structure):
+        hexd = layout.plain_hex[2]  # the digest covers the structure and the values' types, not the values
+    else:
+        hexd = digest(name, keys[0], layout.plain_part).encode()
+        if structure is not None:
+            layout.plain_hex = (name, structure, hexd)
     return b'"plain":"%s","values":[%d,%d],' % (hexd, layout.tail_end, len(values)), values
 
 
