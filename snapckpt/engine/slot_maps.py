@@ -60,6 +60,7 @@ class MappedSlot:
         cuda: the :class:`~snapckpt.engine.device_copy.CudaCopier` that page-locked it, once CUDA copies used it.
         views: typed views of ``tensor`` by state layout, made by the Stager's copies (dropped on close).
         populated: bytes from the start that a prefault or :meth:`populate` has mapped.
+        busy: held by a background prefault while it maps a chunk; :meth:`close` waits for it.
         zeroed: the persister wrote zeros into its pages (a reservation ahead of the first save): they are mapped
             with read faults (see the module docstring).
 
@@ -73,6 +74,9 @@ class MappedSlot:
         self.cuda: Optional[CudaCopier] = None
         self.views: Dict[Any, List[torch.Tensor]] = {}
         self.populated = 0
+        # held by a prefault while it maps a chunk: close() waits for it (the save that took the mapping over may
+        # unmap it meanwhile; a read of an unmapped page, the fallback of a kernel before 5.14, is a SIGSEGV)
+        self.busy = threading.Lock()
 
     def populate(self, upto: int) -> None:
         """Map the first ``upto`` bytes (at most :attr:`nbytes`) of a :attr:`zeroed` slot that are not mapped yet, on
@@ -95,15 +99,16 @@ class MappedSlot:
 
     def close(self) -> None:
         """Unmap (after unregistering the pages from CUDA and waiting for any DMA into them)."""
-        if self.cuda is not None and self.tensor is not None:
-            torch.cuda.synchronize()  # no DMA may still target the mapping
-            self.cuda.unregister(self.tensor)
-        self.views.clear()  # they hold the mapping's buffer
-        self.tensor = None
-        try:
-            self.buf.close()
-        except BufferError:  # a tensor view is still alive somewhere; the mapping goes with it
-            pass
+        with self.busy:  # not under a prefault's chunk
+            if self.cuda is not None and self.tensor is not None:
+                torch.cuda.synchronize()  # no DMA may still target the mapping
+                self.cuda.unregister(self.tensor)
+            self.views.clear()  # they hold the mapping's buffer
+            self.tensor = None
+            try:
+                self.buf.close()
+            except BufferError:  # a tensor view is still alive somewhere; the mapping goes with it
+                pass
 
 
 class _Made:
@@ -339,7 +344,11 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
             return m
         if stop.is_set() or (not go.is_set() and not _wait_go(go, stop)):
             return m if handoff.is_set() else give_up()
-        if not _populate(m, lo, min(_PREFAULT_CHUNK, nbytes - lo)):
+        with m.busy:
+            if m.tensor is None:  # closed by the save that took it over
+                return m
+            ok = _populate(m, lo, min(_PREFAULT_CHUNK, nbytes - lo))
+        if not ok:
             return give_up()
         with made.lock:
             if made.adopted:  # the save that took it over maps the rest; its own populate sets ``populated``

@@ -82,8 +82,8 @@ class ValueTemplate:
         """The template of plain ``obj`` whose :func:`plain_layout` key is ``key``; ``pickle_fn`` pickles a state
         (``(bytes, span keys)``, :func:`snapckpt.formats.torch_zip.pickle_skeleton` with the file's tensor refs).
         ``None`` when a container is met twice in ``obj`` or the markers' bytes are not found exactly once each,
-        in order, and nowhere else (a float dict key of a marker's bits: the byte ``0xfa`` never occurs in a
-        string's UTF-8, so a key string cannot hold one; any other occurrence breaks the sequence)."""
+        in order, and nowhere else (a float dict key of a marker's bits, an int key whose bytes hold a marker's
+        opcode: the byte ``0xfa`` never occurs in a string's UTF-8, so a key string cannot hold one)."""
         if _pl._ALIAS in key:  # noqa: SLF001 - a container met twice: the copy would pickle it twice
             return None
         count = [0]
@@ -91,6 +91,11 @@ class ValueTemplate:
         if shadow is None or count[0] >= 1 << 32:
             return None
         pkl, skeys = pickle_fn(shadow)
+        # Every marker's opcode is there; one more occurrence (inside an int key's LONG1 bytes, where it may even
+        # end inside the real marker after it and so read as that marker) gives no template. The 5 bytes cannot
+        # overlap themselves, so count() finds every occurrence.
+        if pkl.count(_OPCODE) != count[0]:
+            return None
         pieces: List[bytes] = []
         pos = 0
         for i in range(count[0]):

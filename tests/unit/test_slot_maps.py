@@ -157,3 +157,46 @@ def test_save_that_waits_takes_over_the_mapping_without_waiting_for_the_prefault
         t.join(timeout=60)
         maps.close()
         os.unlink(path)
+
+
+def test_a_mapping_taken_over_is_not_unmapped_while_the_prefault_reads_a_chunk_of_it(monkeypatch, tmp_path):
+    """A kernel without ``MADV_POPULATE_*`` (before 5.14): the prefault reads a byte per page of its chunk. A save
+    that took its mapping over and then unmaps it (``drop()``: a persister restart; ``close()``; a slot that grew)
+    while that chunk is read waits for the chunk: a read of an unmapped page kills the process (SIGSEGV)."""
+    import snapckpt.engine.slot_maps as sm
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    path = os.path.join(shm, f"snapckpt-test-unmap-{os.getpid()}")
+    with open(path, "wb") as f:
+        f.truncate(NBYTES)
+    chunk, inside, dropping = 1 << 20, threading.Event(), threading.Event()
+    closed_under: list = []
+    populate = sm._populate
+
+    def second_chunk_read_slowly(m, lo, n):
+        if lo == chunk:
+            inside.set()
+            dropping.wait(30)
+            time.sleep(0.2)  # drop() runs meanwhile
+            closed_under.append(m.buf.closed)
+            if m.buf.closed:
+                return False  # the read would fault on an unmapped page here
+        return populate(m, lo, n)
+
+    monkeypatch.setattr(sm, "_madvise", False)
+    monkeypatch.setattr(sm, "_PREFAULT_CHUNK", chunk)
+    monkeypatch.setattr(sm, "_populate", second_chunk_read_slowly)
+    maps = SlotMaps(rank=0, slots_per_rank=2, wait_timeout_secs=30.0)
+    try:
+        maps.prefault(0, path, NBYTES)
+        pending = maps._pending[0]
+        assert inside.wait(30)
+        m = maps.get(0, path, NBYTES, usable=[0], wait_prefault=False)  # taken over inside the chunk
+        dropping.set()
+        maps.drop()
+        assert pending.future.result(timeout=30) is m and m.tensor is None
+        assert closed_under == [False]
+    finally:
+        dropping.set()
+        maps.close()
+        os.unlink(path)

@@ -210,3 +210,19 @@ def test_a_string_value_that_is_also_a_key_object_splices_to_the_new_string(monk
         tag = next(k for k in weights if k == tag) if tag in weights else tag  # the key's own object
         s.save({"model": weights, "tag": tag, "next": tag, "step": step}, step)
     assert len(s.pickled) == 2
+
+
+def test_an_int_key_whose_bytes_end_in_a_markers_opcode_right_before_the_real_marker_gets_no_template(monkeypatch):
+    """An int dict key is pickled as its little-endian bytes (``LONG1``): bytes ending in a marker's opcode and the
+    first three bytes of an index whose last byte is the ``G`` of the real marker right after the key (the marker
+    of value 327 here, ``00 00 01 47``) read as that marker, overlapping the real one; the template cut there
+    would splice the key short and keep the rest of the real marker's bytes (a pickle that does not load). The
+    state is pickled in full instead."""
+    key = int.from_bytes(b"G\x7f\xfa\x5a\xc3\x00\x00\x01", "little")
+    state = {"w": torch.rand(3), "vals": [0] * 327, "d": {key: 0.5, "after": 0}}
+    tensors, k = plain_layout(state)
+    refs, _ = _refs(tensors)
+    assert ValueTemplate.build(state, k, lambda s: Z.pickle_skeleton(s, refs)) is None
+    s = _Saves(monkeypatch)
+    for step in (1, 2, 3):  # values-only changes: each saved as it is (read back from the slot and as a file)
+        s.save({"w": state["w"], "vals": [step] * 327, "d": {key: 0.5 * step, "after": step}}, step)
