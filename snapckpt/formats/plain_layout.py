@@ -175,7 +175,9 @@ class LayoutMemo:
     @classmethod
     def build(cls, obj: Any, tensors: List[torch.Tensor], key: List[Any]) -> Optional["LayoutMemo"]:
         """The memo of ``obj`` whose :func:`plain_layout` is ``(tensors, key)``; ``None`` when a container or
-        tensor occurs twice in it (the walk is then kept)."""
+        tensor occurs twice in it, or ``obj`` is not a container (a bare value or tensor: nothing to skip)."""
+        if type(obj) not in _CONTAINERS:
+            return None
         index = {id(t): i for i, t in enumerate(tensors)}
         met: set = set()
         levels: List[_Level] = []

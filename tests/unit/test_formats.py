@@ -454,6 +454,24 @@ def test_layout_memo_and_quick_plan_hit_see_every_change_of_a_reused_state():
     assert back["y2"] is back["y"] and any(lay.recheck for lay in stager._layouts.values())
 
 
+def test_a_bare_value_or_tensor_saved_again_and_again_is_saved_each_time():
+    """A file whose object is a bare value or tensor (no container): its second equal save must not try to make a
+    memo of it (len() of an int or a 0-d tensor raised TypeError)."""
+    from snapckpt.engine.stager import Stager
+    from snapckpt.persister.slot_index import read_slot
+
+    stager, buf = Stager(), bytearray(1 << 16)
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    step = 0
+    for obj in (5, "s", None, 1.5, torch.tensor(3.0), torch.arange(3.0)):
+        for _ in range(3):
+            step += 1
+            p = stager.prepare({"s.pt": obj}, step)
+            Stager.copy_into(p, slot, buf)
+            got = read_slot(buf, slot, weights_only=True)[1]["s.pt"]
+            assert type(got) is type(obj) and (torch.equal(got, obj) if type(obj) is torch.Tensor else got == obj)
+
+
 def test_a_memo_finds_tensors_at_different_depths_in_walking_order():
     """A state whose tensors sit at different depths (a deeper dict before a tensor of the top level) is met in
     another order breadth-first than walked: the memo's match must give the walking order back, or, with every
