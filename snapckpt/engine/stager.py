@@ -449,15 +449,18 @@ class _FileMemo:
     """What the Stager keeps of one plain file's walk between saves.
 
     Attributes:
-        key: the :func:`plain_layout` key of its last save.
-        memo: its :class:`LayoutMemo`, made once two saves in a row walked to equal keys (``None`` before).
+        key: the :func:`plain_layout` key of its last walked save.
+        memo: its :class:`LayoutMemo`, made once two saves in a row walked to keys of equal structure (values
+            aside: :func:`split_key`), ``None`` before.
         memoizable: ``False`` once a memo could not be made of this structure (a container or tensor met twice):
-            not tried again until the key changes.
+            not tried again until the structure changes.
+        structure: ``split_key(key)[0]``, once computed (``None`` before).
     """
 
     key: List[Any]
     memo: Optional[LayoutMemo] = None
     memoizable: bool = True
+    structure: Optional[List[Any]] = None
 
 
 class Stager:
@@ -525,25 +528,34 @@ class Stager:
     def _plain_layout(self, name: str, obj: Any, distinct_tensors: bool = True
                       ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool]]:
         """:func:`plain_layout` of file ``name``'s ``obj``, by its :class:`LayoutMemo` while the structure is
-        the one of the memo. A memo is made once two saves in a row walk to equal keys (a state whose values
-        change every save, such as a step counter, is walked each time and never pays for one).
+        the one of the memo, whatever its atomic values (a step counter, a loss). A memo is made once two saves in
+        a row walk to keys of equal structure (:func:`split_key`: the same keys, containers, tensors' places and
+        value types), so a state whose structure changes every save is walked each time and never pays for one.
         ``distinct_tensors=False``: see :meth:`LayoutMemo.match`. Returns ``(tensors, key, whether the memo found
         them)``, or ``None`` when ``obj`` is not plain."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
             found = fm.memo.match(obj, distinct_tensors)
             if found is not None:
-                return found, fm.memo.key, True
+                return found[0], found[1], True
         walked = plain_layout(obj)
         self._memos.pop(name, None)
         if walked is None:
             return None
-        if fm is not None and fm.key == walked[1]:
+        structure = None
+        if fm is not None and fm.key != walked[1]:
+            if fm.structure is None:
+                fm.structure = split_key(fm.key)[0]
+            structure = split_key(walked[1])[0]
+            if structure != fm.structure:
+                fm = None
+        if fm is not None:  # the structure of the last walk: a memo finds the next save's values by their places
+            fm.key = walked[1]
             if fm.memoizable:
                 fm.memo = LayoutMemo.build(obj, *walked)
                 fm.memoizable = fm.memo is not None
         else:
-            fm = _FileMemo(walked[1])
+            fm = _FileMemo(walked[1], structure=structure)
         if len(self._memos) >= 4 * self._cache_size:
             self._memos.pop(next(iter(self._memos)))
         self._memos[name] = fm
@@ -558,7 +570,7 @@ class Stager:
         if fm is not None and fm.memo is not None:
             found = fm.memo.match(obj, distinct_tensors)
             if found is not None:
-                return found, fm.memo.key
+                return found
         return plain_layout(obj)
 
     def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:

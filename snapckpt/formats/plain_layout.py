@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 import operator
 import struct
-from itertools import chain, islice
+from collections import deque
+from itertools import chain, compress, islice
 from operator import methodcaller
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -140,48 +141,56 @@ def _tensor_dict(obj: dict, out: List[torch.Tensor], seen: Dict[int, int], key: 
 
 _VALUES = methodcaller("values")
 _CONTAINERS = frozenset({dict, _OD, list, tuple})
+_MARKER_IDS = frozenset(map(id, VALUE_MARKERS))
 
 
 class _Level:
     """One breadth-first level of a plain state: its containers and what their entries were."""
 
-    __slots__ = ("types", "lens", "maps", "seqs", "ods", "ktypes", "vtypes", "leaf_pos", "leaves", "float_pos",
-                 "float_hex", "cont_pos", "tensor_pos", "all_tensors")
+    __slots__ = ("types", "lens", "maps", "seqs", "ods", "ktypes", "vtypes", "keys", "kfloat_pos", "kfloat_hex",
+                 "plain_vals", "float_vals", "cont_pos", "tensor_pos", "all_tensors")
 
 
 class LayoutMemo:
     """:func:`plain_layout` of one file's state, remembered so that a later save of an equal structure skips the walk.
 
-    The memo holds the structure breadth-first, level by level: container types and lengths, every key and
-    atomic value (strong references to those only: never a container nor a tensor of the state) and where
-    the containers and tensors sit. :meth:`match` checks a state against it with C-level passes
-    (``map``/``chain`` over each level, no Python step per entry) and returns the state's own tensors in
-    walking order with the remembered key, or ``None`` (the caller walks again) on any difference: a
-    container's type or length, a key, a value or its type (``True`` / ``1``, ``0.0`` / ``-0.0``), a tensor
-    where a value was (or the reverse), a container or tensor met twice (aliasing; a memo is not made for
-    such states). Tensors are only found here, not checked: a replaced or resized tensor is the plan's
-    business (:func:`snapckpt.engine.stager._signature`).
+    The memo holds the structure breadth-first, level by level: container types and lengths, every key, every
+    atomic value's type and its place in the key (strong references to keys and atomic values only: never a
+    container nor a tensor of the state) and where the containers and tensors sit. :meth:`match` checks a state
+    against it with C-level passes (``map``/``chain`` over each level, no Python step per entry) and returns the
+    state's own tensors in walking order with its key (the remembered one with the state's atomic values put in
+    place: a step counter or a loss that changes every save still matches), or ``None`` (the caller walks
+    again) on any difference of structure: a container's type or length, a key, a value's type (``True`` /
+    ``1``, ``1`` / ``1.0``, a ``str`` subclass), a tensor where a value was (or the reverse), a container or
+    tensor met twice (aliasing; a memo is not made for such states). Tensors are only found here, not checked:
+    a replaced or resized tensor is the plan's business (:func:`snapckpt.engine.stager._signature`).
 
     Attributes:
         order: per tensor in walking order, its position in breadth-first order; ``None`` when the two orders
             are the same (a flat dict of tensors, a model's state: no reordering pass).
+        value_at: the key position of each atomic value's item, in the order :meth:`match` meets them (per level:
+            the non-float values, then the floats).
+        items: those items of ``key`` (a float's as :func:`_float_key`), to tell an unchanged state cheaply.
     """
 
-    __slots__ = ("levels", "order", "key")
+    __slots__ = ("levels", "order", "key", "value_at", "items")
 
-    def __init__(self, levels: List[_Level], order: Optional[List[int]], key: List[Any]) -> None:
-        self.levels, self.order, self.key = levels, order, key
+    def __init__(self, levels: List[_Level], order: Optional[List[int]], key: List[Any], value_at: Tuple[int, ...],
+                 items: List[Any]) -> None:
+        self.levels, self.order, self.key, self.value_at, self.items = levels, order, key, value_at, items
 
     @classmethod
     def build(cls, obj: Any, tensors: List[torch.Tensor], key: List[Any]) -> Optional["LayoutMemo"]:
-        """The memo of ``obj`` whose :func:`plain_layout` is ``(tensors, key)``; ``None`` when a container or
-        tensor occurs twice in it, or ``obj`` is not a container (a bare value or tensor: nothing to skip)."""
+        """The memo of ``obj`` whose :func:`plain_layout` is ``(tensors, key)``; ``None`` when ``obj`` is not a
+        container, a container or tensor occurs twice in it, or its values are not found in ``key`` where and as
+        expected (the walk is then kept)."""
         if type(obj) not in _CONTAINERS:
             return None
         index = {id(t): i for i, t in enumerate(tensors)}
         met: set = set()
         levels: List[_Level] = []
         order: List[int] = []
+        owners: List[List[Tuple[int, int]]] = []  # per level, per entry: (id of its container, its index there)
         cur = [obj]
         while cur:
             lv = _Level()
@@ -192,15 +201,18 @@ class LayoutMemo:
             lv.seqs = tuple(i for i, t in enumerate(lv.types) if t is list or t is tuple)
             lv.ods = tuple(i for i, t in enumerate(lv.types) if t is _OD)
             keys, vals = _entries(cur, lv)
+            owners.append([(id(cur[i]), j) for i in lv.maps + lv.seqs for j in range(len(cur[i]))])
             lv.ktypes = tuple(map(type, keys))
             lv.vtypes = tuple(map(type, vals))
-            lv.leaf_pos = tuple(j for j, t in enumerate(lv.vtypes) if t not in _TENSOR_TYPES and t not in _CONTAINERS)
+            leaf_pos = [j for j, t in enumerate(lv.vtypes) if t not in _TENSOR_TYPES and t not in _CONTAINERS]
+            lv.plain_vals = tuple(j for j in leaf_pos if lv.vtypes[j] is not float)
+            lv.float_vals = tuple(j for j in leaf_pos if lv.vtypes[j] is float)
             lv.cont_pos = tuple(j for j, t in enumerate(lv.vtypes) if t in _CONTAINERS)
             lv.tensor_pos = tuple(j for j, t in enumerate(lv.vtypes) if t in _TENSOR_TYPES)
             lv.all_tensors = len(lv.tensor_pos) == len(vals)
-            lv.leaves = keys + [vals[j] for j in lv.leaf_pos]
-            lv.float_pos = tuple(j for j, v in enumerate(lv.leaves) if type(v) is float)
-            lv.float_hex = [_float_key(lv.leaves[j]) for j in lv.float_pos]
+            lv.keys = keys
+            lv.kfloat_pos = tuple(j for j, k in enumerate(keys) if type(k) is float)
+            lv.kfloat_hex = [_float_key(keys[j]) for j in lv.kfloat_pos]
             order.extend(index[id(vals[j])] for j in lv.tensor_pos)
             cur = [vals[j] for j in lv.cont_pos] + [vars(cur[i]) for i in lv.ods]
             if len(met) != sum(len(x.types) for x in levels) + len(lv.types) or not met.isdisjoint(map(id, cur)):
@@ -212,11 +224,15 @@ class LayoutMemo:
         walked = [0] * len(order)
         for k, w in enumerate(order):
             walked[w] = k
-        return cls(levels, None if walked == list(range(len(walked))) else walked, key)
+        value_at = _value_places(obj, key, levels, owners)
+        if value_at is None:
+            return None
+        return cls(levels, None if walked == list(range(len(walked))) else walked, key, value_at,
+                   list(map(key.__getitem__, value_at)))
 
-    def match(self, obj: Any, distinct_tensors: bool = True) -> Optional[List[torch.Tensor]]:
-        """``obj``'s tensors in :func:`plain_layout` order when ``plain_layout(obj)`` is ``(those, self.key)``;
-        ``None`` when that is not certain (the caller walks ``obj``).
+    def match(self, obj: Any, distinct_tensors: bool = True) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+        """``plain_layout(obj)`` (its tensors and key) when ``obj`` has the memo's structure; ``None`` when that is
+        not certain (the caller walks ``obj``). The key is the memo's own ``key`` when the values are its too.
 
         With ``distinct_tensors=False`` the tensors are not checked for one object met twice: the caller then
         must, before it uses the key (the Stager's quick plan check makes that check anyway), and walk ``obj``
@@ -224,17 +240,21 @@ class LayoutMemo:
         cur = [obj]
         ids: List[int] = []
         found: List[torch.Tensor] = []
+        items: List[Any] = []
         for lv in self.levels:
             if tuple(map(type, cur)) != lv.types or tuple(map(len, cur)) != lv.lens:
                 return None
             keys, vals = _entries(cur, lv)
+            # exact types: True / 1, 1 / 1.0 and subclasses cannot pass (nor can True == 1 as keys below)
             if tuple(map(type, vals)) != lv.vtypes or tuple(map(type, keys)) != lv.ktypes:
                 return None
-            keys.extend(map(vals.__getitem__, lv.leaf_pos))
-            if keys != lv.leaves:  # exact types compared above: True == 1 cannot pass
+            if keys != lv.keys:
                 return None
-            if lv.float_pos and list(map(_float_key, map(keys.__getitem__, lv.float_pos))) != lv.float_hex:
+            if lv.kfloat_pos and list(map(_float_key, map(keys.__getitem__, lv.kfloat_pos))) != lv.kfloat_hex:
                 return None  # -0.0 == 0.0
+            items.extend(map(vals.__getitem__, lv.plain_vals))
+            if lv.float_vals:
+                items.extend(map(_float_key, map(vals.__getitem__, lv.float_vals)))
             found.extend(vals if lv.all_tensors else map(vals.__getitem__, lv.tensor_pos))
             ids.extend(map(id, cur))
             nxt = list(map(vals.__getitem__, lv.cont_pos))
@@ -243,7 +263,52 @@ class LayoutMemo:
             cur = nxt
         if _repeats(ids) or (distinct_tensors and has_repeats(found)):
             return None  # a container or a tensor met twice now
-        return found if self.order is None else list(map(found.__getitem__, self.order))
+        key = self.key
+        if items != self.items:  # the same types at each place: equal items are equal key items
+            key = key.copy()
+            deque(map(key.__setitem__, self.value_at, items), maxlen=0)
+        return (found if self.order is None else list(map(found.__getitem__, self.order))), key
+
+
+def _value_places(obj: Any, key: List[Any], levels: List[_Level], owners: List[List[Tuple[int, int]]]
+                  ) -> Optional[Tuple[int, ...]]:
+    """The key position of each atomic value of ``obj`` (a container met once each) in :meth:`LayoutMemo.match`'s
+    order, or ``None`` when the key's values are not ``obj``'s in walking order (then no memo)."""
+    walk_no: Dict[Tuple[int, int], int] = {}  # (id of a container, entry index) -> its value's walking number
+    _number_values(obj, walk_no)
+    # the items right after a marker (C-level passes: a key may hold millions of items)
+    places = list(compress(range(1, len(key)), map(_MARKER_IDS.__contains__, map(id, islice(key, len(key) - 1)))))
+    if len(places) != len(walk_no):
+        return None
+    value_at: List[int] = []
+    cur = [obj]
+    for lv, own in zip(levels, owners):
+        _, vals = _entries(cur, lv)
+        for group in (lv.plain_vals, lv.float_vals):
+            for j in group:
+                p = places[walk_no[own[j]]]
+                v = vals[j]
+                if key[p - 1] is not (_FLOAT if type(v) is float else _VALUE_TYPE[type(v)]):
+                    return None
+                item = _float_key(v) if type(v) is float else v
+                if type(key[p]) is not type(item) or key[p] != item:
+                    return None
+                value_at.append(p)
+        cur = [vals[j] for j in lv.cont_pos] + [vars(cur[i]) for i in lv.ods]
+    return tuple(value_at)
+
+
+def _number_values(obj: Any, walk_no: Dict[Tuple[int, int], int]) -> None:
+    """Number ``obj``'s atomic values in :func:`plain_layout`'s order (a mapping's values, then an
+    ``OrderedDict``'s attributes; a sequence's items), each by its container's id and index there."""
+    for j, v in enumerate(obj if type(obj) is list or type(obj) is tuple else obj.values()):
+        t = type(v)
+        if t in _CONTAINERS:
+            _number_values(v, walk_no)
+        elif t not in _TENSOR_TYPES:
+            walk_no[(id(obj), j)] = len(walk_no)
+    if type(obj) is _OD and vars(obj):
+        _number_values(vars(obj), walk_no)
 
 
 def has_repeats(objects: List[Any]) -> bool:

@@ -1,0 +1,191 @@
+"""A plain state whose atomic values alone change between saves (a training loop's step, loss, learning rate) is
+found by its LayoutMemo, not walked again, with exactly the key a walk gives; any other change is walked."""
+from __future__ import annotations
+
+import collections
+import enum
+import struct
+
+import pytest
+import torch
+
+from snapckpt.engine import stager as stager_mod
+from snapckpt.engine.stager import Stager
+from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
+from snapckpt.persister.slot_index import read_slot
+
+_NAN = struct.unpack("<d", bytes.fromhex("0100000000f87fff"))[0]  # a negative NaN with a payload
+
+
+class _Int(int):
+    pass
+
+
+class _Str(str):
+    pass
+
+
+class _Color(enum.IntEnum):
+    RED = 1
+
+
+def _exact(a, b):
+    """Two keys equal item for item with the same types (``True == 1`` in a list comparison)."""
+    return a == b and list(map(type, a)) == list(map(type, b))
+
+
+def _state(it, loss, name, flag, weights, extra=None):
+    """Values at several depths, before and after tensors at several depths (breadth-first order is not
+    walking order for either)."""
+    model = collections.OrderedDict((k, v) for k, v in weights.items() if k.startswith("w"))
+    model._metadata = collections.OrderedDict({"": {"version": it % 3, "note": name}})
+    return {"pre": [loss, {"deep": [it, flag, (name, loss)]}, weights["p"]], "model": model, "iteration": it,
+            "loss": loss, "name": name, "flag": flag, "none": None, "big": 2 ** 70 + it,
+            "opt": {"state": {0: {"m": weights["m"], "step": it}}, "param_groups": [
+                {"lr": loss / 10, "betas": (0.9, loss), "params": [0], "nested": {"a": [[name], it]}}]},
+            "rng": ("MT", (it, it + 1, -it), None), 1.5: "float key", -0.0: loss, True: flag, **(extra or {})}
+
+
+_VALUES = [  # (iteration, loss, name, flag)
+    (1, 0.5, "run", True),
+    (2, -0.0, "rün ✓", False),
+    (3, 0.0, "", True),
+    (300, float("nan"), "x" * 300, False),
+    (-70000, _NAN, "run", True),
+    (2 ** 40, float("inf"), "ü\ud800", False),
+    (2 ** 40, float("inf"), "ü\ud800", False),  # unchanged
+]
+
+
+def _weights():
+    return {**{f"w{i}": torch.full((2,), float(i)) for i in range(20)}, "p": torch.ones(3), "m": torch.zeros(2)}
+
+
+def test_a_memo_matches_new_values_with_the_walks_tensors_and_key():
+    weights = _weights()
+    first = _state(*_VALUES[0], weights)
+    memo = LayoutMemo.build(first, *plain_layout(first))
+    assert memo is not None
+    for values in _VALUES:
+        state = _state(*values, weights)
+        tensors, key = plain_layout(state)
+        found = memo.match(state)
+        assert found is not None, values
+        assert list(map(id, found[0])) == list(map(id, tensors)), values
+        assert _exact(found[1], key), values
+    assert memo.match(first)[1] is memo.key  # the values of the memo: its own key, no copy
+    assert _exact(memo.key, plain_layout(first)[1])  # a match never changes the memo's key
+
+
+@pytest.mark.parametrize("change", [
+    lambda s: s.__setitem__("iteration", 7.0),  # int -> float
+    lambda s: s.__setitem__("flag", 1),  # bool -> int
+    lambda s: s["opt"]["state"][0].__setitem__("step", True),  # int -> bool
+    lambda s: s.__setitem__("iteration", _Int(3)),  # an int subclass: not plain
+    lambda s: s.__setitem__("iteration", _Color.RED),
+    lambda s: s.__setitem__("name", _Str("run")),  # a str subclass: not plain
+    lambda s: s.__setitem__("name", None),
+    lambda s: s.__setitem__("loss", torch.zeros(1)),  # a tensor where a value was
+    lambda s: s["pre"].__setitem__(2, 5),  # a value where a tensor was
+    lambda s: s["pre"][1].__setitem__("deep", (1, True, ("run", 0.5))),  # list -> tuple
+    lambda s: s.__setitem__("rng", ("MT", (1, 2, 3, 4), None)),  # longer
+    lambda s: s.__setitem__("epoch", 1),  # a new key
+    lambda s: s.__setitem__(0.0, s.pop(-0.0)),  # a float key's sign
+    lambda s: s.__setitem__(1, s.pop(True)),  # True -> 1 as a key
+    lambda s: s.__setitem__("alias", s["opt"]["param_groups"]),  # a container met twice
+    lambda s: s.__setitem__("twice", s["model"]["w3"]),  # a tensor met twice
+    lambda s: setattr(s["model"], "_metadata", None),
+])
+def test_a_memo_walks_again_on_any_change_but_values(change):
+    weights = _weights()
+    first = _state(*_VALUES[0], weights)
+    memo = LayoutMemo.build(first, *plain_layout(first))
+    state = _state(*_VALUES[3], weights)
+    assert memo.match(state) is not None
+    change(state)
+    assert memo.match(state) is None
+
+
+def test_a_memo_of_a_bare_value_or_tensor_is_not_made():
+    for obj in (5, torch.tensor(3.0), torch.zeros(2), "s", None):
+        assert LayoutMemo.build(obj, *plain_layout(obj)) is None
+
+
+class _Saves:
+    """A Stager saving ``{"s.pt": state}`` into one slot, counting its walks (``plain_layout`` calls)."""
+
+    def __init__(self, monkeypatch):
+        self.stager, self.buf = Stager(), bytearray(1 << 20)
+        self.slot = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.walks = 0
+        self.keys = []
+        real, real_layout = stager_mod.plain_layout, Stager._plain_layout
+
+        def counting(obj):
+            self.walks += 1
+            return real(obj)
+
+        def layout(stager, name, obj, distinct_tensors=True):
+            got = real_layout(stager, name, obj, distinct_tensors)
+            self.keys.append(got[1])
+            return got
+
+        monkeypatch.setattr(stager_mod, "plain_layout", counting)
+        monkeypatch.setattr(Stager, "_plain_layout", layout)
+
+    def save(self, state, step):
+        p = self.stager.prepare({"s.pt": state}, step)
+        Stager.copy_into(p, self.slot, self.buf)
+        assert _exact(self.keys[-1], plain_layout(state)[1])
+        for weights_only in (True, False):
+            got, files = read_slot(self.buf, self.slot, weights_only=weights_only)
+            assert got == step
+            _same(files["s.pt"], state)
+
+
+def _same(a, b, path="state"):
+    """Equal values of equal types (floats bit for bit); tensors by values."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a.detach(), b.detach()), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], path
+        for k in a:
+            _same(a[k], b[k], f"{path}[{k!r}]")
+        if type(a) is collections.OrderedDict:
+            _same(vars(a), vars(b), f"{path}.__dict__")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif type(a) is float:
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def test_a_loop_whose_values_change_every_save_walks_twice_then_takes_the_memo(monkeypatch):
+    s = _Saves(monkeypatch)
+    weights = _weights()
+    for step, values in enumerate(_VALUES * 2, start=1):
+        s.save(_state(*values, weights), step)
+        assert s.walks == min(step, 2), step  # the second save's structure is the first's: the memo is made
+    assert s.stager.plan_builds == 1
+
+
+def test_a_type_or_structure_change_walks_and_a_new_memo_is_made_of_the_new_structure(monkeypatch):
+    s = _Saves(monkeypatch)
+    weights = _weights()
+    for step in (1, 2, 3):
+        s.save(_state(*_VALUES[step], weights), step)
+    assert s.walks == 2
+    s.save(_state(*_VALUES[4], weights, extra={"flag": 1}), 4)  # bool -> int
+    assert s.walks == 3
+    s.save(_state(*_VALUES[5], weights, extra={"flag": 2}), 5)  # the new structure twice: a memo of it
+    assert s.walks == 4
+    s.save(_state(*_VALUES[0], weights, extra={"flag": 3}), 6)
+    assert s.walks == 4
+    s.save(_state(*_VALUES[1], weights, extra={"epoch": 1.0}), 7)  # a new key
+    s.save(_state(*_VALUES[2], weights, extra={"epoch": 2.0}), 8)
+    s.save(_state(*_VALUES[3], weights, extra={"epoch": 3.0}), 9)
+    assert s.walks == 6
