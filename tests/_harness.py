@@ -267,3 +267,31 @@ def assert_equal_state(x, y, where: str = "", strict: bool = False) -> None:
         assert (x == y).all(), where
     else:
         assert x == y, where
+
+
+def assert_same_state(a, b, path: str = "state", strides: bool = False) -> None:
+    """Equal values of equal types through dicts (keys and their types, an ``OrderedDict``'s attributes), lists
+    and tuples; floats bit for bit (NaN payloads, -0.0); tensors by type, dtype, shape, ``requires_grad`` and
+    values, and by stride with ``strides``."""
+    import collections
+    import struct
+
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
+        assert not strides or a.stride() == b.stride(), path
+        assert torch.equal(a.detach(), b.detach()), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], path
+        for k in a:
+            assert_same_state(a[k], b[k], f"{path}[{k!r}]", strides)
+        if type(a) is collections.OrderedDict:
+            assert_same_state(vars(a), vars(b), f"{path}.__dict__", strides)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{i}]", strides)
+    elif type(a) is float:
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

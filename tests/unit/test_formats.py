@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load as st_load
 from torch.serialization import location_tag
 
+from _harness import assert_same_state
+
 from snapckpt.errors import SnapshotError, UnsafeCheckpointError
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave, safetensors_file
 from snapckpt.formats import torch_zip as Z
@@ -323,23 +325,7 @@ def test_fast_unpickler_refuses_build_on_a_global(name):
 
 
 def _same(a, b, path="state"):
-    """Equal values of equal types (floats bit for bit); tensors by type, dtype, shape, stride, grad and values."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride(), a.requires_grad) == (b.dtype, b.shape, b.stride(), b.requires_grad), path
-        assert torch.equal(a.detach(), b.detach()), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], path
-        for k in a:
-            _same(a[k], b[k], f"{path}[{k!r}]")
-        if type(a) is collections.OrderedDict:
-            _same(vars(a), vars(b), f"{path}.__dict__")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}[{i}]")
-    else:
-        assert (a.hex() == b.hex()) if type(a) is float else a == b, f"{path}: {a!r} != {b!r}"
+    assert_same_state(a, b, path, strides=True)
 
 
 def test_layout_memo_finds_the_tensors_in_walking_order_at_any_depth():

@@ -9,6 +9,8 @@ import struct
 import pytest
 import torch
 
+from _harness import assert_same_state
+
 from snapckpt.engine import stager as stager_mod
 from snapckpt.engine.stager import Stager
 from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
@@ -143,25 +145,7 @@ class _Saves:
             _same(files["s.pt"], state)
 
 
-def _same(a, b, path="state"):
-    """Equal values of equal types (floats bit for bit); tensors by values."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a.detach(), b.detach()), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], path
-        for k in a:
-            _same(a[k], b[k], f"{path}[{k!r}]")
-        if type(a) is collections.OrderedDict:
-            _same(vars(a), vars(b), f"{path}.__dict__")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}[{i}]")
-    elif type(a) is float:
-        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+_same = assert_same_state
 
 
 def test_a_loop_whose_values_change_every_save_walks_twice_then_takes_the_memo(monkeypatch):

@@ -10,6 +10,8 @@ import struct
 import pytest
 import torch
 
+from _harness import assert_same_state
+
 from snapckpt.engine import stager as stager_mod
 from snapckpt.engine.stager import Stager
 from snapckpt.formats import torch_zip as Z
@@ -21,26 +23,7 @@ from snapckpt.persister.slot_index import read_slot
 _NAN = struct.unpack("<d", bytes.fromhex("0100000000f87fff"))[0]  # a negative NaN with a payload
 
 
-def _same(a, b, path="state"):
-    """Equal values of equal types (floats bit for bit, NaN payloads included); tensors by values."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
-        assert torch.equal(a.detach(), b.detach()), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], path
-        for k in a:
-            _same(a[k], b[k], f"{path}[{k!r}]")
-        if type(a) is collections.OrderedDict:
-            _same(vars(a), vars(b), f"{path}.__dict__")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}[{i}]")
-    elif type(a) is float:
-        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+_same = assert_same_state
 
 
 def _state(it: int, loss: float, name: str, flag: bool, last, betas: tuple, weights=None) -> dict:
