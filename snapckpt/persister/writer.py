@@ -133,6 +133,8 @@ def finish_parts(parts: Sequence[WrittenPart], pool: Optional[cf.Executor] = Non
             marked.append(i)
     for i, err in zip(marked, run(_write_marker, [parts[i] for i in marked])):
         errors[i] = err
+        if err is None:
+            faults.point("persist.after_part_marker", step=parts[i].step, rank=parts[i].rank)
     by_dir: Dict[str, List[int]] = {}
     for i in marked:
         if errors[i] is None:
