@@ -221,6 +221,34 @@ def test_contract4_commit_last_tracker_never_ahead_of_a_committed_dir(snap_env, 
     assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == ["latest", "step_00000003"]
 
 
+def test_contract4_commit_that_counts_a_marker_before_its_directory_fsync_fails_no_part(snap_env, monkeypatch):
+    """Contract 4, the committer and the writer of one persister: the committer counts a part as soon as its
+    marker is renamed into place, and may rename the partial directory before the writer has fsynced the
+    marker's directory. The writer is held there (fault point ``persist.after_part_marker``, action=wait)
+    until step 1 is committed, which the committer's backstop read does within about a second. Right: the
+    part succeeds, ``wait()`` returns, step 1 loads. Found by a fresh-clone CI run with the persister under
+    SCHED_BATCH (tests/test_resources.py::test_B4_disk_fills_during_the_write): the writer fsynced the
+    directory by its old path and failed with FileNotFoundError on ``.step_00000001.partial-<run>/.snapckpt``
+    after the step had committed, and ``wait()`` raised it."""
+    d = snap_env.ckpt_dir
+    release = os.path.join(snap_env.tmp, "release")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"persist.after_part_marker:step=1:action=wait:path={release}")
+    ck = Checkpointer(d, **OPTS)
+    try:
+        h = ck.save(make_state(1, 0), 1)
+        assert wait_until(lambda: tracker(d) == "step_00000001", timeout=30), persister_log(snap_env, d)
+        assert "SNAPCKPT_FAULT_POINT hit persist.after_part_marker rank=0 step=1" in persister_log(snap_env, d)
+        assert not partials(d)  # committed while the writer is still held
+        open(release, "w").close()
+        # the writer's end decides what wait() answers: wait for it, then ask
+        assert wait_until(lambda: "rank 0 step 1: part written" in persister_log(snap_env, d)
+                          or "rank 0 step 1: writing the part failed" in persister_log(snap_env, d), timeout=30)
+        bounded(lambda: h.wait(timeout=60))
+        assert "writing the part failed" not in persister_log(snap_env, d)
+        assert_equal_state(ck.load(step=1), 1)
+    finally:
+        open(release, "w").close()
+        ck.close()
 # ------------------------------------------------------------------------------------ kill test (a)
 def test_C8_rank_killed_mid_snapshot_slot_invalid_restart_loads_previous(snap_env):
     """Kill test (a), case C8: rank 1 SIGKILLs itself halfway through copying step 2 into its arena slot

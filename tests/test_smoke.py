@@ -36,6 +36,17 @@ def test_memory_and_disk_round_trip(snap_env):
     assert wait_until(lambda: not os.listdir(runtime), timeout=15), os.listdir(runtime)
 
 
+def test_persister_runs_under_batch_scheduling_so_its_wake_up_does_not_preempt_the_rank(snap_env):
+    """A rank's ``ready`` wakes the persister to write; under SCHED_BATCH it does not take the rank's CPU there."""
+    with Checkpointer(snap_env.ckpt_dir) as ck:
+        ck.save({"w": torch.ones(4)}, 1, StorageType.DISK).wait()
+        pid = ck.persister_pid
+        assert os.sched_getscheduler(pid) == os.SCHED_BATCH
+        # threads started after the switch (the writer's among them) inherit the policy
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(tids) > 1 and all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in tids)
+
+
 def test_arena_reserved_at_construction_for_the_first_save(snap_env):
     """Target 4 of the performance issue: the arena is reserved and mapped before the first save. With
     ``expected_nbytes`` the persister grows both slots of the rank right after construction, before any save,

@@ -25,6 +25,8 @@ point                                      process     where
 ``snapshot.before_ready``                  rank        copy done, slot not yet handed to the persister
 ``persist.mid_file``                       persister   a file of the part half written (occurrence K: file K)
 ``persist.before_part_marker``             persister   every file written and fsynced, no part marker yet
+``persist.after_part_marker``              persister   part marker renamed into place (the committer may count
+                                                       it), its directory not yet fsynced
 ``commit.before_rename``                   persister   manifest written, partial directory not renamed
 ``commit.between_renames``                 persister   re-commit of a step: old directory moved aside, new
                                                        one not yet renamed (fires only when replacing)
@@ -62,7 +64,7 @@ from snapckpt._internal import env as _env
 __all__ = ["point", "armed", "set_rank", "POINTS", "PHASES"]
 
 POINTS = ("snapshot.mid_copy", "snapshot.before_ready", "persist.mid_file", "persist.before_part_marker",
-          "commit.before_rename", "commit.between_renames", "commit.before_tracker",
+          "persist.after_part_marker", "commit.before_rename", "commit.between_renames", "commit.before_tracker",
           "commit.after_tracker_before_retention", "commit.remove_failed_partial", "remote.mid_upload",
           "remote.before_manifest", "remote.before_tracker", "replica.before_send")
 PHASES = ("open", "write", "fsync", "part_marker", "manifest", "rename", "tracker")

@@ -753,6 +753,22 @@ class Server:
                     usable_slots=len(self.slots.usable(entry, entry.limit)))
 
 
+def batch_scheduling() -> bool:
+    """Put this process, and the threads it starts later, under Linux's ``SCHED_BATCH`` policy.
+
+    A batch task keeps its fair share of CPU but never preempts a running task when it wakes
+    (``sched(7)``). Without it a rank's ``ready`` message woke the persister, which took the rank's
+    CPU at once to start the disk write: the rank's ``sendall`` of a few hundred bytes then blocked for
+    milliseconds (0.5 GiB DISK saves on 2 cores: 1.4-3.2 ms per save in ``sendall``, against 0.04 ms
+    with the policy). Any user may select it. Returns ``False`` where the platform lacks it.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m snapckpt.persister``."""
     import argparse
@@ -768,6 +784,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=_env.log_level(),
                         format="%(asctime)s snapckpt-persister[%(process)d] %(levelname)s %(message)s")
+    batch_scheduling()
     try:  # a previous persister of this job may still be finishing its exit
         lock_pid_file(a.runtime_dir)  # its fd stays open, the lock held, until this process exits
     except PersisterError as e:

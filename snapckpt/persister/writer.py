@@ -23,7 +23,7 @@ from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.formats.torch_archive import READY_PIECE_NBYTES, write_torch_file
 from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
-from snapckpt.storage.base import StorageWriter
+from snapckpt.storage.base import DirHandle, StorageWriter
 from snapckpt.persister.protocol import error_record
 
 __all__ = ["write_part", "write_part_data", "finish_parts", "WrittenPart", "write_failure_marker", "encode_file",
@@ -116,33 +116,50 @@ def write_part_data(storage: StorageWriter, buf, index: Dict[str, Any], partial_
 def finish_parts(parts: Sequence[WrittenPart], pool: Optional[cf.Executor] = None) -> List[Optional[BaseException]]:
     """Make written parts durable and visible, in the order the commit protocol needs: every file of
     every part fsynced, then (``on_data_read``, fault point ``persist.before_part_marker``) the parts'
-    markers written (each temporary file fsynced, then renamed), then each marker directory fsynced once.
-    A part's marker is never written before its own files are durable. With ``pool``, the fsyncs of the
-    parts run concurrently, so the filesystem commits its journal once for the batch instead of once per
-    part. Returns each part's error (``None``: its marker is written and durable); the descriptors are
+    markers written (each temporary file fsynced, then renamed), then each marker directory fsynced once,
+    through a descriptor opened before its markers were renamed into it (the committer may rename the
+    partial directory as soon as it counts the last marker). A part's marker is never written before its
+    own files are durable. With ``pool``, the fsyncs of the parts run concurrently, so the filesystem
+    commits its journal once for the batch instead of once per part. Returns each part's error (``None``: its marker is written and durable); the descriptors are
     closed either way.
     """
     run = pool.map if pool is not None else map
     errors: List[Optional[BaseException]] = list(run(_sync_files, parts))
-    marked = []
+    by_dir: Dict[str, List[int]] = {}
     for i, p in enumerate(parts):
         if errors[i] is None:
             if p.on_data_read is not None:
                 p.on_data_read()
             faults.point("persist.before_part_marker", step=p.step, rank=p.rank)
-            marked.append(i)
-    for i, err in zip(marked, run(_write_marker, [parts[i] for i in marked])):
-        errors[i] = err
-    by_dir: Dict[str, List[int]] = {}
-    for i in marked:
-        if errors[i] is None:
-            by_dir.setdefault(os.path.join(parts[i].partial_dir, SIDECAR), []).append(i)
-    for side, idx in by_dir.items():  # one directory fsync makes every marker renamed into it durable
-        try:
-            parts[idx[0]].storage.fsync_dir(side)
-        except OSError as e:
-            for i in idx:
-                errors[i] = _with_path(e, side)
+            by_dir.setdefault(os.path.join(p.partial_dir, SIDECAR), []).append(i)
+    # Each marker directory is opened before its markers are renamed into it, and fsynced through that
+    # descriptor: once the last marker is there the committer may rename the partial directory at once,
+    # so its old path can be gone by the time of the fsync.
+    dirs: Dict[str, DirHandle] = {}
+    try:
+        for side, idx in by_dir.items():
+            try:
+                dirs[side] = parts[idx[0]].storage.open_dir(side)
+            except OSError as e:
+                for i in idx:
+                    errors[i] = _with_path(e, side)
+        marked = sorted(i for idx in by_dir.values() for i in idx if errors[i] is None)
+        for i, err in zip(marked, run(_write_marker, [parts[i] for i in marked])):
+            errors[i] = err
+            if err is None:
+                faults.point("persist.after_part_marker", step=parts[i].step, rank=parts[i].rank)
+        for side, d in dirs.items():  # one directory fsync makes every marker renamed into it durable
+            idx = [i for i in by_dir[side] if errors[i] is None]
+            if not idx:
+                continue
+            try:
+                d.fsync()
+            except OSError as e:
+                for i in idx:
+                    errors[i] = _with_path(e, side)
+    finally:
+        for d in dirs.values():
+            d.close()
     return errors
 
 

@@ -4,7 +4,9 @@ A DISK save calls, in order, on the persister of each node:
 
 1. ``makedirs(partial_dir)`` (every rank's persister; racing creators are fine);
 2. per file of the rank: ``open_write(path)`` -> write -> ``fsync_file`` -> close;
-3. ``write_atomic(part_marker)`` (the rank's part is complete);
+3. ``open_dir(marker_dir)``, ``write_atomic(part_marker, sync_dir=False)`` (the rank's part is complete:
+   the committer may count it and rename the partial directory at once), then the handle's ``fsync``
+   (durable whatever the directory's name by then);
 4. committer only: ``write_atomic(manifest)``, ``fsync_dir(partial_dir)``, ``rename(partial_dir, final)``,
    ``fsync_dir(checkpoint_dir)``, ``write_atomic(tracker)``, then retention's ``remove_tree`` calls.
 
@@ -16,6 +18,29 @@ from __future__ import annotations
 
 import abc
 from typing import BinaryIO, List
+
+
+class DirHandle(abc.ABC):
+    """An open directory (:meth:`StorageWriter.open_dir`), fsynced through the handle: a rename of the
+    directory (or of a parent) after it was opened does not change which directory is synced."""
+
+    @abc.abstractmethod
+    def fsync(self) -> None:
+        """Make the directory's entries durable.
+
+        Raises:
+            OSError: from fsync(2), ``errno`` unchanged (no file name: the caller adds the path).
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the handle (idempotent)."""
+
+    def __enter__(self) -> "DirHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class StorageWriter(abc.ABC):
@@ -36,6 +61,16 @@ class StorageWriter(abc.ABC):
     @abc.abstractmethod
     def fsync_dir(self, path: str) -> None:
         """Make the directory's entries durable."""
+
+    @abc.abstractmethod
+    def open_dir(self, path: str) -> DirHandle:
+        """Open directory ``path`` for a later fsync of its entries through the handle: for entries made
+        visible to another thread or process that may rename the directory before the fsync (a part marker:
+        the committer renames the partial directory once it counts every part).
+
+        Raises:
+            OSError: ``path`` cannot be opened (``FileNotFoundError``, names ``path``).
+        """
 
     @abc.abstractmethod
     def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:

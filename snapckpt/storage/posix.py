@@ -8,9 +8,25 @@ import uuid
 from typing import BinaryIO, List
 
 from snapckpt.storage.direct import open_direct
-from snapckpt.storage.base import StorageReader, StorageWriter
+from snapckpt.storage.base import DirHandle, StorageReader, StorageWriter
 
 __all__ = ["PosixStorage"]
+
+
+class _PosixDir(DirHandle):
+    """A directory descriptor (``fd`` -1: ``fsync`` disabled, nothing was opened)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fsync(self) -> None:
+        if self.fd >= 0:
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class PosixStorage(StorageWriter, StorageReader):
@@ -43,6 +59,11 @@ class PosixStorage(StorageWriter, StorageReader):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def open_dir(self, path: str) -> DirHandle:
+        if not self.fsync:
+            return _PosixDir(-1)
+        return _PosixDir(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
 
     def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
         parent = os.path.dirname(path) or "."

@@ -172,3 +172,24 @@ def test_makedirs_over_a_file_raises(tmp_path):
     (tmp_path / "f").write_bytes(b"")
     with pytest.raises(FileExistsError):
         PosixStorage().makedirs(str(tmp_path / "f"))
+
+
+def test_open_dir_fsyncs_the_directory_it_opened_even_after_a_rename(tmp_path, monkeypatch):
+    """The handle fsyncs the directory it opened, under whatever name it has by then (a part marker's
+    directory, which the committer may rename before the writer's fsync); ``close`` is idempotent."""
+    old, new = tmp_path / ".step_00000001.partial-r", tmp_path / "step_00000001"
+    old.mkdir()
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
+    with PosixStorage().open_dir(str(old)) as h:
+        os.rename(old, new)
+        h.fsync()
+        h.close()
+    assert synced == [os.stat(new).st_ino]
+    with pytest.raises(FileNotFoundError) as ei:
+        PosixStorage().open_dir(str(old))
+    assert ei.value.filename == str(old)
+    with PosixStorage(fsync=False).open_dir(str(old)) as h:  # fsync disabled: nothing opened, nothing synced
+        h.fsync()
+    assert synced == [os.stat(new).st_ino]
