@@ -37,7 +37,7 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, tensor_part
-from snapckpt.engine.plain_values import pack
+from snapckpt.engine.plain_values import pack, pack_values
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
@@ -526,18 +526,21 @@ class Stager:
         return layout, built
 
     def _plain_layout(self, name: str, obj: Any, distinct_tensors: bool = True
-                      ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool]]:
+                      ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool, Optional[List[Any]]]]:
         """:func:`plain_layout` of file ``name``'s ``obj``, by its :class:`LayoutMemo` while the structure is
         the one of the memo, whatever its atomic values (a step counter, a loss). A memo is made once two saves in
         a row walk to keys of equal structure (:func:`split_key`: the same keys, containers, tensors' places and
         value types), so a state whose structure changes every save is walked each time and never pays for one.
         ``distinct_tensors=False``: see :meth:`LayoutMemo.match`. Returns ``(tensors, key, whether the memo found
-        them)``, or ``None`` when ``obj`` is not plain."""
+        them, the values a load replaces or None)`` (the last as :func:`snapckpt.engine.plain_values.entries`
+        finds them, when the memo found them: :func:`_plain_head` then needs no walk), or ``None`` when ``obj``
+        is not plain."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
-            found = fm.memo.match(obj, distinct_tensors)
+            replaced: List[Any] = []
+            found = fm.memo.match(obj, distinct_tensors, replaced)
             if found is not None:
-                return found[0], found[1], True
+                return found[0], found[1], True, replaced
         walked = plain_layout(obj)
         self._memos.pop(name, None)
         if walked is None:
@@ -559,7 +562,7 @@ class Stager:
         if len(self._memos) >= 4 * self._cache_size:
             self._memos.pop(next(iter(self._memos)))
         self._memos[name] = fm
-        return walked[0], walked[1], False
+        return walked[0], walked[1], False, None
 
     def live_layout(self, name: str, obj: Any, distinct_tensors: bool = True
                     ) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
@@ -612,6 +615,7 @@ class Stager:
         # quick check, which makes it anyway (below).
         one_file = len(files) == 1
         unchecked = False  # the one file's tensors came from a memo's match that left the repeat check to us
+        replaced = None  # the one file's values a load replaces, when its memo found them (for _plain_head)
         for name, value in files.items():
             spec, persist = unwrap(value)
             if isinstance(spec, RawBytes):
@@ -623,6 +627,7 @@ class Stager:
                     per_file_tensors.append(walked[0])
                     keys.append(walked[1])
                     unchecked = one_file and walked[2]
+                    replaced = walked[3] if one_file else None
                     plain_files.add(name)
                     continue
                 keys.append(None)
@@ -673,7 +678,7 @@ class Stager:
                                                          check_weights_only and new_plan, keys, layout.pickles)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
             layout.restore_ok = None
-            layout.index_head, values = _plain_head(files, specs, keys, layout, direct)
+            layout.index_head, values = _plain_head(files, specs, keys, layout, direct, replaced)
             if values:  # after the pickle, before the index (which says where)
                 layout.tail.append((layout.tail_end, values))
                 layout.tail_end += len(values)
@@ -863,14 +868,14 @@ def index_bytes(step: int, layout: _Layout) -> bytes:
 
 
 def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: _Layout,
-                direct: Sequence[torch.Tensor]) -> Tuple[bytes, bytes]:
+                direct: Sequence[torch.Tensor], replaced: Optional[List[Any]] = None) -> Tuple[bytes, bytes]:
     """``(the index's "plain":"<hex>","values":[<offset>,<nbytes>], entry, the values' bytes)`` when the snapshot is
     one plain file whose every tensor is its own whole CPU span and whose replaced values hold no tensor
     (:mod:`snapckpt.formats.plain_digest`, :mod:`snapckpt.engine.plain_values`; the bytes go at ``layout.tail_end``);
-    ``(b"", b"")`` otherwise."""
+    ``(b"", b"")`` otherwise. ``replaced``: those values when the file's memo found them (no walk), else ``None``."""
     if len(keys) != 1 or keys[0] is None or not layout.direct_all:
         return b"", b""
-    values = pack(specs[0][0].obj)
+    values = pack(specs[0][0].obj) if replaced is None else pack_values(replaced)
     if values is None:
         return b"", b""
     if layout.plain_part is None:
