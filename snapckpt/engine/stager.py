@@ -25,8 +25,8 @@ import gc
 import json
 import logging
 import math
-from itertools import islice
-from operator import attrgetter, eq, mul, sub
+from itertools import compress, islice
+from operator import attrgetter, eq, mul, not_, sub
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -136,37 +136,84 @@ except ImportError:  # pragma: no cover - every supported torch has it; the full
 class _Recheck:
     """A quick way to tell that tensors have their layout's :func:`_signature`, without reading it (a plan-cache hit).
 
-    Found by the storage offsets (and with them the count); then PyTorch's ``TensorGuards`` (a C++ loop) checks
-    each tensor's Python type, dtype, device, shape, stride and ``requires_grad`` against the tensors the entry
-    was made from, and the storage grouping is compared: when the data pointers are those of the last tensors
-    that passed (``ptrs``: the same training state saved again, the common case), it is theirs, since the
-    grouping is a function of the pointers, offsets, element sizes and devices, all equal then; else it is
-    recomputed from the pointers (with the known element sizes). Every field of the signature is compared, so a
-    hit means the same signature; any failure (or a guard that cannot be made) falls back to the full
-    :func:`_signature`. A hit also means that no tensor object occurs twice: ``TensorGuards.check`` refuses
-    repeated objects (dynamo relies on it; a unit test pins it), so :meth:`Stager._prepare` leaves that check of a
-    memo's match to this one.
+    The tensors are read in chunks of :data:`_CHUNK`, each chunk by three C-level passes while its tensors are in
+    the CPU's caches (one pass per field over 200,000 tensors misses them three times): the storage offsets (and
+    with them the count), PyTorch's ``TensorGuards`` (a C++ loop: each tensor's Python type, dtype, device,
+    shape, stride and ``requires_grad`` against the tensors the entry was made from), and the data pointers. The
+    storage grouping is then compared: when the data pointers are those of the last tensors that passed
+    (``ptrs``: the same training state saved again, the common case), it is theirs, since the grouping is a
+    function of the pointers, offsets, element sizes and devices, all equal then; else it is recomputed from the
+    pointers (with the known element sizes). Every field of the signature is compared, so a hit means the same
+    signature; any failure (or a guard that cannot be made) falls back to the full :func:`_signature`.
+
+    A hit also means that no tensor object occurs twice, so :meth:`Stager._prepare` leaves that check of a memo's
+    match to this one: ``TensorGuards.check`` refuses repeated objects within its chunk (dynamo relies on it; a
+    unit test pins it); across chunks, when the pointers are the last ones and those are distinct but for null
+    ones (``distinct``: each tensor its own bytes, the common case), only the tensors without data can be one
+    object twice, and those few are compared; otherwise every tensor is (:func:`has_repeats`).
     """
 
-    __slots__ = ("offsets", "guards", "itemsizes", "devices", "one_device", "groups", "ptrs")
+    __slots__ = ("n", "offsets", "chunks", "itemsizes", "devices", "one_device", "groups", "ptrs", "distinct")
 
-    def __init__(self, tensors: List[torch.Tensor], offsets: tuple, sig: tuple) -> None:
-        self.guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        self.offsets = offsets
+    def __init__(self, tensors: List[torch.Tensor], sig: tuple) -> None:
+        self.n, self.offsets = len(tensors), sig[2]
+        self.chunks = [(_TensorGuards(*tensors[i:i + _CHUNK], dynamic_dims_sizes=None, dynamic_dims_strides=None),
+                        self.offsets[i:i + _CHUNK]) for i in range(0, self.n, _CHUNK)]
         self.itemsizes = tuple(map(_ITEMSIZE, sig[3]))
         self.devices, self.groups = sig[4], sig[1]
         self.one_device = len(set(self.devices)) <= 1
-        self.ptrs = list(map(_DATA_PTR, tensors))
+        self._remember(list(map(_DATA_PTR, tensors)))
 
-    def matches(self, tensors: List[torch.Tensor], offsets: tuple) -> bool:
-        if offsets != self.offsets or not self.guards.check(*tensors):
+    def _remember(self, ptrs: List[int]) -> None:
+        self.ptrs = ptrs
+        ordered = sorted(ptrs)
+        nulls = ordered.count(0)  # first: pointers are not negative
+        self.distinct = not any(map(eq, islice(ordered, nulls, None), islice(ordered, nulls + 1, None)))
+
+    def _scan(self, tensors: List[torch.Tensor], offsets: bool) -> Optional[List[int]]:
+        """The data pointers of ``tensors`` when every chunk passes its guards (and has the storage offsets of
+        the entry's tensors, with ``offsets``); ``None`` otherwise."""
+        if len(tensors) != self.n:
+            return None
+        ptrs: List[int] = []
+        for i, (guards, offs) in zip(range(0, self.n, _CHUNK), self.chunks):
+            part = tensors[i:i + _CHUNK]
+            if (offsets and tuple(map(_OFFSET, part)) != offs) or not guards.check(*part):
+                return None
+            ptrs.extend(map(_DATA_PTR, part))
+        return ptrs
+
+    def _once_each(self, tensors: List[torch.Tensor], ptrs: List[int]) -> bool:
+        """Whether no tensor object occurs twice in ``tensors`` whose chunks passed their guards (see the class)."""
+        if len(self.chunks) <= 1:
+            return True  # one TensorGuards.check saw every pair
+        if ptrs is self.ptrs or ptrs == self.ptrs:
+            if not self.distinct:
+                return not has_repeats(tensors)
+            return ptrs.count(0) < 2 or not has_repeats(list(compress(tensors, map(not_, ptrs))))
+        return not has_repeats(tensors)
+
+    def matches(self, tensors: List[torch.Tensor]) -> bool:
+        """Whether ``tensors`` have the entry's signature and no tensor object occurs twice."""
+        ptrs = self._scan(tensors, True)
+        if ptrs is None:
             return False
-        ptrs = list(map(_DATA_PTR, tensors))
         if ptrs != self.ptrs:
-            if _groups(ptrs, offsets, self.itemsizes, self.devices, self.one_device) != self.groups:
+            if _groups(ptrs, self.offsets, self.itemsizes, self.devices, self.one_device) != self.groups:
                 return False
-            self.ptrs = ptrs
-        return True
+            self._remember(ptrs)
+        return self._once_each(tensors, ptrs)
+
+    def same_tensors(self, tensors: List[torch.Tensor]) -> bool:
+        """Whether ``tensors`` pass the guards (type, dtype, device, shape, stride, ``requires_grad``; offsets and
+        grouping not compared) and no tensor object occurs twice (a restore's check, :mod:`slot_restore`)."""
+        ptrs = self._scan(tensors, False)
+        return ptrs is not None and self._once_each(tensors, ptrs)
+
+
+#: Tensors per chunk of the quick check (:class:`_Recheck`): their tensor structs stay in the CPU's caches for its
+#: three passes.
+_CHUNK = 1024
 
 
 _RECHECKS_KEPT = 2  # quick checks made for one layout before it goes without (see Stager._plan_for)
@@ -491,10 +538,9 @@ class Stager:
             SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built).
         """
         try:
-            offsets = tuple(map(_OFFSET, tensors))
             for cached in reversed(self._layouts.values()):  # newest first
                 r = cached.recheck
-                if r is not None and r.matches(tensors, offsets):
+                if r is not None and r.matches(tensors):
                     return cached, False
             if check_repeats and has_repeats(tensors):
                 return None
@@ -520,7 +566,7 @@ class Stager:
             return layout, built
         layout.rechecks_made += 1
         try:
-            layout.recheck = _Recheck(tensors, offsets, sig)
+            layout.recheck = _Recheck(tensors, sig)
         except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
             layout.recheck, layout.rechecks_made = None, _RECHECKS_KEPT
         return layout, built
@@ -708,7 +754,8 @@ class Stager:
             seen = {id(t): i for i, t in enumerate(per_file_tensors[0])}
         for path, (spec, persist), ts, key in zip(files.keys(), specs, per_file_tensors, keys):
             if isinstance(spec, TorchSave):
-                idx = list(range(len(ts))) if seen is None else list(map(seen.__getitem__, map(id, ts)))
+                # one file: its tensors are the plan's, in order (a range: compared with the last one's in O(1))
+                idx = range(len(ts)) if seen is None else list(map(seen.__getitem__, map(id, ts)))
                 hit = pickles.get(path) if key is not None else None
                 if hit is not None and hit[0] == key and hit[1] == idx:
                     pkl, skeys, records = hit[2], hit[3], hit[6]
@@ -835,7 +882,7 @@ class Stager:
             mark.release()
 
 
-def _pickle_file(obj: Any, key: Optional[List[Any]], idx: List[int], hit: Optional[tuple],
+def _pickle_file(obj: Any, key: Optional[List[Any]], idx: Sequence[int], hit: Optional[tuple],
                  refs: Callable[[], Dict[int, TensorRef]]) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
     """``(pickle, span keys, template, key structure)`` of a file's ``obj`` (``plain_layout`` key ``key`` or
     ``None``, tensors at plan indices ``idx``, ``refs()`` their refs: made only when something is pickled) whose
