@@ -502,12 +502,16 @@ class _FileMemo:
         memoizable: ``False`` once a memo could not be made of this structure (a container or tensor met twice):
             not tried again until the structure changes.
         structure: ``split_key(key)[0]``, once computed (``None`` before).
+        split: ``(memo, the structure of its key, the key positions of its values in key order, the marker ids
+            before them)``, made at its first match: :func:`split_key` of a key the memo found, without its passes
+            over the key (``None`` before).
     """
 
     key: List[Any]
     memo: Optional[LayoutMemo] = None
     memoizable: bool = True
     structure: Optional[List[Any]] = None
+    split: Optional[tuple] = None
 
 
 class Stager:
@@ -572,21 +576,28 @@ class Stager:
         return layout, built
 
     def _plain_layout(self, name: str, obj: Any, distinct_tensors: bool = True
-                      ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool, Optional[List[Any]]]]:
+                      ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool, Optional[List[Any]], Optional[tuple]]]:
         """:func:`plain_layout` of file ``name``'s ``obj``, by its :class:`LayoutMemo` while the structure is
         the one of the memo, whatever its atomic values (a step counter, a loss). A memo is made once two saves in
         a row walk to keys of equal structure (:func:`split_key`: the same keys, containers, tensors' places and
         value types), so a state whose structure changes every save is walked each time and never pays for one.
         ``distinct_tensors=False``: see :meth:`LayoutMemo.match`. Returns ``(tensors, key, whether the memo found
-        them, the values a load replaces or None)`` (the last as :func:`snapckpt.engine.plain_values.entries`
-        finds them, when the memo found them: :func:`_plain_head` then needs no walk), or ``None`` when ``obj``
-        is not plain."""
+        them, the values a load replaces or None, split_key(key) or None)`` (the last two when the memo found them,
+        without a pass over the state or the key: the values as :func:`snapckpt.engine.plain_values.entries` finds
+        them, for :func:`_plain_head`; the key's structure and values, for :func:`_pickle_file`), or ``None`` when
+        ``obj`` is not plain."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
             replaced: List[Any] = []
             found = fm.memo.match(obj, distinct_tensors, replaced)
             if found is not None:
-                return found[0], found[1], True, replaced
+                if fm.split is None or fm.split[0] is not fm.memo:
+                    memo = fm.memo
+                    at = sorted(memo.value_at)  # every value's item, in key order (split_key's)
+                    fm.split = (memo, split_key(memo.key)[0], at, [id(memo.key[p - 1]) for p in at])
+                _, structure, at, markers = fm.split
+                values = list(zip(markers, map(found[1].__getitem__, at)))
+                return found[0], found[1], True, replaced, (structure, values)
         walked = plain_layout(obj)
         self._memos.pop(name, None)
         if walked is None:
@@ -608,7 +619,7 @@ class Stager:
         if len(self._memos) >= 4 * self._cache_size:
             self._memos.pop(next(iter(self._memos)))
         self._memos[name] = fm
-        return walked[0], walked[1], False, None
+        return walked[0], walked[1], False, None, None
 
     def live_layout(self, name: str, obj: Any, distinct_tensors: bool = True
                     ) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
@@ -656,6 +667,7 @@ class Stager:
         specs = []
         per_file_tensors: List[List[torch.Tensor]] = []
         keys: List[Any] = []  # per file: its plain_layout key, or None (its skeleton is pickled every save)
+        splits: List[Optional[tuple]] = []  # per file: split_key of its key when its memo found it, or None
         plain_files: set = set()
         # One file (its tensors are the plan's): a memo's match leaves the check for a tensor met twice to the plan's
         # quick check, which makes it anyway (below).
@@ -672,11 +684,13 @@ class Stager:
                 if walked is not None:  # only containers, tensors and atomic values: weights_only loads it
                     per_file_tensors.append(walked[0])
                     keys.append(walked[1])
+                    splits.append(walked[4])
                     unchecked = one_file and walked[2]
                     replaced = walked[3] if one_file else None
                     plain_files.add(name)
                     continue
                 keys.append(None)
+                splits.append(None)
                 try:
                     per_file_tensors.append(collect_tensors(spec.obj))
                 except SnapshotError:
@@ -685,6 +699,7 @@ class Stager:
                     raise _unpicklable_error(name, spec.obj, e) from e
             else:
                 keys.append(None)
+                splits.append(None)
                 ts = [p for p in spec.parts if isinstance(p, torch.Tensor)]
                 for t in ts:
                     _check_concat_tensor(t)
@@ -721,7 +736,8 @@ class Stager:
                 tail_key.append([[seen[id(t)] for t in ts] for ts in per_file_tensors])  # type: ignore[index]
         if tail_key is None or tail_key != layout.tail_key:
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
-                                                         check_weights_only and new_plan, keys, layout.pickles)
+                                                         check_weights_only and new_plan, keys, layout.pickles,
+                                                         splits)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
             layout.restore_ok = None
             layout.index_head, values = _plain_head(files, specs, keys, layout, direct, replaced)
@@ -737,7 +753,8 @@ class Stager:
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
                    plan: Plan, seen: Optional[Dict[int, int]], plain_files: set, check_weights_only: bool,
-                   keys: List[Any], pickles: Dict[str, tuple]) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
+                   keys: List[Any], pickles: Dict[str, tuple], splits: Optional[List[Optional[tuple]]] = None
+                   ) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
         the index's "files" JSON, the first byte after them)``. ``seen``: each tensor's plan index by ``id``, or
         ``None`` for one file (whose tensors are the plan's, in order). A plain file's pickle is reused from
@@ -745,14 +762,17 @@ class Stager:
         structure, the index's JSON of its records)``, updated) while its key and tensors are those of the last
         pickle (a save that also writes changing raw bytes, such as the Hugging Face callback's, pickles only what
         changed), and spliced from the template when only its non-tensor values changed (:func:`_pickle_file`);
-        its records' JSON is kept while its span keys stay."""
+        its records' JSON is kept while its span keys stay. ``splits``: per file, :func:`split_key` of its key when
+        known without a pass over it, else ``None`` (or no list)."""
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files: List[str] = []  # each file's JSON object
         by_key: Dict[str, _Span] = {}
         if seen is None and not all(isinstance(spec, TorchSave) for spec, _ in specs):
             seen = {id(t): i for i, t in enumerate(per_file_tensors[0])}
-        for path, (spec, persist), ts, key in zip(files.keys(), specs, per_file_tensors, keys):
+        if splits is None:
+            splits = [None] * len(keys)
+        for path, (spec, persist), ts, key, split in zip(files.keys(), specs, per_file_tensors, keys, splits):
             if isinstance(spec, TorchSave):
                 # one file: its tensors are the plan's, in order (a range: compared with the last one's in O(1))
                 idx = range(len(ts)) if seen is None else list(map(seen.__getitem__, map(id, ts)))
@@ -761,7 +781,7 @@ class Stager:
                     pkl, skeys, records = hit[2], hit[3], hit[6]
                 else:
                     pkl, skeys, template, structure = _pickle_file(
-                        spec.obj, key, idx, hit, lambda: {id(t): plan.refs[i] for t, i in zip(ts, idx)})
+                        spec.obj, key, idx, hit, lambda: {id(t): plan.refs[i] for t, i in zip(ts, idx)}, split)
                     records = hit[6] if hit is not None and hit[1] == idx and hit[3] == skeys else None
                 if records is None:
                     if not by_key:
@@ -883,16 +903,18 @@ class Stager:
 
 
 def _pickle_file(obj: Any, key: Optional[List[Any]], idx: Sequence[int], hit: Optional[tuple],
-                 refs: Callable[[], Dict[int, TensorRef]]) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
+                 refs: Callable[[], Dict[int, TensorRef]], split: Optional[tuple] = None
+                 ) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
     """``(pickle, span keys, template, key structure)`` of a file's ``obj`` (``plain_layout`` key ``key`` or
     ``None``, tensors at plan indices ``idx``, ``refs()`` their refs: made only when something is pickled) whose
     last pickle was ``hit`` (a ``pickles`` entry or ``None``). When ``hit`` differs from ``obj`` in non-tensor values
     only (:func:`split_key`), the pickle is spliced from a :class:`~snapckpt.formats.value_splice.ValueTemplate`:
     made by the first such save (one pickle of a copy of the state with markers for its values, instead of the
     pickle of the state) and kept while the structure stays (``False``: none can be made of it). Otherwise ``obj``
-    is pickled (template ``None``; the structure is computed only when a later save needs it)."""
+    is pickled (template ``None``; the structure is computed only when a later save needs it). ``split``:
+    ``split_key(key)`` when known (a memo found ``key``), else ``None``."""
     if key is not None and hit is not None and hit[1] == idx:
-        structure, values = split_key(key)
+        structure, values = split_key(key) if split is None else split
         template = hit[4]
         if hit[5] is None:  # the last pickle was a full one: its structure was not computed
             template = None if split_key(hit[0])[0] != structure else (

@@ -251,3 +251,37 @@ def test_a_memo_hit_writes_the_values_of_this_save_without_their_walk(monkeypatc
         assert repr(plain_values.unpack(written)) == repr(_replaced(state)), step  # repr: nan != nan
         assert packs[0] == min(step, 2), step  # walked by the first two saves only
     assert s.walks == 2
+
+
+def test_a_memo_hit_splits_its_key_as_split_key_does_without_a_pass_over_it(monkeypatch):
+    """The skeleton's splice of a memo-hit save takes the key's structure and values from the memo's places (found
+    once per memo), equal item for item (and type) to :func:`split_key` of the key; no save after that calls it."""
+    s = _Saves(monkeypatch)
+    real_split = stager_mod.split_key
+    calls = [0]
+
+    def counting(key):
+        calls[0] += 1
+        return real_split(key)
+
+    monkeypatch.setattr(stager_mod, "split_key", counting)
+    inner = Stager._plain_layout
+    hits = []
+
+    def spying(stager, name, obj, distinct_tensors=True):
+        got = inner(stager, name, obj, distinct_tensors)
+        if got[2]:
+            hits.append((got[1], got[4]))
+        return got
+
+    monkeypatch.setattr(Stager, "_plain_layout", spying)
+    weights = _weights()
+    for step, values in enumerate(_VALUES * 2, start=1):
+        before = calls[0]
+        s.save(_state(*values, weights), step)
+        assert step <= 3 or calls[0] == before, step  # the third save: the memo's split, the template's structure
+    assert len(hits) == 2 * len(_VALUES) - 2
+    for key, (structure, values) in hits:
+        want_structure, want_values = real_split(key)
+        assert _exact(structure, want_structure)
+        assert values == want_values and [type(v) for _, v in values] == [type(v) for _, v in want_values]
