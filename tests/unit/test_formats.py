@@ -662,3 +662,20 @@ def test_a_quick_check_in_chunks_sees_any_change_in_any_chunk_and_a_tensor_met_t
     for step in range(3, 6):  # the changed state, then saved again (its own quick check)
         roundtrip(s, step)
     assert stager.plan_builds == builds + (change != "nothing")
+
+
+@pytest.mark.parametrize("restorable", [False, True])
+def test_the_quick_checks_restore_check_sees_a_tensor_met_twice_in_two_chunks(monkeypatch, restorable):
+    """The restore's check of a quick check in chunks (by one TensorGuards of every tensor for a layout the
+    in-process restore takes, else chunk by chunk and a sort of the objects) refuses a tensor object met twice
+    in two chunks, a count or a shape of another layout, and takes the tensors it was made of."""
+    from snapckpt.engine import stager as stager_mod
+
+    monkeypatch.setattr(stager_mod, "_CHUNK", 3)
+    ts = [torch.rand(2) for _ in range(10)]
+    r = stager_mod._Recheck(ts, stager_mod._signature(ts), restorable)
+    assert len(r.chunks) == 4 and (r.whole is None) is not restorable
+    assert r.same_tensors(ts) and r.same_tensors([t.clone() for t in ts])
+    assert not r.same_tensors(ts[:9] + ts[:1])  # ts[0] in chunks 0 and 3
+    assert not r.same_tensors(ts[:9])
+    assert not r.same_tensors(ts[:7] + [torch.rand(3)] + ts[8:])
