@@ -26,7 +26,7 @@ import json
 import logging
 import math
 from itertools import compress, islice
-from operator import attrgetter, eq, mul, not_, sub
+from operator import attrgetter, eq, is_, mul, not_, sub
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -159,7 +159,7 @@ class _Recheck:
     """
 
     __slots__ = ("n", "offsets", "chunks", "whole", "itemsizes", "devices", "one_device", "groups", "ptrs",
-                 "distinct")
+                 "distinct", "nulls")
 
     def __init__(self, tensors: List[torch.Tensor], sig: tuple, restorable: bool = False) -> None:
         self.n, self.offsets = len(tensors), sig[2]
@@ -175,7 +175,7 @@ class _Recheck:
     def _remember(self, ptrs: List[int]) -> None:
         self.ptrs = ptrs
         ordered = sorted(ptrs)
-        nulls = ordered.count(0)  # first: pointers are not negative
+        self.nulls = nulls = ordered.count(0)  # first: pointers are not negative
         self.distinct = not any(map(eq, islice(ordered, nulls, None), islice(ordered, nulls + 1, None)))
 
     def _scan(self, tensors: List[torch.Tensor], offsets: bool) -> Optional[List[int]]:
@@ -192,14 +192,13 @@ class _Recheck:
         return ptrs
 
     def _once_each(self, tensors: List[torch.Tensor], ptrs: List[int]) -> bool:
-        """Whether no tensor object occurs twice in ``tensors`` whose chunks passed their guards (see the class)."""
+        """Whether no tensor object occurs twice in ``tensors``, whose chunks passed their guards and whose data
+        pointers ``ptrs`` are the remembered ones (see the class)."""
         if len(self.chunks) <= 1:
             return True  # one TensorGuards.check saw every pair
-        if ptrs is self.ptrs or ptrs == self.ptrs:
-            if not self.distinct:
-                return not has_repeats(tensors)
-            return ptrs.count(0) < 2 or not has_repeats(list(compress(tensors, map(not_, ptrs))))
-        return not has_repeats(tensors)
+        if not self.distinct:
+            return not has_repeats(tensors)
+        return self.nulls < 2 or not has_repeats(list(compress(tensors, map(not_, ptrs))))
 
     def matches(self, tensors: List[torch.Tensor]) -> bool:
         """Whether ``tensors`` have the entry's signature and no tensor object occurs twice."""
@@ -344,6 +343,7 @@ class _Layout:
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
+    file_json: Dict[Optional[str], tuple] = field(default_factory=dict)  # the index's last JSON per file (Stager._skeletons)
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -750,7 +750,7 @@ class Stager:
         if tail_key is None or tail_key != layout.tail_key:
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
                                                          check_weights_only and new_plan, keys, layout.pickles,
-                                                         splits)
+                                                         splits, layout.file_json)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
             layout.restore_ok = None
             layout.index_head, values = _plain_head(files, specs, keys, layout, direct, replaced)
@@ -766,8 +766,8 @@ class Stager:
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
                    plan: Plan, seen: Optional[Dict[int, int]], plain_files: set, check_weights_only: bool,
-                   keys: List[Any], pickles: Dict[str, tuple], splits: Optional[List[Optional[tuple]]] = None
-                   ) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
+                   keys: List[Any], pickles: Dict[str, tuple], splits: Optional[List[Optional[tuple]]] = None,
+                   file_json: Optional[Dict[Optional[str], tuple]] = None) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
         the index's "files" JSON, the first byte after them)``. ``seen``: each tensor's plan index by ``id``, or
         ``None`` for one file (whose tensors are the plan's, in order). A plain file's pickle is reused from
@@ -776,7 +776,11 @@ class Stager:
         pickle (a save that also writes changing raw bytes, such as the Hugging Face callback's, pickles only what
         changed), and spliced from the template when only its non-tensor values changed (:func:`_pickle_file`);
         its records' JSON is kept while its span keys stay. ``splits``: per file, :func:`split_key` of its key when
-        known without a pass over it, else ``None`` (or no list)."""
+        known without a pass over it, else ``None`` (or no list). ``file_json``: the last index JSON of each file
+        (``path -> (its JSON without records, the records' JSON, the file's JSON)``) and of them all (``None ->
+        (the files' JSON, the "files" bytes)``), reused while equal (updated; ``None``: none kept)."""
+        if file_json is None:
+            file_json = {}
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files: List[str] = []  # each file's JSON object
@@ -808,11 +812,16 @@ class Stager:
                 tail.append((offset, pkl))
                 entry = {"path": path, "kind": "torch", "persist": persist, "pkl": [offset, len(pkl)], "records": None,
                          **_mode(spec)}
+                offset += len(pkl)
+                head = json.dumps(entry, separators=(",", ":"))
+                last = file_json.get(path)
+                if last is not None and last[1] is records and last[0] == head:
+                    index_files.append(last[2])  # the last save's (records of 200,000 spans: megabytes)
+                    continue
                 # the records' JSON put in whole (json.dumps' own bytes: a string's quote is escaped, so this is
                 # the entry's one ``"records":null``)
-                index_files.append(json.dumps(entry, separators=(",", ":")).replace(
-                    '"records":null', '"records":' + records, 1))
-                offset += len(pkl)
+                index_files.append(head.replace('"records":null', '"records":' + records, 1))
+                file_json[path] = (head, records, index_files[-1])
                 continue
             chunks = []
             for part in spec.parts:
@@ -827,7 +836,12 @@ class Stager:
                     offset += len(part)
             index_files.append(json.dumps({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks,
                                            **_mode(spec)}, separators=(",", ":")))
-        return tail, ("[" + ",".join(index_files) + "]").encode(), offset
+        last = file_json.get(None)  # the last "files" JSON
+        if last is not None and len(last[0]) == len(index_files) and all(map(is_, last[0], index_files)):
+            return tail, last[1], offset
+        files_json = ("[" + ",".join(index_files) + "]").encode()
+        file_json[None] = (index_files, files_json)
+        return tail, files_json, offset
 
     @staticmethod
     def begin_stream(prepared: Prepared, buf) -> None:

@@ -285,3 +285,18 @@ def test_a_memo_hit_splits_its_key_as_split_key_does_without_a_pass_over_it(monk
         want_structure, want_values = real_split(key)
         assert _exact(structure, want_structure)
         assert values == want_values and [type(v) for _, v in values] == [type(v) for _, v in want_values]
+
+
+def test_the_index_json_of_a_values_only_save_is_reused_while_the_pickle_keeps_its_place_and_size(monkeypatch):
+    """The index's "files" JSON (a record per span: megabytes for 200,000 tensors) is the last save's object while
+    the pickle's offset and size and the records stay; a value that changes the pickle's size gets a new one, and
+    every save loads to its own values (the pickle is read where the index says)."""
+    s = _Saves(monkeypatch)
+    weights = _weights()
+    jsons = []
+    for step, name in enumerate(["run", "abc", "xyz", "a longer name", "a longer name", "short"], start=1):
+        p = s.save(_loop_state((step, 0.5 + step, name, step % 2 == 0), weights), step)
+        jsons.append(p.layout.files_json)
+        assert json.loads(p.tail[-1][1])["files"][0]["pkl"] == [p.tail[0][0], len(p.tail[0][1])]
+    assert jsons[2] is jsons[1]  # the same size: the same JSON
+    assert jsons[3] is not jsons[2] and jsons[4] is jsons[3] and jsons[5] is not jsons[4]
