@@ -343,7 +343,7 @@ class _Layout:
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
-    file_json: Dict[Optional[str], tuple] = field(default_factory=dict)  # the index's last JSON per file (Stager._skeletons)
+    file_json: Dict[Optional[str], tuple] = field(default_factory=dict)  # the index's last JSON (Stager._skeletons)
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -767,7 +767,8 @@ class Stager:
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
                    plan: Plan, seen: Optional[Dict[int, int]], plain_files: set, check_weights_only: bool,
                    keys: List[Any], pickles: Dict[str, tuple], splits: Optional[List[Optional[tuple]]] = None,
-                   file_json: Optional[Dict[Optional[str], tuple]] = None) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
+                   file_json: Optional[Dict[Optional[str], tuple]] = None
+                   ) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
         the index's "files" JSON, the first byte after them)``. ``seen``: each tensor's plan index by ``id``, or
         ``None`` for one file (whose tensors are the plan's, in order). A plain file's pickle is reused from
