@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 import torch
 
-__all__ = ["entries", "pack", "unpack"]
+__all__ = ["entries", "pack", "pack_values", "unpack"]
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _MAX_DEPTH = 100  # as plain_layout: deeper (or cyclic) states are left to the general path
@@ -61,7 +61,13 @@ def pack(obj: Any) -> Optional[bytes]:
     keys: List[Any] = []
     if not entries(obj, [], dicts, keys):
         return None
-    values = [d[k] for d, k in zip(dicts, keys)]
+    return pack_values([d[k] for d, k in zip(dicts, keys)])
+
+
+def pack_values(values: List[Any]) -> Optional[bytes]:
+    """:func:`pack` of a state whose :func:`entries` values are ``values`` (in that order), found without the walk
+    (:meth:`snapckpt.formats.plain_layout.LayoutMemo.match` finds them by their places); ``None`` when one of them
+    holds a tensor."""
     if any(map(_holds_tensor, values)):
         return None
     return pickle.dumps(values, protocol=4)

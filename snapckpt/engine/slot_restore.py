@@ -94,7 +94,7 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # The save's check of types, dtypes, shapes and strides (C++): passes when the state is the saved one; it also
     # refuses a tensor object met twice (see stager._Recheck), which the memo's match left to this check.
     r = layout.recheck
-    same = r is not None and r.guards.check(*tensors)
+    same = r is not None and r.same_tensors(tensors)
     if not same and (list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)) or has_repeats(tensors)):
         return None  # the general path names the mismatches (a tensor twice: the key is not the saved one)
     if layout.restore_ok is None:

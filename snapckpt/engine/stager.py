@@ -25,8 +25,8 @@ import gc
 import json
 import logging
 import math
-from itertools import islice
-from operator import attrgetter, eq, mul, sub
+from itertools import compress, islice
+from operator import attrgetter, eq, is_, mul, not_, sub
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -37,7 +37,7 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, tensor_part
-from snapckpt.engine.plain_values import pack
+from snapckpt.engine.plain_values import pack, pack_values
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
@@ -136,37 +136,96 @@ except ImportError:  # pragma: no cover - every supported torch has it; the full
 class _Recheck:
     """A quick way to tell that tensors have their layout's :func:`_signature`, without reading it (a plan-cache hit).
 
-    Found by the storage offsets (and with them the count); then PyTorch's ``TensorGuards`` (a C++ loop) checks
-    each tensor's Python type, dtype, device, shape, stride and ``requires_grad`` against the tensors the entry
-    was made from, and the storage grouping is compared: when the data pointers are those of the last tensors
-    that passed (``ptrs``: the same training state saved again, the common case), it is theirs, since the
-    grouping is a function of the pointers, offsets, element sizes and devices, all equal then; else it is
-    recomputed from the pointers (with the known element sizes). Every field of the signature is compared, so a
-    hit means the same signature; any failure (or a guard that cannot be made) falls back to the full
-    :func:`_signature`. A hit also means that no tensor object occurs twice: ``TensorGuards.check`` refuses
-    repeated objects (dynamo relies on it; a unit test pins it), so :meth:`Stager._prepare` leaves that check of a
-    memo's match to this one.
+    The tensors are read in chunks of :data:`_CHUNK`, each chunk by three C-level passes while its tensors are in
+    the CPU's caches (one pass per field over 200,000 tensors misses them three times): the storage offsets (and
+    with them the count), PyTorch's ``TensorGuards`` (a C++ loop: each tensor's Python type, dtype, device,
+    shape, stride and ``requires_grad`` against the tensors the entry was made from), and the data pointers. The
+    storage grouping is then compared: when the data pointers are those of the last tensors that passed
+    (``ptrs``: the same training state saved again, the common case), it is theirs, since the grouping is a
+    function of the pointers, offsets, element sizes and devices, all equal then; else it is recomputed from the
+    pointers (with the known element sizes). Every field of the signature is compared, so a hit means the same
+    signature; any failure (or a guard that cannot be made) falls back to the full :func:`_signature`.
+
+    A hit also means that no tensor object occurs twice, so :meth:`Stager._prepare` leaves that check of a memo's
+    match to this one: ``TensorGuards.check`` refuses repeated objects within its chunk (dynamo relies on it; a
+    unit test pins it); across chunks, when the pointers are the last ones and those are distinct but for null
+    ones (``distinct``: each tensor its own bytes, the common case), only the tensors without data can be one
+    object twice, and those few are compared; otherwise every tensor is (:func:`has_repeats`).
+
+    ``whole``: one ``TensorGuards`` of all the tensors (with ``restorable``: a layout the in-process restore takes,
+    :mod:`snapckpt.engine.slot_restore`), for :meth:`same_tensors`: the restore reads no data pointers, and one
+    check of every tensor refuses a repeat without a sort (16 MiB and 70 ms to make for 200,000 tensors, once
+    per check made).
     """
 
-    __slots__ = ("offsets", "guards", "itemsizes", "devices", "one_device", "groups", "ptrs")
+    __slots__ = ("n", "offsets", "chunks", "whole", "itemsizes", "devices", "one_device", "groups", "ptrs",
+                 "distinct", "nulls")
 
-    def __init__(self, tensors: List[torch.Tensor], offsets: tuple, sig: tuple) -> None:
-        self.guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        self.offsets = offsets
+    def __init__(self, tensors: List[torch.Tensor], sig: tuple, restorable: bool = False) -> None:
+        self.n, self.offsets = len(tensors), sig[2]
+        self.chunks = [(_TensorGuards(*tensors[i:i + _CHUNK], dynamic_dims_sizes=None, dynamic_dims_strides=None),
+                        self.offsets[i:i + _CHUNK]) for i in range(0, self.n, _CHUNK)]
+        self.whole = self.chunks[0][0] if len(self.chunks) == 1 else (
+            _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None) if restorable else None)
         self.itemsizes = tuple(map(_ITEMSIZE, sig[3]))
         self.devices, self.groups = sig[4], sig[1]
         self.one_device = len(set(self.devices)) <= 1
-        self.ptrs = list(map(_DATA_PTR, tensors))
+        self._remember(list(map(_DATA_PTR, tensors)))
 
-    def matches(self, tensors: List[torch.Tensor], offsets: tuple) -> bool:
-        if offsets != self.offsets or not self.guards.check(*tensors):
+    def _remember(self, ptrs: List[int]) -> None:
+        self.ptrs = ptrs
+        ordered = sorted(ptrs)
+        self.nulls = nulls = ordered.count(0)  # first: pointers are not negative
+        self.distinct = not any(map(eq, islice(ordered, nulls, None), islice(ordered, nulls + 1, None)))
+
+    def _scan(self, tensors: List[torch.Tensor], offsets: bool) -> Optional[List[int]]:
+        """The data pointers of ``tensors`` when every chunk passes its guards (and has the storage offsets of
+        the entry's tensors, with ``offsets``); ``None`` otherwise."""
+        if len(tensors) != self.n:
+            return None
+        ptrs: List[int] = []
+        for i, (guards, offs) in zip(range(0, self.n, _CHUNK), self.chunks):
+            part = tensors[i:i + _CHUNK]
+            if (offsets and tuple(map(_OFFSET, part)) != offs) or not guards.check(*part):
+                return None
+            ptrs.extend(map(_DATA_PTR, part))
+        return ptrs
+
+    def _once_each(self, tensors: List[torch.Tensor], ptrs: List[int]) -> bool:
+        """Whether no tensor object occurs twice in ``tensors``, whose chunks passed their guards and whose data
+        pointers ``ptrs`` are the remembered ones (see the class)."""
+        if len(self.chunks) <= 1:
+            return True  # one TensorGuards.check saw every pair
+        if not self.distinct:
+            return not has_repeats(tensors)
+        return self.nulls < 2 or not has_repeats(list(compress(tensors, map(not_, ptrs))))
+
+    def matches(self, tensors: List[torch.Tensor]) -> bool:
+        """Whether ``tensors`` have the entry's signature and no tensor object occurs twice."""
+        ptrs = self._scan(tensors, True)
+        if ptrs is None:
             return False
-        ptrs = list(map(_DATA_PTR, tensors))
         if ptrs != self.ptrs:
-            if _groups(ptrs, offsets, self.itemsizes, self.devices, self.one_device) != self.groups:
+            if _groups(ptrs, self.offsets, self.itemsizes, self.devices, self.one_device) != self.groups:
                 return False
-            self.ptrs = ptrs
-        return True
+            self._remember(ptrs)
+        return self._once_each(tensors, ptrs)
+
+    def same_tensors(self, tensors: List[torch.Tensor]) -> bool:
+        """Whether ``tensors`` pass the guards (type, dtype, device, shape, stride, ``requires_grad``; offsets and
+        grouping not compared) and no tensor object occurs twice (a restore's check, :mod:`slot_restore`)."""
+        if len(tensors) != self.n:
+            return False
+        if self.whole is not None:
+            return self.whole.check(*tensors)
+        return (all(guards.check(*tensors[i:i + _CHUNK])
+                    for i, (guards, _) in zip(range(0, self.n, _CHUNK), self.chunks))
+                and not has_repeats(tensors))
+
+
+#: Tensors per chunk of the quick check (:class:`_Recheck`): their tensor structs stay in the CPU's caches for its
+#: three passes.
+_CHUNK = 1024
 
 
 _RECHECKS_KEPT = 2  # quick checks made for one layout before it goes without (see Stager._plan_for)
@@ -284,6 +343,7 @@ class _Layout:
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
+    file_json: Dict[Optional[str], tuple] = field(default_factory=dict)  # the index's last JSON (Stager._skeletons)
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -455,12 +515,16 @@ class _FileMemo:
         memoizable: ``False`` once a memo could not be made of this structure (a container or tensor met twice):
             not tried again until the structure changes.
         structure: ``split_key(key)[0]``, once computed (``None`` before).
+        split: ``(memo, the structure of its key, the key positions of its values in key order, the marker ids
+            before them)``, made at its first match: :func:`split_key` of a key the memo found, without its passes
+            over the key (``None`` before).
     """
 
     key: List[Any]
     memo: Optional[LayoutMemo] = None
     memoizable: bool = True
     structure: Optional[List[Any]] = None
+    split: Optional[tuple] = None
 
 
 class Stager:
@@ -491,10 +555,9 @@ class Stager:
             SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built).
         """
         try:
-            offsets = tuple(map(_OFFSET, tensors))
             for cached in reversed(self._layouts.values()):  # newest first
                 r = cached.recheck
-                if r is not None and r.matches(tensors, offsets):
+                if r is not None and r.matches(tensors):
                     return cached, False
             if check_repeats and has_repeats(tensors):
                 return None
@@ -520,24 +583,34 @@ class Stager:
             return layout, built
         layout.rechecks_made += 1
         try:
-            layout.recheck = _Recheck(tensors, offsets, sig)
+            layout.recheck = _Recheck(tensors, sig, layout.direct_all)
         except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
             layout.recheck, layout.rechecks_made = None, _RECHECKS_KEPT
         return layout, built
 
     def _plain_layout(self, name: str, obj: Any, distinct_tensors: bool = True
-                      ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool]]:
+                      ) -> Optional[Tuple[List[torch.Tensor], List[Any], bool, Optional[List[Any]], Optional[tuple]]]:
         """:func:`plain_layout` of file ``name``'s ``obj``, by its :class:`LayoutMemo` while the structure is
         the one of the memo, whatever its atomic values (a step counter, a loss). A memo is made once two saves in
         a row walk to keys of equal structure (:func:`split_key`: the same keys, containers, tensors' places and
         value types), so a state whose structure changes every save is walked each time and never pays for one.
         ``distinct_tensors=False``: see :meth:`LayoutMemo.match`. Returns ``(tensors, key, whether the memo found
-        them)``, or ``None`` when ``obj`` is not plain."""
+        them, the values a load replaces or None, split_key(key) or None)`` (the last two when the memo found them,
+        without a pass over the state or the key: the values as :func:`snapckpt.engine.plain_values.entries` finds
+        them, for :func:`_plain_head`; the key's structure and values, for :func:`_pickle_file`), or ``None`` when
+        ``obj`` is not plain."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
-            found = fm.memo.match(obj, distinct_tensors)
+            replaced: List[Any] = []
+            found = fm.memo.match(obj, distinct_tensors, replaced)
             if found is not None:
-                return found[0], found[1], True
+                if fm.split is None or fm.split[0] is not fm.memo:
+                    memo = fm.memo
+                    at = sorted(memo.value_at)  # every value's item, in key order (split_key's)
+                    fm.split = (memo, split_key(memo.key)[0], at, [id(memo.key[p - 1]) for p in at])
+                _, structure, at, markers = fm.split
+                values = list(zip(markers, map(found[1].__getitem__, at)))
+                return found[0], found[1], True, replaced, (structure, values)
         walked = plain_layout(obj)
         self._memos.pop(name, None)
         if walked is None:
@@ -559,7 +632,7 @@ class Stager:
         if len(self._memos) >= 4 * self._cache_size:
             self._memos.pop(next(iter(self._memos)))
         self._memos[name] = fm
-        return walked[0], walked[1], False
+        return walked[0], walked[1], False, None, None
 
     def live_layout(self, name: str, obj: Any, distinct_tensors: bool = True
                     ) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
@@ -607,11 +680,13 @@ class Stager:
         specs = []
         per_file_tensors: List[List[torch.Tensor]] = []
         keys: List[Any] = []  # per file: its plain_layout key, or None (its skeleton is pickled every save)
+        splits: List[Optional[tuple]] = []  # per file: split_key of its key when its memo found it, or None
         plain_files: set = set()
         # One file (its tensors are the plan's): a memo's match leaves the check for a tensor met twice to the plan's
         # quick check, which makes it anyway (below).
         one_file = len(files) == 1
         unchecked = False  # the one file's tensors came from a memo's match that left the repeat check to us
+        replaced = None  # the one file's values a load replaces, when its memo found them (for _plain_head)
         for name, value in files.items():
             spec, persist = unwrap(value)
             if isinstance(spec, RawBytes):
@@ -622,10 +697,13 @@ class Stager:
                 if walked is not None:  # only containers, tensors and atomic values: weights_only loads it
                     per_file_tensors.append(walked[0])
                     keys.append(walked[1])
+                    splits.append(walked[4])
                     unchecked = one_file and walked[2]
+                    replaced = walked[3] if one_file else None
                     plain_files.add(name)
                     continue
                 keys.append(None)
+                splits.append(None)
                 try:
                     per_file_tensors.append(collect_tensors(spec.obj))
                 except SnapshotError:
@@ -634,6 +712,7 @@ class Stager:
                     raise _unpicklable_error(name, spec.obj, e) from e
             else:
                 keys.append(None)
+                splits.append(None)
                 ts = [p for p in spec.parts if isinstance(p, torch.Tensor)]
                 for t in ts:
                     _check_concat_tensor(t)
@@ -670,10 +749,11 @@ class Stager:
                 tail_key.append([[seen[id(t)] for t in ts] for ts in per_file_tensors])  # type: ignore[index]
         if tail_key is None or tail_key != layout.tail_key:
             tail, files_json, tail_end = self._skeletons(files, specs, per_file_tensors, plan, seen, plain_files,
-                                                         check_weights_only and new_plan, keys, layout.pickles)
+                                                         check_weights_only and new_plan, keys, layout.pickles,
+                                                         splits, layout.file_json)
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
             layout.restore_ok = None
-            layout.index_head, values = _plain_head(files, specs, keys, layout, direct)
+            layout.index_head, values = _plain_head(files, specs, keys, layout, direct, replaced)
             if values:  # after the pickle, before the index (which says where)
                 layout.tail.append((layout.tail_end, values))
                 layout.tail_end += len(values)
@@ -686,7 +766,9 @@ class Stager:
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
                    plan: Plan, seen: Optional[Dict[int, int]], plain_files: set, check_weights_only: bool,
-                   keys: List[Any], pickles: Dict[str, tuple]) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
+                   keys: List[Any], pickles: Dict[str, tuple], splits: Optional[List[Optional[tuple]]] = None,
+                   file_json: Optional[Dict[Optional[str], tuple]] = None
+                   ) -> Tuple[List[Tuple[int, bytes]], bytes, int]:
         """Pickle each file's skeleton and lay out the tail: ``(pickles and raw parts as (slot offset, bytes),
         the index's "files" JSON, the first byte after them)``. ``seen``: each tensor's plan index by ``id``, or
         ``None`` for one file (whose tensors are the plan's, in order). A plain file's pickle is reused from
@@ -694,22 +776,30 @@ class Stager:
         structure, the index's JSON of its records)``, updated) while its key and tensors are those of the last
         pickle (a save that also writes changing raw bytes, such as the Hugging Face callback's, pickles only what
         changed), and spliced from the template when only its non-tensor values changed (:func:`_pickle_file`);
-        its records' JSON is kept while its span keys stay."""
+        its records' JSON is kept while its span keys stay. ``splits``: per file, :func:`split_key` of its key when
+        known without a pass over it, else ``None`` (or no list). ``file_json``: the last index JSON of each file
+        (``path -> (its JSON without records, the records' JSON, the file's JSON)``) and of them all (``None ->
+        (the files' JSON, the "files" bytes)``), reused while equal (updated; ``None``: none kept)."""
+        if file_json is None:
+            file_json = {}
         offset = plan.data_end
         tail: List[Tuple[int, bytes]] = []
         index_files: List[str] = []  # each file's JSON object
         by_key: Dict[str, _Span] = {}
         if seen is None and not all(isinstance(spec, TorchSave) for spec, _ in specs):
             seen = {id(t): i for i, t in enumerate(per_file_tensors[0])}
-        for path, (spec, persist), ts, key in zip(files.keys(), specs, per_file_tensors, keys):
+        if splits is None:
+            splits = [None] * len(keys)
+        for path, (spec, persist), ts, key, split in zip(files.keys(), specs, per_file_tensors, keys, splits):
             if isinstance(spec, TorchSave):
-                idx = list(range(len(ts))) if seen is None else list(map(seen.__getitem__, map(id, ts)))
+                # one file: its tensors are the plan's, in order (a range: compared with the last one's in O(1))
+                idx = range(len(ts)) if seen is None else list(map(seen.__getitem__, map(id, ts)))
                 hit = pickles.get(path) if key is not None else None
                 if hit is not None and hit[0] == key and hit[1] == idx:
                     pkl, skeys, records = hit[2], hit[3], hit[6]
                 else:
                     pkl, skeys, template, structure = _pickle_file(
-                        spec.obj, key, idx, hit, lambda: {id(t): plan.refs[i] for t, i in zip(ts, idx)})
+                        spec.obj, key, idx, hit, lambda: {id(t): plan.refs[i] for t, i in zip(ts, idx)}, split)
                     records = hit[6] if hit is not None and hit[1] == idx and hit[3] == skeys else None
                 if records is None:
                     if not by_key:
@@ -723,11 +813,16 @@ class Stager:
                 tail.append((offset, pkl))
                 entry = {"path": path, "kind": "torch", "persist": persist, "pkl": [offset, len(pkl)], "records": None,
                          **_mode(spec)}
+                offset += len(pkl)
+                head = json.dumps(entry, separators=(",", ":"))
+                last = file_json.get(path)
+                if last is not None and last[1] is records and last[0] == head:
+                    index_files.append(last[2])  # the last save's (records of 200,000 spans: megabytes)
+                    continue
                 # the records' JSON put in whole (json.dumps' own bytes: a string's quote is escaped, so this is
                 # the entry's one ``"records":null``)
-                index_files.append(json.dumps(entry, separators=(",", ":")).replace(
-                    '"records":null', '"records":' + records, 1))
-                offset += len(pkl)
+                index_files.append(head.replace('"records":null', '"records":' + records, 1))
+                file_json[path] = (head, records, index_files[-1])
                 continue
             chunks = []
             for part in spec.parts:
@@ -742,7 +837,12 @@ class Stager:
                     offset += len(part)
             index_files.append(json.dumps({"path": path, "kind": "bytes", "persist": persist, "chunks": chunks,
                                            **_mode(spec)}, separators=(",", ":")))
-        return tail, ("[" + ",".join(index_files) + "]").encode(), offset
+        last = file_json.get(None)  # the last "files" JSON
+        if last is not None and len(last[0]) == len(index_files) and all(map(is_, last[0], index_files)):
+            return tail, last[1], offset
+        files_json = ("[" + ",".join(index_files) + "]").encode()
+        file_json[None] = (index_files, files_json)
+        return tail, files_json, offset
 
     @staticmethod
     def begin_stream(prepared: Prepared, buf) -> None:
@@ -830,17 +930,19 @@ class Stager:
             mark.release()
 
 
-def _pickle_file(obj: Any, key: Optional[List[Any]], idx: List[int], hit: Optional[tuple],
-                 refs: Callable[[], Dict[int, TensorRef]]) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
+def _pickle_file(obj: Any, key: Optional[List[Any]], idx: Sequence[int], hit: Optional[tuple],
+                 refs: Callable[[], Dict[int, TensorRef]], split: Optional[tuple] = None
+                 ) -> Tuple[bytes, List[str], Any, Optional[List[Any]]]:
     """``(pickle, span keys, template, key structure)`` of a file's ``obj`` (``plain_layout`` key ``key`` or
     ``None``, tensors at plan indices ``idx``, ``refs()`` their refs: made only when something is pickled) whose
     last pickle was ``hit`` (a ``pickles`` entry or ``None``). When ``hit`` differs from ``obj`` in non-tensor values
     only (:func:`split_key`), the pickle is spliced from a :class:`~snapckpt.formats.value_splice.ValueTemplate`:
     made by the first such save (one pickle of a copy of the state with markers for its values, instead of the
     pickle of the state) and kept while the structure stays (``False``: none can be made of it). Otherwise ``obj``
-    is pickled (template ``None``; the structure is computed only when a later save needs it)."""
+    is pickled (template ``None``; the structure is computed only when a later save needs it). ``split``:
+    ``split_key(key)`` when known (a memo found ``key``), else ``None``."""
     if key is not None and hit is not None and hit[1] == idx:
-        structure, values = split_key(key)
+        structure, values = split_key(key) if split is None else split
         template = hit[4]
         if hit[5] is None:  # the last pickle was a full one: its structure was not computed
             template = None if split_key(hit[0])[0] != structure else (
@@ -863,14 +965,14 @@ def index_bytes(step: int, layout: _Layout) -> bytes:
 
 
 def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: _Layout,
-                direct: Sequence[torch.Tensor]) -> Tuple[bytes, bytes]:
+                direct: Sequence[torch.Tensor], replaced: Optional[List[Any]] = None) -> Tuple[bytes, bytes]:
     """``(the index's "plain":"<hex>","values":[<offset>,<nbytes>], entry, the values' bytes)`` when the snapshot is
     one plain file whose every tensor is its own whole CPU span and whose replaced values hold no tensor
     (:mod:`snapckpt.formats.plain_digest`, :mod:`snapckpt.engine.plain_values`; the bytes go at ``layout.tail_end``);
-    ``(b"", b"")`` otherwise."""
+    ``(b"", b"")`` otherwise. ``replaced``: those values when the file's memo found them (no walk), else ``None``."""
     if len(keys) != 1 or keys[0] is None or not layout.direct_all:
         return b"", b""
-    values = pack(specs[0][0].obj)
+    values = pack(specs[0][0].obj) if replaced is None else pack_values(replaced)
     if values is None:
         return b"", b""
     if layout.plain_part is None:

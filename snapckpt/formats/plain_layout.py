@@ -148,7 +148,7 @@ class _Level:
     """One breadth-first level of a plain state: its containers and what their entries were."""
 
     __slots__ = ("types", "lens", "maps", "seqs", "ods", "ktypes", "vtypes", "keys", "kfloat_pos", "kfloat_hex",
-                 "plain_vals", "float_vals", "cont_pos", "tensor_pos", "all_tensors")
+                 "plain_vals", "float_vals", "cont_pos", "tensor_pos", "all_tensors", "replaced")
 
 
 class LayoutMemo:
@@ -171,13 +171,18 @@ class LayoutMemo:
         value_at: the key position of each atomic value's item, in the order :meth:`match` meets them (per level:
             the non-float values, then the floats).
         items: those items of ``key`` (a float's as :func:`_float_key`), to tell an unchanged state cheaply.
+        replaced_order: per value of an entry reached from the top through mappings only that is neither a
+            tensor nor a mapping (the values a load replaces, :func:`snapckpt.engine.plain_values.entries`), in
+            depth-first order, its position in the order :meth:`match` meets them; ``None`` when the two orders
+            are the same.
     """
 
-    __slots__ = ("levels", "order", "key", "value_at", "items")
+    __slots__ = ("levels", "order", "key", "value_at", "items", "replaced_order")
 
     def __init__(self, levels: List[_Level], order: Optional[List[int]], key: List[Any], value_at: Tuple[int, ...],
-                 items: List[Any]) -> None:
+                 items: List[Any], replaced_order: Optional[List[int]] = None) -> None:
         self.levels, self.order, self.key, self.value_at, self.items = levels, order, key, value_at, items
+        self.replaced_order = replaced_order
 
     @classmethod
     def build(cls, obj: Any, tensors: List[torch.Tensor], key: List[Any]) -> Optional["LayoutMemo"]:
@@ -191,6 +196,9 @@ class LayoutMemo:
         levels: List[_Level] = []
         order: List[int] = []
         owners: List[List[Tuple[int, int]]] = []  # per level, per entry: (id of its container, its index there)
+        replaced_no: Dict[Tuple[int, int], int] = {}  # (id of a mapping, entry index) -> depth-first number
+        _number_replaced(obj, replaced_no, 0)
+        replaced: List[int] = []  # those numbers in match's order
         cur = [obj]
         while cur:
             lv = _Level()
@@ -202,6 +210,8 @@ class LayoutMemo:
             lv.ods = tuple(i for i, t in enumerate(lv.types) if t is _OD)
             keys, vals = _entries(cur, lv)
             owners.append([(id(cur[i]), j) for i in lv.maps + lv.seqs for j in range(len(cur[i]))])
+            lv.replaced = tuple(j for j, o in enumerate(owners[-1]) if o in replaced_no)
+            replaced.extend(replaced_no[owners[-1][j]] for j in lv.replaced)
             lv.ktypes = tuple(map(type, keys))
             lv.vtypes = tuple(map(type, vals))
             leaf_pos = [j for j, t in enumerate(lv.vtypes) if t not in _TENSOR_TYPES and t not in _CONTAINERS]
@@ -225,22 +235,31 @@ class LayoutMemo:
         for k, w in enumerate(order):
             walked[w] = k
         value_at = _value_places(obj, key, levels, owners)
-        if value_at is None:
+        if value_at is None or len(replaced) != len(replaced_no):
             return None
+        replaced_order = [0] * len(replaced)  # the inverse, as for order
+        for k, no in enumerate(replaced):
+            replaced_order[no] = k
         return cls(levels, None if walked == list(range(len(walked))) else walked, key, value_at,
-                   list(map(key.__getitem__, value_at)))
+                   list(map(key.__getitem__, value_at)),
+                   None if replaced_order == list(range(len(replaced))) else replaced_order)
 
-    def match(self, obj: Any, distinct_tensors: bool = True) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+    def match(self, obj: Any, distinct_tensors: bool = True, replaced: Optional[List[Any]] = None
+              ) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
         """``plain_layout(obj)`` (its tensors and key) when ``obj`` has the memo's structure; ``None`` when that is
         not certain (the caller walks ``obj``). The key is the memo's own ``key`` when the values are its too.
 
         With ``distinct_tensors=False`` the tensors are not checked for one object met twice: the caller then
         must, before it uses the key (the Stager's quick plan check makes that check anyway), and walk ``obj``
-        when one is (the key of such a state marks the repeat)."""
+        when one is (the key of such a state marks the repeat).
+
+        ``replaced``: when given and ``obj`` matches, ``obj``'s values that a load replaces are appended to it, as
+        :func:`snapckpt.engine.plain_values.entries` finds them (see :attr:`replaced_order`), without its walk."""
         cur = [obj]
         ids: List[int] = []
         found: List[torch.Tensor] = []
         items: List[Any] = []
+        values: List[Any] = []
         for lv in self.levels:
             if tuple(map(type, cur)) != lv.types or tuple(map(len, cur)) != lv.lens:
                 return None
@@ -256,6 +275,8 @@ class LayoutMemo:
             if lv.float_vals:
                 items.extend(map(_float_key, map(vals.__getitem__, lv.float_vals)))
             found.extend(vals if lv.all_tensors else map(vals.__getitem__, lv.tensor_pos))
+            if lv.replaced and replaced is not None:
+                values.extend(map(vals.__getitem__, lv.replaced))
             ids.extend(map(id, cur))
             nxt = list(map(vals.__getitem__, lv.cont_pos))
             if lv.ods:
@@ -267,6 +288,8 @@ class LayoutMemo:
         if items != self.items:  # the same types at each place: equal items are equal key items
             key = key.copy()
             deque(map(key.__setitem__, self.value_at, items), maxlen=0)
+        if replaced is not None:
+            replaced.extend(values if self.replaced_order is None else map(values.__getitem__, self.replaced_order))
         return (found if self.order is None else list(map(found.__getitem__, self.order))), key
 
 
@@ -309,6 +332,20 @@ def _number_values(obj: Any, walk_no: Dict[Tuple[int, int], int]) -> None:
             walk_no[(id(obj), j)] = len(walk_no)
     if type(obj) is _OD and vars(obj):
         _number_values(vars(obj), walk_no)
+
+
+def _number_replaced(obj: Any, numbers: Dict[Tuple[int, int], int], depth: int) -> None:
+    """Number the entries of ``obj`` reached from it through mappings only whose values are neither tensors nor
+    mappings, depth-first in entry order (:func:`snapckpt.engine.plain_values.entries`: the values a load
+    replaces), each by its mapping's id and index there; an ``OrderedDict``'s attributes are not entries."""
+    if (type(obj) is not dict and type(obj) is not _OD) or depth > 100:
+        return
+    for j, v in enumerate(obj.values()):
+        t = type(v)
+        if t is dict or t is _OD:
+            _number_replaced(v, numbers, depth + 1)
+        elif t not in _TENSOR_TYPES:
+            numbers[(id(obj), j)] = len(numbers)
 
 
 def has_repeats(objects: List[Any]) -> bool:

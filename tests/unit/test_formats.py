@@ -528,7 +528,7 @@ def test_a_quick_check_that_keeps_missing_is_not_remade_every_save(monkeypatch):
         init(self, *args)
 
     monkeypatch.setattr(stager_mod._Recheck, "__init__", counting_init)
-    monkeypatch.setattr(stager_mod._Recheck, "matches", lambda self, tensors, quick: False)
+    monkeypatch.setattr(stager_mod._Recheck, "matches", lambda self, tensors: False)
     stager, buf = stager_mod.Stager(), bytearray(1 << 16)
     slot = torch.frombuffer(buf, dtype=torch.uint8)
     state = {f"w{i}": torch.rand(3) for i in range(5)}
@@ -592,3 +592,90 @@ def test_a_quick_plan_hit_reads_the_grouping_from_the_data_pointers_and_sees_one
     back = roundtrip(s, 9)
     _same(back, s)
     assert back["m"]["p1"] is back["m"]["p2"] and stager.plan_builds == builds + 1
+
+
+def _chunked_state(tied: bool) -> dict:
+    """20 tensors, in 7 chunks of the quick check at 3 a chunk: two empty ones (null data pointers) in chunks 4
+    and 6; with ``tied``, two views of one storage of equal shape in chunks 4 and 5 (a grouping of storages)."""
+    base = torch.rand(8)
+    return {"m": {f"p{i}": torch.rand(3) for i in range(12)}, "e1": torch.empty(0),
+            "t": {"a": base, "x": torch.rand(2), "y": torch.rand(2), "z": torch.rand(2),
+                  "b": base.view(8) if tied else torch.rand(8)},
+            "e2": torch.empty(0), "last": torch.rand(3)}
+
+
+def _alias_pattern(state) -> tuple:
+    """The walk's key (a tensor object met again is its first index) and which tensors share a storage."""
+    from snapckpt.formats.plain_layout import plain_layout
+
+    tensors, key = plain_layout(state)
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    return key, [ptrs.index(p) if p else i for i, p in enumerate(ptrs)]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("change", [
+    "one object in two chunks", "an empty one in two chunks", "a tied view replaced by its base", "a new shape",
+    "a new storage offset", "requires_grad", "a new dtype", "nothing"])
+def test_a_quick_check_in_chunks_sees_any_change_in_any_chunk_and_a_tensor_met_twice_across_chunks(
+        monkeypatch, tied, change):
+    """The quick plan check reads the tensors chunk by chunk (each TensorGuards sees repeats within its chunk
+    only): a tensor object put in a second place in another chunk (with its own storage, without data, or in
+    place of a view of the same storage, where the data pointers and the grouping are the same) is still seen,
+    and so is a change of any field of the signature in any chunk; the saved state loads to the live one."""
+    from snapckpt.engine import stager as stager_mod
+    from snapckpt.persister.slot_index import read_slot
+
+    monkeypatch.setattr(stager_mod, "_CHUNK", 3)
+    stager, buf, views = stager_mod.Stager(), bytearray(1 << 18), {}
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+
+    def roundtrip(state, step):
+        p = stager.prepare({"s.pt": state}, step)
+        p.views = views
+        stager_mod.Stager.copy_into(p, slot, buf)
+        back = read_slot(buf, slot, weights_only=True)[1]["s.pt"]
+        _same(back, state)
+        assert _alias_pattern(back) == _alias_pattern(state), (change, step)
+        return p
+
+    s = _chunked_state(tied)
+    for step in range(3):  # the third save finds its tensors by the memo and its plan by the quick check
+        roundtrip(s, step)
+    layout = next(iter(stager._layouts.values()))
+    assert layout.recheck is not None and len(layout.recheck.chunks) == 7 and layout.recheck.distinct is not tied
+    if change == "one object in two chunks":
+        s["t"]["x"] = s["m"]["p1"]
+    elif change == "an empty one in two chunks":
+        s["e2"] = s["e1"]
+    elif change == "a tied view replaced by its base":
+        s["t"]["b"] = s["t"]["a"]
+    elif change == "a new shape":
+        s["last"] = torch.rand(4)
+    elif change == "a new storage offset":
+        s["m"]["p11"].set_(torch.rand(5).untyped_storage(), 2, (3,), (1,))
+    elif change == "requires_grad":
+        s["m"]["p7"].requires_grad_(True)
+    elif change == "a new dtype":
+        s["m"]["p5"] = s["m"]["p5"].double()
+    builds = stager.plan_builds
+    for step in range(3, 6):  # the changed state, then saved again (its own quick check)
+        roundtrip(s, step)
+    assert stager.plan_builds == builds + (change != "nothing")
+
+
+@pytest.mark.parametrize("restorable", [False, True])
+def test_the_quick_checks_restore_check_sees_a_tensor_met_twice_in_two_chunks(monkeypatch, restorable):
+    """The restore's check of a quick check in chunks (by one TensorGuards of every tensor for a layout the
+    in-process restore takes, else chunk by chunk and a sort of the objects) refuses a tensor object met twice
+    in two chunks, a count or a shape of another layout, and takes the tensors it was made of."""
+    from snapckpt.engine import stager as stager_mod
+
+    monkeypatch.setattr(stager_mod, "_CHUNK", 3)
+    ts = [torch.rand(2) for _ in range(10)]
+    r = stager_mod._Recheck(ts, stager_mod._signature(ts), restorable)
+    assert len(r.chunks) == 4 and (r.whole is None) is not restorable
+    assert r.same_tensors(ts) and r.same_tensors([t.clone() for t in ts])
+    assert not r.same_tensors(ts[:9] + ts[:1])  # ts[0] in chunks 0 and 3
+    assert not r.same_tensors(ts[:9])
+    assert not r.same_tensors(ts[:7] + [torch.rand(3)] + ts[8:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import json
 import struct
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from _harness import assert_same_state
 
+from snapckpt.engine import plain_values
 from snapckpt.engine import stager as stager_mod
 from snapckpt.engine.stager import Stager
 from snapckpt.formats.plain_layout import LayoutMemo, plain_layout
@@ -143,6 +145,7 @@ class _Saves:
             got, files = read_slot(self.buf, self.slot, weights_only=weights_only)
             assert got == step
             _same(files["s.pt"], state)
+        return p
 
 
 _same = assert_same_state
@@ -173,3 +176,127 @@ def test_a_type_or_structure_change_walks_and_a_new_memo_is_made_of_the_new_stru
     s.save(_state(*_VALUES[2], weights, extra={"epoch": 2.0}), 8)
     s.save(_state(*_VALUES[3], weights, extra={"epoch": 3.0}), 9)
     assert s.walks == 6
+
+
+def _loop_state(values, weights, tensor_in_a_list=False):
+    """:func:`_state`, whose list ``"pre"`` holds a tensor only with ``tensor_in_a_list`` (the plain restore's values
+    then hold one: none are written)."""
+    state = _state(*values, weights)
+    if not tensor_in_a_list:
+        state["pre"][2] = values[0]
+    return state
+
+
+def _replaced(state):
+    dicts, keys = [], []
+    assert plain_values.entries(state, [], dicts, keys)
+    return [d[k] for d, k in zip(dicts, keys)]
+
+
+@pytest.mark.parametrize("tensor_in_a_list", [False, True])
+def test_a_memo_finds_the_values_a_load_replaces_as_their_walk_does(tensor_in_a_list):
+    weights = _weights()
+    first = _loop_state(_VALUES[0], weights, tensor_in_a_list)
+    memo = LayoutMemo.build(first, *plain_layout(first))
+    for values in _VALUES:
+        state = _loop_state(values, weights, tensor_in_a_list)
+        out = []
+        assert memo.match(state, replaced=out) is not None
+        assert list(map(id, out)) == list(map(id, _replaced(state))), values  # the same objects, in walking order
+        assert plain_values.pack_values(out) == plain_values.pack(state)
+        assert (plain_values.pack(state) is None) is tensor_in_a_list
+    out = [1]
+    assert memo.match(_loop_state(_VALUES[0], weights, not tensor_in_a_list), replaced=out) is None
+    assert out == [1]  # no match: nothing appended
+    top = [{"a": 1, "t": torch.zeros(1)}, {"b": [2]}]  # no mapping at the top: a load replaces nothing
+    out = []
+    assert LayoutMemo.build(top, *plain_layout(top)).match(top, replaced=out) is not None and out == []
+
+
+def test_a_memo_hit_writes_the_values_of_this_save_without_their_walk(monkeypatch):
+    """Every in-place change a training loop makes to the values a load replaces (a scalar, a list's item, a dict in
+    a list, a new tuple, a value deep in nested dicts, an OrderedDict attribute that is no such value) is in the
+    slot's values, bytes equal to a walk's; after the memo is made, no save walks them."""
+    s = _Saves(monkeypatch)
+    packs = [0]
+    real_pack = stager_mod.pack
+
+    def counting(obj):
+        packs[0] += 1
+        return real_pack(obj)
+
+    monkeypatch.setattr(stager_mod, "pack", counting)
+    state = _loop_state(_VALUES[0], _weights())
+    changes = [
+        lambda: None,
+        lambda: state.__setitem__("iteration", 2),  # the second walk: the memo is made
+        lambda: state.__setitem__("loss", 0.25),
+        lambda: state["opt"]["param_groups"][0].__setitem__("lr", 1e-5),  # a dict in a list: the list is one value
+        lambda: state["opt"]["param_groups"][0]["nested"]["a"][0].__setitem__(0, "changed"),
+        lambda: state.__setitem__("rng", ("MT", (7, 8, 9), None)),
+        lambda: state["opt"]["state"][0].__setitem__("step", 99),
+        lambda: state["pre"][1]["deep"].__setitem__(0, 123),
+        lambda: state["model"]._metadata[""].__setitem__("version", 2),  # not a replaced value: the key changes
+        lambda: None,  # nothing changed
+        lambda: state.__setitem__(-0.0, float("nan")),
+    ]
+    for step, change in enumerate(changes, start=1):
+        change()
+        p = s.save(state, step)
+        index = json.loads(p.tail[-1][1])
+        at, nbytes = index["values"]
+        written = dict(p.tail)[at]
+        assert len(written) == nbytes
+        assert written == real_pack(state), step
+        assert repr(plain_values.unpack(written)) == repr(_replaced(state)), step  # repr: nan != nan
+        assert packs[0] == min(step, 2), step  # walked by the first two saves only
+    assert s.walks == 2
+
+
+def test_a_memo_hit_splits_its_key_as_split_key_does_without_a_pass_over_it(monkeypatch):
+    """The skeleton's splice of a memo-hit save takes the key's structure and values from the memo's places (found
+    once per memo), equal item for item (and type) to :func:`split_key` of the key; no save after that calls it."""
+    s = _Saves(monkeypatch)
+    real_split = stager_mod.split_key
+    calls = [0]
+
+    def counting(key):
+        calls[0] += 1
+        return real_split(key)
+
+    monkeypatch.setattr(stager_mod, "split_key", counting)
+    inner = Stager._plain_layout
+    hits = []
+
+    def spying(stager, name, obj, distinct_tensors=True):
+        got = inner(stager, name, obj, distinct_tensors)
+        if got[2]:
+            hits.append((got[1], got[4]))
+        return got
+
+    monkeypatch.setattr(Stager, "_plain_layout", spying)
+    weights = _weights()
+    for step, values in enumerate(_VALUES * 2, start=1):
+        before = calls[0]
+        s.save(_state(*values, weights), step)
+        assert step <= 3 or calls[0] == before, step  # the third save: the memo's split, the template's structure
+    assert len(hits) == 2 * len(_VALUES) - 2
+    for key, (structure, values) in hits:
+        want_structure, want_values = real_split(key)
+        assert _exact(structure, want_structure)
+        assert values == want_values and [type(v) for _, v in values] == [type(v) for _, v in want_values]
+
+
+def test_the_index_json_of_a_values_only_save_is_reused_while_the_pickle_keeps_its_place_and_size(monkeypatch):
+    """The index's "files" JSON (a record per span: megabytes for 200,000 tensors) is the last save's object while
+    the pickle's offset and size and the records stay; a value that changes the pickle's size gets a new one, and
+    every save loads to its own values (the pickle is read where the index says)."""
+    s = _Saves(monkeypatch)
+    weights = _weights()
+    jsons = []
+    for step, name in enumerate(["run", "abc", "xyz", "a longer name", "a longer name", "short"], start=1):
+        p = s.save(_loop_state((step, 0.5 + step, name, step % 2 == 0), weights), step)
+        jsons.append(p.layout.files_json)
+        assert json.loads(p.tail[-1][1])["files"][0]["pkl"] == [p.tail[0][0], len(p.tail[0][1])]
+    assert jsons[2] is jsons[1]  # the same size: the same JSON
+    assert jsons[3] is not jsons[2] and jsons[4] is jsons[3] and jsons[5] is not jsons[4]

@@ -157,3 +157,19 @@ def test_the_tensors_copied_in_place_are_those_copy_into_copies():
         got: list = []
         slot_restore._copied_in_place(s, got)
         assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+
+
+def test_a_live_tensor_put_in_place_of_another_in_another_chunk_of_the_check_takes_the_general_path(monkeypatch):
+    """The save's quick check reads the tensors in chunks (stager._CHUNK); its guards see a tensor object met twice
+    within a chunk only: one met in two chunks is still seen."""
+    from snapckpt.engine import stager as stager_mod
+
+    monkeypatch.setattr(stager_mod, "_CHUNK", 3)
+    stager, m, state = Stager(), _slot(), _state()
+    for step in range(3):  # the second save makes the memo, the third uses it
+        _save(stager, m, state, step)
+    assert len(next(iter(stager._layouts.values())).recheck.chunks) == 8
+    live = {**state, "model": dict(state["model"])}
+    assert slot_restore.find(stager, m, NAME, 2, live) is not None  # the control
+    live["model"]["w1"] = live["model"]["w15"]
+    assert slot_restore.find(stager, m, NAME, 2, live) is None
