@@ -142,7 +142,8 @@ def _views(sd: Any, buf) -> list:
 # pieces ahead of the reader (what snapckpt's restart does while its persister starts); "odirect": O_DIRECT reads
 # of 8 MiB into page-aligned buffers, copied into the tensors (no page cache filled)
 FLOOR_VARIANTS = {"1thr": (1, "sequential"), "4thr": (4, "sequential"), "1thr_willneed": (1, "willneed"),
-                  "4thr_willneed": (4, "willneed"), "1thr_bg_willneed": (1, "bg_willneed"), "4thr_odirect": (4, "odirect")}
+                  "4thr_willneed": (4, "willneed"), "1thr_bg_willneed": (1, "bg_willneed"),
+                  "4thr_odirect": (4, "odirect")}
 
 
 def _read_variant(sd: Any, path: str, variant: str) -> tuple:
