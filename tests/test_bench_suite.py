@@ -190,3 +190,35 @@ def test_stall_waits_after_the_warm_up_and_counts_each_repeats_page_faults(tmp_p
     assert calls == [("once", 0), ("sleep", 2.0 / 1024), ("once", 1), ("once", 2)]
     assert all(e["minflt"] >= 64 for e in rec["extra_samples"]), rec["extra_samples"]
     assert stall.parse_args([]).settle_s_per_gib == stall.SETTLE_S_PER_GIB > 0
+
+
+def test_recovery_cold_read_floor_reads_each_way_first_in_a_fresh_process(monkeypatch, tmp_path):
+    """``recovery.py``'s disk floor: every way runs once per repeat in a child of its own (a restart's first read
+    after a drop, not a read that reuses the pages a drop freed a moment before in the same process); the floor is
+    the way with the lowest median, with its samples, and each child's recycled read is kept beside it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        recovery = importlib.import_module("recovery")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    secs = {"1thr": [0.30, 0.50, 0.40], "4thr": [0.20, 0.90, 0.45]}  # 4thr has the luckiest read, 1thr the median
+    secs.update({v: [1.0, 1.0, 1.0] for v in recovery.FLOOR_VARIANTS if v not in secs})
+    calls = []
+
+    def run_child(role, a, env, extra=None):
+        v = extra[extra.index("--variant") + 1]
+        calls.append((role, v))
+        s = secs[v][sum(1 for _, w in calls if w == v) - 1]
+        return {"marks": {"start": 0.0, "imported": 1.0, "state_built": 2.0, "attached": 2.0, "read": 2.0 + s,
+                          "first_step": 9.0}, "info": {"checksum": 7.0, "variant": v, "recycled_s": s / 2}}
+
+    monkeypatch.setattr(recovery, "run_child", run_child)
+    monkeypatch.setattr(recovery, "drop_cache", lambda path, everything=False: "dropped")
+    a = argparse.Namespace(repeats=3, dir=str(tmp_path), drop_all=False)
+    rec = recovery._floor_cold_read(a, {}, 7.0, {})
+    assert calls == [("floor_cold_read", v) for _ in range(3) for v in recovery.FLOOR_VARIANTS]
+    assert rec["variant"] == "1thr" and math.isclose(rec["phases"]["restore_s"], 0.40)
+    assert [round(p["restore_s"], 9) for p in rec["samples"]] == [0.30, 0.50, 0.40]
+    assert math.isclose(rec["variants_s"]["4thr"], 0.45) and rec["recycled_s"]["1thr"] == [0.15, 0.25, 0.20]
+    # its restart counts its one read, not the recycled one
+    assert rec["restored_ok"] and math.isclose(rec["phases"]["to_first_step_s"], 2.40)
