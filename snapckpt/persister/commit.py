@@ -343,7 +343,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     faults.point("commit.after_tracker_before_retention", step=req.step, rank=None)
     try:
         apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],
-                        defer_to=defer_deletion, run_id=req.run_id)
+                        defer_to=defer_deletion, run_id=req.run_id, step=req.step)
     except OSError as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s", req.step, e)
     return manifest
