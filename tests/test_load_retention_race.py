@@ -54,6 +54,7 @@ def test_a_load_whose_newest_checkpoint_is_retired_mid_read_falls_back_whole(sna
         if into:
             assert consistent(live, 0) and float(live["w"][0]) == float(make_state(1, 0)["w"][0])
         assert (ck.last_load.step, ck.last_load.tier) == (1, StorageType.DISK)
+        assert len(ck.last_load.skipped) == 1 and "deleted or renamed while it was read" in ck.last_load.skipped[0]
 
 
 def test_a_load_whose_every_checkpoint_is_retired_mid_read_raises_naming_the_vanished_file(snap_env, monkeypatch):
