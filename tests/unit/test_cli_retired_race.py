@@ -8,6 +8,7 @@ import os
 
 import xxhash
 
+from snapckpt.cli import inspect as inspect_mod
 from snapckpt.cli import ls as ls_mod
 from snapckpt.cli import main as cli_main
 from snapckpt.cli import verify as verify_mod
@@ -61,3 +62,12 @@ def test_ls_omits_a_checkpoint_retired_while_it_is_listed(tmp_path, monkeypatch)
     monkeypatch.setattr(ls_mod, "open_storage", lambda: _Retires(tmp_path, old))
     rows, _ = ls_mod.scan(str(tmp_path))
     assert [(r.name, r.state) for r in rows] == [(new, "committed")]
+
+
+def test_inspect_says_a_step_retired_while_it_is_inspected_is_gone_not_damaged(tmp_path, monkeypatch, capsys):
+    old = _write_checkpoint(tmp_path, 1)
+    monkeypatch.setattr(inspect_mod, "open_storage", lambda: _Retires(tmp_path, old))
+    assert cli_main(["inspect", str(tmp_path), "1"]) == 1  # the step asked for is gone
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "deleted or renamed while it was inspected" in out and "damaged" not in out, out
