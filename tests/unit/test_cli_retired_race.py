@@ -71,3 +71,8 @@ def test_inspect_says_a_step_retired_while_it_is_inspected_is_gone_not_damaged(t
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert "deleted or renamed while it was inspected" in out and "damaged" not in out, out
+    monkeypatch.setattr(inspect_mod, "open_storage", lambda: _Retires(tmp_path, _write_checkpoint(tmp_path, 2)))
+    assert cli_main(["inspect", "--json", str(tmp_path), "2"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["problems"]) == 1 and "deleted or renamed while it was inspected" in got["problems"][0], got
+    assert got["checkpoints"][0]["files"] == [], got
