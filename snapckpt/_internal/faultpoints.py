@@ -32,6 +32,8 @@ point                                      process     where
                                                        one not yet renamed (fires only when replacing)
 ``commit.before_tracker``                  persister   renamed, tracker not yet replaced
 ``commit.after_tracker_before_retention``  persister   tracker replaced, retention not run
+``commit.retention_listed``                persister   retention listed the committed directories, retired
+                                                       none yet (its decisions hold until it has renamed)
 ``commit.remove_failed_partial``           persister   a commit failed; its partial directory not yet deleted
 ``remote.mid_upload``                      persister   a block of a data object sent to the remote tier
 ``remote.before_manifest``                 persister   every data object uploaded, no manifest object yet
@@ -65,7 +67,7 @@ __all__ = ["point", "armed", "set_rank", "POINTS", "PHASES"]
 
 POINTS = ("snapshot.mid_copy", "snapshot.before_ready", "persist.mid_file", "persist.before_part_marker",
           "persist.after_part_marker", "commit.before_rename", "commit.between_renames", "commit.before_tracker",
-          "commit.after_tracker_before_retention", "commit.remove_failed_partial", "remote.mid_upload",
+          "commit.after_tracker_before_retention", "commit.retention_listed", "commit.remove_failed_partial", "remote.mid_upload",
           "remote.before_manifest", "remote.before_tracker", "replica.before_send")
 PHASES = ("open", "write", "fsync", "part_marker", "manifest", "rename", "tracker")
 

@@ -76,14 +76,15 @@ def checkpoint_dir(parser: argparse.ArgumentParser, d: str) -> str:
 
 
 def report_verified(target: str, as_json: bool, unreadable: List[str], committed: List[Any],
-                    problems_of: Callable[[Any], List[str]]) -> int:
+                    problems_of: Callable[[Any], Optional[List[str]]]) -> int:
     """Check and print ``snapckpt verify``'s result (local directory or URL alike); return its exit code.
 
     Args:
         target: the directory or URL as the user gave it.
         unreadable: checkpoints whose manifest cannot be used (each reported as damaged).
         committed: the committed checkpoints to check (``.dirname``, ``.step``, ``.manifest``).
-        problems_of: checks one checkpoint's files; returns its problems (empty: intact).
+        problems_of: checks one checkpoint's files; returns its problems (empty: intact; ``None``: its
+            directory vanished while it was checked, retired by the job saving there: skipped with a note).
 
     Returns:
         1 when any checkpoint is damaged, else 0.
@@ -95,6 +96,11 @@ def report_verified(target: str, as_json: bool, unreadable: List[str], committed
             print(f"DAMAGED  {p}")
     for c in committed:
         problems = problems_of(c)
+        if problems is None:  # gone, not damaged
+            if not as_json:
+                print(f"{c.dirname}: deleted or renamed while it was verified (retention of the job saving "
+                      "there, or by hand); skipped")
+            continue
         files = c.manifest["files"]
         nbytes = sum(r["nbytes"] for r in files.values() if isinstance(r, dict) and isinstance(r.get("nbytes"), int))
         results.append({"name": c.dirname, "step": c.step, "state": "damaged" if problems else "intact",

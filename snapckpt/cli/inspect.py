@@ -10,7 +10,8 @@ other formats (DCP ``.distcp`` shards, JSON) are named only. Manifests and sizes
 them.
 
 ``--json`` prints one object instead of the listing: ``{"dir", "step", "checkpoints": [{"name", "step",
-"world_size", "problem" (str or null: the manifest's records are unusable), "files": [{"name", "rank",
+"world_size", "problem" (str or null: the manifest's records are unusable, or the directory was deleted or
+renamed while it was inspected, by retention of the job saving there: gone, not damaged), "files": [{"name", "rank",
 "bytes", "kind" ("torch", "safetensors", "other" or null when not opened), "status" ("ok", "damaged",
 "unreadable", "refused" by weights_only, "not inspected"), "error" (str or null), "keys": [{"key",
 "type" ("Tensor" or the Python type's name), "shape" (list or null), "dtype" (str or null), "bytes" (int
@@ -187,7 +188,7 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"step {args.step} in {d} has no files of rank {args.rank} (its ranks: "
                      f"{', '.join(map(str, ranks)) or 'none'})")
     as_json = getattr(args, "json", False)
-    problems, refused, out = [], [], []
+    problems, refused, out, gone = [], [], [], []
     for c in chosen:
         entry: Dict[str, Any] = {"name": c.dirname, "step": c.step, "world_size": c.manifest["world_size"],
                                  "problem": None, "files": []}
@@ -213,6 +214,16 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 frec["status"], frec["error"] = "damaged", str(e)
             else:
                 _inspect_file(args, os.path.join(c.path, name), frec, rec.get("kind"))
+            if frec["status"] in ("damaged", "unreadable") and not os.path.isdir(c.path):
+                # retired meanwhile (retention renames it away): gone, not damaged
+                entry["files"].pop()
+                entry["problem"] = (f"{c.path} was deleted or renamed while it was inspected (retention of the "
+                                    "job saving there, or by hand)")
+                problems.append(entry["problem"])
+                gone.append(entry["problem"])
+                if not as_json:
+                    print(f"  {entry['problem']}")
+                break
             if frec["status"] in ("damaged", "unreadable"):
                 problems.append(f"{os.path.join(c.path, name)}: {frec['error']}")
             refused += [name] if frec["status"] == "refused" else []
@@ -227,7 +238,9 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
               "with weights_only=False runs their pickle and can execute arbitrary code. If you trust this "
               f"checkpoint, rerun with --trust: snapckpt inspect {args.dir} {args.step} --trust",
               file=sys.stderr)
-    if problems:
+    if gone:
+        print(f"snapckpt: step {args.step} is gone from {args.dir}: {'; '.join(gone)}", file=sys.stderr)
+    elif problems:
         print(f"snapckpt: {len(problems)} file(s) could not be read; run `snapckpt verify {args.dir} "
               f"{args.step}` for checksums", file=sys.stderr)
     return 1 if problems or refused else 0

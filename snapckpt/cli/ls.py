@@ -110,7 +110,10 @@ def scan(d: str, dead: Optional[List[str]] = None) -> Tuple[List[Row], int]:
             rows.append(_partial_row(path, name))
         elif not name.startswith(".") and (os.path.isdir(os.path.join(path, SIDECAR))
                                            or STEP_DIR_PATTERN.fullmatch(name)):
-            rows.append(_committed_row(reader, path, name))
+            row = _committed_row(reader, path, name)
+            if row.state == "damaged" and not os.path.isdir(path):
+                continue  # retired while it was read (retention renames it away): gone, not damaged
+            rows.append(row)
         elif not name.startswith("."):
             others += 1
     rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))

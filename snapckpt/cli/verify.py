@@ -4,7 +4,8 @@ Lists the committed checkpoints with :func:`snapckpt.ondisk.manifest.list_commit
 size check, so that every damaged file is named here), then checks each file's size and checksum against
 its manifest record, one file at a time (:func:`~snapckpt.ondisk.manifest.check_checksums`), through
 :func:`snapckpt.storage.factory.open_storage`. Prints ``OK``/``DAMAGED`` per checkpoint; exit 1 on any
-damage.
+damage. A checkpoint whose directory vanishes while it is checked (retention of the job saving there) is
+skipped with a note: it is gone, not damaged.
 
 ``--json`` prints one object instead: ``{"dir": DIR as given, "checkpoints": [{"name" (the directory's
 name, or the path of a manifest that does not parse), "step" (int or null), "state" ("intact" or
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import List
+from typing import List, Optional
 
 from snapckpt.cli.common import bad_records, bar, checkpoint_dir, report_verified
 from snapckpt.errors import CheckpointCorruptError
@@ -73,5 +74,8 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         chosen = committed
         if not chosen and not bad_manifests:
             parser.error(f"no committed checkpoint in {d} (see `snapckpt ls {d}`)")
-    return report_verified(args.dir, getattr(args, "json", False), bad_manifests, chosen,
-                           lambda c: _verify_one(args, reader, c))
+    def problems_of(c) -> Optional[List[str]]:
+        problems = _verify_one(args, reader, c)
+        return None if problems and not os.path.isdir(c.path) else problems  # None: retired meanwhile
+
+    return report_verified(args.dir, getattr(args, "json", False), bad_manifests, chosen, problems_of)

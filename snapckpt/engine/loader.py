@@ -593,6 +593,10 @@ class Loader:
                 mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 if isinstance(e, UnsafeCheckpointError):  # a trust decision, not damage: no fallback
                     raise
+                if (isinstance(e, (FileNotFoundError, CheckpointCorruptError)) and cand.path is not None
+                        and not self._remote_only and not os.path.isdir(cand.path)):
+                    mine["error"] += (" (the directory was deleted or renamed while it was read: retention of the "
+                                      "job saving there, or by hand; not damage)")
             everyone = self._coord.all_gather(phase, mine, self.options.coordination_timeout_secs)
             bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
             if bad:

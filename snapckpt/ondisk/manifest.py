@@ -284,7 +284,8 @@ def list_committed(reader: StorageReader, checkpoint_dir: str, *, quick_check: b
     ``problems`` when a list is given. A directory without a manifest counts as skipped (damaged, not
     foreign) when it is snapckpt's: it has a ``.snapckpt`` sidecar, or its whole name matches
     ``name_pattern`` (the caller's layout, e.g. ``step_\\d{8,}``); other directories (logs, tensorboard)
-    are ignored silently.
+    are ignored silently. A directory renamed or deleted while it is read (retention of the job that
+    writes ``checkpoint_dir``) is skipped silently too: it is gone, not damaged.
     """
     out: List[Committed] = []
     for name in reader.listdir(checkpoint_dir):
@@ -312,7 +313,9 @@ def list_committed(reader: StorageReader, checkpoint_dir: str, *, quick_check: b
             if quick_check:
                 check_sizes(reader, path, m)
         except CheckpointCorruptError as e:
-            if problems is not None:
+            # a missing file of a directory that is gone now: retired meanwhile (retention renames it away
+            # at once), not damaged
+            if problems is not None and reader.isdir(path):
                 problems.append(f"{name}: {e}")
             continue
         out.append(Committed(m["step"], name, path, m))

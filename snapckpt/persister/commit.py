@@ -14,7 +14,8 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
    two renames, the next persister of the job renames it back: :func:`recover_interrupted_commits`)
    and fsyncs the checkpoint directory;
 4. only then replaces the tracker file (``latest``...) atomically;
-5. runs retention.
+5. runs retention (holding the checkpoint directory's lock, which step 3's renames take too: commits run
+   in parallel, and retention retires directories by name from its listing).
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
 to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node).
@@ -65,6 +66,20 @@ BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake 
 WATCH_GRACE_SECS = 20.0
 # a temporary tracker file older than this was left by a killed writer: a live one renames it within an fsync
 STALE_TRACKER_TEMP_SECS = 60.0
+
+# One lock per checkpoint directory (absolute path) for the commits of this process, which run in parallel:
+# held while a commit swaps its directory into place and while retention lists and retires directories, so
+# retention never retires by name from a listing that a re-commit of that name (a save after a rewind) made
+# stale, and a re-commit never finds the directory it checked renamed away before it moves it aside.
+_dir_locks: Dict[str, threading.Lock] = {}
+_dir_locks_guard = threading.Lock()
+
+
+def _dir_lock(checkpoint_dir: str) -> threading.Lock:
+    """The lock of ``checkpoint_dir`` (see ``_dir_locks``)."""
+    key = os.path.abspath(checkpoint_dir)
+    with _dir_locks_guard:
+        return _dir_locks.setdefault(key, threading.Lock())
 
 
 class CommitRequest:
@@ -307,13 +322,15 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         t_manifest = time.monotonic()
         faults.point("commit.before_rename", step=req.step, rank=None)
         aside = None
-        if reader.isdir(req.final_dir):
+        if reader.isdir(req.final_dir):  # reads only (checksums, maybe GiBs): before the lock
             _refuse_other_jobs_checkpoint(reader, req)
-            aside = os.path.join(req.checkpoint_dir, f".{req.dirname}.replaced-{req.run_id}")
-            storage.remove_tree(aside)
-            storage.rename(req.final_dir, aside)
-            faults.point("commit.between_renames", step=req.step, rank=None)
-        storage.rename(req.partial_dir, req.final_dir)
+        with _dir_lock(req.checkpoint_dir):  # no retention of a parallel commit in between
+            if reader.isdir(req.final_dir):
+                aside = os.path.join(req.checkpoint_dir, f".{req.dirname}.replaced-{req.run_id}")
+                storage.remove_tree(aside)
+                storage.rename(req.final_dir, aside)
+                faults.point("commit.between_renames", step=req.step, rank=None)
+            storage.rename(req.partial_dir, req.final_dir)
         storage.fsync_dir(req.checkpoint_dir)
         t_renamed = time.monotonic()
     except BaseException:
@@ -342,8 +359,10 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
              t_renamed - t_manifest, t_tracker - t_renamed)
     faults.point("commit.after_tracker_before_retention", step=req.step, rank=None)
     try:
-        apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],
-                        defer_to=defer_deletion, run_id=req.run_id)
+        if req.keep_last is not None:
+            with _dir_lock(req.checkpoint_dir):  # its listing holds until it has retired what it chose
+                apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],
+                                defer_to=defer_deletion, run_id=req.run_id, step=req.step)
     except OSError as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s", req.step, e)
     return manifest

@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Iterable, List, Optional
 
+from snapckpt._internal import faultpoints as faults
 from snapckpt.ondisk.manifest import list_committed
 from snapckpt.storage.base import StorageReader, StorageWriter
 
@@ -38,7 +39,7 @@ def trash_dirname(dirname: str, run_id: str) -> str:
 
 def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_dir: str,
                     keep_last: Optional[int], protect: Iterable[str] = (), *,
-                    defer_to: Optional[List[str]] = None, run_id: str = "") -> List[str]:
+                    defer_to: Optional[List[str]] = None, run_id: str = "", step: int = -1) -> List[str]:
     """Delete committed checkpoints beyond the newest ``keep_last``; return the retired directory names.
 
     Args:
@@ -46,10 +47,12 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
             :func:`trash_dirname` ``(dirname, run_id)`` and that absolute path is appended to the list for
             the caller to ``remove_tree``; otherwise it is deleted here.
         run_id: the committing run's id (names the hidden directories when ``defer_to`` is given).
+        step: the committed step whose commit runs this retention (fault point ``commit.retention_listed``).
     """
     if keep_last is None:
         return []
     committed = list_committed(reader, checkpoint_dir, quick_check=False)
+    faults.point("commit.retention_listed", step=step, rank=None)
     # Newest means most recently requested (the save order), not the highest step: after a rewind (load
     # an older step and train on), the new lower-numbered checkpoints are kept, the abandoned
     # higher-numbered ones rotate away. Not the commit time either: commits of one job run in parallel

@@ -274,3 +274,30 @@ def test_security_tag_with_path_separators_is_refused(tag):
     such as NUL, over 200 bytes) is refused by validate_dirname with ValueError."""
     with pytest.raises(ValueError):
         validate_dirname(tag)
+
+
+class _RetiredAfterManifestRead(PosixStorage):
+    """Renames ``dirname`` to its hidden trash name right after its manifest is read: what the committer's
+    retention does (persister/retention.py) while a loader of another job lists the directory."""
+
+    def __init__(self, root, dirname: str) -> None:
+        super().__init__(fsync=False)
+        self.src, self.dst = str(root / dirname), str(root / f".{dirname}.deleted-r")
+
+    def read_bytes(self, path: str) -> bytes:
+        data = super().read_bytes(path)
+        if path == os.path.join(self.src, M.MANIFEST):
+            os.rename(self.src, self.dst)
+        return data
+
+
+def test_list_committed_skips_a_directory_retired_during_its_size_check_without_calling_it_damaged(tmp_path):
+    # A retired checkpoint is gone, not damaged: reporting it made a loader warn "not a loadable checkpoint"
+    # and count it as damaged (latest_step() with nothing else to load raised CheckpointCorruptError).
+    _write_checkpoint(tmp_path, "step_00000001", {0: {"rank_00000.pt": b"a"}}, step=1)
+    _write_checkpoint(tmp_path, "step_00000002", {0: {"rank_00000.pt": b"b"}}, step=2)
+    problems: list = []
+    got = M.list_committed(_RetiredAfterManifestRead(tmp_path, "step_00000001"), str(tmp_path), problems=problems,
+                           name_pattern=re.compile(r"step_\d{8,}"))
+    assert [c.dirname for c in got] == ["step_00000002"]
+    assert problems == []
