@@ -61,6 +61,13 @@ _HEAD_MAX = 256  # bytes of the index read for it
 _IS_CPU = attrgetter("is_cpu")
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
+try:  # libc's memmove called with the GIL held: a copy of a few KiB is shorter than a release and re-take of the GIL,
+    # and 200,000 releases would let any other Python thread of the process in between (ctypes.memmove releases it)
+    _MEMMOVE = ctypes.PyDLL(None).memmove
+    _MEMMOVE.argtypes, _MEMMOVE.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+except (OSError, AttributeError):  # pragma: no cover - no libc symbols in the process
+    _MEMMOVE = ctypes.memmove
+
 try:  # PyTorch's C++ check of many tensors (as the Stager's plan cache), and a view over no memory to build it from
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards, _reinterpret_tensor
 except ImportError:  # pragma: no cover - then every restore checks tensor by tensor
@@ -84,19 +91,20 @@ class PlainCopies:
     dicts: List[dict]
     keys: List[Any]
     values: List[Any]
-    end: int = 0  # the end of the last span (slot bytes)
+    end: int = 0  # the end of the last span (slot bytes): mapped before the copy; 0: the mapping is the saves'
 
     def run(self) -> None:
         """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
         if self.slot.tensor is None:
             raise SnapshotError(f"the mapping of {self.slot.path} was closed before the restore copied from it")
-        self.slot.map_for_reading(self.end)  # a restart's fresh mapping: one call, not a fault per page in the copy
+        if self.end:  # a restart's fresh mapping: one call, not a fault per page in the copy
+            self.slot.map_for_reading(self.end)
         deque(map(setitem, self.dicts, self.keys, self.values), maxlen=0)
         if self.large_dsts:
             with torch.no_grad():  # a Parameter's copy must not enter autograd
                 torch._foreach_copy_(self.large_dsts, self.large_srcs)
         if self.small:
-            deque(map(ctypes.memmove, self.dst_ptrs, self.src_ptrs, self.nbytes), maxlen=0)
+            deque(map(_MEMMOVE, self.dst_ptrs, self.src_ptrs, self.nbytes), maxlen=0)
             torch.autograd.graph.increment_version(self.small)  # as an in-place copy would
 
 
