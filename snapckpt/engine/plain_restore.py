@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import re
+import threading
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -92,12 +93,15 @@ class PlainCopies:
     keys: List[Any]
     values: List[Any]
     end: int = 0  # the end of the last span (slot bytes): mapped before the copy; 0: the mapping is the saves'
+    mapping: Optional[threading.Thread] = None  # mapping the slot meanwhile (see find): joined before the copy
 
     def run(self) -> None:
         """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
         if self.slot.tensor is None:
             raise SnapshotError(f"the mapping of {self.slot.path} was closed before the restore copied from it")
-        if self.end:  # a restart's fresh mapping: one call, not a fault per page in the copy
+        if self.mapping is not None:  # a restart's fresh mapping: one call, not a fault per page in the copy
+            self.mapping.join()
+        elif self.end:
             self.slot.map_for_reading(self.end)
         deque(map(setitem, self.dicts, self.keys, self.values), maxlen=0)
         if self.large_dsts:
@@ -126,6 +130,7 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
     table_at = (int(head[5]), int(head[6])) if head[5] is not None else None
     if values_at[0] + values_at[1] > index_offset or (table_at is not None and sum(table_at) > index_offset):
         return None  # not where the Stager puts them (before the index): a damaged index
+    mapping = _map_ahead(mapped, index_offset)
     enabled = gc.isenabled()
     gc.disable()  # a state of many tensors: no full collections while its layout is read
     try:
@@ -134,11 +139,26 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
             found = _find_by_table(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at,
                                    table_at)
         # a miss of the table's check is not a refusal: the tensor-by-tensor check decides (slower, same outcome)
-        return found if found is not None else _find(live_layout, mapped, name, dst, head[2].decode(), index_offset,
-                                                     values_at)
+        if found is None:
+            found = _find(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at)
+        if isinstance(found, PlainCopies):
+            found.mapping = mapping
+        return found
     finally:
         if enabled:
             gc.enable()
+
+
+def _map_ahead(mapped: MappedSlot, upto: int) -> Optional[threading.Thread]:
+    """Map the slot's first ``upto`` bytes on a thread (:meth:`MappedSlot.map_for_reading`, whose ``madvise``
+    releases the GIL) while this one checks the live state: a restart's mapping is new, and its pages would
+    otherwise be faulted in by the copy. ``None`` for a buffer without that method."""
+    fn = getattr(mapped, "map_for_reading", None)
+    if fn is None:
+        return None
+    t = threading.Thread(target=fn, args=(upto,), name="snapckpt-map-slot", daemon=True)
+    t.start()
+    return t
 
 
 def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int,
