@@ -22,19 +22,19 @@ copy; a slot whose index names a shape table (:func:`~snapckpt.formats.plain_dig
 and shape once, each tensor's index among them) is checked without that (:func:`_find_by_table`): the tensors' share
 of the digest is derived from the table, and one ``TensorGuards`` check (C++) made from a reference tensor per
 shape confirms that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
-before. In a restarted process the slot's mapping is new: its pages are mapped by one ``MADV_POPULATE_READ`` before
-the copy, not faulted in one by one.
+before. In a restarted process the slot's mapping is new: its pages are mapped by one ``MADV_POPULATE_READ`` on a
+thread while the live state is checked (:func:`_map_ahead`), not faulted in one by one by the copy.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import re
 import threading
 from array import array
 from collections import deque
 from dataclasses import dataclass
-import math
 from itertools import chain, compress, repeat
 from operator import add, attrgetter, is_, mul, setitem
 from typing import Any, Callable, List, Optional, Tuple
@@ -60,7 +60,6 @@ _HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})","values":\[(
                    rb'(?:"table":\[(\d+),(\d+)\],)?')
 _HEAD_MAX = 256  # bytes of the index read for it
 _IS_CPU = attrgetter("is_cpu")
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 try:  # libc's memmove called with the GIL held: a copy of a few KiB is shorter than a release and re-take of the GIL,
     # and 200,000 releases would let any other Python thread of the process in between (ctypes.memmove releases it)

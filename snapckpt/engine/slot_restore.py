@@ -7,25 +7,19 @@ recognises the slot's bytes as those of a cached layout (the index and the pickl
 slot rewritten since, by a later save or a fetch from a peer, is recognised only if it is the same layout) and
 the live state as a state of that layout (:func:`~snapckpt.formats.plain_layout.plain_layout` key equal: the
 same containers, keys and non-tensor values), and returns the copies from the slot's typed views (made by the
-saves already) into the live tensors: when the save's guards pass on the live tensors and every tensor is under
-1 MiB, a ``memmove`` each (:class:`~snapckpt.engine.plain_restore.PlainCopies`, as a restart copies), which costs
-a fraction of a torch copy per tensor. Anything else (another layout, a state that differs, a tensor that is not
+saves already) into the live tensors. Anything else (another layout, a state that differs, a tensor that is not
 a whole contiguous CPU span, a shape that differs) gets ``None``: the caller reads the slot the general way,
 which also names any incompatibility.
 """
 from __future__ import annotations
 
 import gc
-import math
-import weakref
 from dataclasses import dataclass
-from itertools import repeat
-from operator import add, attrgetter, is_, itemgetter
-from typing import Any, List, Optional, Tuple, Union
+from operator import attrgetter, is_, itemgetter
+from typing import Any, List, Optional
 
 import torch
 
-from snapckpt.engine.plain_restore import LARGE_NBYTES, PlainCopies
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.stager import Stager, _Layout, direct_views, index_bytes
 from snapckpt.errors import SnapshotError
@@ -37,8 +31,6 @@ __all__ = ["SlotCopies", "find"]
 _SHAPE = attrgetter("shape")
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SIZE = itemgetter(2)  # of a _Layout.direct_dst entry
-# per layout whose tensors are all small: (the slot address they were made for, the spans' addresses, their sizes)
-_BYTE_SPANS: "weakref.WeakKeyDictionary[_Layout, Tuple[int, List[int], List[int]]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -54,8 +46,7 @@ class SlotCopies:
             torch._foreach_copy_(self.dsts, self.srcs)
 
 
-def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any
-         ) -> Optional[Union[SlotCopies, PlainCopies]]:
+def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
     """The copies that restore ``dst`` (the live state of file ``name``) from ``mapped`` holding ``step``, or
     ``None`` when the slot or ``dst`` is not of a layout this process saved into that mapping (see the module)."""
     if not mapped.views or mapped.tensor is None:
@@ -69,8 +60,7 @@ def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any
             gc.enable()
 
 
-def _find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any
-          ) -> Optional[Union[SlotCopies, PlainCopies]]:
+def _find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
     walked = stager.live_layout(name, dst, distinct_tensors=False)  # _copies checks for a tensor met twice
     if walked is None:
         return None
@@ -100,8 +90,7 @@ def _holds(mapped: MappedSlot, layout: _Layout, step: int) -> bool:
             and all(buf[o:o + len(data)] == data for o, data in layout.tail))
 
 
-def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor]
-            ) -> Optional[Union[SlotCopies, PlainCopies]]:
+def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor]) -> Optional[SlotCopies]:
     # The save's check of types, dtypes, shapes and strides (C++): passes when the state is the saved one; it also
     # refuses a tensor object met twice (see stager._Recheck), which the memo's match left to this check.
     r = layout.recheck
@@ -114,33 +103,7 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
         dsts: List[torch.Tensor] = []
         _copied_in_place(dst, dsts)
         layout.restore_ok = len(dsts) == len(tensors) and all(map(is_, dsts, tensors))
-    if not layout.restore_ok:
-        return None
-    spans = _byte_spans(layout, mapped.tensor.data_ptr()) if same else None
-    if spans is not None:
-        # the guards passed: every live tensor is a contiguous CPU tensor of the saved dtype and shape, without a
-        # negative or conjugate bit, so its bytes are the span's; a memmove each (a fraction of a torch copy's
-        # cost per tensor), in the same order as the torch copy, so aliased live tensors end the same
-        return PlainCopies([], [], tensors, list(map(torch.Tensor.data_ptr, tensors)), spans[0], spans[1], mapped,
-                           [], [], [])
-    return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views))
-
-
-def _byte_spans(layout: _Layout, base: int) -> Optional[Tuple[List[int], List[int]]]:
-    """``(addresses, byte sizes)`` of ``layout``'s spans in a slot mapped at ``base`` when every one is under
-    :data:`~snapckpt.engine.plain_restore.LARGE_NBYTES` (larger ones are copied faster by torch's threads, and
-    their copies would then follow the small ones' out of order); ``None`` otherwise. Made once per layout and
-    mapping address."""
-    known = _BYTE_SPANS.get(layout)
-    if known is not None and known[0] == base:
-        return (known[1], known[2]) if known[1] is not None else None
-    nbytes = [math.prod(size) * dtype.itemsize for _off, dtype, size, _st in layout.direct_dst]
-    if any(n >= LARGE_NBYTES for n in nbytes):
-        _BYTE_SPANS[layout] = (base, None, None)  # type: ignore[assignment]
-        return None
-    srcs = list(map(add, map(itemgetter(0), layout.direct_dst), repeat(base)))
-    _BYTE_SPANS[layout] = (base, srcs, nbytes)
-    return srcs, nbytes
+    return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views)) if layout.restore_ok else None
 
 
 def _copied_in_place(obj: Any, out: List[torch.Tensor]) -> None:
