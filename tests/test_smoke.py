@@ -145,10 +145,12 @@ def test_restarted_process_restores_memory_into_a_state_of_the_saved_layout_with
     """Issue 18 (5): a restarted rank (a new Checkpointer, its Stager fresh) loads a memory snapshot into a live
     state of the saved structure by the slot's plain digest (snapckpt.engine.plain_restore), without reading the
     skeleton, though its own non-tensor values (iteration, learning rate, RNG state) are a fresh start's: the load
-    sets the saved ones; a live state whose shape differs goes the general way, which names the mismatch."""
+    sets the saved ones, and without reading the live tensors field by field (the slot's shape table); a live state
+    whose shape differs goes the general way, which names the mismatch."""
     import random
 
     import snapckpt.engine.loader as loader_mod
+    from snapckpt.engine import plain_restore
     from snapckpt.errors import IncompatibleCheckpointError
 
     def build(fill, iteration=9, lr=0.1, seed=9):
@@ -161,15 +163,17 @@ def test_restarted_process_restores_memory_into_a_state_of_the_saved_layout_with
     ck = Checkpointer(snap_env.ckpt_dir, keep_last=2)
     ck.save(state, 9, StorageType.MEMORY).wait()
     ck.close(clean=False)  # leaves like a crashed rank: the persister keeps the snapshot
-    general = loader_mod.read_slot
 
     def refuse(*args, **kwargs):
         raise AssertionError("the slot's skeleton was read")
 
     with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck2:
         live = build(torch.zeros, iteration=0, lr=1.0, seed=0)
-        monkeypatch.setattr(loader_mod, "read_slot", refuse)
-        assert ck2.load(live) is live and ck2.last_load.tier == StorageType.MEMORY and ck2.last_load.step == 9
+        with monkeypatch.context() as mp:
+            mp.setattr(loader_mod, "read_slot", refuse)
+            # by the slot's shape table: the live tensors are not read field by field either
+            mp.setattr(plain_restore, "_find", lambda *a, **k: pytest.fail("the live tensors were read one by one"))
+            assert ck2.load(live) is live and ck2.last_load.tier == StorageType.MEMORY and ck2.last_load.step == 9
         assert live["iteration"] == 9 and live["sched"] == {"last_epoch": 9, "_last_lr": [0.1]}
         assert live["opt"]["param_groups"] == state["opt"]["param_groups"] and live["rng"] == state["rng"]
         for k, v in state["model"].items():
@@ -177,7 +181,6 @@ def test_restarted_process_restores_memory_into_a_state_of_the_saved_layout_with
         for i, d in state["opt"]["state"].items():
             assert torch.equal(live["opt"]["state"][i]["exp_avg"], d["exp_avg"])
             assert torch.equal(live["opt"]["state"][i]["step"], d["step"])
-        monkeypatch.setattr(loader_mod, "read_slot", general)
         other = build(torch.zeros)
         other["model"]["layers.3.w"] = torch.zeros(4, 8)
         with pytest.raises(IncompatibleCheckpointError, match="layers.3.w"):

@@ -16,17 +16,27 @@ counters bumped as an in-place copy bumps them. Anything else (no digest or no v
 layout, a live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would
 replace rather than copy into, a small live tensor sharing bytes with a large one) gets ``None``, and the caller
 reads the slot the general way, which also names any incompatibility.
+
+Reading each field of 200,000 live tensors (dtype, shape, device, contiguity, the negative bit) costs more than the
+copy; a slot whose index names a shape table (:func:`~snapckpt.formats.plain_digest.shape_table`: each distinct dtype
+and shape once, each tensor's index among them) is checked without that (:func:`_find_by_table`): the tensors' share
+of the digest is derived from the table, and one ``TensorGuards`` check (C++) made from a reference tensor per
+shape confirms that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
+before. In a restarted process the slot's mapping is new: its pages are mapped by one ``MADV_POPULATE_READ`` on a
+thread while the live state is checked (:func:`_map_ahead`), not faulted in one by one by the copy.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import re
+import threading
 from array import array
 from collections import deque
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter, is_, setitem
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, is_, mul, setitem
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -35,7 +45,7 @@ from snapckpt.engine import plain_values
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.errors import SnapshotError
 from snapckpt.engine.stager import ALIGN
-from snapckpt.formats.plain_digest import Facts, digest, tensor_part
+from snapckpt.formats.plain_digest import Facts, ShapeTable, digest, read_table, tensor_part
 from snapckpt.persister.arena import HEADER_NBYTES, read_header
 
 __all__ = ["PlainCopies", "find", "direct_offsets"]
@@ -43,11 +53,25 @@ __all__ = ["PlainCopies", "find", "direct_offsets"]
 #: Tensors of at least this many bytes are copied by torch (its copy of a large tensor runs on several threads).
 LARGE_NBYTES = 1 << 20
 
-# the start of the index the Stager writes (snapckpt.engine.stager.index_bytes): its step, the digest, and where the
-# values are (slot byte offset, size); an index without "values" (an older one) does not match
-_HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})","values":\[(\d+),(\d+)\],')
-_HEAD_MAX = 160  # bytes of the index read for it
+# the start of the index the Stager writes (snapckpt.engine.stager.index_bytes): its step, the digest, where the
+# values are (slot byte offset, size) and, when there is one, the shape table; an index without "values" (an older
+# one) does not match
+_HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})","values":\[(\d+),(\d+)\],'
+                   rb'(?:"table":\[(\d+),(\d+)\],)?')
+_HEAD_MAX = 256  # bytes of the index read for it
 _IS_CPU = attrgetter("is_cpu")
+
+try:  # libc's memmove called with the GIL held: a copy of a few KiB is shorter than a release and re-take of the GIL,
+    # and 200,000 releases would let any other Python thread of the process in between (ctypes.memmove releases it)
+    _MEMMOVE = ctypes.PyDLL(None).memmove
+    _MEMMOVE.argtypes, _MEMMOVE.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+except (OSError, AttributeError):  # pragma: no cover - no libc symbols in the process
+    _MEMMOVE = ctypes.memmove
+
+try:  # PyTorch's C++ check of many tensors (as the Stager's plan cache), and a view over no memory to build it from
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards, _reinterpret_tensor
+except ImportError:  # pragma: no cover - then every restore checks tensor by tensor
+    _TensorGuards = _reinterpret_tensor = None
 
 
 @dataclass
@@ -67,17 +91,23 @@ class PlainCopies:
     dicts: List[dict]
     keys: List[Any]
     values: List[Any]
+    end: int = 0  # the end of the last span (slot bytes): mapped before the copy; 0: the mapping is the saves'
+    mapping: Optional[threading.Thread] = None  # mapping the slot meanwhile (see find): joined before the copy
 
     def run(self) -> None:
         """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
         if self.slot.tensor is None:
             raise SnapshotError(f"the mapping of {self.slot.path} was closed before the restore copied from it")
+        if self.mapping is not None:  # a restart's fresh mapping: one call, not a fault per page in the copy
+            self.mapping.join()
+        elif self.end:
+            self.slot.map_for_reading(self.end)
         deque(map(setitem, self.dicts, self.keys, self.values), maxlen=0)
         if self.large_dsts:
             with torch.no_grad():  # a Parameter's copy must not enter autograd
                 torch._foreach_copy_(self.large_dsts, self.large_srcs)
         if self.small:
-            deque(map(ctypes.memmove, self.dst_ptrs, self.src_ptrs, self.nbytes), maxlen=0)
+            deque(map(_MEMMOVE, self.dst_ptrs, self.src_ptrs, self.nbytes), maxlen=0)
             torch.autograd.graph.increment_version(self.small)  # as an in-place copy would
 
 
@@ -96,19 +126,44 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
     if head is None or int(head[1]) != step:
         return None
     values_at = (int(head[3]), int(head[4]))
-    if values_at[0] + values_at[1] > index_offset:
+    table_at = (int(head[5]), int(head[6])) if head[5] is not None else None
+    if values_at[0] + values_at[1] > index_offset or (table_at is not None and sum(table_at) > index_offset):
         return None  # not where the Stager puts them (before the index): a damaged index
+    mapping = _map_ahead(mapped, index_offset)
     enabled = gc.isenabled()
     gc.disable()  # a state of many tensors: no full collections while its layout is read
     try:
-        return _find(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at)
+        found = None
+        if table_at is not None:
+            found = _find_by_table(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at,
+                                   table_at)
+        # a miss of the table's check is not a refusal: the tensor-by-tensor check decides (slower, same outcome)
+        if found is None:
+            found = _find(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at)
+        if isinstance(found, PlainCopies):
+            found.mapping = mapping
+        return found
     finally:
         if enabled:
             gc.enable()
 
 
+def _map_ahead(mapped: MappedSlot, upto: int) -> Optional[threading.Thread]:
+    """Map the slot's first ``upto`` bytes on a thread (:meth:`MappedSlot.map_for_reading`, whose ``madvise``
+    releases the GIL) while this one checks the live state: a restart's mapping is new, and its pages would
+    otherwise be faulted in by the copy. ``None`` for a buffer without that method."""
+    fn = getattr(mapped, "map_for_reading", None)
+    if fn is None:
+        return None
+    t = threading.Thread(target=fn, args=(upto,), name="snapckpt-map-slot", daemon=True)
+    t.start()
+    return t
+
+
 def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int,
           values_at: Tuple[int, int]) -> Optional[PlainCopies]:
+    """:func:`find` tensor by tensor: each field of the live tensors read with one ``map`` (a slot without a shape
+    table, or live tensors that its check does not pass)."""
     walked = live_layout(name, dst)
     if walked is None:
         return None
@@ -120,6 +175,123 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     offsets, nbytes = direct_offsets(facts)
     if digest(name, key, tensor_part(facts, offsets.tolist())) != saved:  # no numpy: snapckpt does not need it
         return None
+    return _copies(mapped, dst, tensors, ptrs, offsets, nbytes, data_limit, values_at)
+
+
+def _find_by_table(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int,
+                   values_at: Tuple[int, int], table_at: Tuple[int, int]) -> Optional[PlainCopies]:
+    """:func:`find` by the slot's shape table (:func:`~snapckpt.formats.plain_digest.shape_table`): the tensors' share
+    of the digest is derived from the table, not read from the live tensors, and PyTorch's ``TensorGuards`` (one C++
+    loop) checks that every live tensor has the table's dtype and shape, contiguous strides, the CPU, no negative or
+    conjugate bit, ``Tensor`` without ``requires_grad`` or ``Parameter`` with it (of a float or complex dtype; of
+    another, without), and that no tensor object occurs twice (so the walk need not look for one). Passing both, the
+    live tensors' :class:`Facts` are the table's, so the digest is the one :func:`_find` computes and the copies are
+    the same; ``None`` on any miss (:func:`_find` then decides, from the live tensors)."""
+    if _TensorGuards is None:
+        return None
+    table = read_table(bytes(mapped.buf[table_at[0]:table_at[0] + table_at[1]]))
+    if table is None:
+        return None
+    walked = live_layout(name, dst, False)  # the guards refuse a tensor met twice
+    if walked is None or len(walked[0]) != len(table.ids):
+        return None
+    tensors, key = walked
+    base = mapped.tensor.data_ptr()
+    part, offsets, nbytes, srcs = _table_part(table, base)
+    if digest(name, key, part) != saved or not _guards_pass(table, tensors):
+        return None
+    try:
+        ptrs = list(map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:  # pragma: no cover - a dense CPU tensor has a storage
+        return None
+    return _copies(mapped, dst, tensors, ptrs, _as_tensor(offsets), _as_tensor(nbytes), data_limit, values_at, srcs)
+
+
+def _table_part(table: ShapeTable, base: int) -> Tuple[bytes, array, array, Optional[List[int]]]:
+    """``(tensor_part, slot byte offsets, byte sizes, sources)`` of tensors of ``table``'s dtypes and shapes, laid out
+    by the Stager's rule (:func:`direct_offsets`): what :func:`tensor_part` and :func:`direct_offsets` give for live
+    tensors whose :class:`Facts` are the table's; ``sources``: the spans' addresses in a mapping at ``base`` when every
+    tensor is under :data:`LARGE_NBYTES`, else ``None``. By gathers and prefix sums over the table's indices (no
+    Python step per tensor, and no element-wise torch op over them: those run on several threads, whose wake-ups cost
+    more than the work)."""
+    n = len(table.ids)
+    per = []
+    for code, shape in table.shapes:
+        numel = math.prod(shape)
+        nb = numel * table.kinds[code].itemsize
+        per.append([code, len(shape), numel, nb, (nb + ALIGN - 1) // ALIGN * ALIGN])
+    cols = torch.tensor(per or [[0] * 5], dtype=torch.int64).t().contiguous()
+    ids = torch.frombuffer(table.ids, dtype=torch.int32) if n else torch.zeros(0, dtype=torch.int32)
+    codes, dims, numels, nbytes = (_gather(cols[j], ids, n) for j in range(4))
+    steps = _int64s(n + 1)  # the header, then each aligned span: their prefix sums are the spans' offsets
+    st = _as_tensor(steps)
+    torch.index_select(cols[4], 0, ids, out=st[1:])
+    ends = _int64s(n + 1)
+    st[0] = HEADER_NBYTES
+    torch.cumsum(st, 0, out=_as_tensor(ends))
+    offsets = ends[:n]
+    srcs = None
+    if all(p[3] < LARGE_NBYTES for p in per):
+        st[0] = HEADER_NBYTES + base
+        srcs = torch.cumsum(st, 0)[:n].tolist()
+    multi = [s if len(s) > 1 else () for _c, s in table.shapes]
+    sizes = array("q", chain.from_iterable(map(multi.__getitem__, table.ids)) if any(multi) else ())
+    part = b"\0".join((repr(table.kinds).encode(), codes.tobytes(), dims.tobytes(), numels.tobytes(), sizes.tobytes(),
+                        offsets.tobytes()))
+    return part, offsets, nbytes, srcs
+
+
+def _gather(col: torch.Tensor, ids: torch.Tensor, n: int) -> array:
+    """``col[ids]`` as an ``array("q")`` of ``n`` items."""
+    out = _int64s(n)
+    torch.index_select(col, 0, ids, out=_as_tensor(out))
+    return out
+
+
+def _int64s(n: int) -> array:
+    return array("q", bytes(8 * n))
+
+
+def _as_tensor(a: array) -> torch.Tensor:
+    """An int64 tensor over the ``array("q")`` ``a`` (writes go into it)."""
+    return torch.frombuffer(a, dtype=torch.int64) if len(a) else torch.zeros(0, dtype=torch.int64)
+
+
+def _guards_pass(table: ShapeTable, tensors: List[torch.Tensor]) -> bool:
+    """Whether every tensor has the table's dtype and shape, contiguous, on the CPU, without a negative or conjugate
+    bit, a ``Tensor`` without ``requires_grad`` or a ``Parameter`` with it (when its dtype can), each object once:
+    PyTorch's ``TensorGuards`` made from a reference of each (over no memory: its metadata only) checks all of it."""
+    types = list(map(type, tensors))
+    params = types.count(torch.nn.Parameter)
+    if params + types.count(torch.Tensor) != len(types):
+        return False
+    kinds = (False, True) if params else (False,)  # with Parameters: a reference per (shape, type), 2i + is one
+    try:
+        refs = [_reference(table.kinds[code], shape, p) for code, shape in table.shapes for p in kinds]
+        which = (map(add, map(mul, table.ids, repeat(2)), map(is_, types, repeat(torch.nn.Parameter))) if params
+                 else table.ids)
+        guards = _TensorGuards(*map(refs.__getitem__, which), dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        return bool(guards.check(*tensors))
+    except Exception:  # noqa: BLE001 - a torch whose guards take other arguments: the tensor-by-tensor check
+        return False
+
+
+def _reference(dtype: torch.dtype, shape: Tuple[int, ...], parameter: bool) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` and ``shape`` with contiguous strides over no memory (never read: the guards take
+    its metadata), a ``Parameter`` when ``parameter`` (with ``requires_grad`` when its dtype can have it)."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    t = _reinterpret_tensor(torch.empty(0, dtype=dtype), shape, strides, 0)
+    return torch.nn.Parameter(t, requires_grad=dtype.is_floating_point or dtype.is_complex) if parameter else t
+
+
+def _copies(mapped: MappedSlot, dst: Any, tensors: List[torch.Tensor], ptrs: List[int], offsets: torch.Tensor,
+            nbytes: torch.Tensor, data_limit: int, values_at: Tuple[int, int], srcs: Optional[List[int]] = None
+            ) -> Optional[PlainCopies]:
+    """The copies of a slot whose digest is that of ``dst``'s tensors (``ptrs``: their data pointers, each able to
+    take its bytes by a copy of bytes; ``offsets`` / ``nbytes``: their spans; ``srcs``: the spans' addresses, when
+    known already and every tensor is small), or ``None`` (see :func:`find`)."""
     if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
         return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
     in_place: List[torch.Tensor] = []
@@ -132,7 +304,9 @@ def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved:
     values = plain_values.unpack(mapped.buf[values_at[0]:values_at[0] + values_at[1]])
     if values is None or len(values) != len(dicts):
         return None  # a damaged slot (a digest never lets another count through)
-    sets = (dicts, keys, values)
+    sets = (dicts, keys, values, int(offsets[-1] + nbytes[-1]) if tensors else 0)
+    if srcs is not None:
+        return PlainCopies([], [], tensors, ptrs, srcs, nbytes.tolist(), mapped, *sets)
     base = mapped.tensor.data_ptr()
     large = nbytes >= LARGE_NBYTES
     if not bool(large.any()):  # the common case of many tensors: all small

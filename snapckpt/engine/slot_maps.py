@@ -93,6 +93,16 @@ class MappedSlot:
         if self.populated < upto and _populate(self, lo, upto - lo):
             self.populated = upto
 
+    def map_for_reading(self, upto: int) -> None:
+        """Map the first ``upto`` bytes (at most :attr:`nbytes`) before a restore reads them: one
+        ``MADV_POPULATE_READ`` (the pages hold the snapshot, in the page cache) instead of a page fault per 4 KiB page
+        in the copy, which a fresh mapping (a restarted process) would take; the data is not changed. A kernel
+        without it (before 5.14), or one that refuses: nothing, the copy's faults map the pages."""
+        upto = min(upto, self.nbytes)
+        if upto > self.populated and _load_madvise() and self.tensor is not None:
+            with self.busy:
+                _madvise(self.tensor.data_ptr(), upto, _MADV_POPULATE_READ)
+
     def fits(self, path: str, nbytes: int) -> bool:
         """Whether this mapping is of ``path`` at exactly ``nbytes`` bytes."""
         return self.path == path and self.nbytes == nbytes
@@ -360,10 +370,8 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
 _madvise = None  # libc's madvise (ctypes: the call releases the GIL, which mmap.madvise holds), False: none
 
 
-def _populate(m: MappedSlot, lo: int, n: int) -> bool:
-    """Map bytes ``[lo, lo + n)`` of ``m`` writable without changing them (``MADV_POPULATE_READ`` when ``m.zeroed``,
-    else ``MADV_POPULATE_WRITE``: see the module docstring), or read one byte per page where the kernel lacks them;
-    ``False`` when the kernel refused (a file truncated meanwhile: the save maps the slot itself)."""
+def _load_madvise() -> bool:
+    """Whether libc's ``madvise`` is at hand (:data:`_madvise`, looked up once)."""
     global _madvise
     if _madvise is None:
         try:
@@ -372,7 +380,15 @@ def _populate(m: MappedSlot, lo: int, n: int) -> bool:
             _madvise = fn
         except (OSError, AttributeError):
             _madvise = False
-    if _madvise:
+    return bool(_madvise)
+
+
+def _populate(m: MappedSlot, lo: int, n: int) -> bool:
+    """Map bytes ``[lo, lo + n)`` of ``m`` writable without changing them (``MADV_POPULATE_READ`` when ``m.zeroed``,
+    else ``MADV_POPULATE_WRITE``: see the module docstring), or read one byte per page where the kernel lacks them;
+    ``False`` when the kernel refused (a file truncated meanwhile: the save maps the slot itself)."""
+    global _madvise
+    if _load_madvise():
         if _madvise(m.tensor.data_ptr() + lo, n, _MADV_POPULATE_READ if m.zeroed else _MADV_POPULATE_WRITE) == 0:
             return True
         if ctypes.get_errno() != errno.EINVAL:  # EINVAL: a kernel before 5.14; anything else: give up

@@ -36,7 +36,7 @@ from snapckpt.persister.arena import HEADER_NBYTES, watermark_view, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
-from snapckpt.formats.plain_digest import Facts, digest, tensor_part
+from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_part
 from snapckpt.engine.plain_values import pack, pack_values
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
@@ -341,6 +341,7 @@ class _Layout:
     restore_ok: Optional[bool] = None
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
+    plain_table: bytes = b""  # their dtypes and shapes for a restart (:func:`shape_table`), made with plain_part
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
     file_json: Dict[Optional[str], tuple] = field(default_factory=dict)  # the index's last JSON (Stager._skeletons)
@@ -638,13 +639,14 @@ class Stager:
                     ) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
         """:func:`plain_layout` of ``obj`` as file ``name`` (by its memo when the structure is the memo's), without
         changing what the next save of ``name`` reuses; ``None`` when ``obj`` is not plain.
-        ``distinct_tensors=False``: see :meth:`LayoutMemo.match` (the caller checks for a tensor met twice)."""
+        ``distinct_tensors=False``: see :meth:`LayoutMemo.match` and :func:`plain_layout` (the caller checks for a
+        tensor met twice)."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
             found = fm.memo.match(obj, distinct_tensors)
             if found is not None:
                 return found
-        return plain_layout(obj)
+        return plain_layout(obj, distinct_tensors)
 
     def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
         """See :meth:`_prepare` (the cyclic garbage collector is paused meanwhile: a state of many tensors makes
@@ -966,17 +968,20 @@ def index_bytes(step: int, layout: _Layout) -> bytes:
 
 def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: _Layout,
                 direct: Sequence[torch.Tensor], replaced: Optional[List[Any]] = None) -> Tuple[bytes, bytes]:
-    """``(the index's "plain":"<hex>","values":[<offset>,<nbytes>], entry, the values' bytes)`` when the snapshot is
-    one plain file whose every tensor is its own whole CPU span and whose replaced values hold no tensor
-    (:mod:`snapckpt.formats.plain_digest`, :mod:`snapckpt.engine.plain_values`; the bytes go at ``layout.tail_end``);
-    ``(b"", b"")`` otherwise. ``replaced``: those values when the file's memo found them (no walk), else ``None``."""
+    """``(the index's "plain":"<hex>","values":[<offset>,<nbytes>],"table":[<offset>,<nbytes>], entries, the values'
+    bytes then the table's)`` when the snapshot is one plain file whose every tensor is its own whole CPU span and
+    whose replaced values hold no tensor (:mod:`snapckpt.formats.plain_digest`, :mod:`snapckpt.engine.plain_values`;
+    the bytes go at ``layout.tail_end``; no ``"table"`` when :func:`shape_table` gives none); ``(b"", b"")``
+    otherwise. ``replaced``: those values when the file's memo found them (no walk), else ``None``."""
     if len(keys) != 1 or keys[0] is None or not layout.direct_all:
         return b"", b""
     values = pack(specs[0][0].obj) if replaced is None else pack_values(replaced)
     if values is None:
         return b"", b""
     if layout.plain_part is None:
-        layout.plain_part = tensor_part(Facts(direct), [d[0] for d in layout.direct_dst])
+        facts = Facts(direct)
+        layout.plain_part = tensor_part(facts, [d[0] for d in layout.direct_dst])
+        layout.plain_table = shape_table(direct, facts)
     name = next(iter(files))
     entry = layout.pickles.get(name)  # its key structure, when this save's skeleton was spliced (_pickle_file)
     structure = entry[5] if entry is not None and entry[0] is keys[0] else None
@@ -986,7 +991,11 @@ def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: 
         hexd = digest(name, keys[0], layout.plain_part).encode()
         if structure is not None:
             layout.plain_hex = (name, structure, hexd)
-    return b'"plain":"%s","values":[%d,%d],' % (hexd, layout.tail_end, len(values)), values
+    head = b'"plain":"%s","values":[%d,%d],' % (hexd, layout.tail_end, len(values))
+    table = layout.plain_table
+    if table:
+        head += b'"table":[%d,%d],' % (layout.tail_end + len(values), len(table))
+    return head, values + table
 
 
 def _check_concat_tensor(t: torch.Tensor) -> None:

@@ -13,21 +13,25 @@ loop's step counter, learning rate or RNG state differs from the saved one, and 
 from the slot's own list of them (:mod:`snapckpt.engine.plain_values`). Any other difference (another name,
 structure, value type, dtype, shape or offset) gives another digest, and the general path. The hash starts with
 :data:`VERSION`, so a digest of an older rule (which hashed the values) never equals one of this rule. Nothing
-here is read as code: the digest is compared, never decoded.
+here is read as code: the digest is compared, never decoded. Beside the digest the slot may carry a shape table
+(:func:`shape_table`), from which a restart derives the tensors' share of the digest without reading the live
+tensors field by field; it is trusted only through the digest.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from itertools import chain, compress
 from operator import attrgetter, not_
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from snapckpt.formats import plain_layout as _pl
 
-__all__ = ["Facts", "tensor_part", "digest", "VERSION"]
+__all__ = ["Facts", "tensor_part", "digest", "VERSION", "ShapeTable", "shape_table", "read_table",
+           "TABLE_MAX_SHAPES"]
 
 #: The first bytes hashed: the rule of this module (the rule before it hashed values, and had no such prefix).
 VERSION = b"snapckpt plain digest 2: value types\0"
@@ -84,3 +88,56 @@ def digest(name: str, key: List[Any], tensors_part: bytes) -> str:
     h.update(b"\0")
     h.update(tensors_part)
     return h.hexdigest()
+
+
+#: At most this many distinct (dtype, shape) pairs in a :func:`shape_table` (a restart makes a reference tensor of
+#: each: a state whose tensors nearly all differ in shape gets no table, and is checked tensor by tensor).
+TABLE_MAX_SHAPES = 4096
+_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+class ShapeTable:
+    """What :func:`shape_table` wrote: ``kinds`` (dtypes, in :class:`Facts` order), ``shapes`` (each distinct
+    ``(index in kinds, sizes)`` once, in first-use order) and ``ids`` (per tensor, its index in ``shapes``: an
+    ``array("i")``)."""
+
+    __slots__ = ("kinds", "shapes", "ids")
+
+    def __init__(self, kinds: List[torch.dtype], shapes: List[Tuple[int, Tuple[int, ...]]], ids: array) -> None:
+        self.kinds, self.shapes, self.ids = kinds, shapes, ids
+
+
+def shape_table(tensors: Sequence[torch.Tensor], facts: Facts) -> bytes:
+    """The dtypes and shapes of ``tensors`` (:class:`Facts` ``facts`` of them) as a restarted process reads them
+    without a Python step per tensor (:mod:`snapckpt.engine.plain_restore`): a JSON line ``{"kinds": [dtype names],
+    "shapes": [[kind index, [sizes]], ...]}`` (each distinct pair once), then each tensor's index into ``"shapes"``
+    (int32, native byte order). ``b""`` when there are more than :data:`TABLE_MAX_SHAPES` distinct pairs. Nothing in
+    it is trusted by itself: the restore hashes what it derives from it into the digest, which must be the saved
+    one."""
+    pairs = list(zip(facts.codes, map(tuple, map(_SHAPE, tensors))))
+    first = dict.fromkeys(pairs)
+    if len(first) > TABLE_MAX_SHAPES:
+        return b""
+    where = {p: i for i, p in enumerate(first)}
+    head = json.dumps({"kinds": list(map(str, facts.kinds)), "shapes": [[c, list(s)] for c, s in first]},
+                      separators=(",", ":"))
+    return head.encode() + b"\n" + array("i", map(where.__getitem__, pairs)).tobytes()
+
+
+def read_table(data: bytes) -> Optional[ShapeTable]:
+    """The :class:`ShapeTable` of :func:`shape_table`'s ``data``, or ``None`` when it is not one (damaged: an unknown
+    dtype, an index out of range, sizes that are not positive ints)."""
+    try:
+        cut = data.index(b"\n")
+        head = json.loads(data[:cut])
+        kinds = [_DTYPES[k] for k in head["kinds"]]
+        shapes = [(int(c), tuple(map(int, s))) for c, s in head["shapes"]]
+        ids = array("i")
+        ids.frombytes(data[cut + 1:])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not all(0 <= c < len(kinds) and all(x > 0 for x in s) for c, s in shapes):
+        return None  # numel 0 is never a direct tensor, and a negative size no shape
+    if ids and not 0 <= min(ids) <= max(ids) < len(shapes):
+        return None
+    return ShapeTable(kinds, shapes, ids)

@@ -40,7 +40,7 @@ def _float_key(x: float) -> str:
     return x.hex() if x == x else "nan:" + _PACK_DOUBLE(x).hex()
 
 
-def plain_layout(obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
+def plain_layout(obj: Any, distinct_tensors: bool = True) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
     """``(tensors, key)`` of a plain ``obj``, or ``None`` when ``obj`` is not plain (or nests deeper than 100).
 
     ``tensors``: every tensor in pickling order, each once (the order of
@@ -50,15 +50,20 @@ def plain_layout(obj: Any) -> Optional[Tuple[List[torch.Tensor], List[Any]]]:
     tensor as its index in ``tensors``, and a container met again (pickle's memo) as its first position. Every
     atomic value is the item right after one of :data:`VALUE_MARKERS` (its type's; a dict key follows its type).
     Tensors are not checked here (their type only: a tensor subclass makes ``obj`` not plain).
+
+    With ``distinct_tensors=False`` the values of a dict of many tensors are not looked up among the tensors met
+    elsewhere (a pass over their ids, a set and a dict of them): a tensor object met twice may then be listed twice,
+    with a key that is not ``obj``'s. The caller must refuse such tensors before it uses the key (PyTorch's
+    ``TensorGuards`` refuse a repeated object; :func:`has_repeats`).
     """
     tensors: List[torch.Tensor] = []
     key: List[Any] = []
-    ok = _walk(obj, tensors, {}, {}, key, 0)
+    ok = _walk(obj, tensors, {}, {}, key, 0, distinct_tensors)
     return (tensors, key) if ok else None
 
 
 def _walk(obj: Any, out: List[torch.Tensor], seen: Dict[int, int], containers: Dict[int, int], key: List[Any],
-          depth: int) -> bool:
+          depth: int, distinct: bool = True) -> bool:
     t = type(obj)
     if t in _ATOMIC:
         key.append(_VALUE_TYPE[t])
@@ -87,8 +92,8 @@ def _walk(obj: Any, out: List[torch.Tensor], seen: Dict[int, int], containers: D
     key.append(t)
     key.append(len(obj))
     if t is list or t is tuple:
-        return all(_walk(v, out, seen, containers, key, depth + 1) for v in obj)
-    if not (len(obj) > 16 and _tensor_dict(obj, out, seen, key)):  # else walked by C calls
+        return all(_walk(v, out, seen, containers, key, depth + 1, distinct) for v in obj)
+    if not (len(obj) > 16 and _tensor_dict(obj, out, seen, key, distinct)):  # else walked by C calls
         append = key.append
         for k, v in obj.items():
             tk = type(k)
@@ -106,19 +111,21 @@ def _walk(obj: Any, out: List[torch.Tensor], seen: Dict[int, int], containers: D
                     out.append(v)
                 append(_T)
                 append(i)
-            elif not _walk(v, out, seen, containers, key, depth + 1):
+            elif not _walk(v, out, seen, containers, key, depth + 1, distinct):
                 return False
     if t is _OD:
         extra = vars(obj)  # the live __dict__ (not a copy: its id must not be reused during the walk)
         if extra:
             key.append(_OD)
-            return _walk(extra, out, seen, containers, key, depth + 1)
+            return _walk(extra, out, seen, containers, key, depth + 1, distinct)
     return True
 
 
-def _tensor_dict(obj: dict, out: List[torch.Tensor], seen: Dict[int, int], key: List[Any]) -> bool:
+def _tensor_dict(obj: dict, out: List[torch.Tensor], seen: Dict[int, int], key: List[Any], distinct: bool = True
+                 ) -> bool:
     """Walk ``obj`` without a Python step per entry when its keys are atomic (not float) and its values are
-    tensors met nowhere else; ``False`` (nothing appended) otherwise."""
+    tensors met nowhere else (not checked when not ``distinct``: see :func:`plain_layout`); ``False`` (nothing
+    appended) otherwise."""
     values = list(obj.values())
     if not set(map(type, values)) <= _TENSOR_TYPES:
         return False
@@ -126,11 +133,12 @@ def _tensor_dict(obj: dict, out: List[torch.Tensor], seen: Dict[int, int], key: 
     key_types = set(map(type, keys))
     if not key_types <= _ATOMIC:
         return False
-    ids = list(map(id, values))
-    if len(set(ids)) != len(ids) or not seen.keys().isdisjoint(ids):
-        return False
     start = len(out)
-    seen.update(zip(ids, range(start, start + len(ids))))
+    if distinct:
+        ids = list(map(id, values))
+        if len(set(ids)) != len(ids) or not seen.keys().isdisjoint(ids):
+            return False
+        seen.update(zip(ids, range(start, start + len(ids))))
     out.extend(values)
     key.append(_TDICT)
     key.append(keys)

@@ -28,7 +28,7 @@ NAME = "rank_00000.pt"
 def _slot(nbytes: int = 4 << 20) -> SimpleNamespace:
     buf = bytearray(nbytes)  # what a MappedSlot holds: the buffer, a uint8 tensor over it, its size
     return SimpleNamespace(buf=buf, tensor=torch.frombuffer(buf, dtype=torch.uint8), views={}, nbytes=nbytes,
-                           path="slot")
+                           path="slot", map_for_reading=lambda upto: None)
 
 
 def _save(state, step: int = 1, name: str = NAME, m=None) -> SimpleNamespace:
@@ -54,7 +54,7 @@ def _zeros_like(state):
     if isinstance(state, list):
         return [_zeros_like(v) for v in state]
     if isinstance(state, torch.nn.Parameter):
-        return torch.nn.Parameter(torch.zeros_like(state))
+        return torch.nn.Parameter(torch.zeros_like(state), requires_grad=state.requires_grad)
     if isinstance(state, torch.Tensor):
         return torch.zeros_like(state)
     return state
@@ -69,7 +69,7 @@ def _tensors(state) -> list:
 def _find(m, live, step: int = 1, name: str = NAME):
     from snapckpt.formats.plain_layout import plain_layout
 
-    return plain_restore.find(lambda _n, obj: plain_layout(obj), m, name, step, live)
+    return plain_restore.find(lambda _n, obj, distinct=True: plain_layout(obj, distinct), m, name, step, live)
 
 
 def test_a_restarted_process_copies_the_slot_into_its_live_state_bit_exactly():
@@ -402,3 +402,156 @@ def test_values_are_plain_values_only():
     cyclic: dict = {"w": torch.zeros(1)}
     cyclic["self"] = cyclic
     assert plain_values.pack(cyclic) is None  # deeper than 100 dicts: no plain restore
+
+
+_DECLINED = object()
+
+
+def _by_table(m, live, monkeypatch, step: int = 1):
+    """What the shape table's path alone gives: PlainCopies when it takes ``live``, ``_DECLINED`` when it leaves it
+    to the tensor-by-tensor check (which is stubbed out here)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(plain_restore, "_find", lambda *a, **k: _DECLINED)
+        return _find(m, live, step)
+
+
+def _table_state() -> dict:
+    """Every kind of tensor the table path takes: 2-D, 0-D, half, int64, a Parameter (and an int one, which cannot
+    require grad), an OrderedDict, a dict of many tensors (walked by C calls), complex."""
+    g = torch.Generator().manual_seed(3)
+    return {"model": OrderedDict((f"l{i}.w", torch.rand(3, 2, generator=g)) for i in range(4)),
+            "many": {f"p{i}": torch.rand(i % 3 + 1, generator=g) for i in range(40)},
+            "step": torch.tensor(3.0), "half": torch.rand(5, generator=g).half(), "ids": torch.arange(7),
+            "p": torch.nn.Parameter(torch.rand(2, generator=g)),
+            "ip": torch.nn.Parameter(torch.arange(3), requires_grad=False),
+            "z": torch.rand(3, dtype=torch.complex64, generator=g), "iteration": 7}
+
+
+def test_the_shape_table_takes_a_live_state_of_the_saved_layout_bit_exactly(monkeypatch):
+    """The control of the table's mutation tests: a live state of the saved layout is taken by the table's path
+    alone, restored bit for bit with versions bumped, and the tensors' share of the digest it derives from the table
+    is the one the live tensors give."""
+    from snapckpt.formats.plain_layout import plain_layout
+
+    state = _table_state()
+    m = _save(state)
+    _, off, n = read_header(m.buf)
+    at = json.loads(bytes(m.buf[off:off + n]))["table"]
+    table = plain_digest.read_table(bytes(m.buf[at[0]:at[0] + at[1]]))
+    live = _zeros_like(state)
+    tensors = plain_layout(live)[0]
+    part, offsets, nbytes, srcs = plain_restore._table_part(table, 1000)
+    facts = plain_digest.Facts(tensors)
+    want_offsets, want_nbytes = plain_restore.direct_offsets(facts)
+    assert part == plain_digest.tensor_part(facts, want_offsets.tolist())
+    assert list(offsets) == want_offsets.tolist() and list(nbytes) == want_nbytes.tolist()
+    assert srcs == [o + 1000 for o in want_offsets.tolist()]
+    versions = [t._version for t in tensors]
+    found = _by_table(m, live, monkeypatch)
+    assert isinstance(found, plain_restore.PlainCopies)
+    found.run()
+    for a, b in zip(_tensors(state), _tensors(live)):
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    assert all(t._version > v for t, v in zip(tensors, versions))
+    assert live["iteration"] == 7 and type(live["p"]) is torch.nn.Parameter and live["p"].requires_grad
+
+
+def test_the_shape_table_misses_every_change_of_the_live_tensors(monkeypatch):
+    """Mutation tests of the table's shortcut: each change of a live tensor that its check must see (shape with the
+    same element count, dtype, strides, a negative or conjugate view, a tensor object met twice, in the dict of many
+    tensors or elsewhere, requires_grad or type) makes the table's path decline, and the tensor-by-tensor check then
+    decides as it always did (None, or the same copies)."""
+    def changed(change):
+        state = _table_state()
+        m = _save(state)
+        live = _zeros_like(state)
+        change(live)
+        return _by_table(m, live, monkeypatch), _find(m, live)
+
+    fast, full = changed(lambda s: None)
+    assert isinstance(fast, plain_restore.PlainCopies) and full is not None  # the control
+    refused = {
+        "shape": lambda s: s["model"].__setitem__("l1.w", torch.zeros(2, 3)),
+        "shape in the dict of many": lambda s: s["many"].__setitem__("p4", torch.zeros(1, 2)),
+        "dtype": lambda s: s.__setitem__("half", torch.zeros(5, dtype=torch.bfloat16)),
+        "dtype in the dict of many": lambda s: s["many"].__setitem__("p0", torch.zeros(1, dtype=torch.float64)),
+        "not contiguous": lambda s: s["model"].__setitem__("l2.w", torch.zeros(2, 3).t()),
+        "negative view": lambda s: s.__setitem__("ids", torch.zeros(7, dtype=torch.int64)._neg_view()),
+        "conjugate view": lambda s: s.__setitem__("z", torch.zeros(3, dtype=torch.complex64).conj()),
+        "one tensor twice in the dict of many": lambda s: s["many"].__setitem__("p3", s["many"]["p0"]),
+        "a tensor of the dict of many elsewhere too": lambda s: s.__setitem__("step", s["many"]["p2"]),
+        # not the tensors: the structure, which the digest holds (the table has the tensors' share only)
+        "a key": lambda s: s["model"].__setitem__("l9.w", s["model"].pop("l3.w")),
+        "a key of the dict of many": lambda s: s["many"].__setitem__("q", s["many"].pop("p39")),
+        "a value's type": lambda s: s.__setitem__("iteration", 7.0),
+        "a tensor for a value": lambda s: s.__setitem__("iteration", torch.zeros(())),
+    }
+    for what, change in refused.items():
+        fast, full = changed(change)
+        assert fast is _DECLINED and full is None, what
+    declined = {  # the table's check is stricter than the copy needs: the tensor-by-tensor check takes these
+        "requires_grad": lambda s: s.__setitem__("step", torch.zeros((), requires_grad=True)),
+        "a Parameter without requires_grad": lambda s: s.__setitem__("p", torch.nn.Parameter(torch.zeros(2), False)),
+        "another stride of a size-1 dim": lambda s: s["many"].__setitem__("p0", torch.zeros(5)[::5]),
+    }
+    for what, change in declined.items():
+        fast, full = changed(change)
+        assert fast is _DECLINED and isinstance(full, plain_restore.PlainCopies), what
+    taken = {  # as by the tensor-by-tensor check (the digest has no Python types)
+        "a contiguous view into a larger storage": lambda s: s["model"].__setitem__(
+            "l3.w", torch.zeros(10)[2:8].view(3, 2)),
+        "a Tensor for a Parameter": lambda s: s.__setitem__("p", torch.zeros(2)),
+        "a Parameter for a Tensor": lambda s: s.__setitem__("step", torch.nn.Parameter(torch.zeros(()))),
+    }
+    for what, change in taken.items():
+        fast, full = changed(change)
+        assert isinstance(fast, plain_restore.PlainCopies) and isinstance(full, plain_restore.PlainCopies), what
+
+
+def test_a_damaged_or_missing_shape_table_leaves_the_live_tensors_to_their_own_check(monkeypatch):
+    """The table is trusted only through the digest: a changed shape, dtype or index in it, or bytes that are no
+    table, make its path decline, and the tensor-by-tensor check restores as before; a slot written without a
+    table (an older Stager's, or a state of more distinct shapes than TABLE_MAX_SHAPES) is read that way too."""
+    state = _table_state()
+
+    def damaged(edit):
+        m = _save(state)
+        _, off, n = read_header(m.buf)
+        at, nbytes = json.loads(bytes(m.buf[off:off + n]))["table"]
+        data = edit(bytes(m.buf[at:at + nbytes]))
+        assert len(data) == nbytes
+        m.buf[at:at + nbytes] = data
+        return _by_table(m, _zeros_like(state), monkeypatch), _find(m, _zeros_like(state))
+
+    head_end = lambda d: d.index(b"\n")  # noqa: E731
+    edits = {
+        "a size": lambda d: d.replace(b"[3,2]", b"[2,3]", 1),
+        "a dtype": lambda d: d.replace(b'"torch.float16"', b'"torch.bfloat1"', 1),
+        "a kind index": lambda d: d.replace(b"[[0,", b"[[1,", 1),
+        "a tensor's index": lambda d: d[:head_end(d) + 1] + bytes([d[head_end(d) + 1] ^ 1]) + d[head_end(d) + 2:],
+        "an index out of range": lambda d: d[:head_end(d) + 1] + b"\xff" * 4 + d[head_end(d) + 5:],
+        "not a table": lambda d: b"\x00" * len(d),
+    }
+    for what, edit in edits.items():
+        fast, full = damaged(edit)
+        assert fast is _DECLINED and isinstance(full, plain_restore.PlainCopies), what
+    monkeypatch.setattr(plain_digest, "TABLE_MAX_SHAPES", 3)
+    m = _save(state)
+    _, off, n = read_header(m.buf)
+    index = json.loads(bytes(m.buf[off:off + n]))
+    assert "plain" in index and "table" not in index
+    assert _find(m, _zeros_like(state)) is not None
+
+
+def test_a_walk_that_leaves_repeats_to_the_caller_gives_the_same_layout():
+    """``plain_layout(obj, distinct_tensors=False)`` skips the look-up of a dict of many tensors among the tensors
+    met elsewhere: without repeats it gives the full walk's tensors and key; with a repeat it lists the tensor twice,
+    which the caller's check must refuse (the guards do: see the mutation tests above)."""
+    from snapckpt.formats.plain_layout import has_repeats, plain_layout
+
+    state = _table_state()
+    full, lite = plain_layout(state), plain_layout(state, distinct_tensors=False)
+    assert lite[1] == full[1] and len(lite[0]) == len(full[0]) and all(map(lambda a, b: a is b, lite[0], full[0]))
+    state["many"]["p5"] = state["many"]["p1"]
+    full, lite = plain_layout(state), plain_layout(state, distinct_tensors=False)
+    assert not has_repeats(full[0]) and has_repeats(lite[0]) and lite[1] != full[1]

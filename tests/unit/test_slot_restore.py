@@ -173,3 +173,18 @@ def test_a_live_tensor_put_in_place_of_another_in_another_chunk_of_the_check_tak
     assert slot_restore.find(stager, m, NAME, 2, live) is not None  # the control
     live["model"]["w1"] = live["model"]["w15"]
     assert slot_restore.find(stager, m, NAME, 2, live) is None
+
+
+def test_a_tensor_met_twice_takes_the_general_path():
+    """The live state's walk leaves a tensor met twice to this module's check (a memo's match, or plain_layout with
+    ``distinct_tensors=False``, which skips the look-up of a dict of many tensors): a live state that holds one tensor
+    object at two keys of such a dict, whose key then reads as the saved one, is refused, with or without a memo."""
+    for saves in (1, 2):  # one save: no memo yet (the walk); two: the memo's match
+        stager, m = Stager(), _slot()
+        state = {"model": {f"w{i}": torch.rand(3, 2) for i in range(20)}, "iteration": 7}
+        for step in range(1, saves + 1):
+            _save(stager, m, state, step)
+        live = {"model": {f"w{i}": torch.zeros(3, 2) for i in range(20)}, "iteration": 7}
+        assert slot_restore.find(stager, m, NAME, saves, live) is not None  # the control
+        live["model"]["w5"] = live["model"]["w3"]
+        assert slot_restore.find(stager, m, NAME, saves, live) is None, saves
