@@ -59,6 +59,11 @@ __all__ = ["Result", "Scheduler"]
 SaveKey = Tuple[str, int, str]  # (run id, step, dirname): one save
 
 
+class _CommitOver(CommitError):
+    """A part of a save whose commit is known here to have failed already (``Scheduler._commit_over``): not
+    written, no failure marker, and not recorded as the rank's error (its rank gets the commit's)."""
+
+
 @dataclass
 class Result:
     """The outcome of one save on this node."""
@@ -228,13 +233,27 @@ class Scheduler:
         res.part_ended.set()  # the commit's wait sees the failure now, not at its next peer check
         if run.world_size == 1:
             return  # nobody else waits for this save
-        if len(run.local_ranks) < run.world_size:  # ranks on other nodes learn it from a failure marker
+        if len(run.local_ranks) < run.world_size and not self._commit_over(run, key):
+            # ranks on other nodes learn it from a failure marker (none once the commit is over: see _commit_over)
             partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
             write_failure_marker(open_storage(fsync=run.fsync), partial, rank=rank, run_id=run.run_id,
                                  step=step, exc=P.error_from_record(rec))
             self.part_done(run.run_id, step, dirname, [rank])
         if key not in self.commits_started:
             self._start_commit(key, run, res, "", "", None)
+
+    def _commit_over(self, run: Run, key: SaveKey) -> bool:
+        """Whether the commit of save ``key`` is known here to have failed (called with the lock): it ended
+        failed on this node (the commit, or this node's watch of it), or, on another node than the
+        committer's, the committer's abort notice came. The committer then deletes, or has deleted, the
+        partial directory: a part or failure marker written into it now would re-create it, nobody would
+        delete it again (the committer's node only deletes after its own writers), and a later save of the
+        same step in this run (a crash flush, a retried save) would count that stale part, or fail at once
+        on that stale failure marker. Remote-only runs: never (their prefix is discarded on its own terms)."""
+        if run.remote_only:
+            return False
+        res = self.results.get(key)
+        return res is not None and (res.state == "failed" or (not run.committer and res.aborted_at is not None))
 
     def _start_commit(self, key: SaveKey, run: Run, res: Result, tracker_name: str, tracker_content: str,
                       tracker_gate: Optional[Callable[[Callable[[], None]], None]]) -> None:
@@ -386,6 +405,11 @@ class Scheduler:
                     discard = self.discarding.get((run.checkpoint_dir, dirname))
                 if discard is not None:  # a failed save of this directory is being deleted: not under our part
                     discard.wait()
+                with self.lock:
+                    over = self._commit_over(run, key)
+                if over:  # never re-create the partial directory the committer deleted (or is deleting)
+                    raise _CommitOver(f"step {step}: the commit of {dirname} already failed (see rank 0's error); "
+                                      f"rank {rank}'s part of it is not written")
                 if run.remote_only:  # straight from the slot to the object store
                     files = write_part_remote(store_for(run.checkpoint_dir), buf, index, s.dirname, rank=rank,
                                               run_id=run.run_id, step=step, on_data_read=lambda: self.slots.release(s))
@@ -440,12 +464,15 @@ class Scheduler:
                          total - st.get("ready", data))
                 with self.lock:
                     self.results[key].parts_done.add(rank)
+            elif isinstance(exc, _CommitOver):  # not a failure of its own: the rank gets the commit's error
+                log.info("rank %d step %d: %s", rank, step, exc)
             else:
                 log.error("rank %d step %d: writing the part failed: %s", rank, step, exc)
                 self.failed = True
                 with self.lock:  # recorded before the marker: the commit it ends must not win the race
                     self.results[key].part_errors[rank] = P.error_record(exc)
-                if storage is not None:  # remote-only: one node, whose commit learns it from part_errors
+                    over = self._commit_over(run, key)
+                if storage is not None and not over:  # remote-only: one node, its commit reads part_errors
                     write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=exc)
         finally:
             with self.lock:
