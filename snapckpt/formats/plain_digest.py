@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from array import array
 from itertools import chain, compress
 from operator import attrgetter, not_
@@ -93,6 +94,8 @@ def digest(name: str, key: List[Any], tensors_part: bytes) -> str:
 #: At most this many distinct (dtype, shape) pairs in a :func:`shape_table` (a restart makes a reference tensor of
 #: each: a state whose tensors nearly all differ in shape gets no table, and is checked tensor by tensor).
 TABLE_MAX_SHAPES = 4096
+# no tensor has this many bytes: a table's sizes stay below it, so its byte counts and their sums are int64s
+_MAX_NBYTES = 1 << 62
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
@@ -126,7 +129,8 @@ def shape_table(tensors: Sequence[torch.Tensor], facts: Facts) -> bytes:
 
 def read_table(data: bytes) -> Optional[ShapeTable]:
     """The :class:`ShapeTable` of :func:`shape_table`'s ``data``, or ``None`` when it is not one (damaged: an unknown
-    dtype, an index out of range, sizes that are not positive ints)."""
+    dtype, an index out of range, sizes that are not positive ints, a shape of ``2**62`` bytes or more: its byte
+    counts would not be int64s)."""
     try:
         cut = data.index(b"\n")
         head = json.loads(data[:cut])
@@ -136,8 +140,9 @@ def read_table(data: bytes) -> Optional[ShapeTable]:
         ids.frombytes(data[cut + 1:])
     except (ValueError, KeyError, TypeError):
         return None
-    if not all(0 <= c < len(kinds) and all(x > 0 for x in s) for c, s in shapes):
-        return None  # numel 0 is never a direct tensor, and a negative size no shape
+    if not all(0 <= c < len(kinds) and all(x > 0 for x in s) and math.prod(s) * kinds[c].itemsize < _MAX_NBYTES
+               for c, s in shapes):
+        return None  # numel 0 is never a direct tensor, a negative size no shape, and no tensor has 2**62 bytes
     if ids and not 0 <= min(ids) <= max(ids) < len(shapes):
         return None
     return ShapeTable(kinds, shapes, ids)

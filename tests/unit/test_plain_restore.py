@@ -531,6 +531,11 @@ def test_a_damaged_or_missing_shape_table_leaves_the_live_tensors_to_their_own_c
         "a tensor's index": lambda d: d[:head_end(d) + 1] + bytes([d[head_end(d) + 1] ^ 1]) + d[head_end(d) + 2:],
         "an index out of range": lambda d: d[:head_end(d) + 1] + b"\xff" * 4 + d[head_end(d) + 5:],
         "not a table": lambda d: b"\x00" * len(d),
+        # a table of one shape whose bytes are past int64 (every tensor's index 0): no tensor has it
+        "sizes past int64": lambda d: (b'{"kinds":["torch.float32"],"shapes":[[0,[99999999999,99999999999]]]}'
+                                       .ljust(head_end(d)) + b"\n" + bytes(len(d) - head_end(d) - 1)),
+        "a size of 2**63 - 1": lambda d: (b'{"kinds":["torch.float32"],"shapes":[[0,[9223372036854775807]]]}'
+                                          .ljust(head_end(d)) + b"\n" + bytes(len(d) - head_end(d) - 1)),
     }
     for what, edit in edits.items():
         fast, full = damaged(edit)
