@@ -288,6 +288,17 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
         _wait(req, next_read)
 
 
+
+def _put_back(storage: StorageWriter, aside: str, req: CommitRequest) -> None:
+    """Renames the copy a failed re-commit moved to ``aside`` back to ``req.final_dir``; logs (never raises, so the
+    commit's own error is what the caller sees) when that fails too: the next persister's
+    :func:`recover_interrupted_commits` then puts it back."""
+    try:
+        storage.rename(aside, req.final_dir)
+    except OSError as e:
+        log.warning("step %d: the committed %s stays at %s after the failed re-commit: %s", req.step, req.dirname,
+                    aside, e)
+
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
            remove_partial_on_failure: bool = True, defer_deletion: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the commit sequence for one step; return the manifest.
@@ -329,8 +340,15 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
                 aside = os.path.join(req.checkpoint_dir, f".{req.dirname}.replaced-{req.run_id}")
                 storage.remove_tree(aside)
                 storage.rename(req.final_dir, aside)
-                faults.point("commit.between_renames", step=req.step, rank=None)
-            storage.rename(req.partial_dir, req.final_dir)
+            try:
+                if aside is not None:
+                    faults.point("commit.between_renames", step=req.step, rank=None)
+                storage.rename(req.partial_dir, req.final_dir)
+            except BaseException:
+                if aside is not None:  # the committed copy stays loadable, not hidden until a restart
+                    _put_back(storage, aside, req)
+                    aside = None
+                raise
         storage.fsync_dir(req.checkpoint_dir)
         t_renamed = time.monotonic()
     except BaseException:

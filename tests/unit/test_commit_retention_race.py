@@ -97,3 +97,28 @@ def test_retention_never_retires_a_copy_recommitted_after_its_listing(tmp_path, 
     assert not os.path.exists(os.path.join(ckpt, _dirname(250)))
     assert not os.path.exists(os.path.join(ckpt, _dirname(100)))
     assert not os.path.exists(os.path.join(ckpt, partial_dirname(_dirname(200), RUN)))
+
+
+class _RenameFails(PosixStorage):
+    """Fails the rename of a partial directory into place (a re-commit's second rename), as a full or failing
+    filesystem would."""
+
+    def rename(self, src: str, dst: str) -> None:
+        if ".partial-" in os.path.basename(src):
+            raise OSError(5, "Input/output error (injected)")
+        super().rename(src, dst)
+
+
+def test_a_recommit_whose_rename_into_place_fails_leaves_the_committed_copy_in_place(tmp_path):
+    """A re-commit moves the committed copy aside, then renames its partial directory into place; when that
+    rename fails the commit raises, and the committed copy must be back under its name (loadable by this run),
+    not left hidden at ``.X.replaced-R`` until the next persister's recovery."""
+    ckpt = str(tmp_path)
+    plain = PosixStorage(fsync=False)
+    commit(plain, plain, _request(ckpt, 200, 1, None))
+    resave = _request(ckpt, 200, 2, None)
+    with pytest.raises(OSError, match="injected"):
+        commit(_RenameFails(fsync=False), plain, resave)
+    with open(os.path.join(ckpt, _dirname(200), MANIFEST)) as f:
+        assert json.load(f)["requested_unix"] == 1  # the first copy, under its own name
+    assert not [n for n in os.listdir(ckpt) if ".replaced-" in n]
