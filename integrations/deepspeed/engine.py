@@ -29,7 +29,7 @@ from snapckpt.integrations.deepspeed.save import DeepSpeedSaver, PendingSave
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("snapckpt.deepspeed needs DeepSpeed: pip install 'snapckpt[deepspeed]'") from e
+    raise ImportError("snapckpt.deepspeed needs DeepSpeed: pip install '.[deepspeed]' in your snapckpt clone") from e
 
 __all__ = ["SnapckptCheckpointEngine"]
 

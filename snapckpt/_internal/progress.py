@@ -1,7 +1,7 @@
 """Byte progress bars on stderr for long reads (``tqdm`` when installed, else nothing).
 
 Used by the CLI (``verify``, ``inspect``) and by :meth:`snapckpt.Checkpointer.load` when it verifies a
-large checkpoint on disk. ``tqdm`` is optional (``pip install snapckpt[cli]``); without it, or when the
+large checkpoint on disk. ``tqdm`` is optional (``pip install '.[cli]'`` in a snapckpt clone); without it, or when the
 bar is disabled, a no-op object with the same ``update``/``close`` methods is returned.
 """
 from __future__ import annotations

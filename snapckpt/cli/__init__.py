@@ -45,7 +45,7 @@ no pickled code runs. A file holding other Python objects (an ``argparse.Namespa
 refused; ``--trust`` loads it with ``weights_only=False``, which runs its pickle and can execute
 arbitrary code: pass it only for checkpoints you trust.
 
-Progress bars (``tqdm`` when installed: ``pip install snapckpt[cli]``) go to stderr, shown when stderr
+Progress bars (``tqdm`` when installed: ``pip install '.[cli]'`` in a snapckpt clone) go to stderr, shown when stderr
 is a terminal or with ``--progress``; ``--no-progress`` turns them off. The CLI needs the core only; it
 never imports a training framework.
 

@@ -83,7 +83,7 @@ class RemoteStore:
 
     Raises:
         RemoteStorageError: the URL has no scheme, or fsspec has no implementation for it installed
-            (the message names the package to install: ``pip install snapckpt[s3]`` for ``s3://``).
+            (the message names the package to install: ``pip install '.[s3]'`` in a snapckpt clone for ``s3://``).
     """
 
     def __init__(self, url: str, role: str = "remote_dir") -> None:
@@ -116,11 +116,11 @@ class RemoteStore:
         except ImportError as e:
             raise RemoteStorageError(
                 f"{role} {self.url!r}: the fsspec implementation for this scheme is not installed ({e}); "
-                "for s3:// install the s3 extra: pip install 'snapckpt[s3]'") from e
+                "for s3:// install the s3 extra: pip install '.[s3]' in your snapckpt clone (s3fs)") from e
         except ValueError as e:  # an unknown protocol
             hint = " (URL schemes are lower case)" if scheme != scheme.lower() else ""
-            raise RemoteStorageError(f"{role} {self.url!r}: {e}{hint}; supported: s3:// (pip install "
-                                     "'snapckpt[s3]'), or any fsspec URL whose implementation is installed") from e
+            raise RemoteStorageError(f"{role} {self.url!r}: {e}{hint}; supported: s3:// (pip install '.[s3]' "
+                                     "in your snapckpt clone), or any fsspec URL whose implementation is installed") from e
         except Exception as e:  # a filesystem that connects in its constructor (ftp://, sftp://): host unknown...
             raise RemoteStorageError(f"{role} {self.url!r} cannot be reached: {type(e).__name__}: "
                                      f"{str(e)[:300]}; check the host in the URL and the network") from e
