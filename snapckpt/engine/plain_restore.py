@@ -22,8 +22,11 @@ copy; a slot whose index names a shape table (:func:`~snapckpt.formats.plain_dig
 and shape once, each tensor's index among them) is checked without that (:func:`_find_by_table`): the tensors' share
 of the digest is derived from the table, and one ``TensorGuards`` check (C++) made from a reference tensor per
 shape confirms that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
-before. In a restarted process the slot's mapping is new: its pages are mapped by one ``MADV_POPULATE_READ`` on a
-thread while the live state is checked (:func:`_map_ahead`), not faulted in one by one by the copy.
+before. In a restarted process the slot's mapping is new. When every tensor is small (``memmove`` calls on one
+thread, a page fault per 4 KiB page otherwise) the slot is first mapped by one ``MADV_POPULATE_READ``. With large
+tensors it is not: torch copies them on several threads whose page faults map their spans in parallel, and one
+thread mapping the whole slot, ahead or after, made the restart of 0.5 GiB in 64 tensors slower (recovery.py, paired:
+copy 0.042-0.051 s without it, 0.064-0.077 s with it).
 """
 from __future__ import annotations
 
@@ -31,7 +34,6 @@ import ctypes
 import gc
 import math
 import re
-import threading
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -91,22 +93,19 @@ class PlainCopies:
     dicts: List[dict]
     keys: List[Any]
     values: List[Any]
-    end: int = 0  # the end of the last span (slot bytes): mapped before the copy; 0: the mapping is the saves'
-    mapping: Optional[threading.Thread] = None  # mapping the slot meanwhile (see find): joined before the copy
+    end: int = 0  # the end of the last span (slot bytes): mapped before the small copies; 0: the saves' mapping
 
     def run(self) -> None:
         """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
         if self.slot.tensor is None:
             raise SnapshotError(f"the mapping of {self.slot.path} was closed before the restore copied from it")
-        if self.mapping is not None:  # a restart's fresh mapping: one call, not a fault per page in the copy
-            self.mapping.join()
-        elif self.end:
-            self.slot.map_for_reading(self.end)
         deque(map(setitem, self.dicts, self.keys, self.values), maxlen=0)
         if self.large_dsts:
             with torch.no_grad():  # a Parameter's copy must not enter autograd
                 torch._foreach_copy_(self.large_dsts, self.large_srcs)
         if self.small:
+            if self.end and not self.large_dsts:  # a restart's fresh mapping: one call, not a fault per page
+                self.slot.map_for_reading(self.end)
             deque(map(_MEMMOVE, self.dst_ptrs, self.src_ptrs, self.nbytes), maxlen=0)
             torch.autograd.graph.increment_version(self.small)  # as an in-place copy would
 
@@ -129,7 +128,6 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
     table_at = (int(head[5]), int(head[6])) if head[5] is not None else None
     if values_at[0] + values_at[1] > index_offset or (table_at is not None and sum(table_at) > index_offset):
         return None  # not where the Stager puts them (before the index): a damaged index
-    mapping = _map_ahead(mapped, index_offset)
     enabled = gc.isenabled()
     gc.disable()  # a state of many tensors: no full collections while its layout is read
     try:
@@ -140,24 +138,12 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
         # a miss of the table's check is not a refusal: the tensor-by-tensor check decides (slower, same outcome)
         if found is None:
             found = _find(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at)
-        if isinstance(found, PlainCopies):
-            found.mapping = mapping
+        if isinstance(found, PlainCopies) and hasattr(mapped, "map_for_reading"):
+            found.end = index_offset
         return found
     finally:
         if enabled:
             gc.enable()
-
-
-def _map_ahead(mapped: MappedSlot, upto: int) -> Optional[threading.Thread]:
-    """Map the slot's first ``upto`` bytes on a thread (:meth:`MappedSlot.map_for_reading`, whose ``madvise``
-    releases the GIL) while this one checks the live state: a restart's mapping is new, and its pages would
-    otherwise be faulted in by the copy. ``None`` for a buffer without that method."""
-    fn = getattr(mapped, "map_for_reading", None)
-    if fn is None:
-        return None
-    t = threading.Thread(target=fn, args=(upto,), name="snapckpt-map-slot", daemon=True)
-    t.start()
-    return t
 
 
 def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int,
