@@ -36,6 +36,31 @@ def test_memory_and_disk_round_trip(snap_env):
     assert wait_until(lambda: not os.listdir(runtime), timeout=15), os.listdir(runtime)
 
 
+def test_the_documented_loop_ends_without_waiting_for_a_slot(snap_env):
+    """README's loop (memory every 5 steps, disk every 20, save_on_train_end) over 25 steps: the final DISK save of
+    step 25 comes while step 20 is being written and step 25's memory snapshot holds the other slot; train_end
+    waits for step 20's commit first, so it gets a slot without a ``slot_wait`` (its warning reads as a
+    misconfigured interval), and step 25 is on disk."""
+    from snapckpt import HookRegistry, SnapshotPolicy
+
+    state = {"w": torch.zeros(1 << 16), "step": 0}
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        kinds = []
+        ck.add_listener(lambda e: kinds.append(e.kind))
+        hooks = HookRegistry(ck, lambda: state, SnapshotPolicy(memory_interval_steps=5, disk_interval_steps=20,
+                                                               save_on_train_end=True))
+        for step in range(1, 26):
+            hooks.before_optimizer_step()
+            state["w"].add_(1.0)
+            state["step"] = step
+            hooks.step_end(step)
+        hooks.train_end()
+        assert "slot_wait" not in kinds, kinds
+        assert kinds.count("committed") == 2, kinds  # steps 20 and 25
+    on_disk = torch.load(f"{snap_env.ckpt_dir}/step_00000025/rank_00000.pt", weights_only=True)
+    assert on_disk["step"] == 25 and torch.equal(on_disk["w"], torch.full((1 << 16,), 25.0))
+
+
 def test_persister_runs_under_batch_scheduling_so_its_wake_up_does_not_preempt_the_rank(snap_env):
     """A rank's ``ready`` wakes the persister to write; under SCHED_BATCH it does not take the rank's CPU there."""
     with Checkpointer(snap_env.ckpt_dir) as ck:

@@ -130,8 +130,12 @@ class HookRegistry:
                 self._last_disk_step = step
 
     def train_end(self) -> None:
-        """Call once after the last step: optional final DISK save, then wait for every commit."""
+        """Call once after the last step: optional final DISK save, then wait for every commit.
+
+        The earlier commits are waited for before that save: a slot still being written would otherwise make it
+        wait for the persister anyway, with a ``slot_wait`` warning that reads as a misconfigured interval."""
         if (self.policy.save_on_train_end and self._last_step is not None
                 and self._last_disk_step != self._last_step):
+            self.checkpointer.wait()
             self.checkpointer.save(self.state_fn(), self._last_step, storage_type=StorageType.DISK)
         self.checkpointer.wait()

@@ -108,7 +108,7 @@ def test_train_end_saves_the_last_step_to_disk_only_if_it_is_not_there():
     hooks.step_end(3)
     ck.calls.clear()
     hooks.train_end()
-    assert ck.calls == [("save", "S", 3, DISK), ("wait",)]
+    assert ck.calls == [("wait",), ("save", "S", 3, DISK), ("wait",)]
 
 
 def test_a_skipped_snapshot_does_not_count_as_the_last_disk_save():
@@ -117,7 +117,7 @@ def test_a_skipped_snapshot_does_not_count_as_the_last_disk_save():
     hooks.step_end(1)
     ck.calls.clear()
     hooks.train_end()
-    assert ck.calls == [("save", "S", 1, DISK), ("wait",)]
+    assert ck.calls == [("wait",), ("save", "S", 1, DISK), ("wait",)]
 
 
 def test_train_end_without_steps_or_option_only_waits():
