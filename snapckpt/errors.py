@@ -53,7 +53,7 @@ class InsufficientDiskError(PreflightError):
 
 
 class CheckpointDirError(PreflightError):
-    """The checkpoint directory cannot be created or written."""
+    """The checkpoint directory cannot be created or written, or is not the one this checkpointer was made for."""
 
 
 class RemoteStorageError(PreflightError):
@@ -73,6 +73,12 @@ class SnapshotError(SnapckptError):
 
 class SlotBusyError(SnapckptError):
     """No arena slot became free in time: the persister still holds every slot of this rank."""
+
+
+class CheckpointerClosedError(SnapckptError):
+    """The Checkpointer is closed (``close()``, the end of its ``with`` block, or an integration's own close such
+    as the DeepSpeed engine's ``destroy()``): it saves and loads nothing more. Create a new ``Checkpointer`` over
+    the same directory to go on; it resumes from what the closed one committed."""
 
 
 class PersisterError(SnapckptError):

@@ -35,6 +35,30 @@ def test_P6a_bad_step_is_a_clear_value_error(snap_env):
         assert ck.latest_step() == 2**63 - 1
 
 
+def test_a_closed_checkpointer_names_its_state_and_the_fix(snap_env):
+    """save, load and latest_step on a closed Checkpointer raise CheckpointerClosedError (never a bare
+    SnapckptError, docs/troubleshooting.md) whose message says what to do."""
+    from snapckpt.errors import CheckpointerClosedError
+
+    ck = Checkpointer(snap_env.ckpt_dir)
+    ck.save({"w": torch.ones(4)}, 1, StorageType.DISK).wait()
+    ck.close()
+    for call in (lambda: ck.save({"w": torch.ones(4)}, 2), ck.load, ck.latest_step):
+        with pytest.raises(CheckpointerClosedError, match="create a new Checkpointer"):
+            call()
+    with Checkpointer(snap_env.ckpt_dir) as again:  # the fix the message names
+        assert again.latest_step() == 1
+
+
+def test_a_malformed_replicas_variable_fails_the_constructor_before_a_persister_starts(snap_env, monkeypatch):
+    """docs/operations.md: SNAPCKPT_REPLICAS that is not a non-negative integer is a ValueError when the
+    Checkpointer starts, not at its first save (by then a persister was started for nothing)."""
+    monkeypatch.setenv("SNAPCKPT_REPLICAS", "-1")
+    with pytest.raises(ValueError, match="SNAPCKPT_REPLICAS='-1' must be a non-negative integer"):
+        Checkpointer(snap_env.ckpt_dir)
+    assert snap_env.persisters() == []  # none was started
+
+
 def test_unsupported_tensors_name_the_conversion(snap_env):
     with Checkpointer(snap_env.ckpt_dir) as ck:
         with pytest.raises(SnapshotError, match=r"to_dense\(\)"):

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from snapckpt import Checkpointer, SnapshotPolicy
-from snapckpt.errors import SnapckptError
+from snapckpt.errors import CheckpointDirError
 from snapckpt.events import Event, StorageType
 from snapckpt.metrics import event_metrics
 
@@ -100,7 +100,7 @@ class DeepSpeedCheckpointer:
 
     def _check_dir(self, path, what: str) -> None:
         if not same_directory(path, self.checkpoint_dir):
-            raise SnapckptError(f"{what}({os.fspath(path)!r}) but this DeepSpeedCheckpointer uses "
+            raise CheckpointDirError(f"{what}({os.fspath(path)!r}) but this DeepSpeedCheckpointer uses "
                                 f"{self.checkpoint_dir!r}; use one DeepSpeedCheckpointer per checkpoint directory")
 
     # -------------------------------------------------------------------------------------- save

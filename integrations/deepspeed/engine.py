@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from snapckpt.errors import CheckpointNotFoundError, SnapckptError
+from snapckpt.errors import CheckpointNotFoundError, SnapshotError
 
 from snapckpt.integrations.deepspeed.layout import check_tag
 from snapckpt.integrations.deepspeed.save import DeepSpeedSaver, PendingSave
@@ -86,7 +86,7 @@ class SnapckptCheckpointEngine(CheckpointEngine):
         ``save_16bit_model``) or of a save elsewhere is written at once by DeepSpeed's own engine.
 
         Raises:
-            SnapckptError: DeepSpeed saved the same file twice in one checkpoint.
+            SnapshotError: DeepSpeed saved the same file twice in one checkpoint.
         """
         p = self._pending
         if p is None or p.passthrough or os.path.dirname(os.path.abspath(path)) != p.tag_dir:
@@ -94,7 +94,8 @@ class SnapckptCheckpointEngine(CheckpointEngine):
             return
         name = os.path.basename(path)
         if name in p.files:
-            raise SnapckptError(f"DeepSpeed saved {name!r} twice in one checkpoint")
+            raise SnapshotError(f"DeepSpeed saved {name!r} twice in one checkpoint (each file is saved once per "
+                                "tag: a custom checkpoint engine or model code that saves it again)")
         p.files[name] = self._saver.wrap(name, state_dict)
         if len(p.files) >= p.expected:
             self._pending = None

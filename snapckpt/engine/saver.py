@@ -34,10 +34,11 @@ from snapckpt.engine.device_copy import CudaCopier, has_cuda_sources
 from snapckpt.engine.handle import SaveHandle
 from snapckpt.engine.preflight import host_memory_shortfall, slot_limit
 from snapckpt.engine.restore import check_step
-from snapckpt.engine.session import PersisterSession
+from snapckpt.engine.session import CLOSED, PersisterSession
 from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.engine.stager import Stager
-from snapckpt.errors import CheckpointDirError, InsufficientDiskError, SlotBusyError, SnapckptError
+from snapckpt.errors import (CheckpointDirError, CheckpointerClosedError, InsufficientDiskError, SlotBusyError,
+                             SnapckptError)
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.metrics import summary_line
 from snapckpt.ondisk import dirclaim
@@ -320,7 +321,7 @@ class Saver:
             CheckpointDirError: the lock file cannot be used.
         """
         if self._session.closed:
-            raise SnapckptError("this Checkpointer is closed")
+            raise CheckpointerClosedError(CLOSED)
         mine: Dict[str, Any] = {"ok": True}
         err: Optional[BaseException] = None
         if self._rank == 0:

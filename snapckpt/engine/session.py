@@ -15,9 +15,12 @@ from typing import Any, Dict, Optional
 
 from snapckpt.dist.topology import Topology
 from snapckpt.engine.slot_maps import SlotMaps
-from snapckpt.errors import PersisterDiedError, SnapckptError
+from snapckpt.errors import CheckpointerClosedError, PersisterDiedError, SnapckptError
 from snapckpt.options import CheckpointOptions
 from snapckpt.persister.client import PersisterClient, job_dirs
+
+#: The message of a call to a closed Checkpointer.
+CLOSED = "this Checkpointer is closed: create a new Checkpointer over the same directory to save or load again"
 
 __all__ = ["PersisterSession"]
 
@@ -117,11 +120,11 @@ class PersisterSession:
         """Send one request (reconnecting first if the persister went away); return its reply.
 
         Raises:
-            SnapckptError: the Checkpointer is closed.
+            CheckpointerClosedError: the Checkpointer is closed.
             PersisterDiedError / PersisterTimeoutError: the persister died or hangs; its own error records.
         """
         if self.closed:
-            raise SnapckptError("this Checkpointer is closed")
+            raise CheckpointerClosedError(CLOSED)
         if not self.client.connected:
             self.connect()
         return self.client.request(op, **fields)
@@ -130,7 +133,7 @@ class PersisterSession:
         """Send one request without waiting for its answer (:meth:`PersisterClient.post`); as :meth:`request`
         otherwise."""
         if self.closed:
-            raise SnapckptError("this Checkpointer is closed")
+            raise CheckpointerClosedError(CLOSED)
         if not self.client.connected:
             self.connect()
         self.client.post(op, **fields)

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import xxhash
 
 from snapckpt._internal import faultpoints
-from snapckpt.errors import PersisterError, SnapckptError
+from snapckpt.errors import PersisterError
 from snapckpt.persister import channel
 from snapckpt.persister.commit_notices import NOTICE_OPS
 from snapckpt.persister.arena import map_slot
@@ -489,12 +489,12 @@ def check_secret(secret_hex: str) -> bytes:
     """The run secret from its hex form (at least 16 bytes).
 
     Raises:
-        SnapckptError: not hex, or too short.
+        PersisterError: not hex, or too short.
     """
     try:
         secret = bytes.fromhex(secret_hex)
     except ValueError as e:
-        raise SnapckptError("the peer channel's secret is not hex") from e
+        raise PersisterError("the peer channel's secret is not hex") from e
     if len(secret) < 16:
-        raise SnapckptError("the peer channel's secret is shorter than 16 bytes")
+        raise PersisterError("the peer channel's secret is shorter than 16 bytes")
     return secret
