@@ -153,6 +153,19 @@ def test_cli_B2_ls_shows_committed_incomplete_damaged_and_latest(snap_env):
     assert "warning: latest names 'step_00000002', which is damaged (see its row" in r.stdout
 
 
+def test_cli_ls_and_verify_of_a_runs_parent_name_the_checkpoint_directory_in_it(snap_env):
+    """``snapckpt ls runs/x`` when the checkpoints are in ``runs/x/checkpoints`` (an easy slip) names that
+    directory; so does ``verify``'s usage error (exit 2)."""
+    run = os.path.join(os.path.dirname(snap_env.ckpt_dir), "run_x")
+    ckpt = os.path.join(run, "checkpoints")
+    save_steps(ckpt, {1: {"w": torch.ones(3)}})
+    os.makedirs(os.path.join(run, "logs"))
+    r = cli("ls", run)
+    assert r.returncode == 0 and f"no checkpoint directories in {run} (did you mean {ckpt}?)" in r.stdout, r
+    r = cli("verify", run)
+    assert r.returncode == 2 and f"(did you mean {ckpt}?)" in r.stderr, r
+
+
 def test_cli_ls_lists_two_tags_committed_at_one_step(snap_env):
     """Two directories (tags ``same`` and ``m``, the way the DeepSpeed integration names them) committed
     at one step, plus a plain step. Right behaviour: ``ls`` lists every committed directory, both rows

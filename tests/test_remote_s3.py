@@ -553,6 +553,26 @@ def test_H_remote_only_refusals_at_construction(snap_env, s3_bucket):
     assert not s3_bucket.keys("run/")
 
 
+def test_cli_on_a_store_it_cannot_list_names_what_to_check(monkeypatch, capsys):
+    """``snapckpt ls`` and ``verify`` of a URL whose store refuses the listing (here: no credentials at all) exit 2
+    with the cause and what to check, as the API's probe error does (they printed the cause alone). No server is
+    needed: the client fails before any request."""
+    from snapckpt.cli.main import main as cli
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for cmd in ("ls", "verify"):
+        with pytest.raises(SystemExit) as ei:
+            cli([cmd, "s3://nobucket/run"])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "cannot be listed: NoCredentialsError" in err and "the endpoint (AWS_ENDPOINT_URL" in err, err
+
+
 def test_H_remote_only_missing_bucket_is_named_by_the_cli_and_by_a_save_after_its_deletion(snap_env, s3_bucket,
                                                                                              capsys):
     """A missing bucket is never read as an empty prefix: ``snapckpt ls`` and ``verify`` of a URL whose bucket

@@ -75,6 +75,34 @@ def checkpoint_dir(parser: argparse.ArgumentParser, d: str) -> str:
     return d
 
 
+def nested_checkpoint_dirs(d: str, limit: int = 3) -> List[str]:
+    """Up to ``limit`` sub-directories of ``d`` that are themselves checkpoint directories (a step directory in
+    them holds a manifest): what a user who passed a run's parent directory meant (``runs/x`` for
+    ``runs/x/checkpoints``). Reads two levels of names and one ``stat`` per step directory; unreadable ones are
+    passed over."""
+    found: List[str] = []
+    try:
+        children = sorted(e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return found
+    for child in children:
+        try:
+            steps = [e.path for e in os.scandir(child) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        if any(os.path.exists(os.path.join(s, MANIFEST)) for s in steps):
+            found.append(child)
+            if len(found) == limit:
+                break
+    return found
+
+
+def did_you_mean(d: str) -> str:
+    """`` (did you mean <x>?)`` naming :func:`nested_checkpoint_dirs` of ``d``, or ``""``."""
+    nested = nested_checkpoint_dirs(d)
+    return f" (did you mean {' or '.join(nested)}?)" if nested else ""
+
+
 def report_verified(target: str, as_json: bool, unreadable: List[str], committed: List[Any],
                     problems_of: Callable[[Any], Optional[List[str]]]) -> int:
     """Check and print ``snapckpt verify``'s result (local directory or URL alike); return its exit code.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from snapckpt._internal.env import runtime_dir
-from snapckpt.cli.common import bad_records, checkpoint_dir, dir_bytes, human_bytes, print_json, table
+from snapckpt.cli.common import bad_records, checkpoint_dir, did_you_mean, dir_bytes, human_bytes, print_json, table
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN, TRACKER
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, check_sizes, parse_manifest
@@ -169,7 +169,7 @@ def cmd_ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         ",".join(named.get(i, [])), r.note])
         print(table(out))
     else:
-        print(f"no checkpoint directories in {d}")
+        print(f"no checkpoint directories in {d}{did_you_mean(d)}")
     for n in notes:
         print(f"warning: {n}")
     if others:

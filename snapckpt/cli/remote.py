@@ -85,7 +85,7 @@ def ls_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if not hits:
                 notes.append(f"{tracker} names {content!r}, which is not a committed checkpoint here")
     except Exception as e:
-        parser.error(f"{args.dir}: cannot be listed: {type(e).__name__}: {str(e)[:300]}")
+        parser.error(_unlistable(args.dir, e))
     if getattr(args, "json", False):
         print_json({"dir": args.dir, "checkpoints": rows, "warnings": notes, "other_directories": 0})
         return 0
@@ -102,6 +102,12 @@ def ls_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+
+def _unlistable(url: str, e: BaseException) -> str:
+    """The message of a store that cannot be listed: the cause, then what to check (as the API's probe says)."""
+    return (f"{url}: cannot be listed: {type(e).__name__}: {str(e)[:300]}; check the URL, the endpoint "
+            "(AWS_ENDPOINT_URL for an S3-compatible server), the network and the credentials")
+
 def verify_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``snapckpt verify URL [STEP]``: every object of every committed checkpoint (or of STEP) streamed back
     and checked against its manifest record; the same output and exit codes as ``verify DIR`` (1 on any
@@ -111,7 +117,7 @@ def verify_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         committed = store.list_committed(problems_all)
     except Exception as e:
-        parser.error(f"{args.dir}: cannot be listed: {type(e).__name__}: {str(e)[:300]}")
+        parser.error(_unlistable(args.dir, e))
     if args.step is not None:
         committed = [c for c in committed if c.step == args.step]
         problems_all = []

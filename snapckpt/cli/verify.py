@@ -18,7 +18,7 @@ import argparse
 import os
 from typing import List, Optional
 
-from snapckpt.cli.common import bad_records, bar, checkpoint_dir, report_verified
+from snapckpt.cli.common import bad_records, bar, checkpoint_dir, did_you_mean, report_verified
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN
 from snapckpt.ondisk.manifest import check_checksums, list_committed
@@ -73,7 +73,7 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     else:
         chosen = committed
         if not chosen and not bad_manifests:
-            parser.error(f"no committed checkpoint in {d} (see `snapckpt ls {d}`)")
+            parser.error(f"no committed checkpoint in {d}{did_you_mean(d)} (see `snapckpt ls {d}`)")
     def problems_of(c) -> Optional[List[str]]:
         problems = _verify_one(args, reader, c)
         return None if problems and not os.path.isdir(c.path) else problems  # None: retired meanwhile
