@@ -288,7 +288,6 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
         _wait(req, next_read)
 
 
-
 def _put_back(storage: StorageWriter, aside: str, req: CommitRequest) -> None:
     """Renames the copy a failed re-commit moved to ``aside`` back to ``req.final_dir``; logs (never raises, so the
     commit's own error is what the caller sees) when that fails too: the next persister's
@@ -298,6 +297,7 @@ def _put_back(storage: StorageWriter, aside: str, req: CommitRequest) -> None:
     except OSError as e:
         log.warning("step %d: the committed %s stays at %s after the failed re-commit: %s", req.step, req.dirname,
                     aside, e)
+
 
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
            remove_partial_on_failure: bool = True, defer_deletion: Optional[List[str]] = None) -> Dict[str, Any]:
