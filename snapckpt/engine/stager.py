@@ -756,9 +756,9 @@ class Stager:
             layout.tail_key, layout.tail, layout.files_json, layout.tail_end = tail_key, tail, files_json, tail_end
             layout.restore_ok = None
             layout.index_head, values = _plain_head(files, specs, keys, layout, direct, replaced)
-            if values:  # after the pickle, before the index (which says where)
-                layout.tail.append((layout.tail_end, values))
-                layout.tail_end += len(values)
+            for part in values:  # after the pickle, before the index (which says where)
+                layout.tail.append((layout.tail_end, part))
+                layout.tail_end += len(part)
         tail, offset = list(layout.tail), layout.tail_end
         index = index_bytes(step, layout)  # json.dumps' bytes, the step spliced in
         tail.append((offset, index))
@@ -967,17 +967,17 @@ def index_bytes(step: int, layout: _Layout) -> bytes:
 
 
 def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: _Layout,
-                direct: Sequence[torch.Tensor], replaced: Optional[List[Any]] = None) -> Tuple[bytes, bytes]:
+                direct: Sequence[torch.Tensor], replaced: Optional[List[Any]] = None) -> Tuple[bytes, List[bytes]]:
     """``(the index's "plain":"<hex>","values":[<offset>,<nbytes>],"table":[<offset>,<nbytes>], entries, the values'
-    bytes then the table's)`` when the snapshot is one plain file whose every tensor is its own whole CPU span and
-    whose replaced values hold no tensor (:mod:`snapckpt.formats.plain_digest`, :mod:`snapckpt.engine.plain_values`;
-    the bytes go at ``layout.tail_end``; no ``"table"`` when :func:`shape_table` gives none); ``(b"", b"")``
+    bytes and the table's, written in that order)`` when the snapshot is one plain file whose every tensor is its
+    own whole CPU span and whose replaced values hold no tensor (:mod:`snapckpt.formats.plain_digest`, :mod:`snapckpt.engine.plain_values`;
+    the bytes go at ``layout.tail_end``; no ``"table"`` when :func:`shape_table` gives none); ``(b"", [])``
     otherwise. ``replaced``: those values when the file's memo found them (no walk), else ``None``."""
     if len(keys) != 1 or keys[0] is None or not layout.direct_all:
-        return b"", b""
+        return b"", []
     values = pack(specs[0][0].obj) if replaced is None else pack_values(replaced)
     if values is None:
-        return b"", b""
+        return b"", []
     if layout.plain_part is None:
         facts = Facts(direct)
         layout.plain_part = tensor_part(facts, [d[0] for d in layout.direct_dst])
@@ -995,7 +995,7 @@ def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: 
     table = layout.plain_table
     if table:
         head += b'"table":[%d,%d],' % (layout.tail_end + len(values), len(table))
-    return head, values + table
+    return head, [values, table] if table else [values]  # the table is the layout's own: not copied
 
 
 def _check_concat_tensor(t: torch.Tensor) -> None:

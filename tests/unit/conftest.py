@@ -7,6 +7,8 @@ import sys
 import psutil
 import pytest
 
+from snapckpt._internal import faultpoints
+
 FRAMEWORKS = ("deepspeed", "megatron", "transformers", "accelerate", "peft")
 
 
@@ -22,3 +24,14 @@ def _pure_unit_test():
     assert not started, f"a unit test started processes: {[(p.pid, p.name()) for p in started]}"
     imported = sorted(m for m in set(sys.modules) - loaded if m.split(".")[0] in FRAMEWORKS)
     assert not imported, f"a unit test imported a training framework: {imported[:5]}"
+
+
+@pytest.fixture
+def arm(monkeypatch):
+    """``arm(spec)``: sets ``SNAPCKPT_FAULT_POINT`` to ``spec`` for this test and makes the fault points read it
+    again (they parse it once per process)."""
+    def _arm(spec: str) -> None:
+        monkeypatch.setenv("SNAPCKPT_FAULT_POINT", spec)
+        monkeypatch.setattr(faultpoints, "_specs", None)
+        monkeypatch.setattr(faultpoints, "_hits", {})
+    return _arm

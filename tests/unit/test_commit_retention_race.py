@@ -11,7 +11,6 @@ import threading
 
 import pytest
 
-from snapckpt._internal import faultpoints
 from snapckpt.ondisk.manifest import MANIFEST, part_marker_name, partial_dirname
 from snapckpt.persister.commit import CommitRequest, commit
 from snapckpt.storage import PosixStorage
@@ -50,15 +49,6 @@ class _SeesListing(PosixStorage):
         if path == self.ckpt:
             self.listed.set()
         return out
-
-
-@pytest.fixture
-def arm(monkeypatch):
-    def _arm(spec: str) -> None:
-        monkeypatch.setenv("SNAPCKPT_FAULT_POINT", spec)
-        monkeypatch.setattr(faultpoints, "_specs", None)
-        monkeypatch.setattr(faultpoints, "_hits", {})
-    return _arm
 
 
 def test_retention_never_retires_a_copy_recommitted_after_its_listing(tmp_path, arm):

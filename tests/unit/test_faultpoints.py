@@ -6,15 +6,6 @@ import pytest
 from snapckpt._internal import faultpoints
 
 
-@pytest.fixture
-def arm(monkeypatch):
-    def _arm(spec: str) -> None:
-        monkeypatch.setenv("SNAPCKPT_FAULT_POINT", spec)
-        monkeypatch.setattr(faultpoints, "_specs", None)
-        monkeypatch.setattr(faultpoints, "_hits", {})
-    return _arm
-
-
 def test_wait_holds_the_point_until_the_file_exists(arm, tmp_path):
     release = tmp_path / "release"
     arm(f"commit.before_rename:step=2:action=wait:path={release}:secs=30")
