@@ -155,6 +155,7 @@ class Loader:
         self._warned_no_common = False  # the "no step held by every rank" warning, said once
         self._warned_damaged: Set[str] = set()  # damaged directories warned of: latest_step() + load() say it once
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
+        self._listed: Dict[str, List[Any]] = {}  # dirname -> _identity of the manifest rank 0 listed
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
         self._remote_only = remote_only
@@ -194,7 +195,7 @@ class Loader:
         if self.rank == 0:
             for c in self._list_committed(step, problems):
                 saved = c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))
-                disk.append([c.step, c.dirname, c.manifest["world_size"], saved])
+                disk.append([c.step, c.dirname, c.manifest["world_size"], saved, _identity(c.manifest)])
             for p in problems:
                 if p not in self._warned_damaged:
                     self._warned_damaged.add(p)
@@ -218,6 +219,7 @@ class Loader:
         wrong = [d for d in disk_all if d[2] != self.world_size]
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
         self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]
+        self._listed = {d[1]: d[4] for d in disk_ok}
         cands = ranked(tier, disk_ok)
         self._warn_interrupted(reply, cands)
         fetched = self._fetch_remote(everyone[0]["remote"], disk_all, cands, step)
@@ -383,8 +385,7 @@ class Loader:
         if self._remote_only:
             m, _ = self._read_remote(dirname)
             return m
-        mpath = os.path.join(path, MANIFEST)
-        m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
+        m = self._manifest(path, dirname)
         if self.options.verify_checksums:
             mine = sum(int(r.get("nbytes", 0)) for r in m["files"].values() if r.get("rank") == self.rank)
             # A bar for a long read (>= 1 GiB), on local rank 0 only, when its stderr is a terminal.
@@ -393,6 +394,26 @@ class Loader:
                 check_checksums(self._storage, path, m, rank=self.rank, progress=bar.update)
         else:
             check_sizes(self._storage, path, m, rank=self.rank)
+        return m
+
+    def _manifest(self, path: str, dirname: str) -> Dict[str, Any]:
+        """The manifest of the committed directory ``path``, checked to be the copy rank 0 listed when the ranks
+        agreed on the candidates.
+
+        Raises:
+            CheckpointCorruptError: unreadable or invalid, or another copy: the job saving there committed
+                ``dirname`` again (a save after a rewind) since the listing. Each copy is whole, so without this
+                check some ranks could load the old copy and others the new one, with no error anywhere.
+        """
+        mpath = os.path.join(path, MANIFEST)
+        m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
+        listed = self._listed.get(dirname)
+        if listed is not None and _identity(m) != listed:
+            raise CheckpointCorruptError(
+                f"{path} was committed again while this load read it (the ranks agreed on the copy of run "
+                f"{listed[0]} committed at {listed[1]}, this rank found run {m.get('run_id')} committed at "
+                f"{m.get('created_unix')}: the job saving there saved step {m.get('step')} again); refused on "
+                "every rank so that no rank loads another copy than the others (load it again to get the new copy)")
         return m
 
     def read(self, cand: LoadCandidate, views: bool = False, slot: Optional[MappedSlot] = None) -> Dict[str, Any]:
@@ -458,8 +479,7 @@ class Loader:
         name = layout.rank_filename(self.rank)
         if self._remote_only:  # read into memory from the store, then copied into dst by the caller
             return self.read(cand)[name], frozenset()
-        mpath = os.path.join(cand.path, MANIFEST)
-        m = parse_manifest(self._storage.read_bytes(mpath), cand.dirname, source=mpath)
+        m = self._manifest(cand.path, cand.dirname)
         mine = [n for n, rec in m["files"].items() if rec["rank"] == self.rank]
         rec = m["files"].get(name)
         if mine != [name] or rec.get("kind", "torch") != "torch":
@@ -650,6 +670,12 @@ class Loader:
                 error = f"{type(e).__name__}: {e}"
         bad = self._coord.agree(f"verify {dirname}", error)
         return "; ".join(bad[r] for r in sorted(bad))
+
+
+def _identity(manifest: Dict[str, Any]) -> List[Any]:
+    """Which commit of a directory a manifest is: ``[run_id, created_unix]`` (a re-commit of the same step, even
+    by the same run, has another commit time)."""
+    return [manifest.get("run_id"), manifest.get("created_unix")]
 
 
 def _modes(records: Iterable[Tuple[str, Dict[str, Any]]], rank: Optional[int]) -> Dict[str, int]:
