@@ -406,11 +406,15 @@ class Loader:
                 check some ranks could load the old copy and others the new one, with no error anywhere.
         """
         mpath = os.path.join(path, MANIFEST)
-        m = parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath)
+        return self._as_listed(parse_manifest(self._storage.read_bytes(mpath), dirname, source=mpath), dirname, path)
+
+    def _as_listed(self, m: Dict[str, Any], dirname: str, where: str) -> Dict[str, Any]:
+        """``m`` if it is the commit of ``dirname`` that rank 0 listed (see :meth:`_manifest`); else raises
+        :class:`CheckpointCorruptError` naming ``where``."""
         listed = self._listed.get(dirname)
         if listed is not None and _identity(m) != listed:
             raise CheckpointCorruptError(
-                f"{path} was committed again while this load read it (the ranks agreed on the copy of run "
+                f"{where} was committed again while this load read it (the ranks agreed on the copy of run "
                 f"{listed[0]} committed at {listed[1]}, this rank found run {m.get('run_id')} committed at "
                 f"{m.get('created_unix')}: the job saving there saved step {m.get('step')} again); refused on "
                 "every rank so that no rank loads another copy than the others (load it again to get the new copy)")
@@ -507,7 +511,7 @@ class Loader:
         except FileNotFoundError as e:
             raise CheckpointCorruptError(f"{where} is missing (the checkpoint was deleted, or is being "
                                          "replaced)") from e
-        m = parse_manifest(data, dirname, source=where)
+        m = self._as_listed(parse_manifest(data, dirname, source=where), dirname, where)
         out: Dict[str, Any] = {}
         for name, rec in sorted(m["files"].items()):
             if rec.get("rank") != self.rank:
