@@ -306,6 +306,12 @@ def test_cli_verify_usage_errors_exit_2(snap_env):
     assert r.returncode == 2 and "no such directory" in r.stderr
     r = cli("verify", d, "7")
     assert r.returncode == 2 and "no committed checkpoint of step 7" in r.stderr and "[5]" in r.stderr
+    # What the arguments name is wrong, not their syntax: the reason alone, no usage line pushing it off screen.
+    assert "usage:" not in r.stderr and r.stderr.startswith("snapckpt verify: error:"), r.stderr
+    r = cli("inspect", d, "7")
+    assert r.returncode == 2 and "usage:" not in r.stderr and "no committed checkpoint of step 7" in r.stderr
+    r = cli("verify", d, "--bogus")  # a real usage error keeps argparse's usage line
+    assert r.returncode == 2 and "usage:" in r.stderr
     r = cli("verify", d, "7", "--json")  # a script parsing stdout gets an object too
     assert r.returncode == 2 and "no committed checkpoint of step 7" in json.loads(r.stdout)["error"], r.stdout
     r = cli("ls", os.path.join(snap_env.tmp, "nope"), "--json")

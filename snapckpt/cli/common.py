@@ -11,13 +11,24 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional
 
 from snapckpt._internal.progress import byte_bar
 from snapckpt.metrics import human_bytes
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, record_checksum
 
-__all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir", "human_bytes", "print_json", "report_verified"]
+__all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir", "fail", "human_bytes", "print_json",
+           "report_verified"]
+
+
+def fail(parser: argparse.ArgumentParser, msg: str) -> NoReturn:
+    """Exit 2 (a usage error, as ``parser.error``) with ``PROG: error: msg`` on stderr but without argparse's
+    usage line: the arguments parsed, and what they name is wrong (a missing directory, a step not committed),
+    so the usage line would only push the reason off the screen. With ``--json`` (``parser.json_errors``, set by
+    :mod:`snapckpt.cli.main`) also ``{"error": msg, "exit": 2}`` on stdout."""
+    if getattr(parser, "json_errors", False):
+        print_json({"error": msg, "exit": 2})
+    parser.exit(2, f"{parser.prog}: error: {msg}\n")
 
 
 def print_json(obj: Any) -> None:
@@ -63,14 +74,14 @@ def checkpoint_dir(parser: argparse.ArgumentParser, d: str) -> str:
     """``d`` if it is a checkpoint directory (the one holding the step directories and the tracker file).
 
     Raises:
-        SystemExit: (exit code 2, through ``parser.error``) ``d`` is missing, a file, or one checkpoint
+        SystemExit: (exit code 2, through :func:`fail`) ``d`` is missing, a file, or one checkpoint
             (it holds a manifest) instead of the directory of checkpoints.
     """
     if not os.path.isdir(d):
-        parser.error(f"{d}: {'not a directory' if os.path.exists(d) else 'no such directory'} (pass the "
+        fail(parser, f"{d}: {'not a directory' if os.path.exists(d) else 'no such directory'} (pass the "
                      "checkpoint directory: the one that holds the step directories and the tracker file)")
     if os.path.exists(os.path.join(d, MANIFEST)):
-        parser.error(f"{d} is one checkpoint, not a checkpoint directory: pass its parent "
+        fail(parser, f"{d} is one checkpoint, not a checkpoint directory: pass its parent "
                      f"{os.path.dirname(os.path.abspath(d))}")
     return d
 

@@ -27,7 +27,7 @@ import sys
 import zipfile
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from snapckpt.cli.common import bad_records, bar, checkpoint_dir, human_bytes, print_json, table
+from snapckpt.cli.common import bad_records, bar, checkpoint_dir, fail, human_bytes, print_json, table
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.manifest import check_sizes, list_committed
 from snapckpt.storage.factory import open_storage
@@ -178,14 +178,14 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     chosen = [c for c in list_committed(reader, d, quick_check=False) if c.step == args.step]
     if not chosen:
         committed = sorted({c.step for c in list_committed(reader, d, quick_check=False)})
-        parser.error(f"no committed checkpoint of step {args.step} in {d} (committed steps: "
+        fail(parser, f"no committed checkpoint of step {args.step} in {d} (committed steps: "
                      f"{committed or 'none'})")
     if args.trust:
         print("note: --trust: loading with weights_only=False (runs the files' pickles)", file=sys.stderr)
     ranks = sorted({r.get("rank") for c in chosen for r in c.manifest["files"].values() if isinstance(r, dict)},
                    key=str)
     if args.rank is not None and args.rank not in ranks:
-        parser.error(f"step {args.step} in {d} has no files of rank {args.rank} (its ranks: "
+        fail(parser, f"step {args.step} in {d} has no files of rank {args.rank} (its ranks: "
                      f"{', '.join(map(str, ranks)) or 'none'})")
     as_json = getattr(args, "json", False)
     problems, refused, out, gone = [], [], [], []

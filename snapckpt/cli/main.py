@@ -4,7 +4,8 @@
 (:mod:`snapckpt.cli.ls`), ``verify`` (:mod:`snapckpt.cli.verify`), ``inspect``
 (:mod:`snapckpt.cli.inspect`), ``ps`` and ``stop`` (:mod:`snapckpt.cli.ps`). Exit codes: 0 success, 1
 damage found, a file could not be read, or (``stop``) a persister did not stop cleanly, 2 usage error
-(``argparse``'s own code, also used by the subcommands through ``parser.error``), 3 (``stop``) no
+(``argparse``'s own code; the subcommands' data errors, a missing directory or step, through
+:func:`snapckpt.cli.common.fail`, without the usage line), 3 (``stop``) no
 persister serves the directory, 130 interrupted. A closed stdout (``snapckpt ls DIR | head``) ends
 quietly with 0. ``--version`` prints ``snapckpt VERSION`` (the installed distribution's version).
 """
@@ -112,6 +113,7 @@ def _json_usage_errors(sub: argparse.ArgumentParser) -> None:
         raise SystemExit(2)
 
     sub.error = error  # type: ignore[method-assign]
+    sub.json_errors = True  # type: ignore[attr-defined]  # read by common.fail
 
 
 def main(argv: Optional[List[str]] = None) -> int:

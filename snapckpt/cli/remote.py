@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any, Dict, List
 
-from snapckpt.cli.common import bad_records, human_bytes, print_json, report_verified, table
+from snapckpt.cli.common import bad_records, fail, human_bytes, print_json, report_verified, table
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, parse_manifest
@@ -28,8 +28,7 @@ def _store(parser: argparse.ArgumentParser, url: str) -> RemoteStore:
     try:
         return RemoteStore(url, role="URL")
     except RemoteStorageError as e:
-        parser.error(str(e))
-        raise  # parser.error exits
+        fail(parser, str(e))
 
 
 def _rows(store: RemoteStore) -> List[Dict[str, Any]]:
@@ -85,7 +84,7 @@ def ls_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if not hits:
                 notes.append(f"{tracker} names {content!r}, which is not a committed checkpoint here")
     except Exception as e:
-        parser.error(_unlistable(args.dir, e))
+        fail(parser, _unlistable(args.dir, e))
     if getattr(args, "json", False):
         print_json({"dir": args.dir, "checkpoints": rows, "warnings": notes, "other_directories": 0})
         return 0
@@ -117,14 +116,14 @@ def verify_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         committed = store.list_committed(problems_all)
     except Exception as e:
-        parser.error(_unlistable(args.dir, e))
+        fail(parser, _unlistable(args.dir, e))
     if args.step is not None:
         committed = [c for c in committed if c.step == args.step]
         problems_all = []
         if not committed:
-            parser.error(f"no committed checkpoint of step {args.step} under {args.dir}")
+            fail(parser, f"no committed checkpoint of step {args.step} under {args.dir}")
     elif not committed and not problems_all:
-        parser.error(f"no committed checkpoint under {args.dir} (see `snapckpt ls {args.dir}`)")
+        fail(parser, f"no committed checkpoint under {args.dir} (see `snapckpt ls {args.dir}`)")
 
     def problems_of(c) -> List[str]:
         problems = []

@@ -18,7 +18,7 @@ import argparse
 import os
 from typing import List, Optional
 
-from snapckpt.cli.common import bad_records, bar, checkpoint_dir, did_you_mean, report_verified
+from snapckpt.cli.common import bad_records, bar, checkpoint_dir, did_you_mean, fail, report_verified
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN
 from snapckpt.ondisk.manifest import check_checksums, list_committed
@@ -67,13 +67,13 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.step is not None:
         chosen = [c for c in committed if c.step == args.step]
         if not chosen:
-            parser.error(f"no committed checkpoint of step {args.step} in {d} (committed steps: "
+            fail(parser, f"no committed checkpoint of step {args.step} in {d} (committed steps: "
                          f"{sorted({c.step for c in committed}) or 'none'})")
         bad_manifests = []
     else:
         chosen = committed
         if not chosen and not bad_manifests:
-            parser.error(f"no committed checkpoint in {d}{did_you_mean(d)} (see `snapckpt ls {d}`)")
+            fail(parser, f"no committed checkpoint in {d}{did_you_mean(d)} (see `snapckpt ls {d}`)")
     def problems_of(c) -> Optional[List[str]]:
         problems = _verify_one(args, reader, c)
         return None if problems and not os.path.isdir(c.path) else problems  # None: retired meanwhile
