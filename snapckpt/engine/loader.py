@@ -612,6 +612,10 @@ class Loader:
                 out = call(cand)
                 if phase == "loaded":
                     result = out
+                    # The files were opened by path after the manifest was checked: a re-commit in between gave
+                    # this rank the new copy's files (whole, their own checksums). Still the listed commit now, it
+                    # was then too (a commit never puts a listed copy back), so every file read was of that copy.
+                    self._still_listed(cand)
                 mine = {"ok": True, "error": ""}
             except Exception as e:
                 mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -621,11 +625,42 @@ class Loader:
                         and not self._remote_only and not os.path.isdir(cand.path)):
                     mine["error"] += (" (the directory was deleted or renamed while it was read: retention of the "
                                       "job saving there, or by hand; not damage)")
+                elif "committed again while" not in mine["error"] and self._recommitted(cand):
+                    mine["error"] += (" (the step was committed again while it was read, by the job saving there: "
+                                      "its files changed under the read; not damage)")
             everyone = self._coord.all_gather(phase, mine, self.options.coordination_timeout_secs)
             bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
             if bad:
                 break
         return result, bad
+
+    def _still_listed(self, cand: LoadCandidate) -> None:
+        """DISK: check that ``cand``'s directory still holds the commit rank 0 listed, after this rank read it.
+
+        Raises:
+            CheckpointCorruptError: another commit is there now (see :meth:`_manifest`), or no valid manifest.
+            FileNotFoundError: the directory is gone (retired while it was read): which copy was read is unknown.
+        """
+        if cand.tier != StorageType.DISK or cand.dirname not in self._listed:
+            return
+        if self._remote_only:
+            store = self._store()
+            where = store.display(cand.dirname, MANIFEST)
+            data = store.read_bytes(f"{store.url}/{cand.dirname}/{MANIFEST}")
+            self._as_listed(parse_manifest(data, cand.dirname, source=where), cand.dirname, where)
+            return
+        self._manifest(cand.path, cand.dirname)
+
+    def _recommitted(self, cand: LoadCandidate) -> bool:
+        """Whether ``cand``'s directory now holds another commit than the listed one (a read that failed its
+        checks on the new copy's files is a re-commit, not damage); ``False`` when that cannot be told."""
+        try:
+            self._still_listed(cand)
+        except CheckpointCorruptError as e:
+            return "committed again while" in str(e)
+        except Exception:
+            return False
+        return False
 
     def _raise_nothing_loadable(self, step: Optional[int], errors: List[str],
                                 held: Sequence[int] = ()) -> None:
