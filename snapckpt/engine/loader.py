@@ -574,6 +574,7 @@ class Loader:
         if dirname is not None:
             cands = [c for c in cands if c[1] == "disk" and c[2] == dirname]
         errors: List[str] = []
+        vanished = 0  # of errors: candidates refused only because their directory went away while read
         t_agreed = time.perf_counter()
         for cstep, tier, key in cands:
             cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
@@ -597,7 +598,14 @@ class Loader:
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
-        self._raise_nothing_loadable(step, errors, sorted({c[0] for c in all_cands} | {d[0] for d in self._disk_saved}))
+            vanished += all(e.endswith(_VANISHED) for e in bad.values())
+        held = sorted({c[0] for c in all_cands} | {d[0] for d in self._disk_saved})
+        if (step is not None or dirname is not None) and errors and vanished == len(errors) and not self._damaged:
+            # the one asked for was retired after the listing: gone, as when retired before it, not damage
+            what = f"step {step}" if step is not None else dirname
+            raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}: "
+                                          f"{'; '.join(errors)}")
+        self._raise_nothing_loadable(step, errors, held)
 
     def _try(self, cand: LoadCandidate, check: Optional[Callable[[LoadCandidate], Any]],
              fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, str]]:
@@ -623,8 +631,7 @@ class Loader:
                     raise
                 if (isinstance(e, (FileNotFoundError, CheckpointCorruptError)) and cand.path is not None
                         and not self._remote_only and not os.path.isdir(cand.path)):
-                    mine["error"] += (" (the directory was deleted or renamed while it was read: retention of the "
-                                      "job saving there, or by hand; not damage)")
+                    mine["error"] += _VANISHED
                 elif "committed again while" not in mine["error"] and self._recommitted(cand):
                     mine["error"] += (" (the step was committed again while it was read, by the job saving there: "
                                       "its files changed under the read; not damage)")
@@ -709,6 +716,10 @@ class Loader:
                 error = f"{type(e).__name__}: {e}"
         bad = self._coord.agree(f"verify {dirname}", error)
         return "; ".join(bad[r] for r in sorted(bad))
+
+
+_VANISHED = (" (the directory was deleted or renamed while it was read: retention of the job saving there, or by "
+             "hand; not damage)")
 
 
 def _identity(manifest: Dict[str, Any]) -> List[Any]:
