@@ -118,6 +118,17 @@ class LoadCandidate:
         if self.tier == StorageType.DISK:
             self._owner.verify(self.path, self.dirname)
 
+    def check_unchanged(self) -> None:
+        """DISK: check that the directory still holds the commit the ranks agreed on, after a framework's own
+        loader read it by path outside :meth:`Checkpointer.load_with` (which checks this itself once ``fn``
+        returned): a re-commit in between (a save after a rewind by the job saving there) gave it another
+        copy, never verified. MEMORY: no-op.
+
+        Raises:
+            CheckpointCorruptError: another commit is there now. FileNotFoundError: the directory is gone.
+        """
+        self._owner._still_listed(self)
+
     def __repr__(self) -> str:
         return f"LoadCandidate(step={self.step}, tier={self.tier.value}, dirname={self.dirname!r})"
 
