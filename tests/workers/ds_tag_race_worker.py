@@ -1,10 +1,11 @@
 """Worker for tests/test_load_tag_race.py: ``engine.load_checkpoint(dir, tag=T)`` through snapckpt while the job
 that owns the directory retires (retention) or re-commits tag ``T``: the directory vanishes right after the
-loader saw it (``os.path.isdir``) and before it looked for its manifest.
+loader's first look at the tag (its first ``stat`` of the directory or of a path in it, whatever the check).
 
 Usage: ``ds_tag_race_worker.py CKPT WHAT`` (WHAT: ``retired`` renames the tag's directory away as retention does;
 ``recommitted`` moves it aside at that first look and, at the next, puts another copy in place, as the two
-renames of a re-commit do; that copy has a damaged byte, so a load that skipped its manifest check shows). Prints ``RESULT {json}``: what ``load_checkpoint`` returned or raised.
+renames of a re-commit do; that copy has a damaged byte, so a load that skipped its manifest check shows).
+Prints ``RESULT {json}``: what ``load_checkpoint`` returned or raised.
 """
 import json
 import os
