@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from snapckpt import Checkpointer, SaveHandle, StorageType, check_step
-from snapckpt.errors import CheckpointNotFoundError
+from snapckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from snapckpt.formats import RawBytes, TorchSave, safetensors_file
 
 from snapckpt.integrations.transformers.files import torch_bytes  # no transformers import (see that module)
@@ -173,7 +173,12 @@ class AcceleratorCheckpointer:
         Returns the folder loaded, or ``None`` when there is no checkpoint. ``load_kwargs`` go to
         ``accelerator.load_state``. With automatic naming, ``accelerator.save_iteration`` becomes the
         loaded step + 1, so that the next ``save_state()`` names a new folder (accelerate's own
-        ``load_state`` leaves it at 0 and the next save then finds its folder taken).
+        ``load_state`` leaves it at 0 and the next save then finds its folder taken). A folder that the job
+        saving there committed again (or deleted) while accelerate read it is not kept: the load is done again,
+        the folder now there verified first.
+
+        Raises:
+            CheckpointCorruptError: every checkpoint was refused, or the folder changed under 3 loads in a row.
         """
         ck = self.checkpointer
 
@@ -183,15 +188,33 @@ class AcceleratorCheckpointer:
             cand.verify()
             return None
 
-        try:
-            files, cand = ck.load_with(probe)
-        except CheckpointNotFoundError:
-            return None
-        path = os.path.join(ck.checkpoint_dir, self.dirname(cand.step))
-        if files is not None and not os.path.isdir(path):
-            log.warning("the newest snapshot, step %d, is held in memory only; writing it to %s", cand.step, path)
-            ck.write_out(files, cand.step, self.dirname(cand.step), modes=cand.modes())
-        self.accelerator.load_state(path, **load_kwargs)
+        for attempt in range(3):
+            try:
+                files, cand = ck.load_with(probe)
+            except CheckpointNotFoundError:
+                return None
+            path = os.path.join(ck.checkpoint_dir, self.dirname(cand.step))
+            if files is not None and not os.path.isdir(path):
+                log.warning("the newest snapshot, step %d, is held in memory only; writing it to %s", cand.step,
+                            path)
+                ck.write_out(files, cand.step, self.dirname(cand.step), modes=cand.modes())
+            self.accelerator.load_state(path, **load_kwargs)
+            # accelerate read the folder by path after snapckpt verified it: the job saving there may have
+            # committed it again in between (a copy nobody verified, another one on each rank): load again
+            error: Optional[BaseException] = None
+            try:
+                cand.check_unchanged()
+            except Exception as e:
+                error = e
+            changed = ck.coordinator.agree("accelerate load unchanged", error)
+            if not changed:
+                break
+            log.warning("%s changed while accelerate loaded it (%s); loading again", path,
+                        "; ".join(f"rank {r}: {e}" for r, e in sorted(changed.items())))
+        else:
+            raise CheckpointCorruptError(f"{ck.checkpoint_dir}: the folder loaded was committed again or deleted "
+                                         "while accelerate read it, 3 times; load again once the job saving "
+                                         "there has settled")
         if self.automatic_naming:
             self.accelerator.project_configuration.iteration = cand.step + 1
         return path

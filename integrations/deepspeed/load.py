@@ -76,14 +76,29 @@ class DeepSpeedLoader:
     def _load_tag(self, tag, kwargs) -> Tuple[Any, Any]:
         # a tag of this directory: never a path out of it
         tag = validate_dirname(str(tag), what="DeepSpeed tag (the tag= argument of engine.load_checkpoint)")
-        if not os.path.isdir(os.path.join(self.checkpoint_dir, tag)):
-            raise CheckpointNotFoundError(f"no tag {tag!r} in {self.checkpoint_dir} (memory snapshots "
-                                          "are loaded with tag=None)")
-        if not os.path.exists(os.path.join(self.checkpoint_dir, tag, SIDECAR, "manifest.json")):
+        tagdir = os.path.join(self.checkpoint_dir, tag)
+        gone = (f"no tag {tag!r} in {self.checkpoint_dir} (memory snapshots are loaded with tag=None; a tag "
+                "the job saving there retires or commits again can be missing for a moment: load it again)")
+        # The job saving there may retire the tag or commit it again (old copy renamed aside, then the new one in
+        # place) while this looks: every rank takes the branch of what any rank saw, so that a directory snapckpt
+        # committed is never handed to DeepSpeed's own loader without its manifest check.
+        kinds = {p["kind"] for p in self.checkpointer.coordinator.gather(f"ds tag {tag}", {"kind": _kind(tagdir)})}
+        if "snapckpt" in kinds:
+            try:
+                result, _ = self.checkpointer.load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
+                                                        check=self._check_candidate)
+            except CheckpointNotFoundError as e:  # retired (or mid-replace) since the look: name the tag
+                raise CheckpointNotFoundError(f"{gone}: {e}") from e
+            return result
+        if "none" in kinds:
+            raise CheckpointNotFoundError(gone)
+        try:
             return self._native_load(self.checkpoint_dir, tag, kwargs)  # DeepSpeed wrote it itself
-        result, _ = self.checkpointer.load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
-                                                check=self._check_candidate)
-        return result
+        except Exception as e:
+            if not os.path.isdir(tagdir):  # DeepSpeed fails on an empty file list with a bare AssertionError
+                raise CheckpointNotFoundError(f"{gone} (it went away while DeepSpeed read it: {type(e).__name__})"
+                                              ) from e
+            raise
 
     def _load_tracker(self, kwargs) -> Tuple[Any, Any]:
         """No snapckpt checkpoint, but a ``latest``: the checkpoint DeepSpeed wrote itself, natively."""
@@ -178,3 +193,15 @@ class DeepSpeedLoader:
             if "world size" in str(e) and "not currently supported" in str(e):
                 raise IncompatibleCheckpointError(f"{e} {UNIVERSAL_CHECKPOINT_ADVICE}") from e
             raise
+
+
+def _kind(tagdir: str) -> str:
+    """What the directory of a tag is right now: ``"snapckpt"`` (it has snapckpt's manifest), ``"native"`` (a
+    directory without one: DeepSpeed wrote it itself) or ``"none"`` (no such directory). The manifest is looked
+    for before and after the directory: a re-commit's new copy that appeared in between is ``"snapckpt"``."""
+    manifest = os.path.join(tagdir, SIDECAR, "manifest.json")
+    if os.path.exists(manifest):
+        return "snapckpt"
+    if not os.path.isdir(tagdir):
+        return "none"
+    return "snapckpt" if os.path.exists(manifest) else "native"

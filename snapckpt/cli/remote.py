@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from snapckpt.cli.common import bad_records, fail, human_bytes, print_json, report_verified, table
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError
@@ -125,15 +125,33 @@ def verify_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     elif not committed and not problems_all:
         fail(parser, f"no committed checkpoint under {args.dir} (see `snapckpt ls {args.dir}`)")
 
-    def problems_of(c) -> List[str]:
+    def check(dirname: str, manifest: Dict[str, Any]) -> List[str]:
         problems = []
-        for name, rec in sorted(c.manifest["files"].items()):
+        for name, rec in sorted(manifest["files"].items()):
             try:
-                store.verify_object(c.dirname, name, rec)
+                store.verify_object(dirname, name, rec)
             except CheckpointCorruptError as e:
                 problems.append(str(e))
             except OSError as e:
-                problems.append(f"{store.display(c.dirname, name)} cannot be read: {type(e).__name__}: {e}")
+                problems.append(f"{store.display(dirname, name)} cannot be read: {type(e).__name__}: {e}")
+        return problems
+
+    def problems_of(c) -> Optional[List[str]]:
+        m = c.manifest
+        for _ in range(3):  # the job saving there may retire the prefix or upload the step again meanwhile
+            problems = check(c.dirname, m)
+            if not problems:
+                return problems
+            store.fs.invalidate_cache()  # the listing's sizes and ETags: an object uploaded again reads as expired
+            try:
+                now = parse_manifest(store.read_bytes(f"{store.url}/{c.dirname}/{MANIFEST}"), c.dirname)
+            except FileNotFoundError:
+                return None  # its manifest went first: retired (or being uploaded again), not damaged
+            except Exception:
+                return problems
+            if [now.get("run_id"), now.get("created_unix")] == [m.get("run_id"), m.get("created_unix")]:
+                return problems
+            m = now  # uploaded again since the listing: check the copy now committed
         return problems
 
     return report_verified(args.dir, getattr(args, "json", False), problems_all, committed, problems_of)

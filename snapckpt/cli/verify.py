@@ -5,7 +5,8 @@ size check, so that every damaged file is named here), then checks each file's s
 its manifest record, one file at a time (:func:`~snapckpt.ondisk.manifest.check_checksums`), through
 :func:`snapckpt.storage.factory.open_storage`. Prints ``OK``/``DAMAGED`` per checkpoint; exit 1 on any
 damage. A checkpoint whose directory vanishes while it is checked (retention of the job saving there) is
-skipped with a note: it is gone, not damaged.
+skipped with a note: it is gone, not damaged; one committed again meanwhile (a save after a rewind swapped a new
+copy in) is checked again as it now is, its new copy against its own manifest (never a false "damaged").
 
 ``--json`` prints one object instead: ``{"dir": DIR as given, "checkpoints": [{"name" (the directory's
 name, or the path of a manifest that does not parse), "step" (int or null), "state" ("intact" or
@@ -21,7 +22,7 @@ from typing import List, Optional
 from snapckpt.cli.common import bad_records, bar, checkpoint_dir, did_you_mean, fail, report_verified
 from snapckpt.errors import CheckpointCorruptError
 from snapckpt.ondisk.layout import STEP_DIR_PATTERN
-from snapckpt.ondisk.manifest import check_checksums, list_committed
+from snapckpt.ondisk.manifest import MANIFEST, Committed, check_checksums, list_committed, parse_manifest
 from snapckpt.storage.base import StorageReader
 from snapckpt.storage.factory import open_storage
 from snapckpt.storage.urls import is_remote_url
@@ -74,8 +75,28 @@ def cmd_verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         chosen = committed
         if not chosen and not bad_manifests:
             fail(parser, f"no committed checkpoint in {d}{did_you_mean(d)} (see `snapckpt ls {d}`)")
+
     def problems_of(c) -> Optional[List[str]]:
-        problems = _verify_one(args, reader, c)
-        return None if problems and not os.path.isdir(c.path) else problems  # None: retired meanwhile
+        for _ in range(3):  # a step committed again while it is checked: check the copy now in place
+            problems = _verify_one(args, reader, c)
+            if problems and not os.path.isdir(c.path):
+                return None  # retired meanwhile
+            now = _recommitted(reader, c) if problems else None
+            if now is None:
+                return problems
+            c = now
+        return problems
 
     return report_verified(args.dir, getattr(args, "json", False), bad_manifests, chosen, problems_of)
+
+
+def _recommitted(reader: StorageReader, c: Committed) -> Optional[Committed]:
+    """The copy of ``c``'s directory committed since ``c`` was listed (another run id or commit time in its
+    manifest: the job saving there saved the step again), or ``None`` when it is still ``c``'s commit or its
+    manifest cannot be read (then ``c``'s problems stand)."""
+    try:
+        m = parse_manifest(reader.read_bytes(os.path.join(c.path, MANIFEST)), c.dirname)
+    except Exception:
+        return None
+    ident = [(x.get("run_id"), x.get("created_unix")) for x in (m, c.manifest)]
+    return None if ident[0] == ident[1] or m.get("step") != c.step else Committed(c.step, c.dirname, c.path, m)

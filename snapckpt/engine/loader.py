@@ -118,6 +118,17 @@ class LoadCandidate:
         if self.tier == StorageType.DISK:
             self._owner.verify(self.path, self.dirname)
 
+    def check_unchanged(self) -> None:
+        """DISK: check that the directory still holds the commit the ranks agreed on, after a framework's own
+        loader read it by path outside :meth:`Checkpointer.load_with` (which checks this itself once ``fn``
+        returned): a re-commit in between (a save after a rewind by the job saving there) gave it another
+        copy, never verified. MEMORY: no-op.
+
+        Raises:
+            CheckpointCorruptError: another commit is there now. FileNotFoundError: the directory is gone.
+        """
+        self._owner._still_listed(self)
+
     def __repr__(self) -> str:
         return f"LoadCandidate(step={self.step}, tier={self.tier.value}, dirname={self.dirname!r})"
 
@@ -574,6 +585,7 @@ class Loader:
         if dirname is not None:
             cands = [c for c in cands if c[1] == "disk" and c[2] == dirname]
         errors: List[str] = []
+        vanished = 0  # of errors: candidates refused only because their directory went away while read
         t_agreed = time.perf_counter()
         for cstep, tier, key in cands:
             cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
@@ -597,7 +609,14 @@ class Loader:
                 f"rank {r}: {e}" for r, e in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
-        self._raise_nothing_loadable(step, errors, sorted({c[0] for c in all_cands} | {d[0] for d in self._disk_saved}))
+            vanished += all(e.endswith(_VANISHED) for e in bad.values())
+        held = sorted({c[0] for c in all_cands} | {d[0] for d in self._disk_saved})
+        if (step is not None or dirname is not None) and errors and vanished == len(errors) and not self._damaged:
+            # the one asked for was retired after the listing: gone, as when retired before it, not damage
+            what = f"step {step}" if step is not None else dirname
+            raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}: "
+                                          f"{'; '.join(errors)}")
+        self._raise_nothing_loadable(step, errors, held)
 
     def _try(self, cand: LoadCandidate, check: Optional[Callable[[LoadCandidate], Any]],
              fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, str]]:
@@ -612,6 +631,10 @@ class Loader:
                 out = call(cand)
                 if phase == "loaded":
                     result = out
+                    # The files were opened by path after the manifest was checked: a re-commit in between gave
+                    # this rank the new copy's files (whole, their own checksums). Still the listed commit now, it
+                    # was then too (a commit never puts a listed copy back), so every file read was of that copy.
+                    self._still_listed(cand)
                 mine = {"ok": True, "error": ""}
             except Exception as e:
                 mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -619,13 +642,43 @@ class Loader:
                     raise
                 if (isinstance(e, (FileNotFoundError, CheckpointCorruptError)) and cand.path is not None
                         and not self._remote_only and not os.path.isdir(cand.path)):
-                    mine["error"] += (" (the directory was deleted or renamed while it was read: retention of the "
-                                      "job saving there, or by hand; not damage)")
+                    mine["error"] += _VANISHED
+                elif "committed again while" not in mine["error"] and self._recommitted(cand):
+                    mine["error"] += (" (the step was committed again while it was read, by the job saving there: "
+                                      "its files changed under the read; not damage)")
             everyone = self._coord.all_gather(phase, mine, self.options.coordination_timeout_secs)
             bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
             if bad:
                 break
         return result, bad
+
+    def _still_listed(self, cand: LoadCandidate) -> None:
+        """DISK: check that ``cand``'s directory still holds the commit rank 0 listed, after this rank read it.
+
+        Raises:
+            CheckpointCorruptError: another commit is there now (see :meth:`_manifest`), or no valid manifest.
+            FileNotFoundError: the directory is gone (retired while it was read): which copy was read is unknown.
+        """
+        if cand.tier != StorageType.DISK or cand.dirname not in self._listed:
+            return
+        if self._remote_only:
+            store = self._store()
+            where = store.display(cand.dirname, MANIFEST)
+            data = store.read_bytes(f"{store.url}/{cand.dirname}/{MANIFEST}")
+            self._as_listed(parse_manifest(data, cand.dirname, source=where), cand.dirname, where)
+            return
+        self._manifest(cand.path, cand.dirname)
+
+    def _recommitted(self, cand: LoadCandidate) -> bool:
+        """Whether ``cand``'s directory now holds another commit than the listed one (a read that failed its
+        checks on the new copy's files is a re-commit, not damage); ``False`` when that cannot be told."""
+        try:
+            self._still_listed(cand)
+        except CheckpointCorruptError as e:
+            return "committed again while" in str(e)
+        except Exception:
+            return False
+        return False
 
     def _raise_nothing_loadable(self, step: Optional[int], errors: List[str],
                                 held: Sequence[int] = ()) -> None:
@@ -674,6 +727,10 @@ class Loader:
                 error = f"{type(e).__name__}: {e}"
         bad = self._coord.agree(f"verify {dirname}", error)
         return "; ".join(bad[r] for r in sorted(bad))
+
+
+_VANISHED = (" (the directory was deleted or renamed while it was read: retention of the job saving there, or by "
+             "hand; not damage)")
 
 
 def _identity(manifest: Dict[str, Any]) -> List[Any]:
