@@ -139,3 +139,51 @@ def test_a_restart_whose_slot_file_was_replaced_copies_from_its_mapping(tmp_path
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     saver.close()
     m.close()
+
+
+def _inproc(tmp_path, state):
+    """Save ``state`` with a Stager into a slot file it maps (the in-process restore's slot)."""
+    from snapckpt.engine import slot_restore
+
+    with open(tmp_path / "slot", "wb") as f:
+        f.truncate(NBYTES)
+    m = MappedSlot(str(tmp_path / "slot"), NBYTES)
+    stager = Stager()
+    for step in (1, 2):  # the second save finds the plan and its guards
+        p = stager.prepare({NAME: state}, step)
+        p.views = m.views
+        Stager.copy_into(p, m.tensor, m.buf)
+    return stager, m, slot_restore
+
+
+def test_an_in_process_restore_of_small_cpu_tensors_reads_the_slot_file_bit_exactly(tmp_path):
+    state = _state()
+    stager, m, slot_restore = _inproc(tmp_path, state)
+    saved = [t.clone() for t in plain_layout(state)[0]]
+    live = plain_layout(state)[0]
+    for t in live:
+        t.add_(1)  # training went on
+    versions = [t._version for t in live]
+    found = slot_restore.find(stager, m, NAME, 2, state)
+    assert found is not None and found.spans is not None
+    found.run()
+    assert found.read_by_file == len(live)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(saved, plain_layout(state)[0]))
+    assert all(t._version > v for t, v in zip(live, versions))
+    m.close()
+
+
+def test_an_in_process_restore_into_other_dtypes_or_views_copies_with_torch(tmp_path):
+    """What the guards do not pass (another dtype: a cast; a negative view) is never copied as bytes."""
+    state = _state(50)
+    stager, m, slot_restore = _inproc(tmp_path, state)
+    saved = {k: v.clone() for k, v in state["params"].items()}
+    state["params"]["p3"] = torch.zeros(4, dtype=torch.float64)
+    found = slot_restore.find(stager, m, NAME, 2, state)
+    assert found is not None and found.spans is None
+    found.run()
+    assert torch.equal(state["params"]["p3"], saved["p3"].double())
+    state["params"]["p3"] = torch.zeros(4)._neg_view()
+    found = slot_restore.find(stager, m, NAME, 2, state)
+    assert found is None or found.spans is None
+    m.close()
