@@ -14,15 +14,12 @@ which also names any incompatibility.
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass
 from operator import attrgetter, is_, itemgetter
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 
-from snapckpt.engine import span_read
-from snapckpt.engine.plain_restore import LARGE_NBYTES
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.stager import Stager, _Layout, direct_views, index_bytes
 from snapckpt.errors import SnapshotError
@@ -34,37 +31,19 @@ __all__ = ["SlotCopies", "find"]
 _SHAPE = attrgetter("shape")
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SIZE = itemgetter(2)  # of a _Layout.direct_dst entry
-_OFFSET = itemgetter(0)  # of a _Layout.direct_dst entry
-_IS_CPU = attrgetter("is_cpu")
 
 
 @dataclass
 class SlotCopies:
-    """A restore found by :func:`find`: ``torch._foreach_copy_(dsts, srcs)`` (live tensors, views of the slot); with
-    ``spans`` (``(slot file, its ident, slot byte offsets, byte sizes)``: every tensor small, on the CPU, of plain
-    bytes) the bytes are read from the slot file by ``preadv`` instead (:mod:`snapckpt.engine.span_read`, a fraction
-    of the per-tensor cost of ``_foreach_copy_``), and what that does not copy by ``_foreach_copy_``."""
+    """A restore found by :func:`find`: ``torch._foreach_copy_(dsts, srcs)`` (live tensors, views of the slot)."""
 
     dsts: List[torch.Tensor]
     srcs: List[torch.Tensor]
-    spans: Optional[Tuple[str, Optional[tuple], torch.Tensor, torch.Tensor]] = None
-    read_by_file: int = 0  # how many tensors preadv copied, for tests and profiles
 
     def run(self) -> None:
         """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``)."""
-        done = 0
-        if self.spans is not None:
-            path, ident, offsets, nbytes = self.spans
-            try:
-                ptrs = list(map(torch.Tensor.data_ptr, self.dsts))
-            except RuntimeError:  # pragma: no cover - the guards passed dense CPU tensors, which have storage
-                ptrs = []
-            done = self.read_by_file = span_read.read_spans(path, ident, ptrs, offsets, nbytes) if ptrs else 0
-            if done:
-                torch.autograd.graph.increment_version(self.dsts[:done] if done < len(self.dsts) else self.dsts)
-        if done < len(self.dsts):
-            with torch.no_grad():  # a Parameter's copy must not enter autograd
-                torch._foreach_copy_(self.dsts[done:] if done else self.dsts, self.srcs[done:] if done else self.srcs)
+        with torch.no_grad():  # a Parameter's copy must not enter autograd
+            torch._foreach_copy_(self.dsts, self.srcs)
 
 
 def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
@@ -124,31 +103,7 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
         dsts: List[torch.Tensor] = []
         _copied_in_place(dst, dsts)
         layout.restore_ok = len(dsts) == len(tensors) and all(map(is_, dsts, tensors))
-    if not layout.restore_ok:
-        return None
-    srcs = direct_views(layout, mapped.tensor, mapped.views)
-    if not same:
-        return SlotCopies(tensors, srcs)
-    if layout.restore_spans is None or layout.restore_spans[0] is not r:
-        layout.restore_spans = (r, _byte_spans(layout, tensors))
-    spans, ident = layout.restore_spans[1], getattr(mapped, "ident", None)
-    return SlotCopies(tensors, srcs, (mapped.path, ident, *spans) if spans and ident else None)
-
-
-def _byte_spans(layout: _Layout, tensors: List[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(slot byte offsets, byte sizes)`` of ``layout``'s tensors when a restore may copy them as bytes from the slot
-    file (:mod:`snapckpt.engine.span_read`): every one small (under :data:`~snapckpt.engine.plain_restore.LARGE_NBYTES`:
-    torch copies a large tensor on several threads), and the live ``tensors`` (which passed the guards of
-    ``layout.recheck``: later ones that pass them have the same device and dispatch keys) on the CPU, without a
-    negative or conjugate bit (views whose bytes are not their values); else ``None``."""
-    t_ = torch.Tensor
-    if not (all(map(_IS_CPU, tensors)) and not any(map(t_.is_neg, tensors)) and not any(map(t_.is_conj, tensors))):
-        return None
-    offsets = torch.tensor(list(map(_OFFSET, layout.direct_dst)), dtype=torch.int64)
-    nbytes = torch.tensor([d.itemsize * math.prod(size) for _o, d, size, _s in layout.direct_dst], dtype=torch.int64)
-    if not len(nbytes) or int(nbytes.max()) >= LARGE_NBYTES:
-        return None
-    return offsets, nbytes
+    return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views)) if layout.restore_ok else None
 
 
 def _copied_in_place(obj: Any, out: List[torch.Tensor]) -> None:

@@ -319,8 +319,6 @@ class _Layout:
             signature hits stops getting new ones).
         restore_ok: whether a live state of the tail's key takes a slot of this layout by one copy per tensor
             (:mod:`snapckpt.engine.slot_restore`); ``None``: not known yet (reset with the tail).
-        restore_spans: whether that copy may be of bytes from the slot file, known for the tensors that passed
-            :attr:`recheck`'s guards: ``(that recheck, (offsets, sizes) or None)``.
         plain_part, index_head: see :mod:`snapckpt.formats.plain_digest`: the digest written into the index when
             the tail is one plain file and every tensor is direct (a restarted process restores such a slot
             straight into its live state, :mod:`snapckpt.engine.plain_restore`), with where the tail holds the
@@ -341,7 +339,6 @@ class _Layout:
     recheck: Optional[_Recheck] = None
     rechecks_made: int = 0
     restore_ok: Optional[bool] = None
-    restore_spans: Optional[tuple] = None  # (the recheck whose guards passed, slot_restore._byte_spans of it)
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
     plain_table: bytes = b""  # their dtypes and shapes for a restart (:func:`shape_table`), made with plain_part
