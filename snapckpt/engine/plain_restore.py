@@ -10,9 +10,10 @@ same digest from the live state (its ``plain_layout`` walk, each tensor's dtype 
 Stager's rule gives them) and, when they are equal, sets the saved non-tensor values into the live state's entries
 as the general path does (the slot's own small pickle of them, :mod:`snapckpt.engine.plain_values`) and copies
 each span straight into its live tensor: tensors of 1 MiB or more with one
-``torch._foreach_copy_`` from views of the slot, the others with one ``memmove`` each (a state of many small
-tensors would otherwise spend most of the restore making a view of the slot per tensor), their autograd version
-counters bumped as an in-place copy bumps them. Anything else (no digest or no values: an older slot, another
+``torch._foreach_copy_`` from views of the slot, the others by ``preadv`` of the slot file, 512 spans per call
+(:mod:`snapckpt.engine.span_read`; a state of many small tensors would otherwise spend most of the restore on a
+call per tensor and on mapping the slot's pages), or, where that cannot read, a ``memmove`` each from the mapping;
+their autograd version counters bumped as an in-place copy bumps them. Anything else (no digest or no values: an older slot, another
 layout, a live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would
 replace rather than copy into, a small live tensor sharing bytes with a large one) gets ``None``, and the caller
 reads the slot the general way, which also names any incompatibility.
@@ -20,10 +21,11 @@ reads the slot the general way, which also names any incompatibility.
 Reading each field of 200,000 live tensors (dtype, shape, device, contiguity, the negative bit) costs more than the
 copy; a slot whose index names a shape table (:func:`~snapckpt.formats.plain_digest.shape_table`: each distinct dtype
 and shape once, each tensor's index among them) is checked without that (:func:`_find_by_table`): the tensors' share
-of the digest is derived from the table, and one ``TensorGuards`` check (C++) made from a reference tensor per
-shape confirms that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
-before. In a restarted process the slot's mapping is new. When every tensor is small (``memmove`` calls on one
-thread, a page fault per 4 KiB page otherwise) the slot is first mapped by one ``MADV_POPULATE_READ``. With large
+of the digest is derived from the table, and ``TensorGuards`` checks (C++, 960 tensors each) made from a reference
+tensor per shape confirm that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
+before. In a restarted process the slot's mapping is new: ``preadv`` reads the file's pages without mapping
+them; when the ``memmove`` path runs instead and every tensor is small, the slot is first mapped by one
+``MADV_POPULATE_READ`` (a page fault per 4 KiB page otherwise). With large
 tensors it is not: torch copies them on several threads whose page faults map their spans in parallel, and one
 thread mapping the whole slot, ahead or after, made the restart of 0.5 GiB in 64 tensors slower (recovery.py, paired:
 copy 0.042-0.051 s without it, 0.064-0.077 s with it).
