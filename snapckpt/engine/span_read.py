@@ -33,7 +33,7 @@ _preadv = None  # libc's preadv (ctypes: the call releases the GIL); False when 
 
 def _load() -> bool:
     global _preadv
-    if _preadv is None and ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
+    if _preadv is None and (ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8):
         _preadv = False  # the iovec table is of int64 pairs: a 64-bit ABI's struct iovec
     if _preadv is None:
         try:
