@@ -10,9 +10,10 @@ same digest from the live state (its ``plain_layout`` walk, each tensor's dtype 
 Stager's rule gives them) and, when they are equal, sets the saved non-tensor values into the live state's entries
 as the general path does (the slot's own small pickle of them, :mod:`snapckpt.engine.plain_values`) and copies
 each span straight into its live tensor: tensors of 1 MiB or more with one
-``torch._foreach_copy_`` from views of the slot, the others with one ``memmove`` each (a state of many small
-tensors would otherwise spend most of the restore making a view of the slot per tensor), their autograd version
-counters bumped as an in-place copy bumps them. Anything else (no digest or no values: an older slot, another
+``torch._foreach_copy_`` from views of the slot, the others by ``preadv`` of the slot file, 512 spans per call
+(:mod:`snapckpt.engine.span_read`; a state of many small tensors would otherwise spend most of the restore on a
+call per tensor and on mapping the slot's pages), or, where that cannot read, a ``memmove`` each from the mapping;
+their autograd version counters bumped as an in-place copy bumps them. Anything else (no digest or no values: an older slot, another
 layout, a live tensor that is not a contiguous CPU tensor of the saved dtype, a tensor that the general path would
 replace rather than copy into, a small live tensor sharing bytes with a large one) gets ``None``, and the caller
 reads the slot the general way, which also names any incompatibility.
@@ -20,10 +21,11 @@ reads the slot the general way, which also names any incompatibility.
 Reading each field of 200,000 live tensors (dtype, shape, device, contiguity, the negative bit) costs more than the
 copy; a slot whose index names a shape table (:func:`~snapckpt.formats.plain_digest.shape_table`: each distinct dtype
 and shape once, each tensor's index among them) is checked without that (:func:`_find_by_table`): the tensors' share
-of the digest is derived from the table, and one ``TensorGuards`` check (C++) made from a reference tensor per
-shape confirms that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
-before. In a restarted process the slot's mapping is new. When every tensor is small (``memmove`` calls on one
-thread, a page fault per 4 KiB page otherwise) the slot is first mapped by one ``MADV_POPULATE_READ``. With large
+of the digest is derived from the table, and ``TensorGuards`` checks (C++, 960 tensors each) made from a reference
+tensor per shape confirm that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
+before. In a restarted process the slot's mapping is new: ``preadv`` reads the file's pages without mapping
+them; when the ``memmove`` path runs instead and every tensor is small, the slot is first mapped by one
+``MADV_POPULATE_READ`` (a page fault per 4 KiB page otherwise). With large
 tensors it is not: torch copies them on several threads whose page faults map their spans in parallel, and one
 thread mapping the whole slot, ahead or after, made the restart of 0.5 GiB in 64 tensors slower (recovery.py, paired:
 copy 0.042-0.051 s without it, 0.064-0.077 s with it).
@@ -43,10 +45,11 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from snapckpt.engine import plain_values
+from snapckpt.engine import plain_values, span_read
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.errors import SnapshotError
 from snapckpt.engine.stager import ALIGN
+from snapckpt.formats.plain_layout import has_repeats
 from snapckpt.formats.plain_digest import Facts, ShapeTable, digest, read_table, tensor_part
 from snapckpt.persister.arena import HEADER_NBYTES, read_header
 
@@ -79,21 +82,23 @@ except ImportError:  # pragma: no cover - then every restore checks tensor by te
 @dataclass
 class PlainCopies:
     """A restore found by :func:`find`: ``dicts[i][keys[i]] = values[i]`` (the saved non-tensor values, fresh
-    objects), the large tensors as ``torch._foreach_copy_(large_dsts, large_srcs)``, the others as
-    ``memmove(dst_ptrs[i], src_ptrs[i], nbytes[i])`` into ``small`` (whose versions are bumped). ``slot`` keeps
-    the mapping the sources point into alive until the copy ran."""
+    objects), the large tensors as ``torch._foreach_copy_(large_dsts, large_srcs)``, the others (``small``, whose
+    versions are bumped) as bytes ``[offsets[i], offsets[i] + nbytes[i])`` of the slot to ``dst_ptrs[i]``: by
+    ``preadv`` of the slot file (:mod:`snapckpt.engine.span_read`), or what that did not copy by a ``memmove`` each
+    from the mapping. ``slot`` keeps the mapping the sources point into alive until the copy ran."""
 
     large_dsts: List[torch.Tensor]
     large_srcs: List[torch.Tensor]
     small: List[torch.Tensor]
     dst_ptrs: List[int]
-    src_ptrs: List[int]
-    nbytes: List[int]
+    offsets: torch.Tensor  # int64: the small spans' slot byte offsets
+    nbytes: torch.Tensor  # int64: their sizes
     slot: MappedSlot
     dicts: List[dict]
     keys: List[Any]
     values: List[Any]
     end: int = 0  # the end of the last span (slot bytes): mapped before the small copies; 0: the saves' mapping
+    read_by_file: int = 0  # how many small spans preadv copied (the rest: memmove), for tests and profiles
 
     def run(self) -> None:
         """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
@@ -104,9 +109,14 @@ class PlainCopies:
             with torch.no_grad():  # a Parameter's copy must not enter autograd
                 torch._foreach_copy_(self.large_dsts, self.large_srcs)
         if self.small:
-            if self.end and not self.large_dsts:  # a restart's fresh mapping: one call, not a fault per page
-                self.slot.map_for_reading(self.end)
-            deque(map(_MEMMOVE, self.dst_ptrs, self.src_ptrs, self.nbytes), maxlen=0)
+            done = self.read_by_file = span_read.read_spans(self.slot.path, getattr(self.slot, "ident", None),
+                                                            self.dst_ptrs, self.offsets, self.nbytes)
+            if done < len(self.small):  # no preadv, or it stopped: from the mapping
+                if self.end and not self.large_dsts:  # a restart's fresh mapping: one call, not a fault per page
+                    self.slot.map_for_reading(self.end)
+                base = self.slot.tensor.data_ptr()
+                deque(map(_MEMMOVE, self.dst_ptrs[done:], self.offsets[done:].add(base).tolist(),
+                          self.nbytes[done:].tolist()), maxlen=0)
             torch.autograd.graph.increment_version(self.small)  # as an in-place copy would
 
 
@@ -182,22 +192,22 @@ def _find_by_table(live_layout: Callable, mapped: MappedSlot, name: str, dst: An
     if walked is None or len(walked[0]) != len(table.ids):
         return None
     tensors, key = walked
-    base = mapped.tensor.data_ptr()
-    part, offsets, nbytes, srcs = _table_part(table, base)
+    part, offsets, nbytes, all_small = _table_part(table)
     if digest(name, key, part) != saved or not _guards_pass(table, tensors):
         return None
     try:
         ptrs = list(map(torch.Tensor.data_ptr, tensors))
     except RuntimeError:  # pragma: no cover - a dense CPU tensor has a storage
         return None
-    return _copies(mapped, dst, tensors, ptrs, _as_tensor(offsets), _as_tensor(nbytes), data_limit, values_at, srcs)
+    return _copies(mapped, dst, tensors, ptrs, _as_tensor(offsets), _as_tensor(nbytes), data_limit, values_at,
+                   all_small)
 
 
-def _table_part(table: ShapeTable, base: int) -> Tuple[bytes, array, array, Optional[List[int]]]:
-    """``(tensor_part, slot byte offsets, byte sizes, sources)`` of tensors of ``table``'s dtypes and shapes, laid out
-    by the Stager's rule (:func:`direct_offsets`): what :func:`tensor_part` and :func:`direct_offsets` give for live
-    tensors whose :class:`Facts` are the table's; ``sources``: the spans' addresses in a mapping at ``base`` when every
-    tensor is under :data:`LARGE_NBYTES`, else ``None``. By gathers and prefix sums over the table's indices (no
+def _table_part(table: ShapeTable) -> Tuple[bytes, array, array, bool]:
+    """``(tensor_part, slot byte offsets, byte sizes, all small)`` of tensors of ``table``'s dtypes and shapes, laid
+    out by the Stager's rule (:func:`direct_offsets`): what :func:`tensor_part` and :func:`direct_offsets` give for
+    live tensors whose :class:`Facts` are the table's; ``all small``: every tensor is under :data:`LARGE_NBYTES`.
+    By gathers and prefix sums over the table's indices (no
     Python step per tensor, and no element-wise torch op over them: those run on several threads, whose wake-ups cost
     more than the work)."""
     n = len(table.ids)
@@ -216,15 +226,11 @@ def _table_part(table: ShapeTable, base: int) -> Tuple[bytes, array, array, Opti
     st[0] = HEADER_NBYTES
     torch.cumsum(st, 0, out=_as_tensor(ends))
     offsets = ends[:n]
-    srcs = None
-    if all(p[3] < LARGE_NBYTES for p in per):
-        st[0] = HEADER_NBYTES + base
-        srcs = torch.cumsum(st, 0)[:n].tolist()
     multi = [s if len(s) > 1 else () for _c, s in table.shapes]
     sizes = array("q", chain.from_iterable(map(multi.__getitem__, table.ids)) if any(multi) else ())
     part = b"\0".join((repr(table.kinds).encode(), codes.tobytes(), dims.tobytes(), numels.tobytes(), sizes.tobytes(),
                         offsets.tobytes()))
-    return part, offsets, nbytes, srcs
+    return part, offsets, nbytes, all(p[3] < LARGE_NBYTES for p in per)
 
 
 def _gather(col: torch.Tensor, ids: torch.Tensor, n: int) -> array:
@@ -243,23 +249,40 @@ def _as_tensor(a: array) -> torch.Tensor:
     return torch.frombuffer(a, dtype=torch.int64) if len(a) else torch.zeros(0, dtype=torch.int64)
 
 
+#: Tensors per ``TensorGuards`` check of :func:`_guards_pass`: a multiple of small periods (12 tensors of a transformer
+#: block, 24 with two optimizer states each), so that the chunks of a repeating layout repeat and share their guards.
+_GUARD_CHUNK = 960
+
+
 def _guards_pass(table: ShapeTable, tensors: List[torch.Tensor]) -> bool:
     """Whether every tensor has the table's dtype and shape, contiguous, on the CPU, without a negative or conjugate
     bit, a ``Tensor`` without ``requires_grad`` or a ``Parameter`` with it (when its dtype can), each object once:
-    PyTorch's ``TensorGuards`` made from a reference of each (over no memory: its metadata only) checks all of it."""
+    PyTorch's ``TensorGuards`` made from a reference of each (over no memory: its metadata only) checks all of it,
+    chunk by chunk (:data:`_GUARD_CHUNK` tensors; one ``TensorGuards`` per distinct sequence of references, made once:
+    a state of few shapes in a repeating order needs a few, where one of every tensor costs more to make than its
+    check), and one sort of the objects' ids refuses an object met in two chunks."""
     types = list(map(type, tensors))
     params = types.count(torch.nn.Parameter)
     if params + types.count(torch.Tensor) != len(types):
         return False
     kinds = (False, True) if params else (False,)  # with Parameters: a reference per (shape, type), 2i + is one
+    which = (array("i", map(add, map(mul, table.ids, repeat(2)), map(is_, types, repeat(torch.nn.Parameter))))
+             if params else table.ids)
+    made: dict = {}
     try:
         refs = [_reference(table.kinds[code], shape, p) for code, shape in table.shapes for p in kinds]
-        which = (map(add, map(mul, table.ids, repeat(2)), map(is_, types, repeat(torch.nn.Parameter))) if params
-                 else table.ids)
-        guards = _TensorGuards(*map(refs.__getitem__, which), dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        return bool(guards.check(*tensors))
+        for a in range(0, len(tensors), _GUARD_CHUNK):
+            part = which[a:a + _GUARD_CHUNK]
+            pattern = part.tobytes()
+            guards = made.get(pattern)
+            if guards is None:
+                guards = made[pattern] = _TensorGuards(*map(refs.__getitem__, part), dynamic_dims_sizes=None,
+                                                       dynamic_dims_strides=None)
+            if not guards.check(*tensors[a:a + _GUARD_CHUNK]):
+                return False
     except Exception:  # noqa: BLE001 - a torch whose guards take other arguments: the tensor-by-tensor check
         return False
+    return len(tensors) <= _GUARD_CHUNK or not has_repeats(tensors)  # a check refuses repeats within its chunk
 
 
 def _reference(dtype: torch.dtype, shape: Tuple[int, ...], parameter: bool) -> torch.Tensor:
@@ -273,11 +296,11 @@ def _reference(dtype: torch.dtype, shape: Tuple[int, ...], parameter: bool) -> t
 
 
 def _copies(mapped: MappedSlot, dst: Any, tensors: List[torch.Tensor], ptrs: List[int], offsets: torch.Tensor,
-            nbytes: torch.Tensor, data_limit: int, values_at: Tuple[int, int], srcs: Optional[List[int]] = None
+            nbytes: torch.Tensor, data_limit: int, values_at: Tuple[int, int], all_small: bool = False
             ) -> Optional[PlainCopies]:
     """The copies of a slot whose digest is that of ``dst``'s tensors (``ptrs``: their data pointers, each able to
-    take its bytes by a copy of bytes; ``offsets`` / ``nbytes``: their spans; ``srcs``: the spans' addresses, when
-    known already and every tensor is small), or ``None`` (see :func:`find`)."""
+    take its bytes by a copy of bytes; ``offsets`` / ``nbytes``: their spans; ``all_small``: every one is under
+    :data:`LARGE_NBYTES`, known already), or ``None`` (see :func:`find`)."""
     if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
         return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
     in_place: List[torch.Tensor] = []
@@ -291,12 +314,11 @@ def _copies(mapped: MappedSlot, dst: Any, tensors: List[torch.Tensor], ptrs: Lis
     if values is None or len(values) != len(dicts):
         return None  # a damaged slot (a digest never lets another count through)
     sets = (dicts, keys, values, int(offsets[-1] + nbytes[-1]) if tensors else 0)
-    if srcs is not None:
-        return PlainCopies([], [], tensors, ptrs, srcs, nbytes.tolist(), mapped, *sets)
-    base = mapped.tensor.data_ptr()
+    if all_small:  # the common case of many tensors
+        return PlainCopies([], [], tensors, ptrs, offsets, nbytes, mapped, *sets)
     large = nbytes >= LARGE_NBYTES
-    if not bool(large.any()):  # the common case of many tensors: all small
-        return PlainCopies([], [], tensors, ptrs, offsets.add_(base).tolist(), nbytes.tolist(), mapped, *sets)
+    if not bool(large.any()):
+        return PlainCopies([], [], tensors, ptrs, offsets, nbytes, mapped, *sets)
     small = large.logical_not()
     if _shared(torch.frombuffer(array("q", ptrs), dtype=torch.int64), nbytes, large, small):
         return None
@@ -305,8 +327,7 @@ def _copies(mapped: MappedSlot, dst: Any, tensors: List[torch.Tensor], ptrs: Lis
                   zip(compress(tensors, big), offsets[large].tolist(), nbytes[large].tolist())]
     few = small.tolist()
     return PlainCopies(list(compress(tensors, big)), large_srcs, list(compress(tensors, few)),
-                       list(compress(ptrs, few)), offsets[small].add_(base).tolist(),
-                       nbytes[small].tolist(), mapped, *sets)
+                       list(compress(ptrs, few)), offsets[small], nbytes[small], mapped, *sets)
 
 
 def _shared(ptrs: torch.Tensor, nbytes: torch.Tensor, large: torch.Tensor, small: torch.Tensor) -> bool:

@@ -63,13 +63,17 @@ class MappedSlot:
         busy: held by a background prefault while it maps a chunk; :meth:`close` waits for it.
         zeroed: the persister wrote zeros into its pages (a reservation ahead of the first save): they are mapped
             with read faults (see the module docstring).
+        ident: the mapped file's ``(st_dev, st_ino)``: a restore reads the file at :attr:`path` only while it is
+            this one (:mod:`snapckpt.engine.span_read`).
 
     Raises (constructor): ``OSError`` / :class:`~snapckpt.errors.SnapshotError` when the file cannot be mapped.
     """
 
     def __init__(self, path: str, nbytes: int, zeroed: bool = False) -> None:
         self.path, self.nbytes, self.zeroed = path, nbytes, zeroed
-        self.buf = map_slot(path, nbytes)
+        ident: List[tuple] = []
+        self.buf = map_slot(path, nbytes, ident)
+        self.ident: Optional[tuple] = ident[0]  # the mapped file's (st_dev, st_ino): snapckpt.engine.span_read
         self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
         self.cuda: Optional[CudaCopier] = None
         self.views: Dict[Any, List[torch.Tensor]] = {}

@@ -346,13 +346,17 @@ def slot_file_name(rank: int, slot: int) -> str:
     return f"r{rank:05d}-s{slot}"
 
 
-def map_slot(path: str, nbytes: int) -> mmap.mmap:
-    """Map ``nbytes`` of a slot file read-write, shared. The file must already be that long."""
+def map_slot(path: str, nbytes: int, ident: Optional[list] = None) -> mmap.mmap:
+    """Map ``nbytes`` of a slot file read-write, shared. The file must already be that long. ``ident``: a list that
+    gets the mapped file's ``(st_dev, st_ino)`` appended (to tell the file at ``path`` later is this one)."""
     fd = os.open(path, os.O_RDWR)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         if size < nbytes:
             raise SnapshotError(f"slot file {path} is {size} bytes, expected at least {nbytes}")
+        if ident is not None:
+            ident.append((st.st_dev, st.st_ino))
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

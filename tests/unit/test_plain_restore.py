@@ -440,12 +440,12 @@ def test_the_shape_table_takes_a_live_state_of_the_saved_layout_bit_exactly(monk
     table = plain_digest.read_table(bytes(m.buf[at[0]:at[0] + at[1]]))
     live = _zeros_like(state)
     tensors = plain_layout(live)[0]
-    part, offsets, nbytes, srcs = plain_restore._table_part(table, 1000)
+    part, offsets, nbytes, all_small = plain_restore._table_part(table)
     facts = plain_digest.Facts(tensors)
     want_offsets, want_nbytes = plain_restore.direct_offsets(facts)
     assert part == plain_digest.tensor_part(facts, want_offsets.tolist())
     assert list(offsets) == want_offsets.tolist() and list(nbytes) == want_nbytes.tolist()
-    assert srcs == [o + 1000 for o in want_offsets.tolist()]
+    assert all_small
     versions = [t._version for t in tensors]
     found = _by_table(m, live, monkeypatch)
     assert isinstance(found, plain_restore.PlainCopies)
@@ -560,3 +560,21 @@ def test_a_walk_that_leaves_repeats_to_the_caller_gives_the_same_layout():
     state["many"]["p5"] = state["many"]["p1"]
     full, lite = plain_layout(state), plain_layout(state, distinct_tensors=False)
     assert not has_repeats(full[0]) and has_repeats(lite[0]) and lite[1] != full[1]
+
+
+def test_the_guards_check_chunk_by_chunk_and_refuse_an_object_met_in_two_chunks():
+    """The table's guards are made once per distinct run of references (a state of one shape: one TensorGuards for
+    every chunk) and check each chunk; a tensor object in two chunks, which no one chunk's check sees, is refused,
+    as is a wrong shape in the last, partial chunk."""
+    n = 3 * plain_restore._GUARD_CHUNK + 7
+    tensors = [torch.zeros(3) for _ in range(n)]
+    table = plain_digest.read_table(plain_digest.shape_table(tensors, plain_digest.Facts(tensors)))
+    assert plain_restore._guards_pass(table, tensors)
+    twice = list(tensors)
+    twice[plain_restore._GUARD_CHUNK + 1] = twice[0]
+    assert not plain_restore._guards_pass(table, twice)
+    last = list(tensors)
+    last[-1] = torch.zeros(4)
+    assert not plain_restore._guards_pass(table, last)
+    params = [torch.nn.Parameter(t) if i % 3 == 0 else t for i, t in enumerate(tensors)]
+    assert plain_restore._guards_pass(table, params)
