@@ -199,16 +199,6 @@ def free_port() -> int:
 # Machine info
 # --------------------------------------------------------------------------------------------
 
-def write_results(out: str, data: Any, markdown: str) -> None:
-    """Write ``out + ".json"`` (``data``) and ``out + ".md"`` (``markdown``), making the folder; print the markdown."""
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write(markdown)
-    print(markdown, end="")
-
-
 def git_commit() -> str:
     """HEAD commit of the repo (with ``+dirty`` when the work tree has changes), or a note."""
     try:
@@ -452,8 +442,11 @@ def malloc_trim() -> None:
 
 
 def write_results(out: str | os.PathLike, result: dict[str, Any], md: str) -> None:
-    """Write ``result`` as JSON to ``out``, ``md`` next to it (``.md``), and print ``md``."""
+    """Write ``result`` as JSON to ``out``, ``md`` next to it (``.md``), and print ``md``. ``out`` without the
+    ``.json`` suffix (the GPU scripts' ``--out`` stems) gets it."""
     out = Path(out)
+    if out.suffix != ".json":
+        out = out.with_name(out.name + ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     out.with_suffix(".md").write_text(md)
