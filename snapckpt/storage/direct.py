@@ -21,8 +21,8 @@ A caller whose buffer stays unchanged until the file is flushed (the persister's
 with :meth:`DirectFile.write_borrowed` instead: where the buffer's address and the file offset agree modulo
 :data:`ALIGN`, its aligned middle is written straight from it, as the write floor of ``benchmarks/suite.py``
 writes, without the copy into a bounce buffer. That copy is not free even though it overlaps the device
-writes: writing 0.5 GiB with three 8 MiB writes in flight took 0.31 s straight from a shared-memory buffer and
-0.43 s through bounce buffers (medians of 5, interleaved, load 3-4, 2026-12-05; the copy alone takes 0.04 s).
+writes: writing 0.5 GiB with three 8 MiB writes in flight took 0.31 s straight from an anonymous shared mapping
+and 0.43 s through bounce buffers (medians of 5, interleaved, load 3-4, 2026-12-05; the copy alone takes 0.04 s).
 :mod:`snapckpt.formats.torch_archive` places large records so that they agree (its ``phase``).
 
 A filesystem that refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some network filesystems) gets an ordinary
@@ -45,7 +45,7 @@ __all__ = ["ALIGN", "BORROW_MIN_NBYTES", "BUFFER_NBYTES", "BUFFERS", "DirectFile
 ALIGN = 4096
 #: Each bounce buffer of an open file (bytes); one write(2) per full buffer.
 BUFFER_NBYTES = 8 << 20
-#: Bounce buffers per open file: up to ``BUFFERS - 1`` writes in flight while the caller fills the next one.
+#: Bounce buffers per open file: the caller fills one while the others are written out (``_INFLIGHT_NBYTES``).
 BUFFERS = 4
 #: Bytes of background writes in flight per file at most (bounce buffers and borrowed pieces; bounce buffers alone
 #: stay under ``BUFFERS * BUFFER_NBYTES``): the device's queue is kept full by bytes, not by calls (a record's small
@@ -91,7 +91,7 @@ class DirectFile:
     """A write-only binary file object over an ``O_DIRECT`` descriptor (see the module docstring).
 
     ``write`` copies into a bounce buffer and hands each full buffer to a background thread that writes it
-    at its aligned offset (at most ``BUFFERS - 1`` such writes in flight per file), then fills the next
+    at its aligned offset (with at most ``_INFLIGHT_NBYTES`` bytes in flight per file), then fills the next
     buffer; ``flush`` waits for them, writes the partial tail padded to :data:`ALIGN` and truncates the file to the
     bytes written so far (after it the file on disk is exactly what was written; later writes go on from
     there); ``close`` flushes. ``fileno`` is the descriptor, for ``os.fsync`` (after ``flush``).
@@ -153,7 +153,7 @@ class DirectFile:
 
     def write_borrowed(self, data, phase: int) -> int:
         """Write ``data`` as :meth:`write` does, but where ``phase`` (``data``'s address modulo :data:`ALIGN`) equals
-        the file position's, write its aligned middle straight from ``data`` (at most ``(BUFFERS - 1) * BUFFER_NBYTES`` bytes
+        the file position's, write its aligned middle straight from ``data`` (at most ``_INFLIGHT_NBYTES`` bytes
         in flight, of :data:`BUFFER_NBYTES` each, shared with the bounce buffers' writes); only the unaligned
         head and tail are copied. ``data`` must stay unchanged until :meth:`flush` or :meth:`close` returns.
         Short buffers (under :data:`BORROW_MIN_NBYTES`), another phase, or a file that fell back to buffered
