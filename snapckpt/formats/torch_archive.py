@@ -29,6 +29,12 @@ torch built with another C++ library writes another id). ``torch.load`` does not
 The sink needs only ``write`` (it is never seeked, told or flushed): the persister streams parts to S3 through
 it. Record data are written as memoryviews of the caller's buffers, without a copy (with ``coalesce``, records
 under 64 KiB are copied into the joined writes).
+
+A record written with a ``phase`` (:meth:`TorchArchiveWriter.write_record`) is the one departure from torch's
+bytes: its ``FB`` padding is longer (under :data:`PHASE_MODULUS` bytes), so that its data's file offset has the
+same remainder modulo :data:`PHASE_MODULUS` as its address in the caller's page-aligned buffer; the data stays
+64-byte aligned, and ``torch.load`` reads a record where its local header says. A direct-I/O sink can then
+write the record's data straight from the caller's buffer (:meth:`~snapckpt.storage.direct.DirectFile.write_borrowed`).
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ import struct
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["ALIGNMENT", "ARCHIVE_PREFIX", "READY_PIECE_NBYTES", "TorchArchiveWriter", "write_torch_file"]
+__all__ = ["ALIGNMENT", "ARCHIVE_PREFIX", "PHASE_MODULUS", "READY_PIECE_NBYTES", "TorchArchiveWriter",
+           "write_torch_file"]
 
 ALIGNMENT = 64  # bytes: where each record's data starts (torch.serialization._get_storage_alignment() default)
 ARCHIVE_PREFIX = "archive/"  # PyTorchFileWriter's folder for a file object (a path would give its basename)
@@ -65,6 +72,14 @@ READY_PIECE_NBYTES = 8 << 20
 _SMALL_WRITE = 64 << 10  # with coalesce: pieces under this are copied into the pending buffer
 _COALESCED_WRITE = 1 << 20  # with coalesce: the pending buffer goes out once it holds this much
 _PADDING = [_U16X2.pack(0x4246, pad) + b"Z" * pad for pad in range(ALIGNMENT)]  # "FB" extra field of pad bytes
+#: A record with a ``phase`` starts its data at a file offset of that remainder modulo this (bytes: a page, and a
+#: multiple of every logical block size direct I/O needs).
+PHASE_MODULUS = 4096
+
+
+def _padding(pad: int) -> bytes:
+    """The ``FB`` extra field of ``pad`` bytes (``0 <= pad < 65532``)."""
+    return _PADDING[pad] if pad < ALIGNMENT else _U16X2.pack(0x4246, pad) + b"Z" * pad
 
 
 def _shift_mix(v: int) -> int:
@@ -190,6 +205,7 @@ class TorchArchiveWriter:
 
     def __init__(self, sink, coalesce: bool = False) -> None:
         self._sink_write = sink.write
+        self._borrow = getattr(sink, "write_borrowed", None)
         self._pending = bytearray()
         self._write = self._pend if coalesce else self._sink_write
         self._pos = 0  # bytes written so far: the next local header's offset
@@ -220,7 +236,8 @@ class TorchArchiveWriter:
             # torch folds the CRC of every write that starts like a data descriptor (also record data doing so)
             self._descriptor_hash = hash_combine(self._descriptor_hash, int.from_bytes(data[4:8], "little"))
 
-    def write_record(self, name: str, data, nbytes: int, ready: Optional[Callable[[int], None]] = None) -> None:
+    def write_record(self, name: str, data, nbytes: int, ready: Optional[Callable[[int], None]] = None,
+                     phase: Optional[int] = None) -> None:
         """Write record ``archive/<name>`` holding the first ``nbytes`` bytes of ``data``.
 
         Args:
@@ -231,10 +248,16 @@ class TorchArchiveWriter:
             ready: ``ready(k)`` returns once the first ``k`` bytes of ``data`` are final (a buffer still being
                 filled: a streamed save); the data is then read in pieces of :data:`READY_PIECE_NBYTES`, none
                 before ``ready`` returned for it. Same bytes in the archive.
+            phase: the data's address modulo :data:`PHASE_MODULUS` (bytes, a multiple of :data:`ALIGNMENT`), or
+                ``None``. Given, the data is placed at a file offset of that remainder (a longer padding than
+                torch's; see the module docstring) and, when the sink has ``write_borrowed(view, phase)``, handed to
+                it that way: the sink may then keep referring to ``data`` until it is flushed, so ``data`` must not
+                change before.
 
         Raises:
             ValueError: ``name`` was written already, holds a NUL or is longer than 65535 bytes encoded
-                (with the prefix), or ``data`` is shorter than ``nbytes``.
+                (with the prefix), ``data`` is shorter than ``nbytes``, or ``phase`` is not a multiple of
+                :data:`ALIGNMENT` in ``[0, PHASE_MODULUS)``.
             OSError: from the sink.
         """
         if nbytes < 0:
@@ -252,30 +275,48 @@ class TorchArchiveWriter:
         view = memoryview(data).cast("B") if nbytes else None
         if view is not None and view.nbytes < nbytes:
             raise ValueError(f"record {name!r}: {nbytes} bytes requested from a buffer of {view.nbytes}")
-        if ready is None or not nbytes:
+        if phase is not None and (phase % ALIGNMENT or not 0 <= phase < PHASE_MODULUS):
+            raise ValueError(f"record {name!r}: phase {phase} is not a multiple of {ALIGNMENT} in [0, {PHASE_MODULUS})")
+        if phase is not None and not nbytes:
+            phase = None
+        if (ready is None and phase is None) or not nbytes:
             self._record(raw, view, nbytes)
             return
         write = self._write
         try:
-            self._write = _Pieces(write, view, nbytes, ready)  # gates the record data's write (only it is that view)
-            self._record(raw, view, nbytes)
+            # only the record data's write is a view of that buffer: the wrappers act on it alone
+            if phase is not None and self._borrow is not None:
+                self._write = _Borrow(self, write, view, phase)
+            if ready is not None:
+                self._write = _Pieces(self._write, view, nbytes, ready)
+            self._record(raw, view, nbytes, phase)
         finally:
             self._write = write
 
-    def _record(self, raw: bytes, view, nbytes: int) -> None:
-        """Write record ``archive/<raw>``: the first ``nbytes`` bytes of memoryview ``view``."""
+    def _flush_pending(self) -> None:
+        """Hand the coalesced pending bytes to the sink (before a borrowed write, which bypasses them)."""
+        if self._pending:
+            self._sink_write(self._pending)
+            self._pending = bytearray()
+
+    def _record(self, raw: bytes, view, nbytes: int, phase: Optional[int] = None) -> None:
+        """Write record ``archive/<raw>``: the first ``nbytes`` bytes of memoryview ``view`` (its data at a file
+        offset of remainder ``phase`` modulo :data:`PHASE_MODULUS` when given)."""
         full = _PREFIX + raw
         offset = self._pos
         if nbytes >= _U32 or offset >= _U32:
-            self._record64(full, view, nbytes, offset)
+            self._record64(full, view, nbytes, offset, phase)
             return
         # the common case, in as few Python operations as possible (200,000 records per file happen)
         write, n = self._write, len(full)
-        pad = -(offset + _LOCAL.size + n + 4) % ALIGNMENT
+        if phase is None:
+            pad = -(offset + _LOCAL.size + n + 4) % ALIGNMENT
+        else:
+            pad = (phase - (offset + _LOCAL.size + n + 4)) % PHASE_MODULUS
         if nbytes:
             write(_LOCAL.pack(b"PK\x03\x04", 0, _FLAGS_DATA, 0, 0, 0, 0, 0, 0, n, pad + 4))
             write(full)
-            write(_PADDING[pad])
+            write(_padding(pad))
             if view.nbytes != nbytes:
                 view = view[:nbytes]
             write(view)
@@ -294,17 +335,18 @@ class TorchArchiveWriter:
             self._entries.append((full, _FLAG_UTF8, 0, offset))
         self._names[raw] = None
 
-    def _record64(self, full: bytes, view, nbytes: int, offset: int) -> None:
+    def _record64(self, full: bytes, view, nbytes: int, offset: int, phase: Optional[int] = None) -> None:
         """:meth:`_record` for a record with a zip64 extra field: of 4 GiB or more, or starting past 4 GiB."""
         zip64: List[int] = []
         if nbytes >= _U32:
             zip64 += [nbytes, 0]  # uncompressed, compressed size (0 here: the data descriptor has it)
         zip64 += [offset] if offset >= _U32 else []
         extra64 = _zip64_extra(zip64)
-        pad = -(offset + _LOCAL.size + len(full) + len(extra64) + 4) % ALIGNMENT
+        start = offset + _LOCAL.size + len(full) + len(extra64) + 4
+        pad = -start % ALIGNMENT if phase is None else (phase - start) % PHASE_MODULUS
         flags = _FLAGS_DATA if nbytes else _FLAG_UTF8
         header = _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra64) + pad + 4)
-        for part in (header, full, extra64, _PADDING[pad]):
+        for part in (header, full, extra64, _padding(pad)):
             self._out(part, len(part))
         if nbytes:
             self._out(view[:nbytes] if view.nbytes != nbytes else view, nbytes)
@@ -358,6 +400,23 @@ class TorchArchiveWriter:
             self._pending = bytearray()
 
 
+class _Borrow:
+    """A ``write`` that hands the record data ``view`` (and its pieces) to the sink's ``write_borrowed`` with their
+    address phase, after the pending coalesced bytes; every other piece of the record goes to ``write``."""
+
+    def __init__(self, writer: TorchArchiveWriter, write, view: memoryview, phase: int) -> None:
+        self.writer, self.write, self.obj, self.phase = writer, write, view.obj, phase
+        self.done = 0  # record data bytes handed over so far
+
+    def __call__(self, data) -> None:
+        if not isinstance(data, memoryview) or data.obj is not self.obj:
+            self.write(data)
+            return
+        self.writer._flush_pending()
+        self.writer._borrow(data, (self.phase + self.done) % PHASE_MODULUS)
+        self.done += data.nbytes
+
+
 class _Pieces:
     """A ``write`` that hands the record data ``view`` (its first ``nbytes`` bytes) to ``write`` in pieces, each after
     ``ready`` said it is final; every other piece of the record (header, descriptor) goes through unchanged."""
@@ -376,7 +435,8 @@ class _Pieces:
 
 
 def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, Any, int]], *,
-                     coalesce: bool = False, ready: Optional[Callable[[int, int], None]] = None) -> None:
+                     coalesce: bool = False, ready: Optional[Callable[[int, int], None]] = None,
+                     phases: Optional[Sequence[Optional[int]]] = None) -> None:
     """Write a ``torch.save``-format archive into ``fileobj``, as ``torch.save`` does under
     ``torch.serialization.set_crc32_options(False)`` (the zip's CRC-32 fields are 0: see the "Checksums"
     note of :mod:`snapckpt.formats.torch_zip`).
@@ -390,6 +450,8 @@ def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, Any,
         coalesce: see :class:`TorchArchiveWriter`.
         ready: ``ready(i, k)`` returns once the first ``k`` bytes of record ``i``'s data are final (see
             :meth:`TorchArchiveWriter.write_record`); ``None``: they all are.
+        phases: per record, its ``phase`` (:meth:`TorchArchiveWriter.write_record`: the data's address modulo
+            :data:`PHASE_MODULUS`, or ``None``); ``None``: torch's bytes exactly.
 
     Raises:
         OSError: from ``fileobj``.
@@ -402,10 +464,11 @@ def write_torch_file(fileobj, data_pkl: bytes, records: Sequence[Tuple[str, Any,
     w.write_record(".storage_alignment", alignment, len(alignment))
     order = sys.byteorder.encode()
     w.write_record("byteorder", order, len(order))
-    if ready is None:
+    if ready is None and phases is None:
         for key, data, nbytes in records:
             w.write_record(f"data/{key}", data, nbytes)
     else:
         for i, (key, data, nbytes) in enumerate(records):
-            w.write_record(f"data/{key}", data, nbytes, lambda k, i=i: ready(i, k))
+            w.write_record(f"data/{key}", data, nbytes, None if ready is None else (lambda k, i=i: ready(i, k)),
+                           None if phases is None else phases[i])
     w.write_end_of_file()

@@ -15,15 +15,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import errno
 import json
+import mmap
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
-from snapckpt.formats.torch_archive import READY_PIECE_NBYTES, write_torch_file
+from snapckpt.formats.torch_archive import ALIGNMENT, PHASE_MODULUS, READY_PIECE_NBYTES, write_torch_file
 from snapckpt.ondisk.manifest import CHECKSUM, ChecksumWriter, SIDECAR, fail_marker_name, part_marker_name, validate_file_name
 from snapckpt.storage.base import DirHandle, StorageWriter
+from snapckpt.storage.direct import BORROW_MIN_NBYTES
 from snapckpt.persister.protocol import error_record
 
 __all__ = ["write_part", "write_part_data", "finish_parts", "WrittenPart", "write_failure_marker", "encode_file",
@@ -228,7 +230,10 @@ def _write_file(storage: StorageWriter, buf, f: Dict[str, Any], path: str, kind:
         if mid_file:
             sink = _MidFilePoint(sink, rank, step)
         cw = ChecksumWriter(sink)
-        encode_file(cw, buf, f, kind, coalesce=sink is raw, gate=gate)  # fault injection counts torch's write calls
+        # fault injection counts torch's write calls; a slot (page-aligned mapping, unchanged until the fsync) may be
+        # written straight from where the direct-I/O file can
+        borrow = sink is raw and hasattr(raw, "write_borrowed") and isinstance(buf, mmap.mmap)
+        encode_file(cw, buf, f, kind, coalesce=sink is raw, gate=gate, borrow=borrow)
         raw.flush()
         if f.get("mode") is not None:  # the spec's permission bits, before the fsync makes the file durable
             os.fchmod(raw.fileno(), f["mode"] & 0o777)  # never setuid/setgid/sticky from a spec
@@ -265,29 +270,46 @@ class _SyncHandle:
 
 
 def encode_file(sink, buf, f: Dict[str, Any], kind: str, *, coalesce: bool = True,
-                gate: Optional[Callable[[int, int], None]] = None) -> None:
+                gate: Optional[Callable[[int, int], None]] = None, borrow: bool = False) -> None:
     """Write one file of a part, as its slot index entry ``f`` describes it, from slot mapping ``buf`` into
     ``sink`` (anything with ``write``): raw chunks back to back for ``kind`` ``"bytes"``, otherwise a
     ``torch.save`` archive whose records are memoryviews of the slot (no copy but of records under 64 KiB with
     ``coalesce``, which joins small writes: see :class:`~snapckpt.formats.torch_archive.TorchArchiveWriter`;
     torch is not imported). ``gate``: see :func:`write_part_data` (slot bytes are then read in pieces of
-    :data:`~snapckpt.formats.torch_archive.READY_PIECE_NBYTES`, each once it is final)."""
+    :data:`~snapckpt.formats.torch_archive.READY_PIECE_NBYTES`, each once it is final).
+
+    ``borrow``: ``buf`` is page-aligned (an ``mmap``) and unchanged until the file is flushed, and ``sink`` has
+    ``write_borrowed`` (:meth:`~snapckpt.ondisk.manifest.ChecksumWriter.write_borrowed` over a
+    :class:`~snapckpt.storage.direct.DirectFile`): spans of at least
+    :data:`~snapckpt.storage.direct.BORROW_MIN_NBYTES` are then handed over with their address phase, and a
+    ``torch.save`` archive places their records where they can be written straight from the slot (see
+    :mod:`snapckpt.formats.torch_archive`: longer padding than torch's, the same archive to ``torch.load``)."""
     if kind == "bytes":
         for off, n in f["chunks"]:
+            write = sink.write_borrowed if borrow and n >= BORROW_MIN_NBYTES else None
             if gate is None:
-                sink.write(memoryview(buf)[off:off + n])
+                if write is not None:
+                    write(memoryview(buf)[off:off + n], off % PHASE_MODULUS)
+                else:
+                    sink.write(memoryview(buf)[off:off + n])
                 continue
             for a in range(0, n, READY_PIECE_NBYTES):
                 b = min(n, a + READY_PIECE_NBYTES)
                 gate(off + a, b - a)
-                sink.write(memoryview(buf)[off + a:off + b])
+                if write is not None:
+                    write(memoryview(buf)[off + a:off + b], (off + a) % PHASE_MODULUS)
+                else:
+                    sink.write(memoryview(buf)[off + a:off + b])
         return
     po, pn = f["pkl"]
     view = memoryview(buf)
     records = f["records"]
     ready = None if gate is None else (lambda i, k: gate(records[i][1], k))
+    phases = None
+    if borrow:  # a record of a 64-byte aligned span keeps torch's alignment at its phase
+        phases = [off % PHASE_MODULUS if n >= BORROW_MIN_NBYTES and off % ALIGNMENT == 0 else None for _, off, n in records]
     write_torch_file(sink, bytes(view[po:po + pn]), [(key, view[off:off + n], n) for key, off, n in records],
-                     coalesce=coalesce, ready=ready)
+                     coalesce=coalesce, ready=ready, phases=phases)
 
 
 def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,

@@ -123,3 +123,60 @@ def test_several_full_buffers_are_written_out_at_once(tmp_path, monkeypatch):
     assert in_flight == [i * BUFFER_NBYTES for i in range(BUFFERS - 1)]
     with open(path, "rb") as r:
         assert r.read() == b"".join(data)
+
+
+def test_borrowed_writes_give_the_exact_bytes_and_the_aligned_middle_comes_straight_from_the_buffer(tmp_path,
+                                                                                                   monkeypatch):
+    """``write_borrowed`` mixed with ``write`` and ``flush`` at random (phases that agree with the file position and
+    phases that do not, pieces shorter than BORROW_MIN_NBYTES, a tail left by a flush): the file is byte for byte
+    what was written, and the pieces whose phase agreed were written from the caller's mapping itself (no bounce
+    copy) but for their unaligned head and tail."""
+    import mmap
+
+    from snapckpt.storage import direct
+
+    src = mmap.mmap(-1, 6 * BUFFER_NBYTES)
+    src.write(os.urandom(len(src)))
+    view = memoryview(src)
+    straight = []
+    real = direct.DirectFile._write_out
+
+    def spy(self, v, nbytes, offset):
+        if v.obj is src:
+            straight.append(nbytes)
+        return real(self, v, nbytes, offset)
+
+    monkeypatch.setattr(direct.DirectFile, "_write_out", spy)
+    rng = random.Random(20261205)
+    path = str(tmp_path / "b.bin")
+    for trial in range(5):
+        straight.clear()
+        expected = bytearray()
+        agreed = 0
+        with open_direct(path) as f:
+            while len(expected) < 4 * BUFFER_NBYTES:
+                pos = f.tell()
+                if rng.random() < 0.3:
+                    data = os.urandom(rng.choice([1, 100, 4096, 70000]))
+                    f.write(data)
+                else:
+                    n = rng.choice([10, direct.BORROW_MIN_NBYTES + 4095, BUFFER_NBYTES + 12345, 2 * BUFFER_NBYTES])
+                    if rng.random() < 0.3:  # another phase (or by chance the same)
+                        at = rng.randrange(0, len(src) - n)
+                    else:  # the file position's phase
+                        at = rng.randrange(0, (len(src) - n) // 4096 - 1) * 4096 + pos % 4096
+                    data = view[at:at + n]
+                    if at % 4096 == pos % 4096 and n >= direct.BORROW_MIN_NBYTES:
+                        agreed += n
+                    assert f.write_borrowed(data, at % 4096) == n
+                expected += data
+                assert f.tell() == len(expected)
+                if rng.random() < 0.1:
+                    f.flush()
+                    assert os.path.getsize(path) == f.tell()
+            f.flush()
+            os.fsync(f.fileno())
+        with open(path, "rb") as r:
+            assert r.read() == bytes(expected), f"trial {trial}"
+        assert agreed > 0 and sum(straight) >= agreed - 2 * 4096 * (agreed // direct.BORROW_MIN_NBYTES + 1)
+    del view

@@ -159,3 +159,68 @@ def test_no_persister_module_imports_torch():
             + "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_records_with_a_phase_start_there_and_load_as_torch_saved_them(tmp_path):
+    """A record written with a ``phase`` starts its data at a file offset of that remainder modulo PHASE_MODULUS
+    (still 64-byte aligned), whatever comes before it (a pickle of odd length, zip64 offsets aside); torch.load,
+    plain and with mmap, reads the same tensors as from torch.save's own file; a zero phase and records without one
+    keep torch's padding."""
+    from snapckpt.formats.torch_archive import PHASE_MODULUS
+
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(300, 70, generator=g), "b": torch.arange(33, dtype=torch.int64),
+             "c": torch.randn(2049, generator=g).double()}
+    ref = io.BytesIO()
+    torch.save(state, ref)
+    with zipfile.ZipFile(io.BytesIO(ref.getvalue())) as z:
+        names = {n.split("/", 1)[1]: z.read(n) for n in z.namelist()}
+    keys = sorted(k[len("data/"):] for k in names if k.startswith("data/"))
+    phases = [64 * 37, None, 4032][:len(keys)]
+    out = io.BytesIO()
+    write_torch_file(out, names["data.pkl"], [(k, memoryview(names[f"data/{k}"]), len(names[f"data/{k}"]))
+                                              for k in keys], phases=phases)
+    blob = out.getvalue()
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        for k, phase in zip(keys, phases):
+            info = z.getinfo(f"archive/data/{k}")
+            name_len, extra_len = int.from_bytes(blob[info.header_offset + 26:info.header_offset + 28], "little"), \
+                int.from_bytes(blob[info.header_offset + 28:info.header_offset + 30], "little")
+            start = info.header_offset + 30 + name_len + extra_len
+            assert start % 64 == 0
+            if phase is not None:
+                assert start % PHASE_MODULUS == phase
+            assert blob[start:start + info.file_size] == names[f"data/{k}"]
+    path = tmp_path / "phased.pt"
+    path.write_bytes(blob)
+    for got in (torch.load(io.BytesIO(blob), weights_only=True), torch.load(path, weights_only=True, mmap=True)):
+        assert got.keys() == state.keys()
+        for k in state:
+            assert got[k].dtype == state[k].dtype and torch.equal(got[k], state[k])
+    with pytest.raises(ValueError, match="phase"):
+        TorchArchiveWriter(io.BytesIO()).write_record("data/x", b"abcd", 4, phase=65)
+
+
+def test_a_phased_record_goes_to_write_borrowed_whole_and_the_rest_to_write():
+    """With a sink that has ``write_borrowed``, a phased record's data (and only it) is handed over there, as a
+    view of the caller's buffer with its phase, after the coalesced bytes before it; the stream is the same."""
+    big = mmap.mmap(-1, 3 << 20)
+    big.write(bytes(range(256)) * (len(big) // 256))
+    calls = []
+
+    class Sink(io.BytesIO):
+        def write(self, data) -> int:
+            calls.append(("write", memoryview(data).nbytes))
+            return super().write(data)
+
+        def write_borrowed(self, data, phase) -> int:
+            assert isinstance(data, memoryview) and data.obj is big
+            calls.append(("borrowed", data.nbytes, phase))
+            return super().write(data)
+
+    plain, borrowed = io.BytesIO(), Sink()
+    recs = [("0", memoryview(big)[4096:4096 + (2 << 20)], 2 << 20), ("1", b"small", 5)]
+    write_torch_file(plain, b"pickle!", recs, phases=[0, None], coalesce=True)
+    write_torch_file(borrowed, b"pickle!", recs, phases=[0, None], coalesce=True)
+    assert borrowed.getvalue() == plain.getvalue()
+    assert [c for c in calls if c[0] == "borrowed"] == [("borrowed", 2 << 20, 0)]
