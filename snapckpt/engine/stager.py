@@ -37,6 +37,7 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_part
+from snapckpt.engine import mover
 from snapckpt.engine.plain_values import pack, pack_values
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
@@ -341,6 +342,7 @@ class _Layout:
     restore_ok: Optional[bool] = None
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
+    moved: Optional[tuple] = None  # the direct tensors copied by :mod:`snapckpt.engine.mover` (:func:`_moved`), made once
     plain_table: bytes = b""  # their dtypes and shapes for a restart (:func:`shape_table`), made with plain_part
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
@@ -455,6 +457,19 @@ class Prepared:
 
 
 _VIEWS_KEPT = 4  # layouts whose slot views a mapping keeps (as the Stager's plan cache)
+
+
+def _moved(layout: _Layout) -> tuple:
+    """``(small, large, offsets)`` of ``layout``'s direct tensors (made once per layout): ``large`` picks (an
+    ``itemgetter`` over the direct list) those of at least :data:`~snapckpt.engine.mover.MIN_TENSOR_NBYTES` (``None``:
+    none), ``offsets`` their slot byte offsets, ``small`` picks the others (``None``: none)."""
+    if layout.moved is None:
+        big = [i for i, (_off, dtype, size, _st) in enumerate(layout.direct_dst)
+               if math.prod(size) * dtype.itemsize >= mover.MIN_TENSOR_NBYTES]
+        rest = sorted(set(range(len(layout.direct_dst))) - set(big))
+        pick = lambda idx: (lambda seq: [seq[i] for i in idx]) if idx else None  # noqa: E731
+        layout.moved = (pick(rest), pick(big), tuple(layout.direct_dst[i][0] for i in big))
+    return layout.moved
 
 
 def direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
@@ -891,14 +906,29 @@ class Stager:
         if n_direct:
             dst = direct_views(prepared.layout, slot, prepared.views)
             cut = half - len(prepared.span_copies)
-            with torch.no_grad():  # a Parameter's copy must not enter autograd
+            moved = _moved(prepared.layout)
+            if moved[1]:  # large tensors: in chunks by memmove (snapckpt.engine.mover); the small ones as below
+                small, large, offsets = moved
+                if small:
+                    with torch.no_grad():
+                        torch._foreach_copy_(small(dst), small(prepared.direct))
+                base = slot.data_ptr()
+                chunks = mover.chunks_of([base + off for off in offsets], large(prepared.direct))
                 if 0 <= cut < n_direct:
-                    if cut:
-                        torch._foreach_copy_(dst[:cut], prepared.direct[:cut])
+                    mover.copy_chunks(chunks[:len(chunks) // 2])
                     faults.point("snapshot.mid_copy", step=prepared.step)
-                    torch._foreach_copy_(dst[cut:], prepared.direct[cut:])
+                    mover.copy_chunks(chunks[len(chunks) // 2:])
                 else:
-                    torch._foreach_copy_(dst, prepared.direct)
+                    mover.copy_chunks(chunks)
+            else:
+                with torch.no_grad():  # a Parameter's copy must not enter autograd
+                    if 0 <= cut < n_direct:
+                        if cut:
+                            torch._foreach_copy_(dst[:cut], prepared.direct[:cut])
+                        faults.point("snapshot.mid_copy", step=prepared.step)
+                        torch._foreach_copy_(dst[cut:], prepared.direct[cut:])
+                    else:
+                        torch._foreach_copy_(dst, prepared.direct)
         for off, data in prepared.tail:
             buf[off:off + len(data)] = data
         if device_done is not None:
