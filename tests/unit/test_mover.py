@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from snapckpt.engine import mover
@@ -63,13 +64,16 @@ def test_a_stalled_helper_holds_up_only_its_own_chunk(monkeypatch):
     assert torch.equal(torch.frombuffer(buf, dtype=torch.uint8)[:src.nbytes], src.view(torch.uint8))
 
 
-def test_the_stager_copies_large_tensors_by_chunks_and_the_slot_reads_back_exactly(monkeypatch):
+@pytest.mark.parametrize("way", ["torch", "mover"])
+def test_the_stager_copies_large_tensors_either_way_and_the_slot_reads_back_exactly(monkeypatch, way):
+    from snapckpt.engine import stager as stager_mod
     from snapckpt.engine.stager import Stager
     from snapckpt.persister.slot_index import read_slot
 
     moved = []
     real = mover.copy_chunks
     monkeypatch.setattr(mover, "copy_chunks", lambda chunks, threads=None: moved.append(len(chunks)) or real(chunks))
+    monkeypatch.setattr(stager_mod._Ways, "pick", lambda self: way)
     g = torch.Generator().manual_seed(1)
     state = {"w": torch.rand(1024, 700, generator=g), "b": torch.rand(16, generator=g),
              "p": torch.nn.Parameter(torch.rand(600, 600, generator=g)), "t": torch.rand(700, 500, generator=g).t(),
@@ -85,8 +89,27 @@ def test_the_stager_copies_large_tensors_by_chunks_and_the_slot_reads_back_exact
         assert got == step and back["step"] == 3
         for k in ("w", "b", "p", "t", "h"):
             assert torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype, k
-        assert type(back["p"]) is torch.nn.Parameter
+        assert type(back["p"]) is torch.nn.Parameter and not state["p"].grad_fn
         with torch.no_grad():
             state["w"].add_(1.0)
-    # w (2.7 MiB), p (1.4 MiB) and h (2 MiB) go by chunks; b is small, t is not contiguous (a span copy)
-    assert moved and sum(moved) == 2 * sum(-(-n // mover.CHUNK_NBYTES) for n in (1024 * 700 * 4, 600 * 600 * 4, 2 << 20))
+    # mover: w (2.7 MiB), p (1.4 MiB) and h (2 MiB) by chunks; b is small, t is not contiguous (a span copy)
+    chunks = sum(-(-n // mover.CHUNK_NBYTES) for n in (1024 * 700 * 4, 600 * 600 * 4, 2 << 20))
+    assert sum(moved) == (2 * chunks if way == "mover" else 0)
+
+
+def test_the_way_of_a_layout_is_the_faster_one_lately_and_the_other_is_tried_again_now_and_then():
+    from snapckpt.engine.stager import _Ways
+
+    w = _Ways()
+    assert w.pick() == "torch"  # nothing timed yet (an untimed first copy into a mapping picks too)
+    w.record("torch", 0.10)
+    assert w.pick() == "mover"
+    w.record("mover", 0.03)
+    picks = []
+    for _ in range(2 * _Ways.TRY_EVERY):
+        picks.append(w.pick())
+        w.record(picks[-1], 0.10 if picks[-1] == "torch" else 0.03)
+    assert picks.count("torch") == 2 and picks.count("mover") == 2 * _Ways.TRY_EVERY - 2
+    for _ in range(_Ways.KEPT):  # the cores got idle: torch's copies are now the faster ones
+        w.record("mover", 0.2)
+    assert w.pick() == "torch" and len(w.secs["mover"]) == _Ways.KEPT
