@@ -959,7 +959,8 @@ class Stager:
                         for k, (d, src) in enumerate(parts):
                             if k:
                                 faults.point("snapshot.mid_copy", step=prepared.step)
-                            torch._foreach_copy_(d, src)
+                            if d:
+                                torch._foreach_copy_(d, src)
                     else:
                         base = slot.data_ptr()
                         chunks = mover.chunks_of([base + off for off in offsets], large(prepared.direct))
