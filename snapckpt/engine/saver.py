@@ -397,10 +397,15 @@ class Saver:
         faults.point("snapshot.before_ready", step=job.step)
         t3 = time.perf_counter()
         p = job.prepared
-        self._session.request("ready", slot=job.slot, step=job.step, index_offset=p.index_offset,
-                              index_nbytes=p.index_nbytes, dirname=job.dirname, tracker_name=job.tracker_name,
-                              tracker_content=job.tracker_content, persistable=p.persistable,
-                              persist=job.storage_type == StorageType.DISK)
+        ready = dict(slot=job.slot, step=job.step, index_offset=p.index_offset, index_nbytes=p.index_nbytes,
+                     dirname=job.dirname, tracker_name=job.tracker_name, tracker_content=job.tracker_content,
+                     persistable=p.persistable, persist=job.storage_type == StorageType.DISK)
+        if job.storage_type == StorageType.MEMORY:
+            # not waited for: the answer is read by the next request (the next save's acquire), which raises a
+            # refusal; the round trip was 0.4 ms idle and up to 12 ms on a loaded 2-core host, on every save
+            self._session.post("ready", check=True, **ready)
+        else:  # DISK: a refusal (e.g. the writers cannot take it) fails this save
+            self._session.request("ready", **ready)
         t4 = time.perf_counter()
         if job.handle is None:  # synchronous copy: save blocked for all of it
             stats = SaveStats(job.step, job.storage_type, p.tensor_nbytes, p.total_nbytes, job.t1 - job.t0,

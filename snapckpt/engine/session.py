@@ -129,14 +129,14 @@ class PersisterSession:
             self.connect()
         return self.client.request(op, **fields)
 
-    def post(self, op: str, **fields: Any) -> None:
-        """Send one request without waiting for its answer (:meth:`PersisterClient.post`); as :meth:`request`
-        otherwise."""
+    def post(self, op: str, check: bool = False, **fields: Any) -> None:
+        """Send one request without waiting for its answer (:meth:`PersisterClient.post`; ``check``: the next
+        request raises its refusal); as :meth:`request` otherwise."""
         if self.closed:
             raise CheckpointerClosedError(CLOSED)
         if not self.client.connected:
             self.connect()
-        self.client.post(op, **fields)
+        self.client.post(op, check=check, **fields)
 
     def status(self, step: int, dirname: str, wait_secs: float = 0.0) -> Dict[str, Any]:
         """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ...}``); with
@@ -160,5 +160,11 @@ class PersisterSession:
     def detach(self, clean: bool = True) -> None:
         """Disconnect from the persister. ``clean``: say goodbye first (a clean end: the persister exits when
         the last rank has closed cleanly); otherwise just drop the connection, as a crashed rank would (the
-        persister keeps the memory snapshots and runs the crash flush once every rank has left)."""
+        persister keeps the memory snapshots and runs the crash flush once every rank has left). A refusal of a
+        posted request still unread (a MEMORY save's ``ready``) is logged, not raised."""
+        if clean and self.client.connected:
+            try:
+                self.client.settle()
+            except (SnapckptError, OSError, ValueError) as e:
+                log.warning("rank %d: the persister refused an earlier request: %s", self._topology.rank, e)
         self.client.close(bye=clean)

@@ -25,6 +25,7 @@ import gc
 import json
 import logging
 import math
+import time
 from itertools import compress, islice
 from operator import attrgetter, eq, is_, mul, not_, sub
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_part
+from snapckpt.engine import mover
 from snapckpt.engine.plain_values import pack, pack_values
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
@@ -341,6 +343,8 @@ class _Layout:
     restore_ok: Optional[bool] = None
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
+    moved: Optional[tuple] = None  # the direct tensors copied by :mod:`snapckpt.engine.mover` (:func:`_moved`), made once
+    ways: "_Ways" = field(default_factory=lambda: _Ways())  # how its large tensors are copied (:class:`_Ways`)
     plain_table: bytes = b""  # their dtypes and shapes for a restart (:func:`shape_table`), made with plain_part
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
@@ -455,6 +459,52 @@ class Prepared:
 
 
 _VIEWS_KEPT = 4  # layouts whose slot views a mapping keeps (as the Stager's plan cache)
+
+
+class _Ways:
+    """Which way copies a layout's large direct tensors: ``"torch"`` (one ``torch._foreach_copy_``: an OpenMP region
+    per tensor, the fastest on idle cores) or ``"mover"`` (:mod:`snapckpt.engine.mover`: chunks by ``memmove`` that
+    threads take in turn, 2-3x faster when other processes hold the cores, about 4% slower on idle ones; measured in
+    docs/performance.md). The first two timed copies try one way each; then the way with the lower median of its last
+    :data:`KEPT` copies is used, and every :data:`TRY_EVERY`-th copy tries the other way, so that a host whose load
+    changes gets the other way back. Seconds only compare copies of the same layout (the same bytes)."""
+
+    KEPT = 3
+    TRY_EVERY = 16
+
+    def __init__(self) -> None:
+        self.secs: Dict[str, List[float]] = {"torch": [], "mover": []}
+        self.picks = 0
+
+    def pick(self) -> str:
+        """The way of the next copy."""
+        self.picks += 1
+        torch_s, mover_s = self.secs["torch"], self.secs["mover"]
+        if not torch_s or not mover_s:
+            return "torch" if not torch_s else "mover"
+        best = "torch" if sorted(torch_s)[len(torch_s) // 2] <= sorted(mover_s)[len(mover_s) // 2] else "mover"
+        if self.picks % self.TRY_EVERY == 0:
+            return "mover" if best == "torch" else "torch"
+        return best
+
+    def record(self, way: str, secs: float) -> None:
+        """A copy by ``way`` took ``secs`` seconds."""
+        kept = self.secs[way]
+        kept.append(secs)
+        del kept[:-self.KEPT]
+
+
+def _moved(layout: _Layout) -> tuple:
+    """``(small, large, offsets)`` of ``layout``'s direct tensors (made once per layout): ``large`` picks (an
+    ``itemgetter`` over the direct list) those of at least :data:`~snapckpt.engine.mover.MIN_TENSOR_NBYTES` (``None``:
+    none), ``offsets`` their slot byte offsets, ``small`` picks the others (``None``: none)."""
+    if layout.moved is None:
+        big = [i for i, (_off, dtype, size, _st) in enumerate(layout.direct_dst)
+               if math.prod(size) * dtype.itemsize >= mover.MIN_TENSOR_NBYTES]
+        rest = sorted(set(range(len(layout.direct_dst))) - set(big))
+        pick = lambda idx: (lambda seq: [seq[i] for i in idx]) if idx else None  # noqa: E731
+        layout.moved = (pick(rest), pick(big), tuple(layout.direct_dst[i][0] for i in big))
+    return layout.moved
 
 
 def direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
@@ -889,16 +939,48 @@ class Stager:
             if n and not (device_done is not None and src.is_cuda):
                 slot[off:off + n].copy_(src)
         if n_direct:
+            reused = prepared.views is not None and prepared.layout in prepared.views  # not the mapping's first copy
             dst = direct_views(prepared.layout, slot, prepared.views)
             cut = half - len(prepared.span_copies)
-            with torch.no_grad():  # a Parameter's copy must not enter autograd
-                if 0 <= cut < n_direct:
-                    if cut:
-                        torch._foreach_copy_(dst[:cut], prepared.direct[:cut])
-                    faults.point("snapshot.mid_copy", step=prepared.step)
-                    torch._foreach_copy_(dst[cut:], prepared.direct[cut:])
-                else:
-                    torch._foreach_copy_(dst, prepared.direct)
+            moved = _moved(prepared.layout)
+            if moved[1]:  # large tensors: by torch or in chunks by memmove, whichever was faster lately (_Ways)
+                small, large, offsets = moved
+                with torch.no_grad():  # a Parameter's copy must not enter autograd
+                    if small:
+                        torch._foreach_copy_(small(dst), small(prepared.direct))
+                    ways = prepared.layout.ways
+                    way = ways.pick()
+                    t0 = time.perf_counter()
+                    if way == "torch":
+                        parts = [(large(dst), large(prepared.direct))]
+                        if 0 <= cut < n_direct:
+                            d, src = parts[0]
+                            parts = [(d[:len(d) // 2], src[:len(d) // 2]), (d[len(d) // 2:], src[len(d) // 2:])]
+                        for k, (d, src) in enumerate(parts):
+                            if k:
+                                faults.point("snapshot.mid_copy", step=prepared.step)
+                            if d:
+                                torch._foreach_copy_(d, src)
+                    else:
+                        base = slot.data_ptr()
+                        chunks = mover.chunks_of([base + off for off in offsets], large(prepared.direct))
+                        if 0 <= cut < n_direct:
+                            mover.copy_chunks(chunks[:len(chunks) // 2])
+                            faults.point("snapshot.mid_copy", step=prepared.step)
+                            mover.copy_chunks(chunks[len(chunks) // 2:])
+                        else:
+                            mover.copy_chunks(chunks)
+                    if reused:  # a first copy into a mapping takes its page faults: not a fair sample
+                        ways.record(way, time.perf_counter() - t0)
+            else:
+                with torch.no_grad():  # a Parameter's copy must not enter autograd
+                    if 0 <= cut < n_direct:
+                        if cut:
+                            torch._foreach_copy_(dst[:cut], prepared.direct[:cut])
+                        faults.point("snapshot.mid_copy", step=prepared.step)
+                        torch._foreach_copy_(dst[cut:], prepared.direct[cut:])
+                    else:
+                        torch._foreach_copy_(dst, prepared.direct)
         for off, data in prepared.tail:
             buf[off:off + len(data)] = data
         if device_done is not None:

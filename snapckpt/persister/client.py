@@ -19,7 +19,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import PersisterDiedError, PersisterError, PersisterTimeoutError
@@ -137,9 +138,10 @@ class PersisterClient:
         self.sock: Optional[socket.socket] = None
         self.rfile = None
         self.persister_pid: Optional[int] = None
-        # requests sent whose reply was never read (a KeyboardInterrupt in the wait for it): the next request
-        # reads and drops those replies first, which the persister sends in order
-        self._unread = 0
+        # one entry per request sent whose reply is not read yet, in the order the persister answers: None for a
+        # reply to drop (a KeyboardInterrupt in the wait for it, a plain post), or what a checked post asked
+        # (its refusal is raised by the next request, :meth:`settle`)
+        self._owed: Deque[Optional[str]] = deque()
         #: called (no arguments) right after this client started a persister, while it waits for it to listen
         self.on_spawn: Optional[Callable[[], None]] = None
         if len(self.sock_path.encode()) > 107:
@@ -268,24 +270,72 @@ class PersisterClient:
         return self.sock is not None
 
     def request(self, op: str, **fields: Any) -> Dict[str, Any]:
-        """Send one request and return the ``ok`` response's fields.
+        """Send one request and return the ``ok`` response's fields. The answers of checked posts come first
+        (:meth:`settle`).
 
         Raises:
             PersisterDiedError / PersisterTimeoutError: as described in the module docstring.
-            Any error the persister returned, rebuilt with its original type.
+            Any error the persister returned, rebuilt with its original type (also the refusal of a checked post,
+            before this request is sent).
         """
+        self.settle()
+        self._send(op, fields)
+        self._owed.append(None)
+        while True:
+            line = self._read_line(op)
+            self._owed.popleft()
+            if not self._owed:
+                break  # this request's reply; the lines before it answered interrupted requests or posts
+        return self._reply(line, f"op {op}")
+
+    def post(self, op: str, check: bool = False, **fields: Any) -> None:
+        """Send one request without waiting for its answer, which the persister sends in order; the next
+        :meth:`request` reads it first. ``check`` False: the answer is dropped, for a request whose refusal changes
+        nothing for the caller (``stream``: the persister then writes the slot at ``ready``). ``check`` True: the
+        next :meth:`request` or :meth:`settle` raises its refusal (a MEMORY save's ``ready``: the round trip is
+        off the training thread, and the answer is there by the next request).
+
+        Raises:
+            PersisterDiedError: not connected, or the send failed (the connection is then closed).
+        """
+        self._send(op, fields)
+        self._owed.append((f"{op} of step {fields['step']}" if "step" in fields else op) if check else None)
+
+    def settle(self) -> None:
+        """Read the answers of the checked posts sent so far (waiting for them if needed; those of dropped
+        requests before them too).
+
+        Raises:
+            The refusal of the first checked post the persister refused, rebuilt with its original type (the
+            answers after it stay owed); PersisterDiedError / PersisterTimeoutError as for :meth:`request`.
+        """
+        while any(what is not None for what in self._owed):
+            line = self._read_line(self._owed[0] or "an earlier request")
+            what = self._owed.popleft()
+            if what is not None:
+                self._reply(line, f"op {what}, sent without waiting for its answer")
+
+    def _send(self, op: str, fields: Dict[str, Any]) -> None:
         if self.sock is None:
             raise PersisterDiedError(f"not connected to the snapckpt persister (it died or was closed); {RESTART_HINT}")
         try:
             self.sock.sendall(P.encode({"op": op, **fields}))
-            self._unread += 1
-            while True:
-                line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
-                if not line:
-                    break
-                self._unread -= 1
-                if not self._unread:
-                    break  # this request's reply; the lines before it answered interrupted requests
+        except OSError as e:
+            self.close()
+            raise PersisterDiedError(
+                f"lost the snapckpt persister (pid {self.persister_pid}) during {op!r}: {e}; snapshots it held in "
+                f"memory are gone, committed checkpoints are intact; {RESTART_HINT} (log: {self.log_path})") from e
+
+    def _read_line(self, op: str) -> bytes:
+        """The next answer line (``op`` names the request for errors).
+
+        Raises:
+            PersisterDiedError (end of stream, connection lost) / PersisterTimeoutError (no answer in time).
+        """
+        if self.sock is None:
+            raise PersisterDiedError(f"not connected to the snapckpt persister (it died or was closed); {RESTART_HINT}")
+        try:
+            line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
         except socket.timeout as e:
             self._abandon()
             pid = self.persister_pid or _pid_in(os.path.join(self.runtime_dir, "persister.pid"))  # before hello's reply
@@ -307,29 +357,13 @@ class PersisterClient:
                 f"the snapckpt persister (pid {self.persister_pid}) died (connection closed during {op!r}); "
                 f"snapshots it held in memory are gone, committed checkpoints are intact; {RESTART_HINT} "
                 f"(log: {self.log_path})")
+        return line
+
+    def _reply(self, line: bytes, context: str) -> Dict[str, Any]:
         reply = P.decode(line)
         if not reply.get("ok"):
-            raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, op {op}")
+            raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, {context}")
         return reply
-
-    def post(self, op: str, **fields: Any) -> None:
-        """Send one request without waiting for its answer (the next :meth:`request` skips it, as it skips the
-        answers of interrupted requests). For a request whose refusal changes nothing for the caller (``stream``:
-        the persister then writes the slot at ``ready``).
-
-        Raises:
-            PersisterDiedError: not connected, or the send failed (the connection is then closed).
-        """
-        if self.sock is None:
-            raise PersisterDiedError(f"not connected to the snapckpt persister (it died or was closed); {RESTART_HINT}")
-        try:
-            self.sock.sendall(P.encode({"op": op, **fields}))
-        except OSError as e:
-            self.close()
-            raise PersisterDiedError(
-                f"lost the snapckpt persister (pid {self.persister_pid}) during {op!r}: {e}; snapshots it held in "
-                f"memory are gone, committed checkpoints are intact; {RESTART_HINT} (log: {self.log_path})") from e
-        self._unread += 1
 
     def _abandon(self) -> None:
         """Give up this connection after a request timed out: queue an ``abandon`` behind the unanswered
@@ -342,9 +376,11 @@ class PersisterClient:
         self.close()
 
     def close(self, bye: bool = False) -> None:
-        """Close the connection; with ``bye`` tell the persister it is a clean close."""
+        """Close the connection; with ``bye`` tell the persister it is a clean close. The answers still owed to
+        checked posts are dropped (the caller settles them first if it wants their refusals)."""
         if self.sock is None:
             return
+        self._owed = deque(None for _ in self._owed)
         if bye:
             try:
                 self.request("bye")
@@ -358,4 +394,4 @@ class PersisterClient:
                 pass
         self.sock = None
         self.rfile = None
-        self._unread = 0
+        self._owed.clear()
