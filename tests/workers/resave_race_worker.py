@@ -46,32 +46,51 @@ def save(d: str, gen: str, *steps: str) -> None:
             ck.save(make_state(step, rank, int(gen)), step).wait()
 
 
+def swap(d: str, new_copy: str, marker: str) -> None:
+    """Wait until rank 0 read the raced step (``marker``), then commit ``new_copy`` in its place as the owner's
+    commit does (old copy renamed aside, the new one renamed in)."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tmp = os.path.join(d, f".{RACED}.incoming")
+    shutil.copytree(new_copy, tmp)
+    os.rename(os.path.join(d, RACED), os.path.join(d, f".{RACED}.replaced-other"))
+    os.rename(tmp, os.path.join(d, RACED))
+
+
+def mark_after_read(marker: str) -> None:
+    """Rank 0: leave ``marker`` once its read of the raced step is over (the loader's ``read`` or ``read_into``)."""
+    for name in ("read", "read_into"):
+        real = getattr(Loader, name)
+
+        def after(self, cand, *a, _real=real, **kw):
+            try:
+                return _real(self, cand, *a, **kw)
+            finally:
+                if cand.dirname == RACED and not os.path.exists(marker):
+                    open(marker, "w").close()
+
+        setattr(Loader, name, after)
+
+
+def report(rank: int, ck: Checkpointer, out: dict) -> None:
+    """The ``RESULT`` line of a rank's load: its step, generation, first value, whether every value is that one."""
+    w = float(out["w"][0])
+    print("RESULT " + json.dumps({"rank": rank, "step": ck.last_load.step, "gen": out["gen"], "w": w,
+                                  "whole": bool((out["w"] == w).all()), "skipped": list(ck.last_load.skipped)}),
+          flush=True)
+
+
 def _hooks(rank: int, d: str, new_copy: str, marker: str) -> None:
     if rank == 0:  # after its own read of the raced step: let rank 1 swap the directory
-        for name in ("read", "read_into"):
-            real = getattr(Loader, name)
-
-            def after(self, cand, *a, _real=real, **kw):
-                try:
-                    return _real(self, cand, *a, **kw)
-                finally:
-                    if cand.dirname == RACED and not os.path.exists(marker):
-                        open(marker, "w").close()
-
-            setattr(Loader, name, after)
+        mark_after_read(marker)
         return
     real_parse = loader_mod.parse_manifest
     swapped = []
 
     def parse(data, dirname, *a, **kw):
         if dirname == RACED and not swapped:  # the owner's re-commit lands between rank 0's read and this one
-            deadline = time.monotonic() + 60
-            while not os.path.exists(marker) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            tmp = os.path.join(d, f".{RACED}.incoming")
-            shutil.copytree(new_copy, tmp)
-            os.rename(os.path.join(d, RACED), os.path.join(d, f".{RACED}.replaced-other"))
-            os.rename(tmp, os.path.join(d, RACED))
+            swap(d, new_copy, marker)
             swapped.append(True)
             with open(os.path.join(d, RACED, MANIFEST), "rb") as f:
                 data = f.read()
@@ -89,10 +108,7 @@ def load(d: str, new_copy: str, marker: str, how: str) -> None:
             ck.load(out)
         else:
             out = ck.load()
-        w = float(out["w"][0])
-        print("RESULT " + json.dumps({"rank": rank, "step": ck.last_load.step, "gen": out["gen"],
-                                      "w": w, "whole": bool((out["w"] == w).all()),
-                                      "skipped": list(ck.last_load.skipped)}), flush=True)
+        report(rank, ck, out)
 
 
 if __name__ == "__main__":

@@ -10,32 +10,18 @@ the rank's file by path as a framework's own loader does; ``VERIFY``: ``verify_c
 the raced step first and leaves ``MARKER``; rank 1 then swaps the directory for ``NEW_COPY`` between its manifest
 read and its file reads. Each rank prints ``RESULT {json}``.
 """
-import json
 import os
-import shutil
 import sys
-import time
 
 import torch
 
 from snapckpt import Checkpointer
 from snapckpt.engine import disk_restore
 from snapckpt.engine import loader as loader_mod
-from snapckpt.engine.loader import Loader
 from snapckpt.ondisk import layout
 
-from resave_race_worker import OPTS, RACED, init_dist, make_state, save  # noqa: F401 (save: the CLI verb)
-
-
-def _swap(d: str, new_copy: str, marker: str) -> None:
-    """Wait until rank 0 read the raced step, then commit ``new_copy`` in its place as the owner's commit does."""
-    deadline = time.monotonic() + 60
-    while not os.path.exists(marker) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    tmp = os.path.join(d, f".{RACED}.incoming")
-    shutil.copytree(new_copy, tmp)
-    os.rename(os.path.join(d, RACED), os.path.join(d, f".{RACED}.replaced-other"))
-    os.rename(tmp, os.path.join(d, RACED))
+from resave_race_worker import (OPTS, RACED, init_dist, make_state, mark_after_read, report,  # noqa: F401
+                                save, swap)  # save: the CLI verb
 
 
 def _hooks(rank: int, d: str, new_copy: str, marker: str, how: str) -> None:
@@ -44,20 +30,10 @@ def _hooks(rank: int, d: str, new_copy: str, marker: str, how: str) -> None:
     def once() -> None:
         if not swapped:
             swapped.append(True)
-            _swap(d, new_copy, marker)
+            swap(d, new_copy, marker)
 
     if rank == 0:  # after its own read of the raced step: let rank 1 swap the directory
-        for name in ("read", "read_into"):
-            real = getattr(Loader, name)
-
-            def after(self, cand, *a, _real=real, **kw):
-                try:
-                    return _real(self, cand, *a, **kw)
-                finally:
-                    if cand.dirname == RACED and not os.path.exists(marker):
-                        open(marker, "w").close()
-
-            setattr(Loader, name, after)
+        mark_after_read(marker)
         return
     if how == "plain":  # after the manifest and this rank's files were checked, before torch.load opens them
         for name in ("check_checksums", "check_sizes"):
@@ -94,7 +70,7 @@ def load(d: str, new_copy: str, marker: str, how: str, verify: str) -> None:
             def fn(c):  # a framework's own loader: reads the verified directory by path
                 if c.dirname == RACED:
                     if rank == 1:
-                        _swap(d, new_copy, marker)
+                        swap(d, new_copy, marker)
                 path = os.path.join(c.path, layout.rank_filename(rank))
                 try:
                     return torch.load(path, weights_only=False)
@@ -103,10 +79,7 @@ def load(d: str, new_copy: str, marker: str, how: str, verify: str) -> None:
                         open(marker, "w").close()
 
             out, _ = ck.load_with(fn, check=lambda c: c.verify())
-        w = float(out["w"][0])
-        print("RESULT " + json.dumps({"rank": rank, "step": ck.last_load.step, "gen": out["gen"],
-                                      "w": w, "whole": bool((out["w"] == w).all()),
-                                      "skipped": list(ck.last_load.skipped)}), flush=True)
+        report(rank, ck, out)
 
 
 if __name__ == "__main__":
