@@ -45,6 +45,7 @@ step memory_budget  "$PY" benchmarks/memory_budget.py --size-gib 0.5
 step commit_latency "$PY" benchmarks/commit_latency.py
 step remote_s3      "$PY" benchmarks/remote_s3.py --mib 64 --repeats 2 --loop-steps 40 --loop-mib 96 --every 5
 step results_page   "$PY" benchmarks/results_page.py
+step perf_section   "$PY" benchmarks/suite.py --readme  # docs/performance.md "Results" from the same run
 
 echo "--- run_all: $(( $(date +%s) - total_start )) s in all; load now $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 printf '%s\n' "${summary[@]}" >&2
