@@ -177,3 +177,29 @@ def test_few_small_tensors_or_no_slot_file_keep_the_torch_copy(tmp_path, monkeyp
     p = s.save(st, many, 2, by_file=False)
     assert not calls and p.layout.span_writes is None
     s.m.close()
+
+
+def test_short_runs_of_small_tensors_between_large_ones_stay_on_the_torch_copy(tmp_path, monkeypatch):
+    calls = _spied(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    state = {f"s{i}": torch.rand(1 + i % 50, generator=g) for i in range(span_write.MIN_SPANS + 10)}
+    for i in range(20):  # a layer's few small tensors between large ones (GPT): runs of 2
+        state[f"l{i}a"], state[f"l{i}b"] = torch.rand(3, generator=g), torch.rand(5, generator=g)
+        state[f"l{i}w"] = torch.rand(span_write.SMALL_NBYTES // 4, generator=g)
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    nbytes = (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20)
+    new, old = _Slot(tmp_path / "new", nbytes), _Slot(tmp_path / "old", nbytes)
+    p = new.save(st, state, 1)
+    old.save(st, state, 1, by_file=False)
+    w = p.layout.span_writes
+    # the long run goes on into the first layer's two small tensors; the other layers' stay on torch's copy
+    assert calls == [span_write.MIN_SPANS + 12] and len(w.pos) == span_write.MIN_SPANS + 12 and len(w.rest) == 58
+    a, b = new.m.tensor.clone(), old.m.tensor.clone()
+    for lo, hi, written in _gaps(p):
+        if written:
+            assert not a[lo:hi].any()
+            a[lo:hi] = b[lo:hi]
+    assert torch.equal(a, b)
+    new.m.close()
+    old.m.close()
