@@ -203,3 +203,17 @@ def test_short_runs_of_small_tensors_between_large_ones_stay_on_the_torch_copy(t
     assert torch.equal(a, b)
     new.m.close()
     old.m.close()
+
+
+def test_the_mid_copy_fault_point_is_passed_once_among_the_writes(tmp_path, monkeypatch):
+    calls = _spied(monkeypatch)
+    hits = []
+    monkeypatch.setattr(stager_mod.faults, "point", lambda name, **kw: hits.append((name, calls[:])))
+    state = _state()
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / "slot", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    s.save(st, state, 1)
+    assert [h[0] for h in hits] == ["snapshot.mid_copy"] and hits[0][1] == []  # during the writes, not after
+    assert calls == [len(p.layout.span_writes.pos)]
+    s.m.close()
