@@ -91,7 +91,8 @@ class SpanWrites:
         if not _load():
             return None
         offsets = list(map(itemgetter(0), dst))
-        sizes = sizes_all = list(map(mul, map(_ITEMSIZE, map(itemgetter(1), dst)), map(math.prod, map(itemgetter(2), dst))))
+        sizes = sizes_all = list(map(mul, map(_ITEMSIZE, map(itemgetter(1), dst)),
+                                     map(math.prod, map(itemgetter(2), dst))))
         pos = list(compress(range(len(dst)), map(_small, sizes)))
         if len(pos) < MIN_SPANS:
             return None

@@ -5,20 +5,19 @@ mapped one or a short write leaves the rest to the mapping; a tensor changed aft
 change the slot. Real slot files in a temporary directory."""
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 
+import pytest
 import torch
 
-from snapckpt.engine import span_write, stager as stager_mod
+from snapckpt.engine import mover, span_write, stager as stager_mod
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.stager import Stager
 
 NAME = "rank_00000.pt"
 
 
-def _state(n: int = 3 * span_write._BATCH + 5, seed: int = 0) -> dict:
+def _state(n: int = 3 * span_write._BATCH + 5, seed: int = 0, big: int = span_write.SMALL_NBYTES) -> dict:
     """``n`` small tensors of sizes that leave alignment gaps or none (multiples of 64 bytes), a large tensor among
     them (a run of spans ends there) and two views of one storage (a span copied as bytes)."""
     g = torch.Generator().manual_seed(seed)
@@ -27,7 +26,7 @@ def _state(n: int = 3 * span_write._BATCH + 5, seed: int = 0) -> dict:
         k = 16 * (1 + i % 5) if i % 3 == 0 else 1 + i % 41  # floats: 64-byte multiples, or not
         state[f"t{i}"] = torch.rand(k, generator=g) if i % 4 else torch.randint(0, 1 << 30, (k,), generator=g)
         if i == n // 2:
-            state["big"] = torch.rand(span_write.SMALL_NBYTES // 4 + 3, generator=g)
+            state["big"] = torch.rand(big // 4 + 3, generator=g)
     base = torch.rand(100, generator=g)
     state["va"], state["vb"] = base[:10], base[50:]
     return state
@@ -70,14 +69,15 @@ def _spied(monkeypatch) -> list:
     return calls
 
 
-def test_pwritev_save_is_bit_exact_with_the_mapping_copy_across_calls_and_gaps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("big", [span_write.SMALL_NBYTES, mover.MIN_TENSOR_NBYTES])  # by torch; by torch or mover
+def test_pwritev_save_is_bit_exact_with_the_mapping_copy_across_calls_and_gaps(tmp_path, monkeypatch, big):
     calls = _spied(monkeypatch)
-    state = _state()
+    state = _state(big=big)
     st = Stager()
     p = st.prepare({NAME: state}, 1)
     nbytes = (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20)
     new, old = _Slot(tmp_path / "new", nbytes), _Slot(tmp_path / "old", nbytes)
-    for step in (1, 2):  # the second save reuses the table
+    for step in (1, 2, 3):  # later saves reuse the table (and try the other way of the large tensor)
         p = new.save(st, state, step)
         old.save(st, state, step, by_file=False)
         w = p.layout.span_writes
@@ -96,8 +96,8 @@ def test_pwritev_save_is_bit_exact_with_the_mapping_copy_across_calls_and_gaps(t
     base = torch.rand(100)
     state = {k: v.clone() for k, v in state.items()}  # fresh tensors of the same layout: new addresses
     state["va"], state["vb"] = base[:10], base[50:]
-    p = new.save(st, state, 3)
-    old.save(st, state, 3, by_file=False)
+    p = new.save(st, state, 4)
+    old.save(st, state, 4, by_file=False)
     assert p.layout.span_writes.iov is table and p.layout.span_writes.ptrs is p.ptrs
     assert calls[-1] == len(p.layout.span_writes.pos)
     a, b = new.m.tensor.clone(), old.m.tensor.clone()
