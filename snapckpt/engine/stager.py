@@ -40,6 +40,7 @@ from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_part
 from snapckpt.engine import mover
 from snapckpt.engine.plain_values import pack, pack_values
+from snapckpt.engine.span_write import SpanWrites, write_spans
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
@@ -349,6 +350,8 @@ class _Layout:
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
     file_json: Dict[Optional[str], tuple] = field(default_factory=dict)  # the index's last JSON (Stager._skeletons)
+    # the small direct tensors' pwritev (snapckpt.engine.span_write), made at the first copy; False: none
+    span_writes: Any = None
 
 
 #: Bytes a streamed copy copies between two watermark stores (a batch of small tensors, or a piece of a large one).
@@ -432,6 +435,11 @@ class Prepared:
         views: the slot mapping's cache of typed views (``MappedSlot.views``), set by the caller of
             :meth:`Stager.copy_into`; ``None``: the views are made for this copy only.
         streamed: set by :meth:`Stager.begin_stream` (a streamed DISK save).
+        ptrs: the data pointers of the save's tensors (collection order) when the plan's quick check read them this
+            save (a list never changed: the key of the iovec table's addresses, :mod:`snapckpt.engine.span_write`);
+            ``None``: not known, no ``pwritev``.
+        slot_file: ``(path, (st_dev, st_ino))`` of the mapped slot file (``MappedSlot.path``, ``.ident``), set by the
+            caller of :meth:`Stager.copy_into` like :attr:`views`; ``None``: every copy through the mapping.
     """
 
     step: int
@@ -446,6 +454,8 @@ class Prepared:
     layout: Optional[_Layout] = None
     views: Optional[Dict[Any, List[torch.Tensor]]] = None
     streamed: bool = False  # Stager.begin_stream ran: copy_into publishes the watermark
+    ptrs: Optional[List[int]] = None
+    slot_file: Optional[Tuple[str, Optional[tuple]]] = None
 
     @property
     def copies(self) -> List[Tuple[torch.Tensor, int]]:
@@ -813,8 +823,10 @@ class Stager:
         index = index_bytes(step, layout)  # json.dumps' bytes, the step spliced in
         tail.append((offset, index))
         persistable = not specs or any(persist for _, persist in specs)
+        # the quick check's data pointers are this save's tensors' (it read them, or was made from them, just now)
+        ptrs = layout.recheck.ptrs if layout.recheck is not None else None
         return Prepared(step, offset + len(index), copies, tail, offset, len(index), layout.tensor_nbytes,
-                        persistable, direct, layout)
+                        persistable, direct, layout, ptrs=ptrs)
 
     def _skeletons(self, files: Mapping[str, Any], specs: list, per_file_tensors: List[List[torch.Tensor]],
                    plan: Plan, seen: Optional[Dict[int, int]], plain_files: set, check_weights_only: bool,
@@ -943,10 +955,13 @@ class Stager:
             dst = direct_views(prepared.layout, slot, prepared.views)
             cut = half - len(prepared.span_copies)
             moved = _moved(prepared.layout)
+            writes = _span_writes(prepared)  # small tensors by pwritev of the slot file, when it can
             if moved[1]:  # large tensors: by torch or in chunks by memmove, whichever was faster lately (_Ways)
                 small, large, offsets = moved
                 with torch.no_grad():  # a Parameter's copy must not enter autograd
-                    if small:
+                    if writes is not None:
+                        Stager._copy_written(prepared, writes, dst, False, writes.rest_small)
+                    elif small:
                         torch._foreach_copy_(small(dst), small(prepared.direct))
                     ways = prepared.layout.ways
                     way = ways.pick()
@@ -974,7 +989,9 @@ class Stager:
                         ways.record(way, time.perf_counter() - t0)
             else:
                 with torch.no_grad():  # a Parameter's copy must not enter autograd
-                    if 0 <= cut < n_direct:
+                    if writes is not None:
+                        Stager._copy_written(prepared, writes, dst, 0 <= cut < n_direct, writes.rest)
+                    elif 0 <= cut < n_direct:
                         if cut:
                             torch._foreach_copy_(dst[:cut], prepared.direct[:cut])
                         faults.point("snapshot.mid_copy", step=prepared.step)
@@ -987,6 +1004,30 @@ class Stager:
             device_done.synchronize()
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
 
+
+    @staticmethod
+    def _copy_written(prepared: Prepared, writes: SpanWrites, dst: List[torch.Tensor], mid: bool,
+                      rest: List[int]) -> None:
+        """Copy the direct tensors at positions ``rest`` by one ``_foreach_copy_``, then write the small ones by
+        ``pwritev`` (:mod:`snapckpt.engine.span_write`), and copy what it did not write by ``_foreach_copy_`` too.
+        ``mid``: the mid-copy fault point falls among them (once, about halfway)."""
+        src = prepared.direct
+        if rest:
+            torch._foreach_copy_([dst[j] for j in rest], [src[j] for j in rest])
+        hit: List[bool] = []
+
+        def halfway() -> None:
+            hit.append(True)
+            if mid:
+                faults.point("snapshot.mid_copy", step=prepared.step)
+
+        path, ident = prepared.slot_file  # type: ignore[misc]
+        done = write_spans(path, ident, writes, halfway)
+        if not hit:
+            halfway()
+        if done < len(writes.pos):  # another file at the path, a short write: through the mapping
+            left = writes.pos[done:]
+            torch._foreach_copy_([dst[j] for j in left], [src[j] for j in left])
 
     @staticmethod
     def _copy_streamed(prepared: Prepared, slot: torch.Tensor, buf) -> None:
@@ -1012,6 +1053,21 @@ class Stager:
                     mark[0] = step[-1]  # after the copies returned: the bytes below are final
         finally:
             mark.release()
+
+
+def _span_writes(prepared: Prepared) -> Optional[SpanWrites]:
+    """The layout's :class:`SpanWrites` with this save's addresses, or ``None`` when its small tensors are copied by
+    torch (no slot file or data pointers known, too few small tensors, no ``pwritev``, a null data pointer)."""
+    layout = prepared.layout
+    if prepared.slot_file is None or prepared.ptrs is None or layout is None:
+        return None
+    writes = layout.span_writes
+    if writes is None:
+        writes = SpanWrites.make(layout.direct, layout.direct_dst, mover.MIN_TENSOR_NBYTES)
+        layout.span_writes = writes = writes or False
+    if not writes or not writes.fill(prepared.ptrs):
+        return None
+    return writes
 
 
 def _pickle_file(obj: Any, key: Optional[List[Any]], idx: Sequence[int], hit: Optional[tuple],

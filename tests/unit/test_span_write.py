@@ -1,0 +1,219 @@
+"""A save's copy of many small CPU tensors by pwritev of the slot file (snapckpt/engine/span_write.py): bit-exact with
+the copy through the mapping across several calls, runs broken by large tensors and alignment gaps (written as
+zeros); the iovec table reused while the data pointers stay and refilled when they change; a file that is not the
+mapped one or a short write leaves the rest to the mapping; a tensor changed after the save returned does not
+change the slot. Real slot files in a temporary directory."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from snapckpt.engine import mover, span_write, stager as stager_mod
+from snapckpt.engine.slot_maps import MappedSlot
+from snapckpt.engine.stager import Stager
+
+NAME = "rank_00000.pt"
+
+
+def _state(n: int = 3 * span_write._BATCH + 5, seed: int = 0, big: int = span_write.SMALL_NBYTES) -> dict:
+    """``n`` small tensors of sizes that leave alignment gaps or none (multiples of 64 bytes), a large tensor among
+    them (a run of spans ends there) and two views of one storage (a span copied as bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(n):
+        k = 16 * (1 + i % 5) if i % 3 == 0 else 1 + i % 41  # floats: 64-byte multiples, or not
+        state[f"t{i}"] = torch.rand(k, generator=g) if i % 4 else torch.randint(0, 1 << 30, (k,), generator=g)
+        if i == n // 2:
+            state["big"] = torch.rand(big // 4 + 3, generator=g)
+    base = torch.rand(100, generator=g)
+    state["va"], state["vb"] = base[:10], base[50:]
+    return state
+
+
+class _Slot:
+    """A slot file mapped as the saver maps it, filled with garbage (a reused slot's old bytes)."""
+
+    def __init__(self, path, nbytes: int) -> None:
+        with open(path, "wb") as f:
+            f.write(bytes(range(256)) * (nbytes // 256))
+        self.m = MappedSlot(str(path), nbytes)
+
+    def save(self, st: Stager, state, step: int, by_file: bool = True):
+        p = st.prepare({NAME: state}, step)
+        p.views = self.m.views
+        if by_file:
+            p.slot_file = (self.m.path, self.m.ident)
+        Stager.copy_into(p, self.m.tensor, self.m.buf)
+        return p
+
+
+def _gaps(p) -> list:
+    """``(start, end, written)`` of the byte ranges between consecutive spans of ``p``'s plan (alignment); ``written``:
+    both spans around it were written by pwritev (a gap inside a call's bytes)."""
+    spans = sorted((s.arena_offset, s.arena_offset + s.nbytes) for s in p.layout.plan.spans)
+    w = p.layout.span_writes
+    by_file = {p.layout.direct_dst[j][0] for j in w.pos} if w else set()
+    return [(a_end, b, a in by_file and b in by_file) for (a, a_end), (b, _) in zip(spans, spans[1:]) if b > a_end]
+
+
+def _spied(monkeypatch) -> list:
+    calls = []
+    real = stager_mod.write_spans
+
+    def spy(*a):
+        calls.append(real(*a))
+        return calls[-1]
+    monkeypatch.setattr(stager_mod, "write_spans", spy)
+    return calls
+
+
+@pytest.mark.parametrize("big", [span_write.SMALL_NBYTES, mover.MIN_TENSOR_NBYTES])  # by torch; by torch or mover
+def test_pwritev_save_is_bit_exact_with_the_mapping_copy_across_calls_and_gaps(tmp_path, monkeypatch, big):
+    calls = _spied(monkeypatch)
+    state = _state(big=big)
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    nbytes = (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20)
+    new, old = _Slot(tmp_path / "new", nbytes), _Slot(tmp_path / "old", nbytes)
+    for step in (1, 2, 3):  # later saves reuse the table (and try the other way of the large tensor)
+        p = new.save(st, state, step)
+        old.save(st, state, step, by_file=False)
+        w = p.layout.span_writes
+        assert w and calls[-1] == len(w.pos) == 3 * span_write._BATCH + 5 + 1  # every small whole tensor ("va")
+        # several calls, a run broken where the large tensor lies (copied by torch)
+        assert len(w.batches) == 4 and w.rest and w.batches[2][2] > sum(w.batches[1][2:]) + 64
+        gaps = _gaps(p)
+        assert sum(g[2] for g in gaps) > len(w.pos) // 2
+        a, b = new.m.tensor.clone(), old.m.tensor.clone()
+        for lo, hi, written in gaps:
+            if written:
+                assert not a[lo:hi].any()  # zeros where the old bytes were (nothing reads them)
+                a[lo:hi] = b[lo:hi]
+        assert torch.equal(a, b)  # every other byte as the copy through the mapping leaves it
+    table = p.layout.span_writes.iov
+    base = torch.rand(100)
+    state = {k: v.clone() for k, v in state.items()}  # fresh tensors of the same layout: new addresses
+    state["va"], state["vb"] = base[:10], base[50:]
+    p = new.save(st, state, 4)
+    old.save(st, state, 4, by_file=False)
+    assert p.layout.span_writes.iov is table and p.layout.span_writes.ptrs is p.ptrs
+    assert calls[-1] == len(p.layout.span_writes.pos)
+    a, b = new.m.tensor.clone(), old.m.tensor.clone()
+    for lo, hi, _ in _gaps(p):
+        a[lo:hi] = b[lo:hi]
+    assert torch.equal(a, b)
+    new.m.close()
+    old.m.close()
+
+
+def test_a_short_write_or_another_file_at_the_path_leaves_the_rest_to_the_mapping(tmp_path, monkeypatch):
+    calls = _spied(monkeypatch)
+    state = _state()
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    nbytes = (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20)
+    ref = _Slot(tmp_path / "ref", nbytes)
+    ref.save(st, state, 1, by_file=False)
+    real = span_write._load() and span_write._pwritev
+    seen = []
+
+    def short(fd, iov, cnt, off):  # the second call writes one byte less
+        seen.append(off)
+        got = real(fd, iov, cnt, off)
+        return got - 1 if len(seen) == 2 else got
+    monkeypatch.setattr(span_write, "_pwritev", short)
+    s = _Slot(tmp_path / "short", nbytes)
+    p = s.save(st, state, 1)
+    assert len(seen) == 2 and calls[-1] == span_write._BATCH  # stopped after the first call's spans
+    monkeypatch.setattr(span_write, "_pwritev", real)
+    for spans in p.layout.plan.spans:
+        lo, hi = spans.arena_offset, spans.arena_offset + spans.nbytes
+        assert torch.equal(s.m.tensor[lo:hi], ref.m.tensor[lo:hi])
+    # another file renamed over the mapped one: nothing written by file, all through the mapping
+    other = tmp_path / "other"
+    other.write_bytes(bytes([5]) * nbytes)
+    os.replace(other, s.m.path)
+    state2 = {k: v + 1 for k, v in state.items()}
+    p = s.save(st, state2, 2)
+    ref.save(st, state2, 2, by_file=False)
+    assert calls[-1] == 0
+    for spans in p.layout.plan.spans:
+        lo, hi = spans.arena_offset, spans.arena_offset + spans.nbytes
+        assert torch.equal(s.m.tensor[lo:hi], ref.m.tensor[lo:hi])
+    with open(s.m.path, "rb") as f:
+        assert f.read() == bytes([5]) * nbytes  # the file at the path untouched
+    s.m.close()
+    ref.m.close()
+
+
+def test_a_tensor_changed_after_the_save_returned_does_not_change_the_slot(tmp_path, monkeypatch):
+    calls = _spied(monkeypatch)
+    state = _state()
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    nbytes = (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20)
+    s = _Slot(tmp_path / "slot", nbytes)
+    p = s.save(st, state, 1)
+    assert calls[-1] == len(p.layout.span_writes.pos)
+    before = s.m.tensor.clone()
+    with open(s.m.path, "rb") as f:  # the file's pages are the mapping's
+        assert torch.equal(torch.frombuffer(bytearray(f.read()), dtype=torch.uint8), before)
+    for v in state.values():
+        v.add_(1)
+    assert torch.equal(s.m.tensor, before)
+    s.m.close()
+
+
+def test_few_small_tensors_or_no_slot_file_keep_the_torch_copy(tmp_path, monkeypatch):
+    calls = _spied(monkeypatch)
+    st = Stager()
+    few = {f"t{i}": torch.rand(7) for i in range(span_write.MIN_SPANS - 1)}
+    s = _Slot(tmp_path / "slot", 1 << 20)
+    p = s.save(st, few, 1)
+    assert p.layout.span_writes is False and not calls
+    many = _state(400)
+    p = s.save(st, many, 2, by_file=False)
+    assert not calls and p.layout.span_writes is None
+    s.m.close()
+
+
+def test_short_runs_of_small_tensors_between_large_ones_stay_on_the_torch_copy(tmp_path, monkeypatch):
+    calls = _spied(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    state = {f"s{i}": torch.rand(1 + i % 50, generator=g) for i in range(span_write.MIN_SPANS + 10)}
+    for i in range(20):  # a layer's few small tensors between large ones (GPT): runs of 2
+        state[f"l{i}a"], state[f"l{i}b"] = torch.rand(3, generator=g), torch.rand(5, generator=g)
+        state[f"l{i}w"] = torch.rand(span_write.SMALL_NBYTES // 4, generator=g)
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    nbytes = (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20)
+    new, old = _Slot(tmp_path / "new", nbytes), _Slot(tmp_path / "old", nbytes)
+    p = new.save(st, state, 1)
+    old.save(st, state, 1, by_file=False)
+    w = p.layout.span_writes
+    # the long run goes on into the first layer's two small tensors; the other layers' stay on torch's copy
+    assert calls == [span_write.MIN_SPANS + 12] and len(w.pos) == span_write.MIN_SPANS + 12 and len(w.rest) == 58
+    a, b = new.m.tensor.clone(), old.m.tensor.clone()
+    for lo, hi, written in _gaps(p):
+        if written:
+            assert not a[lo:hi].any()
+            a[lo:hi] = b[lo:hi]
+    assert torch.equal(a, b)
+    new.m.close()
+    old.m.close()
+
+
+def test_the_mid_copy_fault_point_is_passed_once_among_the_writes(tmp_path, monkeypatch):
+    calls = _spied(monkeypatch)
+    hits = []
+    monkeypatch.setattr(stager_mod.faults, "point", lambda name, **kw: hits.append((name, calls[:])))
+    state = _state()
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / "slot", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    s.save(st, state, 1)
+    assert [h[0] for h in hits] == ["snapshot.mid_copy"] and hits[0][1] == []  # during the writes, not after
+    assert calls == [len(p.layout.span_writes.pos)]
+    s.m.close()
