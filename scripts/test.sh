@@ -18,16 +18,8 @@ for arg in "$@"; do
     esac
 done
 
-# The documentation site must build without a warning (a broken link, a page missing from the nav, an
-# API name mkdocstrings cannot resolve): mkdocs build --strict, into a throwaway directory.
-site=$(mktemp -d)
-if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"; then
-    rm -rf "$site"
-    echo "test.sh: mkdocs build --strict failed (see above); fix the docs" >&2
-    exit 1
-fi
-rm -rf "$site"
-echo "test.sh: docs built (mkdocs build --strict, no warning)"
+# The documentation site must build without a warning (scripts/check_docs.sh: mkdocs build --strict).
+bash scripts/check_docs.sh || exit 1
 
 # Three pytest workers: most tests wait on real processes (torchrun ranks, the persister, sleeps and
 # timeouts), so on 2 cores two workers left about 40% of the CPU idle (measured: 1.2 cores busy on average
