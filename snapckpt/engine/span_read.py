@@ -23,7 +23,7 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["read_spans"]
+__all__ = ["libc_vectored", "read_spans"]
 
 _BATCH = 512  # spans per call: two iovecs each, IOV_MAX (1024 on Linux) per call
 _GAP_MAX = 4096  # bytes of the scratch buffer the gaps between spans are read into
@@ -31,18 +31,25 @@ _SCRATCH = ctypes.create_string_buffer(_GAP_MAX)
 _preadv = None  # libc's preadv (ctypes: the call releases the GIL); False when there is none
 
 
+def libc_vectored(name: str):
+    """libc's ``preadv`` or ``pwritev`` (``name``) as a ctypes function ``(fd, iovec table address, iovec count,
+    file offset) -> bytes or -1`` that releases the GIL, or ``False`` when there is none or the ABI is not 64-bit
+    (the iovec tables here are int64 pairs: a 64-bit ABI's ``struct iovec``)."""
+    if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
+        return False
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):  # pragma: no cover - no libc symbols in the process
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
 def _load() -> bool:
     global _preadv
-    if _preadv is None and (ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8):
-        _preadv = False  # the iovec table is of int64 pairs: a 64-bit ABI's struct iovec
     if _preadv is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).preadv
-            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
-            fn.restype = ctypes.c_ssize_t
-            _preadv = fn
-        except (OSError, AttributeError):  # pragma: no cover - no libc symbols in the process
-            _preadv = False
+        _preadv = libc_vectored("preadv")
     return bool(_preadv)
 
 

@@ -30,6 +30,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from snapckpt.engine.span_read import libc_vectored
+
 __all__ = ["SMALL_NBYTES", "SpanWrites", "write_spans"]
 
 #: Tensors of fewer bytes are written by ``pwritev``; larger ones stay on torch's copy. ``pwritev`` into tmpfs costs
@@ -52,16 +54,8 @@ _pwritev = None  # libc's pwritev (ctypes: the call releases the GIL); False whe
 
 def _load() -> bool:
     global _pwritev
-    if _pwritev is None and (ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8):
-        _pwritev = False  # the iovec table is of int64 pairs: a 64-bit ABI's struct iovec
     if _pwritev is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).pwritev
-            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
-            fn.restype = ctypes.c_ssize_t
-            _pwritev = fn
-        except (OSError, AttributeError):  # pragma: no cover - no libc symbols in the process
-            _pwritev = False
+        _pwritev = libc_vectored("pwritev")
     return bool(_pwritev)
 
 
