@@ -489,6 +489,23 @@ METHOD_CLASSES: dict[str, Callable[..., Method]] = {
 # Running
 # --------------------------------------------------------------------------------------------
 
+def adjacent_floor(state: dict[str, Any], workdir: Path, args: argparse.Namespace, n: int = 3) -> list[float]:
+    """``n`` samples (seconds) of :class:`FloorCopy` taken right before a method, outside its RSS window: the copy
+    floor under the machine's state at that point of the run. On this VM the same copy into faulted buffers was
+    0.024-0.029 s early in a run and 0.034 s after the disk methods' large file writes, so a memory method measured
+    late against a floor measured first reads up to 1.3x too slow."""
+    fc = FloorCopy(state, workdir, args)
+    try:
+        fc.setup()
+        fc.once(0)  # faults the buffers in
+        return [fc.once(i)[0] for i in range(1, n + 1)]
+    finally:
+        fc.close()
+        del fc
+        gc.collect()
+        malloc_trim()
+
+
 def run_method(name: str, state: dict[str, Any], size_dir: Path,
                args: argparse.Namespace) -> dict[str, Any]:
     """Run one method (setup, warm-up, repeats, close) and return its JSON record."""
@@ -497,6 +514,8 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
     # Load average (1/5/15 min) at the method's start: on a shared machine, other tenants' load
     # is the main source of noise, so it is kept next to the numbers it may have spoiled.
     rec: dict[str, Any] = {"method": name, "error": None, "loadavg_at_start": os.getloadavg()}
+    if name in getattr(args, "adjacent_floor_for", ()):
+        rec["adjacent_floor_samples_s"] = adjacent_floor(state, workdir, args)
     method = METHOD_CLASSES[name](state, workdir, args)
     samples: list[Sample] = []
     gc.collect()
