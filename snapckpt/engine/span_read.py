@@ -23,7 +23,7 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["libc_vectored", "read_spans"]
+__all__ = ["libc_vectored", "open_slot_file", "read_spans", "vectored_call"]
 
 _BATCH = 512  # spans per call: two iovecs each, IOV_MAX (1024 on Linux) per call
 _GAP_MAX = 4096  # bytes of the scratch buffer the gaps between spans are read into
@@ -44,6 +44,29 @@ def libc_vectored(name: str):
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
     fn.restype = ctypes.c_ssize_t
     return fn
+
+
+def open_slot_file(path: str, flags: int, ident: tuple, end: int) -> Optional[int]:
+    """A descriptor of the slot file ``path`` opened with ``flags``, or ``None`` when it cannot be opened, is not the
+    mapped file (``ident``: its ``(st_dev, st_ino)``) or is shorter than ``end`` bytes. The caller closes it."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != ident or st.st_size < end:
+        os.close(fd)
+        return None
+    return fd
+
+
+def vectored_call(fn, fd: int, iov: int, count: int, offset: int) -> int:
+    """``fn(fd, iov, count, offset)`` (:func:`libc_vectored`), again while it is interrupted (EINTR): bytes moved,
+    or -1."""
+    while True:
+        got = fn(fd, iov, count, offset)
+        if got >= 0 or ctypes.get_errno() != errno.EINTR:
+            return got
 
 
 def _load() -> bool:
@@ -74,22 +97,15 @@ def read_spans(path: str, ident: Optional[tuple], ptrs: List[int], offsets: torc
     if iov is None:
         return 0  # not spans in order (a layout this module does not know): the caller copies
     end = int(offsets[-1]) + int(nbytes[-1])
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    fd = open_slot_file(path, os.O_RDONLY, ident, end)
+    if fd is None:
         return 0
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != ident or st.st_size < end:
-            return 0
         base = iov.data_ptr()
         starts = offsets[::_BATCH].tolist() + [end]  # each batch reads its spans and the gaps after them
         for k in range(len(starts) - 1):
             i = k * _BATCH
-            while True:
-                got = _preadv(fd, base + 32 * i, 2 * min(_BATCH, n - i), starts[k])
-                if got >= 0 or ctypes.get_errno() != errno.EINTR:
-                    break
+            got = vectored_call(_preadv, fd, base + 32 * i, 2 * min(_BATCH, n - i), starts[k])
             if got != starts[k + 1] - starts[k]:
                 return i  # this batch is the caller's to copy (again: the same bytes)
         return n

@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from snapckpt.engine.span_read import libc_vectored
+from snapckpt.engine.span_read import libc_vectored, open_slot_file, vectored_call
 
 __all__ = ["SMALL_NBYTES", "SpanWrites", "write_spans"]
 
@@ -185,23 +185,16 @@ def write_spans(path: str, ident: Optional[tuple], writes: SpanWrites, halfway: 
     """
     if ident is None or writes.ptrs is None or not _load():
         return 0
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    except OSError:
+    fd = open_slot_file(path, os.O_WRONLY, ident, writes.end)
+    if fd is None:
         return 0
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != ident or st.st_size < writes.end:
-            return 0
         base = writes.iov.data_ptr()
         half = len(writes.batches) // 2
         for b, (i, k, off, nbytes) in enumerate(writes.batches):
             if b == half:
                 halfway()
-            while True:
-                got = _pwritev(fd, base + 32 * i, 2 * k, off)
-                if got >= 0 or ctypes.get_errno() != errno.EINTR:
-                    break
+            got = vectored_call(_pwritev, fd, base + 32 * i, 2 * k, off)
             if got != nbytes:
                 return i
         return len(writes.pos)
