@@ -7,6 +7,8 @@ its first steps), blocking = ``save`` + ``fence``. Cases:
 - ``fresh``: a new job, nothing known about the state's size before the first save;
 - ``expected_nbytes``: a new job told its state's size (``Checkpointer(expected_nbytes=...)``): the arena is
   reserved and mapped at construction, in the background;
+- ``expect``: a new job that tells the Checkpointer its state once it has it (``ck.expect(state)`` right after
+  construction, as the integrations do after the first optimizer step): the same reservation, started then;
 - ``restart``: a restarted job (the directory holds a committed checkpoint): the size comes from it.
 
 Outputs ``benchmarks/results/first_save.{json,md}``: the first save, the second (the first into the rank's
@@ -30,7 +32,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from _common import write_results, GiB, REPO_ROOT, machine_info, make_state, rmtree_quiet, scratch_root, state_nbytes  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-CASES = ["fresh", "expected_nbytes", "restart"]
+CASES = ["fresh", "expected_nbytes", "expect", "restart"]
 
 
 def child(a: argparse.Namespace) -> None:
@@ -47,6 +49,9 @@ def child(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     ck = snapckpt.Checkpointer(a.dir, **opts)
     ctor = time.perf_counter() - t0
+    if a.case == "expect":  # counted with the constructor: it runs on the training thread too
+        ck.expect(sd)
+        ctor = time.perf_counter() - t0
     time.sleep(a.gap_s)
     blocks = []
     for i in range(1, a.saves + 1):

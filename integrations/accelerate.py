@@ -86,6 +86,10 @@ class AcceleratorCheckpointer:
             options.setdefault("keep_last", config.total_limit)
         self.accelerator = accelerator
         self.checkpointer = Checkpointer(checkpoint_dir, **options)
+        # the main process's files hold the models and optimizers: once an optimizer made its state (its first
+        # step), the arena is reserved for their size (_expect_once)
+        self._expect_hooks = [getattr(opt, "optimizer", opt).register_step_post_hook(self._expect_once)
+                              for opt in accelerator._optimizers] if accelerator.is_main_process else []
 
     @staticmethod
     def dirname(step: int) -> str:
@@ -219,8 +223,25 @@ class AcceleratorCheckpointer:
             self.accelerator.project_configuration.iteration = cand.step + 1
         return path
 
+    def _expect_once(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """After the first optimizer step: have the persister reserve this rank's arena for the models' and
+        optimizers' tensors (:meth:`snapckpt.Checkpointer.expect`), so that the first save does not allocate its
+        shared memory on the training thread. Once."""
+        self._remove_hooks()
+        try:
+            self.checkpointer.expect({"models": list(self.accelerator._models),
+                                      "optimizers": list(self.accelerator._optimizers)})
+        except Exception as e:  # noqa: BLE001 - a size hint only: the first save sizes its slot itself
+            log.info("no arena reserved ahead of the first save: %s", e)
+
+    def _remove_hooks(self) -> None:
+        hooks, self._expect_hooks = self._expect_hooks, []
+        for h in hooks:
+            h.remove()
+
     def close(self) -> None:
         """Wait for outstanding commits and detach from the persister (idempotent)."""
+        self._remove_hooks()
         self.checkpointer.close()
 
 

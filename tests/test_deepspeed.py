@@ -269,3 +269,19 @@ def test_checkpoint_metrics_reach_deepspeeds_csv_monitor(snap_env):
             got = list(csv.reader(f))
         assert got[0] == ["step", name.split("/")[-1]], got
         assert [(int(s), float(v)) for s, v in got[1:]] == rows, (name, got)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_arena_is_reserved_after_the_first_optimizer_step(snap_env, stage):
+    """Issue 18, target 4, for DeepSpeed users who pass no ``expected_nbytes``: the first forward after the first
+    optimizer step (the optimizer's state exists then) has the persister reserve each rank's two slots for the
+    engine's module and optimizer tensors, before any save. Right: no slot before that forward, both slots at
+    that size after it, and the save of step 2 fits them (no regrowth) and writes DeepSpeed's files."""
+    outs = run_ranks("ds_expect_worker.py", 2, [snap_env.ckpt_dir, str(stage)], ENV, timeout=240)
+    res = _results(outs)
+    assert sorted(r["rank"] for r in res) == [0, 1], res
+    for r in res:
+        assert r["before"] == [] and r["after_step1"] == [], r
+        assert r["need"] > 0 and r["reserved"] == [r["want"], r["want"]], r
+        assert r["saved"] == r["reserved"], r
+        assert "mp_rank_00_model_states.pt" in r["files"], r

@@ -68,6 +68,8 @@ class DeepSpeedCheckpointer:
         self._loader = DeepSpeedLoader(engine, self._checkpointer, self._ckpt_engine)
         self._closed = False
         self._hook = None
+        # the first forward after an optimizer step reserves the arena for the state's size (_expect_once)
+        self._expect_hook = engine.register_forward_pre_hook(self._expect_once)
         self._policy: Optional[SnapshotPolicy] = None
         self._last_policy_step: Optional[int] = None
         monitor = getattr(engine, "monitor", None)
@@ -200,6 +202,19 @@ class DeepSpeedCheckpointer:
         if bind_engine_methods:
             self.engine.load_checkpoint = self.load_checkpoint  # instance attribute; removed by close()
 
+    def _expect_once(self, module, args) -> None:
+        """Once the optimizer made its state (the first forward after an optimizer step): have the persister reserve
+        this rank's arena for the engine's module and optimizer tensors (:meth:`snapckpt.Checkpointer.expect`), so
+        that the first save does not allocate its shared memory on the training thread. Once per engine."""
+        if int(self.engine.global_steps) < 1 or not torch.is_grad_enabled():
+            return
+        self._expect_hook.remove()
+        self._expect_hook = None
+        try:
+            self._checkpointer.expect({"module": self.engine.module, "optimizer": self.engine.optimizer})
+        except Exception as e:  # noqa: BLE001 - a size hint only: the first save sizes its slot itself
+            log.info("rank %d: no arena reserved ahead of the first save: %s", self._checkpointer.rank, e)
+
     def _on_forward(self, module, args) -> None:
         if torch.is_grad_enabled():
             self._policy_tick()
@@ -224,8 +239,9 @@ class DeepSpeedCheckpointer:
             self._policy_tick(disk_only=True)  # the run's last step, if the policy saves it to disk
             self._ckpt_engine.flush()
         finally:
-            if self._hook is not None:
-                self._hook.remove()
+            for hook in (self._hook, self._expect_hook):
+                if hook is not None:
+                    hook.remove()
             self.engine.__dict__.pop("load_checkpoint", None)
             self.engine.checkpoint_engine = self._original_engine
             self.engine.save_non_zero_checkpoint = self._writes_model_states

@@ -198,6 +198,7 @@ class SnapckptCallback(TrainerCallback):
         self._logging = False  # inside our own Trainer.log call
         self._firing = False  # inside our own CallbackHandler.on_save call
         self._own_eval = False  # the next on_evaluate is the Trainer's evaluation of its training loop
+        self._expected = False  # on_step_end asked the Checkpointer to reserve the arena (Checkpointer.expect)
         self._pending: Optional[_Pending] = None
         self._disk_steps: set = set()
         self._static: Dict[str, Any] = {}
@@ -370,6 +371,7 @@ class SnapckptCallback(TrainerCallback):
             self.close(clean=True)  # a refusal to start, not a crash
             raise
         self._own_eval = False
+        self._expected = False
         if getattr(args, "deepspeed", None) and self._on_save_trainer() is None:
             raise ValueError("under DeepSpeed SnapckptCallback saves through the Trainer's DeepSpeed engine and needs "
                              "the Trainer: call callback.attach(trainer) after constructing it")
@@ -396,6 +398,10 @@ class SnapckptCallback(TrainerCallback):
         if self._off:
             return control
         self._own_eval = bool(control.should_evaluate)  # the Trainer evaluates right after this event
+        if not self._expected:  # the first step made the optimizer's state: reserve the arena for its size
+            self._expected = True
+            if not getattr(args, "deepspeed", None):  # DeepSpeed's engine saves other tensors (its partitions)
+                self.checkpointer.expect({"model": kwargs.get("model"), "optimizer": kwargs.get("optimizer")})
         self.checkpointer.poll()  # background failures surface here; commits trigger retention
         disk = bool(control.should_save)
         mem = self._policy.decide(state.global_step, 0.0, 0.0) == StorageType.MEMORY  # no time-based cadence

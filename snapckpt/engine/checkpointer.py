@@ -27,15 +27,16 @@ from snapckpt.engine.handle import SaveHandle
 from snapckpt.engine.loader import LoadCandidate, LoadInfo, Loader
 from snapckpt.engine.prefetch import Prefetch
 from snapckpt.engine.preflight import (check_shared_dir, dir_identity, host_memory_shortfall, newest_part_files,
-                                      newest_part_nbytes, preflight_dir)
+                                      newest_part_nbytes, preflight_dir, tensor_nbytes)
 from snapckpt.engine.restore import check_step, copy_into
 from snapckpt.engine.saver import Saver
 from snapckpt.engine.replicas import setup_replicas
-from snapckpt.engine.session import PersisterSession
+from snapckpt.engine.session import CLOSED, PersisterSession
 from snapckpt.engine import plain_restore, slot_restore
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
-from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, RemoteStorageError
+from snapckpt.errors import (CheckpointDirError, CheckpointerClosedError, InsufficientSharedMemoryError,
+                             RemoteStorageError)
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.formats import respec
 from snapckpt.ondisk import layout
@@ -175,30 +176,69 @@ class Checkpointer:
         if files and self._prefetch is None:
             self._prefetch = Prefetch(files)
 
-    def _reserve_ahead(self) -> None:
-        """Reserve and map the arena for the expected snapshot size, in the background, so that the first save
-        costs what later saves cost (``expected_nbytes``; by default the size of this rank's files in the newest
-        checkpoint)."""
-        nbytes = self.options.expected_nbytes
-        if nbytes is None and not self.remote_only:
-            nbytes = newest_part_nbytes(self.checkpoint_dir, self.rank)
-        if nbytes:
-            # what a save of that size asks for (Saver._acquire), plus room for the slot's pickles and index
-            want = int(nbytes * self.options.slot_headroom) + (1 << 20)
-            try:  # the host-memory preflight: a budget too small, or an arena larger than the host, is said now
-                limit = self._saver.slot_limit(want)
-            except InsufficientSharedMemoryError as e:
-                log.warning("rank %d: for the expected snapshot size: %s", self.rank, e)
-                return
-            # part of an arena that does not fit would hold shared memory that slots of the real state need
-            # (a guess too large then failed every save after the first): reserve all of it or none
-            if host_memory_shortfall(self.options, self._session.topology, want,
-                                     limit or self.options.slots_per_rank, self._session.arena_dir):
-                log.warning("rank %d: nothing is reserved ahead for the expected snapshot size (%d bytes per slot): "
-                            "the node's arena at that size does not fit; the first save sizes the slots to the "
-                            "state it holds", self.rank, want)
-                return
-            self._reserving = self._session.reserve(want, limit)
+    def _reserve_ahead(self, nbytes: Optional[int] = None) -> bool:
+        """Reserve and map the arena for a snapshot of ``nbytes`` bytes, in the background, so that the first save
+        costs what later saves cost (by default ``expected_nbytes``, else the size of this rank's files in the
+        newest checkpoint); return whether slots are being grown."""
+        if nbytes is None:
+            nbytes = self.options.expected_nbytes
+            if nbytes is None and not self.remote_only:
+                nbytes = newest_part_nbytes(self.checkpoint_dir, self.rank)
+        if not nbytes:
+            return False
+        # what a save of that size asks for (Saver._acquire), plus room for the slot's pickles and index
+        want = int(nbytes * self.options.slot_headroom) + (1 << 20)
+        try:  # the host-memory preflight: a budget too small, or an arena larger than the host, is said now
+            limit = self._saver.slot_limit(want)
+        except InsufficientSharedMemoryError as e:
+            log.warning("rank %d: for the expected snapshot size: %s", self.rank, e)
+            return False
+        # part of an arena that does not fit would hold shared memory that slots of the real state need
+        # (a guess too large then failed every save after the first): reserve all of it or none
+        if host_memory_shortfall(self.options, self._session.topology, want,
+                                 limit or self.options.slots_per_rank, self._session.arena_dir):
+            log.warning("rank %d: nothing is reserved ahead for the expected snapshot size (%d bytes per slot): "
+                        "the node's arena at that size does not fit; the first save sizes the slots to the "
+                        "state it holds", self.rank, want)
+            return False
+        self._reserving = self._session.reserve(want, limit)
+        return self._reserving
+
+    def expect(self, state: Any = None, *, nbytes: Optional[int] = None) -> bool:
+        """Reserve this rank's arena for snapshots of ``state`` (or of ``nbytes`` bytes), in the background, so
+        that the first save costs what later saves cost: its slots' shared memory is allocated and mapped off
+        the training thread instead of during the first save's copy (0.35 s per 0.5 GiB here, against 0.016 s
+        for a later save: docs/performance.md). Not collective; call it on each rank.
+
+        What :attr:`~snapckpt.options.CheckpointOptions.expected_nbytes` does at construction, for when the size
+        is known only later: call it once the state has its full size (after the first optimizer step: PyTorch's
+        optimizers create their state there) and before the first save. The integrations call it themselves
+        (the Trainer callback after the first step).
+
+        Args:
+            state: what the saves will hold: tensors in dicts, lists and tuples, and objects with a
+                ``state_dict()`` (a module, an optimizer), counted as the bytes of their tensors' data
+                (``numel * element_size``, each tensor once, any device).
+            nbytes: the snapshot's bytes, instead of ``state``.
+
+        Returns:
+            Whether a reservation started: ``False`` once a save was made (the slots follow the saved state),
+            for an empty state, or when the arena at that size does not fit the host (logged; the first save
+            then sizes its slot itself).
+
+        Raises:
+            ValueError: neither or both of ``state`` and ``nbytes``, or ``nbytes`` not an int >= 0.
+            CheckpointerClosedError: the Checkpointer is closed.
+        """
+        if (state is None) == (nbytes is None):
+            raise ValueError("expect() takes the state the saves will hold or nbytes=, one of the two")
+        if nbytes is not None and (type(nbytes) is not int or nbytes < 0):
+            raise ValueError(f"nbytes must be an int >= 0 (bytes), got {nbytes!r}")
+        if self.closed:
+            raise CheckpointerClosedError(CLOSED)
+        if self._saver.acquired:
+            return False
+        return self._reserve_ahead(tensor_nbytes(state) if nbytes is None else nbytes)
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every

@@ -19,14 +19,16 @@ import errno
 import logging
 import os
 import uuid
-from typing import List, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
+
+import torch
 
 from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, PreflightError
 from snapckpt.persister.arena import fs_type, mem_available_bytes
 from snapckpt.persister.budget import arena_nbytes, fitting_setting, fmt_nbytes, slots_within
 
 __all__ = ["DIR_ID_XATTR", "check_shared_dir", "dir_identity", "fs_type", "host_memory_shortfall",
-           "newest_part_files", "newest_part_nbytes", "preflight_dir", "slot_limit"]
+           "newest_part_files", "newest_part_nbytes", "preflight_dir", "slot_limit", "tensor_nbytes"]
 
 DIR_ID_XATTR = "user.snapckpt.dir_id"  # random id of a checkpoint directory, an extended attribute of it
 
@@ -93,6 +95,34 @@ def newest_part_nbytes(checkpoint_dir: str, rank: int) -> Optional[int]:
     cannot be read. A hint only (:attr:`~snapckpt.options.CheckpointOptions.expected_nbytes`): nothing is
     verified here."""
     return sum(n for _, n in newest_part_files(checkpoint_dir, rank)) or None
+
+
+def tensor_nbytes(state: Any) -> int:
+    """Bytes of the tensors' data in ``state`` (``numel * element_size`` each, any device; tensors over the same bytes,
+    such as a tied weight's two ``state_dict`` entries, counted once; no data, 0): the size of a snapshot of it but
+    for its pickles. Walks dicts (any mapping), lists and tuples, and an
+    object with a ``state_dict()`` method (a module, an optimizer) by what that returns; other values count 0.
+    Sequences of more than :data:`sys.getrecursionlimit` levels are not walked deeper."""
+    seen: set = set()
+    total = 0
+    todo = [(state, 0)]
+    while todo:
+        obj, depth = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            nbytes = obj.numel() * obj.element_size()
+            key = (obj.device, obj.data_ptr(), nbytes)
+            if key[1] and key not in seen:
+                seen.add(key)
+                total += nbytes
+        elif depth > 100:
+            continue
+        elif isinstance(obj, Mapping):
+            todo.extend((v, depth + 1) for v in obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend((v, depth + 1) for v in obj)
+        elif callable(getattr(obj, "state_dict", None)) and not isinstance(obj, type):
+            todo.append((obj.state_dict(), depth + 1))
+    return total
 
 
 def newest_part_files(checkpoint_dir: str, rank: int) -> List[Tuple[str, int]]:

@@ -447,6 +447,11 @@ class Saver:
         self._maps.set_limit(limit)
         return limit
 
+    @property
+    def acquired(self) -> bool:
+        """Whether a save of this rank was handed a slot (its size then follows the saved state)."""
+        return self._slot_nbytes > 0
+
     def _acquire(self, step: int, nbytes: int, storage_type: StorageType) -> Optional[Dict[str, Any]]:
         o = self._options
         want = max(int(nbytes * o.slot_headroom), nbytes)

@@ -1,0 +1,137 @@
+"""``Checkpointer.expect``: the arena reserved for a size learnt after construction (issue 18, target 4).
+
+A new job without ``expected_nbytes`` knows its snapshot size only once its optimizer made its state (the first
+step); ``expect`` then has the persister grow and the rank map its slots in the background, so the first save
+finds them reserved. The Trainer callback calls it after the first step. Sizes are read from the slot files (no
+time is asserted)."""
+import os
+
+import pytest
+import torch
+
+from _harness import wait_until
+from snapckpt import Checkpointer, StorageType
+from snapckpt.engine.preflight import tensor_nbytes
+from snapckpt.errors import CheckpointerClosedError
+
+MIB = 1 << 20
+
+
+def _slot_sizes(snap_env):
+    return sorted(os.path.getsize(f) for f in snap_env.shm_files() if os.path.basename(f).startswith("r"))
+
+
+def test_tensor_nbytes_counts_each_tensors_bytes_once_through_modules_and_optimizers():
+    """Right: a module and its AdamW after one step hold 3x the parameters' bytes (weights, exp_avg, exp_avg_sq)
+    plus the step counters; a tied weight (two state_dict entries over one storage) and a tensor listed twice
+    count once; a view counts its own bytes; a non-tensor counts 0."""
+    lin = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    params = sum(p.numel() * 4 for p in lin.parameters())
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    assert tensor_nbytes({"model": lin, "optimizer": opt}) == 3 * params + steps
+    tied = torch.nn.Module()
+    tied.a = torch.nn.Linear(8, 8, bias=False)
+    tied.b = torch.nn.Linear(8, 8, bias=False)
+    tied.b.weight = tied.a.weight
+    assert len(tied.state_dict()) == 2 and tensor_nbytes(tied) == 8 * 8 * 4
+    t = torch.zeros(100)
+    assert tensor_nbytes([t, (t, {"x": t[:10]}), "text", 3]) == 400 + 40
+    assert tensor_nbytes({"e": torch.empty(0)}) == 0
+
+
+def test_expect_reserves_the_slots_before_the_first_save_and_nothing_after(snap_env):
+    """Right: after ``expect(state)`` both slots of the rank grow to the size a save of that state asks for,
+    before any save, and the first save uses a reserved slot as it is; once a save was made ``expect`` does
+    nothing (``False``); bad arguments and a closed Checkpointer raise."""
+    state = {"w": torch.randn(2 * MIB // 4), "step": 0}  # 2 MiB of tensors
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        assert _slot_sizes(snap_env) == []  # a new job without expected_nbytes reserves nothing
+        with pytest.raises(ValueError, match="one of the two"):
+            ck.expect()
+        with pytest.raises(ValueError, match="one of the two"):
+            ck.expect(state, nbytes=5)
+        with pytest.raises(ValueError, match="int >= 0"):
+            ck.expect(nbytes=-1)
+        assert ck.expect(state) is True
+        want = int(2 * MIB * ck.options.slot_headroom) + MIB  # as Checkpointer._reserve_ahead asks
+        assert wait_until(lambda: _slot_sizes(snap_env) == [want, want], timeout=30), _slot_sizes(snap_env)
+        ck.save(state, 1, StorageType.MEMORY).wait()
+        assert _slot_sizes(snap_env) == [want, want]  # the first save fitted a reserved slot
+        assert ck.expect(nbytes=64 * MIB) is False  # after a save: the slots follow the saved state
+        assert _slot_sizes(snap_env) == [want, want]
+        assert torch.equal(ck.load()["w"], state["w"])
+    with pytest.raises(CheckpointerClosedError):
+        ck.expect(nbytes=MIB)
+
+
+def test_expect_of_a_size_the_host_cannot_hold_reserves_nothing_and_saves_still_work(snap_env):
+    """Right: a size far beyond shared memory is not reserved (``False``, logged), and a save of the real state
+    sizes its own slot."""
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        assert ck.expect(nbytes=1 << 50) is False
+        assert _slot_sizes(snap_env) == []
+        ck.save({"w": torch.ones(16)}, 1, StorageType.MEMORY).wait()
+        assert torch.equal(ck.load()["w"], torch.ones(16))
+
+
+def test_trainer_callback_reserves_the_arena_after_the_first_step(snap_env):
+    """Right: with the callback and no ``expected_nbytes``, after the Trainer's first step (AdamW's state made)
+    and before its first save (step 3), the rank's slots are reserved for the model's and optimizer's tensor
+    bytes; the save of step 3 then writes checkpoint-3 as always."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    from hf_worker import Tokens, build_model
+    from snapckpt.hf import SnapckptCallback
+
+    seen = {}
+
+    class Probe(TrainerCallback):  # after SnapckptCallback: the sizes before the first save
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            if state.global_step == 2:
+                need = tensor_nbytes({"model": model, "optimizer": optimizer})
+                want = int(need * cb.checkpointer.options.slot_headroom) + MIB  # as Checkpointer._reserve_ahead
+                seen["need"] = need
+                seen["grown"] = wait_until(lambda: _slot_sizes(snap_env) == [want, want], timeout=30)
+                seen["sizes"] = _slot_sizes(snap_env)
+
+    args = TrainingArguments(output_dir=snap_env.ckpt_dir, max_steps=3, save_steps=3, save_strategy="steps",
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True, dataloader_num_workers=0,
+                             disable_tqdm=True, seed=7)
+    cb = SnapckptCallback(persister_idle_timeout_secs=2, commit_timeout_secs=60)
+    trainer = cb.attach(Trainer(model=build_model(), args=args, train_dataset=Tokens(n=16), callbacks=[cb, Probe()]))
+    trainer.train()
+    # the model's and AdamW's bytes: more than the parameters' (exp_avg, exp_avg_sq)
+    assert seen["need"] > 2 * sum(p.numel() * 4 for p in trainer.model.parameters()) and seen["grown"], seen
+    assert os.path.isdir(os.path.join(snap_env.ckpt_dir, "checkpoint-3"))
+
+
+def test_accelerator_checkpointer_reserves_the_arena_after_the_first_optimizer_step(snap_env):
+    """Right: ``AcceleratorCheckpointer`` on the main process reserves the rank's slots for the prepared model's
+    and optimizer's tensor bytes right after the first ``optimizer.step()`` (not before), and the first
+    ``save_state`` fits them."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    from accel_worker import setup
+    from snapckpt.hf import AcceleratorCheckpointer
+
+    acc, model, opt, loader, sched = setup()
+    ck = AcceleratorCheckpointer(acc, snap_env.ckpt_dir, persister_idle_timeout_secs=5)
+    try:
+        x, y = next(iter(loader))
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        assert _slot_sizes(snap_env) == []  # the optimizer has no state yet: nothing to size
+        opt.step()
+        need = tensor_nbytes({"models": [model], "optimizers": [opt]})
+        want = int(need * ck.checkpointer.options.slot_headroom) + MIB
+        assert need > 3 * sum(p.numel() * 4 for p in model.parameters())  # weights, exp_avg, exp_avg_sq, steps
+        assert wait_until(lambda: _slot_sizes(snap_env) == [want, want], timeout=30), (_slot_sizes(snap_env), want)
+        ck.save_state(1).wait()
+        assert _slot_sizes(snap_env) == [want, want]
+        assert os.path.isfile(os.path.join(snap_env.ckpt_dir, "checkpoint_1", "optimizer.bin"))
+    finally:
+        ck.close()
