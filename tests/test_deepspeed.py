@@ -271,7 +271,7 @@ def test_checkpoint_metrics_reach_deepspeeds_csv_monitor(snap_env):
         assert [(int(s), float(v)) for s, v in got[1:]] == rows, (name, got)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_the_arena_is_reserved_after_the_first_optimizer_step(snap_env, stage):
     """Issue 18, target 4, for DeepSpeed users who pass no ``expected_nbytes``: the first forward after the first
     optimizer step (the optimizer's state exists then) has the persister reserve each rank's two slots for the
@@ -284,4 +284,4 @@ def test_the_arena_is_reserved_after_the_first_optimizer_step(snap_env, stage):
         assert r["before"] == [] and r["after_step1"] == [], r
         assert r["need"] > 0 and r["reserved"] == [r["want"], r["want"]], r
         assert r["saved"] == r["reserved"], r
-        assert "mp_rank_00_model_states.pt" in r["files"], r
+        assert any(f.endswith("mp_rank_00_model_states.pt") for f in r["files"]), r  # ZeRO-3: zero_pp_rank_*
