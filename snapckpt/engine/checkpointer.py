@@ -606,7 +606,9 @@ class Checkpointer:
         for commits (they go on in the persister) and leaves like a crashed rank: the persister keeps the
         memory snapshots and, once every rank has left, flushes the newest one to disk, so the restart
         resumes from it. A rank that fails first and peers that die of the collective error therefore lose
-        nothing held in memory.
+        nothing held in memory. It warns only when this Checkpointer has a snapshot not known to be on disk
+        (a save in flight, a memory snapshot newer than its last commit): a ``load`` that fails before any save
+        leaves quietly.
 
         Args:
             clean: ``True``/``False`` say which it is; ``None`` (the default) decides from
@@ -616,10 +618,13 @@ class Checkpointer:
             return
         if clean is None:
             clean = not _failing(sys.exc_info()[1])
-        if not clean:
+        if not clean and self._saver.at_risk():
             log.warning("rank %d: Checkpointer closed during a failure: not a clean end; the persister keeps "
                         "the memory snapshots and flushes the newest to disk once every rank has left",
                         self.rank)
+        elif not clean:  # nothing saved, or all of it committed: no warning to alarm a failed load() with
+            log.info("rank %d: Checkpointer closed during a failure; none of its snapshots awaits the disk",
+                     self.rank)
         err: Optional[BaseException] = None
         try:
             if clean:
