@@ -35,7 +35,7 @@ from snapckpt.engine.session import PersisterSession
 from snapckpt.engine import plain_restore, slot_restore
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
-from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, RemoteStorageError
+from snapckpt.errors import CheckpointDirError, InsufficientSharedMemoryError, RemoteStorageError, RemoteURLError
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.formats import respec
 from snapckpt.ondisk import layout
@@ -71,8 +71,12 @@ class Checkpointer:
     thread (:mod:`snapckpt.engine.prefetch`), for the ``load`` that follows.
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL fsspec
-            cannot handle (unknown scheme, implementation not installed, no bucket or prefix) or a URL that
+        RemoteURLError: the object store URL (``checkpoint_dir`` in remote-only mode, ``remote_dir`` or
+            ``$SNAPCKPT_REMOTE_DIR``) cannot be used as given: fsspec cannot handle it (unknown scheme,
+            implementation not installed, host unknown), no bucket or prefix, credentials in it, ``file://``;
+            the same type whichever argument carried it, and both a ``CheckpointDirError`` and a
+            ``RemoteStorageError``; before any request to the store.
+        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL that
             ``pathlib`` mangled (``s3:/bucket``), or cannot be created or written; or the job spans several
             nodes and some ranks see another directory at that path (node-local by mistake; raised on every
             rank, naming them: case G7); or a URL with ``remote_dir`` too, or on several nodes.
@@ -202,21 +206,20 @@ class Checkpointer:
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every
-        rank raises the same :class:`RemoteStorageError` when it cannot be used. ``None`` without one."""
+        rank raises the same :class:`RemoteStorageError` (or :class:`RemoteURLError`) when it cannot be used.
+        ``None`` without one."""
         url = self.options.resolved_remote_dir
         if not url:
             return None
-        store, error = None, ""
+        store, error = None, {"error": "", "type": ""}
         if self._coord.rank == 0:
             try:
                 store = RemoteStore(url)
                 store.check_access()
                 store.claim(self.checkpoint_dir, self.options.job_id)
             except RemoteStorageError as e:
-                error = str(e)
-        error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]
-        if error:
-            raise RemoteStorageError(error)
+                error = {"error": str(e), "type": type(e).__name__}
+        _raise_remote_error(self._coord.all_gather("remote access", error, timeout)[0])
         return store
 
     def _check_remote_only(self, url: str) -> None:
@@ -224,8 +227,9 @@ class Checkpointer:
 
         Raises:
             CheckpointDirError: ``remote_dir`` is set too (the object store is already the checkpoint
-                location), or fsspec cannot handle the URL (unknown scheme, implementation not installed,
-                no bucket or prefix, credentials in the URL).
+                location).
+            RemoteURLError: fsspec cannot handle the URL (unknown scheme, implementation not installed, host
+                unknown), no bucket or prefix, credentials in the URL.
         """
         if self.options.resolved_remote_dir:
             raise CheckpointDirError(
@@ -235,7 +239,7 @@ class Checkpointer:
         try:
             RemoteStore(url, role="checkpoint_dir")  # no request yet: the URL's shape and scheme
         except RemoteStorageError as e:
-            raise CheckpointDirError(f"{e} (remote-only mode: an object store URL as checkpoint_dir)") from e
+            raise RemoteURLError(f"{e} (remote-only mode: an object store URL as checkpoint_dir)") from e
 
     def _open_remote_only(self, timeout: float) -> Tuple[Optional[RemoteStore], str]:
         """Remote-only mode: on rank 0, check access to the store (a probe object) and claim the prefix for
@@ -247,7 +251,7 @@ class Checkpointer:
             RemoteStorageError: the bucket does not exist, credentials are refused, the endpoint is
                 unreachable, or another job owns the prefix (on every rank).
         """
-        store, error, ident = None, "", ""
+        store, error, ident = None, {"error": "", "type": ""}, ""
         if self._coord.rank == 0:
             try:
                 store = RemoteStore(self.checkpoint_dir, role="checkpoint_dir")
@@ -255,10 +259,8 @@ class Checkpointer:
                 owner = store.claim(self.checkpoint_dir, self.options.job_id)
                 ident = f"remote:{owner.get('dir_id') or owner.get('created_unix', '')}"
             except RemoteStorageError as e:
-                error = str(e)
-        error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]
-        if error:
-            raise RemoteStorageError(error)
+                error = {"error": str(e), "type": type(e).__name__}
+        _raise_remote_error(self._coord.all_gather("remote access", error, timeout)[0])
         return store, ident
 
     # ---------------------------------------------------------------------------------- properties
@@ -658,6 +660,13 @@ class Checkpointer:
                 self.close(clean=not _failing(exc))
             except Exception:
                 log.exception("error while closing the Checkpointer after another error")
+
+
+def _raise_remote_error(rec: Dict[str, str]) -> None:
+    """Raise rank 0's remote-tier error ``rec`` (``{"error": message, "type": class name}``) on this rank, with
+    its type (a :class:`RemoteURLError` stays one); return when ``rec`` holds none."""
+    if rec["error"]:
+        raise (RemoteURLError if rec["type"] == "RemoteURLError" else RemoteStorageError)(rec["error"])
 
 
 def _failing(exc: Optional[BaseException]) -> bool:
