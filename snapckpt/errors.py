@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointDirError",
     "CheckpointDirInUseError",
     "RemoteStorageError",
+    "RemoteURLError",
     "SnapshotError",
     "SlotBusyError",
     "PersisterError",
@@ -60,6 +61,20 @@ class RemoteStorageError(PreflightError):
     """The remote tier (``remote_dir``, an object store URL) cannot be used: no fsspec implementation of its
     scheme, a missing bucket, refused or missing credentials, an unreachable endpoint. The message names the
     URL, the cause and the fix, never a credential."""
+
+
+class RemoteURLError(RemoteStorageError, CheckpointDirError, ValueError):
+    """An object store URL cannot be used as given, whichever argument carried it: the checkpoint directory
+    of remote-only mode (``Checkpointer("s3://bucket/run1")``), ``remote_dir=`` or ``$SNAPCKPT_REMOTE_DIR``, or
+    the ``snapckpt`` command's URL argument. It is not a URL; it is a ``file://`` URL (pass the plain path);
+    it carries credentials or query options; it names no bucket or no prefix; fsspec does not know its
+    scheme or its package is not installed; or its filesystem cannot reach the URL's host when made
+    (``ftp://``). The message names the URL, the cause and the fix, never a credential.
+
+    One fault, one type, wherever the URL was passed: it is a :class:`RemoteStorageError` (what ``remote_dir``
+    raised), a :class:`CheckpointDirError` (what a URL as the checkpoint directory raised) and a
+    ``ValueError`` (what the ``remote_dir`` option's own check raised), so callers catching any of them
+    still do."""
 
 
 class CheckpointDirInUseError(PreflightError):

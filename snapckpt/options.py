@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from snapckpt._internal import env as _env
+from snapckpt.storage.urls import check_remote_url
 
 __all__ = ["CheckpointOptions"]
 
@@ -85,7 +86,9 @@ class CheckpointOptions:
             the persister in the background, in the same layout, committed there by its manifest object;
             ``load`` takes the newest complete step across memory, disk and remote, downloading it into
             ``checkpoint_dir`` first when remote is newest. Access is checked at construction
-            (:class:`~snapckpt.errors.RemoteStorageError`). See docs/remote.md.
+            (:class:`~snapckpt.errors.RemoteStorageError`); a URL of the wrong shape (no bucket or prefix,
+            ``file://``, credentials in it) is refused here (:class:`~snapckpt.errors.RemoteURLError`, a
+            ``ValueError`` too). See docs/remote.md.
         replicas: the peer-memory tier: how many other nodes (the next ones in ring order of node index)
             hold a copy of each node's memory snapshots, sent by the node persisters in the background over
             a channel authenticated with a secret of the run. ``None`` (default): ``$SNAPCKPT_REPLICAS``,
@@ -167,9 +170,8 @@ class CheckpointOptions:
                         or not 0 < value <= threading.TIMEOUT_MAX:
                     raise ValueError(f"{f.name} must be a positive number of seconds, at most "
                                      f"{threading.TIMEOUT_MAX:.0f} (threading.TIMEOUT_MAX), got {value!r}")
-        if self.remote_dir is not None and (not isinstance(self.remote_dir, str) or "://" not in self.remote_dir):
-            raise ValueError(f"remote_dir must be an object store URL such as 's3://bucket/run1', got "
-                             f"{self.remote_dir!r}")
+        if self.remote_dir is not None:  # its shape now, on every rank (RemoteURLError, also a ValueError)
+            check_remote_url(self.remote_dir, "remote_dir")
         if not _int_at_least(self.replicas, 0, optional=True):
             raise ValueError(f"replicas must be a non-negative int (0: off) or None, got {self.replicas!r}")
         if self.job_id is not None and (not self.job_id or "/" in self.job_id or "\x00" in self.job_id):

@@ -228,6 +228,10 @@ def test_config_section_validation(tmp_path):
     assert DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "remote_dir": "s3://b/run"}).remote_dir == "s3://b/run"
     with pytest.raises(ValueError, match="remote_dir.*object store URL"):
         DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "remote_dir": "/not/a/url"})
+    from snapckpt.errors import RemoteURLError  # the type the remote_dir option raises for the same URL
+    for url, words in [("/not/a/url", "is not a URL"), ("s3://b", "names no prefix")]:
+        with pytest.raises(RemoteURLError, match=words):
+            DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "remote_dir": url})
     with pytest.raises(ValueError, match="options.remote_dir.*is not an option"):
         DeepSpeedSnapckptConfig.from_dict({"checkpoint_dir": "/x", "options": {"remote_dir": "s3://b/run"}})
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from snapckpt.options import CheckpointOptions
+from snapckpt.storage.urls import check_remote_url
 
 from snapckpt.integrations.deepspeed.checkpointer import DeepSpeedCheckpointer
 
@@ -64,9 +65,8 @@ class DeepSpeedSnapckptConfig:
                 raise ValueError(f'"snapckpt.{key}" must be a positive integer or null, got {v!r}')
         if cfg.enabled and (not isinstance(cfg.checkpoint_dir, str) or not cfg.checkpoint_dir):
             raise ValueError('"snapckpt.checkpoint_dir" is required (a directory path) when snapckpt is enabled')
-        if cfg.remote_dir is not None and (not isinstance(cfg.remote_dir, str) or "://" not in cfg.remote_dir):
-            raise ValueError(f'"snapckpt.remote_dir" must be an object store URL such as "s3://bucket/run1", got '
-                             f'{cfg.remote_dir!r}')
+        if cfg.remote_dir is not None:  # the same check, and error type (RemoteURLError), as the option's
+            check_remote_url(cfg.remote_dir, '"snapckpt.remote_dir"')
         if cfg.options is not None:
             if not isinstance(cfg.options, Mapping):
                 raise ValueError('"snapckpt.options" must be an object of snapckpt CheckpointOptions fields')

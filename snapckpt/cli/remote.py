@@ -103,7 +103,10 @@ def ls_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _unlistable(url: str, e: BaseException) -> str:
-    """The message of a store that cannot be listed: the cause, then what to check (as the API's probe says)."""
+    """The message of a store that cannot be listed: the cause, then what to check (as the API's probe says); a
+    :class:`RemoteStorageError` (a missing bucket) already names both."""
+    if isinstance(e, RemoteStorageError):
+        return str(e)
     return (f"{url}: cannot be listed: {type(e).__name__}: {str(e)[:300]}; check the URL, the endpoint "
             "(AWS_ENDPOINT_URL for an S3-compatible server), the network and the credentials")
 

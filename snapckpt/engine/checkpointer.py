@@ -36,7 +36,7 @@ from snapckpt.engine import plain_restore, slot_restore
 from snapckpt.engine.slot_maps import SlotMaps
 from snapckpt.engine.stager import Stager
 from snapckpt.errors import (CheckpointDirError, CheckpointerClosedError, InsufficientSharedMemoryError,
-                             RemoteStorageError)
+                             RemoteStorageError, RemoteURLError)
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.formats import respec
 from snapckpt.ondisk import layout
@@ -72,8 +72,12 @@ class Checkpointer:
     thread (:mod:`snapckpt.engine.prefetch`), for the ``load`` that follows.
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL fsspec
-            cannot handle (unknown scheme, implementation not installed, no bucket or prefix) or a URL that
+        RemoteURLError: the object store URL (``checkpoint_dir`` in remote-only mode, ``remote_dir`` or
+            ``$SNAPCKPT_REMOTE_DIR``) cannot be used as given: fsspec cannot handle it (unknown scheme,
+            implementation not installed, host unknown), no bucket or prefix, credentials in it, ``file://``;
+            the same type whichever argument carried it, and both a ``CheckpointDirError`` and a
+            ``RemoteStorageError``; before any request to the store.
+        CheckpointDirError: ``checkpoint_dir`` is not a non-empty path (``None``, bytes...), is a URL that
             ``pathlib`` mangled (``s3:/bucket``), or cannot be created or written; or the job spans several
             nodes and some ranks see another directory at that path (node-local by mistake; raised on every
             rank, naming them: case G7); or a URL with ``remote_dir`` too, or on several nodes.
@@ -242,21 +246,20 @@ class Checkpointer:
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every
-        rank raises the same :class:`RemoteStorageError` when it cannot be used. ``None`` without one."""
+        rank raises the same :class:`RemoteStorageError` (or :class:`RemoteURLError`) when it cannot be used.
+        ``None`` without one."""
         url = self.options.resolved_remote_dir
         if not url:
             return None
-        store, error = None, ""
+        store, error = None, {"error": "", "type": ""}
         if self._coord.rank == 0:
             try:
                 store = RemoteStore(url)
                 store.check_access()
                 store.claim(self.checkpoint_dir, self.options.job_id)
             except RemoteStorageError as e:
-                error = str(e)
-        error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]
-        if error:
-            raise RemoteStorageError(error)
+                error = {"error": str(e), "type": type(e).__name__}
+        _raise_remote_error(self._coord.all_gather("remote access", error, timeout)[0])
         return store
 
     def _check_remote_only(self, url: str) -> None:
@@ -264,8 +267,9 @@ class Checkpointer:
 
         Raises:
             CheckpointDirError: ``remote_dir`` is set too (the object store is already the checkpoint
-                location), or fsspec cannot handle the URL (unknown scheme, implementation not installed,
-                no bucket or prefix, credentials in the URL).
+                location).
+            RemoteURLError: fsspec cannot handle the URL (unknown scheme, implementation not installed, host
+                unknown), no bucket or prefix, credentials in the URL.
         """
         if self.options.resolved_remote_dir:
             raise CheckpointDirError(
@@ -275,7 +279,7 @@ class Checkpointer:
         try:
             RemoteStore(url, role="checkpoint_dir")  # no request yet: the URL's shape and scheme
         except RemoteStorageError as e:
-            raise CheckpointDirError(f"{e} (remote-only mode: an object store URL as checkpoint_dir)") from e
+            raise RemoteURLError(f"{e} (remote-only mode: an object store URL as checkpoint_dir)") from e
 
     def _open_remote_only(self, timeout: float) -> Tuple[Optional[RemoteStore], str]:
         """Remote-only mode: on rank 0, check access to the store (a probe object) and claim the prefix for
@@ -287,7 +291,7 @@ class Checkpointer:
             RemoteStorageError: the bucket does not exist, credentials are refused, the endpoint is
                 unreachable, or another job owns the prefix (on every rank).
         """
-        store, error, ident = None, "", ""
+        store, error, ident = None, {"error": "", "type": ""}, ""
         if self._coord.rank == 0:
             try:
                 store = RemoteStore(self.checkpoint_dir, role="checkpoint_dir")
@@ -295,10 +299,8 @@ class Checkpointer:
                 owner = store.claim(self.checkpoint_dir, self.options.job_id)
                 ident = f"remote:{owner.get('dir_id') or owner.get('created_unix', '')}"
             except RemoteStorageError as e:
-                error = str(e)
-        error = self._coord.all_gather("remote access", {"error": error}, timeout)[0]["error"]
-        if error:
-            raise RemoteStorageError(error)
+                error = {"error": str(e), "type": type(e).__name__}
+        _raise_remote_error(self._coord.all_gather("remote access", error, timeout)[0])
         return store, ident
 
     # ---------------------------------------------------------------------------------- properties
@@ -646,7 +648,9 @@ class Checkpointer:
         for commits (they go on in the persister) and leaves like a crashed rank: the persister keeps the
         memory snapshots and, once every rank has left, flushes the newest one to disk, so the restart
         resumes from it. A rank that fails first and peers that die of the collective error therefore lose
-        nothing held in memory.
+        nothing held in memory. It warns only when this Checkpointer has a snapshot not known to be on disk
+        (a save in flight, a memory snapshot newer than its last commit): a ``load`` that fails before any save
+        leaves quietly.
 
         Args:
             clean: ``True``/``False`` say which it is; ``None`` (the default) decides from
@@ -656,10 +660,13 @@ class Checkpointer:
             return
         if clean is None:
             clean = not _failing(sys.exc_info()[1])
-        if not clean:
+        if not clean and self._saver.at_risk():
             log.warning("rank %d: Checkpointer closed during a failure: not a clean end; the persister keeps "
                         "the memory snapshots and flushes the newest to disk once every rank has left",
                         self.rank)
+        elif not clean:  # nothing saved, or all of it committed: no warning to alarm a failed load() with
+            log.info("rank %d: Checkpointer closed during a failure; none of its snapshots awaits the disk",
+                     self.rank)
         err: Optional[BaseException] = None
         try:
             if clean:
@@ -693,6 +700,13 @@ class Checkpointer:
                 self.close(clean=not _failing(exc))
             except Exception:
                 log.exception("error while closing the Checkpointer after another error")
+
+
+def _raise_remote_error(rec: Dict[str, str]) -> None:
+    """Raise rank 0's remote-tier error ``rec`` (``{"error": message, "type": class name}``) on this rank, with
+    its type (a :class:`RemoteURLError` stays one); return when ``rec`` holds none."""
+    if rec["error"]:
+        raise (RemoteURLError if rec["type"] == "RemoteURLError" else RemoteStorageError)(rec["error"])
 
 
 def _failing(exc: Optional[BaseException]) -> bool:

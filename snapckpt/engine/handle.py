@@ -90,6 +90,12 @@ class SaveHandle:
         return self.skipped_reason is None and not self._copying and self._error is None
 
     @property
+    def committed(self) -> bool:
+        """True when this DISK save is known to be committed (by an earlier :meth:`done` or :meth:`wait`);
+        asks the persister nothing. False for MEMORY saves, skipped ones, failed ones and those not yet known."""
+        return self.storage_type == StorageType.DISK and self.skipped_reason is None and self._state == "done"
+
+    @property
     def skipped(self) -> bool:
         """True when no snapshot was taken for this step (no free slot with ``on_slot_busy="skip"``)."""
         return self.skipped_reason is not None

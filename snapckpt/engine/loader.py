@@ -606,10 +606,10 @@ class Loader:
                 return result, cand
             where = f"{tier}, {key}" if tier == "disk" else tier
             msg = f"step {cstep} ({where}) unreadable on ranks {sorted(bad)}: " + "; ".join(
-                f"rank {r}: {e}" for r, e in sorted(bad.items()))
+                f"rank {r}: {p['error']}" for r, p in sorted(bad.items()))
             log.warning("%s; trying the next newest checkpoint", msg)
             errors.append(msg)
-            vanished += all(e.endswith(_VANISHED) for e in bad.values())
+            vanished += all(p.get("vanished", False) for p in bad.values())
         held = sorted({c[0] for c in all_cands} | {d[0] for d in self._disk_saved})
         if (step is not None or dirname is not None) and errors and vanished == len(errors) and not self._damaged:
             # the one asked for was retired after the listing: gone, as when retired before it, not damage
@@ -619,11 +619,14 @@ class Loader:
         self._raise_nothing_loadable(step, errors, held)
 
     def _try(self, cand: LoadCandidate, check: Optional[Callable[[LoadCandidate], Any]],
-             fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, str]]:
+             fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, Dict[str, Any]]]:
         """Run ``check`` then ``fn`` on ``cand``, each agreed on by every rank: ``(fn's result, {rank:
-        error})``, the errors of the first phase that failed on some rank (``{}``: it loaded everywhere)."""
+        record})``, the records of the ranks that failed the first phase that failed on some rank (``{}``: it
+        loaded everywhere). A record is ``{"ok": False, "error": "Type: message", "vanished": bool}``;
+        ``vanished``: the rank's read failed because the candidate's directory is gone (retired while it was
+        read), told by the directory's absence, never by the error's text."""
         result = None
-        bad: Dict[int, str] = {}
+        bad: Dict[int, Dict[str, Any]] = {}
         for phase, call in (("checked", check), ("loaded", fn)):
             if call is None:
                 continue
@@ -635,19 +638,20 @@ class Loader:
                     # this rank the new copy's files (whole, their own checksums). Still the listed commit now, it
                     # was then too (a commit never puts a listed copy back), so every file read was of that copy.
                     self._still_listed(cand)
-                mine = {"ok": True, "error": ""}
+                mine = {"ok": True, "error": "", "vanished": False}
             except Exception as e:
-                mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                mine = {"ok": False, "error": f"{type(e).__name__}: {e}", "vanished": False}
                 if isinstance(e, UnsafeCheckpointError):  # a trust decision, not damage: no fallback
                     raise
                 if (isinstance(e, (FileNotFoundError, CheckpointCorruptError)) and cand.path is not None
                         and not self._remote_only and not os.path.isdir(cand.path)):
+                    mine["vanished"] = True
                     mine["error"] += _VANISHED
                 elif "committed again while" not in mine["error"] and self._recommitted(cand):
                     mine["error"] += (" (the step was committed again while it was read, by the job saving there: "
                                       "its files changed under the read; not damage)")
             everyone = self._coord.all_gather(phase, mine, self.options.coordination_timeout_secs)
-            bad = {r: p["error"] for r, p in enumerate(everyone) if not p["ok"]}
+            bad = {r: p for r, p in enumerate(everyone) if not p["ok"]}
             if bad:
                 break
         return result, bad
@@ -729,6 +733,7 @@ class Loader:
         return "; ".join(bad[r] for r in sorted(bad))
 
 
+# the words only: whether a refusal was a vanish is the try record's "vanished" flag (Loader._try)
 _VANISHED = (" (the directory was deleted or renamed while it was read: retention of the job saving there, or by "
              "hand; not damage)")
 

@@ -111,6 +111,7 @@ class Saver:
         self._session, self._emit = session, emit
         self._handles: List[SaveHandle] = []  # DISK saves not yet ended or not yet reported
         self._inflight: Optional[_CopyJob] = None  # an overlapped copy not yet fenced
+        self._newest: Optional[SaveHandle] = None  # the handle of the last snapshot taken or being copied
         self._copier = None  # the copy thread (overlap=True), started on first use
         self.cuda: Optional[CudaCopier] = None
         self._claim: Optional[dirclaim.DirClaim] = None
@@ -234,7 +235,8 @@ class Saver:
             raise
         job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
                        tracker_content if tracker_name else "", t0, t1, t2, started)
-        return self._copy(job)
+        self._newest = self._copy(job)
+        return self._newest
 
     def _check_free(self, step: int, dirname: str, nbytes: int) -> None:
         """DISK: raise ``InsufficientDiskError`` (and fail this step for the other ranks at once) when
@@ -551,6 +553,17 @@ class Saver:
         self._handles = still
         if first is not None:
             raise first
+
+    def at_risk(self) -> bool:
+        """Whether a failure now leaves a snapshot of this Saver that is not known to be on disk, which the
+        persister's crash flush then writes: a copy not yet handed over, a DISK save not known to be committed,
+        or a newest snapshot held in memory only. ``False`` when it took no snapshot, or its newest one and every
+        DISK save are known committed. Asks the persister nothing (it may be dead): a commit not yet observed by
+        ``poll``/``wait``/``done`` counts as at risk."""
+        if self._newest is None:
+            return False
+        return (self._inflight is not None or not self._newest.committed
+                or any(not h.committed for h in self._handles))
 
     def stop_copy_thread(self) -> None:
         """Stop the copy thread and the CUDA pacer, if started, after their current jobs (``Checkpointer.close``)."""

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 from typing import Optional, Tuple
 
 from snapckpt._internal import env as _env
 from snapckpt.errors import CheckpointDirError
 from snapckpt.storage.posix import PosixStorage
-from snapckpt.storage.urls import is_remote_url
+from snapckpt.storage.urls import is_remote_url, url_scheme
 
 __all__ = ["open_storage", "check_location", "remote_only_url"]
-
-# a scheme of two or more letters and ':/': also what pathlib leaves of a URL (Path("s3://b/r") is "s3:/b/r")
-_SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]+):/")
 
 
 def check_location(location: "str | os.PathLike[str]") -> str:
@@ -37,10 +33,10 @@ def check_location(location: "str | os.PathLike[str]") -> str:
             supported yet; the message names the scheme and what to pass instead.
     """
     text = os.fspath(location)
-    m = _SCHEME.match(text) if isinstance(text, str) else None
-    if m:
+    scheme = url_scheme(text)
+    if scheme:
         raise CheckpointDirError(
-            f"{text!r} is a URL ({m.group(1)}://, also when a pathlib.Path made it {m.group(1)}:/); this needs a "
+            f"{text!r} is a URL ({scheme}://, also when a pathlib.Path made it {scheme}:/); this needs a "
             "local or shared filesystem path: pass a directory path (for file://, the path after the scheme); an "
             "object store is a remote tier next to a local directory: remote_dir=\"s3://bucket/run1\" (the "
             "core's Checkpointer also takes the URL itself, as a str: remote-only mode, one node, no local copy)")

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from snapckpt.storage.posix import PosixStorage
-from snapckpt.storage.urls import is_remote_url
+from snapckpt.storage.urls import check_remote_url, is_remote_url
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
-from snapckpt.errors import CheckpointCorruptError, RemoteStorageError
+from snapckpt.errors import CheckpointCorruptError, RemoteStorageError, RemoteURLError
 from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum)
 
 __all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url"]
@@ -82,48 +82,29 @@ class RemoteStore:
             ``"checkpoint_dir"`` (remote-only mode, :mod:`snapckpt.persister.remote_only`).
 
     Raises:
-        RemoteStorageError: the URL has no scheme, or fsspec has no implementation for it installed
-            (the message names the package to install: ``pip install '.[s3]'`` in a snapckpt clone for ``s3://``).
+        RemoteURLError: (a :class:`RemoteStorageError`) the URL's shape is wrong (see
+            :func:`~snapckpt.storage.urls.check_remote_url`), fsspec has no implementation for its scheme
+            installed (the message names the package to install: ``pip install '.[s3]'`` in a snapckpt clone for
+            ``s3://``) or does not know it, or the filesystem cannot reach the URL's host when made.
     """
 
     def __init__(self, url: str, role: str = "remote_dir") -> None:
         self.role = role
-        if not isinstance(url, str) or not is_remote_url(url.strip()):
-            raise RemoteStorageError(f"{role} {url!r} is not a URL: pass e.g. {role}=\"s3://bucket/run1\"")
-        scheme, _, rest = url.strip().partition("://")
-        rest = rest.rstrip("/")
-        self.url = f"{scheme}://{rest}"  # "s3://" stays "s3://" in messages, not "s3:"
-        bucket, _, prefix = rest.partition("/")
-        if scheme.lower() in ("file", "local"):  # fsspec's local filesystem: a directory, not a store
-            path = "/" + rest.lstrip("/")
-            raise RemoteStorageError(
-                f"{role} {self.url!r} is a {scheme}:// URL, a local path: pass the plain path {path!r} (a "
-                "checkpoint directory, or a shared filesystem mounted on every node); remote storage is an "
-                "object store URL such as s3://bucket/run1")
-        if "@" in bucket or "?" in rest:  # credentials or options pasted into the URL: never echo them
-            raise RemoteStorageError(
-                f"{role} for {scheme}:// carries credentials or query options in the URL; pass only "
-                f"{scheme}://bucket/prefix and give credentials through the environment (docs/remote.md)")
-        if not bucket or not prefix.strip("/"):
-            # a bucket root is shared with other data: the clean-up of interrupted uploads would touch it
-            raise RemoteStorageError(
-                f"{role} {self.url!r} names no {'bucket' if not bucket else 'prefix in the bucket'}: pass "
-                f"{scheme or 's3'}://bucket/prefix (one prefix per job, e.g. {scheme or 's3'}://"
-                f"{bucket or 'bucket'}/run1)")
+        scheme, self.url = check_remote_url(url, role)
         try:
             import fsspec
             self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)
         except ImportError as e:
-            raise RemoteStorageError(
+            raise RemoteURLError(
                 f"{role} {self.url!r}: the fsspec implementation for this scheme is not installed ({e}); "
                 "for s3:// install the s3 extra: pip install '.[s3]' in your snapckpt clone (s3fs)") from e
         except ValueError as e:  # an unknown protocol
             hint = " (URL schemes are lower case)" if scheme != scheme.lower() else ""
-            raise RemoteStorageError(f"{role} {self.url!r}: {e}{hint}; supported: s3:// (pip install '.[s3]' "
-                                     "in your snapckpt clone), or any fsspec URL whose implementation is installed") from e
+            raise RemoteURLError(f"{role} {self.url!r}: {e}{hint}; supported: s3:// (pip install '.[s3]' "
+                                 "in your snapckpt clone), or any fsspec URL whose implementation is installed") from e
         except Exception as e:  # a filesystem that connects in its constructor (ftp://, sftp://): host unknown...
-            raise RemoteStorageError(f"{role} {self.url!r} cannot be reached: {type(e).__name__}: "
-                                     f"{str(e)[:300]}; check the host in the URL and the network") from e
+            raise RemoteURLError(f"{role} {self.url!r} cannot be reached: {type(e).__name__}: "
+                                 f"{str(e)[:300]}; check the host in the URL and the network") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
 
