@@ -44,7 +44,7 @@ class _Slot:
         p = st.prepare({NAME: state}, step)
         p.views = self.m.views
         if by_file:
-            p.slot_file = (self.m.path, self.m.ident)
+            p.slot_file = self.m.file
         Stager.copy_into(p, self.m.tensor, self.m.buf)
         return p
 
