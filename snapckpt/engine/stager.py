@@ -607,14 +607,12 @@ def _copy_plan(layout: _Layout, by_file: bool) -> _CopyPlan:
 
 
 def _build_copy_plan(layout: _Layout, by_file: bool) -> _CopyPlan:
+    """A new :class:`_CopyPlan` of ``layout`` (see :func:`_copy_plan`); the first by file makes the layout's
+    :attr:`~_Layout.span_writes` from its :class:`_Sizes`."""
     sizes, n = _sizes(layout), len(layout.direct_dst)
-    writes = None
-    if by_file and sizes.small:
-        if layout.span_writes is None:
-            layout.span_writes = SpanWrites.make(layout.direct, layout.direct_dst, sizes.small) or False
-        writes = layout.span_writes or None
-    elif by_file and layout.span_writes is None:
-        layout.span_writes = False
+    if by_file and layout.span_writes is None:
+        layout.span_writes = SpanWrites.make(layout.direct, layout.direct_dst, sizes.small) or False
+    writes = (layout.span_writes or None) if by_file else None
     others = set(sizes.large).union(writes.pos if writes else ())
     by_torch = [j for j in range(n) if j not in others] if others else range(n)
     parts = [("spans", range(len(layout.spans))), ("torch", by_torch), ("write", writes.pos if writes else ()),
