@@ -295,3 +295,25 @@ def assert_same_state(a, b, path: str = "state", strides: bool = False) -> None:
         assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+class SlotOnFile:
+    """A slot file of ``nbytes`` bytes filled with garbage (a reused slot's old bytes), mapped as the saver maps it
+    (``m``: a :class:`~snapckpt.engine.slot_maps.MappedSlot`), and the saves into it that the Saver makes."""
+
+    def __init__(self, path, nbytes: int) -> None:
+        from snapckpt.engine.slot_maps import MappedSlot
+
+        with open(path, "wb") as f:
+            f.write(bytes(range(256)) * (nbytes // 256))
+        self.m = MappedSlot(str(path), nbytes)
+
+    def save(self, st, state, step: int, by_file: bool = True, name: str = "rank_00000.pt"):
+        """Prepare ``state`` as file ``name`` with the Stager ``st`` and copy it into the slot (``by_file``: with the
+        slot file, so small tensors go by ``pwritev``); returns the ``Prepared``."""
+        p = st.prepare({name: state}, step)
+        p.views = self.m.views
+        if by_file:
+            p.slot_file = self.m.file
+        type(st).copy_into(p, self.m.tensor, self.m.buf)
+        return p

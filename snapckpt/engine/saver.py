@@ -258,7 +258,7 @@ class Saver:
         """Copy ``job``'s snapshot into its slot: now, or on the copy thread until the next fence."""
         prepared, m, slot, step, storage_type = job.prepared, job.mapped, job.slot, job.step, job.storage_type
         prepared.views = m.views
-        prepared.slot_file = (m.path, m.ident)  # small CPU tensors are written by pwritev of the file (span_write)
+        prepared.slot_file = m.file  # small CPU tensors are written by pwritev of the file (span_write)
         device_done = None
         cuda = has_cuda_sources(prepared.span_copies)
         if cuda or not self._options.overlap:

@@ -33,6 +33,7 @@ import torch
 
 from snapckpt.persister.arena import map_slot, slot_file_name
 from snapckpt.engine.device_copy import CudaCopier
+from snapckpt.engine.span_write import SlotFile
 from snapckpt.errors import SnapckptError
 
 __all__ = ["MappedSlot", "SlotMaps"]
@@ -65,6 +66,8 @@ class MappedSlot:
             with read faults (see the module docstring).
         ident: the mapped file's ``(st_dev, st_ino)``: a restore reads the file at :attr:`path` only while it is
             this one (:mod:`snapckpt.engine.span_read`).
+        file: the slot file for a save's ``pwritev`` (:class:`~snapckpt.engine.span_write.SlotFile`): its descriptor
+            is opened by the first save that writes by file and closed by :meth:`close`.
 
     Raises (constructor): ``OSError`` / :class:`~snapckpt.errors.SnapshotError` when the file cannot be mapped.
     """
@@ -74,6 +77,7 @@ class MappedSlot:
         ident: List[tuple] = []
         self.buf = map_slot(path, nbytes, ident)
         self.ident: Optional[tuple] = ident[0]  # the mapped file's (st_dev, st_ino): snapckpt.engine.span_read
+        self.file = SlotFile(path, self.ident)
         self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
         self.cuda: Optional[CudaCopier] = None
         self.views: Dict[Any, List[torch.Tensor]] = {}
@@ -112,7 +116,9 @@ class MappedSlot:
         return self.path == path and self.nbytes == nbytes
 
     def close(self) -> None:
-        """Unmap (after unregistering the pages from CUDA and waiting for any DMA into them)."""
+        """Unmap (after unregistering the pages from CUDA and waiting for any DMA into them) and close the slot
+        file's descriptor (:attr:`file`)."""
+        self.file.close()
         with self.busy:  # not under a prefault's chunk
             if self.cuda is not None and self.tensor is not None:
                 torch.cuda.synchronize()  # no DMA may still target the mapping

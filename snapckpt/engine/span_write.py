@@ -14,25 +14,26 @@ reads them every save, :class:`~snapckpt.engine.stager._Recheck`). Gaps between 
 the slot format leaves their bytes unspecified (the torch copy leaves what was there); here they become zeros.
 
 The file is the mapping's only when its device and inode are those recorded when the slot was mapped
-(:attr:`~snapckpt.engine.slot_maps.MappedSlot.ident`). Anything this module cannot do (no ``pwritev`` in libc, another
+(:attr:`~snapckpt.engine.slot_maps.MappedSlot.ident`); its descriptor is opened once and kept with the mapping
+(:class:`SlotFile`, ``MappedSlot.file``). Anything this module cannot do (no ``pwritev`` in libc, another
 file at the path, a failed or short write) it reports by the count of spans it wrote, and the caller copies the
 rest through the mapping.
 """
 from __future__ import annotations
 
 import ctypes
-import errno
 import math
 import os
-from itertools import compress, islice
-from operator import attrgetter, itemgetter, lt, mul
+import weakref
+from itertools import islice
+from operator import lt
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from snapckpt.engine.span_read import libc_vectored, open_slot_file, vectored_call
 
-__all__ = ["SMALL_NBYTES", "SpanWrites", "write_spans"]
+__all__ = ["SMALL_NBYTES", "SlotFile", "SpanWrites", "write_spans"]
 
 #: Tensors of fewer bytes are written by ``pwritev``; larger ones stay on torch's copy. ``pwritev`` into tmpfs costs
 #: about 0.25 ms per MiB whatever the span size (the kernel's per-page work), torch's copy 1 us per tensor plus less
@@ -48,7 +49,6 @@ _BATCH = 512  # spans per call: two iovecs each, IOV_MAX (1024 on Linux) per cal
 _GAP_MAX = 64  # the Stager's alignment: a larger gap (or another span between) ends a run of spans
 _ZEROS = ctypes.create_string_buffer(_GAP_MAX)  # the gaps' bytes
 _ROWS = 32_000  # rows filled per torch call: under PyTorch's grain size (no thread-pool wake-up), see span_read
-_ITEMSIZE = attrgetter("itemsize")
 _pwritev = None  # libc's pwritev (ctypes: the call releases the GIL); False when there is none
 
 
@@ -64,8 +64,7 @@ class SpanWrites:
 
     Attributes:
         pos: positions (in the layout's direct tensors) of the spans written, in ascending slot offset.
-        rest: positions of the other direct tensors (larger ones, short runs), copied by torch; ``rest_small``: those
-            of them under ``large_nbytes`` bytes (the Stager copies larger ones its own way).
+        rest: positions of the other direct tensors (larger ones, short runs), ascending: not written here.
         sel: int64 tensor: per written span, the index of its tensor in the save's tensors (the data pointers' list).
         batches: ``(first span, spans, file offset, bytes)`` per call, in order.
         end: the first byte after the last span (the file must be at least that long).
@@ -73,29 +72,22 @@ class SpanWrites:
             ``ptrs``: the data pointers list its addresses were filled from (``None``: not filled yet).
     """
 
-    __slots__ = ("pos", "rest", "rest_small", "sel", "batches", "end", "iov", "ptrs")
+    __slots__ = ("pos", "rest", "sel", "batches", "end", "iov", "ptrs")
 
     @classmethod
-    def make(cls, direct: Sequence[int], dst: Sequence[Tuple[int, torch.dtype, tuple, tuple]], large_nbytes: int
+    def make(cls, direct: Sequence[int], dst: Sequence[Tuple[int, torch.dtype, tuple, tuple]], small: Sequence[int]
              ) -> Optional["SpanWrites"]:
         """The writes of a layout whose direct tensors are the save's tensors ``direct`` (indices) with slot views
-        ``dst`` (``(slot byte offset, dtype, shape, stride)``, contiguous); ``None`` when fewer than
-        :data:`MIN_SPANS` are under :data:`SMALL_NBYTES` or there is no ``pwritev``. ``large_nbytes``: see
-        :attr:`rest_small`."""
-        if not _load():
+        ``dst`` (``(slot byte offset, dtype, shape, stride)``, contiguous), of which those at positions ``small``
+        (ascending) are under :data:`SMALL_NBYTES` and not empty (the caller's size partition); ``None`` when fewer
+        than :data:`MIN_SPANS` of them are in runs of :data:`MIN_RUN` or more, or there is no ``pwritev``."""
+        if not _load() or len(small) < MIN_SPANS:
             return None
-        offsets = list(map(itemgetter(0), dst))
-        sizes = sizes_all = list(map(mul, map(_ITEMSIZE, map(itemgetter(1), dst)),
-                                     map(math.prod, map(itemgetter(2), dst))))
-        pos = list(compress(range(len(dst)), map(_small, sizes)))
-        if len(pos) < MIN_SPANS:
-            return None
-        if len(pos) < len(dst):
-            small = set(pos)
-            rest = [j for j in range(len(dst)) if j not in small]
-            offsets, sizes = [offsets[j] for j in pos], [sizes[j] for j in pos]
-        else:
-            rest = []
+        pos = list(small)
+        offsets = [dst[j][0] for j in pos]
+        sizes = [dst[j][1].itemsize * math.prod(dst[j][2]) for j in pos]
+        small_set = set(pos)
+        rest = [j for j in range(len(dst)) if j not in small_set] if len(pos) < len(dst) else []
         if not all(map(lt, offsets, islice(offsets, 1, None))):  # the plan's order is the slot's: not seen
             order = sorted(range(len(pos)), key=offsets.__getitem__)
             pos, offsets, sizes = [pos[k] for k in order], [offsets[k] for k in order], [sizes[k] for k in order]
@@ -122,7 +114,6 @@ class SpanWrites:
             runs = [0]
         self = cls()
         self.pos, self.rest = pos, rest
-        self.rest_small = [j for j in rest if sizes_all[j] < large_nbytes]
         self.sel = torch.tensor(list(map(direct.__getitem__, pos)), dtype=torch.int64)
         n = len(pos)
         iov = torch.zeros((n, 4), dtype=torch.int64)
@@ -170,33 +161,74 @@ def _breaks(offsets: List[int], sizes: List[int]) -> List[int]:
     return ((gaps < 0) | (gaps >= _GAP_MAX)).nonzero().flatten().tolist()
 
 
-def _small(nbytes: int) -> bool:
-    return 0 < nbytes < SMALL_NBYTES
+class SlotFile:
+    """The slot file behind one mapping (:class:`~snapckpt.engine.slot_maps.MappedSlot`), for :func:`write_spans`.
 
+    The descriptor is opened (read-write, close-on-exec) at the first :meth:`descriptor` and kept until :meth:`close`
+    (the mapping's), so a save costs one ``stat`` of the path instead of an ``open``, ``fstat`` and ``close``. A
+    descriptor the owner forgets to close is closed when this object is collected (or at exit); a forked child
+    shares it (writes at explicit offsets: no shared file position) and an exec'd program never gets it.
 
-def write_spans(path: str, ident: Optional[tuple], writes: SpanWrites, halfway: Callable[[], None]) -> int:
-    """Write the spans of ``writes`` (addresses filled, :meth:`SpanWrites.fill`) into the slot file ``path`` by
-    ``pwritev``; return how many leading spans (in ``writes.pos`` order) were written (all: ``len(writes.pos)``).
-
-    ``ident``: ``(st_dev, st_ino)`` of the mapped file (``None``: nothing is written). ``halfway`` is called once
-    after half the calls (the save's mid-copy fault point) when they get that far. Errors are not raised: a file that
-    cannot be opened, is not ``ident`` or is too short, or a write that fails or comes back short ends the copy there;
-    the spans from the returned index on are the caller's to copy (again, for a short write: the same bytes).
+    Attributes:
+        path: the slot file; ident: ``(st_dev, st_ino)`` of the file that is mapped (``None``: unknown, nothing is
+            written by file).
     """
-    if ident is None or writes.ptrs is None or not _load():
+
+    __slots__ = ("path", "ident", "_fd", "_closer", "__weakref__")
+
+    def __init__(self, path: str, ident: Optional[tuple]) -> None:
+        self.path, self.ident = path, ident
+        self._fd: Optional[int] = None
+        self._closer: Optional[weakref.finalize] = None
+
+    def descriptor(self, end: int) -> Optional[int]:
+        """The kept descriptor of the mapped file while the file at :attr:`path` is still it (another file renamed
+        over it: ``None``, the caller copies through the mapping) and at least ``end`` bytes long; ``None`` too when
+        it cannot be opened or :meth:`close` ran. Not to be closed by the caller."""
+        if self.ident is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino) != self.ident or st.st_size < end:
+            return None
+        if self._fd is None:
+            fd = open_slot_file(self.path, os.O_RDWR, self.ident, end)
+            if fd is None:
+                return None
+            self._fd, self._closer = fd, weakref.finalize(self, os.close, fd)
+        return self._fd
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a descriptor is kept now."""
+        return self._fd is not None
+
+    def close(self) -> None:
+        """Close the kept descriptor (if any); a later :meth:`descriptor` gives ``None``."""
+        closer, self._closer, self._fd, self.ident = self._closer, None, None, None
+        if closer is not None:
+            closer()
+
+
+def write_spans(fd: Optional[int], writes: SpanWrites, at: Optional[int], halfway: Callable[[], None]) -> int:
+    """Write the spans of ``writes`` (addresses filled, :meth:`SpanWrites.fill`) into the slot file open as ``fd``
+    (:meth:`SlotFile.descriptor`; ``None``: nothing is written) by ``pwritev``; return how many leading spans (in
+    ``writes.pos`` order) were written (all: ``len(writes.pos)``).
+
+    ``halfway`` is called once right before call ``at`` (an index into ``writes.batches``; ``None``: never) when the
+    calls get that far: the save's mid-copy fault point. Errors are not raised: a write that fails or comes back short
+    ends the copy there; the spans from the returned index on are the caller's to copy (again, for a short write: the
+    same bytes).
+    """
+    if fd is None or writes.ptrs is None or not _load():
         return 0
-    fd = open_slot_file(path, os.O_WRONLY, ident, writes.end)
-    if fd is None:
-        return 0
-    try:
-        base = writes.iov.data_ptr()
-        half = len(writes.batches) // 2
-        for b, (i, k, off, nbytes) in enumerate(writes.batches):
-            if b == half:
-                halfway()
-            got = vectored_call(_pwritev, fd, base + 32 * i, 2 * k, off)
-            if got != nbytes:
-                return i
-        return len(writes.pos)
-    finally:
-        os.close(fd)
+    base = writes.iov.data_ptr()
+    for b, (i, k, off, nbytes) in enumerate(writes.batches):
+        if b == at:
+            halfway()
+        got = vectored_call(_pwritev, fd, base + 32 * i, 2 * k, off)
+        if got != nbytes:
+            return i
+    return len(writes.pos)

@@ -11,8 +11,9 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    here, with user objects pickled by the training process itself, so the persister never unpickles anything;
    a plain state's skeleton and the slot index are reused while its non-tensor values are equal, and its skeleton
    is spliced with the new values when only they changed (:mod:`snapckpt.formats.value_splice`).
-2. :meth:`Stager.copy_into` copies each storage span into the slot (the tensors that are whole spans with one
-   ``torch._foreach_copy_`` into typed views of the slot, cached per mapping), then writes the pickles, the
+2. :meth:`Stager.copy_into` copies each storage span into the slot by the layout's :class:`_CopyPlan` (the tensors
+   that are whole spans into typed views of the slot, cached per mapping: by ``torch._foreach_copy_``, small ones by
+   ``pwritev`` of the slot file, large ones possibly by :mod:`snapckpt.engine.mover`), then writes the pickles, the
    index and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
    (:mod:`snapckpt.engine.device_copy`); the copy thread of ``overlap=True`` runs this step off the training
    thread, and :meth:`Checkpointer.fence` waits for both.
@@ -21,13 +22,14 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
 """
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import logging
 import math
 import time
 from itertools import compress, islice
-from operator import attrgetter, eq, is_, mul, not_, sub
+from operator import attrgetter, eq, is_, itemgetter, mul, not_, sub
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -40,7 +42,7 @@ from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
 from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_part
 from snapckpt.engine import mover
 from snapckpt.engine.plain_values import pack, pack_values
-from snapckpt.engine.span_write import SpanWrites, write_spans
+from snapckpt.engine.span_write import SMALL_NBYTES, SlotFile, SpanWrites, write_spans
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
@@ -344,13 +346,15 @@ class _Layout:
     restore_ok: Optional[bool] = None
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
-    moved: Optional[tuple] = None  # the direct tensors copied by :mod:`snapckpt.engine.mover` (:func:`_moved`), made once
+    sizes: Optional["_Sizes"] = None  # its direct tensors by size (:func:`_sizes`), made once
+    # the copy plans of a save through the mapping only and of one by file too (:func:`_copy_plan`), made when needed
+    copy_plans: List[Optional["_CopyPlan"]] = field(default_factory=lambda: [None, None])
     ways: "_Ways" = field(default_factory=lambda: _Ways())  # how its large tensors are copied (:class:`_Ways`)
     plain_table: bytes = b""  # their dtypes and shapes for a restart (:func:`shape_table`), made with plain_part
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
     file_json: Dict[Optional[str], tuple] = field(default_factory=dict)  # the index's last JSON (Stager._skeletons)
-    # the small direct tensors' pwritev (snapckpt.engine.span_write), made at the first copy; False: none
+    # the small direct tensors' pwritev (snapckpt.engine.span_write), made with the first plan by file; False: none
     span_writes: Any = None
 
 
@@ -438,8 +442,9 @@ class Prepared:
         ptrs: the data pointers of the save's tensors (collection order) when the plan's quick check read them this
             save (a list never changed: the key of the iovec table's addresses, :mod:`snapckpt.engine.span_write`);
             ``None``: not known, no ``pwritev``.
-        slot_file: ``(path, (st_dev, st_ino))`` of the mapped slot file (``MappedSlot.path``, ``.ident``), set by the
-            caller of :meth:`Stager.copy_into` like :attr:`views`; ``None``: every copy through the mapping.
+        slot_file: the mapped slot file (``MappedSlot.file``, a :class:`~snapckpt.engine.span_write.SlotFile`: it keeps
+            the descriptor), set by the caller of :meth:`Stager.copy_into` like :attr:`views`; ``None``: every copy
+            through the mapping.
     """
 
     step: int
@@ -455,7 +460,7 @@ class Prepared:
     views: Optional[Dict[Any, List[torch.Tensor]]] = None
     streamed: bool = False  # Stager.begin_stream ran: copy_into publishes the watermark
     ptrs: Optional[List[int]] = None
-    slot_file: Optional[Tuple[str, Optional[tuple]]] = None
+    slot_file: Optional[SlotFile] = None
 
     @property
     def copies(self) -> List[Tuple[torch.Tensor, int]]:
@@ -504,17 +509,140 @@ class _Ways:
         del kept[:-self.KEPT]
 
 
-def _moved(layout: _Layout) -> tuple:
-    """``(small, large, offsets)`` of ``layout``'s direct tensors (made once per layout): ``large`` picks (an
-    ``itemgetter`` over the direct list) those of at least :data:`~snapckpt.engine.mover.MIN_TENSOR_NBYTES` (``None``:
-    none), ``offsets`` their slot byte offsets, ``small`` picks the others (``None``: none)."""
-    if layout.moved is None:
-        big = [i for i, (_off, dtype, size, _st) in enumerate(layout.direct_dst)
-               if math.prod(size) * dtype.itemsize >= mover.MIN_TENSOR_NBYTES]
-        rest = sorted(set(range(len(layout.direct_dst))) - set(big))
-        pick = lambda idx: (lambda seq: [seq[i] for i in idx]) if idx else None  # noqa: E731
-        layout.moved = (pick(rest), pick(big), tuple(layout.direct_dst[i][0] for i in big))
-    return layout.moved
+@dataclass(frozen=True)
+class _Sizes:
+    """A layout's direct tensors by size, the one partition its copy plans are cut from (:func:`_sizes`).
+
+    Attributes:
+        small: positions (in the direct list, ascending) of the tensors under
+            :data:`~snapckpt.engine.span_write.SMALL_NBYTES` bytes: those a save by file may write by ``pwritev``.
+        large: positions of the others of at least :data:`~snapckpt.engine.mover.MIN_TENSOR_NBYTES` bytes: copied by
+            torch or by :mod:`snapckpt.engine.mover`, whichever was faster lately (:class:`_Ways`).
+    """
+
+    small: Tuple[int, ...]
+    large: Tuple[int, ...]
+
+
+def _sizes(layout: _Layout) -> _Sizes:
+    """``layout``'s :class:`_Sizes` (made once per layout)."""
+    if layout.sizes is None:
+        dst = layout.direct_dst
+        nbytes = list(map(mul, map(_ITEMSIZE, map(itemgetter(1), dst)), map(math.prod, map(itemgetter(2), dst))))
+        small = tuple(j for j, n in enumerate(nbytes) if n < SMALL_NBYTES)  # a direct tensor is never empty
+        large = tuple(j for j, n in enumerate(nbytes) if n >= max(mover.MIN_TENSOR_NBYTES, SMALL_NBYTES))
+        layout.sizes = _Sizes(small, large)
+    return layout.sizes
+
+
+@dataclass(eq=False)
+class _CopyStep:
+    """One step of a :class:`_CopyPlan`.
+
+    Attributes:
+        kind: ``"spans"`` (the span copies ``pick`` selects, a slice: bytes of a storage, CUDA ones among them),
+            ``"torch"`` (one ``_foreach_copy_`` of the direct tensors that ``pick`` takes from a list of them),
+            ``"write"`` (the plan's :class:`SpanWrites` by ``pwritev``), ``"large"`` (the direct tensors ``pick`` takes
+            by torch or in chunks by :mod:`snapckpt.engine.mover`, :class:`_Ways`) or ``"fault"`` (the mid-copy fault
+            point).
+        pick: see ``kind``: a callable (a list -> its items of this step) or a slice.
+        offsets: ``"large"``: the slot byte offsets of its tensors (the mover's destinations).
+        at, mid: ``"write"`` holding the fault point: the call before which it fires, and the first span (position
+            in ``SpanWrites.pos``) of that call; ``None`` otherwise.
+        chunks: ``"large"``: ``(slot address, source addresses, mover chunks)`` of its last copy by the mover, reused
+            while both addresses stay (the data pointers are all that changes between saves).
+    """
+
+    kind: str
+    pick: Any = None
+    offsets: Tuple[int, ...] = ()
+    at: Optional[int] = None
+    mid: Optional[int] = None
+    chunks: Optional[tuple] = None
+
+    def mover_chunks(self, base: int, srcs: List[torch.Tensor]) -> list:
+        """The mover's chunks copying ``srcs`` (this step's sources) into the slot at address ``base``."""
+        ptrs = list(map(_DATA_PTR, srcs))
+        last = self.chunks
+        if last is None or last[0] != base or last[1] != ptrs:
+            last = self.chunks = (base, ptrs, mover.chunks_of([base + off for off in self.offsets], srcs))
+        return last[2]
+
+
+@dataclass(eq=False)
+class _CopyPlan:
+    """How a non-streamed save of a layout copies its spans into the slot: :attr:`steps` in order (made once per
+    layout, :func:`_copy_plan`; a save only fills in its addresses), walked by :meth:`Stager._copy_planned`.
+
+    The span copies come first, then the direct tensors copied by torch (mid-sized ones, small ones outside long runs
+    or without a slot file), then the small ones by ``pwritev`` (:attr:`writes`), then the large ones. Exactly one
+    step holds the mid-copy fault point: the one at which half of the tensors (span copies and direct tensors, in
+    that order) are copied, split around it (a ``"fault"`` step), or a ``"write"`` step, which fires it between its
+    calls. A layout with no tensor has no step.
+    """
+
+    steps: List[_CopyStep]
+    writes: Optional[SpanWrites]
+
+
+def _picker(items: Sequence[int], n: int) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """A function that takes the items at positions ``items`` (ascending, not empty) of a sequence of ``n``."""
+    first, count = items[0], len(items)
+    if items[-1] - first + 1 == count:  # a run: a slice (the whole list as it is)
+        return _same if count == n else itemgetter(slice(first, first + count))
+    return itemgetter(*items) if count > 1 else (lambda seq: [seq[first]])
+
+
+def _same(seq: Sequence[Any]) -> Sequence[Any]:
+    return seq
+
+
+def _copy_plan(layout: _Layout, by_file: bool) -> _CopyPlan:
+    """``layout``'s :class:`_CopyPlan` for a save through the mapping only or one that may write by file
+    (``by_file``: the save knows the slot file and its data pointers), made at its first such save."""
+    plan = layout.copy_plans[by_file]
+    if plan is None:
+        plan = layout.copy_plans[by_file] = _build_copy_plan(layout, by_file)
+    return plan
+
+
+def _build_copy_plan(layout: _Layout, by_file: bool) -> _CopyPlan:
+    """A new :class:`_CopyPlan` of ``layout`` (see :func:`_copy_plan`); the first by file makes the layout's
+    :attr:`~_Layout.span_writes` from its :class:`_Sizes`."""
+    sizes, n = _sizes(layout), len(layout.direct_dst)
+    if by_file and layout.span_writes is None:
+        layout.span_writes = SpanWrites.make(layout.direct, layout.direct_dst, sizes.small) or False
+    writes = (layout.span_writes or None) if by_file else None
+    others = set(sizes.large).union(writes.pos if writes else ())
+    by_torch = [j for j in range(n) if j not in others] if others else range(n)
+    parts = [("spans", range(len(layout.spans))), ("torch", by_torch), ("write", writes.pos if writes else ()),
+             ("large", sizes.large)]
+    half = (len(layout.spans) + n) // 2  # the fault point's tensor, counted in the order of the steps
+    steps: List[_CopyStep] = []
+    for kind, items in parts:
+        here = 0 <= half < len(items)
+        if kind == "write" and items:
+            step = _CopyStep("write")
+            if here:  # between two calls: the first of the call that holds that span
+                step.at = bisect.bisect_right([b[0] for b in writes.batches], half) - 1
+                step.mid = writes.batches[step.at][0]
+            steps.append(step)
+        else:
+            cut = half if here else len(items)
+            steps += [_copy_step(kind, part, layout, n) for part in (items[:cut], items[cut:]) if part]
+            if here:
+                steps.insert(len(steps) - 1, _CopyStep("fault"))
+        half -= len(items)
+    return _CopyPlan(steps, writes)
+
+
+def _copy_step(kind: str, items: Sequence[int], layout: _Layout, n: int) -> _CopyStep:
+    """The :class:`_CopyStep` of ``kind`` over ``items`` (span copy indices, or positions in the direct list of
+    ``n``)."""
+    if kind == "spans":
+        return _CopyStep(kind, slice(items[0], items[-1] + 1))
+    offsets = tuple(layout.direct_dst[j][0] for j in items) if kind == "large" else ()
+    return _CopyStep(kind, _picker(items, n), offsets)
 
 
 def direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
@@ -942,92 +1070,78 @@ class Stager:
         # A reused slot still carries the header of the snapshot it held: it goes first, so that the slot's
         # own bytes never describe a half-overwritten snapshot as complete (the header is written last).
         buf[0:HEADER_NBYTES] = bytes(HEADER_NBYTES)
-        n_direct = len(prepared.direct)
-        half = (len(prepared.span_copies) + n_direct) // 2
-        for i, (src, off) in enumerate(prepared.span_copies):
-            if i == half:
-                faults.point("snapshot.mid_copy", step=prepared.step)
-            n = src.numel()
-            if n and not (device_done is not None and src.is_cuda):
-                slot[off:off + n].copy_(src)
-        if n_direct:
-            reused = prepared.views is not None and prepared.layout in prepared.views  # not the mapping's first copy
-            dst = direct_views(prepared.layout, slot, prepared.views)
-            cut = half - len(prepared.span_copies)
-            moved = _moved(prepared.layout)
-            writes = _span_writes(prepared)  # small tensors by pwritev of the slot file, when it can
-            if moved[1]:  # large tensors: by torch or in chunks by memmove, whichever was faster lately (_Ways)
-                small, large, offsets = moved
-                with torch.no_grad():  # a Parameter's copy must not enter autograd
-                    if writes is not None:
-                        Stager._copy_written(prepared, writes, dst, False, writes.rest_small)
-                    elif small:
-                        torch._foreach_copy_(small(dst), small(prepared.direct))
-                    ways = prepared.layout.ways
-                    way = ways.pick()
-                    t0 = time.perf_counter()
-                    if way == "torch":
-                        parts = [(large(dst), large(prepared.direct))]
-                        if 0 <= cut < n_direct:
-                            d, src = parts[0]
-                            parts = [(d[:len(d) // 2], src[:len(d) // 2]), (d[len(d) // 2:], src[len(d) // 2:])]
-                        for k, (d, src) in enumerate(parts):
-                            if k:
-                                faults.point("snapshot.mid_copy", step=prepared.step)
-                            if d:
-                                torch._foreach_copy_(d, src)
-                    else:
-                        base = slot.data_ptr()
-                        chunks = mover.chunks_of([base + off for off in offsets], large(prepared.direct))
-                        if 0 <= cut < n_direct:
-                            mover.copy_chunks(chunks[:len(chunks) // 2])
-                            faults.point("snapshot.mid_copy", step=prepared.step)
-                            mover.copy_chunks(chunks[len(chunks) // 2:])
-                        else:
-                            mover.copy_chunks(chunks)
-                    if reused:  # a first copy into a mapping takes its page faults: not a fair sample
-                        ways.record(way, time.perf_counter() - t0)
-            else:
-                with torch.no_grad():  # a Parameter's copy must not enter autograd
-                    if writes is not None:
-                        Stager._copy_written(prepared, writes, dst, 0 <= cut < n_direct, writes.rest)
-                    elif 0 <= cut < n_direct:
-                        if cut:
-                            torch._foreach_copy_(dst[:cut], prepared.direct[:cut])
-                        faults.point("snapshot.mid_copy", step=prepared.step)
-                        torch._foreach_copy_(dst[cut:], prepared.direct[cut:])
-                    else:
-                        torch._foreach_copy_(dst, prepared.direct)
+        layout = prepared.layout
+        by_file = prepared.slot_file is not None and prepared.ptrs is not None
+        plan = _copy_plan(layout, by_file)
+        reused = prepared.views is not None and layout in prepared.views  # not the mapping's first copy
+        dst = direct_views(layout, slot, prepared.views) if prepared.direct else []
+        with torch.no_grad():  # a Parameter's copy must not enter autograd
+            Stager._copy_planned(prepared, plan, slot, dst, device_done, reused)
         for off, data in prepared.tail:
             buf[off:off + len(data)] = data
         if device_done is not None:
             device_done.synchronize()
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
 
+    @staticmethod
+    def _copy_planned(prepared: Prepared, plan: _CopyPlan, slot: torch.Tensor, dst: List[torch.Tensor],
+                      device_done, reused: bool) -> None:
+        """Walk ``plan``'s steps for ``prepared`` (``dst``: the slot's views of its direct tensors; ``device_done``: see
+        :meth:`copy_into`). The large tensors go the way :class:`_Ways` picks, timed, and the time is recorded when
+        ``reused`` (a first copy into a mapping takes its page faults: not a fair sample)."""
+        src, ways = prepared.direct, prepared.layout.ways
+        way, secs = None, 0.0
+        for step in plan.steps:
+            kind = step.kind
+            if kind == "torch":
+                torch._foreach_copy_(step.pick(dst), step.pick(src))
+            elif kind == "spans":
+                for t, off in prepared.span_copies[step.pick]:
+                    n = t.numel()
+                    if n and not (device_done is not None and t.is_cuda):
+                        slot[off:off + n].copy_(t)
+            elif kind == "write":
+                Stager._write(prepared, plan.writes, step, dst)
+            elif kind == "fault":
+                faults.point("snapshot.mid_copy", step=prepared.step)
+            else:  # "large"
+                if way is None:
+                    way = ways.pick()
+                t0 = time.perf_counter()
+                if way == "torch":
+                    torch._foreach_copy_(step.pick(dst), step.pick(src))
+                else:
+                    mover.copy_chunks(step.mover_chunks(slot.data_ptr(), step.pick(src)))
+                secs += time.perf_counter() - t0
+        if way is not None and reused:
+            ways.record(way, secs)
 
     @staticmethod
-    def _copy_written(prepared: Prepared, writes: SpanWrites, dst: List[torch.Tensor], mid: bool,
-                      rest: List[int]) -> None:
-        """Copy the direct tensors at positions ``rest`` by one ``_foreach_copy_``, then write the small ones by
-        ``pwritev`` (:mod:`snapckpt.engine.span_write`), and copy what it did not write by ``_foreach_copy_`` too.
-        ``mid``: the mid-copy fault point falls among them (once, about halfway)."""
-        src = prepared.direct
-        if rest:
-            torch._foreach_copy_([dst[j] for j in rest], [src[j] for j in rest])
+    def _write(prepared: Prepared, writes: SpanWrites, step: _CopyStep, dst: List[torch.Tensor]) -> None:
+        """A ``"write"`` step: the small tensors of ``writes`` by ``pwritev`` of the slot file
+        (:mod:`snapckpt.engine.span_write`); what it did not write (no descriptor, a null data pointer, another file
+        at the path, a short write) by ``_foreach_copy_`` through the mapping. The step's fault point fires between
+        the calls, or between those copies when the calls did not get that far."""
+        src, pos = prepared.direct, writes.pos
         hit: List[bool] = []
 
         def halfway() -> None:
             hit.append(True)
-            if mid:
-                faults.point("snapshot.mid_copy", step=prepared.step)
+            faults.point("snapshot.mid_copy", step=prepared.step)
 
-        path, ident = prepared.slot_file  # type: ignore[misc]
-        done = write_spans(path, ident, writes, halfway)
-        if not hit:
-            halfway()
-        if done < len(writes.pos):  # another file at the path, a short write: through the mapping
-            left = writes.pos[done:]
-            torch._foreach_copy_([dst[j] for j in left], [src[j] for j in left])
+        done = 0
+        if writes.fill(prepared.ptrs):  # type: ignore[arg-type]
+            done = write_spans(prepared.slot_file.descriptor(writes.end), writes, step.at, halfway)  # type: ignore[union-attr]
+        if done == len(pos):
+            return
+        cuts = [done, len(pos)]
+        if step.mid is not None and not hit:
+            cuts.insert(1, max(done, step.mid))
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            if k:
+                halfway()
+            if a < b:
+                torch._foreach_copy_([dst[pos[j]] for j in range(a, b)], [src[pos[j]] for j in range(a, b)])
 
     @staticmethod
     def _copy_streamed(prepared: Prepared, slot: torch.Tensor, buf) -> None:
@@ -1053,21 +1167,6 @@ class Stager:
                     mark[0] = step[-1]  # after the copies returned: the bytes below are final
         finally:
             mark.release()
-
-
-def _span_writes(prepared: Prepared) -> Optional[SpanWrites]:
-    """The layout's :class:`SpanWrites` with this save's addresses, or ``None`` when its small tensors are copied by
-    torch (no slot file or data pointers known, too few small tensors, no ``pwritev``, a null data pointer)."""
-    layout = prepared.layout
-    if prepared.slot_file is None or prepared.ptrs is None or layout is None:
-        return None
-    writes = layout.span_writes
-    if writes is None:
-        writes = SpanWrites.make(layout.direct, layout.direct_dst, mover.MIN_TENSOR_NBYTES)
-        layout.span_writes = writes = writes or False
-    if not writes or not writes.fill(prepared.ptrs):
-        return None
-    return writes
 
 
 def _pickle_file(obj: Any, key: Optional[List[Any]], idx: Sequence[int], hit: Optional[tuple],

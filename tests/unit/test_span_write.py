@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
+from _harness import SlotOnFile as _Slot
 from snapckpt.engine import mover, span_write, stager as stager_mod
-from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.stager import Stager
 
 NAME = "rank_00000.pt"
@@ -30,23 +30,6 @@ def _state(n: int = 3 * span_write._BATCH + 5, seed: int = 0, big: int = span_wr
     base = torch.rand(100, generator=g)
     state["va"], state["vb"] = base[:10], base[50:]
     return state
-
-
-class _Slot:
-    """A slot file mapped as the saver maps it, filled with garbage (a reused slot's old bytes)."""
-
-    def __init__(self, path, nbytes: int) -> None:
-        with open(path, "wb") as f:
-            f.write(bytes(range(256)) * (nbytes // 256))
-        self.m = MappedSlot(str(path), nbytes)
-
-    def save(self, st: Stager, state, step: int, by_file: bool = True):
-        p = st.prepare({NAME: state}, step)
-        p.views = self.m.views
-        if by_file:
-            p.slot_file = (self.m.path, self.m.ident)
-        Stager.copy_into(p, self.m.tensor, self.m.buf)
-        return p
 
 
 def _gaps(p) -> list:
