@@ -424,11 +424,13 @@ class Loader:
         :class:`CheckpointCorruptError` naming ``where``."""
         listed = self._listed.get(dirname)
         if listed is not None and _identity(m) != listed:
-            raise CheckpointCorruptError(
+            err = CheckpointCorruptError(
                 f"{where} was committed again while this load read it (the ranks agreed on the copy of run "
                 f"{listed[0]} committed at {listed[1]}, this rank found run {m.get('run_id')} committed at "
                 f"{m.get('created_unix')}: the job saving there saved step {m.get('step')} again); refused on "
                 "every rank so that no rank loads another copy than the others (load it again to get the new copy)")
+            err.recommitted = True  # told by this flag, not by the words (see _is_recommit)
+            raise err
         return m
 
     def read(self, cand: LoadCandidate, views: bool = False, slot: Optional[MappedSlot] = None) -> Dict[str, Any]:
@@ -647,7 +649,7 @@ class Loader:
                         and not self._remote_only and not os.path.isdir(cand.path)):
                     mine["vanished"] = True
                     mine["error"] += _VANISHED
-                elif "committed again while" not in mine["error"] and self._recommitted(cand):
+                elif not _is_recommit(e) and self._recommitted(cand):
                     mine["error"] += (" (the step was committed again while it was read, by the job saving there: "
                                       "its files changed under the read; not damage)")
             everyone = self._coord.all_gather(phase, mine, self.options.coordination_timeout_secs)
@@ -679,7 +681,7 @@ class Loader:
         try:
             self._still_listed(cand)
         except CheckpointCorruptError as e:
-            return "committed again while" in str(e)
+            return _is_recommit(e)
         except Exception:
             return False
         return False
@@ -731,6 +733,19 @@ class Loader:
                 error = f"{type(e).__name__}: {e}"
         bad = self._coord.agree(f"verify {dirname}", error)
         return "; ".join(bad[r] for r in sorted(bad))
+
+
+def _is_recommit(e: BaseException) -> bool:
+    """Whether ``e``, or an error it was raised from, is :meth:`Loader._as_listed`'s refusal of a copy committed
+    again since the listing (its ``recommitted`` flag)."""
+    for _ in range(8):
+        if getattr(e, "recommitted", False):
+            return True
+        nxt = e.__cause__ or e.__context__
+        if nxt is None:
+            return False
+        e = nxt
+    return False
 
 
 # the words only: whether a refusal was a vanish is the try record's "vanished" flag (Loader._try)

@@ -70,3 +70,30 @@ def test_every_failing_rank_must_have_vanished(tmp_path, monkeypatch, vanished):
     expected = CheckpointNotFoundError if vanished else CheckpointCorruptError
     with pytest.raises(expected, match="rank 1: FileNotFoundError"):
         ld.load_with(lambda c: None, step=2, check=_fails(FileNotFoundError("gone")))
+
+
+def test_a_recommit_is_told_by_its_flag_not_by_the_words(tmp_path, monkeypatch):
+    """The directory now holds another commit than the listed one (the job saving there committed step 2 again).
+    Right: a rank's failed read gets the "committed again ... not damage" note, even when its own error's text
+    quotes those words (a message about another directory); before, such a text suppressed the note."""
+    (tmp_path / DIRNAME).mkdir()
+    ld = _loader(tmp_path, monkeypatch)
+    ld._listed[DIRNAME] = ["run-a", 1.0]
+    try:
+        ld._as_listed({"run_id": "run-b", "created_unix": 2.0, "step": 2}, DIRNAME, str(tmp_path / DIRNAME))
+    except CheckpointCorruptError as e:
+        recommit = e
+    assert loader_mod._is_recommit(recommit)
+
+    def still_listed(cand):
+        raise recommit
+    monkeypatch.setattr(ld, "_still_listed", still_listed)
+    quoting = CheckpointCorruptError("rank_00000.pt: checksum mismatch (step_00000001 was committed again while "
+                                     "it was read, said an older log line)")
+    assert not loader_mod._is_recommit(quoting)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        ld.load_with(lambda c: None, step=2, check=_fails(quoting))
+    assert "the step was committed again while it was read, by the job saving there" in str(ei.value), ei.value
+    wrapped = RuntimeError("reading failed")
+    wrapped.__cause__ = recommit
+    assert loader_mod._is_recommit(wrapped)
