@@ -200,3 +200,24 @@ def test_the_mid_copy_fault_point_is_passed_once_among_the_writes(tmp_path, monk
     assert [h[0] for h in hits] == ["snapshot.mid_copy"] and hits[0][1] == []  # during the writes, not after
     assert calls == [len(p.layout.span_writes.pos)]
     s.m.close()
+
+
+@pytest.mark.parametrize("lazy", ["conj of a small complex", "neg view of a small", "neg view of a large"])
+def test_a_lazy_conj_or_neg_view_in_a_cached_layout_is_refused_as_at_the_first_save(tmp_path, lazy):
+    # pwritev and memmove copy a tensor's raw bytes (not its lazy conjugate or negation); a first save refuses such a
+    # view, and so must a save that finds the plan cached (by its quick check or by its signature)
+    state = _state(big=mover.MIN_TENSOR_NBYTES)
+    state["c"] = torch.rand(4, dtype=torch.complex64)
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / "slot", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    for step in (1, 2, 3):  # the plan built, then found by its quick check (which a lazy bit misses: the signature)
+        s.save(st, state, step)
+    key = {"conj of a small complex": "c", "neg view of a small": "t1", "neg view of a large": "big"}[lazy]
+    view = state[key].conj() if key == "c" else torch._neg_view(state[key])
+    with pytest.raises(stager_mod.SnapshotError, match="conj/neg"):
+        st.prepare({NAME: {**state, key: view}}, 4)
+    st = Stager()  # a fresh plan cache: the first save refuses it
+    with pytest.raises(stager_mod.SnapshotError, match="conj/neg"):
+        st.prepare({NAME: {**state, key: view}}, 1)
+    s.m.close()
