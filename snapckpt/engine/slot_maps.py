@@ -318,7 +318,8 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
     ``stop`` (a save needs the slot now), the mapping as far as it is populated. The mapping is in ``made`` from the
     moment it exists: a save that takes it over there (:meth:`_Pending.take`) owns it, and this thread stops at its
     next chunk without closing it. ``None`` when it did not grow within ``timeout_secs`` (not counting time paused:
-    ``go`` clear), ``stop`` was set without ``handoff``, the interpreter is exiting (:data:`_EXITING`: no save will
+    ``go`` clear), ``stop`` was set without ``handoff``, the file is still short once ``handoff`` is set (the save's
+    acquire grew it before: it is another file now), the interpreter is exiting (:data:`_EXITING`: no save will
     use it, and the exit joins this thread), or it could not be mapped (the save that needs it maps it itself)."""
     deadline = time.monotonic() + timeout_secs
     delay = 0.005
@@ -329,16 +330,20 @@ def _prefault(path: str, nbytes: int, timeout_secs: float, stop: threading.Event
                 return None
             deadline += time.monotonic() - t0
             delay = 0.005
+        wanted = handoff.is_set()  # read before the stat: the save's acquire grew the file before it set this
         try:
             if os.stat(path).st_size >= nbytes:
                 break
         except FileNotFoundError:
             pass
+        if wanted:
+            # the file at the path is not the one the persister grew (replaced, truncated or removed by someone
+            # else): it never grows now; the save maps the slot itself, which names the cause, instead of
+            # waiting out the timeout
+            return None
         if time.monotonic() > deadline or _EXITING.is_set():
             return None
-        if handoff.is_set():
-            time.sleep(0.001)  # the acquire of the save waiting for it grew the file: it shows at once
-        elif stop.wait(delay) and not handoff.is_set():
+        if stop.wait(delay) and not handoff.is_set():
             return None
         delay = min(delay * 2, 0.2)
     try:

@@ -200,3 +200,30 @@ def test_a_mapping_taken_over_is_not_unmapped_while_the_prefault_reads_a_chunk_o
         dropping.set()
         maps.close()
         os.unlink(path)
+
+
+def test_a_save_that_waits_for_a_prefault_of_a_file_that_is_not_the_grown_one_fails_at_once(tmp_path):
+    """The persister grew the slot before its acquire answered; a file at the path that is still short then (replaced
+    or truncated by someone else, or removed) never grows: the save maps it itself, and fails naming the cause, rather
+    than waiting out the prefault's timeout (``slot_wait_timeout_secs``, 10 minutes by default)."""
+    import concurrent.futures as cf
+
+    import pytest
+
+    from snapckpt.errors import SnapshotError
+
+    short, gone = str(tmp_path / "slot0"), str(tmp_path / "slot1")
+    with open(short, "wb") as f:
+        f.truncate(NBYTES // 2)
+    maps = SlotMaps(rank=0, slots_per_rank=2, wait_timeout_secs=60.0)
+    pool = cf.ThreadPoolExecutor(1)
+    try:
+        for slot, path, error in ((0, short, SnapshotError), (1, gone, FileNotFoundError)):
+            maps.prefault(slot, path, NBYTES)
+            time.sleep(0.1)  # the prefault polls the file's size
+            save = pool.submit(maps.get, slot, path, NBYTES, usable=[slot])
+            with pytest.raises(error):
+                save.result(timeout=20)  # a hang: the prefault's 60 s
+    finally:
+        maps.close()
+        pool.shutdown()
