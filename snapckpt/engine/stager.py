@@ -93,15 +93,15 @@ _DATA_PTR, _OFFSET = torch.Tensor.data_ptr, torch.Tensor.storage_offset
 def _signature(tensors: List[torch.Tensor]) -> tuple:
     """The cache key of a plan: everything :func:`_build_plan` and the skeleton's tensors read.
 
-    Per tensor: storage offset, shape, stride, dtype, device, type (``nn.Parameter`` or not),
-    ``requires_grad``, and which storage it views, as the index of that storage in first-use order (its data
-    pointer stands in only for the grouping: ``None`` when every tensor has a storage of its own, the common
-    case, found without a Python loop); and whether any tensor has a lazy conjugate or negative bit. Two states whose tensors are fresh allocations of the same layout (a
-    new ``torch.get_rng_state()`` every save, optimizer state replaced by clones) get the same key and share
-    a plan; a change of aliasing (tied tensors untied), shape, stride, dtype, device or offset changes the
-    key (contract 3 (docs/design/contracts.md)). The plan holds no tensor handles: :meth:`Stager.prepare`
-    takes the copy sources from the live tensors at every save, so reusing a plan across allocations is safe.
-    Each field is read with one ``map`` over the tensors (C calls, no Python frame per tensor).
+    Per tensor: storage offset, shape, stride, dtype, device, type (``nn.Parameter`` or not), ``requires_grad``, and
+    which storage it views, as the index of that storage in first-use order (its data pointer stands in only for the
+    grouping: ``None`` when every tensor has a storage of its own, the common case, found without a Python loop); and
+    whether any tensor has a lazy conjugate or negative bit. Two states whose tensors are fresh allocations of the
+    same layout (a new ``torch.get_rng_state()`` every save, optimizer state replaced by clones) get the same key and
+    share a plan; a change of aliasing (tied tensors untied), shape, stride, dtype, device or offset changes the key
+    (contract 3 (docs/design/contracts.md)). The plan holds no tensor handles: :meth:`Stager.prepare` takes the copy
+    sources from the live tensors at every save, so reusing a plan across allocations is safe. Each field is read with
+    one ``map`` over the tensors (C calls, no Python frame per tensor).
 
     Raises:
         RuntimeError: a tensor without strides (sparse, nested): the caller checks the tensors then.
@@ -112,9 +112,9 @@ def _signature(tensors: List[torch.Tensor]) -> tuple:
     devices = tuple(map(_DEVICE, tensors))
     groups = _groups(list(map(_DATA_PTR, tensors)), offs, tuple(map(_ITEMSIZE, dtypes)), devices,
                      len(set(devices)) <= 1)
-    # a lazy conjugate or negation (refused when a plan is built): the direct tensors' copies (pwritev, memmove) take
-    # raw bytes, so a plan found for such a state would save the values unconjugated
-    lazy = any(map(t_.is_conj, tensors)) or any(map(t_.is_neg, tensors))
+    # a lazy conjugate (complex dtypes only) or negation, refused when a plan is built: the direct tensors' copies
+    # (pwritev, memmove) take raw bytes, so a plan found for such a state would save the values unconjugated
+    lazy = (any(d.is_complex for d in set(dtypes)) and any(map(t_.is_conj, tensors))) or any(map(t_.is_neg, tensors))
     return (len(tensors), groups, offs, dtypes, devices, tuple(map(_SHAPE, tensors)), tuple(map(t_.stride, tensors)),
             tuple(map(type, tensors)), tuple(map(_GRAD, tensors)), lazy)
 
@@ -144,15 +144,16 @@ except ImportError:  # pragma: no cover - every supported torch has it; the full
 class _Recheck:
     """A quick way to tell that tensors have their layout's :func:`_signature`, without reading it (a plan-cache hit).
 
-    The tensors are read in chunks of :data:`_CHUNK`, each chunk by three C-level passes while its tensors are in
-    the CPU's caches (one pass per field over 200,000 tensors misses them three times): the storage offsets (and
-    with them the count), PyTorch's ``TensorGuards`` (a C++ loop: each tensor's Python type, dtype, device,
-    shape, stride, ``requires_grad`` and dispatch keys, the lazy conjugate and negative bits among them, against the tensors the entry was made from), and the data pointers. The
-    storage grouping is then compared: when the data pointers are those of the last tensors that passed
-    (``ptrs``: the same training state saved again, the common case), it is theirs, since the grouping is a
-    function of the pointers, offsets, element sizes and devices, all equal then; else it is recomputed from the
-    pointers (with the known element sizes). Every field of the signature is compared, so a hit means the same
-    signature; any failure (or a guard that cannot be made) falls back to the full :func:`_signature`.
+    The tensors are read in chunks of :data:`_CHUNK`, each chunk by three C-level passes while its tensors are in the
+    CPU's caches (one pass per field over 200,000 tensors misses them three times): the storage offsets (and with them
+    the count), PyTorch's ``TensorGuards`` (a C++ loop: each tensor's Python type, dtype, device, shape, stride,
+    ``requires_grad`` and dispatch keys, the lazy conjugate and negative bits among them, against the tensors the
+    entry was made from), and the data pointers. The storage grouping is then compared: when the data pointers are
+    those of the last tensors that passed (``ptrs``: the same training state saved again, the common case), it is
+    theirs, since the grouping is a function of the pointers, offsets, element sizes and devices, all equal then; else
+    it is recomputed from the pointers (with the known element sizes). Every field of the signature is compared, so a
+    hit means the same signature; any failure (or a guard that cannot be made) falls back to the full
+    :func:`_signature`.
 
     A hit also means that no tensor object occurs twice, so :meth:`Stager._prepare` leaves that check of a memo's
     match to this one: ``TensorGuards.check`` refuses repeated objects within its chunk (dynamo relies on it; a
