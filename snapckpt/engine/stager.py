@@ -105,18 +105,42 @@ def _signature(tensors: List[torch.Tensor]) -> tuple:
 
     Raises:
         RuntimeError: a tensor without strides (sparse, nested): the caller checks the tensors then.
+        SnapshotError: a tensor whose storage was freed (:func:`_check_storages`).
     """
     t_ = torch.Tensor
     offs = tuple(map(t_.storage_offset, tensors))
     dtypes = tuple(map(_DTYPE, tensors))
     devices = tuple(map(_DEVICE, tensors))
-    groups = _groups(list(map(_DATA_PTR, tensors)), offs, tuple(map(_ITEMSIZE, dtypes)), devices,
-                     len(set(devices)) <= 1)
+    ptrs, itemsizes = list(map(_DATA_PTR, tensors)), tuple(map(_ITEMSIZE, dtypes))
+    _check_storages(tensors, ptrs, offs, itemsizes)
+    groups = _groups(ptrs, offs, itemsizes, devices, len(set(devices)) <= 1)
     # a lazy conjugate (complex dtypes only) or negation, refused when a plan is built: the direct tensors' copies
     # (pwritev, memmove) take raw bytes, so a plan found for such a state would save the values unconjugated
     lazy = (any(d.is_complex for d in set(dtypes)) and any(map(t_.is_conj, tensors))) or any(map(t_.is_neg, tensors))
     return (len(tensors), groups, offs, dtypes, devices, tuple(map(_SHAPE, tensors)), tuple(map(t_.stride, tensors)),
             tuple(map(type, tensors)), tuple(map(_GRAD, tensors)), lazy)
+
+
+def _check_storages(tensors: List[torch.Tensor], ptrs: List[int], offs: tuple, itemsizes: tuple) -> None:
+    """Refuse a tensor with elements whose storage has no memory (a null start: its storage was freed in place,
+    ``untyped_storage().resize_(0)``, as FSDP frees resharded parameters): a copy of it reads from address 0, which
+    kills the process (torch's own ``copy_`` too). ``ptrs``: the tensors' data pointers; ``offs``, ``itemsizes``:
+    their storage offsets (elements) and element sizes (bytes).
+
+    Raises:
+        SnapshotError: naming the tensor's shape and dtype.
+    """
+    starts = list(map(sub, ptrs, map(mul, offs, itemsizes))) if any(offs) else ptrs
+    if 0 not in starts:  # the common case: one C-level scan
+        return
+    for i in compress(range(len(starts)), map(not_, starts)):
+        t = tensors[i]
+        if t.numel():
+            _check_supported(t)  # a meta tensor has no memory either: its own message
+            raise SnapshotError(
+                f"cannot snapshot a tensor of shape {tuple(t.shape)} ({t.dtype}) whose storage holds no memory "
+                "(freed in place, e.g. untyped_storage().resize_(0), as FSDP does to resharded parameters): save "
+                "the state while its storage is allocated, or its sharded form")
 
 
 def _groups(ptrs: List[int], offs: tuple, itemsizes: tuple, devices: tuple, one_device: bool) -> Optional[tuple]:
@@ -210,11 +234,16 @@ class _Recheck:
         return self.nulls < 2 or not has_repeats(list(compress(tensors, map(not_, ptrs))))
 
     def matches(self, tensors: List[torch.Tensor]) -> bool:
-        """Whether ``tensors`` have the entry's signature and no tensor object occurs twice."""
+        """Whether ``tensors`` have the entry's signature and no tensor object occurs twice.
+
+        Raises:
+            SnapshotError: data pointers changed and a tensor's storage was freed (:func:`_check_storages`).
+        """
         ptrs = self._scan(tensors, True)
         if ptrs is None:
             return False
         if ptrs != self.ptrs:
+            _check_storages(tensors, ptrs, self.offsets, self.itemsizes)
             if _groups(ptrs, self.offsets, self.itemsizes, self.devices, self.one_device) != self.groups:
                 return False
             self._remember(ptrs)
@@ -745,7 +774,8 @@ class Stager:
         instead of paying for a check per save).
 
         Raises:
-            SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built).
+            SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built), or one whose storage was
+                freed (:func:`_check_storages`).
         """
         try:
             for cached in reversed(self._layouts.values()):  # newest first

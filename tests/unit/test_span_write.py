@@ -221,3 +221,23 @@ def test_a_lazy_conj_or_neg_view_in_a_cached_layout_is_refused_as_at_the_first_s
     with pytest.raises(stager_mod.SnapshotError, match="conj/neg"):
         st.prepare({NAME: {**state, key: view}}, 1)
     s.m.close()
+
+
+@pytest.mark.parametrize("where", ["small", "large", "view at an offset"])
+def test_a_tensor_whose_storage_was_freed_in_place_is_refused_not_copied_from_address_0(tmp_path, where):
+    # untyped_storage().resize_(0) (FSDP frees resharded parameters so) leaves the shape: a copy from the null
+    # storage (pwritev's fallback, memmove, torch's own copy_) killed the process with SIGSEGV
+    state = _state(big=mover.MIN_TENSOR_NBYTES)
+    state["view"] = torch.rand(50)[10:30]
+    state["empty"] = torch.empty(0)  # no storage either, and nothing to copy: fine
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / "slot", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    for step in (1, 2):
+        s.save(st, state, step)
+    state[{"small": "t1", "large": "big", "view at an offset": "view"}[where]].untyped_storage().resize_(0)
+    with pytest.raises(stager_mod.SnapshotError, match="storage holds no memory"):
+        st.prepare({NAME: state}, 3)  # the plan's quick check
+    with pytest.raises(stager_mod.SnapshotError, match="storage holds no memory"):
+        Stager().prepare({NAME: state}, 1)  # a plan built
+    s.m.close()
