@@ -224,3 +224,51 @@ def test_a_phased_record_goes_to_write_borrowed_whole_and_the_rest_to_write():
     write_torch_file(borrowed, b"pickle!", recs, phases=[0, None], coalesce=True)
     assert borrowed.getvalue() == plain.getvalue()
     assert [c for c in calls if c[0] == "borrowed"] == [("borrowed", 2 << 20, 0)]
+
+
+def test_records_with_a_phase_past_4_gib_start_there_and_torch_loads_them(tmp_path):
+    """The zip64 headers of :meth:`TorchArchiveWriter._record64` with a ``phase`` (a rank's file past 4 GiB, or one
+    tensor of 4 GiB or more, as the persister writes them with direct I/O): a phased record of more than 4 GiB, then
+    two small ones at offsets past 4 GiB, start at their phases and load with torch (a sparse file: the large record's
+    zero pages are skipped, never written nor read)."""
+    import os
+
+    from snapckpt.formats.torch_archive import PHASE_MODULUS
+    from snapckpt.formats.torch_zip import TensorRef, pickle_skeleton
+
+    size = 0x100000064
+    big = _anonymous(size)
+    small = bytearray(torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8).numpy().tobytes())
+    spans = {"0": (big, size), "1": (memoryview(small), 2 * 4096 + 7), "2": (memoryview(small)[4096:], 100)}
+    obj = {k: torch.empty(0, dtype=torch.uint8) for k in spans}
+    pkl, _ = pickle_skeleton(obj, {id(t): TensorRef(k, 0, (spans[k][1],), (1,), torch.uint8, "cpu", spans[k][1])
+                                   for k, t in obj.items()})
+
+    class Sparse:  # the large record as a hole: the same zeros as its untouched pages
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def write(self, data) -> int:
+            if isinstance(data, memoryview) and data.obj is big:
+                self.f.seek(data.nbytes, os.SEEK_CUR)
+            else:
+                self.f.write(data)
+            return len(data)
+
+    phases = [64 * 3, 64 * 5, 4032]
+    path = tmp_path / "past4g.pt"
+    try:
+        with open(path, "wb") as f:
+            write_torch_file(Sparse(f), pkl, [(k, v, n) for k, (v, n) in spans.items()], phases=phases)
+    finally:
+        big.close()
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for k, phase in zip(spans, phases):
+            info = z.getinfo(f"archive/data/{k}")
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+            start = info.header_offset + 30 + name_len + extra_len
+            assert start % PHASE_MODULUS == phase and (k == "0" or start > 0xFFFFFFFF)
+    got = torch.load(path, weights_only=True, mmap=True)
+    assert got["0"].shape == (size,) and not got["0"][-64:].any()
+    assert bytes(got["1"].numpy()) == bytes(small[:2 * 4096 + 7]) and bytes(got["2"].numpy()) == bytes(small[4096:4196])
