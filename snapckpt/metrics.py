@@ -55,10 +55,10 @@ def event_metrics(event: Event) -> Dict[str, float]:
         event: any :class:`~snapckpt.events.Event`.
 
     Returns:
-        ``snapshot_taken``: stall (seconds) and bytes; ``committed``: durable time (seconds) and
-        throughput (GB/s); ``skipped``: ``{SKIPPED: 1.0}``; ``replicated`` / ``replica_lagging``: ``{REPLICATED: 1.0}`` /
-        ``{REPLICA_LAGGING: 1.0}``; any other event (``slot_wait``, ``failed``),
-        or one without the statistics: ``{}``.
+        Dict[str, float]: ``snapshot_taken``: stall (seconds) and bytes; ``committed``: durable time (seconds) and
+            throughput (GB/s); ``skipped``: ``{SKIPPED: 1.0}``; ``replicated`` / ``replica_lagging``:
+            ``{REPLICATED: 1.0}`` / ``{REPLICA_LAGGING: 1.0}``; any other event (``slot_wait``, ``failed``),
+            or one without the statistics: ``{}``.
     """
     st = event.stats
     if event.kind == "skipped":

@@ -178,6 +178,7 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     assert "one DeepSpeedCheckpointer per checkpoint directory" in r["other_dir"]
     assert r["tag_x_path"] == "x" and r["tag_x_weights"] is True
     assert r["missing_tag"].startswith("CheckpointNotFoundError") and "nope" in r["missing_tag"]
+    assert "tags there: 'a', 'b', 'x', 'y'" in r["missing_tag"], r["missing_tag"]  # what can be loaded instead
     assert r["empty_latest"] in ("x", "y"), r["empty_latest"]  # an emptied latest: the newest intact tag
     (warned,) = r["empty_latest_warned"]
     assert os.path.join(snap_env.ckpt_dir, "latest") in warned and "newest intact checkpoint" in warned, warned

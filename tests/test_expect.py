@@ -135,3 +135,29 @@ def test_accelerator_checkpointer_reserves_the_arena_after_the_first_optimizer_s
         assert os.path.isfile(os.path.join(snap_env.ckpt_dir, "checkpoint_1", "optimizer.bin"))
     finally:
         ck.close()
+
+
+def test_hook_registry_reserves_at_its_first_step_and_expect_says_when_it_found_no_tensor(snap_env, caplog):
+    """Right: ``HookRegistry.step_end`` at the first step (no snapshot due) reserves the slots for ``state_fn()``'s
+    size; ``expect`` of something without tensor data (an optimizer before its first step, a string) reserves
+    nothing and logs why; ``model.parameters()`` (an iterator) is counted."""
+    from snapckpt import HookRegistry, SnapshotPolicy
+
+    lin = torch.nn.Linear(256, 256)
+    assert tensor_nbytes(lin.parameters()) == (256 * 256 + 256) * 4
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2) as ck:
+        opt = torch.optim.AdamW(lin.parameters())
+        with caplog.at_level("WARNING", logger="snapckpt"):
+            assert ck.expect(opt) is False and ck.expect("state") is False
+        assert caplog.text.count("found no tensor data") == 2 and "AdamW" in caplog.text, caplog.text
+        assert _slot_sizes(snap_env) == []
+        state = {"w": torch.randn(MIB // 4)}
+        hooks = HookRegistry(ck, lambda: state, SnapshotPolicy(disk_interval_steps=3))
+        hooks.step_end(1)
+        want = int(MIB * ck.options.slot_headroom) + MIB
+        assert wait_until(lambda: _slot_sizes(snap_env) == [want, want], timeout=30), _slot_sizes(snap_env)
+        for step in (2, 3):
+            hooks.step_end(step)
+        hooks.train_end()
+        assert _slot_sizes(snap_env) == [want, want]
+        assert ck.latest_step() == 3

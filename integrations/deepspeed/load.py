@@ -77,8 +77,9 @@ class DeepSpeedLoader:
         # a tag of this directory: never a path out of it
         tag = validate_dirname(str(tag), what="DeepSpeed tag (the tag= argument of engine.load_checkpoint)")
         tagdir = os.path.join(self.checkpoint_dir, tag)
-        gone = (f"no tag {tag!r} in {self.checkpoint_dir} (memory snapshots are loaded with tag=None; a tag "
-                "the job saving there retires or commits again can be missing for a moment: load it again)")
+        gone = (f"no tag {tag!r} in {self.checkpoint_dir} (tags there: {_tags(self.checkpoint_dir)}; memory "
+                "snapshots are loaded with tag=None; a tag the job saving there retires or commits again can be "
+                "missing for a moment)")
         # The job saving there may retire the tag or commit it again (old copy renamed aside, then the new one in
         # place) while this looks: every rank takes the branch of what any rank saw, so that a directory snapckpt
         # committed is never handed to DeepSpeed's own loader without its manifest check.
@@ -205,3 +206,17 @@ def _kind(tagdir: str) -> str:
     if not os.path.isdir(tagdir):
         return "none"
     return "snapckpt" if os.path.exists(manifest) else "native"
+
+
+def _tags(checkpoint_dir: str, most: int = 20) -> str:
+    """The tag directories of ``checkpoint_dir`` for a message: sorted, hidden ones (snapckpt's) left out, at most
+    ``most`` named."""
+    try:
+        names = sorted(n for n in os.listdir(checkpoint_dir)
+                       if not n.startswith(".") and os.path.isdir(os.path.join(checkpoint_dir, n)))
+    except OSError:
+        return "none readable"
+    if not names:
+        return "none"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(map(repr, names[:most])) + more

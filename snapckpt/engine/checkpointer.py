@@ -226,9 +226,10 @@ class Checkpointer:
             nbytes: the snapshot's bytes, instead of ``state``.
 
         Returns:
-            Whether a reservation started: ``False`` once a save was made (the slots follow the saved state),
-            for an empty state, or when the arena at that size does not fit the host (logged; the first save
-            then sizes its slot itself).
+            bool: Whether a reservation started: ``False`` once a save was made (the slots follow the saved
+                state), for a state without tensor data (logged: an optimizer before its first step, a string),
+                or when the arena at that size does not fit the host (logged; the first save then sizes its
+                slot itself).
 
         Raises:
             ValueError: neither or both of ``state`` and ``nbytes``, or ``nbytes`` not an int >= 0.
@@ -242,7 +243,15 @@ class Checkpointer:
             raise CheckpointerClosedError(CLOSED)
         if self._saver.acquired:
             return False
-        return self._reserve_ahead(tensor_nbytes(state) if nbytes is None else nbytes)
+        if nbytes is None:
+            nbytes = tensor_nbytes(state)
+            if not nbytes:
+                log.warning("rank %d: expect() found no tensor data in the %s it was given, so nothing is reserved "
+                            "ahead of the first save: pass what the saves will hold (a dict of the model and the "
+                            "optimizer, or of their state dicts) after the first optimizer step, when the "
+                            "optimizer has its state", self.rank, type(state).__name__)
+                return False
+        return self._reserve_ahead(nbytes)
 
     def _open_remote(self, timeout: float) -> Optional[RemoteStore]:
         """The remote tier (``remote_dir``) on rank 0, its access checked there before training; every
@@ -616,9 +625,9 @@ class Checkpointer:
                 :func:`snapckpt.ondisk.manifest.file_set_changes`). Each rank must pass the same value.
 
         Returns:
-            ``""`` when every file verified, or when ``path`` has no ``.snapckpt/manifest.json`` at all (a
-            directory the framework wrote itself); otherwise every failing rank's error, ``"; "``-joined
-            (``"CheckpointCorruptError: ..."``), the same string on every rank.
+            str: ``""`` when every file verified, or when ``path`` has no ``.snapckpt/manifest.json`` at all (a
+                directory the framework wrote itself); otherwise every failing rank's error, ``"; "``-joined
+                (``"CheckpointCorruptError: ..."``), the same string on every rank.
         """
         path = os.fspath(path)
         return self._loader.verify_directory(path, dirname or os.path.basename(path.rstrip("/")), present_only)

@@ -58,6 +58,12 @@ class SnapshotPolicy:
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"{name} must be a positive number of seconds or None, got {v!r}")
 
+    @property
+    def saves(self) -> bool:
+        """Whether this policy ever snapshots (an interval or ``save_on_train_end`` set)."""
+        return bool(self.memory_interval_steps or self.disk_interval_steps or self.memory_interval_secs
+                    or self.disk_interval_secs or self.save_on_train_end)
+
     def decide(self, step: int, secs_since_snapshot: float, secs_since_disk: float) -> Optional[StorageType]:
         """The tier due at ``step`` (``None``: nothing due)."""
         if (self.disk_interval_steps and step % self.disk_interval_steps == 0) or (
@@ -110,7 +116,9 @@ class HookRegistry:
 
     def step_end(self, step: int) -> None:
         """Call after step ``step`` completed: snapshots if the policy says so, and reports commits of
-        earlier saves (their ``committed``/``failed`` events fire here, on the training thread)."""
+        earlier saves (their ``committed``/``failed`` events fire here, on the training thread). ``state_fn`` is
+        called for a snapshot, and once more at the first call when that one does not snapshot and the policy
+        ever does: the arena is then reserved for its size (:meth:`Checkpointer.expect`)."""
         now = time.monotonic()
         tier = self.policy.decide(step, now - self._last_snapshot, now - self._last_disk)
         if self._shared_clock:
@@ -118,6 +126,11 @@ class HookRegistry:
             # and run on clocks that differ by more than a step)
             decided = self.checkpointer.coordinator.broadcast("policy", tier.name if tier else None)
             tier = StorageType[decided] if decided else None
+        if self._last_step is None and tier is None and self.policy.saves:
+            # the first step made the optimizer's state: reserve the arena for it, so that the first save does
+            # not allocate its shared memory on the training thread (Checkpointer.expect; a step that saves
+            # sizes its slot itself)
+            self.checkpointer.expect(self.state_fn())
         self._last_step = step
         if tier is None:
             self.checkpointer.poll()  # (save polls by itself)

@@ -19,7 +19,7 @@ import errno
 import logging
 import os
 import uuid
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -100,9 +100,9 @@ def newest_part_nbytes(checkpoint_dir: str, rank: int) -> Optional[int]:
 def tensor_nbytes(state: Any) -> int:
     """Bytes of the tensors' data in ``state`` (``numel * element_size`` each, any device; tensors over the same bytes,
     such as a tied weight's two ``state_dict`` entries, counted once; no data, 0): the size of a snapshot of it but
-    for its pickles. Walks dicts (any mapping), lists and tuples, and an
+    for its pickles. Walks dicts (any mapping), lists, tuples, sets and iterators (``model.parameters()``), and an
     object with a ``state_dict()`` method (a module, an optimizer) by what that returns; other values count 0.
-    Sequences of more than :data:`sys.getrecursionlimit` levels are not walked deeper."""
+    Containers more than 100 levels deep are not walked."""
     seen: set = set()
     total = 0
     todo = [(state, 0)]
@@ -118,7 +118,7 @@ def tensor_nbytes(state: Any) -> int:
             continue
         elif isinstance(obj, Mapping):
             todo.extend((v, depth + 1) for v in obj.values())
-        elif isinstance(obj, (list, tuple)):
+        elif isinstance(obj, (list, tuple, set, frozenset, Iterator)):
             todo.extend((v, depth + 1) for v in obj)
         elif callable(getattr(obj, "state_dict", None)) and not isinstance(obj, type):
             todo.append((obj.state_dict(), depth + 1))

@@ -104,7 +104,8 @@ class RemoteStore:
                                  "in your snapckpt clone), or any fsspec URL whose implementation is installed") from e
         except Exception as e:  # a filesystem that connects in its constructor (ftp://, sftp://): host unknown...
             raise RemoteURLError(f"{role} {self.url!r} cannot be reached: {type(e).__name__}: "
-                                 f"{str(e)[:300]}; check the host in the URL and the network") from e
+                                 f"{str(e)[:300]}; check the host in the URL and the network (snapckpt is tested with s3://; "
+                                 "another scheme works when its fsspec filesystem stores objects)") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
 

@@ -70,6 +70,10 @@ class FakeCheckpointer:
     def wait(self) -> None:
         self.calls.append(("wait",))
 
+    def expect(self, state):
+        self.calls.append(("expect", state))
+        return True
+
     def save(self, state, step, storage_type):
         self.calls.append(("save", state, step, storage_type))
         return type("Handle", (), {"snapshot_taken": self.taken})()
@@ -86,16 +90,26 @@ def test_step_end_saves_the_due_tier_and_polls_otherwise():
     hooks.before_optimizer_step()
     for step in (1, 2, 3, 4):
         hooks.step_end(step)
-    assert ck.calls == [("fence",), ("poll",), ("save", 0, 2, MEMORY), ("poll",), ("save", 1, 4, DISK)]
+    # the first step does not snapshot: its state sizes the arena ahead of the first save (Checkpointer.expect)
+    assert ck.calls == [("fence",), ("expect", 0), ("poll",), ("save", 1, 2, MEMORY), ("poll",),
+                        ("save", 2, 4, DISK)]
 
 
-def test_state_fn_is_called_only_when_a_snapshot_is_due():
+def test_state_fn_is_called_when_a_snapshot_is_due_and_once_to_size_the_arena():
     ck = FakeCheckpointer()
     called = []
     hooks = HookRegistry(ck, lambda: called.append(1) or {}, SnapshotPolicy(disk_interval_steps=3))
     for step in range(1, 7):
         hooks.step_end(step)
-    assert len(called) == 2
+    assert len(called) == 3 and [c[0] for c in ck.calls].count("expect") == 1
+
+
+def test_the_arena_is_sized_at_the_first_step_only_when_it_does_not_save_and_the_policy_saves():
+    ck = FakeCheckpointer()
+    HookRegistry(ck, lambda: "S", SnapshotPolicy(memory_interval_steps=1)).step_end(1)  # the save sizes it
+    ck2 = FakeCheckpointer()
+    HookRegistry(ck2, lambda: "S", SnapshotPolicy()).step_end(1)  # never saves: nothing to reserve
+    assert [c[0] for c in ck.calls] == ["save"] and ck2.calls == [("poll",)]
 
 
 def test_train_end_saves_the_last_step_to_disk_only_if_it_is_not_there():
@@ -104,7 +118,7 @@ def test_train_end_saves_the_last_step_to_disk_only_if_it_is_not_there():
     hooks.step_end(1)
     hooks.step_end(2)  # on disk already
     hooks.train_end()
-    assert [c for c in ck.calls if c[0] != "poll"] == [("save", "S", 2, DISK), ("wait",)]
+    assert [c for c in ck.calls if c[0] != "poll"] == [("expect", "S"), ("save", "S", 2, DISK), ("wait",)]
     hooks.step_end(3)
     ck.calls.clear()
     hooks.train_end()
