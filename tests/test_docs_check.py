@@ -19,6 +19,8 @@ def _site(tmp_path, broken: bool) -> str:
     root.mkdir()
     shutil.copytree(os.path.join(REPO, "docs"), root / "docs")
     shutil.copy(os.path.join(REPO, "mkdocs.yml"), root / "mkdocs.yml")
+    (root / "scripts").mkdir()
+    shutil.copy(os.path.join(REPO, "scripts", "mkdocs_hooks.py"), root / "scripts")  # mkdocs.yml's hooks
     for pkg in ("snapckpt", "integrations"):  # mkdocstrings imports the API pages' modules from here
         os.symlink(os.path.join(REPO, pkg), root / pkg)
     if broken:
