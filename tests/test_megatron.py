@@ -202,6 +202,25 @@ def _check_flag_metrics(outs, tb):
     assert set(timers) == {"save-checkpoint", "save-checkpoint-non-persistent"} and timers["save-checkpoint"][1] == 2
 
 
+@pytest.mark.parametrize("opt", ["adam", "megatron"])
+def test_the_arena_is_reserved_after_the_first_iteration(snap_env, opt):
+    """Issue 18, target 4, for a new megatron-core job (no ``expected_nbytes``): ``expect_checkpoint`` after the
+    first iteration (what the ``--snapckpt`` flag path's ``train_step`` wrapper calls) has each rank's two slots
+    reserved for the checkpoint's sharded tensors before any save. Right: no slot before, two slots of at least
+    the state's tensor bytes after, and the first save (iteration 2) fits them (no regrowth)."""
+    tp = "2" if opt == "megatron" else "1"
+    outs = run_ranks(WORKER, 2, ["--mode", "expect", "--tp", tp, "--opt", opt, "--ckpt", snap_env.ckpt_dir],
+                     snap_env.env, timeout=300)
+    res = [json.loads(r) for out in outs for r in result_lines(out) if r.startswith("EXPECT ")
+           for r in [r[len("EXPECT "):]]]
+    assert len(res) == 2, outs
+    for r in res:
+        assert r["before"] == [] and r["started"] is True, r
+        assert len(r["reserved"]) == 2 and r["reserved"][0] == r["reserved"][1] >= r["need"] > 0, r
+        assert r["saved"] == r["reserved"], r
+    assert os.path.isdir(os.path.join(snap_env.ckpt_dir, "iter_0000002"))
+
+
 def test_flag_add_arguments_and_enable_says_what_it_did(caplog):
     """``add_arguments`` works as Megatron-LM's ``extra_args_provider``; ``enable`` does nothing with the
     flag off, and with it on says that Megatron-LM (``megatron.training``) is not importable here."""

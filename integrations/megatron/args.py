@@ -192,7 +192,11 @@ def enable(args: Any) -> EnableResult:
     if getattr(args, "snapckpt_disk_interval", 0):
         args.save_interval = args.snapckpt_disk_interval
     if hasattr(mtraining, "train_step"):
-        mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save, memory_interval if wrap else 0)
+        from snapckpt.integrations.megatron.save import expect_checkpoint
+
+        reserve = functools.partial(expect_checkpoint, save_dir=args.save, **opts)
+        mtraining.train_step = _with_memory_snapshots(mtraining.train_step, args, save, memory_interval if wrap else 0,
+                                                      reserve)
         routed.append("megatron.training.training.train_step")
     atexit.register(close_all_at_exit)
     result = _ENABLED = EnableResult(True, f"checkpoints go through snapckpt (memory every "
@@ -203,7 +207,8 @@ def enable(args: Any) -> EnableResult:
     return result
 
 
-def _with_memory_snapshots(train_step: Any, args: Any, save: Any, interval: Optional[int] = None) -> Any:
+def _with_memory_snapshots(train_step: Any, args: Any, save: Any, interval: Optional[int] = None,
+                           reserve: Optional[Any] = None) -> Any:
     """``train_step`` between a fence and a poll, followed every ``interval`` iterations by a MEMORY snapshot.
 
     Megatron-LM's ``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
@@ -220,15 +225,25 @@ def _with_memory_snapshots(train_step: Any, args: Any, save: Any, interval: Opti
     loop will have them: consumed samples plus this iteration's global batch, and the count of the last
     disk save plus Megatron-LM's ``num_floating_point_operations`` of each iteration since (0 where that
     function is missing).
+
+    ``reserve(model, optimizer)`` (:func:`~snapckpt.integrations.megatron.save.expect_checkpoint`) runs once, after
+    the first ``train_step`` (the optimizer's state exists then): the arena is reserved for the checkpoint's size
+    before the first save. A failure there is logged, not raised: it is a size hint.
     """
     interval = args.snapckpt_memory_interval if interval is None else interval
     flops = {"so_far": getattr(args, "num_floating_point_operations_so_far", 0) or 0}
+    pending = [reserve] if reserve is not None else []
 
     @functools.wraps(train_step)
     def wrapped(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw):
         fence()  # an overlapped copy of the last snapshot ends before this iteration's optimizer step
         out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kw)
         poll()
+        if pending:
+            try:
+                pending.pop()(model, optimizer)
+            except Exception as e:  # noqa: BLE001 - a size hint only: the first save sizes its slot itself
+                log.info("snapckpt: no arena reserved ahead of the first save: %s", e)
         if not interval:
             return out
         batch = _global_batch_size(args)

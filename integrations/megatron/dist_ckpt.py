@@ -36,8 +36,8 @@ tracker naming a directory that does not exist is ignored with a warning.
 from snapckpt.integrations.megatron.load import load_checkpoint
 from snapckpt.integrations.megatron.memory import MEMORY_FILE
 from snapckpt.integrations.megatron.registry import close_all, fence, get_checkpointer, poll
-from snapckpt.integrations.megatron.save import save_checkpoint
+from snapckpt.integrations.megatron.save import expect_checkpoint, save_checkpoint
 from snapckpt.integrations.megatron.tracker import TRACKER, checkpoint_dirname
 
-__all__ = ["save_checkpoint", "load_checkpoint", "get_checkpointer", "checkpoint_dirname", "TRACKER",
-           "MEMORY_FILE", "close_all", "fence", "poll"]
+__all__ = ["save_checkpoint", "load_checkpoint", "expect_checkpoint", "get_checkpointer", "checkpoint_dirname",
+           "TRACKER", "MEMORY_FILE", "close_all", "fence", "poll"]

@@ -35,7 +35,7 @@ from snapckpt.integrations.megatron.state import (arg, build_state_dict, megatro
 from snapckpt.integrations.megatron.torch_dist import ArenaDistcpWriter
 from snapckpt.integrations.megatron.tracker import TRACKER, checkpoint_dirname
 
-__all__ = ["save_checkpoint", "step_files"]
+__all__ = ["expect_checkpoint", "save_checkpoint", "step_files"]
 
 
 class _PlanCache:
@@ -199,3 +199,24 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                        validate_access_integrity, preprocess_common_state_dict_fn, thread_count, cache)
     return ck.save_files(files, iteration, storage_type, dirname=dirname, tracker_name=TRACKER,
                          tracker_content="release" if release else str(iteration))
+
+
+def expect_checkpoint(model: Any, optimizer: Any, *, save_dir: str, **checkpointer_options: Any) -> bool:
+    """Have the persister reserve this rank's arena for a checkpoint of ``model`` and ``optimizer``, in the
+    background (:meth:`snapckpt.Checkpointer.expect`), so that the first ``save_checkpoint`` does not allocate its
+    shared memory on the training thread. Call it on every rank once the optimizer made its state (after the first
+    iteration) and before the first save; the ``--snapckpt`` flag path does. Collective: it creates the directory's
+    Checkpointer when this process has none yet (``checkpointer_options`` as :func:`save_checkpoint`'s), and builds
+    the sharded state dict once, as a save does (the bytes counted: each ``ShardedTensor``'s local data).
+
+    Returns:
+        bool: whether a reservation started (see :meth:`snapckpt.Checkpointer.expect`).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from snapckpt.integrations.megatron.registry import get_checkpointer
+
+    sd = build_state_dict(None, model, optimizer, None, 0, 0, is_loading=False, with_optimizer=True, with_rng=False)
+    data = [sh.data for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
+    return get_checkpointer(save_dir, **checkpointer_options).expect(data)

@@ -124,6 +124,40 @@ def mode_train(a):
     close_all()
 
 
+def _slot_sizes() -> list:
+    rank = torch.distributed.get_rank()
+    root = os.environ["SNAPCKPT_SHM_DIR"]
+    return sorted(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
+                  if f.startswith(f"r{rank:05d}-s"))
+
+
+def mode_expect(a):
+    """A new job: no slot before the first iteration, both of this rank's slots reserved for the checkpoint's
+    sharded tensors right after ``expect_checkpoint`` (the first save, at iteration 2, fits them). Prints
+    ``RESULT EXPECT {json}``."""
+    import json
+    import time
+
+    from snapckpt.megatron_dist_ckpt import close_all, expect_checkpoint, load_checkpoint, save_checkpoint
+
+    model, optimizer, sched = build(a.tp, a.opt)
+    load_checkpoint(model, optimizer, sched, load_dir=a.ckpt)  # nothing there: makes the Checkpointer
+    before = _slot_sizes()
+    train_step(model, optimizer, sched, 0)
+    started = expect_checkpoint([model], optimizer, save_dir=a.ckpt)
+    need = sum(t.nbytes for t in shards(model, optimizer).values())
+    deadline = time.monotonic() + 30
+    while (len(_slot_sizes()) != 2 or min(_slot_sizes()) < need) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    reserved = _slot_sizes()
+    train_step(model, optimizer, sched, 1)
+    save_checkpoint(2, [model], optimizer, sched, 0, save_dir=a.ckpt)
+    saved = _slot_sizes()
+    close_all()
+    print("RESULT EXPECT " + json.dumps({"before": before, "started": started, "need": need, "reserved": reserved,
+                                         "saved": saved}), flush=True)
+
+
 def mode_flag(a):
     """``train`` through the ``--snapckpt`` flag path: Megatron-LM's loop (the stand-in's, ``megatron_lm/``)
     after ``snapckpt.megatron.enable(args)``, memory snapshots by the ``train_step`` wrapper, disk saves by
@@ -440,7 +474,8 @@ def main():
     megatron_cpu.init_parallel(a.tp)
     if a.mode == "train" and a.flag:
         a.mode = "flag"
-    {"train": mode_train, "flag": mode_flag, "layout": mode_layout, "reshard": mode_reshard}[a.mode](a)
+    {"train": mode_train, "flag": mode_flag, "layout": mode_layout, "reshard": mode_reshard,
+     "expect": mode_expect}[a.mode](a)
     torch.distributed.destroy_process_group()
 
 
