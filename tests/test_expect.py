@@ -161,3 +161,31 @@ def test_hook_registry_reserves_at_its_first_step_and_expect_says_when_it_found_
         hooks.train_end()
         assert _slot_sizes(snap_env) == [want, want]
         assert ck.latest_step() == 3
+
+
+@pytest.mark.parametrize("zero,only_model,ds", [(True, False, None), (False, False, None), (True, True, None),
+                                                 (True, False, "ds.json")])
+def test_trainer_callback_reserves_only_what_its_process_saves(zero, only_model, ds):
+    """Right: the callback's first ``on_step_end`` sizes the arena for what that process's snapshot holds: the model
+    and optimizer on the main process (the model only with ``save_only_model``), nothing on the other processes
+    (their snapshots hold their RNG state only) nor under DeepSpeed (its engine saves its partitions; the DeepSpeed
+    checkpointer sizes those); once per training."""
+    from types import SimpleNamespace
+
+    from snapckpt import SnapshotPolicy
+    from snapckpt.hf import SnapckptCallback
+
+    asked = []
+    cb = SnapckptCallback()
+    cb.checkpointer = SimpleNamespace(expect=asked.append, poll=lambda: None)
+    cb._policy = SnapshotPolicy()
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(lin.parameters())
+    args = SimpleNamespace(deepspeed=ds, save_only_model=only_model)
+    state = SimpleNamespace(is_world_process_zero=zero, global_step=1)
+    for _ in range(2):
+        cb.on_step_end(args, state, SimpleNamespace(should_evaluate=False, should_save=False), model=lin, optimizer=opt)
+    if not zero or ds:
+        assert asked == []
+    else:
+        assert len(asked) == 1 and asked[0]["model"] is lin and asked[0]["optimizer"] is (None if only_model else opt)

@@ -400,8 +400,11 @@ class SnapckptCallback(TrainerCallback):
         self._own_eval = bool(control.should_evaluate)  # the Trainer evaluates right after this event
         if not self._expected:  # the first step made the optimizer's state: reserve the arena for its size
             self._expected = True
-            if not getattr(args, "deepspeed", None):  # DeepSpeed's engine saves other tensors (its partitions)
-                self.checkpointer.expect({"model": kwargs.get("model"), "optimizer": kwargs.get("optimizer")})
+            # only the main process's snapshot holds the model and optimizer (_flush); DeepSpeed's engine saves
+            # its own partitions on every rank
+            if state.is_world_process_zero and not getattr(args, "deepspeed", None):
+                self.checkpointer.expect({"model": kwargs.get("model"),
+                                          "optimizer": None if args.save_only_model else kwargs.get("optimizer")})
         self.checkpointer.poll()  # background failures surface here; commits trigger retention
         disk = bool(control.should_save)
         mem = self._policy.decide(state.global_step, 0.0, 0.0) == StorageType.MEMORY  # no time-based cadence
