@@ -161,3 +161,45 @@ def test_hook_registry_reserves_at_its_first_step_and_expect_says_when_it_found_
         hooks.train_end()
         assert _slot_sizes(snap_env) == [want, want]
         assert ck.latest_step() == 3
+
+
+class _Cursor:
+    """A resumable sampler kept in the state as an object (pickled by the save): an iterator with a
+    ``state_dict``."""
+
+    def __init__(self, n: int) -> None:
+        self.pos, self.n = 0, n
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.pos >= self.n:
+            raise StopIteration
+        self.pos += 1
+        return self.pos
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+
+def test_expect_leaves_the_states_iterators_and_odd_objects_alone_and_never_fails_a_step(snap_env):
+    """Right: ``expect`` (and ``HookRegistry``'s first step, which calls it) counts the tensors of a state holding
+    a user's iterator without advancing it (an infinite one hung ``expect``, a finite one lost its positions:
+    the data the run reads next), and a sparse tensor (no storage) or a ``state_dict()`` that raises costs the
+    hint, not the step: the first save, the one that sizes the slots, reports what it cannot snapshot."""
+    cursor = _Cursor(10)
+    w = torch.randn(MIB // 4)
+    assert tensor_nbytes({"w": w, "data": cursor}) == MIB and cursor.pos == 0
+    assert tensor_nbytes({"w": w, "emb": torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))}) == MIB
+    from snapckpt import HookRegistry, SnapshotPolicy
+
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, weights_only=False) as ck:  # the cursor is a user class
+        state = {"w": w, "data": cursor, "odd": torch.nn.Module()}
+        state["odd"].state_dict = lambda: 1 / 0  # what a broken state_dict() of a user's object raises
+        hooks = HookRegistry(ck, lambda: state, SnapshotPolicy(disk_interval_steps=2))
+        hooks.step_end(1)  # the first step: expect() of the state, which fails inside; the step goes on
+        del state["odd"]
+        hooks.step_end(2)  # a disk save of the cursor as an object
+        ck.wait()
+        assert ck.load()["data"].pos == 0 and cursor.pos == 0
