@@ -203,3 +203,18 @@ def test_expect_leaves_the_states_iterators_and_odd_objects_alone_and_never_fail
         hooks.step_end(2)  # a disk save of the cursor as an object
         ck.wait()
         assert ck.load()["data"].pos == 0 and cursor.pos == 0
+
+
+def test_expect_grows_slots_that_an_earlier_reservation_sized_smaller(snap_env):
+    """Right: after the construction's reservation (``expected_nbytes``, or on a restart the newest checkpoint's
+    size) ended, ``expect`` of a larger state grows the slots to it; it did nothing (``False``, nothing logged)
+    while the finished reservation was not yet taken by a save, and the first save grew its slot itself."""
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, expected_nbytes=MIB) as ck:
+        small = int(MIB * ck.options.slot_headroom) + MIB
+        assert wait_until(lambda: _slot_sizes(snap_env) == [small, small], timeout=30), _slot_sizes(snap_env)
+        state = {"w": torch.randn(4 * MIB // 4)}
+        assert ck.expect(state) is True
+        want = int(4 * MIB * ck.options.slot_headroom) + MIB
+        assert wait_until(lambda: _slot_sizes(snap_env) == [want, want], timeout=30), _slot_sizes(snap_env)
+        ck.save(state, 1, StorageType.MEMORY).wait(30)
+        assert _slot_sizes(snap_env) == [want, want] and torch.equal(ck.load()["w"], state["w"])
