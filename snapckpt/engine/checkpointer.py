@@ -228,8 +228,8 @@ class Checkpointer:
         Returns:
             bool: Whether a reservation started: ``False`` once a save was made (the slots follow the saved
                 state), for a state without tensor data (logged: an optimizer before its first step, a string)
-                or whose ``state_dict()`` raised (logged), or when the arena at that size does not fit the host (logged; the first save then sizes its
-                slot itself).
+                or whose ``state_dict()`` raised (logged), or when the arena at that size does not fit the host
+                (logged; the first save then sizes its slot itself).
 
         Raises:
             ValueError: neither or both of ``state`` and ``nbytes``, or ``nbytes`` not an int >= 0.

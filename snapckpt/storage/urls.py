@@ -50,7 +50,8 @@ def check_remote_url(url: object, role: str) -> Tuple[str, str]:
             or no prefix; the message names the URL (never a credential), the cause and the fix.
     """
     if not isinstance(url, str) or not is_remote_url(url.strip()):
-        raise RemoteURLError(f"{role} {shown_url(url) if isinstance(url, str) else url!r} is not a URL: {role} must be an object store URL such as "
+        shown = shown_url(url) if isinstance(url, str) else url
+        raise RemoteURLError(f"{role} {shown!r} is not a URL: {role} must be an object store URL such as "
                              "'s3://bucket/run1'")
     scheme, _, rest = url.strip().partition("://")
     rest = rest.rstrip("/")
