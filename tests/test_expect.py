@@ -189,3 +189,60 @@ def test_trainer_callback_reserves_only_what_its_process_saves(zero, only_model,
         assert asked == []
     else:
         assert len(asked) == 1 and asked[0]["model"] is lin and asked[0]["optimizer"] is (None if only_model else opt)
+
+
+class _Cursor:
+    """A resumable sampler kept in the state as an object (pickled by the save): an iterator with a
+    ``state_dict``."""
+
+    def __init__(self, n: int) -> None:
+        self.pos, self.n = 0, n
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.pos >= self.n:
+            raise StopIteration
+        self.pos += 1
+        return self.pos
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+
+def test_expect_leaves_the_states_iterators_and_odd_objects_alone_and_never_fails_a_step(snap_env):
+    """Right: ``expect`` (and ``HookRegistry``'s first step, which calls it) counts the tensors of a state holding
+    a user's iterator without advancing it (an infinite one hung ``expect``, a finite one lost its positions:
+    the data the run reads next), and a sparse tensor (no storage) or a ``state_dict()`` that raises costs the
+    hint, not the step: the first save, the one that sizes the slots, reports what it cannot snapshot."""
+    cursor = _Cursor(10)
+    w = torch.randn(MIB // 4)
+    assert tensor_nbytes({"w": w, "data": cursor}) == MIB and cursor.pos == 0
+    assert tensor_nbytes({"w": w, "emb": torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))}) == MIB
+    from snapckpt import HookRegistry, SnapshotPolicy
+
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, weights_only=False) as ck:  # the cursor is a user class
+        state = {"w": w, "data": cursor, "odd": torch.nn.Module()}
+        state["odd"].state_dict = lambda: 1 / 0  # what a broken state_dict() of a user's object raises
+        hooks = HookRegistry(ck, lambda: state, SnapshotPolicy(disk_interval_steps=2))
+        hooks.step_end(1)  # the first step: expect() of the state, which fails inside; the step goes on
+        del state["odd"]
+        hooks.step_end(2)  # a disk save of the cursor as an object
+        ck.wait()
+        assert ck.load()["data"].pos == 0 and cursor.pos == 0
+
+
+def test_expect_grows_slots_that_an_earlier_reservation_sized_smaller(snap_env):
+    """Right: after the construction's reservation (``expected_nbytes``, or on a restart the newest checkpoint's
+    size) ended, ``expect`` of a larger state grows the slots to it; it did nothing (``False``, nothing logged)
+    while the finished reservation was not yet taken by a save, and the first save grew its slot itself."""
+    with Checkpointer(snap_env.ckpt_dir, keep_last=2, expected_nbytes=MIB) as ck:
+        small = int(MIB * ck.options.slot_headroom) + MIB
+        assert wait_until(lambda: _slot_sizes(snap_env) == [small, small], timeout=30), _slot_sizes(snap_env)
+        state = {"w": torch.randn(4 * MIB // 4)}
+        assert ck.expect(state) is True
+        want = int(4 * MIB * ck.options.slot_headroom) + MIB
+        assert wait_until(lambda: _slot_sizes(snap_env) == [want, want], timeout=30), _slot_sizes(snap_env)
+        ck.save(state, 1, StorageType.MEMORY).wait(30)
+        assert _slot_sizes(snap_env) == [want, want] and torch.equal(ck.load()["w"], state["w"])

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional
 from snapckpt._internal.progress import byte_bar
 from snapckpt.metrics import human_bytes
 from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, record_checksum
-from snapckpt.storage.urls import url_scheme
+from snapckpt.storage.urls import shown_url, url_scheme
 
 __all__ = ["bar", "table", "dir_bytes", "bad_records", "checkpoint_dir", "fail", "human_bytes", "print_json",
            "report_verified"]
@@ -81,8 +81,8 @@ def checkpoint_dir(parser: argparse.ArgumentParser, d: str) -> str:
     scheme = url_scheme(d)
     if scheme and not os.path.isdir(d):  # not "no such directory": say what it is and which commands read it
         slash = "" if "://" in d else f", written {scheme}:/ with one slash"
-        fail(parser, f"{d!r} is a URL ({scheme}://{slash}): `snapckpt ls` and `snapckpt verify` read an object "
-                     "store URL written in full (scheme://bucket/prefix), `snapckpt inspect` only a local "
+        fail(parser, f"{shown_url(d)!r} is a URL ({scheme}://{slash}): `snapckpt ls` and `snapckpt verify` read an "
+                     "object store URL written in full (scheme://bucket/prefix), `snapckpt inspect` only a local "
                      "checkpoint directory (pass its path)")
     if not os.path.isdir(d):
         fail(parser, f"{d}: {'not a directory' if os.path.exists(d) else 'no such directory'} (pass the "

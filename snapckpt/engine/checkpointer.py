@@ -227,9 +227,9 @@ class Checkpointer:
 
         Returns:
             bool: Whether a reservation started: ``False`` once a save was made (the slots follow the saved
-                state), for a state without tensor data (logged: an optimizer before its first step, a string),
-                or when the arena at that size does not fit the host (logged; the first save then sizes its
-                slot itself).
+                state), for a state without tensor data (logged: an optimizer before its first step, a string)
+                or whose ``state_dict()`` raised (logged), or when the arena at that size does not fit the host
+                (logged; the first save then sizes its slot itself).
 
         Raises:
             ValueError: neither or both of ``state`` and ``nbytes``, or ``nbytes`` not an int >= 0.
@@ -244,7 +244,13 @@ class Checkpointer:
         if self._saver.acquired:
             return False
         if nbytes is None:
-            nbytes = tensor_nbytes(state)
+            try:
+                nbytes = tensor_nbytes(state)
+            except Exception as e:  # noqa: BLE001 - a size hint only: the first save sizes its slot itself
+                log.warning("rank %d: expect() could not count the tensors of the %s it was given, so nothing is "
+                            "reserved ahead of the first save: %s: %s", self.rank, type(state).__name__,
+                            type(e).__name__, e)
+                return False
             if not nbytes:
                 log.warning("rank %d: expect() found no tensor data in the %s it was given, so nothing is reserved "
                             "ahead of the first save: pass what the saves will hold (a dict of the model and the "

@@ -736,15 +736,15 @@ class Loader:
 
 
 def _is_recommit(e: BaseException) -> bool:
-    """Whether ``e``, or an error it was raised from, is :meth:`Loader._as_listed`'s refusal of a copy committed
-    again since the listing (its ``recommitted`` flag)."""
+    """Whether ``e``, or an error it was raised from (``raise ... from``: its ``__cause__``, not an error that
+    merely occurred while another was handled), is :meth:`Loader._as_listed`'s refusal of a copy committed again
+    since the listing (its ``recommitted`` flag)."""
     for _ in range(8):
         if getattr(e, "recommitted", False):
             return True
-        nxt = e.__cause__ or e.__context__
-        if nxt is None:
+        if e.__cause__ is None:
             return False
-        e = nxt
+        e = e.__cause__
     return False
 
 

@@ -19,7 +19,8 @@ import errno
 import logging
 import os
 import uuid
-from typing import Any, Iterator, List, Mapping, Optional, Tuple
+from types import GeneratorType
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -100,17 +101,25 @@ def newest_part_nbytes(checkpoint_dir: str, rank: int) -> Optional[int]:
 def tensor_nbytes(state: Any) -> int:
     """Bytes of the tensors' data in ``state`` (``numel * element_size`` each, any device; tensors over the same bytes,
     such as a tied weight's two ``state_dict`` entries, counted once; no data, 0): the size of a snapshot of it but
-    for its pickles. Walks dicts (any mapping), lists, tuples, sets and iterators (``model.parameters()``), and an
-    object with a ``state_dict()`` method (a module, an optimizer) by what that returns; other values count 0.
-    Containers more than 100 levels deep are not walked."""
+    for its pickles. Walks dicts (any mapping), lists, tuples, sets and generators (``model.parameters()``), and an
+    object with a ``state_dict()`` method (a module, an optimizer) by what that returns; other values count 0, a
+    tensor without storage (sparse) too. Other iterators are not advanced (a sampler in the state would lose its
+    positions, an endless one would never end). Containers more than 100 levels deep are not walked.
+
+    Raises:
+        Exception: what an object's ``state_dict()`` raises."""
     seen: set = set()
     total = 0
     todo = [(state, 0)]
     while todo:
         obj, depth = todo.pop()
         if isinstance(obj, torch.Tensor):
+            try:
+                ptr = obj.data_ptr()
+            except RuntimeError:  # no storage (sparse): the save refuses it
+                continue
             nbytes = obj.numel() * obj.element_size()
-            key = (obj.device, obj.data_ptr(), nbytes)
+            key = (obj.device, ptr, nbytes)
             if key[1] and key not in seen:
                 seen.add(key)
                 total += nbytes
@@ -118,7 +127,7 @@ def tensor_nbytes(state: Any) -> int:
             continue
         elif isinstance(obj, Mapping):
             todo.extend((v, depth + 1) for v in obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset, Iterator)):
+        elif isinstance(obj, (list, tuple, set, frozenset, GeneratorType)):
             todo.extend((v, depth + 1) for v in obj)
         elif callable(getattr(obj, "state_dict", None)) and not isinstance(obj, type):
             todo.append((obj.state_dict(), depth + 1))

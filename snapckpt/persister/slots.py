@@ -371,9 +371,12 @@ class SlotTable:
         """Grow every FREE (or INVALID) slot of ``entry`` below ``nbytes`` bytes to ``nbytes``, in the background
         (the growth pool), ahead of the rank's first snapshot; return the slots being grown. A growth that
         fails (too little shared memory) is only logged: the snapshot's own ``acquire`` raises the error.
-        Slots that hold a snapshot are left alone; with ``limit`` (see :meth:`acquire`), only usable ones grow."""
+        Slots that hold a snapshot are left alone; with ``limit`` (see :meth:`acquire`), only usable ones grow. A
+        slot still growing for an earlier reservation is left at that size."""
         out = []
         for s in self.usable(entry, limit):
+            if s.growing is not None and s.growing.done():
+                self._grown(s)  # an earlier reservation (expected_nbytes, the restart's size) ended: a larger one grows
             if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
                 s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes,
                                                   pause=self.holds.pauser(), zero=True)

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 from snapckpt._internal import env as _env
 from snapckpt.errors import CheckpointDirError
 from snapckpt.storage.posix import PosixStorage
-from snapckpt.storage.urls import is_remote_url, url_scheme
+from snapckpt.storage.urls import is_remote_url, shown_url, url_scheme
 
 __all__ = ["open_storage", "check_location", "remote_only_url"]
 
@@ -36,7 +36,7 @@ def check_location(location: "str | os.PathLike[str]") -> str:
     scheme = url_scheme(text)
     if scheme:
         raise CheckpointDirError(
-            f"{text!r} is a URL ({scheme}://, also when a pathlib.Path made it {scheme}:/); this needs a "
+            f"{shown_url(text)!r} is a URL ({scheme}://, also when a pathlib.Path made it {scheme}:/); this needs a "
             "local or shared filesystem path: pass a directory path (for file://, the path after the scheme); an "
             "object store is a remote tier next to a local directory: remote_dir=\"s3://bucket/run1\" (the "
             "core's Checkpointer also takes the URL itself, as a str: remote-only mode, one node, no local copy)")

@@ -7,10 +7,21 @@ from typing import Optional, Tuple
 
 from snapckpt.errors import RemoteURLError
 
-__all__ = ["is_remote_url", "check_remote_url", "url_scheme"]
+__all__ = ["is_remote_url", "check_remote_url", "url_scheme", "shown_url"]
 
 # a scheme of two or more letters and ':/': also what pathlib leaves of a URL (Path("s3://b/r") is "s3:/b/r")
 _SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]+):/")
+
+
+# what a message must not echo: user info ("user:secret@", "token@") where a host would start, and query options
+_USERINFO = re.compile(r"(?:^|(?<=[/\s]))[^/@\s]+@")
+_QUERY = re.compile(r"\?.*$", re.S)
+
+
+def shown_url(text: str) -> str:
+    """``text`` (a URL, a mangled one such as ``s3:/key:secret@bucket/run``, or a path) as a message may show it:
+    user info before an ``@`` and query options replaced by ``***``."""
+    return _QUERY.sub("?***", _USERINFO.sub("***@", text))
 
 
 def url_scheme(text: object) -> Optional[str]:
@@ -39,7 +50,8 @@ def check_remote_url(url: object, role: str) -> Tuple[str, str]:
             or no prefix; the message names the URL (never a credential), the cause and the fix.
     """
     if not isinstance(url, str) or not is_remote_url(url.strip()):
-        raise RemoteURLError(f"{role} {url!r} is not a URL: {role} must be an object store URL such as "
+        shown = shown_url(url) if isinstance(url, str) else url
+        raise RemoteURLError(f"{role} {shown!r} is not a URL: {role} must be an object store URL such as "
                              "'s3://bucket/run1'")
     scheme, _, rest = url.strip().partition("://")
     rest = rest.rstrip("/")

@@ -97,3 +97,6 @@ def test_a_recommit_is_told_by_its_flag_not_by_the_words(tmp_path, monkeypatch):
     wrapped = RuntimeError("reading failed")
     wrapped.__cause__ = recommit
     assert loader_mod._is_recommit(wrapped)
+    during = RuntimeError("a cleanup failed while the refusal was handled")
+    during.__context__ = recommit  # implicit chaining only: not raised from it
+    assert not loader_mod._is_recommit(during)

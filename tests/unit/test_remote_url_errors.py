@@ -93,3 +93,23 @@ def test_the_cli_names_a_url_it_cannot_read_as_a_url(argv, capsys, tmp_path, mon
         cli_main(argv)
     err = capsys.readouterr().err
     assert ei.value.code == 2 and "is a URL (s3://" in err and "no such directory" not in err, err
+
+
+@pytest.mark.parametrize("url", ["s3:/AKIAKEY:SeCrEt@bucket/run1", "AKIAKEY:SeCrEt@bucket/run1",
+                                 "s3:/bucket/run1?token=SeCrEt"])
+def test_a_mangled_url_with_credentials_is_refused_without_echoing_them(url, tmp_path, monkeypatch, capsys):
+    """Right: a URL whose '//' was lost (a typo, or a pathlib.Path) or that has no scheme at all, with credentials
+    or a token pasted in, is refused at every entry and by the CLI without the secret in the message (``***``
+    in its place): a well-formed one never echoed them, these quoted the whole text."""
+    for entry in ("checkpoint_dir", "remote_dir", "SNAPCKPT_REMOTE_DIR"):
+        if entry == "checkpoint_dir" and "://" not in url and ":/" not in url:
+            continue  # a plain relative path there: a local directory
+        with pytest.raises((RemoteURLError, CheckpointDirError)) as err:
+            _entry(entry, url, tmp_path, monkeypatch)
+        assert "SeCrEt" not in str(err.value) and "***" in str(err.value), (entry, str(err.value))
+    if url.startswith("s3:/"):
+        for cmd in ("ls", "verify"):
+            with pytest.raises(SystemExit):
+                cli_main([cmd, url])
+            err = capsys.readouterr().err
+            assert "SeCrEt" not in err and "***" in err, err
