@@ -266,8 +266,9 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig):
     disk holds 6) and each node's persister holds a replica of the other node's rank. Node 1 is lost whole
     (processes, persister, memory) and node 0's trainers die; a fresh node1 (empty memory) joins. The restart
     agrees on memory step 9: rank 0 reads its own node's slot, rank 1's part is fetched from node 0's replica
-    into the new node's arena; the losses are bitwise equal to an uninterrupted run. The ranks saw
-    ``replicated`` events of their earlier snapshots. Before the restart, node 0's crash flush committed
+    into the new node's arena; the losses are bitwise equal to an uninterrupted run. The ranks heard how
+    their earlier snapshots replicated (``replicated``, or ``replica_lagging`` when the next snapshot overtook a
+    send in flight on a loaded host; CI saw that once). Before the restart, node 0's crash flush committed
     step 9 to disk with rank 1's part written from the replica (the crash flush no longer needs every node)."""
     rig.start(2)
     rig.leftover_ok = True
@@ -279,9 +280,13 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig):
         assert wait_until(lambda: f"holding a replica of rank {rank} step {PAUSE} " in _persister_log(
             rig.nodes[holder]), 30), _persister_log(rig.nodes[holder])
     events = _results([r.output() for r in runs], "EVENT")
-    replicated = {(e["rank"], e["step"]) for e in events if e["kind"] == "replicated"}
-    assert {r for r, _ in replicated} == {0, 1} and {s for _, s in replicated} <= {MEM, DISK}, events
+    # each rank heard of its earlier snapshots' replication: sent ("replicated"), or, on a loaded host, overtaken
+    # by the next snapshot while its send was in flight ("replica_lagging", which replicates the newer one)
+    reported = {(e["rank"], e["step"]) for e in events if e["kind"] in ("replicated", "replica_lagging")}
+    assert {r for r, _ in reported} == {0, 1} and {s for _, s in reported} <= {MEM, DISK}, events
+    assert any(e["kind"] == "replicated" for e in events), events
     assert all("to node" in e["reason"] for e in events if e["kind"] == "replicated"), events
+    assert all("not replicated to node" in e["reason"] for e in events if e["kind"] == "replica_lagging"), events
     rig.lose_node(1)
     rig.kill_trainers(0)
     # the whole job died and node 1 is gone: node 0's crash flush still commits step 9, writing rank 1's
