@@ -228,11 +228,9 @@ class AcceleratorCheckpointer:
         optimizers' tensors (:meth:`snapckpt.Checkpointer.expect`), so that the first save does not allocate its
         shared memory on the training thread. Once."""
         self._remove_hooks()
-        try:
-            self.checkpointer.expect({"models": list(self.accelerator._models),
-                                      "optimizers": list(self.accelerator._optimizers)})
-        except Exception as e:  # noqa: BLE001 - a size hint only: the first save sizes its slot itself
-            log.info("no arena reserved ahead of the first save: %s", e)
+        # a state_dict() that fails costs only the hint: expect logs it and returns False
+        self.checkpointer.expect({"models": list(self.accelerator._models),
+                                  "optimizers": list(self.accelerator._optimizers)})
 
     def _remove_hooks(self) -> None:
         hooks, self._expect_hooks = self._expect_hooks, []

@@ -210,10 +210,8 @@ class DeepSpeedCheckpointer:
             return
         self._expect_hook.remove()
         self._expect_hook = None
-        try:
-            self._checkpointer.expect({"module": self.engine.module, "optimizer": self.engine.optimizer})
-        except Exception as e:  # noqa: BLE001 - a size hint only: the first save sizes its slot itself
-            log.info("rank %d: no arena reserved ahead of the first save: %s", self._checkpointer.rank, e)
+        # a state_dict() that fails costs only the hint: expect logs it and returns False
+        self._checkpointer.expect({"module": self.engine.module, "optimizer": self.engine.optimizer})
 
     def _on_forward(self, module, args) -> None:
         if torch.is_grad_enabled():
