@@ -35,6 +35,7 @@ def main() -> None:
         ck.coordinator.gather("done", {})  # nobody leaves before every rank has its answers
     with open(os.path.join(out, f"attempt{attempt}_rank{rank}.json"), "w") as f:
         json.dump(seen, f)
+    dist.barrier()  # every rank's answers are written before rank 1 fails (torchrun then stops the others)
     if attempt == 0 and rank == 1:
         os._exit(3)  # a worker failure: torchrun restarts the whole group
     dist.destroy_process_group()
