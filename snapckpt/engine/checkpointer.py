@@ -602,7 +602,7 @@ class Checkpointer:
             slot = self._loader.memory_slot(c)
             found = slot_restore.find(self._stager, slot, name, c.step, state_dict)
             if found is None:
-                found = plain_restore.find(self._stager.live_layout, slot, name, c.step, state_dict)
+                found = plain_restore.find(slot, name, c.step, state_dict)
             if found is not None:
                 return found, None
             return self._loader.read(c, views=True, slot=slot)[name], frozenset()

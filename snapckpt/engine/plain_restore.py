@@ -6,9 +6,10 @@ avoids that only for slots this process wrote. Here the slot is recognised by co
 digest of its plain layout (:mod:`snapckpt.formats.plain_digest`, written by the Stager when the snapshot is one
 plain file of whole contiguous CPU tensors): structure, the types of the non-tensor values (not the values: a
 restarted loop's step counter differs from the saved one), dtypes, shapes and offsets. :func:`find` computes the
-same digest from the live state (its ``plain_layout`` walk, each tensor's dtype and shape, and the offsets the
-Stager's rule gives them) and, when they are equal, sets the saved non-tensor values into the live state's entries
-as the general path does (the slot's own small pickle of them, :mod:`snapckpt.engine.plain_values`) and copies
+same digest from the live state (its structure read a level at a time, :mod:`snapckpt.formats.plain_levels`; each
+tensor's dtype and shape in the order :func:`~snapckpt.engine.plain_values.entries` meets them, and the offsets the
+Stager's rule gives them) and, when they are equal, sets the saved non-tensor values into the live
+state's entries as the general path does (the slot's own small pickle of them, :mod:`snapckpt.engine.plain_values`) and copies
 each span straight into its live tensor: tensors of 1 MiB or more with one
 ``torch._foreach_copy_`` from views of the slot, the others by ``preadv`` of the slot file, 512 spans per call
 (:mod:`snapckpt.engine.span_read`; a state of many small tensors would otherwise spend most of the restore on a
@@ -41,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import add, attrgetter, is_, mul, setitem
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -49,6 +50,7 @@ from snapckpt.engine import plain_values, span_read
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.errors import SnapshotError
 from snapckpt.engine.stager import ALIGN
+from snapckpt.formats import plain_levels
 from snapckpt.formats.plain_layout import has_repeats
 from snapckpt.formats.plain_digest import Facts, ShapeTable, digest, read_table, tensor_part
 from snapckpt.persister.arena import HEADER_NBYTES, read_header
@@ -120,11 +122,22 @@ class PlainCopies:
             torch.autograd.graph.increment_version(self.small)  # as an in-place copy would
 
 
-def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], List[Any]]]], mapped: MappedSlot,
-         name: str, step: int, dst: Any) -> Optional[PlainCopies]:
+class _Walked:
+    """A live state as :func:`find` reads it: its structure (:attr:`~snapckpt.formats.plain_levels.Levels.structure`),
+    its tensors and its replaced entries ``dicts[i][keys[i]]`` (:func:`~snapckpt.engine.plain_values.entries`)."""
+
+    __slots__ = ("structure", "tensors", "dicts", "keys")
+
+    def __init__(self, structure: bytes) -> None:
+        self.structure = structure
+        self.tensors: List[torch.Tensor] = []
+        self.dicts: List[dict] = []
+        self.keys: List[Any] = []
+
+
+def find(mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[PlainCopies]:
     """The copies that restore ``dst`` (the live state of file ``name``) from ``mapped`` holding ``step``, or
-    ``None`` when the slot's plain digest is absent or not that of ``dst`` (see the module). ``live_layout``:
-    ``plain_layout`` of a file's object (:meth:`Stager.live_layout`)."""
+    ``None`` when the slot's plain digest is absent or not that of ``dst`` (see the module)."""
     if mapped.tensor is None:
         return None
     try:
@@ -141,13 +154,21 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
     enabled = gc.isenabled()
     gc.disable()  # a state of many tensors: no full collections while its layout is read
     try:
+        levels = plain_levels.walk(dst)
+        if levels is None:
+            return None  # not plain
+        walked = _Walked(levels.structure)
+        # the tensors and the replaced entries in copy_into's order: every tensor must be among them (copy_into
+        # replaces one in a list); a tensor met twice (tied, or in a mapping held twice) the checks below refuse
+        if (not plain_values.entries(dst, walked.tensors, walked.dicts, walked.keys)
+                or len(walked.tensors) != levels.n_tensors):
+            return None
         found = None
         if table_at is not None:
-            found = _find_by_table(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at,
-                                   table_at)
+            found = _find_by_table(walked, mapped, name, head[2].decode(), index_offset, values_at, table_at)
         # a miss of the table's check is not a refusal: the tensor-by-tensor check decides (slower, same outcome)
         if found is None:
-            found = _find(live_layout, mapped, name, dst, head[2].decode(), index_offset, values_at)
+            found = _find(walked, mapped, name, head[2].decode(), index_offset, values_at)
         if isinstance(found, PlainCopies) and hasattr(mapped, "map_for_reading"):
             found.end = index_offset
         return found
@@ -156,51 +177,46 @@ def find(live_layout: Callable[[str, Any], Optional[Tuple[List[torch.Tensor], Li
             gc.enable()
 
 
-def _find(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int,
+def _find(walked: "_Walked", mapped: MappedSlot, name: str, saved: str, data_limit: int,
           values_at: Tuple[int, int]) -> Optional[PlainCopies]:
     """:func:`find` tensor by tensor: each field of the live tensors read with one ``map`` (a slot without a shape
     table, or live tensors that its check does not pass)."""
-    walked = live_layout(name, dst)
-    if walked is None:
-        return None
-    tensors, key = walked
+    tensors = walked.tensors
+    if has_repeats(tensors):
+        return None  # a tensor held twice: copy_into copies into it twice
     facts = Facts(tensors)
     ptrs = _data_ptrs(tensors, any(map(attrgetter("is_complex"), facts.kinds)))
     if ptrs is None:
         return None
     offsets, nbytes = direct_offsets(facts)
-    if digest(name, key, tensor_part(facts, offsets.tolist())) != saved:  # no numpy: snapckpt does not need it
+    if digest(name, walked.structure, tensor_part(facts, offsets.tolist())) != saved:  # no numpy: not a dependency
         return None
-    return _copies(mapped, dst, tensors, ptrs, offsets, nbytes, data_limit, values_at)
+    return _copies(mapped, walked, ptrs, offsets, nbytes, data_limit, values_at)
 
 
-def _find_by_table(live_layout: Callable, mapped: MappedSlot, name: str, dst: Any, saved: str, data_limit: int,
+def _find_by_table(walked: "_Walked", mapped: MappedSlot, name: str, saved: str, data_limit: int,
                    values_at: Tuple[int, int], table_at: Tuple[int, int]) -> Optional[PlainCopies]:
     """:func:`find` by the slot's shape table (:func:`~snapckpt.formats.plain_digest.shape_table`): the tensors' share
     of the digest is derived from the table, not read from the live tensors, and PyTorch's ``TensorGuards`` (one C++
     loop) checks that every live tensor has the table's dtype and shape, contiguous strides, the CPU, no negative or
     conjugate bit, ``Tensor`` without ``requires_grad`` or ``Parameter`` with it (of a float or complex dtype; of
-    another, without), and that no tensor object occurs twice (so the walk need not look for one). Passing both, the
+    another, without), and that no tensor object occurs twice. Passing both, the
     live tensors' :class:`Facts` are the table's, so the digest is the one :func:`_find` computes and the copies are
     the same; ``None`` on any miss (:func:`_find` then decides, from the live tensors)."""
     if _TensorGuards is None:
         return None
     table = read_table(bytes(mapped.buf[table_at[0]:table_at[0] + table_at[1]]))
-    if table is None:
+    tensors = walked.tensors
+    if table is None or len(tensors) != len(table.ids):
         return None
-    walked = live_layout(name, dst, False)  # the guards refuse a tensor met twice
-    if walked is None or len(walked[0]) != len(table.ids):
-        return None
-    tensors, key = walked
     part, offsets, nbytes, all_small = _table_part(table)
-    if digest(name, key, part) != saved or not _guards_pass(table, tensors):
+    if digest(name, walked.structure, part) != saved or not _guards_pass(table, tensors):
         return None
     try:
         ptrs = list(map(torch.Tensor.data_ptr, tensors))
     except RuntimeError:  # pragma: no cover - a dense CPU tensor has a storage
         return None
-    return _copies(mapped, dst, tensors, ptrs, _as_tensor(offsets), _as_tensor(nbytes), data_limit, values_at,
-                   all_small)
+    return _copies(mapped, walked, ptrs, _as_tensor(offsets), _as_tensor(nbytes), data_limit, values_at, all_small)
 
 
 def _table_part(table: ShapeTable) -> Tuple[bytes, array, array, bool]:
@@ -295,21 +311,15 @@ def _reference(dtype: torch.dtype, shape: Tuple[int, ...], parameter: bool) -> t
     return torch.nn.Parameter(t, requires_grad=dtype.is_floating_point or dtype.is_complex) if parameter else t
 
 
-def _copies(mapped: MappedSlot, dst: Any, tensors: List[torch.Tensor], ptrs: List[int], offsets: torch.Tensor,
+def _copies(mapped: MappedSlot, walked: "_Walked", ptrs: List[int], offsets: torch.Tensor,
             nbytes: torch.Tensor, data_limit: int, values_at: Tuple[int, int], all_small: bool = False
             ) -> Optional[PlainCopies]:
-    """The copies of a slot whose digest is that of ``dst``'s tensors (``ptrs``: their data pointers, each able to
-    take its bytes by a copy of bytes; ``offsets`` / ``nbytes``: their spans; ``all_small``: every one is under
-    :data:`LARGE_NBYTES`, known already), or ``None`` (see :func:`find`)."""
+    """The copies of a slot whose digest is that of the live state ``walked`` (``ptrs``: its tensors' data
+    pointers, each able to take its bytes by a copy of bytes; ``offsets`` / ``nbytes``: their spans; ``all_small``:
+    every one is under :data:`LARGE_NBYTES`, known already), or ``None`` (see :func:`find`)."""
+    tensors, dicts, keys = walked.tensors, walked.dicts, walked.keys
     if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
         return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
-    in_place: List[torch.Tensor] = []
-    dicts: List[dict] = []
-    keys: List[Any] = []
-    # the general path replaces tensors inside lists and tuples: it decides those
-    if (not plain_values.entries(dst, in_place, dicts, keys) or len(in_place) != len(tensors)
-            or not all(map(is_, in_place, tensors))):
-        return None
     values = plain_values.unpack(mapped.buf[values_at[0]:values_at[0] + values_at[1]])
     if values is None or len(values) != len(dicts):
         return None  # a damaged slot (a digest never lets another count through)

@@ -39,6 +39,7 @@ from snapckpt.persister.arena import HEADER_NBYTES, watermark_view, write_header
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import LayoutMemo, has_repeats, plain_layout
+from snapckpt.formats import plain_levels
 from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_part
 from snapckpt.engine import mover
 from snapckpt.engine.plain_values import pack, pack_values
@@ -1259,7 +1260,10 @@ def _plain_head(files: Mapping[str, Any], specs: list, keys: List[Any], layout: 
     if structure is not None and layout.plain_hex is not None and layout.plain_hex[:2] == (name, structure):
         hexd = layout.plain_hex[2]  # the digest covers the structure and the values' types, not the values
     else:
-        hexd = digest(name, keys[0], layout.plain_part).encode()
+        levels = plain_levels.walk(specs[0][0].obj)
+        if levels is None:  # not a dict at the top, or nested deeper than 100: no restart takes it
+            return b"", []
+        hexd = digest(name, levels.structure, layout.plain_part).encode()
         if structure is not None:
             layout.plain_hex = (name, structure, hexd)
     head = b'"plain":"%s","values":[%d,%d],' % (hexd, layout.tail_end, len(values))

@@ -2,20 +2,21 @@
 
 A slot written from one plain file (:func:`~snapckpt.formats.plain_layout.plain_layout`) whose every tensor is its
 own whole, contiguous CPU span (the Stager's ``direct_all`` layout) carries ``"plain": <hex>`` in its index: the
-SHA-256 of the file's name, its ``plain_layout`` key with every atomic value replaced by its type (containers,
-keys, the types of the non-tensor values, where the tensors sit), every tensor's dtype, shape, and the slot byte
-offset of its span. A process that never saved that slot (a restart) computes the same digest from its live state,
-with the span offsets that the Stager's rule gives for those tensors
+SHA-256 of the file's name, the structure of its state read breadth-first (:mod:`snapckpt.formats.plain_levels`:
+containers, keys, the types of the non-tensor values, where the tensors sit), every tensor's dtype, shape, and the
+slot byte offset of its span. A process that never saved that slot (a restart) computes the same digest from its
+live state, with the span offsets that the Stager's rule gives for those tensors
 (:func:`snapckpt.engine.plain_restore.direct_offsets`); equal digests mean that unpickling the slot's skeleton
 would give a state of the live state's structure whose tensors are the spans at those offsets, in walking order,
 and whose non-tensor values have the live ones' types. The values themselves are not in the digest: a restarted
 loop's step counter, learning rate or RNG state differs from the saved one, and the restore sets the saved values
 from the slot's own list of them (:mod:`snapckpt.engine.plain_values`). Any other difference (another name,
-structure, value type, dtype, shape or offset) gives another digest, and the general path. The hash starts with
-:data:`VERSION`, so a digest of an older rule (which hashed the values) never equals one of this rule. Nothing
-here is read as code: the digest is compared, never decoded. Beside the digest the slot may carry a shape table
-(:func:`shape_table`), from which a restart derives the tensors' share of the digest without reading the live
-tensors field by field; it is trusted only through the digest.
+structure, value type, dtype, shape or offset) gives another digest, and the general path; so does a state that
+holds a container twice (the structure walk refuses it: no digest is written). The hash starts with
+:data:`VERSION`, so a digest of an older rule (the depth-first key; before it, the values too) never equals one of
+this rule. Nothing here is read as code: the digest is compared, never decoded. Beside the digest the slot may
+carry a shape table (:func:`shape_table`), from which a restart derives the tensors' share of the digest without
+reading the live tensors field by field; it is trusted only through the digest.
 """
 from __future__ import annotations
 
@@ -24,26 +25,20 @@ import json
 import math
 from array import array
 from itertools import chain, compress
-from operator import attrgetter, not_
+from operator import attrgetter
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from snapckpt.formats import plain_layout as _pl
-
 __all__ = ["Facts", "tensor_part", "digest", "VERSION", "ShapeTable", "shape_table", "read_table",
            "TABLE_MAX_SHAPES"]
 
-#: The first bytes hashed: the rule of this module (the rule before it hashed values, and had no such prefix).
-VERSION = b"snapckpt plain digest 2: value types\0"
+#: The first bytes hashed: the rule of this module (rule 2 hashed the depth-first key of ``plain_layout``, the rule
+#: before it the values too, without a prefix).
+VERSION = b"snapckpt plain digest 3: levels\0"
 
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 _IS_MULTI_DIM = (1).__lt__
-# plain_layout's markers by id (they are module objects: no other live object has their id), as bytes: a key never
-# holds bytes, so a marker cannot read as one of the key's values
-_TAGS = {id(_pl._T): b"T", id(_pl._ALIAS): b"A", id(_pl._FLOAT): b"F", id(_pl._TDICT): b"D",
-         **{id(m): b"V" + t.__name__.encode() for t, m in _pl._VALUE_TYPE.items()}}
-_VALUE_MARKER_IDS = frozenset(map(id, _pl.VALUE_MARKERS))
 
 
 class Facts:
@@ -71,22 +66,14 @@ def tensor_part(facts: Facts, offsets: Sequence[int]) -> bytes:
                        facts.numels.tobytes(), facts.multi_dim_sizes.tobytes(), array("q", offsets).tobytes()))
 
 
-def digest(name: str, key: List[Any], tensors_part: bytes) -> str:
-    """The hex SHA-256 of file ``name`` with ``plain_layout`` key ``key`` and :func:`tensor_part` ``tensors_part``.
-
-    The key is written without its atomic values (the item after each of ``plain_layout.VALUE_MARKERS``), as the
-    ``repr`` of its other items with plain_layout's markers as bytes (a value's marker names its type): strings,
-    ints, bools, ``None``, types (``<class 'int'>``), float hex strings and tuples of dict keys all have a ``repr``
-    that is the same in every process and tells them apart (``1`` / ``True`` / ``'1'``). C-level passes only: no
-    Python step per item."""
-    ids = list(map(id, key))
-    after_marker = chain((False,), map(_VALUE_MARKER_IDS.__contains__, ids))
-    kept = list(compress(key, map(not_, after_marker)))
+def digest(name: str, structure: bytes, tensors_part: bytes) -> str:
+    """The hex SHA-256 of file ``name`` whose state has the structure ``structure``
+    (:attr:`~snapckpt.formats.plain_levels.Levels.structure`: containers, keys and value types, breadth-first; no
+    values) and :func:`tensor_part` ``tensors_part``."""
     h = hashlib.sha256(VERSION)
     h.update(repr(name).encode())
-    h.update(b"\0")
-    h.update(repr(list(map(_TAGS.get, map(id, kept), kept))).encode())
-    h.update(b"\0")
+    h.update(b"\0%d\0" % len(structure))
+    h.update(structure)
     h.update(tensors_part)
     return h.hexdigest()
 

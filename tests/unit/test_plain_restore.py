@@ -18,7 +18,7 @@ import torch
 
 from snapckpt.engine import plain_restore, plain_values
 from snapckpt.engine.stager import Stager
-from snapckpt.formats import plain_digest
+from snapckpt.formats import plain_digest, plain_levels
 from snapckpt.persister.arena import read_header
 from snapckpt.persister.slot_index import read_slot
 
@@ -67,9 +67,7 @@ def _tensors(state) -> list:
 
 
 def _find(m, live, step: int = 1, name: str = NAME):
-    from snapckpt.formats.plain_layout import plain_layout
-
-    return plain_restore.find(lambda _n, obj, distinct=True: plain_layout(obj, distinct), m, name, step, live)
+    return plain_restore.find(m, name, step, live)
 
 
 def test_a_restarted_process_copies_the_slot_into_its_live_state_bit_exactly():
@@ -199,12 +197,13 @@ def test_tensors_in_lists_keep_copy_into_semantics():
 def test_the_digest_is_the_same_in_another_process():
     """The digest hashes no object identity: a fresh interpreter computes the same one for an equal state."""
     code = ("import torch; from collections import OrderedDict\n"
-            "from snapckpt.formats import plain_digest as d; from snapckpt.formats.plain_layout import plain_layout\n"
+            "from snapckpt.formats import plain_digest as d, plain_levels\n"
+            "from snapckpt.formats.plain_layout import plain_layout\n"
             "from snapckpt.engine.plain_restore import direct_offsets\n"
             "s = {'m': OrderedDict(a=torch.zeros(3, 2), b=torch.zeros(4)), 'x': [1, 2.5, None, 'y', True],"
             " 'd': {i: torch.zeros(1) for i in range(20)}}\n"
             "t, k = plain_layout(s); f = d.Facts(t); o, _ = direct_offsets(f)\n"
-            "print(d.digest('r.pt', k, d.tensor_part(f, o.tolist())))\n")
+            "print(d.digest('r.pt', plain_levels.walk(s).structure, d.tensor_part(f, o.tolist())))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     from snapckpt.formats.plain_layout import plain_layout
 
@@ -213,7 +212,7 @@ def test_the_digest_is_the_same_in_another_process():
     t, k = plain_layout(s)
     f = plain_digest.Facts(t)
     o, _ = plain_restore.direct_offsets(f)
-    assert plain_digest.digest("r.pt", k, plain_digest.tensor_part(f, o.tolist())) == out
+    assert plain_digest.digest("r.pt", plain_levels.walk(s).structure, plain_digest.tensor_part(f, o.tolist())) == out
 
 
 def test_the_offsets_rule_is_the_stagers():

@@ -81,7 +81,7 @@ def _restart(tmp_path, state):
     live = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else
                 {kk: torch.zeros_like(vv) for kk, vv in v.items()} if isinstance(v, dict) else v)
             for k, v in state.items()}
-    found = plain_restore.find(lambda _n, obj, distinct=True: plain_layout(obj, distinct), m, NAME, 1, live)
+    found = plain_restore.find(m, NAME, 1, live)
     return saver, m, live, found
 
 

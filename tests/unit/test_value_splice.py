@@ -15,6 +15,7 @@ from _harness import assert_same_state
 from snapckpt.engine import stager as stager_mod
 from snapckpt.engine.stager import Stager
 from snapckpt.formats import torch_zip as Z
+from snapckpt.formats import plain_levels
 from snapckpt.formats.plain_digest import digest
 from snapckpt.formats.plain_layout import plain_layout
 from snapckpt.formats.value_splice import ValueTemplate, encode, split_key
@@ -127,7 +128,7 @@ class _Saves:
         # the torch.save file the persister would write from the slot: data.pkl and the records, as in the index
         index = json.loads(bytes(p.tail[-1][1]))
         # the restart digest (structure and value types) is the one a fresh computation gives
-        assert index["plain"] == digest("s.pt", plain_layout(state)[1], p.layout.plain_part)
+        assert index["plain"] == digest("s.pt", plain_levels.walk(state).structure, p.layout.plain_part)
         entry = index["files"][0]
         pkl = bytes(self.buf[entry["pkl"][0]:sum(entry["pkl"])])
         out = io.BytesIO()
