@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+from itertools import chain
+from operator import methodcaller
 from typing import Any, List, Optional
 
 import torch
@@ -22,14 +24,17 @@ import torch
 __all__ = ["entries", "pack", "pack_values", "unpack"]
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_DICT_TYPES = frozenset({dict, collections.OrderedDict})
+_VALUES = methodcaller("values")
 _MAX_DEPTH = 100  # as plain_layout: deeper (or cyclic) states are left to the general path
 
 
 def entries(obj: Any, tensors: List[torch.Tensor], dicts: List[dict], keys: List[Any], depth: int = 0) -> bool:
     """Walk ``obj`` as ``copy_into`` walks a loaded state of ``obj``'s structure: append each tensor it copies into
-    in place to ``tensors`` (those reached through dicts only: a dict of tensors only by one C-level pass) and each
-    entry whose value it replaces to ``dicts`` / ``keys`` (``dicts[i][keys[i]]``), in its walking order. ``False``
-    when ``obj`` nests deeper than 100 dicts (a dict that holds itself), with the lists partly filled."""
+    in place to ``tensors`` (those reached through dicts only: a dict of tensors only, or of such dicts only, by
+    C-level passes) and each entry whose value it replaces to ``dicts`` / ``keys`` (``dicts[i][keys[i]]``), in its
+    walking order. ``False`` when ``obj`` nests deeper than 100 dicts (a dict that holds itself), with the lists
+    partly filled."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return True
@@ -38,9 +43,15 @@ def entries(obj: Any, tensors: List[torch.Tensor], dicts: List[dict], keys: List
     if depth > _MAX_DEPTH:
         return False
     values = list(obj.values())
-    if set(map(type, values)) <= _TENSOR_TYPES:
+    types = set(map(type, values))
+    if types <= _TENSOR_TYPES:
         tensors.extend(values)
         return True
+    if types <= _DICT_TYPES and depth < _MAX_DEPTH:  # a dict of dicts (an optimizer's state): of tensors only?
+        inner = list(chain.from_iterable(map(_VALUES, values)))
+        if set(map(type, inner)) <= _TENSOR_TYPES:
+            tensors.extend(inner)  # the order of walking each dict in turn
+            return True
     for k, v in obj.items():
         if isinstance(v, torch.Tensor):
             tensors.append(v)

@@ -125,3 +125,32 @@ def test_the_stager_writes_no_digest_for_a_state_without_a_description(monkeypat
     monkeypatch.setattr(plain_levels, "walk", lambda obj: None)
     p = Stager().prepare({NAME: {"w": torch.rand(2)}}, 1)
     assert b'"plain"' not in bytes(p.tail[-1][1])
+
+
+def _entries_by_hand(obj, tensors, dicts, keys):
+    """copy_into's walk, one entry at a time (the reference for plain_values.entries)."""
+    for k, v in obj.items():
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+        elif isinstance(v, dict):
+            _entries_by_hand(v, tensors, dicts, keys)
+        else:
+            dicts.append(obj)
+            keys.append(k)
+
+
+@pytest.mark.parametrize("state", [
+    {i: {"exp_avg": torch.rand(1), "step": torch.nn.Parameter(torch.rand(1))} for i in range(5)},  # all tensors
+    {0: {}, 1: {"a": torch.rand(1)}, 2: OrderedDict(b=torch.rand(1))},  # empty and ordered ones among them
+    {0: {"a": torch.rand(1)}, 1: {"lr": 0.1, "b": torch.rand(1)}},  # one with a value: entry by entry
+    {0: {"a": torch.rand(1)}, 1: {"d": {"c": torch.rand(1)}}},  # one nesting deeper
+])
+def test_entries_of_a_dict_of_dicts_are_the_entry_by_entry_walk(state):
+    from snapckpt.engine import plain_values
+
+    shared = {"x": torch.rand(1)}
+    for s in (state, {"s": state, "shared1": shared, "shared2": shared}):
+        got, want = ([], [], []), ([], [], [])
+        assert plain_values.entries(s, *got)
+        _entries_by_hand(s, *want)
+        assert all(list(map(id, g)) == list(map(id, w)) for g, w in zip(got[:2], want[:2])) and got[2] == want[2]
