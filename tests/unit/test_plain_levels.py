@@ -154,3 +154,18 @@ def test_entries_of_a_dict_of_dicts_are_the_entry_by_entry_walk(state):
         assert plain_values.entries(s, *got)
         _entries_by_hand(s, *want)
         assert all(list(map(id, g)) == list(map(id, w)) for g, w in zip(got[:2], want[:2])) and got[2] == want[2]
+
+
+def test_a_shape_table_with_an_index_out_of_range_is_refused_past_the_first_reduction_chunk():
+    """read_table checks every index (reduced 32,000 at a time): one out of range anywhere refuses the table."""
+    from array import array
+
+    from snapckpt.formats import plain_digest
+
+    head = b'{"kinds":["torch.float32"],"shapes":[[0,[2]],[0,[3]]]}\n'
+    ok = array("i", [0, 1] * 40_000)
+    assert plain_digest.read_table(head + ok.tobytes()).ids == ok
+    for bad in (2, -1):
+        ids = array("i", ok)
+        ids[70_001] = bad
+        assert plain_digest.read_table(head + ids.tobytes()) is None
