@@ -8,10 +8,10 @@ plain file of whole contiguous CPU tensors): structure, the types of the non-ten
 restarted loop's step counter differs from the saved one), dtypes, shapes and offsets. :func:`find` computes the
 same digest from the live state (its structure read a level at a time, :mod:`snapckpt.formats.plain_levels`; each
 tensor's dtype and shape in the order :func:`~snapckpt.engine.plain_values.entries` meets them, and the offsets the
-Stager's rule gives them) and, when they are equal, sets the saved non-tensor values into the live
-state's entries as the general path does (the slot's own small pickle of them, :mod:`snapckpt.engine.plain_values`) and copies
-each span straight into its live tensor: tensors of 1 MiB or more with one
-``torch._foreach_copy_`` from views of the slot, the others by ``preadv`` of the slot file, 512 spans per call
+Stager's rule gives them) and, when they are equal, sets the saved non-tensor values into the live state's entries
+as the general path does (the slot's own small pickle of them, :mod:`snapckpt.engine.plain_values`) and copies each
+span straight into its live tensor: tensors of 1 MiB or more with one ``torch._foreach_copy_`` from views of the
+slot, the others by ``preadv`` of the slot file, 512 spans per call
 (:mod:`snapckpt.engine.span_read`; a state of many small tensors would otherwise spend most of the restore on a
 call per tensor and on mapping the slot's pages), or, where that cannot read, a ``memmove`` each from the mapping;
 their autograd version counters bumped as an in-place copy bumps them. Anything else (no digest or no values: an older slot, another
