@@ -712,3 +712,45 @@ def test_H2_remote_only_store_failing_mid_upload_fails_the_save_keeps_the_previo
             assert wait_until(lambda: not s3_bucket.multipart_uploads("run/"), timeout=30)
     finally:
         proxy.close()
+
+
+def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_env, s3_bucket, monkeypatch):
+    """A node replaced (empty checkpoint_dir, no memory tier) whose remote tier answers the start's probe but
+    then fails the load's listing (503 Slow Down through the fault proxy): latest_step() and load() raise
+    RemoteStorageError naming the URL and the cause, never None / "not found" (before: latest_step() was
+    None, the job trained from step 0 and its uploads replaced the remote checkpoints). Once the store
+    answers, the same Checkpointer loads step 2 from the remote tier. With a local checkpoint, an
+    unlistable store is a warning and the local step loads."""
+    import torch
+
+    import s3server
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.errors import RemoteStorageError
+
+    url = s3_bucket.url("run")
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
+    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        for s in (1, 2):
+            ck.save(states[s], s, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    shutil.rmtree(snap_env.ckpt_dir)
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore's attempts per request
+    try:
+        with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+            proxy.mode = "503"
+            for call in (ck.latest_step, ck.load):
+                with pytest.raises(RemoteStorageError, match="cannot be listed") as ei:
+                    call()
+                assert url in str(ei.value) and "reduce your request rate" in str(ei.value), str(ei.value)
+                assert os.environ["AWS_SECRET_ACCESS_KEY"] not in str(ei.value)
+            proxy.mode = "pass"
+            got = ck.load()
+            assert ck.last_load.step == 2 and torch.equal(got["w"], states[2]["w"])
+            proxy.mode = "503"
+            assert ck.latest_step() == 2  # on disk now: the store's outage is only a warning
+            proxy.mode = "pass"
+    finally:
+        proxy.close()

@@ -30,7 +30,7 @@ from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.persister.slot_index import read_index, read_slot
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
-                             UnsafeCheckpointError, all_damaged_error)
+                             RemoteStorageError, UnsafeCheckpointError, all_damaged_error)
 from snapckpt.events import Event, StorageType
 from snapckpt.ondisk import layout
 from snapckpt.ondisk.manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest,
@@ -211,10 +211,11 @@ class Loader:
                 if p not in self._warned_damaged:
                     self._warned_damaged.add(p)
                     log.warning("not a loadable checkpoint: %s", p)
-        remote = self._remote_listing() if self.rank == 0 else []
+        remote, remote_error = self._remote_listing() if self.rank == 0 else ([], "")
         holds = self._holdings()
         everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems,
-                                                         "remote": remote, "holds": holds,
+                                                         "remote": remote, "remote_error": remote_error,
+                                                         "holds": holds,
                                                          "node": self._topology.node_index},
                                           self.options.coordination_timeout_secs)
         self._damaged = everyone[0]["damaged"]
@@ -237,6 +238,14 @@ class Loader:
         if fetched is not None:
             cands.insert(0, (fetched[0], "disk", fetched[1]))
         self._warn_lost_memory(everyone, tier, cands)  # after the remote tier's step: it may be the newest
+        if not cands and everyone[0]["remote_error"]:
+            # a fresh start would upload over the remote checkpoints (and its retention delete them)
+            raise RemoteStorageError(
+                f"remote_dir {self._remote_url()!r} cannot be listed ({everyone[0]['remote_error']}) and neither "
+                f"memory nor {self.checkpoint_dir} holds a checkpoint: the remote tier may hold this job's "
+                "checkpoints, so nothing is loaded rather than starting from step 0; retry once the store "
+                "answers (check the endpoint, AWS_ENDPOINT_URL, the network and the credentials), or give a "
+                "new remote_dir to start afresh on purpose")
         if not cands and wrong:
             raise IncompatibleCheckpointError(
                 f"{self.checkpoint_dir} holds checkpoints written by world size "
@@ -294,18 +303,24 @@ class Loader:
         log.warning("rank %d: step %d was not in this node's memory: fetched from %s in %.3f s", self.rank, step,
                     self._fetched, time.perf_counter() - t0)
 
-    def _remote_listing(self) -> List[List[Any]]:
-        """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` (``[]`` without a
-        remote tier, or when it cannot be listed: a warning, and the local tiers go on)."""
+    def _remote_listing(self) -> Tuple[List[List[Any]], str]:
+        """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` and ``""``;
+        ``([], "")`` without a remote tier; ``([], "Type: cause")`` when it cannot be listed (a warning: the
+        local tiers go on, and :meth:`candidates` refuses a fresh start when they hold nothing)."""
         if self._remote is None or self._remote_only:
-            return []
+            return [], ""
         remove_download_leftovers(self.checkpoint_dir)  # of a download killed in an earlier run
         try:
-            return [[c.step, c.dirname, c.manifest["world_size"]] for c in self._remote.list_committed()]
+            return [[c.step, c.dirname, c.manifest["world_size"]] for c in self._remote.list_committed()], ""
         except Exception as e:
-            log.warning("remote tier %s cannot be listed (%s: %s); loading from memory and %s only",
-                        self._remote.url, type(e).__name__, str(e)[:300], self.checkpoint_dir)
-            return []
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            log.warning("remote tier %s cannot be listed (%s); loading from memory and %s only",
+                        self._remote.url, cause, self.checkpoint_dir)
+            return [], cause
+
+    def _remote_url(self) -> str:
+        """``remote_dir`` for messages (rank 0 holds the store; every rank has the option)."""
+        return self._remote.url if self._remote is not None else str(self.options.resolved_remote_dir)
 
     def _fetch_remote(self, remote: List[List[Any]], disk_all: List[List[Any]],
                       cands: List[Tuple[int, str, Optional[str]]], step: Optional[int]) -> Optional[Tuple[int, str]]:
