@@ -754,3 +754,50 @@ def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_en
             proxy.mode = "pass"
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "bit_flip_of_another_save"])
+def test_H4_a_damaged_local_copy_is_replaced_by_its_intact_remote_copy(snap_env, s3_bucket, damage):
+    """Steps 1 and 2 committed locally and uploaded; then a bit of the local step 2's data file flips (its
+    size stays: the listing's quick check passes, the read fails its checksum) or the file is truncated (the
+    listing skips it as damaged). The remote tier holds the same save of step 2, intact: load() replaces the
+    local copy by a verified download and loads step 2 bitwise (before: step 1 was loaded, a step lost
+    although an intact copy existed; the truncated copy even made the download fail with FileExistsError).
+    A local directory holding another save of the step is never replaced."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
+    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        for s in (1, 2):
+            ck.save(states[s], s, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    d = os.path.join(snap_env.ckpt_dir, "step_00000002")
+    data = [f for f in os.listdir(d) if not f.startswith(".")]
+    assert data, os.listdir(d)
+    path = os.path.join(d, data[0])
+    if damage == "bit_flip_of_another_save":  # as if step 2 had been saved again locally, not uploaded
+        mpath = os.path.join(d, ".snapckpt", "manifest.json")
+        m = json.load(open(mpath))
+        m["created_unix"] += 1
+        open(mpath, "w").write(json.dumps(m))
+    if damage.startswith("bit_flip"):
+        b = bytearray(open(path, "rb").read())
+        b[len(b) // 2] ^= 1
+        open(path, "wb").write(b)
+    else:
+        os.truncate(path, 10)
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        got = ck.load()
+        if damage == "bit_flip_of_another_save":
+            assert ck.last_load.step == 1 and torch.equal(got["w"], states[1]["w"]), ck.last_load
+            assert open(path, "rb").read() == bytes(b)  # left as it was
+            return
+        assert ck.last_load.step == 2 and ck.last_load.tier == StorageType.DISK, ck.last_load
+        assert torch.equal(got["w"], states[2]["w"]) and got["step"] == 2
+        assert sorted(os.listdir(snap_env.ckpt_dir)) == ["latest", "step_00000001", "step_00000002"], \
+            os.listdir(snap_env.ckpt_dir)  # the damaged copy replaced, nothing hidden left
+        assert ck.latest_step() == 2

@@ -167,6 +167,7 @@ class Loader:
         self._warned_damaged: Set[str] = set()  # damaged directories warned of: latest_step() + load() say it once
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self._listed: Dict[str, List[Any]] = {}  # dirname -> _identity of the manifest rank 0 listed
+        self._remote_dirs: Set[str] = set()
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
         self._remote_only = remote_only
@@ -219,6 +220,8 @@ class Loader:
                                                          "node": self._topology.node_index},
                                           self.options.coordination_timeout_secs)
         self._damaged = everyone[0]["damaged"]
+        #: dirnames the remote tier listed as committed (of this world size): a damaged local copy is replaced
+        self._remote_dirs = {r[1] for r in everyone[0]["remote"] if r[2] == self.world_size}
         tier = memory_tier(everyone, self.world_size)
         self._sources = tier.sources
         common = tier.complete
@@ -345,7 +348,7 @@ class Loader:
                 try:
                     t0 = time.perf_counter()
                     c = committed[best[1]]
-                    self._remote.download(c, self.checkpoint_dir, fsync=self.options.fsync)
+                    self._download(c)
                     log.info("rank 0: step %d downloaded from %s in %.3f s", best[0], c.url, time.perf_counter() - t0)
                     got = [best[0], best[1]]
                     break
@@ -358,6 +361,57 @@ class Loader:
                                         self.options.coordination_timeout_secs)[0]
         self._damaged = list(self._damaged) + agreed["failed"]
         return None if agreed["got"] is None else (agreed["got"][0], agreed["got"][1])
+
+    def _download(self, c: Any) -> None:
+        """Rank 0: download the remote checkpoint ``c`` into ``checkpoint_dir``. A local directory of that name
+        (one found damaged: not listed as committed, or refused by a read) is replaced when it holds the same
+        save (its manifest's run and commit time) or no readable manifest; one of another save stays.
+
+        Raises:
+            FileExistsError: the local directory holds another save of the step.
+            CheckpointCorruptError / the store's errors: the download failed (the local directory untouched).
+        """
+        final = os.path.join(self.checkpoint_dir, c.dirname)
+        replace = os.path.lexists(final)
+        if replace:
+            mpath = os.path.join(final, MANIFEST)
+            try:
+                here = _identity(parse_manifest(self._storage.read_bytes(mpath), c.dirname, source=mpath))
+            except (OSError, ValueError, CheckpointCorruptError):
+                here = None
+            if here is not None and here != _identity(c.manifest):
+                raise FileExistsError(f"{final} holds another save of step {c.step} (run {here[0]} committed at "
+                                      f"{here[1]}) than {c.url}; not replaced")
+        self._remote.download(c, self.checkpoint_dir, fsync=self.options.fsync, replace=replace)
+
+    def _repair_from_remote(self, step: int, dirname: str, bad: Dict[int, Dict[str, Any]]) -> bool:
+        """After the local copy ``dirname`` of ``step`` failed its read on the ranks ``bad`` as damaged: when the
+        remote tier listed the same save of it, rank 0 replaces the local copy by a verified download while the
+        other ranks wait. Return whether every rank may read it again (the same answer on every rank)."""
+        if (dirname not in self._remote_dirs or dirname not in self._listed
+                or any(p.get("vanished") for p in bad.values())):
+            return False
+        got, error = False, ""
+        if self.rank == 0:
+            try:
+                c = {c.dirname: c for c in self._remote.list_committed()}.get(dirname)
+                if c is None:
+                    error = "no longer committed in the remote tier"
+                elif _identity(c.manifest) != self._listed[dirname]:
+                    error = f"the remote tier holds another save of step {step}"
+                else:
+                    self._download(c)
+                    got = True
+            except Exception as e:
+                error = f"{type(e).__name__}: {str(e)[:500]}"
+            if got:
+                log.warning("step %d (%s) failed its checks on ranks %s: replaced by the intact copy downloaded "
+                            "from the remote tier %s; reading it again", step, dirname, sorted(bad), self._remote.url)
+            else:
+                log.warning("step %d (%s) failed its checks on ranks %s; its remote copy cannot replace it: %s",
+                            step, dirname, sorted(bad), error)
+        return bool(self._coord.all_gather("remote repair", {"got": got},
+                                           self.options.coordination_timeout_secs)[0]["got"])
 
     def _warn_lost_memory(self, everyone: List[Dict[str, Any]], tier: MemoryTier,
                           cands: List[Tuple[int, str, Optional[str]]]) -> None:
@@ -607,6 +661,8 @@ class Loader:
         for cstep, tier, key in cands:
             cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
             result, bad = self._try(cand, check, fn)
+            if bad and tier == "disk" and self._repair_from_remote(cstep, key, bad):
+                result, bad = self._try(cand, check, fn)
             if not bad:
                 t1 = time.perf_counter()
                 self.last_load = LoadInfo(cstep, cand.tier, t1 - t0, tuple(errors),

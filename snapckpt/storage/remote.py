@@ -521,17 +521,22 @@ class RemoteStore:
                                          f"{rec['nbytes']} bytes, {want} (corrupted in the store)")
 
     # ----------------------------------------------------------------------------------- download
-    def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True) -> str:
+    def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True, replace: bool = False) -> str:
         """Download the remote checkpoint ``c`` into ``<checkpoint_dir>/<dirname>`` with every checksum
         verified, the local way: a hidden partial directory, the manifest written last, a rename; then the
         tracker file the upload recorded (if any). Return the local path.
 
+        ``replace``: an existing ``<checkpoint_dir>/<dirname>`` (a local copy the caller found damaged) is
+        replaced once the download is complete and verified (renamed to a hidden ``.download-`` name, which
+        :func:`remove_download_leftovers` also removes if this process is killed in between, then deleted).
+
         Raises:
-            CheckpointCorruptError: a remote object fails its size or checksum (nothing is left locally).
-            FileExistsError: ``<checkpoint_dir>/<dirname>`` already exists.
+            CheckpointCorruptError: a remote object fails its size or checksum (nothing is left locally, and
+                a directory to replace is untouched).
+            FileExistsError: ``<checkpoint_dir>/<dirname>`` already exists and ``replace`` is false.
         """
         final = os.path.join(checkpoint_dir, c.dirname)
-        if os.path.exists(final):
+        if os.path.exists(final) and not replace:
             raise FileExistsError(f"{final} exists; not overwritten by the download of {c.url}")
         remove_download_leftovers(checkpoint_dir)
         partial = os.path.join(checkpoint_dir, f".{c.dirname}.download-{uuid.uuid4().hex[:12]}")
@@ -544,10 +549,17 @@ class RemoteStore:
                 for f in futs:
                     f.result()
             _write_local(os.path.join(partial, MANIFEST), json.dumps(c.manifest, indent=1).encode(), fsync)
+            old = None
+            if os.path.lexists(final):  # replace: the damaged copy goes aside only now
+                old = os.path.join(checkpoint_dir, f".{c.dirname}.download-replaced-{uuid.uuid4().hex[:12]}")
+                os.rename(final, old)
             os.rename(partial, final)
             PosixStorage(fsync=fsync).fsync_dir(checkpoint_dir)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+                log.warning("remote: replaced the damaged local copy of step %d (%s) by the intact one "
+                            "downloaded from %s", c.step, final, c.url)
         except BaseException:
-            import shutil
             shutil.rmtree(partial, ignore_errors=True)
             raise
         try:
