@@ -801,3 +801,51 @@ def test_H4_a_damaged_local_copy_is_replaced_by_its_intact_remote_copy(snap_env,
         assert sorted(os.listdir(snap_env.ckpt_dir)) == ["latest", "step_00000001", "step_00000002"], \
             os.listdir(snap_env.ckpt_dir)  # the damaged copy replaced, nothing hidden left
         assert ck.latest_step() == 2
+
+
+def test_two_jobs_starting_at_once_on_one_remote_directory_one_is_refused(tmp_path, s3_bucket, monkeypatch):
+    """Two jobs (say a sweep launched with one remote_dir for all) claim the same remote directory at the same
+    moment: both read "no owner" before either writes (a barrier in the read makes the race certain). Exactly
+    one claim wins; the other raises RemoteStorageError naming the winner (before: both passed, the second
+    write replaced the first owner record, and the jobs replaced each other's checkpoints)."""
+    import threading
+
+    from snapckpt.errors import RemoteStorageError
+    from snapckpt.storage.remote import RemoteStore
+
+    url = s3_bucket.url("shared")
+    barrier = threading.Barrier(2, timeout=30)
+    real_read = RemoteStore._read
+
+    def racing_read(self, path):
+        try:
+            return real_read(self, path)
+        finally:
+            if path.endswith(RemoteStore.OWNER):
+                try:
+                    barrier.wait()  # only the first read of each job: the barrier breaks afterwards
+                except threading.BrokenBarrierError:
+                    pass
+
+    monkeypatch.setattr(RemoteStore, "_read", racing_read)
+    out = {}
+
+    def job(name):
+        try:
+            out[name] = RemoteStore(url).claim(str(tmp_path / name), None)
+        except Exception as e:
+            out[name] = e
+        finally:
+            barrier.abort()
+
+    threads = [threading.Thread(target=job, args=(n,)) for n in ("job_a", "job_b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    errors = [v for v in out.values() if isinstance(v, Exception)]
+    assert len(out) == 2 and len(errors) == 1, out
+    assert isinstance(errors[0], RemoteStorageError) and "is the remote tier of another job" in str(errors[0])
+    winner = next(v for v in out.values() if isinstance(v, dict))
+    assert winner["checkpoint_dir"] in str(errors[0])
+    assert json.loads(s3_bucket.get("shared/.snapckpt-owner.json")) == winner

@@ -197,14 +197,22 @@ class RemoteStore:
         where = checkpoint_dir if is_remote_url(checkpoint_dir) else os.path.realpath(checkpoint_dir)
         me = {"checkpoint_dir": where, "job_id": job_id or ""}
         path = self._path(self.OWNER)
-        try:
-            owner = json.loads(self._read(path))
-            if not isinstance(owner, dict):
-                owner = None
-        except FileNotFoundError:
-            owner = None
-        except (ValueError, UnicodeDecodeError):
-            owner = None  # unreadable: rewritten below
+        for _ in range(3):
+            absent = False
+            try:
+                owner = json.loads(self._read(path))
+                if not isinstance(owner, dict):
+                    owner = None
+            except FileNotFoundError:
+                owner, absent = None, True
+            except (ValueError, UnicodeDecodeError):
+                owner = None  # unreadable: rewritten below
+            if owner is None and absent:
+                mine = {**me, "host": socket.gethostname(), "created_unix": time.time(), "dir_id": uuid.uuid4().hex}
+                if self._create(path, json.dumps(mine).encode()):
+                    return mine
+                continue  # another job created it since the read (two jobs started at once): check against it
+            break
         if owner is not None and {k: owner.get(k) for k in me} != me:
             raise RemoteStorageError(
                 f"{self.role} {self.url!r} is the remote tier of another job (checkpoint_dir "
@@ -216,6 +224,23 @@ class RemoteStore:
             owner = {**me, "host": socket.gethostname(), "created_unix": time.time(), "dir_id": uuid.uuid4().hex}
             self._write(path, json.dumps(owner).encode())
         return owner
+
+    def _create(self, path: str, data: bytes) -> bool:
+        """Write the small object ``path`` only if it does not exist (S3's conditional PUT, ``If-None-Match:
+        *``); return ``False`` when it exists. A store that refuses the condition (an S3-compatible store
+        without conditional writes) and other schemes get a plain write: the claim is then read-then-write,
+        as before."""
+        if "s3" in _protocols(self.fs):
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except Exception as e:  # 501 NotImplemented and the like: no conditional writes there
+                log.info("remote: %s refused a conditional write (%s); writing it plainly", self.display(),
+                         _cause(e))
+        self._write(path, data)
+        return True
 
     # ------------------------------------------------------------------------------------ listing
     def _dirs(self) -> List[str]:
