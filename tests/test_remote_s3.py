@@ -849,3 +849,46 @@ def test_two_jobs_starting_at_once_on_one_remote_directory_one_is_refused(tmp_pa
     winner = next(v for v in out.values() if isinstance(v, dict))
     assert winner["checkpoint_dir"] in str(errors[0])
     assert json.loads(s3_bucket.get("shared/.snapckpt-owner.json")) == winner
+
+
+@pytest.mark.timeout(150)  # the hang guard: before the bound, the start alone took over 6 minutes
+def test_a_hung_store_is_an_error_within_the_coordination_timeout_at_start_and_at_load(snap_env, s3_bucket,
+                                                                                     monkeypatch):
+    """A store that accepts connections but never answers (a hung server: the fault proxy's "stall" mode).
+    At start the access probe is given up after half the coordination timeout (5 s here) with
+    RemoteStorageError naming the URL and "did not answer" (before: s3fs's 15 s read timeout times botocore's
+    attempts times s3fs's retries held rank 0 for over 6 minutes, and the other ranks' wait ended first with
+    "rank 0 did not answer"). At load, a listing that does not answer is given up the same way: with
+    nothing local, RemoteStorageError; with a local checkpoint, that one loads."""
+    import torch
+
+    import s3server
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.errors import RemoteStorageError
+
+    url = s3_bucket.url("run")
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=5, coordination_timeout_secs=10)
+    try:
+        proxy.mode = "stall"
+        with pytest.raises(RemoteStorageError, match="did not answer") as ei:
+            Checkpointer(snap_env.ckpt_dir, **opts)
+        assert url in str(ei.value) and "AWS_ENDPOINT_URL" in str(ei.value), str(ei.value)
+        assert not snap_env.persisters()
+        proxy.mode = "pass"
+        w = torch.arange(8.0)
+        with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+            proxy.mode = "stall"
+            with pytest.raises(RemoteStorageError, match="did not answer within 5 s"):
+                ck.latest_step()
+            proxy.mode = "pass"
+            ck.save({"w": w}, 1, StorageType.DISK).wait()
+            proxy.mode = "stall"
+            got = ck.load()  # the local step; the store's silence only a warning
+            assert ck.last_load.step == 1 and torch.equal(got["w"], w)
+            proxy.fail("pass")  # the server answers again: requests held on its connections retry at once
+        assert wait_until(lambda: not snap_env.persisters(), timeout=90)  # its upload of step 1 done
+        assert s3_bucket.get("run/latest") == b"step_00000001"
+    finally:
+        proxy.close()

@@ -37,7 +37,7 @@ from snapckpt.ondisk.manifest import (MANIFEST, check_checksums, check_sizes, li
                                      present_files)
 from snapckpt.options import CheckpointOptions
 from snapckpt.storage.posix import PosixStorage
-from snapckpt.storage.remote import RemoteStore, remove_download_leftovers
+from snapckpt.storage.remote import NoAnswer, RemoteStore, call_bounded, remove_download_leftovers
 
 __all__ = ["LoadCandidate", "LoadInfo", "Loader"]
 
@@ -313,10 +313,14 @@ class Loader:
         if self._remote is None or self._remote_only:
             return [], ""
         remove_download_leftovers(self.checkpoint_dir)  # of a download killed in an earlier run
+        secs = self.options.coordination_timeout_secs / 2  # answered before the other ranks' wait ends
         try:
-            return [[c.step, c.dirname, c.manifest["world_size"]] for c in self._remote.list_committed()], ""
+            listed = call_bounded(self._remote.list_committed, secs)
+            return [[c.step, c.dirname, c.manifest["world_size"]] for c in listed], ""
         except Exception as e:
             cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            if isinstance(e, NoAnswer):
+                cause = f"the store did not answer within {secs:g} s (stalled, overloaded or unreachable)"
             log.warning("remote tier %s cannot be listed (%s); loading from memory and %s only",
                         self._remote.url, cause, self.checkpoint_dir)
             return [], cause

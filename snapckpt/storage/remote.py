@@ -35,6 +35,7 @@ import os
 import posixpath
 import shutil
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError, RemoteURLError
 from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum)
 
-__all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url"]
+__all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url", "call_bounded",
+           "NoAnswer", "PROBE_TIMEOUT_SECS"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ REMOTE_MARKER = f"{SIDECAR}/remote.json"
 BLOCK_NBYTES = 16 << 20
 #: Files of one checkpoint uploaded or downloaded at once.
 PARALLEL_FILES = 4
+#: The most seconds the start's access probe may take (less when half the coordination timeout is less):
+#: a store that accepts connections but never answers would otherwise hold rank 0 for minutes while the
+#: other ranks' wait for it times out with a misleading "rank 0 did not answer".
+PROBE_TIMEOUT_SECS = 60.0
 #: Parts of one file in flight at once (S3): with the files, at most
 #: ``PARALLEL_FILES * PART_CONCURRENCY * block_nbytes`` bytes (256 MiB by default) of a checkpoint in memory.
 PART_CONCURRENCY = 4
@@ -126,19 +132,34 @@ class RemoteStore:
             f.write(data)
 
     # ------------------------------------------------------------------------------------ checks
-    def check_access(self) -> None:
+    def check_access(self, timeout: Optional[float] = None) -> None:
         """Check that the remote directory can be listed and written (a small probe object is written and
         deleted). Called by :class:`~snapckpt.Checkpointer` at start, before training.
 
+        Args:
+            timeout: seconds the probe may take (``None``: the client's own timeouts and retries, which for a
+                store that accepts connections but never answers add up to minutes: s3fs's 15 s read timeout,
+                botocore's attempts, s3fs's retries).
+
         Raises:
-            RemoteStorageError: the bucket does not exist, the credentials are missing or refused, or the
-                endpoint cannot be reached; the message names the URL, the cause and the fix, never a key.
+            RemoteStorageError: the bucket does not exist, the credentials are missing or refused, the
+                endpoint cannot be reached, or it did not answer within ``timeout``; the message names the
+                URL, the cause and the fix, never a key.
         """
         probe = self._path(f".snapckpt-probe-{uuid.uuid4().hex[:12]}")
-        try:
+
+        def run() -> None:
             self._write(probe, b"snapckpt access probe\n")
             self.fs.rm_file(probe)
             self.fs.invalidate_cache()
+
+        try:
+            call_bounded(run, timeout)
+        except NoAnswer as e:
+            raise RemoteStorageError(
+                f"{self.role} {self.url!r}: the store did not answer a probe object's write within {timeout:g} s "
+                "(stalled, overloaded or unreachable); check the endpoint (AWS_ENDPOINT_URL for an S3-compatible "
+                "store), the network and the store's health") from e
         except FileNotFoundError as e:
             raise self._no_bucket(e) from e
         except PermissionError as e:
@@ -805,6 +826,38 @@ class _S3PartWriter:
         if self.upload_id is not None:
             self._call("abort_multipart_upload", UploadId=self.upload_id)
             self.upload_id = None
+
+
+class NoAnswer(TimeoutError):
+    """:func:`call_bounded` gave up waiting (not a timeout of the client itself)."""
+
+
+def call_bounded(fn: Callable[[], Any], timeout: Optional[float]) -> Any:
+    """``fn()``, but given up after ``timeout`` seconds (``None``: waited for): it runs on a daemon thread,
+    left to end on its own when given up (a store request blocked for the client's own timeouts).
+
+    Raises:
+        NoAnswer: (a ``TimeoutError``) ``fn`` had not returned after ``timeout`` seconds.
+        whatever ``fn`` raised.
+    """
+    if timeout is None:
+        return fn()
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="snapckpt-remote-call", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise NoAnswer(f"no answer within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _protocols(fs) -> tuple:
