@@ -892,3 +892,27 @@ def test_a_hung_store_is_an_error_within_the_coordination_timeout_at_start_and_a
         assert s3_bucket.get("run/latest") == b"step_00000001"
     finally:
         proxy.close()
+
+
+def test_cli_given_one_remote_checkpoint_names_its_parent(tmp_path, s3_bucket, capsys):
+    """``snapckpt ls`` / ``verify`` of one checkpoint's prefix (``s3://b/run/step_00000001``, a natural slip) exit 2
+    saying it is one checkpoint and naming the directory to pass, as for a local step directory (before: ``ls``
+    printed "no checkpoints under ..." and exited 0, ``verify`` "no committed checkpoint")."""
+    from snapckpt.cli.main import main as cli
+    from snapckpt.persister.uploader import Uploader, UploadJob
+
+    d1, m1 = _local_checkpoint(str(tmp_path / "src"), 1, {"a.bin": b"a" * 100})
+    url = s3_bucket.url("run")
+    up = Uploader(lambda: None)
+    up.submit(UploadJob("run1", url, d1, "step_00000001", m1, None, "latest", "step_00000001"))
+    up.shutdown()
+    assert s3_bucket.get("run/latest") == b"step_00000001"
+    for cmd in ("ls", "verify"):
+        for arg in (f"{url}/step_00000001", f"{url}/step_00000001/"):
+            with pytest.raises(SystemExit) as ei:
+                cli([cmd, arg])
+            assert ei.value.code == 2
+            err = capsys.readouterr().err
+            assert f"{url}/step_00000001 is one checkpoint, not a checkpoint directory: pass its parent {url}" in err, err
+    assert cli(["verify", url]) == 0
+    assert "step_00000001" in capsys.readouterr().out
