@@ -916,3 +916,29 @@ def test_cli_given_one_remote_checkpoint_names_its_parent(tmp_path, s3_bucket, c
             assert f"{url}/step_00000001 is one checkpoint, not a checkpoint directory: pass its parent {url}" in err, err
     assert cli(["verify", url]) == 0
     assert "step_00000001" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(150)  # the hang guard
+def test_H_remote_only_a_hung_store_at_load_is_an_error_within_the_coordination_timeout(snap_env, s3_bucket,
+                                                                                        monkeypatch):
+    """Remote-only mode, the store hung (accepts connections, never answers) when the job asks for its newest
+    step with nothing in memory: latest_step() raises CheckpointCorruptError saying the store did not answer,
+    after half the coordination timeout (before: the listing held rank 0 for the client's timeouts and retries,
+    minutes, longer than any other rank waits for it). Never None (a fresh start)."""
+    import s3server
+    from snapckpt import Checkpointer
+    from snapckpt.errors import CheckpointCorruptError
+
+    url = s3_bucket.url("run")
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        with Checkpointer(url, persister_idle_timeout_secs=5, coordination_timeout_secs=10) as ck:
+            proxy.mode = "stall"
+            with pytest.raises(CheckpointCorruptError, match="did not answer within 5 s"):
+                ck.latest_step()
+            proxy.fail("pass")
+            assert ck.latest_step() is None  # nothing saved yet: a fresh start once the store answers
+        assert wait_until(lambda: not snap_env.persisters(), timeout=90)
+    finally:
+        proxy.close()

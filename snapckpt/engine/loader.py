@@ -264,9 +264,16 @@ class Loader:
         if not self._remote_only:
             return list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
                                   problems=problems, name_pattern=layout.STEP_DIR_PATTERN)
+        secs = self.options.coordination_timeout_secs / 2  # answered before the other ranks' wait ends
+        found: List[str] = []  # the listing's own list: a listing given up may still append to it
         try:
-            return [c for c in self._store().list_committed(problems)
-                    if layout.STEP_DIR_PATTERN.fullmatch(c.dirname)]
+            listed = call_bounded(lambda: self._store().list_committed(found), secs)
+            problems.extend(found)
+            return [c for c in listed if layout.STEP_DIR_PATTERN.fullmatch(c.dirname)]
+        except NoAnswer:
+            problems.append(f"{self.checkpoint_dir}: cannot be listed (the store did not answer within {secs:g} s: "
+                            "stalled, overloaded or unreachable)")
+            return []
         except Exception as e:
             problems.append(f"{self.checkpoint_dir}: cannot be listed ({type(e).__name__}: {str(e)[:300]})")
             return []
