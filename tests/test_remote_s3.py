@@ -36,7 +36,8 @@ def test_H1_H4_round_trip_native_layout_and_fresh_node_resume(snap_env, s3_bucke
     """2 ranks save steps 1 and 2 to disk with remote_dir set: the server holds both in the native layout,
     each with its manifest object (sizes and checksums equal to the local manifest) and the tracker object
     naming step 2. With the local directory deleted (a fresh node), a restart resumes step 2 from the remote
-    tier, bitwise equal, and the local directory is rebuilt as a committed checkpoint."""
+    tier, bitwise equal, and the local directory is rebuilt as a committed checkpoint. A bit flipped in rank 1's
+    local file then: the remote copy replaces the local one and step 2 loads again on both ranks."""
     url = s3_bucket.url("run")
     outs = run_ranks("remote_worker.py", 2, ["save", snap_env.ckpt_dir, url, "1,2"], snap_env.env, timeout=90)
     assert all(r["saved"] == [1, 2] for r in _results(outs))
@@ -61,6 +62,17 @@ def test_H1_H4_round_trip_native_layout_and_fresh_node_resume(snap_env, s3_bucke
     d = os.path.join(snap_env.ckpt_dir, "step_00000002")
     assert sorted(os.listdir(d)) == [".snapckpt", "rank_00000.pt", "rank_00001.pt"]
     assert open(os.path.join(snap_env.ckpt_dir, "latest")).read() == "step_00000002"
+    assert not [n for n in os.listdir(snap_env.ckpt_dir) if ".download-" in n]
+
+    # a bit of rank 1's local file flips: rank 1's read fails its checksum, rank 0 replaces the local copy by the
+    # remote one while rank 1 waits, and both read step 2 again (not step 1)
+    path = os.path.join(d, "rank_00001.pt")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(path, "wb").write(data)
+    res = _results(run_ranks("remote_worker.py", 2, ["load", snap_env.ckpt_dir, url], snap_env.env, timeout=90))
+    assert all(r == {"latest": 2, "step": 2, "tier": "disk", "equal": True} for r in res), res
+    assert open(path, "rb").read() != bytes(data)
     assert not [n for n in os.listdir(snap_env.ckpt_dir) if ".download-" in n]
 
 
