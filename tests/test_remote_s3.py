@@ -732,7 +732,8 @@ def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_en
     RemoteStorageError naming the URL and the cause, never None / "not found" (before: latest_step() was
     None, the job trained from step 0 and its uploads replaced the remote checkpoints). Once the store
     answers, the same Checkpointer loads step 2 from the remote tier. With a local checkpoint, an
-    unlistable store is a warning and the local step loads."""
+    unlistable store is a warning and the local step loads; so it is on a first run (the start created the
+    remote directory's owner record: nothing of the job is there), which starts afresh."""
     import torch
 
     import s3server
@@ -763,6 +764,13 @@ def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_en
             assert ck.last_load.step == 2 and torch.equal(got["w"], states[2]["w"])
             proxy.mode = "503"
             assert ck.latest_step() == 2  # on disk now: the store's outage is only a warning
+            proxy.mode = "pass"
+        assert wait_until(lambda: not snap_env.persisters(), timeout=60)
+        # a first run (this start created the remote directory's owner record): nothing of it can be hidden there
+        with Checkpointer(os.path.join(snap_env.tmp, "first"), remote_dir=s3_bucket.url("first"),
+                          persister_idle_timeout_secs=20) as ck:
+            proxy.mode = "503"
+            assert ck.latest_step() is None
             proxy.mode = "pass"
     finally:
         proxy.close()
@@ -891,17 +899,22 @@ def test_a_hung_store_is_an_error_within_the_coordination_timeout_at_start_and_a
         proxy.mode = "pass"
         w = torch.arange(8.0)
         with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+            ck.save({"w": w}, 1, StorageType.DISK).wait()
+        assert wait_until(lambda: not snap_env.persisters(), timeout=90)  # its upload of step 1 done
+        assert s3_bucket.get("run/latest") == b"step_00000001"
+        shutil.rmtree(snap_env.ckpt_dir)  # a replaced node
+        with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
             proxy.mode = "stall"
             with pytest.raises(RemoteStorageError, match="did not answer within 5 s"):
                 ck.latest_step()
-            proxy.mode = "pass"
-            ck.save({"w": w}, 1, StorageType.DISK).wait()
+            proxy.fail("pass")  # the server answers again: requests held on its connections retry at once
+            got = ck.load()
+            assert ck.last_load.step == 1 and torch.equal(got["w"], w)  # downloaded
             proxy.mode = "stall"
             got = ck.load()  # the local step; the store's silence only a warning
             assert ck.last_load.step == 1 and torch.equal(got["w"], w)
-            proxy.fail("pass")  # the server answers again: requests held on its connections retry at once
-        assert wait_until(lambda: not snap_env.persisters(), timeout=90)  # its upload of step 1 done
-        assert s3_bucket.get("run/latest") == b"step_00000001"
+            proxy.fail("pass")
+        assert wait_until(lambda: not snap_env.persisters(), timeout=90)
     finally:
         proxy.close()
 

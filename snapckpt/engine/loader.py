@@ -316,7 +316,8 @@ class Loader:
     def _remote_listing(self) -> Tuple[List[List[Any]], str]:
         """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` and ``""``;
         ``([], "")`` without a remote tier; ``([], "Type: cause")`` when it cannot be listed (a warning: the
-        local tiers go on, and :meth:`candidates` refuses a fresh start when they hold nothing)."""
+        local tiers go on, and :meth:`candidates` refuses a fresh start when they hold nothing), except when
+        this start created the directory's owner record (a first run: ``([], "")``, it holds nothing of it)."""
         if self._remote is None or self._remote_only:
             return [], ""
         remove_download_leftovers(self.checkpoint_dir)  # of a download killed in an earlier run
@@ -328,6 +329,10 @@ class Loader:
             cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             if isinstance(e, NoAnswer):
                 cause = f"the store did not answer within {secs:g} s (stalled, overloaded or unreachable)"
+            if self._remote.claimed_new:  # this start made the owner record: nothing of this job can be there
+                log.warning("remote tier %s cannot be listed (%s); it held no checkpoint of this job when it "
+                            "started", self._remote.url, cause)
+                return [], ""
             log.warning("remote tier %s cannot be listed (%s); loading from memory and %s only",
                         self._remote.url, cause, self.checkpoint_dir)
             return [], cause

@@ -114,6 +114,9 @@ class RemoteStore:
                                  "another scheme works when its fsspec filesystem stores objects)") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
+        #: :meth:`claim` created the owner record (no job had used the directory): it holds none of this job's
+        #: checkpoints, so a listing that fails cannot hide one
+        self.claimed_new = False
 
     # ----------------------------------------------------------------------------------- helpers
     def _path(self, *parts: str) -> str:
@@ -231,6 +234,7 @@ class RemoteStore:
             if owner is None and absent:
                 mine = {**me, "host": socket.gethostname(), "created_unix": time.time(), "dir_id": uuid.uuid4().hex}
                 if self._create(path, json.dumps(mine).encode()):
+                    self.claimed_new = True
                     return mine
                 continue  # another job created it since the read (two jobs started at once): check against it
             break
