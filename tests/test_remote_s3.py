@@ -938,7 +938,8 @@ def test_cli_given_one_remote_checkpoint_names_its_parent(tmp_path, s3_bucket, c
                 cli([cmd, arg])
             assert ei.value.code == 2
             err = capsys.readouterr().err
-            assert f"{url}/step_00000001 is one checkpoint, not a checkpoint directory: pass its parent {url}" in err, err
+            want = f"{url}/step_00000001 is one checkpoint, not a checkpoint directory: pass its parent {url}"
+            assert want in err, err
     assert cli(["verify", url]) == 0
     assert "step_00000001" in capsys.readouterr().out
 
