@@ -776,14 +776,16 @@ def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_en
         proxy.close()
 
 
-@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "bit_flip_of_another_save"])
+@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "garbled_manifest", "bit_flip_of_another_save",
+                                    "no_manifest"])
 def test_H4_a_damaged_local_copy_is_replaced_by_its_intact_remote_copy(snap_env, s3_bucket, damage):
     """Steps 1 and 2 committed locally and uploaded; then a bit of the local step 2's data file flips (its
     size stays: the listing's quick check passes, the read fails its checksum) or the file is truncated (the
     listing skips it as damaged). The remote tier holds the same save of step 2, intact: load() replaces the
     local copy by a verified download and loads step 2 bitwise (before: step 1 was loaded, a step lost
-    although an intact copy existed; the truncated copy even made the download fail with FileExistsError).
-    A local directory holding another save of the step is never replaced."""
+    although an intact copy existed; the truncated copy even made the download fail with FileExistsError);
+    so is one whose manifest is garbled. A local directory holding another save of the step, or no manifest
+    file (not snapckpt's), is never replaced: step 1 loads."""
     import torch
 
     from snapckpt import Checkpointer, StorageType
@@ -800,10 +802,14 @@ def test_H4_a_damaged_local_copy_is_replaced_by_its_intact_remote_copy(snap_env,
     assert data, os.listdir(d)
     path = os.path.join(d, data[0])
     if damage == "bit_flip_of_another_save":  # as if step 2 had been saved again locally, not uploaded
-        mpath = os.path.join(d, ".snapckpt", "manifest.json")
-        m = json.load(open(mpath))
+        m = json.load(open(os.path.join(d, ".snapckpt", "manifest.json")))
         m["created_unix"] += 1
-        open(mpath, "w").write(json.dumps(m))
+        open(os.path.join(d, ".snapckpt", "manifest.json"), "w").write(json.dumps(m))
+    mpath = os.path.join(d, ".snapckpt", "manifest.json")
+    if damage == "garbled_manifest":
+        open(mpath, "wb").write(b'{"step": 2, "fi')
+    if damage == "no_manifest":  # not snapckpt's directory any more: never touched
+        os.unlink(mpath)
     if damage.startswith("bit_flip"):
         b = bytearray(open(path, "rb").read())
         b[len(b) // 2] ^= 1
@@ -815,6 +821,10 @@ def test_H4_a_damaged_local_copy_is_replaced_by_its_intact_remote_copy(snap_env,
         if damage == "bit_flip_of_another_save":
             assert ck.last_load.step == 1 and torch.equal(got["w"], states[1]["w"]), ck.last_load
             assert open(path, "rb").read() == bytes(b)  # left as it was
+            return
+        if damage == "no_manifest":
+            assert ck.last_load.step == 1 and torch.equal(got["w"], states[1]["w"]), ck.last_load
+            assert os.path.exists(path) and not os.path.exists(mpath)  # left as it was
             return
         assert ck.last_load.step == 2 and ck.last_load.tier == StorageType.DISK, ck.last_load
         assert torch.equal(got["w"], states[2]["w"]) and got["step"] == 2

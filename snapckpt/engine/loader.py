@@ -380,17 +380,20 @@ class Loader:
 
     def _download(self, c: Any) -> None:
         """Rank 0: download the remote checkpoint ``c`` into ``checkpoint_dir``. A local directory of that name
-        (one found damaged: not listed as committed, or refused by a read) is replaced when it holds the same
-        save (its manifest's run and commit time) or no readable manifest; one of another save stays.
+        (one found damaged: not listed as committed, or refused by a read) is replaced when its manifest names the
+        same save (run and commit time) or is there but unreadable; a directory of another save, and one without a
+        manifest file (not written by snapckpt: never touched), stays.
 
         Raises:
-            FileExistsError: the local directory holds another save of the step.
+            FileExistsError: the local directory holds another save of the step, or no manifest file.
             CheckpointCorruptError / the store's errors: the download failed (the local directory untouched).
         """
         final = os.path.join(self.checkpoint_dir, c.dirname)
         replace = os.path.lexists(final)
         if replace:
             mpath = os.path.join(final, MANIFEST)
+            if not os.path.lexists(mpath):
+                raise FileExistsError(f"{final} exists without a snapckpt manifest; not replaced by {c.url}")
             try:
                 here = _identity(parse_manifest(self._storage.read_bytes(mpath), c.dirname, source=mpath))
             except (OSError, ValueError, CheckpointCorruptError):
