@@ -118,7 +118,8 @@ def new_bucket() -> Bucket:
 class FaultProxy:
     """A TCP proxy on 127.0.0.1 in front of the S3 server that fails on demand: ``mode`` is ``"pass"``
     (bytes piped both ways), ``"503"`` (each request answered ``503 Slow Down``, then the connection
-    closed) or ``"reset"`` (each connection closed at once, a reset for the client). ``failed`` counts
+    closed), ``"reset"`` (each connection closed at once, a reset for the client) or ``"stall"`` (each
+    connection accepted and never answered, a hung server). ``failed`` counts
     the connections it failed. Setting ``mode`` affects new connections only; :meth:`fail` also cuts the
     connections the client keeps alive (a server that went down under a transfer)."""
 
@@ -135,17 +136,24 @@ class FaultProxy:
         self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._stop = False
         self._live: set = set()  # the sockets of piped connections
+        self._held: list = []  # the connections of mode "stall"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
         self._stop = True
         self._sock.close()
+        for c in self._held:
+            c.close()
 
     def fail(self, mode: str) -> None:
-        """Fail every new connection the ``mode`` way and reset the live ones (requests in flight fail)."""
+        """Fail every new connection the ``mode`` way and reset the live ones (requests in flight fail), the
+        held ones of mode ``"stall"`` too (``fail("pass")``: a hung server that answers again)."""
         import socket
         import struct
         self.mode = mode
+        held, self._held = self._held, []
+        for c in held:
+            c.close()
         for s in list(self._live):
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -169,6 +177,10 @@ class FaultProxy:
             self.failed += 1
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
             conn.close()
+            return
+        if mode == "stall":  # accepted, never answered (a hung server): held until the proxy closes
+            self.failed += 1
+            self._held.append(conn)
             return
         if mode == "503":
             self.failed += 1

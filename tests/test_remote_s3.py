@@ -36,7 +36,8 @@ def test_H1_H4_round_trip_native_layout_and_fresh_node_resume(snap_env, s3_bucke
     """2 ranks save steps 1 and 2 to disk with remote_dir set: the server holds both in the native layout,
     each with its manifest object (sizes and checksums equal to the local manifest) and the tracker object
     naming step 2. With the local directory deleted (a fresh node), a restart resumes step 2 from the remote
-    tier, bitwise equal, and the local directory is rebuilt as a committed checkpoint."""
+    tier, bitwise equal, and the local directory is rebuilt as a committed checkpoint. A bit flipped in rank 1's
+    local file then: the remote copy replaces the local one and step 2 loads again on both ranks."""
     url = s3_bucket.url("run")
     outs = run_ranks("remote_worker.py", 2, ["save", snap_env.ckpt_dir, url, "1,2"], snap_env.env, timeout=90)
     assert all(r["saved"] == [1, 2] for r in _results(outs))
@@ -61,6 +62,17 @@ def test_H1_H4_round_trip_native_layout_and_fresh_node_resume(snap_env, s3_bucke
     d = os.path.join(snap_env.ckpt_dir, "step_00000002")
     assert sorted(os.listdir(d)) == [".snapckpt", "rank_00000.pt", "rank_00001.pt"]
     assert open(os.path.join(snap_env.ckpt_dir, "latest")).read() == "step_00000002"
+    assert not [n for n in os.listdir(snap_env.ckpt_dir) if ".download-" in n]
+
+    # a bit of rank 1's local file flips: rank 1's read fails its checksum, rank 0 replaces the local copy by the
+    # remote one while rank 1 waits, and both read step 2 again (not step 1)
+    path = os.path.join(d, "rank_00001.pt")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(path, "wb").write(data)
+    res = _results(run_ranks("remote_worker.py", 2, ["load", snap_env.ckpt_dir, url], snap_env.env, timeout=90))
+    assert all(r == {"latest": 2, "step": 2, "tier": "disk", "equal": True} for r in res), res
+    assert open(path, "rb").read() != bytes(data)
     assert not [n for n in os.listdir(snap_env.ckpt_dir) if ".download-" in n]
 
 
@@ -710,5 +722,259 @@ def test_H2_remote_only_store_failing_mid_upload_fails_the_save_keeps_the_previo
             # what step 2 left is deleted once the store answers (after step 4's commit, in the background)
             assert wait_until(lambda: not s3_bucket.keys("run/step_00000002/"), timeout=30), _remote_layout(s3_bucket)
             assert wait_until(lambda: not s3_bucket.multipart_uploads("run/"), timeout=30)
+    finally:
+        proxy.close()
+
+
+def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_env, s3_bucket, monkeypatch):
+    """A node replaced (empty checkpoint_dir, no memory tier) whose remote tier answers the start's probe but
+    then fails the load's listing (503 Slow Down through the fault proxy): latest_step() and load() raise
+    RemoteStorageError naming the URL and the cause, never None / "not found" (before: latest_step() was
+    None, the job trained from step 0 and its uploads replaced the remote checkpoints). Once the store
+    answers, the same Checkpointer loads step 2 from the remote tier. With a local checkpoint, an
+    unlistable store is a warning and the local step loads; so it is on a first run (the start created the
+    remote directory's owner record: nothing of the job is there), which starts afresh."""
+    import torch
+
+    import s3server
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.errors import RemoteStorageError
+
+    url = s3_bucket.url("run")
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
+    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        for s in (1, 2):
+            ck.save(states[s], s, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    shutil.rmtree(snap_env.ckpt_dir)
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore's attempts per request
+    try:
+        with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+            proxy.mode = "503"
+            for call in (ck.latest_step, ck.load):
+                with pytest.raises(RemoteStorageError, match="cannot be listed") as ei:
+                    call()
+                assert url in str(ei.value) and "reduce your request rate" in str(ei.value), str(ei.value)
+                assert os.environ["AWS_SECRET_ACCESS_KEY"] not in str(ei.value)
+            proxy.mode = "pass"
+            got = ck.load()
+            assert ck.last_load.step == 2 and torch.equal(got["w"], states[2]["w"])
+            proxy.mode = "503"
+            assert ck.latest_step() == 2  # on disk now: the store's outage is only a warning
+            proxy.mode = "pass"
+        assert wait_until(lambda: not snap_env.persisters(), timeout=60)
+        # a first run (this start created the remote directory's owner record): nothing of it can be hidden there
+        with Checkpointer(os.path.join(snap_env.tmp, "first"), remote_dir=s3_bucket.url("first"),
+                          persister_idle_timeout_secs=20) as ck:
+            proxy.mode = "503"
+            assert ck.latest_step() is None
+            proxy.mode = "pass"
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "garbled_manifest", "bit_flip_of_another_save",
+                                    "no_manifest"])
+def test_H4_a_damaged_local_copy_is_replaced_by_its_intact_remote_copy(snap_env, s3_bucket, damage):
+    """Steps 1 and 2 committed locally and uploaded; then a bit of the local step 2's data file flips (its
+    size stays: the listing's quick check passes, the read fails its checksum) or the file is truncated (the
+    listing skips it as damaged). The remote tier holds the same save of step 2, intact: load() replaces the
+    local copy by a verified download and loads step 2 bitwise (before: step 1 was loaded, a step lost
+    although an intact copy existed; the truncated copy even made the download fail with FileExistsError);
+    so is one whose manifest is garbled. A local directory holding another save of the step, or no manifest
+    file (not snapckpt's), is never replaced: step 1 loads."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
+    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        for s in (1, 2):
+            ck.save(states[s], s, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    d = os.path.join(snap_env.ckpt_dir, "step_00000002")
+    data = [f for f in os.listdir(d) if not f.startswith(".")]
+    assert data, os.listdir(d)
+    path = os.path.join(d, data[0])
+    if damage == "bit_flip_of_another_save":  # as if step 2 had been saved again locally, not uploaded
+        m = json.load(open(os.path.join(d, ".snapckpt", "manifest.json")))
+        m["created_unix"] += 1
+        open(os.path.join(d, ".snapckpt", "manifest.json"), "w").write(json.dumps(m))
+    mpath = os.path.join(d, ".snapckpt", "manifest.json")
+    if damage == "garbled_manifest":
+        open(mpath, "wb").write(b'{"step": 2, "fi')
+    if damage == "no_manifest":  # not snapckpt's directory any more: never touched
+        os.unlink(mpath)
+    if damage.startswith("bit_flip"):
+        b = bytearray(open(path, "rb").read())
+        b[len(b) // 2] ^= 1
+        open(path, "wb").write(b)
+    else:
+        os.truncate(path, 10)
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        got = ck.load()
+        if damage == "bit_flip_of_another_save":
+            assert ck.last_load.step == 1 and torch.equal(got["w"], states[1]["w"]), ck.last_load
+            assert open(path, "rb").read() == bytes(b)  # left as it was
+            return
+        if damage == "no_manifest":
+            assert ck.last_load.step == 1 and torch.equal(got["w"], states[1]["w"]), ck.last_load
+            assert os.path.exists(path) and not os.path.exists(mpath)  # left as it was
+            return
+        assert ck.last_load.step == 2 and ck.last_load.tier == StorageType.DISK, ck.last_load
+        assert torch.equal(got["w"], states[2]["w"]) and got["step"] == 2
+        assert sorted(os.listdir(snap_env.ckpt_dir)) == ["latest", "step_00000001", "step_00000002"], \
+            os.listdir(snap_env.ckpt_dir)  # the damaged copy replaced, nothing hidden left
+        assert ck.latest_step() == 2
+
+
+def test_two_jobs_starting_at_once_on_one_remote_directory_one_is_refused(tmp_path, s3_bucket, monkeypatch):
+    """Two jobs (say a sweep launched with one remote_dir for all) claim the same remote directory at the same
+    moment: both read "no owner" before either writes (a barrier in the read makes the race certain). Exactly
+    one claim wins; the other raises RemoteStorageError naming the winner (before: both passed, the second
+    write replaced the first owner record, and the jobs replaced each other's checkpoints)."""
+    import threading
+
+    from snapckpt.errors import RemoteStorageError
+    from snapckpt.storage.remote import RemoteStore
+
+    url = s3_bucket.url("shared")
+    barrier = threading.Barrier(2, timeout=30)
+    real_read = RemoteStore._read
+
+    def racing_read(self, path):
+        try:
+            return real_read(self, path)
+        finally:
+            if path.endswith(RemoteStore.OWNER):
+                try:
+                    barrier.wait()  # only the first read of each job: the barrier breaks afterwards
+                except threading.BrokenBarrierError:
+                    pass
+
+    monkeypatch.setattr(RemoteStore, "_read", racing_read)
+    out = {}
+
+    def job(name):
+        try:
+            out[name] = RemoteStore(url).claim(str(tmp_path / name), None)
+        except Exception as e:
+            out[name] = e
+        finally:
+            barrier.abort()
+
+    threads = [threading.Thread(target=job, args=(n,)) for n in ("job_a", "job_b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    errors = [v for v in out.values() if isinstance(v, Exception)]
+    assert len(out) == 2 and len(errors) == 1, out
+    assert isinstance(errors[0], RemoteStorageError) and "is the remote tier of another job" in str(errors[0])
+    winner = next(v for v in out.values() if isinstance(v, dict))
+    assert winner["checkpoint_dir"] in str(errors[0])
+    assert json.loads(s3_bucket.get("shared/.snapckpt-owner.json")) == winner
+
+
+@pytest.mark.timeout(150)  # the hang guard: before the bound, the start alone took over 6 minutes
+def test_a_hung_store_is_an_error_within_the_coordination_timeout_at_start_and_at_load(snap_env, s3_bucket,
+                                                                                     monkeypatch):
+    """A store that accepts connections but never answers (a hung server: the fault proxy's "stall" mode).
+    At start the access probe is given up after half the coordination timeout (5 s here) with
+    RemoteStorageError naming the URL and "did not answer" (before: s3fs's 15 s read timeout times botocore's
+    attempts times s3fs's retries held rank 0 for over 6 minutes, and the other ranks' wait ended first with
+    "rank 0 did not answer"). At load, a listing that does not answer is given up the same way: with
+    nothing local, RemoteStorageError; with a local checkpoint, that one loads."""
+    import torch
+
+    import s3server
+    from snapckpt import Checkpointer, StorageType
+    from snapckpt.errors import RemoteStorageError
+
+    url = s3_bucket.url("run")
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=5, coordination_timeout_secs=10)
+    try:
+        proxy.mode = "stall"
+        with pytest.raises(RemoteStorageError, match="did not answer") as ei:
+            Checkpointer(snap_env.ckpt_dir, **opts)
+        assert url in str(ei.value) and "AWS_ENDPOINT_URL" in str(ei.value), str(ei.value)
+        assert not snap_env.persisters()
+        proxy.mode = "pass"
+        w = torch.arange(8.0)
+        with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+            ck.save({"w": w}, 1, StorageType.DISK).wait()
+        assert wait_until(lambda: not snap_env.persisters(), timeout=90)  # its upload of step 1 done
+        assert s3_bucket.get("run/latest") == b"step_00000001"
+        shutil.rmtree(snap_env.ckpt_dir)  # a replaced node
+        with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+            proxy.mode = "stall"
+            with pytest.raises(RemoteStorageError, match="did not answer within 5 s"):
+                ck.latest_step()
+            proxy.fail("pass")  # the server answers again: requests held on its connections retry at once
+            got = ck.load()
+            assert ck.last_load.step == 1 and torch.equal(got["w"], w)  # downloaded
+            proxy.mode = "stall"
+            got = ck.load()  # the local step; the store's silence only a warning
+            assert ck.last_load.step == 1 and torch.equal(got["w"], w)
+            proxy.fail("pass")
+        assert wait_until(lambda: not snap_env.persisters(), timeout=90)
+    finally:
+        proxy.close()
+
+
+def test_cli_given_one_remote_checkpoint_names_its_parent(tmp_path, s3_bucket, capsys):
+    """``snapckpt ls`` / ``verify`` of one checkpoint's prefix (``s3://b/run/step_00000001``, a natural slip) exit 2
+    saying it is one checkpoint and naming the directory to pass, as for a local step directory (before: ``ls``
+    printed "no checkpoints under ..." and exited 0, ``verify`` "no committed checkpoint")."""
+    from snapckpt.cli.main import main as cli
+    from snapckpt.persister.uploader import Uploader, UploadJob
+
+    d1, m1 = _local_checkpoint(str(tmp_path / "src"), 1, {"a.bin": b"a" * 100})
+    url = s3_bucket.url("run")
+    up = Uploader(lambda: None)
+    up.submit(UploadJob("run1", url, d1, "step_00000001", m1, None, "latest", "step_00000001"))
+    up.shutdown()
+    assert s3_bucket.get("run/latest") == b"step_00000001"
+    for cmd in ("ls", "verify"):
+        for arg in (f"{url}/step_00000001", f"{url}/step_00000001/"):
+            with pytest.raises(SystemExit) as ei:
+                cli([cmd, arg])
+            assert ei.value.code == 2
+            err = capsys.readouterr().err
+            want = f"{url}/step_00000001 is one checkpoint, not a checkpoint directory: pass its parent {url}"
+            assert want in err, err
+    assert cli(["verify", url]) == 0
+    assert "step_00000001" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(150)  # the hang guard
+def test_H_remote_only_a_hung_store_at_load_is_an_error_within_the_coordination_timeout(snap_env, s3_bucket,
+                                                                                        monkeypatch):
+    """Remote-only mode, the store hung (accepts connections, never answers) when the job asks for its newest
+    step with nothing in memory: latest_step() raises CheckpointCorruptError saying the store did not answer,
+    after half the coordination timeout (before: the listing held rank 0 for the client's timeouts and retries,
+    minutes, longer than any other rank waits for it). Never None (a fresh start)."""
+    import s3server
+    from snapckpt import Checkpointer
+    from snapckpt.errors import CheckpointCorruptError
+
+    url = s3_bucket.url("run")
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        with Checkpointer(url, persister_idle_timeout_secs=5, coordination_timeout_secs=10) as ck:
+            proxy.mode = "stall"
+            with pytest.raises(CheckpointCorruptError, match="did not answer within 5 s"):
+                ck.latest_step()
+            proxy.fail("pass")
+            assert ck.latest_step() is None  # nothing saved yet: a fresh start once the store answers
+        assert wait_until(lambda: not snap_env.persisters(), timeout=90)
     finally:
         proxy.close()

@@ -25,10 +25,22 @@ TRACKERS = ("latest", "latest_checkpointed_iteration.txt")
 
 
 def _store(parser: argparse.ArgumentParser, url: str) -> RemoteStore:
+    """The store of ``url``; exit 2 when the URL cannot be used, or names one checkpoint (its prefix holds a
+    manifest or an upload marker) instead of the checkpoint directory: ``ls`` said "no checkpoints" and
+    ``verify`` "no committed checkpoint" of a checkpoint that was there, as ``ls DIR`` of a step directory
+    does not."""
     try:
-        return RemoteStore(url, role="URL")
+        store = RemoteStore(url, role="URL")
     except RemoteStorageError as e:
         fail(parser, str(e))
+    try:
+        one = store.fs.exists(store._path(MANIFEST)) or store.fs.exists(store._path(REMOTE_MARKER))
+    except Exception:  # the listing that follows names why the store cannot be read
+        one = False
+    if one:
+        fail(parser, f"{store.url} is one checkpoint, not a checkpoint directory: pass its parent "
+                     f"{store.url.rsplit('/', 1)[0]}")
+    return store
 
 
 def _rows(store: RemoteStore) -> List[Dict[str, Any]]:

@@ -44,7 +44,7 @@ from snapckpt.options import CheckpointOptions
 from snapckpt.persister.client import job_key
 from snapckpt.storage.factory import check_location, open_storage, remote_only_url
 from snapckpt.storage.posix import PosixStorage
-from snapckpt.storage.remote import RemoteStore
+from snapckpt.storage.remote import PROBE_TIMEOUT_SECS, RemoteStore
 
 __all__ = ["Checkpointer", "LoadCandidate", "LoadInfo", "check_step"]
 
@@ -270,7 +270,7 @@ class Checkpointer:
         if self._coord.rank == 0:
             try:
                 store = RemoteStore(url)
-                store.check_access()
+                store.check_access(timeout=min(PROBE_TIMEOUT_SECS, timeout / 2))
                 store.claim(self.checkpoint_dir, self.options.job_id)
             except RemoteStorageError as e:
                 error = {"error": str(e), "type": type(e).__name__}
@@ -310,7 +310,7 @@ class Checkpointer:
         if self._coord.rank == 0:
             try:
                 store = RemoteStore(self.checkpoint_dir, role="checkpoint_dir")
-                store.check_access()
+                store.check_access(timeout=min(PROBE_TIMEOUT_SECS, timeout / 2))
                 owner = store.claim(self.checkpoint_dir, self.options.job_id)
                 ident = f"remote:{owner.get('dir_id') or owner.get('created_unix', '')}"
             except RemoteStorageError as e:

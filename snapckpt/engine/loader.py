@@ -30,14 +30,14 @@ from snapckpt.engine.session import PersisterSession
 from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.persister.slot_index import read_index, read_slot
 from snapckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, IncompatibleCheckpointError,
-                             UnsafeCheckpointError, all_damaged_error)
+                             RemoteStorageError, UnsafeCheckpointError, all_damaged_error)
 from snapckpt.events import Event, StorageType
 from snapckpt.ondisk import layout
 from snapckpt.ondisk.manifest import (MANIFEST, check_checksums, check_sizes, list_committed, parse_manifest,
                                      present_files)
 from snapckpt.options import CheckpointOptions
 from snapckpt.storage.posix import PosixStorage
-from snapckpt.storage.remote import RemoteStore, remove_download_leftovers
+from snapckpt.storage.remote import NoAnswer, RemoteStore, call_bounded, remove_download_leftovers
 
 __all__ = ["LoadCandidate", "LoadInfo", "Loader"]
 
@@ -167,6 +167,7 @@ class Loader:
         self._warned_damaged: Set[str] = set()  # damaged directories warned of: latest_step() + load() say it once
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self._listed: Dict[str, List[Any]] = {}  # dirname -> _identity of the manifest rank 0 listed
+        self._remote_dirs: Set[str] = set()
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
         self._remote_only = remote_only
@@ -211,13 +212,16 @@ class Loader:
                 if p not in self._warned_damaged:
                     self._warned_damaged.add(p)
                     log.warning("not a loadable checkpoint: %s", p)
-        remote = self._remote_listing() if self.rank == 0 else []
+        remote, remote_error = self._remote_listing() if self.rank == 0 else ([], "")
         holds = self._holdings()
         everyone = self._coord.all_gather("candidates", {"mem": mem, "disk": disk, "damaged": problems,
-                                                         "remote": remote, "holds": holds,
+                                                         "remote": remote, "remote_error": remote_error,
+                                                         "holds": holds,
                                                          "node": self._topology.node_index},
                                           self.options.coordination_timeout_secs)
         self._damaged = everyone[0]["damaged"]
+        #: dirnames the remote tier listed as committed (of this world size): a damaged local copy is replaced
+        self._remote_dirs = {r[1] for r in everyone[0]["remote"] if r[2] == self.world_size}
         tier = memory_tier(everyone, self.world_size)
         self._sources = tier.sources
         common = tier.complete
@@ -237,6 +241,14 @@ class Loader:
         if fetched is not None:
             cands.insert(0, (fetched[0], "disk", fetched[1]))
         self._warn_lost_memory(everyone, tier, cands)  # after the remote tier's step: it may be the newest
+        if not cands and everyone[0]["remote_error"]:
+            # a fresh start would upload over the remote checkpoints (and its retention delete them)
+            raise RemoteStorageError(
+                f"remote_dir {self._remote_url()!r} cannot be listed ({everyone[0]['remote_error']}) and neither "
+                f"memory nor {self.checkpoint_dir} holds a checkpoint: the remote tier may hold this job's "
+                "checkpoints, so nothing is loaded rather than starting from step 0; retry once the store "
+                "answers (check the endpoint, AWS_ENDPOINT_URL, the network and the credentials), or give a "
+                "new remote_dir to start afresh on purpose")
         if not cands and wrong:
             raise IncompatibleCheckpointError(
                 f"{self.checkpoint_dir} holds checkpoints written by world size "
@@ -252,9 +264,16 @@ class Loader:
         if not self._remote_only:
             return list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
                                   problems=problems, name_pattern=layout.STEP_DIR_PATTERN)
+        secs = self.options.coordination_timeout_secs / 2  # answered before the other ranks' wait ends
+        found: List[str] = []  # the listing's own list: a listing given up may still append to it
         try:
-            return [c for c in self._store().list_committed(problems)
-                    if layout.STEP_DIR_PATTERN.fullmatch(c.dirname)]
+            listed = call_bounded(lambda: self._store().list_committed(found), secs)
+            problems.extend(found)
+            return [c for c in listed if layout.STEP_DIR_PATTERN.fullmatch(c.dirname)]
+        except NoAnswer:
+            problems.append(f"{self.checkpoint_dir}: cannot be listed (the store did not answer within {secs:g} s: "
+                            "stalled, overloaded or unreachable)")
+            return []
         except Exception as e:
             problems.append(f"{self.checkpoint_dir}: cannot be listed ({type(e).__name__}: {str(e)[:300]})")
             return []
@@ -294,18 +313,33 @@ class Loader:
         log.warning("rank %d: step %d was not in this node's memory: fetched from %s in %.3f s", self.rank, step,
                     self._fetched, time.perf_counter() - t0)
 
-    def _remote_listing(self) -> List[List[Any]]:
-        """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` (``[]`` without a
-        remote tier, or when it cannot be listed: a warning, and the local tiers go on)."""
+    def _remote_listing(self) -> Tuple[List[List[Any]], str]:
+        """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` and ``""``;
+        ``([], "")`` without a remote tier; ``([], "Type: cause")`` when it cannot be listed (a warning: the
+        local tiers go on, and :meth:`candidates` refuses a fresh start when they hold nothing), except when
+        this start created the directory's owner record (a first run: ``([], "")``, it holds nothing of it)."""
         if self._remote is None or self._remote_only:
-            return []
+            return [], ""
         remove_download_leftovers(self.checkpoint_dir)  # of a download killed in an earlier run
+        secs = self.options.coordination_timeout_secs / 2  # answered before the other ranks' wait ends
         try:
-            return [[c.step, c.dirname, c.manifest["world_size"]] for c in self._remote.list_committed()]
+            listed = call_bounded(self._remote.list_committed, secs)
+            return [[c.step, c.dirname, c.manifest["world_size"]] for c in listed], ""
         except Exception as e:
-            log.warning("remote tier %s cannot be listed (%s: %s); loading from memory and %s only",
-                        self._remote.url, type(e).__name__, str(e)[:300], self.checkpoint_dir)
-            return []
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            if isinstance(e, NoAnswer):
+                cause = f"the store did not answer within {secs:g} s (stalled, overloaded or unreachable)"
+            if self._remote.claimed_new:  # this start made the owner record: nothing of this job can be there
+                log.warning("remote tier %s cannot be listed (%s); it held no checkpoint of this job when it "
+                            "started", self._remote.url, cause)
+                return [], ""
+            log.warning("remote tier %s cannot be listed (%s); loading from memory and %s only",
+                        self._remote.url, cause, self.checkpoint_dir)
+            return [], cause
+
+    def _remote_url(self) -> str:
+        """``remote_dir`` for messages (rank 0 holds the store; every rank has the option)."""
+        return self._remote.url if self._remote is not None else str(self.options.resolved_remote_dir)
 
     def _fetch_remote(self, remote: List[List[Any]], disk_all: List[List[Any]],
                       cands: List[Tuple[int, str, Optional[str]]], step: Optional[int]) -> Optional[Tuple[int, str]]:
@@ -330,7 +364,7 @@ class Loader:
                 try:
                     t0 = time.perf_counter()
                     c = committed[best[1]]
-                    self._remote.download(c, self.checkpoint_dir, fsync=self.options.fsync)
+                    self._download(c)
                     log.info("rank 0: step %d downloaded from %s in %.3f s", best[0], c.url, time.perf_counter() - t0)
                     got = [best[0], best[1]]
                     break
@@ -343,6 +377,60 @@ class Loader:
                                         self.options.coordination_timeout_secs)[0]
         self._damaged = list(self._damaged) + agreed["failed"]
         return None if agreed["got"] is None else (agreed["got"][0], agreed["got"][1])
+
+    def _download(self, c: Any) -> None:
+        """Rank 0: download the remote checkpoint ``c`` into ``checkpoint_dir``. A local directory of that name
+        (one found damaged: not listed as committed, or refused by a read) is replaced when its manifest names the
+        same save (run and commit time) or is there but unreadable; a directory of another save, and one without a
+        manifest file (not written by snapckpt: never touched), stays.
+
+        Raises:
+            FileExistsError: the local directory holds another save of the step, or no manifest file.
+            CheckpointCorruptError / the store's errors: the download failed (the local directory untouched).
+        """
+        final = os.path.join(self.checkpoint_dir, c.dirname)
+        replace = os.path.lexists(final)
+        if replace:
+            mpath = os.path.join(final, MANIFEST)
+            if not os.path.lexists(mpath):
+                raise FileExistsError(f"{final} exists without a snapckpt manifest; not replaced by {c.url}")
+            try:
+                here = _identity(parse_manifest(self._storage.read_bytes(mpath), c.dirname, source=mpath))
+            except (OSError, ValueError, CheckpointCorruptError):
+                here = None
+            if here is not None and here != _identity(c.manifest):
+                raise FileExistsError(f"{final} holds another save of step {c.step} (run {here[0]} committed at "
+                                      f"{here[1]}) than {c.url}; not replaced")
+        self._remote.download(c, self.checkpoint_dir, fsync=self.options.fsync, replace=replace)
+
+    def _repair_from_remote(self, step: int, dirname: str, bad: Dict[int, Dict[str, Any]]) -> bool:
+        """After the local copy ``dirname`` of ``step`` failed its read on the ranks ``bad`` as damaged: when the
+        remote tier listed the same save of it, rank 0 replaces the local copy by a verified download while the
+        other ranks wait. Return whether every rank may read it again (the same answer on every rank)."""
+        if (dirname not in self._remote_dirs or dirname not in self._listed
+                or any(p.get("vanished") for p in bad.values())):
+            return False
+        got, error = False, ""
+        if self.rank == 0:
+            try:
+                c = {c.dirname: c for c in self._remote.list_committed()}.get(dirname)
+                if c is None:
+                    error = "no longer committed in the remote tier"
+                elif _identity(c.manifest) != self._listed[dirname]:
+                    error = f"the remote tier holds another save of step {step}"
+                else:
+                    self._download(c)
+                    got = True
+            except Exception as e:
+                error = f"{type(e).__name__}: {str(e)[:500]}"
+            if got:
+                log.warning("step %d (%s) failed its checks on ranks %s: replaced by the intact copy downloaded "
+                            "from the remote tier %s; reading it again", step, dirname, sorted(bad), self._remote.url)
+            else:
+                log.warning("step %d (%s) failed its checks on ranks %s; its remote copy cannot replace it: %s",
+                            step, dirname, sorted(bad), error)
+        return bool(self._coord.all_gather("remote repair", {"got": got},
+                                           self.options.coordination_timeout_secs)[0]["got"])
 
     def _warn_lost_memory(self, everyone: List[Dict[str, Any]], tier: MemoryTier,
                           cands: List[Tuple[int, str, Optional[str]]]) -> None:
@@ -592,6 +680,8 @@ class Loader:
         for cstep, tier, key in cands:
             cand = LoadCandidate(self, cstep, StorageType.MEMORY if tier == "memory" else StorageType.DISK, key)
             result, bad = self._try(cand, check, fn)
+            if bad and tier == "disk" and self._repair_from_remote(cstep, key, bad):
+                result, bad = self._try(cand, check, fn)
             if not bad:
                 t1 = time.perf_counter()
                 self.last_load = LoadInfo(cstep, cand.tier, t1 - t0, tuple(errors),

@@ -35,6 +35,7 @@ import os
 import posixpath
 import shutil
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError, RemoteURLError
 from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum)
 
-__all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url"]
+__all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url", "call_bounded",
+           "NoAnswer", "PROBE_TIMEOUT_SECS"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ REMOTE_MARKER = f"{SIDECAR}/remote.json"
 BLOCK_NBYTES = 16 << 20
 #: Files of one checkpoint uploaded or downloaded at once.
 PARALLEL_FILES = 4
+#: The most seconds the start's access probe may take (less when half the coordination timeout is less):
+#: a store that accepts connections but never answers would otherwise hold rank 0 for minutes while the
+#: other ranks' wait for it times out with a misleading "rank 0 did not answer".
+PROBE_TIMEOUT_SECS = 60.0
 #: Parts of one file in flight at once (S3): with the files, at most
 #: ``PARALLEL_FILES * PART_CONCURRENCY * block_nbytes`` bytes (256 MiB by default) of a checkpoint in memory.
 PART_CONCURRENCY = 4
@@ -108,6 +114,9 @@ class RemoteStore:
                                  "another scheme works when its fsspec filesystem stores objects)") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
+        #: :meth:`claim` created the owner record (no job had used the directory): it holds none of this job's
+        #: checkpoints, so a listing that fails cannot hide one
+        self.claimed_new = False
 
     # ----------------------------------------------------------------------------------- helpers
     def _path(self, *parts: str) -> str:
@@ -126,19 +135,34 @@ class RemoteStore:
             f.write(data)
 
     # ------------------------------------------------------------------------------------ checks
-    def check_access(self) -> None:
+    def check_access(self, timeout: Optional[float] = None) -> None:
         """Check that the remote directory can be listed and written (a small probe object is written and
         deleted). Called by :class:`~snapckpt.Checkpointer` at start, before training.
 
+        Args:
+            timeout: seconds the probe may take (``None``: the client's own timeouts and retries, which for a
+                store that accepts connections but never answers add up to minutes: s3fs's 15 s read timeout,
+                botocore's attempts, s3fs's retries).
+
         Raises:
-            RemoteStorageError: the bucket does not exist, the credentials are missing or refused, or the
-                endpoint cannot be reached; the message names the URL, the cause and the fix, never a key.
+            RemoteStorageError: the bucket does not exist, the credentials are missing or refused, the
+                endpoint cannot be reached, or it did not answer within ``timeout``; the message names the
+                URL, the cause and the fix, never a key.
         """
         probe = self._path(f".snapckpt-probe-{uuid.uuid4().hex[:12]}")
-        try:
+
+        def run() -> None:
             self._write(probe, b"snapckpt access probe\n")
             self.fs.rm_file(probe)
             self.fs.invalidate_cache()
+
+        try:
+            call_bounded(run, timeout)
+        except NoAnswer as e:
+            raise RemoteStorageError(
+                f"{self.role} {self.url!r}: the store did not answer a probe object's write within {timeout:g} s "
+                "(stalled, overloaded or unreachable); check the endpoint (AWS_ENDPOINT_URL for an S3-compatible "
+                "store), the network and the store's health") from e
         except FileNotFoundError as e:
             raise self._no_bucket(e) from e
         except PermissionError as e:
@@ -197,14 +221,23 @@ class RemoteStore:
         where = checkpoint_dir if is_remote_url(checkpoint_dir) else os.path.realpath(checkpoint_dir)
         me = {"checkpoint_dir": where, "job_id": job_id or ""}
         path = self._path(self.OWNER)
-        try:
-            owner = json.loads(self._read(path))
-            if not isinstance(owner, dict):
-                owner = None
-        except FileNotFoundError:
-            owner = None
-        except (ValueError, UnicodeDecodeError):
-            owner = None  # unreadable: rewritten below
+        for _ in range(3):
+            absent = False
+            try:
+                owner = json.loads(self._read(path))
+                if not isinstance(owner, dict):
+                    owner = None
+            except FileNotFoundError:
+                owner, absent = None, True
+            except (ValueError, UnicodeDecodeError):
+                owner = None  # unreadable: rewritten below
+            if owner is None and absent:
+                mine = {**me, "host": socket.gethostname(), "created_unix": time.time(), "dir_id": uuid.uuid4().hex}
+                if self._create(path, json.dumps(mine).encode()):
+                    self.claimed_new = True
+                    return mine
+                continue  # another job created it since the read (two jobs started at once): check against it
+            break
         if owner is not None and {k: owner.get(k) for k in me} != me:
             raise RemoteStorageError(
                 f"{self.role} {self.url!r} is the remote tier of another job (checkpoint_dir "
@@ -216,6 +249,23 @@ class RemoteStore:
             owner = {**me, "host": socket.gethostname(), "created_unix": time.time(), "dir_id": uuid.uuid4().hex}
             self._write(path, json.dumps(owner).encode())
         return owner
+
+    def _create(self, path: str, data: bytes) -> bool:
+        """Write the small object ``path`` only if it does not exist (S3's conditional PUT, ``If-None-Match:
+        *``); return ``False`` when it exists. A store that refuses the condition (an S3-compatible store
+        without conditional writes) and other schemes get a plain write: the claim is then read-then-write,
+        as before."""
+        if "s3" in _protocols(self.fs):
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except Exception as e:  # 501 NotImplemented and the like: no conditional writes there
+                log.info("remote: %s refused a conditional write (%s); writing it plainly", self.display(),
+                         _cause(e))
+        self._write(path, data)
+        return True
 
     # ------------------------------------------------------------------------------------ listing
     def _dirs(self) -> List[str]:
@@ -521,17 +571,22 @@ class RemoteStore:
                                          f"{rec['nbytes']} bytes, {want} (corrupted in the store)")
 
     # ----------------------------------------------------------------------------------- download
-    def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True) -> str:
+    def download(self, c: RemoteCommitted, checkpoint_dir: str, *, fsync: bool = True, replace: bool = False) -> str:
         """Download the remote checkpoint ``c`` into ``<checkpoint_dir>/<dirname>`` with every checksum
         verified, the local way: a hidden partial directory, the manifest written last, a rename; then the
         tracker file the upload recorded (if any). Return the local path.
 
+        ``replace``: an existing ``<checkpoint_dir>/<dirname>`` (a local copy the caller found damaged) is
+        replaced once the download is complete and verified (renamed to a hidden ``.download-`` name, which
+        :func:`remove_download_leftovers` also removes if this process is killed in between, then deleted).
+
         Raises:
-            CheckpointCorruptError: a remote object fails its size or checksum (nothing is left locally).
-            FileExistsError: ``<checkpoint_dir>/<dirname>`` already exists.
+            CheckpointCorruptError: a remote object fails its size or checksum (nothing is left locally, and
+                a directory to replace is untouched).
+            FileExistsError: ``<checkpoint_dir>/<dirname>`` already exists and ``replace`` is false.
         """
         final = os.path.join(checkpoint_dir, c.dirname)
-        if os.path.exists(final):
+        if os.path.exists(final) and not replace:
             raise FileExistsError(f"{final} exists; not overwritten by the download of {c.url}")
         remove_download_leftovers(checkpoint_dir)
         partial = os.path.join(checkpoint_dir, f".{c.dirname}.download-{uuid.uuid4().hex[:12]}")
@@ -544,10 +599,17 @@ class RemoteStore:
                 for f in futs:
                     f.result()
             _write_local(os.path.join(partial, MANIFEST), json.dumps(c.manifest, indent=1).encode(), fsync)
+            old = None
+            if os.path.lexists(final):  # replace: the damaged copy goes aside only now
+                old = os.path.join(checkpoint_dir, f".{c.dirname}.download-replaced-{uuid.uuid4().hex[:12]}")
+                os.rename(final, old)
             os.rename(partial, final)
             PosixStorage(fsync=fsync).fsync_dir(checkpoint_dir)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+                log.warning("remote: replaced the damaged local copy of step %d (%s) by the intact one "
+                            "downloaded from %s", c.step, final, c.url)
         except BaseException:
-            import shutil
             shutil.rmtree(partial, ignore_errors=True)
             raise
         try:
@@ -768,6 +830,38 @@ class _S3PartWriter:
         if self.upload_id is not None:
             self._call("abort_multipart_upload", UploadId=self.upload_id)
             self.upload_id = None
+
+
+class NoAnswer(TimeoutError):
+    """:func:`call_bounded` gave up waiting (not a timeout of the client itself)."""
+
+
+def call_bounded(fn: Callable[[], Any], timeout: Optional[float]) -> Any:
+    """``fn()``, but given up after ``timeout`` seconds (``None``: waited for): it runs on a daemon thread,
+    left to end on its own when given up (a store request blocked for the client's own timeouts).
+
+    Raises:
+        NoAnswer: (a ``TimeoutError``) ``fn`` had not returned after ``timeout`` seconds.
+        whatever ``fn`` raised.
+    """
+    if timeout is None:
+        return fn()
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="snapckpt-remote-call", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise NoAnswer(f"no answer within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _protocols(fs) -> tuple:
