@@ -51,6 +51,10 @@ BUFFERS = 4
 #: stay under ``BUFFERS * BUFFER_NBYTES``): the device's queue is kept full by bytes, not by calls (a record's small
 #: head write must not take a large write's place). 0.5 GiB of 8 MiB borrowed records: 0.33-0.37 s with 24 MiB,
 #: 0.32 s with 64 MiB, against 0.29 s for 8 MiB pieces 3 at a time without checksum and headers (load 2-3).
+#: In a ``torch.save`` archive of such records the average is about 26 MiB, not this bound: a record's head goes out
+#: in a bounce buffer, and the head four records later waits for that buffer (``_submit``). Keeping the bound full
+#: (heads in buffers of their own) made the write slower on this project's VM (1.1-1.5 GB/s against 1.8-2.4, issue
+#: 18, docs/performance.md "Time to durable, phase by phase").
 _INFLIGHT_NBYTES = 64 << 20
 #: :meth:`DirectFile.write_borrowed` copies a buffer shorter than this (bytes) as :meth:`DirectFile.write` does.
 BORROW_MIN_NBYTES = 1 << 20
