@@ -15,10 +15,11 @@ import torch
 
 from snapckpt.errors import IncompatibleCheckpointError
 
-__all__ = ["MAX_STEP", "check_shapes", "check_step", "copy_into", "pairs"]
+__all__ = ["MAX_STEP", "check_shapes", "check_step", "copy_into", "copied_in_place", "pairs"]
 
 _SHAPE = attrgetter("shape")
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_EXACT_TENSOR_TYPES = frozenset(_TENSOR_TYPES)
 _MISSING = object()
 MAX_STEP = 2**63 - 1  # steps are signed 64-bit integers in the arena's slot header
 
@@ -52,6 +53,23 @@ def pairs(dst: Any, src: Any) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
                 yield from pairs(dst[k], v)
     elif isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
         yield dst, src
+
+
+def copied_in_place(obj: Any, out: List[torch.Tensor]) -> None:
+    """Append the tensors of ``obj`` that :func:`copy_into` copies into in place when the loaded state has ``obj``'s
+    structure: those reached through dicts only (one in a list or tuple is replaced by a copy), in its walking order
+    (a dict of tensors only by one C-level pass). A function of ``obj``'s structure only: the containers' types and
+    keys and where the tensors are."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        values = list(obj.values())
+        if set(map(type, values)) <= _EXACT_TENSOR_TYPES:
+            out.extend(values)
+            return
+        for v in values:
+            if isinstance(v, (dict, torch.Tensor)):
+                copied_in_place(v, out)
 
 
 def copy_into(dst: Any, src: Any, path: str = "", own: bool = False, skip: AbstractSet[int] = frozenset()) -> Any:

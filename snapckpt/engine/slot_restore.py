@@ -20,6 +20,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from snapckpt.engine.restore import copied_in_place as _copied_in_place
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.stager import Stager, _Layout, direct_views, index_bytes
 from snapckpt.errors import SnapshotError
@@ -29,7 +30,6 @@ from snapckpt.persister.arena import read_header
 __all__ = ["SlotCopies", "find"]
 
 _SHAPE = attrgetter("shape")
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SIZE = itemgetter(2)  # of a _Layout.direct_dst entry
 
 
@@ -61,15 +61,15 @@ def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> 
 
 
 def _find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
-    walked = stager.live_layout(name, dst, distinct_tensors=False)  # _copies checks for a tensor met twice
+    walked = stager.live_match(name, dst, distinct_tensors=False)  # _copies checks for a tensor met twice
     if walked is None:
         return None
-    tensors, key = walked
+    tensors, key, in_place = walked
     for layout in reversed(list(mapped.views)):  # the layouts copied into this mapping, newest first
         tk = layout.tail_key
         if (layout.direct_all and tk is not None and len(tk) == 3 and tk[0] == [name] and tk[2][0] == key
                 and len(tensors) == len(layout.direct_dst) and _holds(mapped, layout, step)):
-            return _copies(mapped, layout, dst, tensors)
+            return _copies(mapped, layout, dst, tensors, in_place)
     return None
 
 
@@ -90,33 +90,22 @@ def _holds(mapped: MappedSlot, layout: _Layout, step: int) -> bool:
             and all(buf[o:o + len(data)] == data for o, data in layout.tail))
 
 
-def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor]) -> Optional[SlotCopies]:
+def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.Tensor],
+            in_place: Optional[bool] = None) -> Optional[SlotCopies]:
+    """The copies of :func:`find` once ``dst`` (whose tensors are ``tensors``) is known to be of ``layout``'s key;
+    ``in_place``: whether :func:`~snapckpt.engine.restore.copy_into` copies every one of them in place (known when
+    the Stager's memo found ``dst``: :meth:`Stager.live_match`), ``None`` when not known (found here)."""
     # The save's check of types, dtypes, shapes and strides (C++): passes when the state is the saved one; it also
     # refuses a tensor object met twice (see stager._Recheck), which the memo's match left to this check.
     r = layout.recheck
     same = r is not None and r.same_tensors(tensors)
     if not same and (list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)) or has_repeats(tensors)):
         return None  # the general path names the mismatches (a tensor twice: the key is not the saved one)
-    if layout.restore_ok is None:
+    if in_place is None and layout.restore_ok is None:
         # copy_into copies a tensor in place only when dicts lead to it (one in a list or tuple is replaced by
         # a copy): this path, which copies every tensor in place, is taken only when that is every tensor.
         dsts: List[torch.Tensor] = []
         _copied_in_place(dst, dsts)
         layout.restore_ok = len(dsts) == len(tensors) and all(map(is_, dsts, tensors))
-    return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views)) if layout.restore_ok else None
-
-
-def _copied_in_place(obj: Any, out: List[torch.Tensor]) -> None:
-    """Append the tensors of ``obj`` that :func:`~snapckpt.engine.restore.copy_into` copies into in place when the
-    loaded state has ``obj``'s structure: those reached through dicts only, in its walking order (a dict of
-    tensors only by one C-level pass)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        values = list(obj.values())
-        if set(map(type, values)) <= _TENSOR_TYPES:
-            out.extend(values)
-            return
-        for v in values:
-            if isinstance(v, (dict, torch.Tensor)):
-                _copied_in_place(v, out)
+    ok = layout.restore_ok if in_place is None else in_place
+    return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views)) if ok else None

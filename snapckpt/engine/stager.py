@@ -43,6 +43,7 @@ from snapckpt.formats import plain_levels
 from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_part
 from snapckpt.engine import mover
 from snapckpt.engine.plain_values import pack, pack_values
+from snapckpt.engine.restore import copied_in_place
 from snapckpt.engine.span_write import SMALL_NBYTES, SlotFile, SpanWrites, write_spans
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
@@ -741,6 +742,9 @@ class _FileMemo:
         split: ``(memo, the structure of its key, the key positions of its values in key order, the marker ids
             before them)``, made with the memo (:func:`_memo_split`): :func:`split_key` of a key the memo found,
             without its passes over the key (``None`` before).
+        in_place: made with the memo: whether :func:`~snapckpt.engine.restore.copy_into` copies every tensor of a
+            state of its structure in place (:func:`_all_in_place`; ``None`` before), which an in-process restore
+            asks (:meth:`Stager.live_match`) instead of walking the state.
     """
 
     key: List[Any]
@@ -748,6 +752,7 @@ class _FileMemo:
     memoizable: bool = True
     structure: Optional[List[Any]] = None
     split: Optional[tuple] = None
+    in_place: Optional[bool] = None
 
 
 def _memo_split(memo: LayoutMemo, structure: Optional[List[Any]] = None) -> tuple:
@@ -755,6 +760,14 @@ def _memo_split(memo: LayoutMemo, structure: Optional[List[Any]] = None) -> tupl
     one pass over a key of millions of items, 10 ms for 20,000 tensors)."""
     at = sorted(memo.value_at)  # every value's item, in key order (split_key's)
     return (memo, split_key(memo.key)[0] if structure is None else structure, at, [id(memo.key[p - 1]) for p in at])
+
+
+def _all_in_place(obj: Any, tensors: List[torch.Tensor]) -> bool:
+    """Whether :func:`~snapckpt.engine.restore.copy_into` copies each of ``tensors`` (``obj``'s, in walking order) in
+    place: all of them are reached through dicts only (a property of ``obj``'s structure)."""
+    dsts: List[torch.Tensor] = []
+    copied_in_place(obj, dsts)
+    return len(dsts) == len(tensors) and all(map(is_, dsts, tensors))
 
 
 class Stager:
@@ -858,6 +871,7 @@ class Stager:
                 fm.memoizable = fm.memo is not None
                 if fm.memo is not None:  # now, in a save that walks anyway: the memo's first match makes none
                     fm.split = _memo_split(fm.memo, structure)
+                    fm.in_place = _all_in_place(obj, walked[0])
         else:
             fm = _FileMemo(walked[1], structure=structure)
         if len(self._memos) >= 4 * self._cache_size:
@@ -871,12 +885,21 @@ class Stager:
         changing what the next save of ``name`` reuses; ``None`` when ``obj`` is not plain.
         ``distinct_tensors=False``: see :meth:`LayoutMemo.match` and :func:`plain_layout` (the caller checks for a
         tensor met twice)."""
+        found = self.live_match(name, obj, distinct_tensors)
+        return None if found is None else found[:2]
+
+    def live_match(self, name: str, obj: Any, distinct_tensors: bool = True
+                   ) -> Optional[Tuple[List[torch.Tensor], List[Any], Optional[bool]]]:
+        """:meth:`live_layout` and, when the memo found ``obj``, whether :func:`~snapckpt.engine.restore.copy_into`
+        copies every tensor of it in place (the memo's :attr:`_FileMemo.in_place`: its structure's); ``None`` in
+        that place when a walk found it."""
         fm = self._memos.get(name)
         if fm is not None and fm.memo is not None:
             found = fm.memo.match(obj, distinct_tensors)
             if found is not None:
-                return found
-        return plain_layout(obj, distinct_tensors)
+                return found[0], found[1], fm.in_place
+        walked = plain_layout(obj, distinct_tensors)
+        return None if walked is None else (walked[0], walked[1], None)
 
     def prepare(self, files: Mapping[str, Any], step: int, *, check_weights_only: bool = False) -> Prepared:
         """See :meth:`_prepare` (the cyclic garbage collector is paused meanwhile: a state of many tensors makes

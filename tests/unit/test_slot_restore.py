@@ -127,14 +127,46 @@ def test_a_live_tensor_put_in_place_of_another_takes_the_general_path():
 
 def test_a_tensor_in_a_list_keeps_copy_into_semantics():
     """copy_into replaces a list (tensors in it are deep copies), it does not copy into its tensors: such a state
-    is left to the general path."""
-    stager, m = Stager(), _slot()
-    state = {"w": torch.rand(2), "hist": [torch.rand(2)]}
-    _save(stager, m, state, 1)
-    assert slot_restore.find(stager, m, NAME, 1, state) is None
-    plain = {"w": torch.rand(2), "betas": [0.9, 0.99]}  # a list of values only: restored here
-    _save(stager, m, plain, 2)
-    assert slot_restore.find(stager, m, NAME, 2, plain) is not None
+    is left to the general path, whether its walk or its memo (made by the second save) finds it."""
+    for saves in (1, 3):
+        stager, m = Stager(), _slot()
+        state = {"w": torch.rand(2), "hist": [torch.rand(2)], "it": 0}
+        for step in range(1, saves + 1):
+            state["it"] = step
+            _save(stager, m, state, step)
+        assert slot_restore.find(stager, m, NAME, saves, state) is None, saves
+        plain = {"w": torch.rand(2), "betas": [0.9, 0.99], "it": 0}  # a list of values only: restored here
+        for step in range(saves + 1, 2 * saves + 1):
+            plain["it"] = step
+            _save(stager, m, plain, step)
+        assert slot_restore.find(stager, m, NAME, 2 * saves, plain) is not None, saves
+
+
+def test_a_state_its_memo_finds_is_not_walked_for_copy_intos_in_place_check(monkeypatch):
+    """Whether copy_into copies every tensor in place is a property of the state's structure: the memo's, found once
+    when the memo is made (a save that walks anyway); a restore after a save whose values changed (a new skeleton)
+    does not walk the state for it, and still restores the saved bytes and values."""
+    calls = [0]
+    real = slot_restore._copied_in_place
+
+    def counting(obj, out):
+        calls[0] += 1
+        real(obj, out)
+
+    monkeypatch.setattr(slot_restore, "_copied_in_place", counting)
+    stager, m, state = Stager(), _slot(), _state()
+    for step in range(1, 5):  # the second save makes the memo; each save a new iteration (a new skeleton)
+        state["iteration"] = step
+        _save(stager, m, state, step)
+        saved = _copy_of(state)
+        for t in state["model"].values():
+            t.add_(1.0)  # training went on
+        found = slot_restore.find(stager, m, NAME, step, state)
+        assert found is not None, step
+        found.run()
+        _assert_equal(state, saved)
+        assert (calls[0] > 0) == (step == 1), step  # the first: no memo yet, its layout's walk
+        calls[0] = 0
 
 
 def test_the_tensors_copied_in_place_are_those_copy_into_copies():
