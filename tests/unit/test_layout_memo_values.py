@@ -81,6 +81,32 @@ def test_a_memo_matches_new_values_with_the_walks_tensors_and_key():
     assert _exact(memo.key, plain_layout(first)[1])  # a match never changes the memo's key
 
 
+@pytest.mark.parametrize("moved_first", [False, True])
+def test_a_memo_finds_an_ordered_dicts_entries_in_its_own_order(moved_first):
+    """A level of plain dicts takes their values by ``dict.values`` (faster); an ``OrderedDict`` among them keeps its
+    own order, which ``move_to_end`` makes differ from its dict's: a memo made of one such state matches another of
+    the same order whose dict's order differs, with the walk's tensors and key."""
+    def state(it, moved):
+        names = [f"w{i}" for i in range(4)]
+        model = collections.OrderedDict((n, torch.full((2,), float(i))) for i, n in enumerate(
+            names if moved else names[1:] + names[:1]))
+        if moved:
+            model.move_to_end("w0")  # the same order as built directly, another order of the dict beneath
+        return {"model": model, "opt": {i: {"m": torch.zeros(1), "step": it} for i in range(3)}, "it": it}
+
+    first = state(1, moved_first)
+    memo = LayoutMemo.build(first, *plain_layout(first))
+    for it, moved in ((2, moved_first), (3, not moved_first)):
+        s = state(it, moved)
+        tensors, key = plain_layout(s)
+        found = memo.match(s)
+        assert found is not None
+        assert list(map(id, found[0])) == list(map(id, tensors)) and _exact(found[1], key), moved
+    other = state(4, moved_first)
+    other["model"].move_to_end("w1")
+    assert memo.match(other) is None  # another order of the same keys: another structure
+
+
 @pytest.mark.parametrize("change", [
     lambda s: s.__setitem__("iteration", 7.0),  # int -> float
     lambda s: s.__setitem__("flag", 1),  # bool -> int
