@@ -15,11 +15,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections import deque
+from itertools import starmap
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["CHUNK_NBYTES", "MIN_TENSOR_NBYTES", "copy_chunks", "chunks_of"]
+__all__ = ["CHUNK_NBYTES", "MIN_TENSOR_NBYTES", "copy_chunks", "chunks_of", "move_each"]
 
 #: bytes one thread copies between two looks at the shared list (8 MiB: ~0.5 ms at this VM's bandwidth)
 CHUNK_NBYTES = 8 << 20
@@ -121,6 +123,16 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+def move_each(moves: List[Tuple[int, int, int]]) -> None:
+    """``memmove`` each ``(destination address, source address, nbytes)`` of ``moves`` in order, on the calling thread.
+
+    For many small tensors (under :data:`MIN_TENSOR_NBYTES`) whose addresses are known: a ``ctypes`` call per tensor
+    costs less than ``Tensor.copy_``'s dispatch and iterator per tensor inside ``torch._foreach_copy_`` (20,000
+    tensors of 0.2 to 52 KiB, 252 MiB: 37 ms against 45 ms on this 2-core VM). The GIL is released during each copy
+    only, so this is for a copy on the thread that waits for it, not for a background one."""
+    deque(starmap(_memmove, moves), maxlen=0)
 
 
 def copy_chunks(chunks: List[Tuple[int, int, int]], threads: Optional[int] = None) -> None:

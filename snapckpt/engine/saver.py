@@ -259,6 +259,7 @@ class Saver:
         prepared, m, slot, step, storage_type = job.prepared, job.mapped, job.slot, job.step, job.storage_type
         prepared.views = m.views
         prepared.slot_file = m.file  # small CPU tensors are written by pwritev of the file (span_write)
+        prepared.on_caller = not self._options.overlap  # no copy thread: the others by memmove (Stager.copy_into)
         device_done = None
         cuda = has_cuda_sources(prepared.span_copies)
         if cuda or not self._options.overlap:

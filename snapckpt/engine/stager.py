@@ -28,7 +28,8 @@ import json
 import logging
 import math
 import time
-from itertools import compress, islice
+from collections import deque
+from itertools import compress, islice, starmap
 from operator import attrgetter, eq, is_, itemgetter, mul, not_, sub
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -480,6 +481,9 @@ class Prepared:
         slot_file: the mapped slot file (``MappedSlot.file``, a :class:`~snapckpt.engine.span_write.SlotFile`: it keeps
             the descriptor), set by the caller of :meth:`Stager.copy_into` like :attr:`views`; ``None``: every copy
             through the mapping.
+        on_caller: set by the caller of :meth:`Stager.copy_into` when it copies on the thread that saves (no copy
+            thread): the direct tensors of the ``"torch"`` steps are then copied by ``memmove`` when :attr:`ptrs` is
+            known (:meth:`_CopyStep.memmoves`).
     """
 
     step: int
@@ -496,6 +500,7 @@ class Prepared:
     streamed: bool = False  # Stager.begin_stream ran: copy_into publishes the watermark
     ptrs: Optional[List[int]] = None
     slot_file: Optional[SlotFile] = None
+    on_caller: bool = False
 
     @property
     def copies(self) -> List[Tuple[torch.Tensor, int]]:
@@ -553,10 +558,12 @@ class _Sizes:
             :data:`~snapckpt.engine.span_write.SMALL_NBYTES` bytes: those a save by file may write by ``pwritev``.
         large: positions of the others of at least :data:`~snapckpt.engine.mover.MIN_TENSOR_NBYTES` bytes: copied by
             torch or by :mod:`snapckpt.engine.mover`, whichever was faster lately (:class:`_Ways`).
+        nbytes: each direct tensor's size in bytes.
     """
 
     small: Tuple[int, ...]
     large: Tuple[int, ...]
+    nbytes: Tuple[int, ...] = ()
 
 
 def _sizes(layout: _Layout) -> _Sizes:
@@ -566,7 +573,7 @@ def _sizes(layout: _Layout) -> _Sizes:
         nbytes = list(map(mul, map(_ITEMSIZE, map(itemgetter(1), dst)), map(math.prod, map(itemgetter(2), dst))))
         small = tuple(j for j, n in enumerate(nbytes) if n < SMALL_NBYTES)  # a direct tensor is never empty
         large = tuple(j for j, n in enumerate(nbytes) if n >= max(mover.MIN_TENSOR_NBYTES, SMALL_NBYTES))
-        layout.sizes = _Sizes(small, large)
+        layout.sizes = _Sizes(small, large, tuple(nbytes))
     return layout.sizes
 
 
@@ -586,6 +593,9 @@ class _CopyStep:
             in ``SpanWrites.pos``) of that call; ``None`` otherwise.
         chunks: ``"large"``: ``(slot address, source addresses, mover chunks)`` of its last copy by the mover, reused
             while both addresses stay (the data pointers are all that changes between saves).
+        items: ``"torch"``: its positions in the direct list.
+        moves: ``"torch"``: ``(slot address, the save's data pointers, memmove arguments)`` of its last copy by
+            ``memmove`` (:meth:`memmoves`), reused while the slot and the pointers list are the same objects.
     """
 
     kind: str
@@ -594,6 +604,17 @@ class _CopyStep:
     at: Optional[int] = None
     mid: Optional[int] = None
     chunks: Optional[tuple] = None
+    items: Sequence[int] = ()
+    moves: Optional[tuple] = None
+
+    def memmoves(self, base: int, ptrs: List[int], layout: "_Layout") -> List[Tuple[int, int, int]]:
+        """``(slot address, source address, nbytes)`` of each direct tensor of this ``"torch"`` step, for a slot
+        at address ``base`` and the save's data pointers ``ptrs`` (collection order, :attr:`Prepared.ptrs`)."""
+        last = self.moves
+        if last is None or last[0] != base or last[1] is not ptrs:
+            dst, direct, nbytes = layout.direct_dst, layout.direct, _sizes(layout).nbytes
+            last = self.moves = (base, ptrs, [(base + dst[j][0], ptrs[direct[j]], nbytes[j]) for j in self.items])
+        return last[2]
 
     def mover_chunks(self, base: int, srcs: List[torch.Tensor]) -> list:
         """The mover's chunks copying ``srcs`` (this step's sources) into the slot at address ``base``."""
@@ -677,7 +698,7 @@ def _copy_step(kind: str, items: Sequence[int], layout: _Layout, n: int) -> _Cop
     if kind == "spans":
         return _CopyStep(kind, slice(items[0], items[-1] + 1))
     offsets = tuple(layout.direct_dst[j][0] for j in items) if kind == "large" else ()
-    return _CopyStep(kind, _picker(items, n), offsets)
+    return _CopyStep(kind, _picker(items, n), offsets, items=items if kind == "torch" else ())
 
 
 def direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
@@ -1156,10 +1177,16 @@ class Stager:
         ``reused`` (a first copy into a mapping takes its page faults: not a fair sample)."""
         src, ways = prepared.direct, prepared.layout.ways
         way, secs = None, 0.0
+        # the direct tensors' data pointers were read by this save's check (so are not null) and the copy runs on the
+        # thread that waits for it: by memmove (mover.move_each), the slot's address and the pointers cached per step
+        ptrs = prepared.ptrs if prepared.on_caller else None
         for step in plan.steps:
             kind = step.kind
             if kind == "torch":
-                torch._foreach_copy_(step.pick(dst), step.pick(src))
+                if ptrs is not None:
+                    mover.move_each(step.memmoves(slot.data_ptr(), ptrs, prepared.layout))
+                else:
+                    torch._foreach_copy_(step.pick(dst), step.pick(src))
             elif kind == "spans":
                 for t, off in prepared.span_copies[step.pick]:
                     n = t.numel()

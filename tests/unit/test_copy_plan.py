@@ -217,3 +217,33 @@ def test_a_replaced_slot_file_gets_no_write_by_file_and_the_slot_still_gets_the_
         assert f.read() == bytes([5]) * s.m.nbytes  # the file now at the path untouched
     s.m.close()
     assert not s.m.file.is_open
+
+
+@pytest.mark.parametrize("on_caller", [False, True])
+def test_a_copy_on_the_saving_thread_moves_the_torch_steps_tensors_by_memmove_from_this_saves_pointers(
+        tmp_path, monkeypatch, on_caller):
+    """A copy on the thread that saves (no copy thread: ``Prepared.on_caller``) copies the direct tensors of the
+    ``"torch"`` steps by ``memmove`` from the data pointers its check read (cached per step while the slot and the
+    pointers stay), a copy thread by ``torch._foreach_copy_``; either way every byte is this save's, the fault point
+    fires once in the middle, and a tensor replaced between saves (a new data pointer) is read from its new place."""
+    moved, real_move = [], mover.move_each
+    monkeypatch.setattr(mover, "move_each", lambda moves: moved.append(len(moves)) or real_move(moves))
+    state = _state(small=5, mid=9)  # no pwritev: every tensor in the "torch" steps
+    st = Stager()
+    s = _Slot(tmp_path / "slot", st.prepare({NAME: state}, 1).total_nbytes)
+    for step in range(1, 5):
+        for v in state.values():
+            v.add_(1)
+        if step == 3:
+            state["m4"] = state["m4"].clone().add_(100)  # another allocation of the same layout
+        hits = []
+        monkeypatch.setattr(stager_mod.faults, "point", lambda name, **kw: hits.append(s.copied(p, state)))
+        p = st.prepare({NAME: state}, step)
+        p.views, p.slot_file, p.on_caller = s.m.views, s.m.file, on_caller
+        assert p.ptrs is not None and st.plan_builds == 1
+        Stager.copy_into(p, s.m.tensor, s.m.buf)
+        assert s.copied(p, state) == len(state), step
+        assert len(hits) == 1 and 0 < hits[0] < len(state), step  # the fault point, between the two steps
+        assert moved == ([7, 7] if on_caller else []), step  # the two steps around the fault point
+        moved.clear()
+    s.m.close()
