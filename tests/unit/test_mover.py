@@ -113,3 +113,22 @@ def test_the_way_of_a_layout_is_the_faster_one_lately_and_the_other_is_tried_aga
     for _ in range(_Ways.KEPT):  # the cores got idle: torch's copies are now the faster ones
         w.record("mover", 0.2)
     assert w.pick() == "torch" and len(w.secs["mover"]) == _Ways.KEPT
+
+
+def test_move_each_copies_every_range_in_order_keeping_the_gil():
+    """``move_each`` (the many small tensors of a copy on the saving thread): every ``(dst, src, nbytes)`` in order, a
+    later range over an earlier one's bytes wins; by a libc call that keeps the GIL (``ctypes.PyDLL``: 20,000 releases
+    would let a busy Python thread of the training process take the GIL at each one)."""
+    import ctypes
+
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    d, s = dst.data_ptr(), src.data_ptr()
+    mover.move_each([(d, s, 16), (d + 16, s + 40, 8), (d + 20, s, 4), (d + 60, s + 60, 4)])
+    want = torch.zeros(64, dtype=torch.uint8)
+    want[:16] = src[:16]
+    want[16:24] = src[40:48]
+    want[20:24] = src[:4]
+    want[60:] = src[60:]
+    assert torch.equal(dst, want)
+    assert mover._memmove_gil._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # noqa: SLF001
