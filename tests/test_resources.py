@@ -237,6 +237,31 @@ def test_D2_orphaned_persister_exits_after_idle_timeout(snap_env):
     assert not left, f"socket/token left: {left}"
 
 
+def test_D2_polling_snapckpt_ps_does_not_keep_an_orphaned_persister_alive(snap_env):
+    """D2: the job is SIGKILLed and nobody comes back, while an operator polls ``snapckpt ps`` (a ``watch``
+    loop). Right: ``ps`` answers, but an operator's connection does not restart the idle timeout (a new user
+    saw a crashed job's persister and its shared memory kept 6 minutes by a few ``ps`` calls), so the
+    persister exits about ``persister_idle_timeout_secs`` (2 s) after the kill."""
+    import sys
+
+    proc, pid = _hold(snap_env, idle_secs=2)
+    _kill(proc)
+    seen, gone = 0, False
+    for _ in range(60):  # one ps every ~0.5 s for up to ~30 s: before the fix each one restarted the 2 s timer
+        r = subprocess.run([sys.executable, "-m", "snapckpt", "ps", "--json"], env=snap_env.env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        pids = [p["pid"] for p in json.loads(r.stdout)["persisters"]]
+        seen += pid in pids
+        if not _persister_alive(pid):
+            gone = True
+            break
+        subprocess.run(["sleep", "0.5"])
+    assert seen >= 1, "ps never listed the orphaned persister"
+    assert gone, "polling `snapckpt ps` kept the orphaned persister alive past its idle timeout"
+    assert wait_until(lambda: not os.listdir(snap_env.shm_root), timeout=10), tree(snap_env.shm_root)
+
+
 # -------------------------------------------------------------------------- contract 7: preflight
 @pytest.mark.parametrize("how", ["under_a_file", "is_a_file", "read_only_fs"])
 def test_contract7_checkpoint_dir_not_writable(snap_env, how):

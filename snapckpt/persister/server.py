@@ -363,7 +363,6 @@ class Server:
             self.buffers[conn] = bytearray()
             self.conn_pid[conn] = pid
             self.conn_since[conn] = time.monotonic()
-            self.empty_since = None
         self.sel.register(conn, selectors.EVENT_READ, "client")
 
     def _drop_silent_connections(self) -> None:
@@ -508,7 +507,7 @@ class Server:
                         self._after_leave(run)
                     else:
                         self._rank_crashed(run, rank, pid)
-            if not self.buffers:
+            if rank is not None and not self.conn_rank:
                 self.empty_since = time.monotonic()
 
     def _rank_crashed(self, run: Run, rank: int, pid: Optional[int]) -> None:
@@ -593,6 +592,7 @@ class Server:
         run.connected.add(rank)
         entry = self.slots.attach(rank, run, conn, msg["slots_per_rank"])
         self.conn_rank[conn] = rank
+        self.empty_since = None  # only a rank's connection restarts the idle timeout (not an operator's `ps`)
         self.crashed_since_empty = False
         return P.ok(persister_pid=os.getpid(), slots=[self.slots.info(s) for s in entry.slots])
 
