@@ -166,6 +166,23 @@ def test_wrong_credentials_are_refused_at_start(snap_env, s3_bucket, monkeypatch
     assert not s3_bucket.keys("run/")  # no probe, no owner record: nothing was written with the wrong key
 
 
+def _two_steps_uploaded(snap_env, s3_bucket) -> tuple:
+    """Save steps 1 and 2 (DISK) with ``remote_dir`` = the bucket's ``run/`` and wait until the persister
+    exited (every upload done); return ``(url, Checkpointer options, {step: state})``."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
+    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
+    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
+        for s in (1, 2):
+            ck.save(states[s], s, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    return url, opts, states
+
+
 def _local_checkpoint(root: str, step: int, files: dict, modes: Optional[dict] = None) -> tuple:
     """A committed local checkpoint ``root/step_N`` of ``files`` ({name: bytes}, rank 0), ``modes`` ({name:
     permission bits}) recorded in the manifest; return (path, manifest)."""
@@ -400,16 +417,10 @@ def test_H3_a_damaged_newest_remote_step_falls_back_to_the_next_intact_one(snap_
     directory left by a killed download is removed at the next start."""
     import torch
 
-    from snapckpt import Checkpointer, StorageType
+    from snapckpt import Checkpointer
     from snapckpt.errors import CheckpointCorruptError
 
-    url = s3_bucket.url("run")
-    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
-    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
-    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
-        for s in (1, 2):
-            ck.save(states[s], s, StorageType.DISK).wait()
-    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    url, opts, states = _two_steps_uploaded(snap_env, s3_bucket)
 
     def damage(step):
         data = [k for k in s3_bucket.keys(f"run/step_{step:08d}/") if "/.snapckpt/" not in k]
@@ -740,13 +751,7 @@ def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_en
     from snapckpt import Checkpointer, StorageType
     from snapckpt.errors import RemoteStorageError
 
-    url = s3_bucket.url("run")
-    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
-    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
-    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
-        for s in (1, 2):
-            ck.save(states[s], s, StorageType.DISK).wait()
-    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    url, opts, states = _two_steps_uploaded(snap_env, s3_bucket)
     shutil.rmtree(snap_env.ckpt_dir)
     proxy = s3server.FaultProxy(s3_bucket.endpoint)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
@@ -790,13 +795,7 @@ def test_H4_a_damaged_local_copy_is_replaced_by_its_intact_remote_copy(snap_env,
 
     from snapckpt import Checkpointer, StorageType
 
-    url = s3_bucket.url("run")
-    opts = dict(remote_dir=url, persister_idle_timeout_secs=20)
-    states = {s: {"w": torch.randn(256, generator=torch.Generator().manual_seed(s)), "step": s} for s in (1, 2)}
-    with Checkpointer(snap_env.ckpt_dir, **opts) as ck:
-        for s in (1, 2):
-            ck.save(states[s], s, StorageType.DISK).wait()
-    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done
+    url, opts, states = _two_steps_uploaded(snap_env, s3_bucket)
     d = os.path.join(snap_env.ckpt_dir, "step_00000002")
     data = [f for f in os.listdir(d) if not f.startswith(".")]
     assert data, os.listdir(d)
