@@ -748,7 +748,7 @@ def test_H4_a_store_that_cannot_be_listed_at_load_is_never_a_fresh_start(snap_en
     import torch
 
     import s3server
-    from snapckpt import Checkpointer, StorageType
+    from snapckpt import Checkpointer
     from snapckpt.errors import RemoteStorageError
 
     url, opts, states = _two_steps_uploaded(snap_env, s3_bucket)
