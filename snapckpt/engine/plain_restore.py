@@ -67,6 +67,7 @@ _HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})","values":\[(
                    rb'(?:"table":\[(\d+),(\d+)\],)?')
 _HEAD_MAX = 256  # bytes of the index read for it
 _IS_CPU = attrgetter("is_cpu")
+_IS_NESTED = attrgetter("is_nested")
 
 try:  # libc's memmove called with the GIL held: a copy of a few KiB is shorter than a release and re-take of the GIL,
     # and 200,000 releases would let any other Python thread of the process in between (ctypes.memmove releases it)
@@ -164,6 +165,10 @@ def find(mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[PlainCo
         # replaces one in a list); a tensor met twice (tied, or in a mapping held twice) the checks below refuse
         if (not plain_values.entries(dst, walked.tensors, walked.dicts, walked.keys)
                 or len(walked.tensors) != levels.n_tensors):
+            return None
+        # a nested tensor is a torch.Tensor without strides: TensorGuards' check of one aborts the process (a C++
+        # exception it cannot pass on, torch 2.13), Facts' numel raises; the general path names it
+        if any(map(_IS_NESTED, walked.tensors)):
             return None
         found = None
         if table_at is not None:
