@@ -325,6 +325,8 @@ def _copies(mapped: MappedSlot, walked: "_Walked", ptrs: List[int], offsets: tor
     pointers, each able to take its bytes by a copy of bytes; ``offsets`` / ``nbytes``: their spans; ``all_small``:
     every one is under :data:`LARGE_NBYTES`, known already), or ``None`` (see :func:`find`)."""
     tensors, dicts, keys = walked.tensors, walked.dicts, walked.keys
+    if not all(ptrs):
+        return None  # a tensor over no memory (a ZeroTensor, a functional wrapper: data_ptr 0): a copy would crash
     if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
         return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
     values = plain_values.unpack(mapped.buf[values_at[0]:values_at[0] + values_at[1]])

@@ -600,3 +600,28 @@ def test_a_live_nested_tensor_takes_the_general_path_without_aborting_the_proces
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["None", "None"], out.stdout
+
+
+def test_a_live_tensor_over_no_memory_takes_the_general_path_without_crashing_the_process():
+    """A ZeroTensor or a functional wrapper is a ``torch.Tensor`` of the saved dtype and shape whose data pointer is
+    0 (its dispatch keys pass ``TensorGuards``, its fields the tensor-by-tensor check): copying the span there was a
+    segmentation fault. The restore refuses it (None), by table or tensor by tensor; the general path's copy_ names
+    it. In a child process: a crash would end pytest itself."""
+    code = ("import sys, torch, warnings; warnings.simplefilter('ignore')\n"
+            "sys.path.insert(0, %r)\n"
+            "import test_plain_restore as t\n"
+            "from snapckpt.engine import plain_restore\n"
+            "saved = {'w': torch.rand(3), 'v': torch.rand(3), 'i': 1}\n"
+            "m = t._save(saved)\n"
+            "for guards in (True, False):\n"
+            "    if not guards:\n"
+            "        plain_restore._TensorGuards = None  # tensor by tensor\n"
+            "    for x in (torch._efficientzerotensor(3), torch._to_functional_tensor(torch.zeros(3))):\n"
+            "        found = plain_restore.find(m, t.NAME, 1, {'w': torch.zeros(3), 'v': x, 'i': 2})\n"
+            "        if found is not None:\n"
+            "            found.run()\n"
+            "        print(found)\n"
+            % os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["None"] * 4, out.stdout
