@@ -36,6 +36,9 @@ def _save(state, stager=None, step: int = 1):
     m = _slot()
     p = (stager or Stager()).prepare({NAME: state}, step)
     Stager.copy_into(p, m.tensor, m.buf)
+    # a bytearray grows where a snapshot runs past its end (an arena slot cannot), and m.tensor then views freed
+    # memory: such a harness would report wrong values of its own making
+    assert len(m.buf) == m.nbytes, "the snapshot does not fit the test's slot"
     return m
 
 
