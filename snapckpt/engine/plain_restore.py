@@ -67,6 +67,7 @@ _HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})","values":\[(
                    rb'(?:"table":\[(\d+),(\d+)\],)?')
 _HEAD_MAX = 256  # bytes of the index read for it
 _IS_CPU = attrgetter("is_cpu")
+_IS_NESTED = attrgetter("is_nested")
 
 try:  # libc's memmove called with the GIL held: a copy of a few KiB is shorter than a release and re-take of the GIL,
     # and 200,000 releases would let any other Python thread of the process in between (ctypes.memmove releases it)
@@ -164,6 +165,10 @@ def find(mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[PlainCo
         # replaces one in a list); a tensor met twice (tied, or in a mapping held twice) the checks below refuse
         if (not plain_values.entries(dst, walked.tensors, walked.dicts, walked.keys)
                 or len(walked.tensors) != levels.n_tensors):
+            return None
+        # a nested tensor is a torch.Tensor without strides: TensorGuards' check of one aborts the process (a C++
+        # exception it cannot pass on, torch 2.13), Facts' numel raises; the general path names it
+        if any(map(_IS_NESTED, walked.tensors)):
             return None
         found = None
         if table_at is not None:
@@ -320,6 +325,8 @@ def _copies(mapped: MappedSlot, walked: "_Walked", ptrs: List[int], offsets: tor
     pointers, each able to take its bytes by a copy of bytes; ``offsets`` / ``nbytes``: their spans; ``all_small``:
     every one is under :data:`LARGE_NBYTES`, known already), or ``None`` (see :func:`find`)."""
     tensors, dicts, keys = walked.tensors, walked.dicts, walked.keys
+    if not all(ptrs):
+        return None  # a tensor over no memory (a ZeroTensor, a functional wrapper: data_ptr 0): a copy would crash
     if tensors and int(offsets[-1] + nbytes[-1]) > min(data_limit, mapped.nbytes):
         return None  # spans past the pickles: not a slot of this layout (a digest never lets this through)
     values = plain_values.unpack(mapped.buf[values_at[0]:values_at[0] + values_at[1]])

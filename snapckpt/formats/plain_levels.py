@@ -133,14 +133,18 @@ def _codes(items: Any, types: set) -> Optional[bytes]:
 
 def _keys_bytes(keys: List[Any], types: set) -> bytes:
     """The mappings' keys of a level, told apart with their types (:func:`_codes`): ``"\\0"``-joined when they are
-    strings without a NUL (a ``j`` first), else their ``repr`` (an ``r`` first; a float as its hex)."""
+    strings without a NUL (a ``j`` first), else their ``repr`` (an ``r`` first; a float as its hex; where an int is
+    too long for ``repr``, each int as its hex, an ``h`` first)."""
     if types == {str}:
         joined = "\0".join(keys)
         if joined.count("\0") == len(keys) - 1:
             return b"j" + joined.encode("utf-8", "surrogatepass")
     if float in types:
         keys = [_float_key(k) if type(k) is float else k for k in keys]
-    return b"r" + repr(keys).encode()
+    try:
+        return b"r" + repr(keys).encode()
+    except ValueError:  # an int key of more digits than Python converts (4,300): its hex (an ``h`` first)
+        return b"h" + repr([hex(k) if type(k) is int else k for k in keys]).encode()
 
 
 def _aliases(vals: List[Any], codes: bytes, seen: dict) -> Tuple[List[Any], bytes, bytes]:

@@ -57,6 +57,24 @@ def test_keys_holding_a_nul_are_not_read_as_other_keys():
     assert walk({"a\0b": 1, "c": 1}).structure != walk({"a": 1, "b\0c": 1}).structure
 
 
+def test_an_int_key_too_long_for_repr_is_described_and_restored():
+    """An int key of more than 4,300 digits has no ``repr`` (ValueError): it was an exception out of the Stager's save
+    and out of a restarted load; now it is described by its hex, apart from a string key of that text and from
+    another int, and a restart restores such a state."""
+    big = 10 ** 5000
+    assert walk({big: 1}).structure != walk({big + 1: 1}).structure
+    assert walk({big: 1}).structure != walk({hex(big): 1}).structure
+    assert walk({big: 1, 2: 1}).structure != walk({big: 1, "2": 1}).structure
+    saved = {big: 3, "t": torch.rand(2), "d": {big: torch.rand(3)}}
+    m = _save(saved)
+    live = {big: 0, "t": torch.zeros(2), "d": {big: torch.zeros(3)}}
+    found = plain_restore.find(m, NAME, 1, live)
+    assert found is not None
+    found.run()
+    assert live[big] == 3 and torch.equal(live["t"], saved["t"]) and torch.equal(live["d"][big], saved["d"][big])
+    assert plain_restore.find(m, NAME, 1, {big + 1: 0, "t": torch.zeros(2), "d": {big: torch.zeros(3)}}) is None
+
+
 def test_a_container_held_twice_differs_from_two_equal_ones_and_is_walked_once():
     shared = [1, 2]
     aliased, separate = {"a": shared, "b": shared}, {"a": [1, 2], "b": [1, 2]}
