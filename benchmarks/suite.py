@@ -1048,6 +1048,8 @@ def loop_markdown(result: dict[str, Any]) -> str:
     def row(name: str, a: float | None, b: float | None, limit: float | None = 0.5) -> None:
         q = ratio(a, b) if (b or 0) > 0 else None
         verdict = "" if limit is None or q is None else ("met" if q <= limit else "missed")
+        if q is not None and q < 0:  # a round faster than its paired baseline: the load moved, not a result
+            verdict = "invalid (extra time below 0: the baseline step moved; rerun on a quieter machine)"
         lines.append(f"| {name} | {'' if limit is None else f'<= {limit:g}'} | {_x(q)} | "
                      f"{'n/a' if q is None else verdict} |")
 

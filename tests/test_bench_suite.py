@@ -222,3 +222,27 @@ def test_recovery_cold_read_floor_reads_each_way_first_in_a_fresh_process(monkey
     assert math.isclose(rec["variants_s"]["4thr"], 0.45) and rec["recycled_s"]["1thr"] == [0.15, 0.25, 0.20]
     # its restart counts its one read, not the recycled one
     assert rec["restored_ok"] and math.isclose(rec["phases"]["to_first_step_s"], 2.40)
+
+
+def test_loop_targets_call_a_negative_extra_time_invalid_not_met():
+    """A loop round faster than its paired baseline (the machine's load moved between them) gives a negative
+    extra time per checkpoint; the targets table must say the figure is invalid, never "met" (a run of
+    2026-12-05 under a neighbour's load printed "-6.63x | met")."""
+    suite = _suite()
+
+    def method(name, extra):
+        return {"method": name, "every": 1, "error": None, "extra_per_ckpt_s": extra, "paired_baseline_step_s": 0.3,
+                "median_blocked_s": 0.03, "drain_s": 0.0, "skipped": 0, "gc": {"collections": [0, 0, 0], "seconds": 0.0},
+                "rounds": [{"extra_per_ckpt_s": extra}]}
+
+    result = {"config": {"state_bytes": 1 << 29, "matmuls_per_step": 25, "update_s": 0.02, "ckpts_per_method": 3,
+                         "rounds_every_step": 5},
+              "machine": {"date": "d", "git_commit": "c", "cpu_count": 2, "torch": "t", "uptime": "u"},
+              "base_step_s": 0.3, "baseline": [{"mean_step_s": 0.3}],
+              "methods": [method("floor_copy", 0.025), method("snapckpt_memory", 0.027),
+                          method("snapckpt_memory_overlap", -0.168)]}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in suite.loop_markdown(result).splitlines()
+            if line.startswith("| extra s per memory checkpoint")}
+    assert "| met |" in rows["extra s per memory checkpoint / copy floor's (snapckpt memory, overlap off)"]
+    on = rows["extra s per memory checkpoint / copy floor's (snapckpt memory, overlap on)"]
+    assert "invalid" in on and "met" not in on, on
