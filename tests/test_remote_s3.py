@@ -1045,3 +1045,25 @@ def test_H2_uploads_failing_for_the_run_are_told_to_the_training_side_then_the_c
     assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")) == \
         [f"step_{s:08d}" for s in range(1, 6)]
 
+
+def test_H4_a_fresh_node_picking_the_highest_remote_step_after_a_rewind_warns(snap_env, s3_bucket, caplog):
+    """Steps 100, 200, then a rewind to 5, all uploaded; a fresh node (empty checkpoint_dir, no memory tier)
+    downloads the highest remote step, 200, as the local tier picks it, and warns the same way the local tier
+    does: step 5 was saved after it, and load(step=5) loads it (downloaded from the remote tier)."""
+    import logging
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    with Checkpointer(snap_env.ckpt_dir, remote_dir=url, keep_last=3, persister_idle_timeout_secs=5) as ck:
+        for step in (100, 200, 5):
+            ck.save({"w": step}, step, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done, no memory tier left
+    assert s3_bucket.get("run/latest") == b"step_00000005"
+    shutil.rmtree(snap_env.ckpt_dir)
+    with Checkpointer(snap_env.ckpt_dir, remote_dir=url, persister_idle_timeout_secs=5) as ck:
+        with caplog.at_level(logging.WARNING, logger="snapckpt"):
+            assert ck.load()["w"] == 200
+        assert any("step 5 (step_00000005) was saved after it" in r.getMessage() and "load(step=5)"
+                   in r.getMessage() for r in caplog.records), caplog.text
+        assert ck.load(step=5)["w"] == 5
