@@ -281,7 +281,8 @@ def test_H2_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
 def test_H2_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, monkeypatch):
     """The persister's uploader, in-process: an upload to a bucket that disappeared is retried, then given
     up with an ``upload_failed`` note naming the URL and the cause (no credential); a checkpoint retired by
-    local retention before its turn is an ``upload_skipped`` note, not a failure; one retired during its
+    local retention before its turn is an ``upload_skipped`` note, not a failure; the first success after the
+    failure is an ``uploaded`` note (the remote tier caught up); one retired during its
     upload (its directory renamed away, as retention does, after the first file was opened) is skipped at
     once (no retry) and what it had sent is removed; a transient read error of a local file (EIO) is
     retried as a network fault is, and the checkpoint is committed; every job ends (the persister's count
@@ -319,7 +320,7 @@ def test_H2_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucke
     up.shutdown()
     notes = up.notes_for("run1")
     assert [(n["kind"], n["step"]) for n in notes] == [("upload_failed", 1), ("upload_skipped", 2),
-                                                        ("upload_skipped", 3)], notes
+                                                        ("upload_skipped", 3), ("uploaded", 4)], notes
     assert notes[0]["reason"] == f"{gone}: FileNotFoundError: The specified bucket does not exist"
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(notes)
     assert "deleted before its upload began (by retention" in notes[1]["reason"]
@@ -977,3 +978,91 @@ def test_H_remote_only_a_hung_store_at_load_is_an_error_within_the_coordination_
         assert wait_until(lambda: not snap_env.persisters(), timeout=90)
     finally:
         proxy.close()
+
+
+def test_H2_uploads_failing_for_the_run_are_told_to_the_training_side_then_the_catch_up(snap_env, s3_bucket,
+                                                                                       monkeypatch, caplog):
+    """Uploads that keep failing (the store answers every request 503 once training runs: expired credentials,
+    a bucket made read-only): rank 0's training process logs one WARNING at the next save naming the step,
+    the remote URL, the cause and what to check, never a credential; a second failure within the reminder
+    interval is an ``upload_failed`` event but no second warning. Once an upload succeeds again, one INFO says
+    the remote tier caught up. No exception reaches the training loop; the local tier has every step."""
+    import logging
+
+    import torch
+
+    import s3server
+    from snapckpt import Checkpointer, StorageType
+
+    proxy = s3server.FaultProxy(s3_bucket.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's attempts per request: the uploader's retries remain
+    caplog.set_level(logging.INFO, logger="snapckpt")
+    url = s3_bucket.url("run")
+    events = []
+
+    def failed_in_log(step):
+        return f"upload of step {step} (step_{step:08d}) to {url} failed after" in _persister_logs(snap_env)
+
+    def latest():
+        return s3_bucket.keys("run/latest") and s3_bucket.get("run/latest")
+
+    def warnings():
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "to the remote tier failed" in r.getMessage()]
+
+    try:
+        with Checkpointer(snap_env.ckpt_dir, remote_dir=url, persister_idle_timeout_secs=20,
+                          commit_timeout_secs=60) as ck:
+            ck.add_listener(lambda e: events.append((e.kind, e.step)))
+            st = {"w": torch.arange(1000, dtype=torch.float32)}
+            ck.save(st, 1, StorageType.DISK).wait()
+            assert wait_until(lambda: latest() == b"step_00000001", timeout=60)
+            proxy.fail("503")
+            ck.save(st, 2, StorageType.DISK).wait()
+            assert wait_until(lambda: failed_in_log(2), timeout=120), _persister_logs(snap_env)[-3000:]
+            assert not warnings()
+            ck.save(st, 3, StorageType.DISK).wait()  # its status carries step 2's failure
+            (msg,) = warnings()
+            assert "step 2 " in msg and url in msg and "Service Unavailable" in msg, msg
+            assert "credentials" in msg and "bucket" in msg and snap_env.ckpt_dir in msg, msg
+            assert os.environ["AWS_SECRET_ACCESS_KEY"] not in msg and os.environ["AWS_ACCESS_KEY_ID"] not in msg
+            assert ("upload_failed", 2) in events
+            assert wait_until(lambda: failed_in_log(3), timeout=120), _persister_logs(snap_env)[-3000:]
+            proxy.mode = "pass"
+            ck.save(st, 4, StorageType.DISK).wait()  # carries step 3's failure: rate-limited, an event only
+            assert ("upload_failed", 3) in events and len(warnings()) == 1, warnings()
+            assert wait_until(lambda: latest() == b"step_00000004", timeout=60)
+            assert not [r for r in caplog.records if "caught up" in r.getMessage()]
+            ck.save(st, 5, StorageType.DISK).wait()  # carries step 4's success
+            (info,) = [r for r in caplog.records if "caught up" in r.getMessage()]
+            assert info.levelno == logging.INFO and url in info.getMessage() and "step 4 " in info.getMessage()
+            assert len(warnings()) == 1
+            assert not [k for k, _ in events if k == "uploaded"]  # no new event kind
+    finally:
+        proxy.close()
+    assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")) == \
+        [f"step_{s:08d}" for s in range(1, 6)]
+
+
+def test_H4_a_fresh_node_picking_the_highest_remote_step_after_a_rewind_warns(snap_env, s3_bucket, caplog):
+    """Steps 100, 200, then a rewind to 5, all uploaded; a fresh node (empty checkpoint_dir, no memory tier)
+    downloads the highest remote step, 200, as the local tier picks it, and warns the same way the local tier
+    does: step 5 was saved after it, and load(step=5) loads it (downloaded from the remote tier)."""
+    import logging
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    with Checkpointer(snap_env.ckpt_dir, remote_dir=url, keep_last=3, persister_idle_timeout_secs=5) as ck:
+        for step in (100, 200, 5):
+            ck.save({"w": step}, step, StorageType.DISK).wait()
+    assert wait_until(lambda: not snap_env.persisters(), timeout=60)  # uploads done, no memory tier left
+    assert s3_bucket.get("run/latest") == b"step_00000005"
+    shutil.rmtree(snap_env.ckpt_dir)
+    with Checkpointer(snap_env.ckpt_dir, remote_dir=url, persister_idle_timeout_secs=5) as ck:
+        with caplog.at_level(logging.WARNING, logger="snapckpt"):
+            assert ck.load()["w"] == 200
+        assert any("step 5 (step_00000005) was saved after it" in r.getMessage() and "load(step=5)"
+                   in r.getMessage() for r in caplog.records), caplog.text
+        assert ck.load(step=5)["w"] == 5

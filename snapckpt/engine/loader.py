@@ -166,6 +166,7 @@ class Loader:
         self._warned_no_common = False  # the "no step held by every rank" warning, said once
         self._warned_damaged: Set[str] = set()  # damaged directories warned of: latest_step() + load() say it once
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
+        self._remote_saved: List[Tuple[int, str, float]] = []  # the same, of the remote tier's other steps
         self._listed: Dict[str, List[Any]] = {}  # dirname -> _identity of the manifest rank 0 listed
         self._remote_dirs: Set[str] = set()
         self.last_load: Optional[LoadInfo] = None
@@ -235,6 +236,8 @@ class Loader:
         disk_ok = [d for d in disk_all if d[2] == self.world_size]
         self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]
         self._listed = {d[1]: d[4] for d in disk_ok}
+        self._remote_saved = [(r[0], r[1], r[3]) for r in everyone[0]["remote"]
+                              if r[2] == self.world_size and r[1] not in self._listed]
         cands = ranked(tier, disk_ok)
         self._warn_interrupted(reply, cands)
         fetched = self._fetch_remote(everyone[0]["remote"], disk_all, cands, step)
@@ -314,7 +317,8 @@ class Loader:
                     self._fetched, time.perf_counter() - t0)
 
     def _remote_listing(self) -> Tuple[List[List[Any]], str]:
-        """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size]]`` and ``""``;
+        """Rank 0: the remote tier's committed checkpoints ``[[step, dirname, world_size, saved at]]`` (Unix
+        seconds, their manifest's ``requested_unix``: see :meth:`_warn_rewind`) and ``""``;
         ``([], "")`` without a remote tier; ``([], "Type: cause")`` when it cannot be listed (a warning: the
         local tiers go on, and :meth:`candidates` refuses a fresh start when they hold nothing), except when
         this start created the directory's owner record (a first run: ``([], "")``, it holds nothing of it)."""
@@ -324,7 +328,8 @@ class Loader:
         secs = self.options.coordination_timeout_secs / 2  # answered before the other ranks' wait ends
         try:
             listed = call_bounded(self._remote.list_committed, secs)
-            return [[c.step, c.dirname, c.manifest["world_size"]] for c in listed], ""
+            return [[c.step, c.dirname, c.manifest["world_size"],
+                     c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))] for c in listed], ""
         except Exception as e:
             cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             if isinstance(e, NoAnswer):
@@ -343,15 +348,16 @@ class Loader:
 
     def _fetch_remote(self, remote: List[List[Any]], disk_all: List[List[Any]],
                       cands: List[Tuple[int, str, Optional[str]]], step: Optional[int]) -> Optional[Tuple[int, str]]:
-        """When the remote tier holds steps (of this world size, or ``step``) newer than every memory and disk
-        candidate that ``checkpoint_dir`` has no directory of, rank 0 downloads the newest of them into
-        ``checkpoint_dir`` (checksums verified, committed the local way) while the other ranks wait; a step
-        whose download fails (damaged in the store, unreachable) is a warning and the next newest is tried.
-        Return ``(step, dirname)`` once every rank knows it is there, ``None`` when nothing was fetched; the
-        steps that failed are added to the damaged list (so that no checkpoint at all is an error, never a
-        silent fresh start, when the remote tier held some)."""
+        """When the remote tier holds steps of this world size newer than every memory and disk candidate (or
+        ``step`` when no candidate is of ``step``) that ``checkpoint_dir`` has no directory of, rank 0
+        downloads the newest of them into ``checkpoint_dir`` (checksums verified, committed the local way)
+        while the other ranks wait; a step whose download fails (damaged in the store, unreachable) is a
+        warning and the next newest is tried. Return ``(step, dirname)`` once every rank knows it is there,
+        ``None`` when nothing was fetched; the steps that failed are added to the damaged list (so that no
+        checkpoint at all is an error, never a silent fresh start, when the remote tier held some)."""
         local = {d[1] for d in disk_all}
-        floor = cands[0][0] if cands else -1
+        # load(step=N): N is fetched when no tier here holds it, however old (a rewind's advice names it)
+        floor = max((c[0] for c in cands if step is None or c[0] == step), default=-1)
         pick = sorted((r for r in remote if r[2] == self.world_size and r[1] not in local and r[0] > floor
                        and (step is None or r[0] == step)), key=lambda r: r[0], reverse=True)
         if not pick:
@@ -795,12 +801,14 @@ class Loader:
     def _warn_rewind(self, loaded: int) -> None:
         """Warn when a lower step than ``loaded`` was saved to disk after it (a rewind): load() picks the
         highest step, retention keeps the most recently saved ones. Only disk saves carry a time (their
-        manifest's ``requested_unix``): a step loaded from memory with no disk copy at or above it is the
-        ordinary resume after a crash, never reported as a rewind."""
-        since = [e[2] for e in self._disk_saved if e[0] >= loaded]
+        manifest's ``requested_unix``), the remote tier's too (a fresh node downloads its highest step): a step
+        loaded from memory with no disk copy at or above it is the ordinary resume after a crash, never
+        reported as a rewind."""
+        saved = self._disk_saved + self._remote_saved
+        since = [e[2] for e in saved if e[0] >= loaded]
         if not since:
             return
-        later = [d for d in self._disk_saved if d[0] < loaded and d[2] > max(since)]
+        later = [d for d in saved if d[0] < loaded and d[2] > max(since)]
         if later and self.rank == 0:
             newest = max(later, key=lambda d: d[2])
             log.warning("loaded step %d, the highest step; step %d (%s) was saved after it (a rewind?). To "

@@ -46,11 +46,14 @@ from snapckpt.ondisk.manifest import list_committed, validate_dirname, validate_
 from snapckpt.options import CheckpointOptions
 from snapckpt.persister.arena import stores_in_order
 from snapckpt.storage.posix import PosixStorage
+from snapckpt.storage.urls import shown_url
 
 __all__ = ["Saver"]
 
 log = logging.getLogger(__name__)
 summary_log = logging.getLogger("snapckpt.metrics")  # one line per checkpoint, global rank 0
+#: While uploads keep failing, rank 0 repeats its warning at most once per this many seconds.
+UPLOAD_FAILED_REMINDER_SECS = 600.0
 
 
 class _CopyJob:
@@ -119,6 +122,8 @@ class Saver:
         self._other_world: Dict[str, int] = {}  # committed dirname -> world size, another world size's (_claim_dir)
         self.last_stats: Optional[SaveStats] = None
         self._remote_seen = 0  # remote-tier notes of the persister already emitted as events
+        self._remote_failures = 0  # uploads given up since the last one that succeeded
+        self._remote_warned_at: Optional[float] = None  # monotonic time of rank 0's last upload_failed warning
         self._streams = _env.stream_persist() and stores_in_order()  # DISK saves of CPU tensors are streamed
         self._checked_nbytes = 0  # the largest slot size the host-memory preflight has checked
         self._slot_nbytes = 0  # the slot size the last acquire asked for (see _acquire)
@@ -135,12 +140,43 @@ class Saver:
         reply = self._session.status(step, dirname, wait_secs)
         notes = reply.get("remote") or []
         for n in notes[self._remote_seen:]:
-            log.warning("rank %d: remote tier: %s of step %s: %s", self._rank, n.get("kind"), n.get("step"),
-                        n.get("reason"))
-            self._emit(Event(str(n.get("kind")), int(n.get("step", -1)), StorageType.DISK, self._rank,
-                             reason=str(n.get("reason", ""))))
+            kind, reason = str(n.get("kind")), str(n.get("reason", ""))
+            if kind == "uploaded":
+                self._remote_caught_up(int(n.get("step", -1)), reason)
+                continue
+            if kind == "upload_failed":
+                self._remote_failed(int(n.get("step", -1)), reason)
+            else:
+                log.warning("rank %d: remote tier: %s of step %s: %s", self._rank, kind, n.get("step"), reason)
+            self._emit(Event(kind, int(n.get("step", -1)), StorageType.DISK, self._rank, reason=reason))
         self._remote_seen = max(self._remote_seen, len(notes))
         return reply
+
+    def _remote_failed(self, step: int, reason: str) -> None:
+        """An upload given up (``reason``: ``"<remote_dir>: <cause>"``): rank 0 warns with the fix at the first
+        failure, then at most once per :data:`UPLOAD_FAILED_REMINDER_SECS` while uploads keep failing."""
+        self._remote_failures += 1
+        now = time.monotonic()
+        if self._rank != 0 or (self._remote_warned_at is not None
+                               and now - self._remote_warned_at < UPLOAD_FAILED_REMINDER_SECS):
+            log.debug("rank %d: remote tier: upload_failed of step %d: %s", self._rank, step, shown_url(reason))
+            return
+        again = "" if self._remote_warned_at is None else \
+            f" ({self._remote_failures} failed uploads since uploads began failing)"
+        self._remote_warned_at = now
+        log.warning("rank 0: the upload of step %d to the remote tier failed: %s%s. Checkpoints are NOT "
+                    "reaching object storage (only the local tier, %s, has them): check the credentials (expired?), "
+                    "that the bucket exists and accepts writes from this node, and persister.log; training goes on "
+                    "and the next upload is tried as usual", step, shown_url(reason), again,
+                    self._checkpoint_dir)
+
+    def _remote_caught_up(self, step: int, url: str) -> None:
+        """The first upload that succeeded after failed ones: rank 0 says so once."""
+        if self._rank == 0 and self._remote_failures:
+            log.info("rank 0: the remote tier %s caught up: step %d was uploaded after %d failed upload(s)",
+                     shown_url(url), step, self._remote_failures)
+        self._remote_failures = 0
+        self._remote_warned_at = None
 
     def context(self, step: int) -> str:
         """Rank, step and persister pid, for error messages."""

@@ -9,7 +9,9 @@ The queue is bounded (:data:`QUEUE_DEPTH` checkpoints waiting): when a new check
 is full, the oldest waiting one is dropped (a newer one will be uploaded instead). A dropped upload, and an
 upload that failed after :data:`RETRIES` retries with backoff, is a warning or error in the persister's
 log and a note that the ranks' next status request carries; the Checkpointer turns each note into an
-``upload_skipped`` / ``upload_failed`` :class:`~snapckpt.events.Event`. The local tier is never touched.
+``upload_skipped`` / ``upload_failed`` :class:`~snapckpt.events.Event`. The first upload of a run that
+succeeds after a failed one is an ``uploaded`` note (no event): rank 0 logs that the remote tier caught up.
+The local tier is never touched.
 
 The first job of a remote directory in this persister deletes what interrupted uploads left there
 (:meth:`~snapckpt.storage.remote.RemoteStore.clean_orphans`): only one persister per job uploads (the
@@ -84,7 +86,8 @@ class Uploader:
         self._stores: Dict[str, RemoteStore] = {}
         self._cleaned: Set[str] = set()
         self._stop = False
-        self.notes: Dict[str, List[Dict[str, Any]]] = {}  # run id -> upload_skipped/upload_failed notes
+        self.notes: Dict[str, List[Dict[str, Any]]] = {}  # run id -> upload_skipped/upload_failed/uploaded notes
+        self._failing: Set[str] = set()  # run ids whose last upload that ended failed
 
     def submit(self, job: UploadJob) -> None:
         """Queue ``job``; drop the oldest waiting checkpoint when :data:`QUEUE_DEPTH` are waiting."""
@@ -123,6 +126,12 @@ class Uploader:
 
     def _note(self, job: UploadJob, kind: str, reason: str) -> None:
         with self._cond:
+            if kind == "upload_failed":
+                self._failing.add(job.run_id)
+            elif kind == "uploaded":
+                if job.run_id not in self._failing:
+                    return  # only a recovery is news: the list stays as long as the failures made it
+                self._failing.discard(job.run_id)
             self.notes.setdefault(job.run_id, []).append(
                 {"kind": kind, "step": job.manifest["step"] if job.manifest else -1, "reason": reason})
 
@@ -244,6 +253,7 @@ class Uploader:
             nbytes = sum(int(r["nbytes"]) for r in job.manifest["files"].values())
             log.info("remote: uploaded step %d (%d bytes) to %s in %.3f s", step, nbytes, job.remote_dir,
                      time.monotonic() - t0)
+            self._note(job, "uploaded", job.remote_dir)
             break
         try:
             store.apply_retention(job.keep_last, protect=[job.dirname])

@@ -1,0 +1,74 @@
+"""Rank 0's warning about failing uploads (:meth:`Saver.status` turning the persister's remote-tier notes into
+log lines and events), driven by a stub session: the first failure warns with the fix, later ones within
+``UPLOAD_FAILED_REMINDER_SECS`` only emit their event, one after it warns again with the count, and the first
+upload that succeeds afterwards is one INFO; other ranks stay quiet, credentials never appear."""
+from __future__ import annotations
+
+import logging
+
+from snapckpt.engine import saver as S
+
+URL = "s3://KEY:SECRET@bucket/run"
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.notes: list = []
+
+    def status(self, step, dirname, wait_secs):
+        return {"state": "committed", "remote": list(self.notes)}
+
+
+def _saver(rank: int):
+    sv = S.Saver.__new__(S.Saver)  # only what status() uses
+    sv._session, sv._rank, sv._checkpoint_dir = _Session(), rank, "/local/ckpt"
+    sv._remote_seen, sv._remote_failures, sv._remote_warned_at = 0, 0, None
+    sv.events = []
+    sv._emit = sv.events.append
+    return sv
+
+
+def _fail(sv, step):
+    sv._session.notes.append({"kind": "upload_failed", "step": step, "reason": f"{URL}: PermissionError: denied"})
+    sv.status(step + 1, "d", 0.0)
+
+
+def test_first_failure_warns_reminders_are_rate_limited_and_the_catch_up_is_one_info(caplog, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
+    caplog.set_level(logging.DEBUG, logger="snapckpt")
+    sv = _saver(0)
+
+    def lines(level):
+        return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+    _fail(sv, 1)
+    (w,) = lines(logging.WARNING)
+    assert "step 1 " in w and "s3://***@bucket/run" in w and "PermissionError: denied" in w, w
+    assert "credentials" in w and "/local/ckpt" in w and "SECRET" not in w and "KEY" not in w, w
+    clock[0] += S.UPLOAD_FAILED_REMINDER_SECS - 1
+    _fail(sv, 2)
+    assert len(lines(logging.WARNING)) == 1
+    clock[0] += 2
+    _fail(sv, 3)
+    assert len(lines(logging.WARNING)) == 2 and "step 3 " in lines(logging.WARNING)[1]
+    assert "3 failed uploads" in lines(logging.WARNING)[1]
+    assert [(e.kind, e.step) for e in sv.events] == [("upload_failed", 1), ("upload_failed", 2),
+                                                     ("upload_failed", 3)]
+    sv._session.notes.append({"kind": "uploaded", "step": 4, "reason": URL})
+    sv.status(5, "d", 0.0)
+    (info,) = [m for m in lines(logging.INFO) if "caught up" in m]
+    assert "step 4 " in info and "after 3 failed" in info and "SECRET" not in info, info
+    assert len(sv.events) == 3  # no event for the catch-up
+    _fail(sv, 5)  # failing again after the catch-up: a first failure again
+    assert len(lines(logging.WARNING)) == 3 and "failed uploads" not in lines(logging.WARNING)[2]
+
+
+def test_other_ranks_emit_the_event_without_a_warning(caplog):
+    caplog.set_level(logging.DEBUG, logger="snapckpt")
+    sv = _saver(1)
+    _fail(sv, 1)
+    sv._session.notes.append({"kind": "uploaded", "step": 2, "reason": URL})
+    sv.status(3, "d", 0.0)
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO], caplog.text
+    assert [(e.kind, e.step) for e in sv.events] == [("upload_failed", 1)]
