@@ -138,8 +138,9 @@ class Saver:
         """The persister's state of a save (:meth:`PersisterSession.status`, ``wait_secs`` as there); the remote
         tier's notes it carries (uploads skipped or failed) become ``upload_skipped`` / ``upload_failed`` events."""
         reply = self._session.status(step, dirname, wait_secs)
-        notes = reply.get("remote") or []
-        for n in notes[self._remote_seen:]:
+        # the persister keeps the newest notes only: "remote_base" of them were dropped before the first one sent
+        notes, base = reply.get("remote") or [], int(reply.get("remote_base") or 0)
+        for n in notes[max(0, self._remote_seen - base):]:
             kind, reason = str(n.get("kind")), str(n.get("reason", ""))
             if kind == "uploaded":
                 self._remote_caught_up(int(n.get("step", -1)), reason)
@@ -149,7 +150,7 @@ class Saver:
             else:
                 log.warning("rank %d: remote tier: %s of step %s: %s", self._rank, kind, n.get("step"), reason)
             self._emit(Event(kind, int(n.get("step", -1)), StorageType.DISK, self._rank, reason=reason))
-        self._remote_seen = max(self._remote_seen, len(notes))
+        self._remote_seen = max(self._remote_seen, base + len(notes))
         return reply
 
     def _remote_failed(self, step: int, reason: str) -> None:

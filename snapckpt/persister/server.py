@@ -736,8 +736,8 @@ class Server:
             return P.ok(state="held" if held else "unknown")
         if entry.rank in res.part_errors:
             return P.ok(state="failed", error=res.part_errors[entry.rank], where="part")
-        return P.ok(state=res.state, error=res.error, where="commit",
-                    remote=self.scheduler.uploader.notes_for(entry.run_id))
+        base, notes = self.scheduler.uploader.notes_window(entry.run_id)
+        return P.ok(state=res.state, error=res.error, where="commit", remote=notes, remote_base=base)
 
     def _op_await(self, entry: RankEntry, msg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         """``status``, held (``None``: no reply yet) while the save is pending and ``wait_secs`` is positive:

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
 from snapckpt.ondisk.manifest import list_committed
 from snapckpt.storage.factory import open_storage
@@ -40,12 +40,15 @@ from snapckpt.storage.factory import open_storage
 if TYPE_CHECKING:  # imported where a store is made: a persister without a remote tier never needs it
     from snapckpt.storage.remote import RemoteStore
 
-__all__ = ["Uploader", "UploadJob", "QUEUE_DEPTH", "RETRIES"]
+__all__ = ["Uploader", "UploadJob", "NOTES_KEPT", "QUEUE_DEPTH", "RETRIES"]
 
 log = logging.getLogger("snapckpt.persister")
 
 #: Checkpoints waiting for upload (beyond the one being uploaded); the oldest is dropped past it.
 QUEUE_DEPTH = 2
+#: Notes kept per run, the newest (:meth:`Uploader.notes_window`): every status reply carries them, so a run whose
+#: uploads fail for days must not grow each reply with every failure since the start.
+NOTES_KEPT = 256
 #: Retries of a failed upload (backoff 1, 2, 4... seconds) before it is given up.
 RETRIES = 3
 BACKOFF_SECS = 1.0
@@ -87,6 +90,7 @@ class Uploader:
         self._cleaned: Set[str] = set()
         self._stop = False
         self.notes: Dict[str, List[Dict[str, Any]]] = {}  # run id -> upload_skipped/upload_failed/uploaded notes
+        self.notes_dropped: Dict[str, int] = {}  # run id -> its notes dropped from the front (NOTES_KEPT)
         self._failing: Set[str] = set()  # run ids whose last upload that ended failed
 
     def submit(self, job: UploadJob) -> None:
@@ -120,9 +124,14 @@ class Uploader:
             thread.join()
 
     def notes_for(self, run_id: str) -> List[Dict[str, Any]]:
-        """The notes of run ``run_id``, oldest first (the list only grows)."""
+        """The newest :data:`NOTES_KEPT` notes of run ``run_id``, oldest first."""
+        return self.notes_window(run_id)[1]
+
+    def notes_window(self, run_id: str) -> Tuple[int, List[Dict[str, Any]]]:
+        """``(number of notes of run_id dropped before the first one given, the newest NOTES_KEPT notes)``: a rank
+        that has seen ``n`` notes in all reads the new ones from position ``n - dropped``."""
         with self._cond:
-            return list(self.notes.get(run_id, ()))
+            return self.notes_dropped.get(run_id, 0), list(self.notes.get(run_id, ()))
 
     def _note(self, job: UploadJob, kind: str, reason: str) -> None:
         with self._cond:
@@ -132,8 +141,11 @@ class Uploader:
                 if job.run_id not in self._failing:
                     return  # only a recovery is news: the list stays as long as the failures made it
                 self._failing.discard(job.run_id)
-            self.notes.setdefault(job.run_id, []).append(
-                {"kind": kind, "step": job.manifest["step"] if job.manifest else -1, "reason": reason})
+            notes = self.notes.setdefault(job.run_id, [])
+            notes.append({"kind": kind, "step": job.manifest["step"] if job.manifest else -1, "reason": reason})
+            if len(notes) > NOTES_KEPT:
+                self.notes_dropped[job.run_id] = self.notes_dropped.get(job.run_id, 0) + len(notes) - NOTES_KEPT
+                del notes[:-NOTES_KEPT]
 
     def _store(self, url: str) -> RemoteStore:
         store = self._stores.get(url)

@@ -72,3 +72,34 @@ def test_other_ranks_emit_the_event_without_a_warning(caplog):
     sv.status(3, "d", 0.0)
     assert not [r for r in caplog.records if r.levelno >= logging.INFO], caplog.text
     assert [(e.kind, e.step) for e in sv.events] == [("upload_failed", 1)]
+
+
+def test_the_persister_keeps_the_newest_notes_and_a_rank_reads_each_new_one_once():
+    """Uploads failing for days must not grow every status reply: the uploader keeps the newest
+    :data:`NOTES_KEPT` notes of a run and says how many it dropped; a rank reading the window emits each note
+    once, the dropped ones it had seen included, and none twice after the window slid."""
+    from types import SimpleNamespace
+
+    from snapckpt.persister.uploader import NOTES_KEPT, Uploader
+
+    up = Uploader(on_done=lambda: None)
+    sv = _saver(1)
+
+    def reply(step, dirname, wait_secs):
+        base, notes = up.notes_window("run1")
+        return {"state": "committed", "remote": notes, "remote_base": base}
+
+    sv._session.status = reply
+    total = NOTES_KEPT + 100
+    for step in range(total):
+        up._note(SimpleNamespace(run_id="run1", manifest={"step": step}), "upload_failed", f"{URL}: OSError: x")
+        if step % 10 == 0:  # the rank asks at each of its DISK saves (each one queues one upload)
+            sv.status(step, "d", 0.0)
+    base, notes = up.notes_window("run1")
+    assert len(notes) == NOTES_KEPT and base == total - NOTES_KEPT
+    assert notes[0]["step"] == base and notes[-1]["step"] == total - 1
+    assert up.notes_for("run1") == notes
+    sv.status(total, "d", 0.0)
+    assert [e.step for e in sv.events] == list(range(total))  # each note once, in order
+    sv.status(total + 1, "d", 0.0)
+    assert len(sv.events) == total
