@@ -572,7 +572,9 @@ def test_cli_stop_without_a_persister_version_and_empty_ps(snap_env, capsys):
     r = cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"snapckpt {snapckpt.__version__}", r.stdout + r.stderr
     assert main(["ps"]) == 0
-    assert "no snapckpt persister of this user runs here" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no snapckpt persister of this user runs here" in out
+    assert f"snapckpt-{os.getuid()}" in out, out  # where it looked, as the docs name it (not only the root)
     try:
         main(["stop", d, "--timeout", "0"])
     except SystemExit as e:

@@ -83,7 +83,7 @@ def cmd_ps(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print_json({"runtime_root": root, "persisters": recs})
         return 0
     if not recs:
-        print(f"no snapckpt persister of this user runs here (runtime directory {root})")
+        print(f"no snapckpt persister of this user runs here (looked in {os.path.join(root, f'snapckpt-{os.getuid()}')})")
         return 0
     rows = [["PID", "JOB", "AGE", "MEMORY", "STEPS", "RANKS", "DIR"]]
     for r in recs:
