@@ -267,7 +267,7 @@ class Loader:
         if not self._remote_only:
             return list_committed(self._storage, self.checkpoint_dir, quick_check=step is None,
                                   problems=problems, name_pattern=layout.STEP_DIR_PATTERN)
-        secs = self.options.coordination_timeout_secs / 2  # answered before the other ranks' wait ends
+        secs = self._answer_secs
         found: List[str] = []  # the listing's own list: a listing given up may still append to it
         try:
             listed = call_bounded(lambda: self._store().list_committed(found), secs)
@@ -325,9 +325,9 @@ class Loader:
         if self._remote is None or self._remote_only:
             return [], ""
         remove_download_leftovers(self.checkpoint_dir)  # of a download killed in an earlier run
-        secs = self.options.coordination_timeout_secs / 2  # answered before the other ranks' wait ends
+        secs = self._answer_secs
         try:
-            listed = call_bounded(self._remote.list_committed, secs)
+            listed = self._list_remote()
             return [[c.step, c.dirname, c.manifest["world_size"],
                      c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))] for c in listed], ""
         except Exception as e:
@@ -341,6 +341,16 @@ class Loader:
             log.warning("remote tier %s cannot be listed (%s); loading from memory and %s only",
                         self._remote.url, cause, self.checkpoint_dir)
             return [], cause
+
+    @property
+    def _answer_secs(self) -> float:
+        """Seconds a store request at load may take: half the coordination timeout, so that rank 0 answers
+        (with an error) before the other ranks' wait for it ends."""
+        return self.options.coordination_timeout_secs / 2
+
+    def _list_remote(self) -> List[Any]:
+        """Rank 0: the remote tier's committed checkpoints, given up after :attr:`_answer_secs` (``NoAnswer``)."""
+        return call_bounded(self._remote.list_committed, self._answer_secs)
 
     def _remote_url(self) -> str:
         """``remote_dir`` for messages (rank 0 holds the store; every rank has the option)."""
@@ -365,7 +375,7 @@ class Loader:
         got: Optional[List[Any]] = None
         failed: List[str] = []
         if self.rank == 0:
-            committed = {c.dirname: c for c in self._remote.list_committed()}
+            committed = {c.dirname: c for c in self._list_remote()}
             for best in pick:
                 try:
                     t0 = time.perf_counter()
@@ -419,7 +429,7 @@ class Loader:
         got, error = False, ""
         if self.rank == 0:
             try:
-                c = {c.dirname: c for c in self._remote.list_committed()}.get(dirname)
+                c = {c.dirname: c for c in self._list_remote()}.get(dirname)
                 if c is None:
                     error = "no longer committed in the remote tier"
                 elif _identity(c.manifest) != self._listed[dirname]:

@@ -580,24 +580,29 @@ def test_the_guards_check_chunk_by_chunk_and_refuse_an_object_met_in_two_chunks(
     assert plain_restore._guards_pass(table, params)
 
 
+def _in_child(body: str) -> "subprocess.CompletedProcess":
+    """Run ``body`` in a child Python with ``torch``, this module as ``t`` and ``plain_restore`` imported (a crash
+    there, an abort or a segmentation fault, would otherwise end pytest itself)."""
+    code = ("import sys, torch, warnings; warnings.simplefilter('ignore')\n"
+            f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            "import test_plain_restore as t\n"
+            "from snapckpt.engine import plain_restore\n" + body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
 def test_a_live_nested_tensor_takes_the_general_path_without_aborting_the_process():
     """A nested tensor is a ``torch.Tensor`` to the structure walk, so a live one where the saved state held a plain
     tensor passes the digest (derived from the slot's shape table); ``TensorGuards``' check of it throws a C++
     error that aborts the process (torch 2.13: it reads the strides a nested tensor does not have), and Facts'
     field reads raise. The restore refuses it (None) before either, by table or tensor by tensor. In a child
     process: an abort would end pytest itself."""
-    code = ("import sys, torch, warnings; warnings.simplefilter('ignore')\n"
-            "sys.path.insert(0, %r)\n"
-            "import test_plain_restore as t\n"
-            "from snapckpt.engine import plain_restore\n"
+    out = _in_child(
             "nested = lambda: torch.nested.nested_tensor([torch.zeros(3)])\n"
             "saved = {'w': torch.rand(1, 3), 'v': torch.rand(1, 3), 'i': 1}\n"
             "m = t._save(saved)\n"
             "print(plain_restore.find(m, t.NAME, 1, {'w': torch.zeros(1, 3), 'v': nested(), 'i': 2}))\n"
             "plain_restore._TensorGuards = None  # tensor by tensor\n"
-            "print(plain_restore.find(m, t.NAME, 1, {'w': nested(), 'v': torch.zeros(1, 3), 'i': 2}))\n"
-            % os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            "print(plain_restore.find(m, t.NAME, 1, {'w': nested(), 'v': torch.zeros(1, 3), 'i': 2}))\n")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["None", "None"], out.stdout
 
@@ -607,10 +612,7 @@ def test_a_live_tensor_over_no_memory_takes_the_general_path_without_crashing_th
     0 (its dispatch keys pass ``TensorGuards``, its fields the tensor-by-tensor check): copying the span there was a
     segmentation fault. The restore refuses it (None), by table or tensor by tensor; the general path's copy_ names
     it. In a child process: a crash would end pytest itself."""
-    code = ("import sys, torch, warnings; warnings.simplefilter('ignore')\n"
-            "sys.path.insert(0, %r)\n"
-            "import test_plain_restore as t\n"
-            "from snapckpt.engine import plain_restore\n"
+    out = _in_child(
             "saved = {'w': torch.rand(3), 'v': torch.rand(3), 'i': 1}\n"
             "m = t._save(saved)\n"
             "for guards in (True, False):\n"
@@ -620,8 +622,6 @@ def test_a_live_tensor_over_no_memory_takes_the_general_path_without_crashing_th
             "        found = plain_restore.find(m, t.NAME, 1, {'w': torch.zeros(3), 'v': x, 'i': 2})\n"
             "        if found is not None:\n"
             "            found.run()\n"
-            "        print(found)\n"
-            % os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            "        print(found)\n")
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.split() == ["None"] * 4, out.stdout
