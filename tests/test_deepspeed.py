@@ -110,7 +110,7 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier, request):
             local = json.load(open(os.path.join(ckpt, tag, ".snapckpt", "manifest.json")))
             # (once in a CI run under load, global_step2's manifest was missing with global_step4 uploaded: the
             # persister logs say what the uploader did)
-            assert f"ds/{tag}/.snapckpt/manifest.json" in keys, (sorted(keys), _persister_logs(snap_env))
+            assert f"ds/{tag}/.snapckpt/manifest.json" in keys, f"{sorted(keys)}\n{_persister_logs(snap_env)}"
             assert json.loads(bucket.get(f"ds/{tag}/.snapckpt/manifest.json"))["files"] == local["files"]
             native = {n: os.path.getsize(os.path.join(ckpt, tag, n)) for n in os.listdir(os.path.join(ckpt, tag))
                       if n != ".snapckpt"}

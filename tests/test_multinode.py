@@ -170,6 +170,15 @@ def test_G1_G2_one_node_dies_first_the_other_by_exception_resumes_from_memory(ri
     _resume_and_compare(rig, 1, log)
 
 
+def _read(path):
+    """The stripped text of ``path``, or ``None`` while it does not exist."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
 def _trim_log(log, step):
     """Keep the interrupted run's lines up to ``step`` (the ones after it were never checkpointed)."""
     with open(log) as f:
@@ -261,7 +270,8 @@ def _persister_log(node):
     return out
 
 
-def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig):
+@pytest.mark.parametrize("disk6", ["committed", "in_flight"])
+def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig, disk6):
     """G8, the peer-memory tier (replicas on by default across nodes): every rank paused at step 9 (memory;
     disk holds 6) and each node's persister holds a replica of the other node's rank. Node 1 is lost whole
     (processes, persister, memory) and node 0's trainers die; a fresh node1 (empty memory) joins. The restart
@@ -269,13 +279,27 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig):
     into the new node's arena; the losses are bitwise equal to an uninterrupted run. The ranks heard how
     their earlier snapshots replicated (``replicated``, or ``replica_lagging`` when the next snapshot overtook a
     send in flight on a loaded host; CI saw that once). Before the restart, node 0's crash flush committed
-    step 9 to disk with rank 1's part written from the replica (the crash flush no longer needs every node)."""
+    step 9 to disk with rank 1's part written from the replica (the crash flush no longer needs every node).
+
+    ``disk6``: step 6's disk save is committed before the loss, or (a CI run's order under load: the save of step
+    6 was still in flight when the test went on) node 1's part of step 6 is held until the node is lost, so no
+    ``latest`` exists yet and step 6's commit can never complete: step 9's still does."""
     rig.start(2)
     rig.leftover_ok = True
     log = os.path.join(rig.tmp, "losses.log")
     extra = ["--commit-timeout", "40"]
-    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1)
+    env = {} if disk6 == "committed" else {
+        "SNAPCKPT_FAULT_POINT": f"persist.before_part_marker:rank=1:step={DISK}:action=sleep:secs=600"}
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1,
+                            env=env)
     _wait_paused(runs, 2)
+    tracker = os.path.join(rig.ckpt_dir, "latest")
+    if disk6 == "committed":
+        assert wait_until(lambda: os.path.exists(tracker), 60), _persister_log(rig.nodes[0])
+    else:
+        assert wait_until(lambda: f"hit persist.before_part_marker rank=1 step={DISK}" in _persister_log(
+            rig.nodes[1]), 30), _persister_log(rig.nodes[1])
+        assert not os.path.exists(tracker)
     for holder, rank in ((0, 1), (1, 0)):  # step 9 is replicated both ways (in the background)
         assert wait_until(lambda: f"holding a replica of rank {rank} step {PAUSE} " in _persister_log(
             rig.nodes[holder]), 30), _persister_log(rig.nodes[holder])
@@ -291,8 +315,7 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig):
     rig.kill_trainers(0)
     # the whole job died and node 1 is gone: node 0's crash flush still commits step 9, writing rank 1's
     # part from its replica once node 1's lease is stale (peer_timeout_secs, 10 s)
-    tracker = os.path.join(rig.ckpt_dir, "latest")
-    assert wait_until(lambda: open(tracker).read().strip() == f"step_{PAUSE:08d}", 60), _persister_log(rig.nodes[0])
+    assert wait_until(lambda: _read(tracker) == f"step_{PAUSE:08d}", 60), _persister_log(rig.nodes[0])
     assert "rank 1 step 9: part written from the peer replica (the lease of rank 1's node" in _persister_log(
         rig.nodes[0])
     assert f"step_{PAUSE:08d}" in _verify(rig.ckpt_dir)

@@ -278,6 +278,71 @@ def test_H2_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
         ["latest"] + [f"step_{s:08d}" for s in range(1, 6)]  # the local tier has every step
 
 
+def test_H2_commits_ending_out_of_order_upload_in_request_order(snap_env, s3_bucket, monkeypatch):
+    """Commits run in parallel and a later one may end first (CI saw step 4's upload before step 2's, so the
+    server briefly held step 4 alone and would have ended with ``latest`` naming step 2): step 1's commit is
+    held 3 s before its tracker (a fault point) while step 2 commits. Both are uploaded and committed on the
+    server, the tracker object names step 2 there as it does locally, and step 1's late upload says it did
+    not move it back."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "commit.before_tracker:step=1:action=sleep:secs=3")  # the persister's
+    with Checkpointer(snap_env.ckpt_dir, remote_dir=url, persister_idle_timeout_secs=20) as ck:
+        h1 = ck.save({"w": torch.ones(64), "step": 1}, 1, StorageType.DISK)
+        ck.save({"w": torch.ones(64) * 2, "step": 2}, 2, StorageType.DISK).wait()
+        h1.wait()
+        # (the log goes with the persister: read it while the Checkpointer keeps it)
+        assert wait_until(lambda: "remote: uploaded step 1 " in _persister_logs(snap_env), timeout=60), \
+            _persister_logs(snap_env)
+        log = _persister_logs(snap_env)
+    assert "hit commit.before_tracker rank=None step=1" in log, log
+    assert log.index("remote: uploaded step 2") < log.index("remote: uploaded step 1"), log  # the order forced
+    keys = _remote_layout(s3_bucket)
+    assert {k.split("/")[0] for k in keys if k.endswith("manifest.json")} == {"step_00000001", "step_00000002"}
+    assert open(os.path.join(snap_env.ckpt_dir, "latest")).read() == "step_00000002"
+    assert s3_bucket.get("run/latest") == b"step_00000002"
+    assert "uploaded step 1 " in log and "(latest not moved back: a later save's upload wrote it)" in log, log
+
+
+def test_H2_uploads_wait_in_request_order_and_the_oldest_is_dropped(tmp_path, s3_bucket, monkeypatch):
+    """The uploader in-process, its thread held while jobs arrive out of request order: a job queues before
+    the waiting ones requested after it, so steps upload in request order and the tracker object ends at the
+    newest; when the queue is full the job dropped is the oldest by request order (the one arriving, if it is
+    the oldest), never a newer one; a job older than the one that last wrote the tracker object uploads
+    without moving it (remote retention, keep_last=2, keeps the newest two)."""
+    from snapckpt.persister import uploader as U
+
+    monkeypatch.setattr(U, "QUEUE_DEPTH", 2)
+    src, url = str(tmp_path / "src"), s3_bucket.url("run")
+    ck = {s: _local_checkpoint(src, s, {"a.bin": bytes([s]) * 100}) for s in range(1, 7)}
+
+    def job(step, order, keep_last=None):
+        d, m = ck[step]
+        return U.UploadJob("run1", url, d, os.path.basename(d), m, keep_last, "latest", os.path.basename(d),
+                           order=order)
+
+    up = U.Uploader(lambda: None)
+    with up._cond:  # the uploader thread cannot take a job until all four arrived
+        for step, order in ((4, 4), (2, 2), (3, 3), (1, 1)):  # 3 drops 2 (queue full); 1 arrives oldest: dropped
+            up.submit(job(step, order))
+        assert [j.manifest["step"] for j in up._queue] == [3, 4]
+    up.shutdown()
+    assert [(n["kind"], n["step"]) for n in up.notes_for("run1")] == [("upload_skipped", 2), ("upload_skipped", 1)]
+    assert "step 4 will be uploaded instead" in up.notes_for("run1")[1]["reason"]
+    assert s3_bucket.get("run/latest") == b"step_00000004"
+    up = U.Uploader(lambda: None)
+    up.submit(job(6, 6, keep_last=2))
+    assert wait_until(lambda: s3_bucket.get("run/latest") == b"step_00000006", 30)
+    up.submit(job(5, 5, keep_last=2))  # after 6 wrote the tracker object: behind it
+    up.shutdown()
+    committed = sorted(k.split("/")[0] for k in _remote_layout(s3_bucket) if k.endswith("manifest.json"))
+    assert s3_bucket.get("run/latest") == b"step_00000006"
+    assert committed == ["step_00000005", "step_00000006"], committed
+
+
 def test_H2_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, monkeypatch):
     """The persister's uploader, in-process: an upload to a bucket that disappeared is retried, then given
     up with an ``upload_failed`` note naming the URL and the cause (no credential); a checkpoint retired by

@@ -269,7 +269,7 @@ class Scheduler:
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
                             wake=res.part_ended)
         self.pending += 1
-        self.commit_pool.submit(self._commit_task, req, run)
+        self.commit_pool.submit(self._commit_task, req, run, self.commit_seq)
 
     def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
         """Parts of ``ranks`` of the save ended on this node (durable, or failed with their marker): the
@@ -495,7 +495,8 @@ class Scheduler:
             if exc is not None:
                 self.on_change()
 
-    def _commit_task(self, req: CommitRequest, run: Run) -> None:
+    def _commit_task(self, req: CommitRequest, run: Run, seq: int) -> None:
+        """Commit ``req`` (``seq``: its request order, :meth:`_tracker_gate`'s), then queue its upload."""
         if not run.remote_only:
             with self.lock:
                 removing = self.discarding.get((run.checkpoint_dir, req.dirname))
@@ -514,7 +515,7 @@ class Scheduler:
                         self.pending += 1
                     self.uploader.submit(UploadJob(run.run_id, run.remote_dir, req.final_dir, req.dirname,
                                                    manifest, req.keep_last, req.tracker_name,
-                                                   req.tracker_content))
+                                                   req.tracker_content, order=seq))
             else:
                 watch_commit(storage, req)
             state, err = "committed", None

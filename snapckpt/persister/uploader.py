@@ -5,8 +5,12 @@ committed directory to :meth:`Uploader.submit`; one uploader thread per persiste
 at a time (its files in parallel) with :meth:`snapckpt.storage.remote.RemoteStore.upload`, then runs the
 remote retention. Nothing waits for it: not training, not the next DISK save, not the commit's answer.
 
-The queue is bounded (:data:`QUEUE_DEPTH` checkpoints waiting): when a new checkpoint arrives and the queue
-is full, the oldest waiting one is dropped (a newer one will be uploaded instead). A dropped upload, and an
+Uploads go in the order the saves were requested (:attr:`UploadJob.order`), not the order their commits
+ended: commits run in parallel and a later one may end first. A checkpoint that arrives after a later one of
+the same run is queued before it when that one still waits; when that one was already uploaded, the older
+one is uploaded without moving the remote tracker object back (the local tracker's rule: it only moves
+forward in request order). The queue is bounded (:data:`QUEUE_DEPTH` checkpoints waiting): when a new
+checkpoint arrives and the queue is full, the oldest one is dropped (a newer one will be uploaded instead). A dropped upload, and an
 upload that failed after :data:`RETRIES` retries with backoff, is a warning or error in the persister's
 log and a note that the ranks' next status request carries; the Checkpointer turns each note into an
 ``upload_skipped`` / ``upload_failed`` :class:`~snapckpt.events.Event`. The first upload of a run that
@@ -71,6 +75,9 @@ class UploadJob:
     #: a clean-up job catches up only checkpoints committed before this time (Unix seconds): those of the
     #: run that queued it are submitted by their own commits (and may be dropped from the queue on purpose)
     before_unix: float = 0.0
+    #: the persister's request order of the save (its local tracker gate's); 0 for what a clean-up job
+    #: catches up (saved before any request of this persister)
+    order: int = 0
 
 
 class Uploader:
@@ -92,22 +99,32 @@ class Uploader:
         self.notes: Dict[str, List[Dict[str, Any]]] = {}  # run id -> upload_skipped/upload_failed/uploaded notes
         self.notes_dropped: Dict[str, int] = {}  # run id -> its notes dropped from the front (NOTES_KEPT)
         self._failing: Set[str] = set()  # run ids whose last upload that ended failed
+        # (remote_dir, tracker name) -> the order of the upload that last wrote that tracker object
+        self._tracker_order: Dict[Tuple[str, str], int] = {}
 
     def submit(self, job: UploadJob) -> None:
-        """Queue ``job``; drop the oldest waiting checkpoint when :data:`QUEUE_DEPTH` are waiting."""
+        """Queue ``job`` before the waiting checkpoints requested after it; drop the oldest checkpoint (by
+        request order, ``job`` included) when :data:`QUEUE_DEPTH` are waiting."""
         dropped: Optional[UploadJob] = None
         with self._cond:
             waiting = [j for j in self._queue if j.manifest is not None]
             if job.manifest is not None and len(waiting) >= QUEUE_DEPTH:
-                dropped = waiting[0]
-                self._queue.remove(dropped)
-            self._queue.append(job)
+                dropped = min(waiting + [job], key=lambda j: j.order)
+                if dropped is not job:
+                    self._queue.remove(dropped)
+            if dropped is not job:
+                later = [i for i, j in enumerate(self._queue) if j.manifest is not None and j.order > job.order]
+                if job.manifest is not None and later:
+                    self._queue.insert(later[0], job)
+                else:
+                    self._queue.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="snapckpt-uploader", daemon=True)
                 self._thread.start()
             self._cond.notify()
         if dropped is not None:
-            reason = (f"the upload queue was full ({QUEUE_DEPTH} waiting); step {job.manifest['step']} "
+            newest = max(waiting + [job], key=lambda j: j.order)
+            reason = (f"the upload queue was full ({QUEUE_DEPTH} waiting); step {newest.manifest['step']} "
                       "will be uploaded instead")
             log.warning("remote: upload of step %d (%s) to %s skipped: %s", dropped.manifest["step"],
                         dropped.dirname, dropped.remote_dir, reason)
@@ -235,9 +252,11 @@ class Uploader:
             if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
                 self._skip_retired(job, "before its upload began")
                 return
+            gate = (job.remote_dir, job.tracker_name)
+            behind = bool(job.tracker_name) and self._tracker_order.get(gate, -1) > job.order
             try:
                 store.upload(job.local_dir, job.dirname, job.manifest, run_id=job.run_id,
-                             tracker_name=job.tracker_name, tracker_content=job.tracker_content)
+                             tracker_name="" if behind else job.tracker_name, tracker_content=job.tracker_content)
             except Exception as e:
                 if not os.path.isdir(job.local_dir):
                     # retired meanwhile (retention renames the directory away at once): not a fault to retry
@@ -263,11 +282,14 @@ class Uploader:
                 delay *= 2
                 continue
             nbytes = sum(int(r["nbytes"]) for r in job.manifest["files"].values())
-            log.info("remote: uploaded step %d (%d bytes) to %s in %.3f s", step, nbytes, job.remote_dir,
-                     time.monotonic() - t0)
+            log.info("remote: uploaded step %d (%d bytes) to %s in %.3f s%s", step, nbytes, job.remote_dir,
+                     time.monotonic() - t0, f" ({job.tracker_name} not moved back: a later save's upload "
+                                            "wrote it)" if behind else "")
+            if job.tracker_name and not behind:
+                self._tracker_order[gate] = job.order
             self._note(job, "uploaded", job.remote_dir)
             break
-        try:
-            store.apply_retention(job.keep_last, protect=[job.dirname])
+        try:  # a checkpoint uploaded behind a later one is not protected: retention may take it at once
+            store.apply_retention(job.keep_last, protect=[] if behind else [job.dirname])
         except Exception as e:  # retention never fails an upload that happened
             log.warning("remote retention after step %d failed: %s", step, e)
