@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import stat
+import time
 from typing import Optional
 
 import pytest
@@ -1131,3 +1132,56 @@ def test_H4_a_fresh_node_picking_the_highest_remote_step_after_a_rewind_warns(sn
         assert any("step 5 (step_00000005) was saved after it" in r.getMessage() and "load(step=5)"
                    in r.getMessage() for r in caplog.records), caplog.text
         assert ck.load(step=5)["w"] == 5
+
+
+def test_H2_two_uploaders_at_once_never_move_the_tracker_back_nor_commit_over_vanished_objects(
+        tmp_path, s3_bucket, monkeypatch):
+    """Two persisters upload to one remote directory at once: a restart put rank 0 on another node while the
+    previous committer's persister still uploads its queue (tests/test_multinode_remote.py runs it on the
+    rig). Each is its own Uploader here. (1) The old persister's upload of step 9 (saved first) ends after the
+    new committer's upload of step 12: the tracker object stays at step 12 (on main it moved back to step 9).
+    (2) The other uploader's clean-up of interrupted uploads deletes this upload's data objects after they
+    were read back, before the manifest is written: the upload is retried, never a manifest over missing
+    objects (on main: a committed-looking step that ``verify`` calls damaged)."""
+    from snapckpt.persister import uploader as U
+    from snapckpt.storage.remote import RemoteStore
+
+    monkeypatch.setattr(U, "BACKOFF_SECS", 0.01)
+    src, url = str(tmp_path / "src"), s3_bucket.url("run")
+    ck = {s: _local_checkpoint(src, s, {"a.bin": bytes([s]) * 100}) for s in (6, 9, 12)}
+    for s, (d, m) in ck.items():
+        m["requested_unix"] = 1000.0 + s  # save order: 6, 9, 12
+        m["tracker"] = {"name": "latest", "content": os.path.basename(d)}
+
+    def job(step, order):
+        d, m = ck[step]
+        return U.UploadJob("run1", url, d, os.path.basename(d), m, None, "latest", os.path.basename(d), order=order)
+
+    new, old = U.Uploader(lambda: None), U.Uploader(lambda: None)
+    new.submit(job(12, 1))  # the new committer: its first request
+    new.shutdown()
+    old.submit(job(9, 7))  # the previous run's persister: its own (unrelated) request order
+    old.shutdown()
+    assert s3_bucket.get("run/latest") == b"step_00000012"
+
+    real_check = RemoteStore._check_sizes
+    vanished = []
+
+    def check_then_vanish(self, dirname, manifest):
+        real_check(self, dirname, manifest)
+        if dirname == "step_00000006" and not vanished:  # another uploader's clean_orphans, right now
+            vanished.append(dirname)
+            self._rm_tree(self._path(dirname))
+
+    monkeypatch.setattr(RemoteStore, "_check_sizes", check_then_vanish)
+    up = U.Uploader(lambda: None)
+    up.submit(job(6, 8))
+    up.shutdown()
+    monkeypatch.setattr(RemoteStore, "_check_sizes", real_check)
+    assert vanished
+    problems = []
+    committed = [c.dirname for c in RemoteStore(url).list_committed(problems)]
+    assert not problems, problems
+    assert committed == ["step_00000006", "step_00000009", "step_00000012"], committed
+    assert s3_bucket.get("run/latest") == b"step_00000012"
+

@@ -9,8 +9,10 @@ Uploads go in the order the saves were requested (:attr:`UploadJob.order`), not 
 ended: commits run in parallel and a later one may end first. A checkpoint that arrives after a later one of
 the same run is queued before it when that one still waits; when that one was already uploaded, the older
 one is uploaded without moving the remote tracker object back (the local tracker's rule: it only moves
-forward in request order). The queue is bounded (:data:`QUEUE_DEPTH` checkpoints waiting): when a new
-checkpoint arrives and the queue is full, the oldest one is dropped (a newer one will be uploaded instead). A dropped upload, and an
+forward in request order). The same holds across persisters (the store's rule, by the manifests' save time):
+after a restart that put rank 0 on another node the previous committer's persister may still upload its
+queue while the new committer uploads. The queue is bounded (:data:`QUEUE_DEPTH` checkpoints waiting): when
+a new checkpoint arrives and the queue is full, the oldest one is dropped (a newer one will be uploaded instead). A dropped upload, and an
 upload that failed after :data:`RETRIES` retries with backoff, is a warning or error in the persister's
 log and a note that the ranks' next status request carries; the Checkpointer turns each note into an
 ``upload_skipped`` / ``upload_failed`` :class:`~snapckpt.events.Event`. The first upload of a run that
@@ -19,10 +21,12 @@ The local tier is never touched.
 
 The first job of a remote directory in this persister deletes what interrupted uploads left there
 (:meth:`~snapckpt.storage.remote.RemoteStore.clean_orphans`): only one persister per job uploads (the
-committer's), and a new one starts after the previous one is gone. That job (queued when the committer
-connects) then **catches up**: the newest checkpoints committed in ``checkpoint_dir`` but not in the remote
-tier (a persister killed after a local commit, before or during its upload) are uploaded, newer than the
-newest remote step only, at most :data:`QUEUE_DEPTH` + 1 (and ``keep_last``) of them.
+committer's), and a new one usually starts after the previous one is gone. When rank 0 moved to another node
+on a restart, the previous committer's persister may still upload: an upload of its that the clean-up removed
+fails its read-back and is retried (:meth:`~snapckpt.storage.remote.RemoteStore.upload`). That job (queued
+when the committer connects) then **catches up**: the newest checkpoints committed in ``checkpoint_dir`` but
+not in the remote tier (a persister killed after a local commit, before or during its upload) are uploaded,
+newer than the newest remote step only, at most :data:`QUEUE_DEPTH` + 1 (and ``keep_last``) of them.
 
 A checkpoint whose local directory disappears before or during its upload (local retention retired it) is
 skipped cleanly (``upload_skipped``, what it had sent is removed); any other error, a network fault or a
@@ -255,8 +259,10 @@ class Uploader:
             gate = (job.remote_dir, job.tracker_name)
             behind = bool(job.tracker_name) and self._tracker_order.get(gate, -1) > job.order
             try:
-                store.upload(job.local_dir, job.dirname, job.manifest, run_id=job.run_id,
-                             tracker_name="" if behind else job.tracker_name, tracker_content=job.tracker_content)
+                moved = store.upload(job.local_dir, job.dirname, job.manifest, run_id=job.run_id,
+                                     tracker_name="" if behind else job.tracker_name,
+                                     tracker_content=job.tracker_content)
+                behind = behind or not moved  # a later save's upload, maybe another persister's, wrote it
             except Exception as e:
                 if not os.path.isdir(job.local_dir):
                     # retired meanwhile (retention renames the directory away at once): not a fault to retry

@@ -319,17 +319,29 @@ class RemoteStore:
 
     # ------------------------------------------------------------------------------------- upload
     def upload(self, local_dir: str, dirname: str, manifest: Dict[str, Any], *, run_id: str,
-               tracker_name: str = "", tracker_content: str = "") -> None:
+               tracker_name: str = "", tracker_content: str = "") -> bool:
         """Upload the committed local checkpoint ``local_dir`` (manifest ``manifest``) as ``<url>/<dirname>``
         and commit it there: marker, data objects (each file's checksum recomputed and compared with the
-        manifest just before it is sent; sizes read back), manifest object, then the tracker object
-        ``tracker_name`` (if given).
+        manifest just before it is sent; sizes read back), manifest object, its objects' sizes read back once
+        more, then the tracker object ``tracker_name`` (if given), unless a checkpoint committed in the store
+        was saved later (:meth:`_saved_later`).
 
         A prefix already committed with the same files (same sizes and checksums) is left as it is (only
         the tracker is written). A different one (a re-save of the step) loses its manifest first.
 
+        Two persisters can upload here at once: after a restart that put rank 0 on another node, the
+        previous committer's persister still uploads its queue while the new committer uploads and removes
+        what it takes for interrupted uploads (:meth:`clean_orphans`). Hence the second read-back (objects
+        removed after the first one: the manifest is taken back and the upload fails, to be retried) and
+        the tracker rule: an upload that ends after a later save's never moves the tracker object back.
+
+        Returns:
+            ``False`` when ``tracker_name`` was given but not written (a later save is committed here);
+            else ``True``.
+
         Raises:
-            CheckpointCorruptError: a local file no longer matches its manifest (nothing committed remotely).
+            CheckpointCorruptError: a local file no longer matches its manifest (nothing committed remotely),
+                or the data objects vanished while the manifest was written (the manifest is removed).
             OSError / the store's errors: the upload failed (nothing committed remotely).
         """
         step = manifest["step"]
@@ -363,10 +375,34 @@ class RemoteStore:
             self._check_sizes(dirname, manifest)
             faults.point("remote.before_manifest", step=step, rank=None)
             self._write(mpath, json.dumps(manifest, indent=1).encode())
-        if tracker_name:
+            try:  # another uploader's clean-up may have removed the objects since they were read back
+                self.fs.invalidate_cache()
+                self._check_sizes(dirname, manifest)
+            except CheckpointCorruptError:
+                self._rm_quiet(mpath)
+                raise
+        # (a later save committed between this listing and the tracker's write still loses: one request's window)
+        later = self._saved_later(tracker_name, dirname, manifest) if tracker_name else None
+        if later is not None:
+            log.info("remote: %s of step %d not written: step %d (%s), saved later, is committed there",
+                     tracker_name, step, later.step, later.dirname)
+        elif tracker_name:
             faults.point("remote.before_tracker", step=step, rank=None)
             self._write(self._path(tracker_name), tracker_content.encode())
         log.info("remote: committed step %d as %s (%d files)", step, self.display(dirname), len(manifest["files"]))
+        return later is None
+
+    def _saved_later(self, tracker_name: str, dirname: str, manifest: Dict[str, Any]) -> Optional[RemoteCommitted]:
+        """The latest-saved committed checkpoint here (other than ``dirname``) whose commit wrote the tracker
+        ``tracker_name`` (its manifest's ``tracker`` record) and whose save was requested after ``manifest``'s
+        (``requested_unix``, the order retention and the loader use), or ``None``."""
+        def saved(m: Dict[str, Any]) -> float:
+            return float(m.get("requested_unix", m.get("created_unix", 0.0)))
+
+        later = [c for c in self.list_committed() if c.dirname != dirname and saved(c.manifest) > saved(manifest)
+                 and isinstance(c.manifest.get("tracker"), dict) and c.manifest["tracker"].get("name") == tracker_name
+                 and isinstance(c.manifest["tracker"].get("content"), str)]
+        return max(later, key=lambda c: saved(c.manifest)) if later else None
 
     def _put_file(self, local: str, dirname: str, name: str, rec: Dict[str, Any], step: int) -> None:
         """Upload one committed file: its checksum is recomputed from an open descriptor, then the same
