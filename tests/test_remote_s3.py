@@ -1185,3 +1185,34 @@ def test_H2_two_uploaders_at_once_never_move_the_tracker_back_nor_commit_over_va
     assert committed == ["step_00000006", "step_00000009", "step_00000012"], committed
     assert s3_bucket.get("run/latest") == b"step_00000012"
 
+
+def test_H2_an_upload_failing_until_local_retention_retires_it_is_a_failure_not_a_skip(tmp_path, s3_bucket,
+                                                                                       monkeypatch):
+    """An outage while DISK saves come faster than the upload's retries (1, 2, 4 s; with the client's own
+    retries a failed attempt can take minutes): local retention retires the checkpoint between two attempts.
+    That is an ``upload_failed`` note naming the store's error (rank 0 then warns that checkpoints do not
+    reach the store), not an ``upload_skipped`` "deleted before its upload began ... a newer checkpoint is
+    uploaded instead": on the multi-node rig (tests/test_multinode_remote.py) every upload of a 503 outage was
+    told as such a skip, and training heard nothing of the outage."""
+    import types
+
+    from snapckpt.persister import uploader as U
+    from snapckpt.storage.remote import RemoteStore
+
+    d, m = _local_checkpoint(str(tmp_path / "src"), 1, {"a.bin": b"a" * 100})
+
+    def outage(self, *a, **k):
+        raise OSError(16, "Service Unavailable")
+
+    def retire_while_backing_off(secs):
+        if os.path.isdir(d):
+            os.rename(d, d + ".retired")  # local retention, after a newer save's commit
+
+    monkeypatch.setattr(RemoteStore, "upload", outage)
+    monkeypatch.setattr(U, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=retire_while_backing_off))
+    up = U.Uploader(lambda: None)
+    up.submit(U.UploadJob("run1", s3_bucket.url("run"), d, "step_00000001", m, 2, "latest", "step_00000001"))
+    up.shutdown()
+    notes = up.notes_for("run1")
+    assert [(n["kind"], n["step"]) for n in notes] == [("upload_failed", 1)], notes
+    assert "Service Unavailable" in notes[0]["reason"] and s3_bucket.url("run") in notes[0]["reason"], notes

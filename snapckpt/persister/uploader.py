@@ -29,8 +29,9 @@ not in the remote tier (a persister killed after a local commit, before or durin
 newer than the newest remote step only, at most :data:`QUEUE_DEPTH` + 1 (and ``keep_last``) of them.
 
 A checkpoint whose local directory disappears before or during its upload (local retention retired it) is
-skipped cleanly (``upload_skipped``, what it had sent is removed); any other error, a network fault or a
-transient read error of a local file alike, is retried.
+skipped cleanly (``upload_skipped``, what it had sent is removed), unless an attempt had already failed (an
+outage while saves come faster than the retries): then it is an ``upload_failed`` naming that failure. Any
+other error, a network fault or a transient read error of a local file alike, is retried.
 """
 from __future__ import annotations
 
@@ -251,8 +252,21 @@ class Uploader:
         """Upload one checkpoint with retries, then apply the remote retention."""
         step = job.manifest["step"]
         delay = BACKOFF_SECS
+        cause = ""  # the last failed attempt's
         for attempt in range(RETRIES + 1):
             t0 = time.monotonic()
+            if not os.path.isdir(job.local_dir) and cause:
+                # retired while the store kept failing (an outage, saves faster than the retries): a failure,
+                # or training would never hear of the outage
+                log.error("remote: upload of step %d (%s) to %s failed (%d attempts: %s); the local checkpoint "
+                          "was retired meanwhile (keep_last=%s), a newer one is uploaded next", step, job.dirname,
+                          job.remote_dir, attempt, cause, job.keep_last)
+                self._note(job, "upload_failed", f"{job.remote_dir}: {cause}")
+                try:  # what the failed attempts left (no manifest)
+                    store.clean_orphans()
+                except Exception as e2:
+                    log.warning("remote: could not clean up after the failed upload of step %d: %s", step, e2)
+                return
             if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
                 self._skip_retired(job, "before its upload began")
                 return
