@@ -1,12 +1,13 @@
 """A small DDP training loop for the multi-node rig (tests/test_multinode.py), run under torchrun.
 
 ``mn_worker.py CKPT_DIR --steps S [--memory-interval M] [--disk-interval D] [--pause-at K] [--hold-ranks R,..]
-[--loss-log FILE] [--commit-timeout SECS] [--replicas N]``
+[--loss-log FILE] [--commit-timeout SECS] [--replicas N] [--step-secs SECS]``
 
 A tiny MLP with dropout (its masks come from the RNG, part of the checkpoint), AdamW, data drawn per
 (rank, step) from a seeded generator; ``HookRegistry`` snapshots to memory every M steps and to disk every D.
 On start: ``RESULT {"host", "rank", "num_nodes", "node_index", "local_ranks"}`` per rank, and when a
-checkpoint exists ``RESUMED {"step", "tier", "rank", "fetched_from"}``; each peer-replica event and a
+checkpoint exists ``RESUMED {"step", "tier", "rank", "fetched_from"}``; each peer-replica event, remote-tier event
+(``upload_skipped``, ``upload_failed``; the remote tier comes from ``$SNAPCKPT_REMOTE_DIR``) and a
 ``steps_lost`` event as ``EVENT {"kind", "step", "rank", "reason"}``. Rank 0 prints and appends ``step N loss X`` (the
 rank-averaged loss, full repr).
 
@@ -44,6 +45,7 @@ def main() -> None:
     p.add_argument("--loss-log", default=None)
     p.add_argument("--commit-timeout", type=float, default=600.0, help="commit_timeout_secs, seconds")
     p.add_argument("--replicas", type=int, default=None, help="the replicas option (default: snapckpt's)")
+    p.add_argument("--step-secs", type=float, default=0.0, help="seconds each step sleeps (a slower loop)")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -64,7 +66,7 @@ def main() -> None:
     log = open(args.loss_log, "a") if rank == 0 and args.loss_log else None
     with Checkpointer(args.ckpt_dir, keep_last=2, commit_timeout_secs=args.commit_timeout,
                       replicas=args.replicas) as ck:
-        ck.add_listener(lambda e: (e.kind.startswith("replica") or e.kind == "steps_lost") and print(
+        ck.add_listener(lambda e: (e.kind.startswith(("replica", "upload")) or e.kind == "steps_lost") and print(
             "EVENT " + json.dumps({"kind": e.kind, "step": e.step, "rank": e.rank, "reason": e.reason}), flush=True))
         topo = ck.topology
         print("RESULT " + json.dumps({"host": socket.gethostname(), "rank": rank, "num_nodes": topo.num_nodes,
@@ -100,6 +102,7 @@ def main() -> None:
                     log.write(line + "\n")
                     log.flush()
             hooks.step_end(ts["step"])
+            time.sleep(args.step_secs)
             if ts["step"] == args.pause_at:
                 print(f"PAUSED {ts['step']}", flush=True)
                 held = {int(r) for r in args.hold_ranks.split(",") if r}
