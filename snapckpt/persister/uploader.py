@@ -104,6 +104,7 @@ class Uploader:
         self.notes: Dict[str, List[Dict[str, Any]]] = {}  # run id -> upload_skipped/upload_failed/uploaded notes
         self.notes_dropped: Dict[str, int] = {}  # run id -> its notes dropped from the front (NOTES_KEPT)
         self._failing: Set[str] = set()  # run ids whose last upload that ended failed
+        self._current: Optional[Tuple[UploadJob, float]] = None  # the job the thread runs, since (monotonic s)
         # (remote_dir, tracker name) -> the order of the upload that last wrote that tracker object
         self._tracker_order: Dict[Tuple[str, str], int] = {}
 
@@ -129,7 +130,11 @@ class Uploader:
             self._cond.notify()
         if dropped is not None:
             newest = max(waiting + [job], key=lambda j: j.order)
-            reason = (f"the upload queue was full ({QUEUE_DEPTH} waiting); step {newest.manifest['step']} "
+            current, busy = self._current or (None, 0.0)
+            behind = "" if current is None or current.manifest is None else (
+                f" behind the upload of step {current.manifest['step']}, running for "
+                f"{time.monotonic() - busy:.0f} s: the store may be slow or not answering")
+            reason = (f"the upload queue was full ({QUEUE_DEPTH} waiting{behind}); step {newest.manifest['step']} "
                       "will be uploaded instead")
             log.warning("remote: upload of step %d (%s) to %s skipped: %s", dropped.manifest["step"],
                         dropped.dirname, dropped.remote_dir, reason)
@@ -185,11 +190,14 @@ class Uploader:
                 if not self._queue:
                     return
                 job = self._queue.popleft()
+                self._current = (job, time.monotonic())
             try:
                 self._do(job)
             except BaseException as e:  # never let the thread die: the queue would stall
                 log.error("remote: unexpected error in the uploader: %s", e)
             finally:
+                with self._cond:
+                    self._current = None
                 self._on_done()
 
     def _do(self, job: UploadJob) -> None:

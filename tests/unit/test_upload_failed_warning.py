@@ -103,3 +103,35 @@ def test_the_persister_keeps_the_newest_notes_and_a_rank_reads_each_new_one_once
     assert [e.step for e in sv.events] == list(range(total))  # each note once, in order
     sv.status(total + 1, "d", 0.0)
     assert len(sv.events) == total
+
+
+def test_a_queue_full_drop_names_the_upload_it_waits_behind(monkeypatch):
+    """A store that stops answering shows first as drops of a full queue: the drop's note names the upload in
+    flight and how long it has run, so that the warning says the store may be slow or not answering."""
+    import threading
+
+    from snapckpt.persister import uploader as U
+
+    monkeypatch.setattr(U, "QUEUE_DEPTH", 1)
+    taken, release = threading.Event(), threading.Event()
+
+    def stuck(self, job):  # the upload of the first job never ends until released (a hung store)
+        taken.set()
+        release.wait(30)
+
+    monkeypatch.setattr(U.Uploader, "_do", stuck)
+    up = U.Uploader(lambda: None)
+
+    def job(step):
+        return U.UploadJob("run1", "s3://b/run", "/nowhere", f"step_{step}", {"step": step}, None, order=step)
+
+    up.submit(job(1))
+    assert taken.wait(10)
+    up.submit(job(2))
+    up.submit(job(3))  # queue full: 2 dropped behind the upload of step 1
+    release.set()
+    up.shutdown()
+    (note,) = up.notes_for("run1")
+    assert (note["kind"], note["step"]) == ("upload_skipped", 2), note
+    assert "waiting behind the upload of step 1, running for 0 s: the store may be slow or not answering" in \
+        note["reason"] and "step 3 will be uploaded instead" in note["reason"], note
