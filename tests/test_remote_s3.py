@@ -673,6 +673,29 @@ def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_
     assert not s3_bucket.multipart_uploads("run/")
 
 
+def test_H_remote_only_a_commit_ending_behind_a_later_one_is_not_kept_by_keep_last_1(snap_env, s3_bucket,
+                                                                                     monkeypatch):
+    """Remote-only, ``keep_last=1``: step 1's commit is held before its manifest (a fault point) while step 2
+    commits; step 1's commit then ends behind step 2's. The tracker object stays at step 2 and step 1 is not
+    protected from retention (the uploader's rule for an upload behind a later one): the store holds step 2
+    alone. Before, step 1's own retention protected it, so the store kept both until the next commit."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "remote.before_manifest:step=1:action=sleep:secs=3")
+    with Checkpointer(url, keep_last=1, persister_idle_timeout_secs=20) as ck:
+        h1 = ck.save({"w": torch.ones(64)}, 1, StorageType.DISK)
+        ck.save({"w": torch.ones(64) * 2}, 2, StorageType.DISK).wait()
+        assert not h1.done()  # held: its commit ends after step 2's
+        h1.wait()
+        assert ck.latest_step() == 2
+    committed = sorted(k.split("/")[0] for k in _remote_layout(s3_bucket) if k.endswith("manifest.json"))
+    assert committed == ["step_00000002"], committed
+    assert s3_bucket.get("run/latest") == b"step_00000002"
+
+
 def test_H_remote_only_refusals_at_construction(snap_env, s3_bucket):
     """Remote-only mode refuses at construction, before any persister or training: a missing bucket
     (RemoteStorageError naming the URL and the fix, no credential), a scheme fsspec does not know, a URL

@@ -256,7 +256,7 @@ class Scheduler:
         return res is not None and (res.state == "failed" or (not run.committer and res.aborted_at is not None))
 
     def _start_commit(self, key: SaveKey, run: Run, res: Result, tracker_name: str, tracker_content: str,
-                      tracker_gate: Optional[Callable[[Callable[[], None]], None]]) -> None:
+                      tracker_gate: Optional[Callable[[Callable[[], None]], bool]]) -> None:
         """Queue the commit task of save ``key`` (once per save; called with the lock). ``tracker_name`` and
         ``tracker_content``: the tracker file it writes (``""``: none); ``tracker_gate``: see
         :meth:`_tracker_gate`."""
@@ -352,16 +352,18 @@ class Scheduler:
 
     def _tracker_gate(self, checkpoint_dir: str, tracker_name: str, seq: int):
         """A gate that lets the commit of request ``seq`` write its tracker only if no later request of the
-        same tracker file has written it already (commits run in parallel and may finish out of order)."""
+        same tracker file has written it already (commits run in parallel and may finish out of order). The
+        gate returns whether it wrote (``False``: the save is behind a later one)."""
         key = (checkpoint_dir, tracker_name)
 
-        def gate(write) -> None:
+        def gate(write) -> bool:
             with self.tracker_lock:
                 if self.tracker_seq.get(key, 0) > seq:
                     log.info("%s not moved back to an older save (request %d)", tracker_name, seq)
-                    return
+                    return False
                 write()
                 self.tracker_seq[key] = seq
+                return True
 
         return gate
 
