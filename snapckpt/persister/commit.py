@@ -92,7 +92,8 @@ class CommitRequest:
                  requested_unix: Optional[float] = None,
                  peer_check: Optional[Callable[..., None]] = None,
                  peer_tick_secs: Optional[float] = None,
-                 wake: Optional[threading.Event] = None):
+                 wake: Optional[threading.Event] = None,
+                 in_flight: Optional[Callable[[], List[str]]] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -119,6 +120,9 @@ class CommitRequest:
         # set when the filesystem is worth reading again: a part of this node ended, a peer's notice came
         # (commit_notices.py), a local rank died; without a wake the waits read it every BACKSTOP_SECS only
         self.wake = wake if wake is not None else threading.Event()
+        # in_flight() lists the directory names of checkpoint_dir whose commits (this one's, parallel ones) are
+        # not yet reported: retention protects them (one that ended after a later save's is in place already)
+        self.in_flight = in_flight
         # filesystem reads of the wait (listings of the partial directory, manifest reads) and wakes
         self.stats = {"listings": 0, "wakes": 0}
 
@@ -379,7 +383,9 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     try:
         if req.keep_last is not None:
             with _dir_lock(req.checkpoint_dir):  # its listing holds until it has retired what it chose
-                apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],
+                in_flight = req.in_flight() if req.in_flight is not None else []
+                apply_retention(storage, reader, req.checkpoint_dir, req.keep_last,
+                                protect=[req.dirname, *in_flight],
                                 defer_to=defer_deletion, run_id=req.run_id, step=req.step)
     except OSError as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s", req.step, e)

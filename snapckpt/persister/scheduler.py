@@ -96,6 +96,12 @@ class Scheduler:
         self.commit_seq = 0  # order of persist requests, for the tracker gate
         self.tracker_seq: Dict[Tuple[str, str], int] = {}
         self.tracker_lock = threading.Lock()
+        # checkpoint dir -> {dirname: commits of it not yet reported}: retention protects them (contract 5). A
+        # commit that ends after a later one's is renamed into place while still in flight; the later one's
+        # retention (keep_last) retired it before its answer, and the other nodes' watchers, reading its
+        # manifest after that, took the commit for aborted (its own lock: commit threads read it in retention)
+        self.committing: Dict[str, Dict[str, int]] = {}
+        self.committing_lock = threading.Lock()
         self.pending = 0  # writer and commit tasks not finished
         self.failed = False  # a part or a commit failed: the persister keeps its log
         self.watches: Dict[str, PeerWatch] = {}  # run id -> its dead-peer view (persister/peers.py)
@@ -262,14 +268,32 @@ class Scheduler:
         :meth:`_tracker_gate`."""
         self.commits_started.add(key)
         _, step, dirname = key
+        with self.committing_lock:
+            mine = self.committing.setdefault(run.checkpoint_dir, {})
+            mine[dirname] = mine.get(dirname, 0) + 1
         req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
                             world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
                             keep_last=run.keep_last, tracker_name=tracker_name, tracker_content=tracker_content,
                             tracker_gate=tracker_gate, local_failure=self._local_failure(key),
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
-                            wake=res.part_ended)
+                            wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir))
         self.pending += 1
         self.commit_pool.submit(self._commit_task, req, run, self.commit_seq)
+
+    def _committing(self, checkpoint_dir: str) -> List[str]:
+        """The directory names of ``checkpoint_dir`` whose commits of this persister are not yet reported."""
+        with self.committing_lock:
+            return sorted(self.committing.get(checkpoint_dir, {}))
+
+    def _committed(self, checkpoint_dir: str, dirname: str) -> None:
+        """The commit of ``dirname`` in ``checkpoint_dir`` was reported (committed or failed)."""
+        with self.committing_lock:
+            mine = self.committing.get(checkpoint_dir, {})
+            mine[dirname] = mine.get(dirname, 1) - 1
+            if mine[dirname] <= 0:
+                del mine[dirname]
+            if not mine:
+                self.committing.pop(checkpoint_dir, None)
 
     def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
         """Parts of ``ranks`` of the save ended on this node (durable, or failed with their marker): the
@@ -532,6 +556,7 @@ class Scheduler:
             if run.committer and self.notices is not None:
                 self.notices.commit_ended(req.run_id, req.step, req.dirname, state)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
+        self._committed(run.checkpoint_dir, req.dirname)
         self.on_change()
         if run.multi_node:  # what the commit path cost: read by tests/test_multinode.py (no fast polling)
             log.info("step %d: commit %s after %.3f s (%s): %d filesystem checks, %d wakes, %d peer notices",
