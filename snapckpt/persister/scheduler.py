@@ -77,6 +77,7 @@ class Result:
     part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait (commit.py)
     notices: int = 0  # peer notices received for this save (commit_notices.py)
     aborted_at: Optional[float] = None  # monotonic time the committer's node said its commit failed
+    committed_at: Optional[float] = None  # monotonic time the committer's node said its commit ended committed
     streams: Dict[int, Stream] = field(default_factory=dict)  # rank -> its streamed part (persister/stream.py)
 
 
@@ -276,7 +277,8 @@ class Scheduler:
                             keep_last=run.keep_last, tracker_name=tracker_name, tracker_content=tracker_content,
                             tracker_gate=tracker_gate, local_failure=self._local_failure(key),
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
-                            wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir))
+                            wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir),
+                            committed_notice=self._committed_notice(key) if self.notices is not None else None)
         self.pending += 1
         self.commit_pool.submit(self._commit_task, req, run, self.commit_seq)
 
@@ -301,17 +303,22 @@ class Scheduler:
         if self.notices is not None:
             self.notices.part_done(run_id, step, dirname, ranks)
 
-    def on_notice(self, run_id: str, step: int, dirname: str, aborted: bool = False) -> None:
+    def on_notice(self, run_id: str, step: int, dirname: str, aborted: bool = False,
+                  committed: bool = False) -> None:
         """A peer's notice about save ``(run_id, step, dirname)``: wake its commit task, which reads the
         filesystem again (a notice for a save this node has not started is dropped: its commit task reads
         the filesystem first when it starts). ``aborted``: the committer's commit of it failed, which ends
-        this node's watch of that commit even if a late part re-created the partial directory."""
+        this node's watch of that commit even if a late part re-created the partial directory.
+        ``committed``: the committer's commit of it ended committed (the watch ends committed even when
+        retention has retired the directory before the watch read its manifest)."""
         with self.lock:
             res = self.results.get((run_id, step, dirname))
             if res is not None:
                 res.notices += 1
                 if aborted:
                     res.aborted_at = time.monotonic()
+                if committed:
+                    res.committed_at = time.monotonic()
                 res.part_ended.set()
 
     def wake_run(self, run_id: str) -> None:
@@ -373,6 +380,17 @@ class Scheduler:
             return exc
 
         return failure
+
+    def _committed_notice(self, key: SaveKey) -> Callable[[], bool]:
+        """For the watch of ``key``'s commit: whether the committer's node said it ended committed."""
+        since = time.monotonic()  # a notice about an earlier commit of the same save does not count
+
+        def committed() -> bool:
+            with self.lock:
+                res = self.results.get(key)
+                return res is not None and res.committed_at is not None and res.committed_at >= since
+
+        return committed
 
     def _tracker_gate(self, checkpoint_dir: str, tracker_name: str, seq: int):
         """A gate that lets the commit of request ``seq`` write its tracker only if no later request of the
