@@ -15,7 +15,9 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
    and fsyncs the checkpoint directory;
 4. only then replaces the tracker file (``latest``...) atomically;
 5. runs retention (holding the checkpoint directory's lock, which step 3's renames take too: commits run
-   in parallel, and retention retires directories by name from its listing).
+   in parallel, and retention retires directories by name from its listing). It protects the directories
+   whose commits are still in flight (``CommitRequest.in_flight``): one that ends after a later save's is
+   in place before its answer, and the other nodes' watchers read its manifest until then.
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
 to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node).
