@@ -221,6 +221,25 @@ def test_contract4_commit_last_tracker_never_ahead_of_a_committed_dir(snap_env, 
     assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == ["latest", "step_00000003"]
 
 
+def test_contract5_a_commit_in_flight_is_not_retired_by_a_later_saves_retention(snap_env, monkeypatch):
+    """Contract 5 (retention protects every in-flight checkpoint) when commits end out of order: step 1's
+    commit is held after its rename, before its tracker (a fault point), while step 2 commits with
+    ``keep_last=1``. Step 2's retention must not retire step 1, still in flight: until its commit is reported
+    the other nodes' watchers read its manifest (one that vanished reads as an aborted commit there). Before,
+    step 1 was gone when its commit answered. Step 1 is retired by the next commit's retention, and the
+    tracker stays on step 2 throughout (step 1 is behind it)."""
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "commit.before_tracker:step=1:action=sleep:secs=3")  # the persister's
+    d = snap_env.ckpt_dir
+    with Checkpointer(d, keep_last=1, **OPTS) as ck:
+        h1 = ck.save(make_state(1, 0), 1)
+        ck.save(make_state(2, 0), 2).wait()
+        assert not h1.done()
+        h1.wait()
+        assert committed_steps(d) == [1, 2] and tracker(d) == "step_00000002"
+        ck.save(make_state(3, 0), 3).wait()
+    assert committed_steps(d) == [3] and tracker(d) == "step_00000003"
+
+
 def test_contract4_commit_that_counts_a_marker_before_its_directory_fsync_fails_no_part(snap_env, monkeypatch):
     """Contract 4, the committer and the writer of one persister: the committer counts a part as soon as its
     marker is renamed into place, and may rename the partial directory before the writer has fsynced the

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -186,6 +187,38 @@ def _trim_log(log, step):
     assert [int(l.split()[1]) for l in lines] == list(range(1, step + 1)), lines
     with open(log, "w") as f:
         f.write("".join(l + "\n" for l in lines))
+
+
+def test_G2_a_commit_ending_behind_a_later_one_commits_on_every_node_with_keep_last_1(rig):
+    """Commits of one job run in parallel and may end out of order. 2 nodes x 1 rank, ``keep_last=1``, steps 1
+    and 2 saved back to back; on the committer node step 1's commit is held before its rename until step 2's
+    has written its tracker, then held after its rename (before its tracker) while step 2's retention runs.
+    Step 2's retention must not retire step 1, whose commit is still in flight (contract 5): before, it did,
+    and node 1's watcher, reading step 1's manifest after that, took the commit for aborted (its rank's
+    ``wait()`` raised while rank 0's said committed). Both saves commit on every rank; the tracker names
+    step 2."""
+    rig.start(2)
+    hold = {k: os.path.join(rig.tmp, f"release-{k}") for k in ("rename1", "retention2", "tracker1")}
+    env = {"SNAPCKPT_FAULT_POINT": ";".join([
+        f"commit.before_rename:step=1:action=wait:path={hold['rename1']}",
+        f"commit.after_tracker_before_retention:step=2:action=wait:path={hold['retention2']}",
+        f"commit.before_tracker:step=1:action=wait:path={hold['tracker1']}"])}
+    runs = rig.torchrun_all(os.path.join(WORKERS, "mn_out_of_order_worker.py"), [rig.ckpt_dir], 1, env=env)
+    node0 = rig.nodes[0]
+    assert wait_until(lambda: "hit commit.before_rename rank=None step=1" in _persister_log(node0)
+                      and "hit commit.after_tracker_before_retention rank=None step=2" in _persister_log(node0),
+                      90), _persister_log(node0)
+    open(hold["rename1"], "w").close()
+    step1 = os.path.join(rig.ckpt_dir, "step_00000001")
+    assert wait_until(lambda: os.path.isdir(step1), 30, 0.005)
+    open(hold["retention2"], "w").close()  # at once: node 1's watcher reads step 1's manifest once a second
+    time.sleep(0.5)  # step 2's retention runs (the fault point's wait polls every 0.05 s)
+    open(hold["tracker1"], "w").close()
+    assert rig.wait_all(runs, 120) == [0, 0]
+    res = sorted(_results([r.output() for r in runs]), key=lambda r: r["rank"])
+    assert res == [{"rank": 0, "1": "committed", "2": "committed"},
+                   {"rank": 1, "1": "committed", "2": "committed"}], res
+    assert _read(os.path.join(rig.ckpt_dir, "latest")) == "step_00000002"
 
 
 def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):

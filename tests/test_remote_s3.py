@@ -344,6 +344,64 @@ def test_H2_uploads_wait_in_request_order_and_the_oldest_is_dropped(tmp_path, s3
     assert committed == ["step_00000005", "step_00000006"], committed
 
 
+def test_H3_catch_up_follows_the_save_order_and_moves_the_tracker_past_earlier_runs_uploads(tmp_path, s3_bucket):
+    """The catch-up (a clean-up job with ``checkpoint_dir``) in-process. (1) A rewind: step 10 uploaded, then
+    steps 5 and 6 saved after it and never uploaded: both are caught up and the tracker object names step 6,
+    as the local tracker does (before: steps were compared, so nothing was, and ``latest`` stayed at step 10).
+    (2) Steps 20 and 7 saved in that order, neither uploaded: 7 is uploaded last and the tracker names it
+    (before: by step, so it ended at 20). (3) The same uploader (a persister that outlived a run of the job)
+    uploaded step 1 for the earlier run, then step 2's upload failed: the next run's catch-up uploads step 2,
+    the tracker object names it and retention (``keep_last=1``) keeps it (before: its order 0 was behind
+    step 1's, so ``latest`` stayed at step 1, which retention had deleted)."""
+    import time
+
+    from snapckpt.persister import uploader as U
+
+    def local(root, step, saved):
+        d, m = _local_checkpoint(root, step, {"a.bin": bytes([step]) * 100})
+        m.update(requested_unix=saved, created_unix=saved, tracker={"name": "latest", "content": os.path.basename(d)})
+        open(os.path.join(d, ".snapckpt", "manifest.json"), "w").write(json.dumps(m))
+        return d, m
+
+    def catch_up(up, url, root, keep_last=None):
+        up.submit(U.UploadJob("run2", url, "", "", None, keep_last, checkpoint_dir=root, before_unix=time.time()))
+
+    def committed(prefix):
+        return sorted(k.split("/")[1] for k in s3_bucket.keys(prefix + "/") if k.endswith("manifest.json"))
+
+    t = time.time() - 100
+    src, url = str(tmp_path / "a"), s3_bucket.url("a")
+    d, m = local(src, 10, t)
+    up = U.Uploader(lambda: None)
+    up.submit(U.UploadJob("run1", url, d, os.path.basename(d), m, None, "latest", os.path.basename(d), order=1))
+    up.shutdown()
+    local(src, 5, t + 1), local(src, 6, t + 2)
+    up = U.Uploader(lambda: None)
+    catch_up(up, url, src)
+    up.shutdown()
+    assert committed("a") == ["step_00000005", "step_00000006", "step_00000010"]
+    assert s3_bucket.get("a/latest") == b"step_00000006"
+
+    src, url = str(tmp_path / "b"), s3_bucket.url("b")
+    local(src, 20, t), local(src, 7, t + 1)
+    up = U.Uploader(lambda: None)
+    catch_up(up, url, src)
+    up.shutdown()
+    assert committed("b") == ["step_00000007", "step_00000020"]
+    assert s3_bucket.get("b/latest") == b"step_00000007"
+
+    src, url = str(tmp_path / "c"), s3_bucket.url("c")
+    d, m = local(src, 1, t)
+    up = U.Uploader(lambda: None)
+    up.submit(U.UploadJob("run1", url, d, os.path.basename(d), m, 1, "latest", os.path.basename(d), order=1))
+    assert wait_until(lambda: s3_bucket.keys("c/latest") and s3_bucket.get("c/latest") == b"step_00000001", 30)
+    local(src, 2, t + 1)  # its upload failed (run1 went on, ended)
+    catch_up(up, url, src, keep_last=1)
+    up.shutdown()
+    assert committed("c") == ["step_00000002"]
+    assert s3_bucket.get("c/latest") == b"step_00000002"
+
+
 def test_H2_uploader_reports_failures_and_retired_checkpoints(tmp_path, s3_bucket, monkeypatch):
     """The persister's uploader, in-process: an upload to a bucket that disappeared is retried, then given
     up with an ``upload_failed`` note naming the URL and the cause (no credential); a checkpoint retired by
@@ -613,6 +671,29 @@ def test_H_remote_only_round_trip_crash_flush_kill_mid_upload_and_fallback(snap_
     assert all(r == {"step": 3, "tier": "disk", "equal": True} for r in res), res
     assert not [k for k in _remote_layout(s3_bucket) if k.startswith("step_00000007/")]
     assert not s3_bucket.multipart_uploads("run/")
+
+
+def test_H_remote_only_a_commit_ending_behind_a_later_one_is_not_kept_by_keep_last_1(snap_env, s3_bucket,
+                                                                                     monkeypatch):
+    """Remote-only, ``keep_last=1``: step 1's commit is held before its manifest (a fault point) while step 2
+    commits; step 1's commit then ends behind step 2's. The tracker object stays at step 2 and step 1 is not
+    protected from retention (the uploader's rule for an upload behind a later one): the store holds step 2
+    alone. Before, step 1's own retention protected it, so the store kept both until the next commit."""
+    import torch
+
+    from snapckpt import Checkpointer, StorageType
+
+    url = s3_bucket.url("run")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "remote.before_manifest:step=1:action=sleep:secs=3")
+    with Checkpointer(url, keep_last=1, persister_idle_timeout_secs=20) as ck:
+        h1 = ck.save({"w": torch.ones(64)}, 1, StorageType.DISK)
+        ck.save({"w": torch.ones(64) * 2}, 2, StorageType.DISK).wait()
+        assert not h1.done()  # held: its commit ends after step 2's
+        h1.wait()
+        assert ck.latest_step() == 2
+    committed = sorted(k.split("/")[0] for k in _remote_layout(s3_bucket) if k.endswith("manifest.json"))
+    assert committed == ["step_00000002"], committed
+    assert s3_bucket.get("run/latest") == b"step_00000002"
 
 
 def test_H_remote_only_refusals_at_construction(snap_env, s3_bucket):

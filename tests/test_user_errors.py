@@ -3,6 +3,7 @@
 Found by a first-use trial of the README: bad steps, unsupported tensors, two jobs writing one
 directory, a rewound run and retention, paths the persister cannot use.
 """
+import json
 import os
 import re
 import subprocess
@@ -212,6 +213,23 @@ def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):
         h2.wait()
         on_disk = torch.load(os.path.join(snap_env.ckpt_dir + "2", "step_00000002", "rank_00000.pt"))
         assert torch.equal(on_disk["w"], torch.ones(8))
+
+
+def test_saves_of_other_steps_under_one_tag_in_flight_at_once_commit_one_after_the_other(snap_env):
+    """A fixed tag (``save_files(dirname="best")``, a DeepSpeed ``tag``) saved at steps 1, 2 and 3 back to back,
+    none waited for: each save waits for the previous one of that directory. Before, the three shared one
+    partial directory: step 1's commit took step 3's file under step 1's manifest, steps 2 and 3 failed with
+    ``FileNotFoundError``. Each save now commits; the directory ends with step 3's manifest and values."""
+    files = [{"a.pt": {"w": torch.full((1 << 16,), float(s))}} for s in (1, 2, 3)]
+    with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
+        hs = [ck.save_files(files[s - 1], s, StorageType.DISK, dirname="best", tracker_name="latest",
+                            tracker_content="best") for s in (1, 2, 3)]
+        for h in hs:
+            h.wait()
+    m = json.load(open(os.path.join(snap_env.ckpt_dir, "best", ".snapckpt", "manifest.json")))
+    assert m["step"] == 3
+    assert torch.equal(torch.load(os.path.join(snap_env.ckpt_dir, "best", "a.pt"))["w"], files[2]["a.pt"]["w"])
+    assert sorted(os.listdir(snap_env.ckpt_dir)) == ["best", "latest"]
 
 
 def test_memory_tier_of_a_deleted_and_recreated_dir_is_not_resurrected(snap_env):

@@ -441,7 +441,8 @@ class Checkpointer:
             files: ``{file name inside dirname: value}``; a value is a file spec of
                 :mod:`snapckpt.formats` (``TorchSave``, ``RawBytes``, ``Concat``, ``MemoryOnly``) or a
                 plain object (a ``TorchSave``). ``{}`` is a valid, empty part.
-            dirname: the checkpoint's directory name under ``checkpoint_dir`` (a tag: one path component).
+            dirname: the checkpoint's directory name under ``checkpoint_dir`` (a tag: one path component). A
+                DISK save to a directory whose earlier DISK save (of any step) is still in flight waits for it.
             tracker_name: tracker file replaced with ``tracker_content`` after the commit (``None``: none).
                 ``dirname`` may not be ``tracker_name``.
             check_weights_only: warn once per new plan when :meth:`load` (``weights_only=True``) would

@@ -220,9 +220,11 @@ class Saver:
         started = time.monotonic()
         self.fence()
         if storage_type == StorageType.DISK:
-            # the same step and directory again: the first save must end first (its commit would otherwise
-            # race the second, and ranks could decide differently)
-            for h in [h for h in self._handles if h.step == step and h.dirname == dirname]:
+            # the same directory again (the same step, or another under a fixed tag): the first save must end
+            # first. Both would write and commit one partial directory (``.<dirname>.partial-<run>``): a commit
+            # took the other save's part marker and files, the other failed on its vanished directory; and for
+            # the same step, ranks could decide differently
+            for h in [h for h in self._handles if h.dirname == dirname]:
                 h.wait()
         if tracker_name is not None:
             validate_dirname(tracker_name)

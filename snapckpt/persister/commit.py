@@ -15,7 +15,9 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
    and fsyncs the checkpoint directory;
 4. only then replaces the tracker file (``latest``...) atomically;
 5. runs retention (holding the checkpoint directory's lock, which step 3's renames take too: commits run
-   in parallel, and retention retires directories by name from its listing).
+   in parallel, and retention retires directories by name from its listing). It protects the directories
+   whose commits are still in flight (``CommitRequest.in_flight``): one that ends after a later save's is
+   in place before its answer, and the other nodes' watchers read its manifest until then.
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
 to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node).
@@ -54,7 +56,7 @@ from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
 __all__ = ["CommitRequest", "commit", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
-           "raise_local_failure", "BACKSTOP_SECS", "WATCH_GRACE_SECS"]
+           "raise_local_failure", "BACKSTOP_SECS", "WATCH_GRACE_SECS", "NOTICE_GRACE_SECS"]
 
 log = logging.getLogger(__name__)
 BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake (a lost notice; seconds)
@@ -64,6 +66,10 @@ BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake 
 # load, node 1 raised CommitTimeoutError, node 0 committed, and torchrun's agent on node 0 then waited
 # 300 s in its exit barrier). Below the 30 s margin of SaveHandle.wait, so the rank still gets this error.
 WATCH_GRACE_SECS = 20.0
+# A watcher that finds the partial directory gone without a manifest waits this long for the committer's notice
+# before it calls the commit aborted (seconds): the commit may have ended and a later save's retention retired
+# the directory already (commits end out of order); the notice says which. Only where notices come.
+NOTICE_GRACE_SECS = 2 * BACKSTOP_SECS
 # a temporary tracker file older than this was left by a killed writer: a live one renames it within an fsync
 STALE_TRACKER_TEMP_SECS = 60.0
 
@@ -92,7 +98,9 @@ class CommitRequest:
                  requested_unix: Optional[float] = None,
                  peer_check: Optional[Callable[..., None]] = None,
                  peer_tick_secs: Optional[float] = None,
-                 wake: Optional[threading.Event] = None):
+                 wake: Optional[threading.Event] = None,
+                 in_flight: Optional[Callable[[], List[str]]] = None,
+                 committed_notice: Optional[Callable[[], bool]] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -119,6 +127,12 @@ class CommitRequest:
         # set when the filesystem is worth reading again: a part of this node ended, a peer's notice came
         # (commit_notices.py), a local rank died; without a wake the waits read it every BACKSTOP_SECS only
         self.wake = wake if wake is not None else threading.Event()
+        # in_flight() lists the directory names of checkpoint_dir whose commits (this one's, parallel ones) are
+        # not yet reported: retention protects them (one that ended after a later save's is in place already)
+        self.in_flight = in_flight
+        # committed_notice() (a watcher): whether the committer's node said this commit ended committed; None
+        # where no notices come (a partial directory that vanished without a manifest is then an abort at once)
+        self.committed_notice = committed_notice
         # filesystem reads of the wait (listings of the partial directory, manifest reads) and wakes
         self.stats = {"listings": 0, "wakes": 0}
 
@@ -379,14 +393,16 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
     try:
         if req.keep_last is not None:
             with _dir_lock(req.checkpoint_dir):  # its listing holds until it has retired what it chose
-                apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=[req.dirname],
+                in_flight = req.in_flight() if req.in_flight is not None else []
+                apply_retention(storage, reader, req.checkpoint_dir, req.keep_last,
+                                protect=[req.dirname, *in_flight],
                                 defer_to=defer_deletion, run_id=req.run_id, step=req.step)
     except OSError as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s", req.step, e)
     return manifest
 
 
-def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
+def watch_commit(reader: StorageReader, req: CommitRequest) -> Optional[Dict[str, Any]]:
     """On a non-committer node: wait for the committer's manifest of this run and step. The manifest and the
     partial directory are read at the start, whenever ``req.wake`` is set (the committer's notice that the
     commit ended, a local part ended) and every :data:`BACKSTOP_SECS`; ``req.peer_check`` runs every
@@ -395,6 +411,11 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
     The committer decides: its abort (notice, or the partial directory gone) ends the watch at once, its
     lost node too (``req.peer_check``); the watch's own deadline, ``req.timeout_secs`` plus
     :data:`WATCH_GRACE_SECS`, only ends a wait for a committer that neither commits nor aborts.
+
+    Returns the manifest, or ``None`` when the committer's notice said the commit ended committed and the
+    directory is gone already (``req.committed_notice``: commits end out of order, and a later save's retention
+    may retire this one before the watch reads it). With notices, a partial directory that vanished without a
+    manifest is an abort only when no notice came within :data:`NOTICE_GRACE_SECS`.
 
     Raises:
         CommitTimeoutError: no manifest by the deadline.
@@ -417,6 +438,10 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
             return None
         return m if m.get("run_id") == req.run_id and m["step"] == req.step else None
 
+    def told_committed() -> bool:
+        return req.committed_notice is not None and req.committed_notice()
+
+    vanished_at: Optional[float] = None  # when the partial directory was first seen gone without a manifest
     while True:
         if req.wake.is_set() or time.monotonic() >= next_read:
             req.wake.clear()  # before looking: a notice from now on wakes the wait below
@@ -424,6 +449,8 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
             m = committed()
             if m is not None:
                 return m
+            if told_committed():
+                return None
             raise_local_failure(req)
             if reader.isdir(req.partial_dir):
                 seen_partial = True
@@ -432,7 +459,11 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
                 m = committed()  # the rename may have happened between the two checks
                 if m is not None:
                     return m
-                raise CommitError(f"step {req.step}: the committer aborted the commit (see rank 0's error)")
+                now = time.monotonic()
+                vanished_at = now if vanished_at is None else vanished_at
+                if req.committed_notice is None or now - vanished_at >= NOTICE_GRACE_SECS:
+                    raise CommitError(f"step {req.step}: the committer aborted the commit (see rank 0's error)")
+                # committed, then retired by a later save's retention before this read? its notice tells
             else:
                 parts, seen = {}, {}
         else:
@@ -442,12 +473,12 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Dict[str, Any]:
                 req.peer_check(req.step, req.dirname, sorted(set(range(req.world_size)) - set(parts)), (0,))
             except PeerLostError:
                 m = committed()  # the parts were listed while the committer renamed the directory
-                if m is not None:
+                if m is not None or told_committed():
                     return m
                 raise
         if time.monotonic() > deadline:
             m = committed()  # the last backstop read may be up to a second old
-            if m is not None:
+            if m is not None or told_committed():
                 return m
             raise CommitTimeoutError(
                 f"step {req.step}: no commit record from the committer (the persister of rank 0's node) within "

@@ -115,9 +115,9 @@ class CommitNotices:
     Args:
         secret_of: the secret of a run id (the peer channel's, :class:`~snapckpt.persister.replication.Replicator`),
             ``None`` for a run without a channel.
-        on_notice: ``on_notice(run_id, step, dirname, aborted=False)``, called on a receiving thread for every
-            valid notice (it wakes the waiter of that save; it must not block); ``aborted`` is true for the
-            committer's ``commit_ended`` of a failed commit.
+        on_notice: ``on_notice(run_id, step, dirname, aborted=False, committed=False)``, called on a receiving
+            thread for every valid notice (it wakes the waiter of that save; it must not block); ``aborted``
+            is true for the committer's ``commit_ended`` of a failed commit, ``committed`` for a committed one.
     """
 
     def __init__(self, secret_of: Callable[[str], Optional[bytes]],
@@ -185,8 +185,9 @@ class CommitNotices:
             log.warning("ignored a malformed commit notice from a peer of run %s: %s", run_id, str(header)[:200])
             return
         self.received += 1
-        aborted = header.get("op") == "commit_ended" and header.get("state") == "failed"
-        self.on_notice(run_id, step, dirname, aborted=aborted)
+        ended = header.get("op") == "commit_ended"
+        self.on_notice(run_id, step, dirname, aborted=ended and header.get("state") == "failed",
+                       committed=ended and header.get("state") == "committed")
 
     def forget(self, run_id: str) -> None:
         """Run ``run_id`` is over on this node: its links send what they have queued, then close their

@@ -185,6 +185,7 @@ def _commit(store: RemoteStore, req, progress: Dict[str, bool]) -> Dict[str, Any
     for r in parts:  # the manifest holds their records now; a re-save must not count them
         store.remove_object(req.dirname, part_marker_name(r))
     faults.point("remote.before_tracker", step=req.step, rank=None)
+    newest = True  # False: a later save already moved the tracker (its commit ended first)
     if req.tracker_name:
         def write_tracker() -> None:
             store.write_object(req.tracker_name, data=req.tracker_content.encode())
@@ -192,11 +193,13 @@ def _commit(store: RemoteStore, req, progress: Dict[str, bool]) -> Dict[str, Any
         if req.tracker_gate is None:
             write_tracker()
         else:
-            req.tracker_gate(write_tracker)
+            newest = req.tracker_gate(write_tracker) is not False
     log.info("committed step %d as %s (%d files, remote-only)", req.step, store.display(req.dirname),
              len(manifest["files"]))
+    # a save behind a later one (its commit ended after the later one's) is not protected: the tracker object
+    # names the later one, and keep_last=1 would otherwise keep both until the next commit
     try:
-        store.apply_retention(req.keep_last, protect=[req.dirname])
+        store.apply_retention(req.keep_last, protect=[req.dirname] if newest else [])
     except Exception as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s: %s", req.step, type(e).__name__, str(e)[:300])
     return manifest

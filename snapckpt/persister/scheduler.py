@@ -77,6 +77,7 @@ class Result:
     part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait (commit.py)
     notices: int = 0  # peer notices received for this save (commit_notices.py)
     aborted_at: Optional[float] = None  # monotonic time the committer's node said its commit failed
+    committed_at: Optional[float] = None  # monotonic time the committer's node said its commit ended committed
     streams: Dict[int, Stream] = field(default_factory=dict)  # rank -> its streamed part (persister/stream.py)
 
 
@@ -96,6 +97,12 @@ class Scheduler:
         self.commit_seq = 0  # order of persist requests, for the tracker gate
         self.tracker_seq: Dict[Tuple[str, str], int] = {}
         self.tracker_lock = threading.Lock()
+        # checkpoint dir -> {dirname: commits of it not yet reported}: retention protects them (contract 5). A
+        # commit that ends after a later one's is renamed into place while still in flight; the later one's
+        # retention (keep_last) retired it before its answer, and the other nodes' watchers, reading its
+        # manifest after that, took the commit for aborted (its own lock: commit threads read it in retention)
+        self.committing: Dict[str, Dict[str, int]] = {}
+        self.committing_lock = threading.Lock()
         self.pending = 0  # writer and commit tasks not finished
         self.failed = False  # a part or a commit failed: the persister keeps its log
         self.watches: Dict[str, PeerWatch] = {}  # run id -> its dead-peer view (persister/peers.py)
@@ -256,20 +263,39 @@ class Scheduler:
         return res is not None and (res.state == "failed" or (not run.committer and res.aborted_at is not None))
 
     def _start_commit(self, key: SaveKey, run: Run, res: Result, tracker_name: str, tracker_content: str,
-                      tracker_gate: Optional[Callable[[Callable[[], None]], None]]) -> None:
+                      tracker_gate: Optional[Callable[[Callable[[], None]], bool]]) -> None:
         """Queue the commit task of save ``key`` (once per save; called with the lock). ``tracker_name`` and
         ``tracker_content``: the tracker file it writes (``""``: none); ``tracker_gate``: see
         :meth:`_tracker_gate`."""
         self.commits_started.add(key)
         _, step, dirname = key
+        with self.committing_lock:
+            mine = self.committing.setdefault(run.checkpoint_dir, {})
+            mine[dirname] = mine.get(dirname, 0) + 1
         req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
                             world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
                             keep_last=run.keep_last, tracker_name=tracker_name, tracker_content=tracker_content,
                             tracker_gate=tracker_gate, local_failure=self._local_failure(key),
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
-                            wake=res.part_ended)
+                            wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir),
+                            committed_notice=self._committed_notice(key) if self.notices is not None else None)
         self.pending += 1
         self.commit_pool.submit(self._commit_task, req, run, self.commit_seq)
+
+    def _committing(self, checkpoint_dir: str) -> List[str]:
+        """The directory names of ``checkpoint_dir`` whose commits of this persister are not yet reported."""
+        with self.committing_lock:
+            return sorted(self.committing.get(checkpoint_dir, {}))
+
+    def _committed(self, checkpoint_dir: str, dirname: str) -> None:
+        """The commit of ``dirname`` in ``checkpoint_dir`` was reported (committed or failed)."""
+        with self.committing_lock:
+            mine = self.committing.get(checkpoint_dir, {})
+            mine[dirname] = mine.get(dirname, 1) - 1
+            if mine[dirname] <= 0:
+                del mine[dirname]
+            if not mine:
+                self.committing.pop(checkpoint_dir, None)
 
     def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
         """Parts of ``ranks`` of the save ended on this node (durable, or failed with their marker): the
@@ -277,17 +303,22 @@ class Scheduler:
         if self.notices is not None:
             self.notices.part_done(run_id, step, dirname, ranks)
 
-    def on_notice(self, run_id: str, step: int, dirname: str, aborted: bool = False) -> None:
+    def on_notice(self, run_id: str, step: int, dirname: str, aborted: bool = False,
+                  committed: bool = False) -> None:
         """A peer's notice about save ``(run_id, step, dirname)``: wake its commit task, which reads the
         filesystem again (a notice for a save this node has not started is dropped: its commit task reads
         the filesystem first when it starts). ``aborted``: the committer's commit of it failed, which ends
-        this node's watch of that commit even if a late part re-created the partial directory."""
+        this node's watch of that commit even if a late part re-created the partial directory.
+        ``committed``: the committer's commit of it ended committed (the watch ends committed even when
+        retention has retired the directory before the watch read its manifest)."""
         with self.lock:
             res = self.results.get((run_id, step, dirname))
             if res is not None:
                 res.notices += 1
                 if aborted:
                     res.aborted_at = time.monotonic()
+                if committed:
+                    res.committed_at = time.monotonic()
                 res.part_ended.set()
 
     def wake_run(self, run_id: str) -> None:
@@ -350,18 +381,31 @@ class Scheduler:
 
         return failure
 
+    def _committed_notice(self, key: SaveKey) -> Callable[[], bool]:
+        """For the watch of ``key``'s commit: whether the committer's node said it ended committed."""
+        since = time.monotonic()  # a notice about an earlier commit of the same save does not count
+
+        def committed() -> bool:
+            with self.lock:
+                res = self.results.get(key)
+                return res is not None and res.committed_at is not None and res.committed_at >= since
+
+        return committed
+
     def _tracker_gate(self, checkpoint_dir: str, tracker_name: str, seq: int):
         """A gate that lets the commit of request ``seq`` write its tracker only if no later request of the
-        same tracker file has written it already (commits run in parallel and may finish out of order)."""
+        same tracker file has written it already (commits run in parallel and may finish out of order). The
+        gate returns whether it wrote (``False``: the save is behind a later one)."""
         key = (checkpoint_dir, tracker_name)
 
-        def gate(write) -> None:
+        def gate(write) -> bool:
             with self.tracker_lock:
                 if self.tracker_seq.get(key, 0) > seq:
                     log.info("%s not moved back to an older save (request %d)", tracker_name, seq)
-                    return
+                    return False
                 write()
                 self.tracker_seq[key] = seq
+                return True
 
         return gate
 
@@ -530,6 +574,7 @@ class Scheduler:
             if run.committer and self.notices is not None:
                 self.notices.commit_ended(req.run_id, req.step, req.dirname, state)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
+        self._committed(run.checkpoint_dir, req.dirname)
         self.on_change()
         if run.multi_node:  # what the commit path cost: read by tests/test_multinode.py (no fast polling)
             log.info("step %d: commit %s after %.3f s (%s): %d filesystem checks, %d wakes, %d peer notices",

@@ -26,7 +26,8 @@ on a restart, the previous committer's persister may still upload: an upload of 
 fails its read-back and is retried (:meth:`~snapckpt.storage.remote.RemoteStore.upload`). That job (queued
 when the committer connects) then **catches up**: the newest checkpoints committed in ``checkpoint_dir`` but
 not in the remote tier (a persister killed after a local commit, before or during its upload) are uploaded,
-newer than the newest remote step only, at most :data:`QUEUE_DEPTH` + 1 (and ``keep_last``) of them.
+those saved after the newest remote checkpoint only (save order, as retention's: after a rewind a lower step
+can be newer), at most :data:`QUEUE_DEPTH` + 1 (and ``keep_last``) of them.
 
 A checkpoint whose local directory disappears before or during its upload (local retention retired it) is
 skipped cleanly (``upload_skipped``, what it had sent is removed), unless an attempt had already failed (an
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
 from snapckpt.ondisk.manifest import list_committed
+from snapckpt.persister.retention import _save_order
 from snapckpt.storage.factory import open_storage
 
 if TYPE_CHECKING:  # imported where a store is made: a persister without a remote tier never needs it
@@ -80,8 +82,8 @@ class UploadJob:
     #: a clean-up job catches up only checkpoints committed before this time (Unix seconds): those of the
     #: run that queued it are submitted by their own commits (and may be dropped from the queue on purpose)
     before_unix: float = 0.0
-    #: the persister's request order of the save (its local tracker gate's); 0 for what a clean-up job
-    #: catches up (saved before any request of this persister)
+    #: the persister's request order of the save (its local tracker gate's); what a clean-up job catches up
+    #: gets the order of the upload that last wrote the tracker object (it was saved after every remote one)
     order: int = 0
 
 
@@ -225,9 +227,10 @@ class Uploader:
 
     def _catch_up(self, store: RemoteStore, job: UploadJob) -> None:
         """Upload the newest checkpoints committed in ``job.checkpoint_dir`` before ``job.before_unix`` that
-        are newer than the newest remote one (an earlier persister was killed after their local commit,
-        before or during the upload; what that upload left was just removed), oldest first, so the tracker
-        object ends at the newest."""
+        were saved after the newest remote one (an earlier persister was killed after their local commit,
+        before or during the upload, or their upload failed; what that upload left was just removed), oldest
+        first by save order (not by step: a rewind), so the tracker object ends at the newest, as the local
+        tracker does."""
         try:
             remote = store.list_committed()
             local = list_committed(open_storage(), job.checkpoint_dir)
@@ -235,10 +238,13 @@ class Uploader:
             log.warning("remote: could not compare %s with %s for uploads to catch up: %s", job.checkpoint_dir,
                         job.remote_dir, e)
             return
-        newest = max((c.step for c in remote), default=-1)
+        # newer means saved later (retention's and the tracker's order), not a higher step: after a rewind
+        # the lower steps saved last are the ones to catch up, and the tracker object must end at them
+        newest = max((_save_order(c.manifest) for c in remote), default=float("-inf"))
         limit = QUEUE_DEPTH + 1 if job.keep_last is None else max(1, min(job.keep_last, QUEUE_DEPTH + 1))
-        todo = [c for c in local if c.step > newest
-                and float(c.manifest.get("created_unix", 0.0)) < job.before_unix][-limit:]
+        todo = sorted((c for c in local if _save_order(c.manifest) > newest
+                       and float(c.manifest.get("created_unix", 0.0)) < job.before_unix),
+                      key=lambda c: _save_order(c.manifest))[-limit:]
         for c in todo:
             tracker = c.manifest.get("tracker") if isinstance(c.manifest.get("tracker"), dict) else {}
             name, content = tracker.get("name", ""), tracker.get("content", "")
@@ -247,8 +253,11 @@ class Uploader:
                 name = content = ""
             log.warning("remote: step %d (%s) was committed locally but never uploaded (the persister that "
                         "committed it ended first); uploading it now to %s", c.step, c.dirname, job.remote_dir)
+            # saved after every remote checkpoint, so never behind an upload of this persister (an earlier
+            # run's, whose order is above 0): it moves the tracker object and is protected from retention
+            order = self._tracker_order.get((job.remote_dir, name), 0)
             self._upload(store, UploadJob(job.run_id, job.remote_dir, c.path, c.dirname, c.manifest,
-                                          job.keep_last, name, content))
+                                          job.keep_last, name, content, order=order))
 
     def _skip_retired(self, job: UploadJob, when: str) -> None:
         reason = (f"{job.local_dir} was deleted {when} (by retention, keep_last={job.keep_last}, or by hand); "

@@ -329,3 +329,60 @@ def test_a_watcher_waits_past_the_commit_timeout_for_a_committer_that_commits_la
     finally:
         late.cancel()
         stop.set()
+
+
+def test_a_watcher_takes_the_committed_notice_when_retention_retired_the_step_before_it_read_it(tmp_path):
+    """Commits end out of order: the committer renamed step 7 into place and a later save's retention
+    (``keep_last=1``) retired it before this watcher read its manifest. The partial directory and the manifest
+    are both gone: with the committer's ``committed`` notice the watch ends committed (returns ``None``),
+    not "the committer aborted" (what a watcher without the notice concluded: its node's ranks raised
+    while rank 0's commit had succeeded). Without a notice, a vanished partial directory is still an abort,
+    after ``NOTICE_GRACE_SECS``."""
+    from snapckpt.errors import CommitError
+    from snapckpt.ondisk.manifest import MANIFEST
+
+    def watch(req, out):
+        try:
+            out["m"] = watch_commit(PosixStorage(), req)
+        except Exception as e:
+            out["e"] = e
+
+    for notice in (True, False):
+        ckpt = str(tmp_path / str(notice))
+        said = threading.Event()
+        req = CommitRequest(checkpoint_dir=ckpt, dirname="step_00000007", step=7, run_id=RUN, world_size=2,
+                            timeout_secs=30, keep_last=1, tracker_name="", tracker_content="",
+                            committed_notice=said.is_set)
+        os.makedirs(os.path.join(req.partial_dir, ".snapckpt"))
+        out = {}
+        th = threading.Thread(target=watch, args=(req, out))
+        th.start()
+        assert wait_until_seen(req)  # the watch saw the partial directory
+        with open(os.path.join(req.partial_dir, MANIFEST), "w") as f:
+            json.dump({"step": 7, "run_id": RUN}, f)
+        os.rename(req.partial_dir, req.final_dir)
+        os.rename(req.final_dir, os.path.join(ckpt, f".step_00000007.deleted-{RUN}"))  # the later save's retention
+        req.wake.set()  # a backstop read, before the notice came
+        time.sleep(0.3)
+        assert th.is_alive()  # it waits for the notice
+        if notice:
+            said.set()
+            req.wake.set()
+        t0 = time.monotonic()
+        th.join(15)
+        if notice:
+            assert out == {"m": None}
+        else:
+            assert isinstance(out.get("e"), CommitError) and "aborted" in str(out["e"])
+            assert time.monotonic() - t0 < 5
+
+
+def wait_until_seen(req, timeout=10.0):
+    """Until the watch of ``req`` listed the partial directory (one read of it counts)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if req.stats["listings"] >= 1:
+            time.sleep(0.1)
+            return True
+        time.sleep(0.01)
+    return False
