@@ -45,7 +45,7 @@ from snapckpt.storage.base import StorageReader
 __all__ = ["FORMAT_VERSION", "SIDECAR", "MANIFEST", "Committed", "build_manifest", "parse_manifest",
            "list_committed", "check_sizes", "check_checksums", "crc32_file", "record_checksum", "validate_dirname",
            "validate_file_name", "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter",
-           "CHECKSUM", "CHECKSUMS", "file_checksum", "file_set_changes", "present_files"]
+           "CHECKSUM", "CHECKSUMS", "file_checksum", "file_set_changes", "present_files", "save_order"]
 
 FORMAT_VERSION = 1
 SIDECAR = ".snapckpt"
@@ -226,6 +226,14 @@ def build_manifest(*, step: int, dirname: str, world_size: int, run_id: str,
             "world_size": world_size, "run_id": run_id, "created_unix": time.time(),
             "requested_unix": time.time() if requested_unix is None else requested_unix, "checksum": CHECKSUM,
             "files": files}
+
+
+def save_order(manifest: Dict[str, Any]) -> float:
+    """When the save of ``manifest`` was requested (Unix seconds: ``requested_unix``, else ``created_unix``;
+    0.0 when neither is a number): the order of "newer" that retention, the tracker rule and the uploads'
+    catch-up follow, local and remote alike (after a rewind a lower step is newer)."""
+    value = manifest.get("requested_unix", manifest.get("created_unix", 0.0))
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def parse_manifest(data: bytes, dirname: Optional[str] = None, source: Optional[str] = None) -> Dict[str, Any]:

@@ -19,17 +19,12 @@ import os
 from typing import Iterable, List, Optional
 
 from snapckpt._internal import faultpoints as faults
-from snapckpt.ondisk.manifest import list_committed
+from snapckpt.ondisk.manifest import list_committed, save_order
 from snapckpt.storage.base import StorageReader, StorageWriter
 
 __all__ = ["apply_retention", "trash_dirname"]
 
 log = logging.getLogger(__name__)
-
-
-def _save_order(manifest) -> float:
-    value = manifest.get("requested_unix", manifest.get("created_unix", 0.0))
-    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def trash_dirname(dirname: str, run_id: str) -> str:
@@ -58,7 +53,7 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
     # higher-numbered ones rotate away. Not the commit time either: commits of one job run in parallel
     # and may finish out of order, and the newest save (the one the tracker names) must never rotate
     # away because an older save committed after it. Manifests without requested_unix: commit time.
-    committed.sort(key=lambda c: _save_order(c.manifest))
+    committed.sort(key=lambda c: save_order(c.manifest))
     keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
     deleted = []
     for c in committed:

@@ -44,8 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
-from snapckpt.ondisk.manifest import list_committed
-from snapckpt.persister.retention import _save_order
+from snapckpt.ondisk.manifest import list_committed, save_order
 from snapckpt.storage.factory import open_storage
 
 if TYPE_CHECKING:  # imported where a store is made: a persister without a remote tier never needs it
@@ -240,11 +239,11 @@ class Uploader:
             return
         # newer means saved later (retention's and the tracker's order), not a higher step: after a rewind
         # the lower steps saved last are the ones to catch up, and the tracker object must end at them
-        newest = max((_save_order(c.manifest) for c in remote), default=float("-inf"))
+        newest = max((save_order(c.manifest) for c in remote), default=float("-inf"))
         limit = QUEUE_DEPTH + 1 if job.keep_last is None else max(1, min(job.keep_last, QUEUE_DEPTH + 1))
-        todo = sorted((c for c in local if _save_order(c.manifest) > newest
+        todo = sorted((c for c in local if save_order(c.manifest) > newest
                        and float(c.manifest.get("created_unix", 0.0)) < job.before_unix),
-                      key=lambda c: _save_order(c.manifest))[-limit:]
+                      key=lambda c: save_order(c.manifest))[-limit:]
         for c in todo:
             tracker = c.manifest.get("tracker") if isinstance(c.manifest.get("tracker"), dict) else {}
             name, content = tracker.get("name", ""), tracker.get("content", "")

@@ -46,7 +46,7 @@ from snapckpt.storage.urls import check_remote_url, is_remote_url
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError, RemoteURLError
-from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum)
+from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum, save_order)
 
 __all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url", "call_bounded",
            "NoAnswer", "PROBE_TIMEOUT_SECS"]
@@ -396,13 +396,11 @@ class RemoteStore:
         """The latest-saved committed checkpoint here (other than ``dirname``) whose commit wrote the tracker
         ``tracker_name`` (its manifest's ``tracker`` record) and whose save was requested after ``manifest``'s
         (``requested_unix``, the order retention and the loader use), or ``None``."""
-        def saved(m: Dict[str, Any]) -> float:
-            return float(m.get("requested_unix", m.get("created_unix", 0.0)))
-
-        later = [c for c in self.list_committed() if c.dirname != dirname and saved(c.manifest) > saved(manifest)
+        mine = save_order(manifest)
+        later = [c for c in self.list_committed() if c.dirname != dirname and save_order(c.manifest) > mine
                  and isinstance(c.manifest.get("tracker"), dict) and c.manifest["tracker"].get("name") == tracker_name
                  and isinstance(c.manifest["tracker"].get("content"), str)]
-        return max(later, key=lambda c: saved(c.manifest)) if later else None
+        return max(later, key=lambda c: save_order(c.manifest)) if later else None
 
     def _put_file(self, local: str, dirname: str, name: str, rec: Dict[str, Any], step: int) -> None:
         """Upload one committed file: its checksum is recomputed from an open descriptor, then the same
@@ -696,7 +694,7 @@ class RemoteStore:
         if keep_last is None:
             return []
         committed = self.list_committed()
-        committed.sort(key=lambda c: float(c.manifest.get("requested_unix", c.manifest.get("created_unix", 0.0))))
+        committed.sort(key=lambda c: save_order(c.manifest))
         keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
         deleted = []
         for c in committed:
