@@ -270,12 +270,17 @@ def test_G3_node_lost_without_replicas_resumes_from_disk(rig):
     assert wait_until(lambda: _commit_line(_persister_log(rig.nodes[1]), DISK, "watcher"), 10), \
         _persister_log(rig.nodes[1])
     assert f"SNAPCKPT_FAULT_POINT hit persist.before_part_marker rank=1 step={DISK}" in _persister_log(rig.nodes[1])
+    told = 0
     for node, role in ((0, "committer"), (1, "watcher")):
         secs, checks, wakes, notices = _commit_line(_persister_log(rig.nodes[node]), DISK, role)
         print(f"step {DISK} {role}: {secs:.2f} s, {checks} filesystem checks, {wakes} wakes, {notices} notices")
         assert secs >= 2.5, (role, secs)  # the commit was held by node 1's part
-        assert notices >= 1, (role, notices)  # woken by the other node's notice
         assert checks <= secs + 5, (role, secs, checks, wakes)  # a backstop read a second and the wakes
+        told += notices
+    # woken by the other node's notice; either wait may also see the filesystem first at its backstop read, a
+    # notice then arriving after its commit line (the watcher's comes after the committer's tracker and
+    # retention: a loaded CI host saw that), so the notices are counted over both
+    assert told >= 1, told
     rig.lose_node(1)
     rig.kill_trainers(0)
     assert rig.nodes[0].persisters() and rig.nodes[0].shm_files()  # node 0 still holds step 9 in memory
