@@ -370,6 +370,41 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig, disk6):
     assert "step 9 was not in this node's memory: fetched from node 0 (replica)" in outs[1]
 
 
+def test_G8_a_crash_flush_overtaken_by_a_restart_with_the_committer_moved_is_abandoned(rig):
+    """G8 with the restart before node 0's crash flush of step 9 could commit (it awaits node 1's lease to
+    age: a 120 s peer timeout here forces that order, which a loaded host hit with the default 10 s) and the
+    node ranks swapped: rank 0, so the new committer, on the fresh node 1, whose persister does not serve the
+    crashed run and removes its leftovers (step 9's partial directory, its peer records). Node 0's flush of
+    step 9 ends at once as abandoned, naming why (it waited for ``commit_timeout_secs``, 600 s, before; found
+    by tests/test_multinode_remote.py), writes nothing from the replica and leaves no partial directory; the
+    restart resumed from memory step 9 and ``latest`` ends at step 12."""
+    rig.start(2)
+    rig.leftover_ok = True
+    log = os.path.join(rig.tmp, "losses.log")
+    runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), loss_log=log)[1:], 1,
+                            env={"SNAPCKPT_PEER_TIMEOUT_SECS": "120"})
+    _wait_paused(runs, 2)
+    assert wait_until(lambda: f"holding a replica of rank 1 step {PAUSE} " in _persister_log(rig.nodes[0]), 30), \
+        _persister_log(rig.nodes[0])
+    rig.lose_node(1)
+    rig.kill_trainers(0)
+    assert wait_until(lambda: f"standing in for rank 1's part of step {PAUSE} " in _persister_log(rig.nodes[0]),
+                      30), _persister_log(rig.nodes[0])
+    rig.replace_node(1)
+    _trim_log(log, PAUSE)
+    outs = _run_all(rig, _args(rig.ckpt_dir, loss_log=log), 1, node_ranks=[1, 0])
+    assert sorted((r["rank"], r["step"], r["tier"]) for r in _results(outs, "RESUMED")) == [
+        (0, PAUSE, "memory"), (1, PAUSE, "memory")], outs
+    abandoned = f"step {PAUSE}: commit failed: step {PAUSE}: the peer records of run"
+    assert wait_until(lambda: abandoned in _persister_log(rig.nodes[0]), 30), _persister_log(rig.nodes[0])[-3000:]
+    node0 = _persister_log(rig.nodes[0])
+    assert "a later run of this job has started" in node0, node0[-3000:]
+    assert f"rank 1 step {PAUSE}: part written from the peer replica" not in node0, node0[-3000:]
+    assert _read(os.path.join(rig.ckpt_dir, "latest")) == f"step_{STEPS:08d}"
+    assert not glob.glob(os.path.join(rig.ckpt_dir, f".step_{PAUSE:08d}.partial-*")), os.listdir(rig.ckpt_dir)
+    assert not os.path.exists(os.path.join(rig.ckpt_dir, f"step_{PAUSE:08d}"))
+
+
 def test_G3_node_lost_with_its_replica_behind_resumes_from_the_newest_complete_step(rig):
     """G3 with the peer-memory tier on and a replica behind: node 1's send of rank 1's step 9 is held (fault
     point ``replica.before_send``), so node 0 holds rank 1's replica of step 6 only. Every rank paused at step

@@ -144,7 +144,8 @@ def test_committer_moves_to_another_node_while_the_previous_committer_still_uplo
     assert wait_until(lambda: not rig.nodes[1].persisters(), 60)  # the new committer's uploads are done
     open(release, "w").close()  # node 0's upload of step 6 goes on
     # its end (the tracker object is written before this line; node 0's persister may stay on: its crash flush
-    # of step 9 waits for the lost node's lease to age)
+    # of step 9 commits once the lost node's lease aged, or is abandoned if node 1's new committer removed its
+    # leftovers first: tests/test_multinode.py's G8 with the committer moved)
     assert wait_until(lambda: "uploaded step 6 " in rig.nodes[0].persister_log()
                       or "upload of step 6 " in rig.nodes[0].persister_log(), 60, 0.2), \
         rig.nodes[0].persister_log()[-3000:]

@@ -43,6 +43,13 @@ they need is gone.
   rank's own node may still write it, or the holder will once that node is judged lost; the holder's
   node takes the rank's place in the lease check (its loss abandons the commit).
 
+- **A later run of the job started.** Its committer removes this run's directory here with the run's other
+  leftovers (its partial directories included: :func:`~snapckpt.persister.commit.recover_interrupted_commits`),
+  which it does whenever its persister does not serve this run (the committer moved to another node). A
+  waiting persister that saw the directory and finds it gone abandons the commit at its next check (nothing
+  it awaits can still arrive: a crash flush of this run would otherwise wait ``commit_timeout_secs``), and a
+  replica holder writes nothing.
+
 A job on one node writes no file here: its committer is the persister that saw the rank go, and reads
 the same record from memory (``local_gone``). The directory of a run that ended cleanly is removed by the
 committer's persister at exit; after a crash it stays (the records say who died) until the next run of
@@ -179,6 +186,10 @@ class PeerWatch:
         self._gone: Dict[int, Dict[str, Any]] = {}
         self._claims: Dict[int, Dict[str, Any]] = {}
         self._leases: Dict[str, Dict[str, Any]] = {}
+        self._dir_seen = False  # the run's record directory existed at a read
+        # ...and was gone at a later one: the committer of a later run of the job removed this run's leftovers
+        # (commit.recover_interrupted_commits), its partial directories included (sticky)
+        self.removed = False
 
     @property
     def tick_secs(self) -> float:
@@ -202,7 +213,12 @@ class PeerWatch:
         gone: Dict[int, Dict[str, Any]] = {}
         claims: Dict[int, Dict[str, Any]] = {}
         leases: Dict[str, Dict[str, Any]] = {}
-        for name in self.reader.listdir(self.dir):
+        names = self.reader.listdir(self.dir)
+        if names or self.reader.isdir(self.dir):
+            self._dir_seen = True
+        elif self._dir_seen:
+            self.removed = True
+        for name in names:
             if not name.endswith(".json") or name.startswith("."):
                 continue
             kind, _, num = name[:-5].partition("_")
@@ -246,9 +262,12 @@ class PeerWatch:
     def lost(self, rank: int, step: int, dirname: str) -> Optional[str]:
         """Why rank ``rank``'s own node will never write its part of ``[step, dirname]`` (its node's lease is
         stale, or its gone record is final without that save pending), or ``None`` while it still may. The
-        replica holder's question before it writes that part itself."""
+        replica holder's question before it writes that part itself; always ``None`` once the run's records
+        were removed (:attr:`removed`: a later run took over, nothing of this run is to be written)."""
         with self._lock:
             judge = self._refresh()
+            if self.removed:  # never re-create what the next run removed: the commit is abandoned (check())
+                return None
             rec = self._gone.get(rank)
             if rec is not None and rec.get("final") and [step, dirname] not in [list(p) for p in rec.get("pending", [])]:
                 return f"rank {rank}'s node persister will not write it (its gone record is final)"
@@ -276,13 +295,20 @@ class PeerWatch:
         Raises:
             PeerLostError: a rank in ``missing`` is gone and its persister will not write that part, or
                 the lease of a node serving a rank in ``missing`` or ``persisters_of`` is stale (names
-                the step, the ranks, the pid and host).
+                the step, the ranks, the pid and host), or the run's record directory was removed (:attr:`removed`).
         """
         missing, persisters_of = sorted(set(missing)), sorted(set(persisters_of))
         if not missing and not persisters_of:
             return
         with self._lock:
             judge = self._refresh()
+            if self.removed:
+                raise PeerLostError(
+                    f"step {step}: the peer records of run {self.run_id} ({self.dir}) were removed while its save "
+                    f"of {dirname} was pending: a later run of this job has started in this checkpoint directory "
+                    "and its committer removed what this run left in flight (this save's partial directory "
+                    f"included); the commit of step {step} is abandoned, the later run's checkpoints and tracker "
+                    "are untouched")
             now = self.clock()
             missing, holders = self._claimed(step, dirname, missing)
             needed = sorted(set(missing) | set(persisters_of) | set(holders))

@@ -386,3 +386,44 @@ def wait_until_seen(req, timeout=10.0):
             return True
         time.sleep(0.01)
     return False
+
+
+def test_a_commit_whose_run_records_a_later_run_removed_is_abandoned_and_the_holder_writes_nothing(tmp_path):
+    """Node 1 (rank 1) is lost; node 0's crash flush of step 9 wrote rank 0's part and claimed rank 1's (its
+    replica), awaiting node 1's lease to age. The job restarts with rank 0 on a fresh node whose persister, the
+    new committer, does not serve this run: it removes this run's leftovers, the peer records and the partial
+    directory included. Nothing the commit awaits can come any more: it is abandoned at its next check (it
+    waited ``commit_timeout_secs`` before: found by the multi-node remote test with node ranks swapped on
+    restart), and the holder never writes rank 1's part into a re-created partial directory."""
+    from snapckpt.persister.commit import recover_interrupted_commits
+
+    ckpt = str(tmp_path)
+    storage = PosixStorage(fsync=False)
+    req = _req(ckpt, peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=30,
+                                     own_lease=peers.lease_name(0)), step=9, world=2)
+    _lease(ckpt, [0], seq=1)  # node 0: the committer and the replica holder (its own lease is never judged)
+    _lease(ckpt, [1], seq=1)  # node 1: lost, its lease not yet stale
+    storage.write_atomic(os.path.join(peers.peers_dir(ckpt, RUN), peers.claim_name(1)), json.dumps(
+        {"rank": 1, "run_id": RUN, "pending": [[9, "step_00000009"]], "holder_ranks": [0]}).encode())
+    _part(ckpt, req, 0)
+    holder = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=30, own_lease=peers.lease_name(0))
+    assert holder.lost(1, 9, "step_00000009") is None
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(commit(storage, PosixStorage(), req))
+        except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(1.0)
+    assert t.is_alive() and not out  # awaiting rank 1's claimed part
+    recover_interrupted_commits(storage, ckpt, job=RUN[:16], known_runs={RUN[:16] + "fedcba987654"})
+    assert not os.path.exists(req.partial_dir) and not os.path.exists(peers.peers_dir(ckpt, RUN))
+    t.join(20)
+    assert not t.is_alive() and out and isinstance(out[0], PeerLostError), out
+    assert "a later run of this job has started" in str(out[0]) and "step 9" in str(out[0]), out[0]
+    assert holder.lost(1, 9, "step_00000009") is None and holder.removed
+    assert not os.path.exists(req.partial_dir)
