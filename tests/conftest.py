@@ -56,6 +56,19 @@ def pytest_report_header(config):
     return f"fault matrix: --fault-seed {config.fault_seed} --fault-points {config.getoption('--fault-points')}"
 
 
+@pytest.fixture(autouse=True)
+def _fault_points_read_per_test():
+    """Fault points parse ``SNAPCKPT_FAULT_POINT`` once per process: a test that arms one in this process (a
+    Checkpointer in the test, its rank-side points) must not leave it armed for the next tests of the worker
+    (armed, the persister's writer wraps its sink and never writes straight from the slot: a test of that failed
+    after one that armed a point)."""
+    from snapckpt._internal import faultpoints
+
+    faultpoints._specs, faultpoints._hits = None, {}
+    yield
+    faultpoints._specs, faultpoints._hits = None, {}
+
+
 @pytest.fixture
 def snap_env(tmp_path, monkeypatch):
     """Isolated runtime/shm directories (inherited by child processes through the environment).

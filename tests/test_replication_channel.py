@@ -170,17 +170,19 @@ def test_a_replica_damaged_while_held_is_never_served_or_written_as_intact(repli
 
 def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
     """Commit notices (persister/commit_notices.py): node 1's ``part_done`` reaches the committer's node and
-    calls its wake callback with the save; ``commit_ended`` goes to every other node; a notice naming
+    calls its wake callback with the save; ``commit_ended`` goes to every other node, saying committed or
+    failed (``committed`` / ``aborted``); a notice naming
     another run than the one its connection authenticated for is ignored; a node that posted port 0 (no
     channel) is skipped, not waited for."""
     from snapckpt.persister.commit_notices import CommitNotices
 
     rep, port = replicator
-    got, aborts, arrived = [], [], threading.Event()
+    got, aborts, commits, arrived = [], [], [], threading.Event()
 
-    def on_notice(run_id, step, dirname, aborted=False):
+    def on_notice(run_id, step, dirname, aborted=False, committed=False):
         got.append((run_id, step, dirname))
         aborts.append(aborted)
+        commits.append(committed)
         arrived.set()
 
     receiver = CommitNotices({RUN: SECRET}.get, on_notice)  # the committer's node (node 0)
@@ -203,10 +205,11 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
         committer.configure(RUN, 1, 1, {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)})
         arrived.clear()
         committer.commit_ended(RUN, 8, "step_00000008", "committed")
-        assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008") and aborts[-1] is False
+        assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008") and aborts[-1] is False and commits[-1]
         arrived.clear()
         committer.commit_ended(RUN, 9, "step_00000009", "failed")  # ends the watchers' wait (an abort)
-        assert arrived.wait(10) and got[-1] == (RUN, 9, "step_00000009") and aborts[-1] is True
+        assert arrived.wait(10) and got[-1] == (RUN, 9, "step_00000009") and aborts[-1] is True and not commits[-1]
+        assert commits[0] is False  # a part_done notice says nothing of the commit
         committer.shutdown()
         assert sorted(n for _, n in committer.links) == [0]
     finally:
