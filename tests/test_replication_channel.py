@@ -176,11 +176,12 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
     from snapckpt.persister.commit_notices import CommitNotices
 
     rep, port = replicator
-    got, aborts, arrived = [], [], threading.Event()
+    got, aborts, commits, arrived = [], [], [], threading.Event()
 
-    def on_notice(run_id, step, dirname, aborted=False):
+    def on_notice(run_id, step, dirname, aborted=False, committed=False):
         got.append((run_id, step, dirname))
         aborts.append(aborted)
+        commits.append(committed)
         arrived.set()
 
     receiver = CommitNotices({RUN: SECRET}.get, on_notice)  # the committer's node (node 0)
@@ -189,7 +190,7 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
     sender.configure(RUN, 1, 0, {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)})
     try:
         sender.part_done(RUN, 6, "step_00000006", [3, 2])
-        assert arrived.wait(10) and got == [(RUN, 6, "step_00000006")]
+        assert arrived.wait(10) and got == [(RUN, 6, "step_00000006")] and commits == [False]
         arrived.clear()
         sock = channel.connect("127.0.0.1", port, RUN, SECRET)
         channel.send_frame(sock, {"op": "part_done", "run_id": "f" * 28, "step": 7, "dirname": "step_00000007"})
@@ -204,9 +205,11 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
         arrived.clear()
         committer.commit_ended(RUN, 8, "step_00000008", "committed")
         assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008") and aborts[-1] is False
+        assert commits[-1] is True  # the watchers' wait ends committed even if retention retired it already
         arrived.clear()
         committer.commit_ended(RUN, 9, "step_00000009", "failed")  # ends the watchers' wait (an abort)
         assert arrived.wait(10) and got[-1] == (RUN, 9, "step_00000009") and aborts[-1] is True
+        assert commits[-1] is False
         committer.shutdown()
         assert sorted(n for _, n in committer.links) == [0]
     finally:
