@@ -245,14 +245,14 @@ def test_a_handled_failure_of_a_tags_earlier_save_does_not_fail_the_next_save_of
         json.dump({"phase": "write", "errno": errno.ENOSPC, "rank": 0, "step": 1}, f)
     monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", "@" + plan)
     with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
-        h1 = ck.save_files({"a.pt": {"w": torch.ones(8)}}, 1, StorageType.DISK, dirname="best")
+        h1 = ck.save_files({"a.pt": {"w": torch.ones(8)}}, 1, StorageType.DISK, dirname="best", tracker_name=None)
         with pytest.raises(OSError) as ei:
             h1.wait(timeout=60)
         assert ei.value.errno == errno.ENOSPC, repr(ei.value)
         open(plan, "w").close()  # no more storage faults
         for step in (2, 3):
             ck.save_files({"a.pt": {"w": torch.full((8,), float(step))}}, step, StorageType.DISK,
-                          dirname="best").wait(timeout=60)
+                          dirname="best", tracker_name=None).wait(timeout=60)
     m = json.load(open(os.path.join(snap_env.ckpt_dir, "best", ".snapckpt", "manifest.json")))
     assert m["step"] == 3
 
