@@ -232,6 +232,31 @@ def test_saves_of_other_steps_under_one_tag_in_flight_at_once_commit_one_after_t
     assert sorted(os.listdir(snap_env.ckpt_dir)) == ["best", "latest"]
 
 
+def test_a_handled_failure_of_a_tags_earlier_save_does_not_fail_the_next_save_of_that_tag(snap_env, monkeypatch):
+    """A fixed tag: step 1's DISK save to ``best`` fails (ENOSPC while its part is written) and the caller handles
+    it through the handle (``h.wait()`` raised it). The next save to ``best`` (step 2, the disk has room again)
+    waits for step 1's save, which is over, and commits. Before, that wait raised step 1's failure again, step
+    2 was never saved, and so was every later save to ``best`` until a ``poll()``/``wait()`` of the
+    Checkpointer dropped the handle."""
+    import errno
+
+    plan = os.path.join(snap_env.tmp, "plan.json")
+    with open(plan, "w") as f:
+        json.dump({"phase": "write", "errno": errno.ENOSPC, "rank": 0, "step": 1}, f)
+    monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", "@" + plan)
+    with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
+        h1 = ck.save_files({"a.pt": {"w": torch.ones(8)}}, 1, StorageType.DISK, dirname="best", tracker_name=None)
+        with pytest.raises(OSError) as ei:
+            h1.wait(timeout=60)
+        assert ei.value.errno == errno.ENOSPC, repr(ei.value)
+        open(plan, "w").close()  # no more storage faults
+        for step in (2, 3):
+            ck.save_files({"a.pt": {"w": torch.full((8,), float(step))}}, step, StorageType.DISK,
+                          dirname="best", tracker_name=None).wait(timeout=60)
+    m = json.load(open(os.path.join(snap_env.ckpt_dir, "best", ".snapckpt", "manifest.json")))
+    assert m["step"] == 3
+
+
 def test_memory_tier_of_a_deleted_and_recreated_dir_is_not_resurrected(snap_env):
     """A run crashes (no close) with a memory snapshot; the user deletes the checkpoint directory and starts
     afresh in the same path while the persister still holds the snapshot. Right: the new job finds nothing

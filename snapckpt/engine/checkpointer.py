@@ -442,7 +442,9 @@ class Checkpointer:
                 :mod:`snapckpt.formats` (``TorchSave``, ``RawBytes``, ``Concat``, ``MemoryOnly``) or a
                 plain object (a ``TorchSave``). ``{}`` is a valid, empty part.
             dirname: the checkpoint's directory name under ``checkpoint_dir`` (a tag: one path component). A
-                DISK save to a directory whose earlier DISK save (of any step) is still in flight waits for it.
+                DISK save to a directory whose earlier DISK save (of any step) is still in flight waits for it;
+                that save's failure is raised here if it was not raised before (as :meth:`poll` would), never
+                again once it was (by its handle's ``wait``, say).
             tracker_name: tracker file replaced with ``tracker_content`` after the commit (``None``: none).
                 ``dirname`` may not be ``tracker_name``.
             check_weights_only: warn once per new plan when :meth:`load` (``weights_only=True``) would

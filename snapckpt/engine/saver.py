@@ -225,7 +225,12 @@ class Saver:
             # took the other save's part marker and files, the other failed on its vanished directory; and for
             # the same step, ranks could decide differently
             for h in [h for h in self._handles if h.dirname == dirname]:
-                h.wait()
+                reported = h.reported
+                try:
+                    h.wait()
+                except BaseException:
+                    if not reported:  # raised once, as poll() below would; a handled one never blocks this save
+                        raise
         if tracker_name is not None:
             validate_dirname(tracker_name)
             tracker = os.path.join(self._checkpoint_dir, tracker_name)

@@ -93,7 +93,7 @@ class CommitRequest:
 
     def __init__(self, *, checkpoint_dir: str, dirname: str, step: int, run_id: str, world_size: int,
                  timeout_secs: float, keep_last: Optional[int], tracker_name: str, tracker_content: str,
-                 tracker_gate: Optional[Callable[[Callable[[], None]], None]] = None,
+                 tracker_gate: Optional[Callable[[Callable[[], None]], bool]] = None,
                  local_failure: Optional[Callable[[], Optional[BaseException]]] = None,
                  requested_unix: Optional[float] = None,
                  peer_check: Optional[Callable[..., None]] = None,
@@ -111,7 +111,8 @@ class CommitRequest:
         self.tracker_name = tracker_name
         self.tracker_content = tracker_content
         # tracker_gate(write) runs write() unless a save requested later already moved the tracker (saves
-        # of one job commit in parallel, but the tracker only ever moves forward in request order)
+        # of one job commit in parallel, but the tracker only ever moves forward in request order); it returns
+        # whether it wrote (False: this save is behind a later one, which remote-only retention reads)
         self.tracker_gate = tracker_gate
         # local_failure() returns the error of a rank of this node whose part failed (known in memory even
         # when the disk was too full for its failure marker), so the commit fails at once, not at the timeout
@@ -408,7 +409,8 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Optional[Dict[str
     commit ended, a local part ended) and every :data:`BACKSTOP_SECS`; ``req.peer_check`` runs every
     ``req.peer_tick_secs`` in between.
 
-    The committer decides: its abort (notice, or the partial directory gone) ends the watch at once, its
+    The committer decides: its abort notice ends the watch at once, and so does the partial directory gone
+    without a manifest where no notices come (with notices: after :data:`NOTICE_GRACE_SECS`, below); its
     lost node too (``req.peer_check``); the watch's own deadline, ``req.timeout_secs`` plus
     :data:`WATCH_GRACE_SECS`, only ends a wait for a committer that neither commits nor aborts.
 

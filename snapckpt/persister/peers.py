@@ -48,7 +48,9 @@ they need is gone.
   which it does whenever its persister does not serve this run (the committer moved to another node). A
   waiting persister that saw the directory and finds it gone abandons the commit at its next check (nothing
   it awaits can still arrive: a crash flush of this run would otherwise wait ``commit_timeout_secs``), and a
-  replica holder writes nothing.
+  replica holder writes nothing. The same holds when the directory goes at the committer's clean exit (below):
+  a watch of a commit that did end committed still ends committed (on that error it reads the manifest, or
+  has the committer's notice).
 
 A job on one node writes no file here: its committer is the persister that saw the rank go, and reads
 the same record from memory (``local_gone``). The directory of a run that ended cleanly is removed by the
@@ -188,7 +190,8 @@ class PeerWatch:
         self._leases: Dict[str, Dict[str, Any]] = {}
         self._dir_seen = False  # the run's record directory existed at a read
         # ...and was gone at a later one: the committer of a later run of the job removed this run's leftovers
-        # (commit.recover_interrupted_commits), its partial directories included (sticky)
+        # (commit.recover_interrupted_commits), its partial directories included, or this run's committer's
+        # persister exited cleanly (it removes them then) (sticky)
         self.removed = False
 
     @property
@@ -307,8 +310,9 @@ class PeerWatch:
                     f"step {step}: the peer records of run {self.run_id} ({self.dir}) were removed while its save "
                     f"of {dirname} was pending: a later run of this job has started in this checkpoint directory "
                     "and its committer removed what this run left in flight (this save's partial directory "
-                    f"included); the commit of step {step} is abandoned, the later run's checkpoints and tracker "
-                    "are untouched")
+                    "included), or this run's committer ended (its persister removes them at a clean exit); "
+                    f"either way nothing this commit awaits can come: the commit of step {step} is abandoned, "
+                    "the committed checkpoints and the tracker are untouched")
             now = self.clock()
             missing, holders = self._claimed(step, dirname, missing)
             needed = sorted(set(missing) | set(persisters_of) | set(holders))

@@ -264,6 +264,21 @@ class Uploader:
         log.warning("remote: upload of step %d to %s skipped: %s", job.manifest["step"], job.remote_dir, reason)
         self._note(job, "upload_skipped", reason)
 
+    def _fail_retired(self, store: RemoteStore, job: UploadJob, attempts: int, cause: str) -> None:
+        """``job``'s checkpoint was retired locally while the store kept failing (an outage, saves faster than
+        the retries), before or during a later attempt (``attempts`` made; ``cause``: the store's error of the
+        last one made while the directory was there): a failure, or training would never hear of the outage.
+        What the attempts left (no manifest) is cleaned."""
+        step = job.manifest["step"]
+        log.error("remote: upload of step %d (%s) to %s failed (%d attempts: %s); the local checkpoint was retired "
+                  "meanwhile (keep_last=%s), a newer one is uploaded next", step, job.dirname, job.remote_dir,
+                  attempts, cause, job.keep_last)
+        self._note(job, "upload_failed", f"{job.remote_dir}: {cause}")
+        try:
+            store.clean_orphans()
+        except Exception as e:
+            log.warning("remote: could not clean up after the failed upload of step %d: %s", step, e)
+
     def _upload(self, store: RemoteStore, job: UploadJob) -> None:
         """Upload one checkpoint with retries, then apply the remote retention."""
         step = job.manifest["step"]
@@ -272,16 +287,7 @@ class Uploader:
         for attempt in range(RETRIES + 1):
             t0 = time.monotonic()
             if not os.path.isdir(job.local_dir) and cause:
-                # retired while the store kept failing (an outage, saves faster than the retries): a failure,
-                # or training would never hear of the outage
-                log.error("remote: upload of step %d (%s) to %s failed (%d attempts: %s); the local checkpoint "
-                          "was retired meanwhile (keep_last=%s), a newer one is uploaded next", step, job.dirname,
-                          job.remote_dir, attempt, cause, job.keep_last)
-                self._note(job, "upload_failed", f"{job.remote_dir}: {cause}")
-                try:  # what the failed attempts left (no manifest)
-                    store.clean_orphans()
-                except Exception as e2:
-                    log.warning("remote: could not clean up after the failed upload of step %d: %s", step, e2)
+                self._fail_retired(store, job, attempt, cause)
                 return
             if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
                 self._skip_retired(job, "before its upload began")
@@ -294,6 +300,9 @@ class Uploader:
                                      tracker_content=job.tracker_content)
                 behind = behind or not moved  # a later save's upload, maybe another persister's, wrote it
             except Exception as e:
+                if not os.path.isdir(job.local_dir) and cause:  # during a later attempt of an outage
+                    self._fail_retired(store, job, attempt + 1, cause)
+                    return
                 if not os.path.isdir(job.local_dir):
                     # retired meanwhile (retention renames the directory away at once): not a fault to retry
                     self._skip_retired(job, "during its upload")
