@@ -228,7 +228,7 @@ class Saver:
                 reported = h.reported
                 try:
                     h.wait()
-                except BaseException:
+                except Exception:  # (a Ctrl-C during the wait still propagates)
                     if not reported:  # raised once, as poll() below would; a handled one never blocks this save
                         raise
         if tracker_name is not None:
