@@ -60,20 +60,27 @@ def _resumed(runs):
                   for r in map(json.loads, result_lines(run.output(), "RESUMED")))
 
 
+def _paused_with_upload_held(rig, s3_bucket, release):
+    """Start 2 nodes with the bucket's ``run/`` as remote_dir, paused at step PAUSE, with node 0's upload of step
+    6 held before its manifest until file ``release`` exists; return ``(url, loss log, env, runs)``."""
+    rig.start(2)
+    url, log = s3_bucket.url("run"), os.path.join(rig.tmp, "losses.log")
+    env = {"SNAPCKPT_REMOTE_DIR": url}
+    runs = _start(rig, _args(rig.ckpt_dir, log, "--pause-at", str(PAUSE)), env, node_env={0: {
+        "SNAPCKPT_FAULT_POINT": f"remote.before_manifest:step=6:action=wait:path={release}"}})
+    assert wait_until(lambda: _paused(runs), 120, 0.2), "\n".join(r.output() for r in runs)
+    assert wait_until(lambda: "hit remote.before_manifest" in rig.nodes[0].persister_log(), 60, 0.2)
+    return url, log, env, runs
+
+
 def test_committer_node_lost_during_its_upload_the_fresh_node_catches_up(rig, s3_bucket):
     """Node 0 (the committer) commits step 6 locally and is lost whole during its upload (held before the
     manifest object); node 1's trainers die; a fresh node 0 joins. The restart resumes from memory (rank 0
     from node 1's replica), the fresh node 0's persister removes the interrupted upload and uploads step 6
     (committed locally, never uploaded), then step 12: the remote tier ends complete, ``latest`` at step 12."""
-    rig.start(2)
     rig.leftover_ok = True  # node 1's persister keeps the crashed run's memory for its idle timeout
-    url, log = s3_bucket.url("run"), os.path.join(rig.tmp, "losses.log")
-    env = {"SNAPCKPT_REMOTE_DIR": url}
     never = os.path.join(rig.tmp, "never")
-    runs = _start(rig, _args(rig.ckpt_dir, log, "--pause-at", str(PAUSE)), env, node_env={0: {
-        "SNAPCKPT_FAULT_POINT": f"remote.before_manifest:step=6:action=wait:path={never}"}})
-    assert wait_until(lambda: _paused(runs), 120, 0.2), "\n".join(r.output() for r in runs)
-    assert wait_until(lambda: "hit remote.before_manifest" in rig.nodes[0].persister_log(), 60, 0.2)
+    url, log, env, runs = _paused_with_upload_held(rig, s3_bucket, never)
     assert _latest(s3_bucket) is None
     rig.lose_node(0)
     rig.kill_trainers(1)
@@ -125,15 +132,9 @@ def test_committer_moves_to_another_node_while_the_previous_committer_still_uplo
     up, then step 12) while node 0's persister still uploads the previous run's queue. Once node 0's upload
     goes on, the remote tier must stay complete (no manifest over objects the other persister removed) and
     ``latest`` at step 12 (on main it moved back to the older step that node 0 uploaded last)."""
-    rig.start(2)
     rig.leftover_ok = True
-    url, log = s3_bucket.url("run"), os.path.join(rig.tmp, "losses.log")
-    env = {"SNAPCKPT_REMOTE_DIR": url}
     release = os.path.join(rig.tmp, "release")
-    runs = _start(rig, _args(rig.ckpt_dir, log, "--pause-at", str(PAUSE)), env, node_env={0: {
-        "SNAPCKPT_FAULT_POINT": f"remote.before_manifest:step=6:action=wait:path={release}"}})
-    assert wait_until(lambda: _paused(runs), 120, 0.2), "\n".join(r.output() for r in runs)
-    assert wait_until(lambda: "hit remote.before_manifest" in rig.nodes[0].persister_log(), 60, 0.2)
+    url, log, env, runs = _paused_with_upload_held(rig, s3_bucket, release)
     rig.lose_node(1)
     rig.kill_trainers(0)
     rig.replace_node(1)
