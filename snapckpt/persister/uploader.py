@@ -274,10 +274,7 @@ class Uploader:
                   "meanwhile (keep_last=%s), a newer one is uploaded next", step, job.dirname, job.remote_dir,
                   attempts, cause, job.keep_last)
         self._note(job, "upload_failed", f"{job.remote_dir}: {cause}")
-        try:
-            store.clean_orphans()
-        except Exception as e:
-            log.warning("remote: could not clean up after the failed upload of step %d: %s", step, e)
+        _clean_after(store, step, "failed")
 
     def _upload(self, store: RemoteStore, job: UploadJob) -> None:
         """Upload one checkpoint with retries, then apply the remote retention."""
@@ -306,20 +303,14 @@ class Uploader:
                 if not os.path.isdir(job.local_dir):
                     # retired meanwhile (retention renames the directory away at once): not a fault to retry
                     self._skip_retired(job, "during its upload")
-                    try:  # what it had sent (no manifest): nothing else uploads meanwhile
-                        store.clean_orphans()
-                    except Exception as e2:
-                        log.warning("remote: could not clean up after the skipped upload of step %d: %s", step, e2)
+                    _clean_after(store, step, "skipped")
                     return
                 cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 if attempt == RETRIES:
                     log.error("remote: upload of step %d (%s) to %s failed after %d attempts: %s; the local "
                               "checkpoint is intact", step, job.dirname, job.remote_dir, attempt + 1, cause)
                     self._note(job, "upload_failed", f"{job.remote_dir}: {cause}")
-                    try:  # what the failed attempts left (no manifest): nothing else uploads meanwhile
-                        store.clean_orphans()
-                    except Exception as e2:
-                        log.warning("remote: could not clean up after the failed upload of step %d: %s", step, e2)
+                    _clean_after(store, step, "failed")
                     return
                 log.warning("remote: upload of step %d to %s failed (%s); retrying in %g s", step,
                             job.remote_dir, cause, delay)
@@ -338,3 +329,12 @@ class Uploader:
             store.apply_retention(job.keep_last, protect=[] if behind else [job.dirname])
         except Exception as e:  # retention never fails an upload that happened
             log.warning("remote retention after step %d failed: %s", step, e)
+
+
+def _clean_after(store: RemoteStore, step: int, what: str) -> None:
+    """Delete what an upload of ``step`` that ended ``what`` (failed, skipped) left in ``store`` (no manifest):
+    nothing else uploads meanwhile. A store that fails this too is a warning (the next job's clean-up retries)."""
+    try:
+        store.clean_orphans()
+    except Exception as e:
+        log.warning("remote: could not clean up after the %s upload of step %d: %s", what, step, e)
