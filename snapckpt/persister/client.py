@@ -323,7 +323,7 @@ class PersisterClient:
         except OSError as e:
             self.close()
             raise PersisterDiedError(
-                f"lost the snapckpt persister (pid {self.persister_pid}) during {op!r}: {e}; snapshots it held in "
+                f"lost the snapckpt persister (pid {self._pid()}) during {op!r}: {e}; snapshots it held in "
                 f"memory are gone, committed checkpoints are intact; {RESTART_HINT} (log: {self.log_path})") from e
 
     def _read_line(self, op: str) -> bytes:
@@ -338,7 +338,7 @@ class PersisterClient:
             line = self.rfile.readline(P.MAX_MESSAGE_NBYTES + 1)
         except socket.timeout as e:
             self._abandon()
-            pid = self.persister_pid or _pid_in(os.path.join(self.runtime_dir, "persister.pid"))  # before hello's reply
+            pid = self._pid()
             raise PersisterTimeoutError(
                 f"the snapckpt persister (pid {pid}) did not answer {op!r} within "
                 f"{self.request_timeout_secs:g} s; {_hung_state(pid)}; committed checkpoints "
@@ -348,13 +348,13 @@ class PersisterClient:
         except OSError as e:
             self.close()
             raise PersisterDiedError(
-                f"lost the snapckpt persister (pid {self.persister_pid}) during {op!r}: {e}; snapshots "
+                f"lost the snapckpt persister (pid {self._pid()}) during {op!r}: {e}; snapshots "
                 f"it held in memory are gone, committed checkpoints are intact; {RESTART_HINT} "
                 f"(log: {self.log_path})") from e
         if not line:
             self.close()
             raise PersisterDiedError(
-                f"the snapckpt persister (pid {self.persister_pid}) died (connection closed during {op!r}); "
+                f"the snapckpt persister (pid {self._pid()}) died (connection closed during {op!r}); "
                 f"snapshots it held in memory are gone, committed checkpoints are intact; {RESTART_HINT} "
                 f"(log: {self.log_path})")
         return line
@@ -362,8 +362,12 @@ class PersisterClient:
     def _reply(self, line: bytes, context: str) -> Dict[str, Any]:
         reply = P.decode(line)
         if not reply.get("ok"):
-            raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self.persister_pid}, {context}")
+            raise P.error_from_record(reply.get("error", {}), context=f"persister pid {self._pid()}, {context}")
         return reply
+
+    def _pid(self) -> Optional[int]:
+        """The persister's pid for messages: from ``hello``'s reply, or before it from ``persister.pid``."""
+        return self.persister_pid or _pid_in(os.path.join(self.runtime_dir, "persister.pid"))
 
     def _abandon(self) -> None:
         """Give up this connection after a request timed out: queue an ``abandon`` behind the unanswered

@@ -4,6 +4,7 @@ the post named; dropped answers (plain posts, interrupted requests) are skipped.
 answers by hand, so the order of lines is the test's."""
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -69,3 +70,17 @@ def test_close_drops_the_answers_still_owed_and_says_bye(pair):
     client.close(bye=True)  # no refusal raised at close (the session logs it: Session.detach)
     assert _ops(peer, 1) == ["bye"]
     assert client.sock is None
+
+
+def test_a_refused_hello_names_the_persister_pid_from_its_pid_file(pair, tmp_path):
+    """Before ``hello``'s reply the client does not know the pid; a refused ``hello`` said "persister pid None".
+    The pid comes from the runtime directory's ``persister.pid`` then."""
+    client, peer = pair
+    os.makedirs(client.runtime_dir, exist_ok=True)
+    with open(os.path.join(client.runtime_dir, "persister.pid"), "w") as f:
+        f.write("4242\n")
+    peer.sendall(P.encode(P.fail(errors.PersisterError("world size 2 differs from the run's 4"))))
+    with pytest.raises(errors.PersisterError, match="world size 2") as info:
+        client.request("hello", rank=0)
+    told = str(info.value) + " ".join(getattr(info.value, "__notes__", []))
+    assert "persister pid 4242" in told and "pid None" not in told, told
