@@ -319,7 +319,7 @@ class Rig:
                 if r.returncode is None:
                     r.proc.kill()
                 r.proc.wait(timeout=30)
-            note_retry(f"Rig.torchrun_all({script})", RendezvousPortTaken(p, out), attempt + 1)
+            note_retry(f"Rig.torchrun_all({os.path.basename(script)})", RendezvousPortTaken(p, out), attempt + 1)
         raise AssertionError("unreachable")
 
     def kill_trainers(self, i: int) -> List[int]:
