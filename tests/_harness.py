@@ -7,47 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import psutil
 import torch
 
+from _ports import (PORT_RETRIES, RendezvousPortTaken, free_port, note_retry, port_taken,  # noqa: F401
+                    release_ports, wait_listening)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
-
-
-_PORTS = random.SystemRandom()
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range (32768-60999 here).
-
-    A port the kernel handed out for ``bind(0)`` can be handed out again to any socket bound to port 0
-    before the launcher binds it: the persisters' peer channels listen on such ports, and a torchrun
-    agent whose master port was taken so connected to another test's peer channel and waited forever
-    (both nodes silent, CI under ``-n 3``). Ports below the range are never chosen by the kernel.
-
-    Drawn from the OS's randomness, not the ``random`` module: a Trainer run in a pytest worker seeds the
-    global ``random`` (``transformers.set_seed``), and two workers seeded alike drew the same ports in step,
-    so a rank's rendezvous found its port taken by another test's (EADDRINUSE in CI)."""
-    for _ in range(200):
-        port = _PORTS.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free TCP port in 20000-32767 on 127.0.0.1")
 
 
 def persisters(runtime_root: str) -> List[psutil.Process]:
@@ -160,7 +136,8 @@ def isolated_snap_env(tmp: str) -> Iterator[SnapEnv]:
 
 def launch(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str],
            port: Optional[int] = None) -> List[subprocess.Popen]:
-    """Start ``nprocs`` ranks of ``tests/workers/<script>`` with a gloo rendezvous on a free port.
+    """Start ``nprocs`` ranks of ``tests/workers/<script>`` with a gloo rendezvous on a free port (reserved:
+    :func:`free_port`); each process's ``rendezvous_port`` attribute is that port.
 
     RANK/WORLD_SIZE/MASTER_* are only the rendezvous of ``init_process_group(env://)``; snapckpt itself
     derives placement from torch.distributed.
@@ -174,13 +151,21 @@ def launch(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str],
                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         e.pop("LOCAL_RANK", None)
         e.pop("LOCAL_WORLD_SIZE", None)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(WORKERS, script), *args], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        p = subprocess.Popen([sys.executable, os.path.join(WORKERS, script), *args], env=e,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p.rendezvous_port = port
+        procs.append(p)
     return procs
 
 
 def finish(procs: List[subprocess.Popen], timeout: float = 120) -> List[str]:
-    """Wait for every process; return their outputs; kill all and raise if any hangs past ``timeout``."""
+    """Wait for every process; return their outputs; kill all and raise if any hangs past ``timeout``.
+
+    Raises:
+        RendezvousPortTaken: a rank of a :func:`launch` failed to bind its rendezvous port (taken by a process
+            outside the reservation); the others, which would wait on that port, are killed at once.
+        AssertionError: a rank hung past ``timeout`` seconds.
+    """
     outs = []
     deadline = time.monotonic() + timeout
     for p in procs:
@@ -192,6 +177,12 @@ def finish(procs: List[subprocess.Popen], timeout: float = 120) -> List[str]:
             raise AssertionError(f"a rank hung past {timeout} s; output so far: "
                                  f"{[q.communicate()[0] for q in procs]}")
         outs.append(out)
+        port = getattr(p, "rendezvous_port", None)
+        if port is not None and p.returncode != 0 and port_taken(out, port):
+            for q in procs[len(outs):]:  # waiting on the port: no use waiting for them
+                q.kill()
+                q.communicate()
+            raise RendezvousPortTaken(port, out)
     return outs
 
 
@@ -206,9 +197,72 @@ def finish_ok(procs: List[subprocess.Popen], timeout: float = 120) -> List[str]:
 
 def run_ranks(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str], timeout: float = 120,
               check: bool = True) -> List[str]:
-    """Launch, wait, and (with ``check``) assert every rank exited 0."""
-    procs = launch(script, nprocs, args, env)
-    return finish_ok(procs, timeout) if check else finish(procs, timeout)
+    """Launch, wait, and (with ``check``) assert every rank exited 0.
+
+    A launch whose rank 0 could not bind its rendezvous port (:class:`RendezvousPortTaken`: that exact error,
+    nothing else) is launched again on a fresh port, at most ``PORT_RETRIES`` times, each retry noted
+    (:func:`note_retry`); no rank got past ``init_process_group`` in the launch that failed so."""
+    for attempt in range(PORT_RETRIES + 1):
+        procs = launch(script, nprocs, args, env)
+        try:
+            return finish_ok(procs, timeout) if check else finish(procs, timeout)
+        except RendezvousPortTaken as e:
+            if attempt == PORT_RETRIES:
+                raise
+            note_retry(f"run_ranks({script})", e, attempt + 1)
+    raise AssertionError("unreachable")
+
+
+def run_torchrun(argv: Callable[[int], Sequence[str]], **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv(port), capture_output=True, text=True, **kw)`` for a torchrun (or any launcher
+    whose rendezvous store binds ``port``) on a reserved port; a run that failed because its store could not
+    bind the port (:func:`port_taken` in its output, that exact error) is run again on a fresh port, at most
+    ``PORT_RETRIES`` times, each retry noted. A c10d rendezvous must pass ``--rdzv_conf is_host=1``: without
+    it a taken port makes torchrun connect to whatever holds the port and wait, instead of failing."""
+    for attempt in range(PORT_RETRIES + 1):
+        port = free_port()
+        cp = subprocess.run(list(argv(port)), capture_output=True, text=True, **kw)
+        out = (cp.stdout or "") + (cp.stderr or "")
+        if cp.returncode == 0 or not port_taken(out, port) or attempt == PORT_RETRIES:
+            return cp
+        note_retry(_what("run_torchrun", argv(port)), RendezvousPortTaken(port, out), attempt + 1)
+    raise AssertionError("unreachable")
+
+
+def _what(fn: str, argv: Sequence[str]) -> str:
+    """``fn(<the script>)``: the first ``.py`` argument, for a retry's note."""
+    return f"{fn}({next((os.path.basename(a) for a in argv if a.endswith('.py')), argv[0])})"
+
+
+class _Launcher(subprocess.Popen):
+    """A ``Popen`` whose output, once :func:`start_torchrun` read it (``read_out``), its ``communicate`` returns."""
+
+    read_out: Optional[str] = None
+
+    def communicate(self, input=None, timeout=None):
+        if self.read_out is not None:
+            self.wait()
+            return self.read_out, None
+        return super().communicate(input, timeout)
+
+
+def start_torchrun(argv: Callable[[int], Sequence[str]], store_timeout: float = 120,
+                   **kw) -> subprocess.Popen:
+    """``subprocess.Popen(argv(port), stdout=PIPE, stderr=STDOUT, text=True, **kw)`` for a torchrun agent that
+    hosts its rendezvous store on a reserved ``port``, returned once the agent listens on the port (or has
+    exited, or ``store_timeout`` seconds passed: then the caller sees whatever happened). An agent that exited
+    because the port was taken (:func:`port_taken`, that exact error) is started again on a fresh port, at
+    most ``PORT_RETRIES`` times, each retry noted; its workers had not been started."""
+    for attempt in range(PORT_RETRIES + 1):
+        port = free_port()
+        proc = _Launcher(list(argv(port)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+        if wait_listening(proc.pid, port, store_timeout) or proc.poll() is None:
+            return proc
+        proc.read_out = proc.communicate()[0]  # exited: the caller's communicate() gets this output again
+        if not port_taken(proc.read_out, port) or attempt == PORT_RETRIES:
+            return proc
+        note_retry(_what("start_torchrun", argv(port)), RendezvousPortTaken(port, proc.read_out), attempt + 1)
+    raise AssertionError("unreachable")
 
 
 def result_lines(out: str, tag: str = "RESULT") -> List[str]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from _harness import isolated_snap_env, wait_until
+from _harness import isolated_snap_env, release_ports, wait_until
 
 
 def pytest_addoption(parser):
@@ -67,6 +67,15 @@ def _fault_points_read_per_test():
     faultpoints._specs, faultpoints._hits = None, {}
     yield
     faultpoints._specs, faultpoints._hits = None, {}
+
+
+@pytest.fixture(autouse=True)
+def _ports_reserved_per_test():
+    """The TCP ports a test drew (``free_port``: rendezvous, servers) stay reserved for every process on the
+    host until the test has torn down (autouse: set up first, so torn down after the test's own fixtures
+    killed its jobs); then they are free for the next draws."""
+    yield
+    release_ports()
 
 
 @pytest.fixture

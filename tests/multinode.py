@@ -38,7 +38,8 @@ from typing import Dict, List, Optional, Sequence
 
 import psutil
 
-from _harness import REPO, free_port, wait_until
+from _harness import REPO, wait_until
+from _ports import PORT_RETRIES, RendezvousPortTaken, free_port, note_retry, port_taken, wait_listening
 
 __all__ = ["Node", "NodeRun", "Rig", "rig_available"]
 
@@ -282,18 +283,44 @@ class Rig:
             self.nodes.append(node)
 
     def port(self) -> int:
+        """A reserved port (``free_port``) for a rendezvous the test starts itself (prefer :meth:`torchrun_all`,
+        which retries a launch whose port was taken)."""
         return free_port()
 
     def torchrun_all(self, script: str, args: Sequence[str], nproc_per_node: int,
                      env: Optional[Dict[str, str]] = None, port: Optional[int] = None,
-                     node_ranks: Optional[Sequence[int]] = None) -> List[NodeRun]:
+                     node_ranks: Optional[Sequence[int]] = None, nodes: Optional[Sequence[int]] = None,
+                     node_env: Optional[Dict[int, Dict[str, str]]] = None,
+                     store_timeout: float = 120) -> List[NodeRun]:
         """Start one torchrun agent per node on a fresh port; node ``i`` gets node rank ``node_ranks[i]``
-        (default ``i``; a permutation moves every rank to another node, as a restart on a new allocation can)."""
-        port = port or free_port()
-        ranks = list(node_ranks) if node_ranks is not None else list(range(len(self.nodes)))
-        assert sorted(ranks) == list(range(len(self.nodes))), ranks
-        return [node.run_torchrun(script, args, nproc_per_node, len(self.nodes), ranks[i], port, env)
-                for i, node in enumerate(self.nodes)]
+        (default ``i``; a permutation moves every rank to another node, as a restart on a new allocation can).
+        ``nodes``: the indices of the nodes that take part (default all; ``node_ranks`` follows their order);
+        ``node_env[i]``: more environment for node ``i``.
+
+        Returns once node rank 0's agent listens on the port (it hosts the store), or has exited, or
+        ``store_timeout`` seconds passed. With no ``port`` given, a launch whose node rank 0 failed because the
+        port was taken (``port_taken``: that exact error) is started again on a fresh port, at most
+        ``PORT_RETRIES`` times, each retry noted: the other agents, waiting on that port, are killed first."""
+        idx = list(nodes) if nodes is not None else list(range(len(self.nodes)))
+        ranks = list(node_ranks) if node_ranks is not None else list(range(len(idx)))
+        assert sorted(ranks) == list(range(len(idx))), ranks
+        for attempt in range(PORT_RETRIES + 1):
+            p = port or free_port()
+            runs = [self.nodes[i].run_torchrun(script, args, nproc_per_node, len(idx), ranks[k], p,
+                                               dict(env or {}, **(node_env or {}).get(i, {})))
+                    for k, i in enumerate(idx)]
+            host = runs[ranks.index(0)]
+            if wait_listening(host.proc.pid, p, store_timeout) or host.returncode is None:
+                return runs
+            out = host.output()
+            if port or not port_taken(out, p) or attempt == PORT_RETRIES:
+                return runs
+            for r in runs:
+                if r.returncode is None:
+                    r.proc.kill()
+                r.proc.wait(timeout=30)
+            note_retry(f"Rig.torchrun_all({os.path.basename(script)})", RendezvousPortTaken(p, out), attempt + 1)
+        raise AssertionError("unreachable")
 
     def kill_trainers(self, i: int) -> List[int]:
         """SIGKILL every training process of node ``i`` (torchrun agent and workers) at once; its

@@ -35,7 +35,7 @@ def endpoint() -> str:
             import logging
             from moto.server import ThreadedMotoServer
             logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-            port = free_port()
+            port = free_port(session=True)  # bound for the session: reserved as long
             _server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
             _server.start()
             _endpoint = f"http://127.0.0.1:{port}"

@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
-from _harness import REPO, WORKERS, free_port
+from _harness import REPO, WORKERS, run_torchrun
 
 
 def test_G5_restarted_attempt_never_reads_the_previous_attempts_answers(snap_env, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, **snap_env.env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_GLOO_LAZY_INIT="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
-           os.path.join(WORKERS, "elastic_worker.py"), snap_env.ckpt_dir, str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    # is_host=1: a taken port fails the launch (run_torchrun retries it) instead of torchrun joining whatever
+    # listens there as a client and waiting
+    proc = run_torchrun(lambda port: [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+        "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+        "--rdzv_conf", "is_host=1", os.path.join(WORKERS, "elastic_worker.py"), snap_env.ckpt_dir, str(out)],
+        env=env, cwd=REPO, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = {(a, r): json.loads((out / f"attempt{a}_rank{r}.json").read_text()) for a in (0, 1) for r in (0, 1)}
     assert [seen[0, r]["latest"] for r in (0, 1)] == [None, None]

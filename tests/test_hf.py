@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _harness import REPO, assert_equal_state, free_port, wait_until
+from _harness import REPO, assert_equal_state, run_torchrun, wait_until
 
 # scripts/test.sh hands out tests one by one (--dist loadgroup); these share the module-scoped `stock` run:
 # one worker runs them all, so it is made once
@@ -44,13 +44,13 @@ def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240, log=None):
     a list that gets the run's stderr."""
     cfg = dict(cfg, result=cfg["out"] + ".result")
     base = [WORKER, json.dumps(cfg)]
+    run_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if nprocs > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), *base]
+        p = run_torchrun(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                       str(nprocs), "--master_addr", "127.0.0.1", "--master_port", str(port), *base],
+                         env=run_env, timeout=timeout)
     else:
-        cmd = [sys.executable, *base]
-    p = subprocess.run(cmd, env={**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                       capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, *base], env=run_env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == expect_rc, f"rc {p.returncode} != {expect_rc}:\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
     if log is not None:
         log.append(p.stderr)

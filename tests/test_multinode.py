@@ -60,7 +60,7 @@ def reference_losses(rig, world):
     uninterrupted run of that world size was already logged (test_G2_commit_across_two_nodes: world 4)."""
     if world not in _reference:
         ref_dir, ref_log = os.path.join(rig.tmp, "ref-ckpt"), os.path.join(rig.tmp, "ref.log")
-        run = rig.nodes[0].run_torchrun(WORKER, _args(ref_dir, loss_log=ref_log)[1:], world, 1, 0, rig.port())
+        run, = rig.torchrun_all(WORKER, _args(ref_dir, loss_log=ref_log)[1:], world, nodes=[0])
         assert run.wait(120) == 0, run.output()
         with open(ref_log) as f:
             _reference[world] = loss_lines(f.read())

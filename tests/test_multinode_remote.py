@@ -32,10 +32,7 @@ def _args(ckpt_dir, log, *extra):
 def _start(rig, args, env, node_ranks=None, node_env=None):
     """One torchrun agent per node (1 rank each) on a fresh port; node ``i`` is node rank ``node_ranks[i]``
     and gets ``env`` plus ``node_env[i]``."""
-    port = rig.port()
-    ranks = node_ranks or list(range(len(rig.nodes)))
-    return [n.run_torchrun(WORKER, args, 1, len(rig.nodes), ranks[i], port,
-                           dict(env, **(node_env or {}).get(i, {}))) for i, n in enumerate(rig.nodes)]
+    return rig.torchrun_all(WORKER, args, 1, env=env, node_ranks=node_ranks, node_env=node_env)
 
 
 def _paused(runs):

@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 
-from _harness import REPO, free_port, result_lines, wait_until
+from _harness import REPO, result_lines, start_torchrun, wait_until
 
 # scripts/test.sh hands out tests one by one (--dist loadgroup); these share the reference run in `_REFERENCE`:
 # one worker runs them all, so it is made once
@@ -57,12 +57,11 @@ def test_E2_E3_resume_is_bitwise_identical(snap_env, tier):
 
 
 def _torchrun(ckpt, log, steps, env, extra=(), nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), os.path.join(REPO, "examples", "train_gpt.py"), "--checkpoint-dir", ckpt,
-           "--steps", str(steps), "--memory-interval", "4", "--disk-interval", "4", "--loss-log", log,
-           "--data-bytes", "200000", *extra]
-    return subprocess.Popen(cmd, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return start_torchrun(lambda port: [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+        os.path.join(REPO, "examples", "train_gpt.py"), "--checkpoint-dir", ckpt, "--steps", str(steps),
+        "--memory-interval", "4", "--disk-interval", "4", "--loss-log", log, "--data-bytes", "200000", *extra],
+        env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
 
 
 def _log(path):
