@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from snapckpt.engine.span_read import libc_vectored, open_slot_file, vectored_call
+from snapckpt.engine.span_read import libc_vectored, open_slot_file, vectored_call, vectored_calls
 
 __all__ = ["SMALL_NBYTES", "SlotFile", "SpanWrites", "read_back", "write_spans"]
 
@@ -263,15 +263,13 @@ def read_back(fd: Optional[int], writes: SpanWrites) -> int:
     """Read the spans of ``writes`` from the slot file open as ``fd`` (:meth:`SlotFile.descriptor`; ``None``: nothing
     is read) back into the addresses the table was filled with (:meth:`SpanWrites.fill`: live tensors that still have
     those data pointers, the caller's check) by ``preadv``, the inverse of :func:`write_spans` (an in-process restore,
-    :mod:`snapckpt.engine.slot_restore`); the gaps' bytes go to a scratch buffer. Returns how many leading spans (in
+    :mod:`snapckpt.engine.slot_restore`; on several threads when large,
+    :func:`~snapckpt.engine.span_read.vectored_calls`); the gaps' bytes go to a scratch buffer. Returns how many leading spans (in
     ``writes.pos`` order) were read (all: ``len(writes.pos)``). Errors are not raised: a read that fails or comes
     back short ends the copy there; the spans from the returned index on are the caller's to copy.
     """
     table = writes.read_table()
     if fd is None or table is None or not _load_read():
         return 0
-    base = table.data_ptr()
-    for i, k, off, nbytes in writes.batches:
-        if vectored_call(_preadv, fd, base + 32 * i, 2 * k, off) != nbytes:
-            return i
-    return len(writes.pos)
+    failed = vectored_calls(_preadv, fd, table.data_ptr(), writes.batches)  # on several threads when large
+    return len(writes.pos) if failed is None else failed
