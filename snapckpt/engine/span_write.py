@@ -264,9 +264,10 @@ def read_back(fd: Optional[int], writes: SpanWrites) -> int:
     is read) back into the addresses the table was filled with (:meth:`SpanWrites.fill`: live tensors that still have
     those data pointers, the caller's check) by ``preadv``, the inverse of :func:`write_spans` (an in-process restore,
     :mod:`snapckpt.engine.slot_restore`; on several threads when large,
-    :func:`~snapckpt.engine.span_read.vectored_calls`); the gaps' bytes go to a scratch buffer. Returns how many leading spans (in
-    ``writes.pos`` order) were read (all: ``len(writes.pos)``). Errors are not raised: a read that fails or comes
-    back short ends the copy there; the spans from the returned index on are the caller's to copy.
+    :func:`~snapckpt.engine.span_read.vectored_calls`); the gaps' bytes go to a scratch buffer. Returns how many
+    leading spans (in ``writes.pos`` order) were read (all: ``len(writes.pos)``). Errors are not raised: a read that
+    fails or comes back short ends the copy there (calls after it may have run too); the spans from the returned
+    index on are the caller's to copy (again: the same bytes).
     """
     table = writes.read_table()
     if fd is None or table is None or not _load_read():
