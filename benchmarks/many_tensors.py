@@ -9,21 +9,20 @@ with ``--total-mib 1024``):
   size is chosen so that the total is about ``--total-mib``;
 - ``small_200k``: 200,000 tensors of equal size.
 
-Per state, in one process: ``floor_copy`` = the fastest of a ``copy_`` per tensor, one
-``torch._foreach_copy_`` into buffers faulted in beforehand and ``pwritev`` into a ``/dev/shm`` file, on one thread or
-split among torch's threads (the copy back: ``_foreach_copy_`` or ``preadv``, one thread or several; :func:`floor_copy`); then a ``Checkpointer`` (memory tier,
-``overlap=False``): the first save (plan built, slot reserved) and the median of ``--repeats`` later saves
-(blocking = ``save`` + ``fence``; each save sets a new ``iteration`` and ``loss``, as a training loop does),
+Per state, in one process: ``floor_copy`` = the fastest of a ``copy_`` per tensor, one ``torch._foreach_copy_`` into
+buffers faulted in beforehand and ``pwritev`` into a ``/dev/shm`` file, on one thread or split among torch's threads
+(the copy back: ``_foreach_copy_`` or ``preadv``, one thread or several; :func:`floor_copy`); then a ``Checkpointer``
+(memory tier, ``overlap=False``): the first save (plan built, slot reserved) and the median of ``--repeats`` later
+saves (blocking = ``save`` + ``fence``; each save sets a new ``iteration`` and ``loss``, as a training loop does),
 whether the later saves hit the plan cache (the Stager's plan count does not grow), and a memory-tier restore
 (``load(state)``) against the floor's copy back: in the same process (a rollback), and in a restarted one
 (``--restarts`` times): a job process saves the state (``seed`` 0) to memory and is killed with ``SIGKILL``
-(``flush_on_crash=False``: the persister keeps the snapshot and writes nothing), then
-each new process builds a state of the same structure with a fresh start's values, as a restarted training loop
-does: other tensor values (a model's initialisation) and other non-tensor values (iteration 0, the scheduler's
-``last_epoch`` and learning rate, the optimizer's ``param_groups`` learning rate, Python's RNG state), constructs a
-``Checkpointer`` (attach, timed apart) and runs ``load(state)`` (timed: ``restart_restore_s``, the median), checks
-the tensors and the non-tensor values against the job's and leaves like a crashed rank; a last process closes the
-job cleanly. Outputs
+(``flush_on_crash=False``: the persister keeps the snapshot and writes nothing), then each new process builds a state
+of the same structure with a fresh start's values, as a restarted training loop does: other tensor values (a model's
+initialisation) and other non-tensor values (iteration 0, the scheduler's ``last_epoch`` and learning rate, the
+optimizer's ``param_groups`` learning rate, Python's RNG state), constructs a ``Checkpointer`` (attach, timed apart)
+and runs ``load(state)`` (timed: ``restart_restore_s``, the median), checks the tensors and the non-tensor values
+against the job's and leaves like a crashed rank; a last process closes the job cleanly. Outputs
 ``benchmarks/results/many_tensors.{json,md}``. No test asserts these times.
 """
 from __future__ import annotations
