@@ -10,18 +10,24 @@ same containers, keys and non-tensor values), and returns the copies from the sl
 saves already) into the live tensors. Anything else (another layout, a state that differs, a tensor that is not
 a whole contiguous CPU span, a shape that differs) gets ``None``: the caller reads the slot the general way,
 which also names any incompatibility.
+
+The small tensors a save writes into the slot file by ``pwritev`` (:mod:`snapckpt.engine.span_write`) are read back
+by ``preadv`` with the same iovec table (its gaps into a scratch buffer) when the live tensors passed the guards and
+still have the data pointers the table was filled with (one pass of ``data_ptr``): about 0.5 us per tensor with their
+version bumps, against 1.3 us for ``torch._foreach_copy_``, which copies the others.
 """
 from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
 from operator import attrgetter, is_, itemgetter
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from snapckpt.engine.restore import copied_in_place as _copied_in_place
 from snapckpt.engine.slot_maps import MappedSlot
+from snapckpt.engine.span_write import SlotFile, SpanWrites, read_back
 from snapckpt.engine.stager import Stager, _Layout, direct_views, index_bytes
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import has_repeats
@@ -31,19 +37,39 @@ __all__ = ["SlotCopies", "find"]
 
 _SHAPE = attrgetter("shape")
 _SIZE = itemgetter(2)  # of a _Layout.direct_dst entry
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 @dataclass
 class SlotCopies:
-    """A restore found by :func:`find`: ``torch._foreach_copy_(dsts, srcs)`` (live tensors, views of the slot)."""
+    """A restore found by :func:`find`: ``torch._foreach_copy_(dsts, srcs)`` (live tensors, views of the slot); with
+    ``back`` (the mapping's slot file and the layout's :class:`~snapckpt.engine.span_write.SpanWrites`, filled with the
+    live tensors' data pointers) the tensors at ``back[1].pos`` are read from the file by ``preadv`` instead (their
+    versions bumped, as an in-place copy bumps them) and only what that did not read is copied by torch."""
 
     dsts: List[torch.Tensor]
     srcs: List[torch.Tensor]
+    back: Optional[Tuple[SlotFile, SpanWrites]] = None
+    read_by_file: int = 0  # how many tensors preadv read, for tests and profiles
 
     def run(self) -> None:
         """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``)."""
-        with torch.no_grad():  # a Parameter's copy must not enter autograd
-            torch._foreach_copy_(self.dsts, self.srcs)
+        dsts, srcs = self.dsts, self.srcs
+        if self.back is not None:
+            file, writes = self.back
+            fd = file.descriptor(writes.end)
+            if fd is not None:
+                pos = writes.pos
+                every = len(pos) == len(dsts)  # pos ascending: then it is every position
+                # bumped first, while the tensors' metadata is still in the caches from the data pointers' pass
+                torch.autograd.graph.increment_version(dsts if every else list(map(dsts.__getitem__, pos)))
+                done = self.read_by_file = read_back(fd, writes)
+                rest = writes.rest if done == len(pos) else sorted(writes.rest + pos[done:])
+                if len(rest) < len(dsts):
+                    dsts, srcs = list(map(dsts.__getitem__, rest)), list(map(srcs.__getitem__, rest))
+        if dsts:
+            with torch.no_grad():  # a Parameter's copy must not enter autograd
+                torch._foreach_copy_(dsts, srcs)
 
 
 def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
@@ -108,4 +134,13 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
         _copied_in_place(dst, dsts)
         layout.restore_ok = len(dsts) == len(tensors) and all(map(is_, dsts, tensors))
     ok = layout.restore_ok if in_place is None else in_place
-    return SlotCopies(tensors, direct_views(layout, mapped.tensor, mapped.views)) if ok else None
+    if not ok:
+        return None
+    srcs = direct_views(layout, mapped.tensor, mapped.views)
+    writes, file = layout.span_writes, getattr(mapped, "file", None)
+    # the save's pwritev table read back: only into the addresses it was filled with (a tensor given new memory since,
+    # or one of another shape, which the guards refuse, takes torch's copy)
+    if (same and writes and writes.ptrs is not None and file is not None
+            and list(map(_DATA_PTR, tensors)) == writes.ptrs):
+        return SlotCopies(tensors, srcs, (file, writes))
+    return SlotCopies(tensors, srcs)

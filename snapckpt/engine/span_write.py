@@ -31,9 +31,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from snapckpt.engine.span_read import libc_vectored, open_slot_file, vectored_call
+from snapckpt.engine.span_read import libc_vectored, open_slot_file, vectored_call, vectored_calls
 
-__all__ = ["SMALL_NBYTES", "SlotFile", "SpanWrites", "write_spans"]
+__all__ = ["SMALL_NBYTES", "SlotFile", "SpanWrites", "read_back", "write_spans"]
 
 #: Tensors of fewer bytes are written by ``pwritev``; larger ones stay on torch's copy. ``pwritev`` into tmpfs costs
 #: about 0.25 ms per MiB whatever the span size (the kernel's per-page work), torch's copy 1 us per tensor plus less
@@ -48,8 +48,10 @@ MIN_RUN = 16
 _BATCH = 512  # spans per call: two iovecs each, IOV_MAX (1024 on Linux) per call
 _GAP_MAX = 64  # the Stager's alignment: a larger gap (or another span between) ends a run of spans
 _ZEROS = ctypes.create_string_buffer(_GAP_MAX)  # the gaps' bytes
+_SCRATCH = ctypes.create_string_buffer(_GAP_MAX)  # where read_back reads the gaps' bytes (never into _ZEROS)
 _ROWS = 32_000  # rows filled per torch call: under PyTorch's grain size (no thread-pool wake-up), see span_read
 _pwritev = None  # libc's pwritev (ctypes: the call releases the GIL); False when there is none
+_preadv = None  # libc's preadv, for read_back; False when there is none
 
 
 def _load() -> bool:
@@ -57,6 +59,13 @@ def _load() -> bool:
     if _pwritev is None:
         _pwritev = libc_vectored("pwritev")
     return bool(_pwritev)
+
+
+def _load_read() -> bool:
+    global _preadv
+    if _preadv is None:
+        _preadv = libc_vectored("preadv")
+    return bool(_preadv)
 
 
 class SpanWrites:
@@ -70,9 +79,11 @@ class SpanWrites:
         end: the first byte after the last span (the file must be at least that long).
         iov: int64 ``(len(pos), 4)``: per span its ``struct iovec`` then the gap's (zeros; length 0 at a run's end);
             ``ptrs``: the data pointers list its addresses were filled from (``None``: not filled yet).
+        back: ``(ptrs, table)``: :attr:`iov` with the gaps read into a scratch buffer (:func:`read_back`), made from
+            the addresses of that ``ptrs`` list (``None``: not made yet).
     """
 
-    __slots__ = ("pos", "rest", "sel", "batches", "end", "iov", "ptrs")
+    __slots__ = ("pos", "rest", "sel", "batches", "end", "iov", "ptrs", "back")
 
     @classmethod
     def make(cls, direct: Sequence[int], dst: Sequence[Tuple[int, torch.dtype, tuple, tuple]], small: Sequence[int]
@@ -132,7 +143,7 @@ class SpanWrites:
                 j = i + k - 1
                 self.batches.append((i, k, offsets[i], offsets[j] + sizes[j] + int(gaps[j]) - offsets[i]))
         self.end = offsets[-1] + sizes[-1]  # ascending, disjoint
-        self.iov, self.ptrs = iov, None
+        self.iov, self.ptrs, self.back = iov, None, None
         return self
 
     def fill(self, ptrs: List[int]) -> bool:
@@ -151,6 +162,20 @@ class SpanWrites:
             return False
         self.ptrs = ptrs
         return True
+
+
+    def read_table(self) -> Optional[torch.Tensor]:
+        """The iovec table of :func:`read_back` for the addresses filled now (:meth:`fill`), made once per fill;
+        ``None`` when none are filled."""
+        ptrs = self.ptrs
+        if ptrs is None:
+            return None
+        if self.back is None or self.back[0] is not ptrs:
+            table = self.iov.clone()
+            for a in range(0, len(table), _ROWS):  # under the grain size: no thread-pool wake-up
+                table[a:a + _ROWS, 2] = ctypes.addressof(_SCRATCH)
+            self.back = (ptrs, table)
+        return self.back[1]
 
 
 def _breaks(offsets: List[int], sizes: List[int]) -> List[int]:
@@ -232,3 +257,20 @@ def write_spans(fd: Optional[int], writes: SpanWrites, at: Optional[int], halfwa
         if got != nbytes:
             return i
     return len(writes.pos)
+
+
+def read_back(fd: Optional[int], writes: SpanWrites) -> int:
+    """Read the spans of ``writes`` from the slot file open as ``fd`` (:meth:`SlotFile.descriptor`; ``None``: nothing
+    is read) back into the addresses the table was filled with (:meth:`SpanWrites.fill`: live tensors that still have
+    those data pointers, the caller's check) by ``preadv``, the inverse of :func:`write_spans` (an in-process restore,
+    :mod:`snapckpt.engine.slot_restore`; on several threads when large,
+    :func:`~snapckpt.engine.span_read.vectored_calls`); the gaps' bytes go to a scratch buffer. Returns how many
+    leading spans (in ``writes.pos`` order) were read (all: ``len(writes.pos)``). Errors are not raised: a read that
+    fails or comes back short ends the copy there (calls after it may have run too); the spans from the returned
+    index on are the caller's to copy (again: the same bytes).
+    """
+    table = writes.read_table()
+    if fd is None or table is None or not _load_read():
+        return 0
+    failed = vectored_calls(_preadv, fd, table.data_ptr(), writes.batches)  # on several threads when large
+    return len(writes.pos) if failed is None else failed

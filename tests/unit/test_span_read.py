@@ -139,3 +139,32 @@ def test_a_restart_whose_slot_file_was_replaced_copies_from_its_mapping(tmp_path
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     saver.close()
     m.close()
+
+
+def test_a_large_read_is_split_among_threads_bit_exactly_and_a_short_call_in_a_later_part_is_reported(tmp_path,
+                                                                                                     monkeypatch):
+    import threading
+
+    n = 6 * span_read._BATCH + 5
+    offsets, sizes, end = _spans(n)
+    m = _file(tmp_path / "slot", end)
+    m.tensor.copy_(torch.randint(0, 256, (end,), dtype=torch.uint8))
+    monkeypatch.setattr(span_read, "SPLIT_NBYTES", 1)  # every call its own part's worth
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert span_read._load()
+    real, seen = span_read._preadv, []
+
+    def spy(fd, iov, count, pos):
+        seen.append((threading.current_thread(), pos))  # kept alive: not an ident a later thread reuses
+        return real(fd, iov, count, pos)
+    monkeypatch.setattr(span_read, "_preadv", spy)
+    dst = [torch.zeros(int(s), dtype=torch.uint8) for s in sizes]
+    assert span_read.read_spans(m.path, m.ident, [t.data_ptr() for t in dst], offsets, sizes) == n
+    assert len({t for t, _ in seen}) == 3 and sorted(p for _, p in seen) == offsets[::span_read._BATCH].tolist()
+    for t, o, s in zip(dst, offsets.tolist(), sizes.tolist()):
+        assert torch.equal(t, m.tensor[o:o + s])
+    # the sixth call (in the last thread's part) comes back short: the spans from its first on are the caller's
+    sixth = int(offsets[5 * span_read._BATCH])
+    monkeypatch.setattr(span_read, "_preadv", lambda fd, iov, c, pos: real(fd, iov, c, pos) - (pos == sixth))
+    assert span_read.read_spans(m.path, m.ident, [t.data_ptr() for t in dst], offsets, sizes) == 5 * span_read._BATCH
+    m.close()

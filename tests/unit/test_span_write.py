@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _harness import SlotOnFile as _Slot
-from snapckpt.engine import mover, span_write, stager as stager_mod
+from snapckpt.engine import mover, slot_restore, span_write, stager as stager_mod
 from snapckpt.engine.stager import Stager
 
 NAME = "rank_00000.pt"
@@ -240,4 +240,71 @@ def test_a_tensor_whose_storage_was_freed_in_place_is_refused_not_copied_from_ad
         st.prepare({NAME: state}, 3)  # the plan's quick check
     with pytest.raises(stager_mod.SnapshotError, match="storage holds no memory"):
         Stager().prepare({NAME: state}, 1)  # a plan built
+    s.m.close()
+
+
+def _restorable(n: int = 3 * span_write._BATCH + 5) -> dict:
+    """:func:`_state` without its two views of one storage: every tensor its own span (what the in-process restore
+    of :mod:`snapckpt.engine.slot_restore` takes)."""
+    state = _state(n)
+    del state["va"], state["vb"]
+    return state
+
+
+def test_an_in_process_restore_reads_the_written_spans_back_by_preadv_bit_exact(tmp_path, monkeypatch):
+    state = _restorable()
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / "slot", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    for step in (1, 2, 3):  # the plan, its quick check, the table filled
+        p = s.save(st, state, step)
+    saved = {k: v.clone() for k, v in state.items()}
+    w = p.layout.span_writes
+    assert w and w.rest and len(w.pos) == len(state) - 1  # the large tensor is copied by torch
+    for v in state.values():
+        v.add_(1)  # training went on
+    versions = [v._version for v in state.values()]
+    reads = []
+    real = span_write._load_read() and span_write._preadv
+    monkeypatch.setattr(span_write, "_preadv", lambda *a: reads.append(a[3]) or real(*a))
+    found = slot_restore.find(st, s.m, NAME, 3, state)
+    assert found is not None and found.back is not None
+    gaps = bytes(span_write._ZEROS)
+    found.run()
+    assert found.read_by_file == len(w.pos) and len(reads) == len(w.batches)
+    for k, v in state.items():
+        assert torch.equal(v, saved[k]), k
+    # bumped as an in-place copy bumps them (autograd's check of tensors saved for backward)
+    assert all(v._version > b for v, b in zip(state.values(), versions))
+    assert bytes(span_write._ZEROS) == gaps  # the gaps were read into a scratch buffer, not the save's zeros
+    # a short read: what it did not read is copied by torch
+    for v in state.values():
+        v.add_(1)
+    monkeypatch.setattr(span_write, "_preadv", lambda *a: real(*a) - (1 if a[3] == w.batches[1][2] else 0))
+    found = slot_restore.find(st, s.m, NAME, 3, state)
+    found.run()
+    assert found.read_by_file == span_write._BATCH
+    for k, v in state.items():
+        assert torch.equal(v, saved[k]), k
+    s.m.close()
+
+
+def test_an_in_process_restore_into_tensors_with_other_memory_or_shapes_is_not_read_by_file(tmp_path):
+    state = _restorable()
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / "slot", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    for step in (1, 2, 3):
+        s.save(st, state, step)
+    saved = {k: v.clone() for k, v in state.items()}
+    # fresh tensors of the same layout since the save (new addresses): the table's are not theirs; torch copies
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    found = slot_restore.find(st, s.m, NAME, 3, fresh)
+    assert found is not None and found.back is None
+    found.run()
+    for k, v in fresh.items():
+        assert torch.equal(v, saved[k]), k
+    # a tensor of another shape at the same address (resized in place) is refused: the general path names it
+    state["t1"].resize_(state["t1"].numel() - 1)
+    assert slot_restore.find(st, s.m, NAME, 3, state) is None
     s.m.close()
