@@ -28,6 +28,7 @@ Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Schedule
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 import os
 import threading
@@ -38,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.slot_index import read_index, read_index_at
 from snapckpt.errors import CommitError, PersisterError
-from snapckpt.ondisk.manifest import partial_dirname
+from snapckpt.ondisk.manifest import SIDECAR, partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, watch_commit
@@ -659,18 +660,18 @@ class Scheduler:
         ended: wait until the committer's node has deleted its partial directory, which this node's ranks
         share. This node's ranks may hear of the failure first (a failure marker, the committer's abort
         notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
-        that deletion. It ends on the committer's ``removed`` notice (``res.removed``), on the directory seen
-        gone (a lost notice: read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`), or after
+        that deletion. It ends on the committer's ``removed`` notice (``res.removed``); a lost notice: on the
+        directory seen gone, or holding a marker of another step of the run (a later save, which waited for
+        the deletion, re-created it; a directory being deleted may show no marker, never another step's),
+        read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
         ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
         deadline = time.monotonic() + run.commit_timeout_secs
         reader = open_storage()
         try:
             while not res.removed.is_set():
-                try:
-                    if not reader.isdir(partial):
-                        break
-                except OSError:
-                    pass
+                steps = _marker_steps(reader, partial, run.run_id)
+                if steps is None or steps - {key[1]}:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("step %d: %s is still there %g s after its commit failed; later saves of %s go on",
@@ -763,6 +764,27 @@ def _partial(run: Run, dirname: str) -> str:
     if run.remote_only:
         return f"{run.checkpoint_dir}/{dirname}"
     return os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
+
+
+def _marker_steps(reader, partial: str, run_id: str) -> Optional[Set[int]]:
+    """The steps of run ``run_id`` whose part or failure markers the partial directory ``partial`` holds
+    (``None``: it is gone; what cannot be read counts as nothing)."""
+    side = os.path.join(partial, SIDECAR)
+    try:
+        if not reader.isdir(partial):
+            return None
+        names = [n for n in reader.listdir(side) if n.endswith(".json") and n.startswith(("part_", "fail_"))]
+    except OSError:
+        return set()
+    steps: Set[int] = set()
+    for name in names:
+        try:
+            rec = json.loads(reader.read_bytes(os.path.join(side, name)))
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("run_id") == run_id and isinstance(rec.get("step"), int):
+            steps.add(rec["step"])
+    return steps
 
 
 def _slot_map(s: Slot):

@@ -155,23 +155,28 @@ def test_a_resave_while_a_writer_of_the_failed_save_still_runs_keeps_its_files(t
     assert sched.results[(RUN, 8, TAG)].parts_done == {0}
 
 
-@pytest.mark.parametrize("notice", [True, False], ids=["removed_notice", "notice_lost"])
+@pytest.mark.parametrize("notice", ["removed", "lost", "lost_and_recreated"])
 def test_a_resave_on_another_node_waits_for_the_committers_deletion(tmp_path, parts, notice):
     """Node 1 (ranks 2 and 3 of 4): its watch of step 7 failed (rank 0's failure marker) and its last writer
     of step 7 ended, but the committer's node, which deletes the shared partial directory, has not yet.
     Rank 2 saves the tag again (step 8). Right: its part waits until the committer's node said it deleted
-    the directory (``commit_ended`` ``removed``) or, that notice lost, until the directory is seen gone;
-    then it is written (before the fix: it was written at once, then deleted by the committer)."""
+    the directory (``commit_ended`` ``removed``) or, that notice lost, until the directory is seen gone, or
+    seen without step 7's markers (the committer's part of step 8 re-created it); then it is written
+    (before the fix: it was written at once, then deleted by the committer)."""
     ckpt = str(tmp_path)
     sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
-    partial = _old_part(ckpt, 0, 7)
+    partial = _old_part(ckpt, 1, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
     _save(sched, 7, state="failed", writers=1)
     _end_writer(sched, run, ckpt, 3, 7)
     t = _write(sched, run, ckpt, 2, 8)
     shutil.rmtree(partial)  # the committer's node deletes step 7's partial directory, then says so
-    if notice:
+    if notice == "removed":
         CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
                                                               "dirname": TAG, "state": "removed"})
+    elif notice == "lost_and_recreated":
+        _done_part(ckpt, 0, 8)
     _finish(sched, t)
     _assert_part(ckpt, partial_dirname(TAG, RUN), 2, 8)
 
