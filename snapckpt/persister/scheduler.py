@@ -197,9 +197,12 @@ class Scheduler:
                 self.slots.start_persist(s)
             st.set_ready(s.seq)  # (a writer that failed before has recorded the part's error: the commit fails)
             return
-        if res is not None and res.rank_seq.get(entry.rank, s.seq) != s.seq:
-            # this rank saved the same step under the same directory again
-            if res.state == "pending":
+        if res is not None and (res.rank_seq.get(entry.rank, s.seq) != s.seq
+                                or (entry.rank in res.part_errors and entry.rank not in res.rank_seq)):
+            # this rank saved the same step under the same directory again (its earlier save reached this
+            # persister, or failed before it did, fail_part: a retry once the disk has room must not fail on
+            # that stale error; a one-rank run's fail_part starts no commit, so that save is over already)
+            if res.state == "pending" and (key in self.commits_started or res.writers > 0):
                 raise PersisterError(
                     f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
                     "the same step to the same directory must wait for the first (Checkpointer.wait())")
