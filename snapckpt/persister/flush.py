@@ -70,8 +70,8 @@ def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str,
         return None
     if res is not None and res.writers > 0:
         # that failed save is not over here: its writers still write into the partial directory deleted once
-        # they end, and they end on its record (a flush now would replace it: its deletion never came, and the
-        # flush's commit failed on its stale failure marker). Flush once it is over (its deletion registered)
+        # they end, and they end on its record (a flush now replaced it: they ended on the flush's record and
+        # failed it, and the deletion never came). Flush once it is over (its deletion registered)
         log.warning("run %s %s; step %d is flushed once the failed save of it has ended", run.run_id, why, step)
         scheduler.when_over(key, lambda: flush_newest(run, slots, scheduler, why, replicator, host))
         return step

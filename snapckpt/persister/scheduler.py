@@ -715,7 +715,7 @@ class Scheduler:
                 for k, r in self.results.items():
                     if k == key:
                         break
-                    if k[0] == key[0] and k[2] == key[2] and (
+                    if k[2] == key[2] and k[0] == key[0] and (
                             r.writers > 0 or (r.state == "pending" and k in self.commits_started)):
                         earlier.append(k[1])
                 if not earlier and (run.checkpoint_dir, key[2]) not in self.discarding:
