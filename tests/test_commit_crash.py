@@ -803,16 +803,20 @@ def test_B4_a_tag_saved_again_as_soon_as_its_save_failed_keeps_its_files(snap_en
     files: step 2 failed with ENOENT). Step 2's commit is held before its rename (``commit.before_rename``) so
     that, before the fix, that deletion comes first whatever the timing."""
     d = snap_env.ckpt_dir
-    release, rename = os.path.join(snap_env.tmp, "release"), os.path.join(snap_env.tmp, "rename")
+    go, release, rename = (os.path.join(snap_env.tmp, n) for n in ("go", "release", "rename"))
     env = {**snap_env.env,
            "SNAPCKPT_FAULT_STORAGE": json.dumps({"phase": "write", "errno": errno.ENOSPC, "rank": 0, "step": 1}),
            "SNAPCKPT_FAULT_POINT": f"persist.mid_file:rank=1:step=1:action=wait:path={release};"
                                    f"commit.before_rename:step=2:action=wait:path={rename}"}
-    procs = launch(WORKER, 2, ["resave_tag_after_failure", d], env)
+    procs = launch(WORKER, 2, ["resave_tag_after_failure", d, go], env)
     try:
         def seen(text: str) -> bool:
             return text in persister_log(snap_env, d)
 
+        # rank 1's part of step 1 is held before rank 0 saves step 1 (else the commit failed first, and rank 1's
+        # part was never written: step 1's save was over at once)
+        assert wait_until(lambda: seen("hit persist.mid_file rank=1 step=1"), timeout=120), persister_log(snap_env, d)
+        open(go, "w").close()
         # step 2 either waits for step 1's save (right) or has written and reached its commit (the bug)
         written = "SNAPCKPT_FAULT_POINT hit commit.before_rename rank=None step=2"
         assert wait_until(lambda: seen("waits for the save of step 1 of best") or seen(written), timeout=120), \
@@ -824,8 +828,8 @@ def test_B4_a_tag_saved_again_as_soon_as_its_save_failed_keeps_its_files(snap_en
         open(rename, "w").close()
         outs = finish(procs, timeout=200)
     finally:
-        open(release, "w").close()
-        open(rename, "w").close()
+        for path in (go, release, rename):
+            open(path, "w").close()
         kill_all(procs)
     res = {r["rank"]: r for r in (json.loads(line) for o in outs for line in result_lines(o))}
     assert sorted(res) == [0, 1], outs

@@ -253,16 +253,21 @@ def preflight_fail_one_rank(d: str) -> None:
     dist.destroy_process_group()
 
 
-def resave_tag_after_failure(d: str) -> None:
-    """A fixed tag saved again as soon as its save failed: each rank saves ``best`` at step 1 (the test makes
-    rank 0's part fail and holds rank 1's), then at once at step 2; each reports what each ``wait()`` raised."""
+def resave_tag_after_failure(d: str, go: str) -> None:
+    """A fixed tag saved again as soon as its save failed: each rank saves ``best`` at step 1 (the test holds
+    rank 1's part, then makes rank 0's fail: rank 0 saves once the file ``go`` exists), then at once at step 2;
+    each reports what each ``wait()`` raised."""
     init_dist()
     import torch.distributed as dist
 
     rank = dist.get_rank()
     ck = Checkpointer(d, **OPTS)
+    ck.save_files({f"warm{rank}.pt": {"w": torch.ones(1)}}, 0, StorageType.DISK, dirname="warm",
+                  tracker_name=None).wait()  # (the first save's collective claim of the directory)
     errors = {}
     for step in (1, 2):
+        while step == 1 and rank == 0 and not os.path.exists(go):
+            time.sleep(0.02)
         files = {f"rank{rank}.pt": {"w": torch.full((1 << 16,), value(step, rank))}}
         try:
             ck.save_files(files, step, StorageType.DISK, dirname="best", tracker_name=None).wait()
