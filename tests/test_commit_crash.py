@@ -22,7 +22,7 @@ from typing import List, Optional
 import pytest
 import torch
 
-from _harness import gone, launch, result_lines, run_ranks, wait_until
+from _harness import finish, gone, launch, result_lines, run_ranks, wait_until
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointCorruptError, PersisterDiedError,
                              PersisterTimeoutError)
@@ -792,6 +792,55 @@ def test_B4_failed_partial_is_deleted_off_the_lock_and_a_resave_waits_for_it(sna
     with Checkpointer(d, **OPTS) as ck:  # from disk, in a new job
         out = ck.load(step=2)
         assert ck.last_load.tier == StorageType.DISK and out["step"] == 2 and torch.equal(out["w"], again["w"])
+
+
+def test_B4_a_tag_saved_again_as_soon_as_its_save_failed_keeps_its_files(snap_env):
+    """B4 under a fixed tag, 2 ranks: rank 0's part of step 1 (``best``) fails with ENOSPC while rank 1's is
+    held in the middle of its file (fault point ``persist.mid_file``); the commit fails, both ranks hear it and
+    save ``best`` again at once (step 2). Right: step 2 waits for step 1's save to be over (rank 1's writer,
+    then the deletion of its partial directory), then commits with each rank's step-2 values (before the fix:
+    step 2 wrote into the partial directory at once, and the deletion that followed rank 1's writer took its
+    files: step 2 failed with ENOENT). Step 2's commit is held before its rename (``commit.before_rename``) so
+    that, before the fix, that deletion comes first whatever the timing."""
+    d = snap_env.ckpt_dir
+    go, release, rename = (os.path.join(snap_env.tmp, n) for n in ("go", "release", "rename"))
+    env = {**snap_env.env,
+           "SNAPCKPT_FAULT_STORAGE": json.dumps({"phase": "write", "errno": errno.ENOSPC, "rank": 0, "step": 1}),
+           "SNAPCKPT_FAULT_POINT": f"persist.mid_file:rank=1:step=1:action=wait:path={release};"
+                                   f"commit.before_rename:step=2:action=wait:path={rename}"}
+    procs = launch(WORKER, 2, ["resave_tag_after_failure", d, go], env)
+    try:
+        def seen(text: str) -> bool:
+            return text in persister_log(snap_env, d)
+
+        # rank 1's part of step 1 is held before rank 0 saves step 1 (else the commit failed first, and rank 1's
+        # part was never written: step 1's save was over at once)
+        assert wait_until(lambda: seen("hit persist.mid_file rank=1 step=1"), timeout=120), persister_log(snap_env, d)
+        open(go, "w").close()
+        # step 2 either waits for step 1's save (right) or has written and reached its commit (the bug)
+        written = "SNAPCKPT_FAULT_POINT hit commit.before_rename rank=None step=2"
+        assert wait_until(lambda: seen("waits for the save of step 1 of best") or seen(written), timeout=120), \
+            persister_log(snap_env, d)
+        early = seen(written)
+        open(release, "w").close()  # rank 1's writer of step 1 goes on: the failed save is over once it ends
+        if early:  # the failed save's deletion, then step 2's rename
+            assert wait_until(lambda: not partials(d), timeout=60)
+        open(rename, "w").close()
+        outs = finish(procs, timeout=200)
+    finally:
+        for path in (go, release, rename):
+            open(path, "w").close()
+        kill_all(procs)
+    res = {r["rank"]: r for r in (json.loads(line) for o in outs for line in result_lines(o))}
+    assert sorted(res) == [0, 1], outs
+    assert res[0]["errors"]["1"] and res[1]["errors"]["1"], res  # rank 0: its ENOSPC, rank 1: the commit's
+    assert res[0]["errors"]["2"] is None and res[1]["errors"]["2"] is None, res
+    with open(os.path.join(d, "best", MANIFEST)) as f:
+        assert json.load(f)["step"] == 2
+    for r in (0, 1):
+        w = torch.load(os.path.join(d, "best", f"rank{r}.pt"))["w"]
+        assert torch.equal(w, torch.full((1 << 16,), float(200 + r)))
+    assert not partials(d)
 
 
 # ----------------------------------------------------------------------------------------------- B5

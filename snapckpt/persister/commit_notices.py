@@ -12,7 +12,8 @@ Two small frames (JSON header only, no payload, never answered):
   at once.
 - ``{"op": "commit_ended", "run_id", "step", "dirname", "state"}``: sent by the committer's persister to
   every other node once the commit of the save ended (``committed``: the tracker is written; ``failed``:
-  the commit was abandoned; sent again once the partial directory of a failed commit is removed). Each
+  the commit was abandoned; ``removed``: the deletion of a failed commit's partial directory ended, after
+  which the other nodes' next saves of that directory may write into it: ``Scheduler._await_removal_task``). Each
   node's :func:`~snapckpt.persister.commit.watch_commit` then reads the manifest (or sees the partial
   directory gone) at once.
 
@@ -117,7 +118,8 @@ class CommitNotices:
             ``None`` for a run without a channel.
         on_notice: ``on_notice(run_id, step, dirname, aborted=False, committed=False)``, called on a receiving
             thread for every valid notice (it wakes the waiter of that save; it must not block); ``aborted``
-            is true for the committer's ``commit_ended`` of a failed commit, ``committed`` for a committed one.
+            is true for the committer's ``commit_ended`` of a failed commit, ``committed`` for a committed one;
+            a ``removed`` one also passes ``removed=True``.
     """
 
     def __init__(self, secret_of: Callable[[str], Optional[bytes]],
@@ -169,7 +171,8 @@ class CommitNotices:
                                           "ranks": sorted(ranks)})
 
     def commit_ended(self, run_id: str, step: int, dirname: str, state: str) -> None:
-        """The committer's commit of the save ended (``state``: committed | failed): tell every other node."""
+        """The committer's commit of the save ended (``state``: committed | failed), or the deletion of its
+        partial directory after it failed ended (``removed``): tell every other node."""
         with self.lock:
             run = self.runs.get(run_id)
         if run is None:
@@ -186,8 +189,10 @@ class CommitNotices:
             return
         self.received += 1
         ended = header.get("op") == "commit_ended"
-        self.on_notice(run_id, step, dirname, aborted=ended and header.get("state") == "failed",
-                       committed=ended and header.get("state") == "committed")
+        state = header.get("state") if ended else None
+        more = {"removed": True} if state == "removed" else {}
+        self.on_notice(run_id, step, dirname, aborted=state in ("failed", "removed"), committed=state == "committed",
+                       **more)
 
     def forget(self, run_id: str) -> None:
         """Run ``run_id`` is over on this node: its links send what they have queued, then close their

@@ -49,8 +49,9 @@ def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str,
     """Write the newest step held by every local rank of ``run`` if it is newer than the newest committed
     step of its checkpoint directory (called with the server's lock; ``why`` goes into the log: "crashed",
     "stop requested"); with ``replicator``, stand in for the peer ranks whose replica of that step it holds
-    (``host``: this node's name, for the records). Returns the step handed to the writers, or ``None`` when
-    there is nothing newer than disk (or its save is already pending or committed)."""
+    (``host``: this node's name, for the records). Returns the step handed to the writers (or to be, once
+    a failed save of it has ended here), or ``None`` when there is nothing newer than disk (or its save is
+    already pending or committed)."""
     steps: Optional[Set[int]] = None
     for r in run.local_ranks:
         entry = slots.ranks.get(r)
@@ -67,6 +68,13 @@ def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str,
     res = scheduler.result(key)
     if res is not None and res.state != "failed":
         return None
+    if res is not None and res.writers > 0:
+        # that failed save is not over here: its writers still write into the partial directory deleted once
+        # they end, and they end on its record (a flush now replaced it: they ended on the flush's record and
+        # failed it, and the deletion never came). Flush once it is over (its deletion registered)
+        log.warning("run %s %s; step %d is flushed once the failed save of it has ended", run.run_id, why, step)
+        scheduler.when_over(key, lambda: flush_newest(run, slots, scheduler, why, replicator, host))
+        return step
     try:
         newest_on_disk = _newest_committed(run)
     except Exception as e:  # cannot tell: flush anyway (a duplicate commit is harmless, a lost step is not)

@@ -28,6 +28,7 @@ Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Schedule
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 import os
 import threading
@@ -38,10 +39,10 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.slot_index import read_index, read_index_at
 from snapckpt.errors import CommitError, PersisterError
-from snapckpt.ondisk.manifest import partial_dirname
+from snapckpt.ondisk.manifest import SIDECAR, partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
-from snapckpt.persister.commit import CommitRequest, commit, watch_commit
+from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, watch_commit
 from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
@@ -79,6 +80,8 @@ class Result:
     aborted_at: Optional[float] = None  # monotonic time the committer's node said its commit failed
     committed_at: Optional[float] = None  # monotonic time the committer's node said its commit ended committed
     streams: Dict[int, Stream] = field(default_factory=dict)  # rank -> its streamed part (persister/stream.py)
+    # another node: set when the committer's node said it deleted this failed save's partial directory
+    removed: threading.Event = field(default_factory=threading.Event)
 
 
 class Scheduler:
@@ -113,8 +116,14 @@ class Scheduler:
         # remote-only: URL -> prefixes of failed saves the store was too sick to delete (retried after a commit)
         self.undiscarded: Dict[str, Set[str]] = {}
         # (checkpoint dir or URL, dirname) -> set once the deletion of a failed save's partial directory (or, in
-        # remote-only mode, its prefix) has ended, off the lock; a writer or commit of that save waits for it
+        # remote-only mode, its prefix) has ended, off the lock; on another node than the committer's: once the
+        # committer's deletion is known to have ended (_await_removal_task). A later save of it waits for that
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
+        # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
+        # wakes _wait_for_directory
+        self.ended = threading.Condition(lock)
+        # save -> what runs once it is over on this node (when_over: a crash flush of its step, flush.py)
+        self.over_calls: Dict[SaveKey, List[Callable[[], None]]] = {}
         # deletions of failed partial directories, one at a time (not on commit_pool: commits wait for them)
         self.remove_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapckpt-remove")
         self.notices: Optional[CommitNotices] = None  # set by the server (the peer channel's notices)
@@ -145,6 +154,22 @@ class Scheduler:
         """The result of the save ``key``, or ``None`` if this node was never asked to persist it."""
         return self.results.get(key)
 
+    def when_over(self, key: SaveKey, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once save ``key`` is over on this node: its commit ended and its last writer too (called
+        with the lock; ``fn`` runs with it, on the task that ended the save; the tasks' ``pending`` count holds
+        the persister until then)."""
+        self.over_calls.setdefault(key, []).append(fn)
+
+    def _run_over_calls(self, key: SaveKey, res: Result) -> None:
+        """Run :meth:`when_over`'s calls of ``key`` if its save ``res`` is over (called with the lock)."""
+        if res.state == "pending" or res.writers > 0 or self.results.get(key) is not res:
+            return
+        for fn in self.over_calls.pop(key, []):
+            try:
+                fn()
+            except Exception:
+                log.exception("step %d (%s): a call after the save's end failed", key[1], key[2])
+
     def forget(self, key: SaveKey) -> None:
         """Drop the record of the save ``key`` (it is about to be persisted again, by the crash flush)."""
         self.results.pop(key, None)
@@ -172,9 +197,12 @@ class Scheduler:
                 self.slots.start_persist(s)
             st.set_ready(s.seq)  # (a writer that failed before has recorded the part's error: the commit fails)
             return
-        if res is not None and res.rank_seq.get(entry.rank, s.seq) != s.seq:
-            # this rank saved the same step under the same directory again
-            if res.state == "pending":
+        if res is not None and (res.rank_seq.get(entry.rank, s.seq) != s.seq
+                                or (entry.rank in res.part_errors and entry.rank not in res.rank_seq)):
+            # this rank saved the same step under the same directory again (its earlier save reached this
+            # persister, or failed before it did, fail_part: a retry once the disk has room must not fail on
+            # that stale error; a one-rank run's fail_part starts no commit, so that save is over already)
+            if res.state == "pending" and (key in self.commits_started or res.writers > 0):
                 raise PersisterError(
                     f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
                     "the same step to the same directory must wait for the first (Checkpointer.wait())")
@@ -304,19 +332,22 @@ class Scheduler:
             self.notices.part_done(run_id, step, dirname, ranks)
 
     def on_notice(self, run_id: str, step: int, dirname: str, aborted: bool = False,
-                  committed: bool = False) -> None:
+                  committed: bool = False, removed: bool = False) -> None:
         """A peer's notice about save ``(run_id, step, dirname)``: wake its commit task, which reads the
         filesystem again (a notice for a save this node has not started is dropped: its commit task reads
         the filesystem first when it starts). ``aborted``: the committer's commit of it failed, which ends
         this node's watch of that commit even if a late part re-created the partial directory.
         ``committed``: the committer's commit of it ended committed (the watch ends committed even when
-        retention has retired the directory before the watch read its manifest)."""
+        retention has retired the directory before the watch read its manifest). ``removed``: the committer's
+        deletion of its partial directory ended (:meth:`_await_removal_task`)."""
         with self.lock:
             res = self.results.get((run_id, step, dirname))
             if res is not None:
                 res.notices += 1
                 if aborted:
                     res.aborted_at = time.monotonic()
+                if removed:
+                    res.removed.set()
                 if committed:
                     res.committed_at = time.monotonic()
                 res.part_ended.set()
@@ -445,10 +476,7 @@ class Scheduler:
                     stream.attach(buf)
                 if index["step"] != step:
                     raise PersisterError(f"slot {s.index} of rank {rank} holds step {index['step']}, not {step}")
-                with self.lock:
-                    discard = self.discarding.get((run.checkpoint_dir, dirname))
-                if discard is not None:  # a failed save of this directory is being deleted: not under our part
-                    discard.wait()
+                self._wait_for_directory(run, key, f"rank {rank}'s part")
                 with self.lock:
                     over = self._commit_over(run, key)
                 if over:  # never re-create the partial directory the committer deleted (or is deleting)
@@ -534,6 +562,8 @@ class Scheduler:
                     if res.writers == 0 and not run.committer and not run.remote_only:
                         self.part_done(run.run_id, step, key[2], sorted(set(res.parts_done) | set(res.part_errors)))
                     self._remove_failed_partial(run, res, key)
+                    self._run_over_calls(key, res)
+                self.ended.notify_all()
                 self.pending -= 1
                 self.release_if_over(run)
             if exc is not None:
@@ -541,11 +571,8 @@ class Scheduler:
 
     def _commit_task(self, req: CommitRequest, run: Run, seq: int) -> None:
         """Commit ``req`` (``seq``: its request order, :meth:`_tracker_gate`'s), then queue its upload."""
-        if not run.remote_only:
-            with self.lock:
-                removing = self.discarding.get((run.checkpoint_dir, req.dirname))
-            if removing is not None:  # a failed save's partial directory: its failure markers are not ours
-                removing.wait()
+        if not run.remote_only:  # an earlier save's partial directory: its markers and files are not ours
+            self._wait_for_directory(run, (req.run_id, req.step, req.dirname), "its commit")
         storage = open_storage(fsync=run.fsync, part=(None, req.step))
         retired: List[str] = []
         t0 = time.monotonic()
@@ -574,6 +601,8 @@ class Scheduler:
             if run.committer and self.notices is not None:
                 self.notices.commit_ended(req.run_id, req.step, req.dirname, state)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
+            self._run_over_calls((req.run_id, req.step, req.dirname), res)
+            self.ended.notify_all()
         self._committed(run.checkpoint_dir, req.dirname)
         self.on_change()
         if run.multi_node:  # what the commit path cost: read by tests/test_multinode.py (no fast polling)
@@ -597,9 +626,11 @@ class Scheduler:
     def _remove_failed_partial(self, run: Run, res: Result, key: SaveKey) -> None:
         """On the committer, once a step's commit failed and this node's writers of it are done, delete
         its partial directory, then tell the other nodes (called with the lock; the deletion runs without
-        it: a slow filesystem must not hold every rank's request and the lease heartbeat). A writer or
-        commit of a later save of the same directory waits until the deletion has ended."""
-        if not run.committer or res.state != "failed" or res.writers > 0:
+        it: a slow filesystem must not hold every rank's request and the lease heartbeat). On another node,
+        at that moment, start waiting for the committer's deletion (:meth:`_await_removal_task`): its ranks
+        share the directory. A writer or commit of a later save of the same directory waits until the
+        deletion has ended (:meth:`_wait_for_directory`)."""
+        if res.state != "failed" or res.writers > 0:
             return
         partial = _partial(run, key[2])
         if run.remote_only:  # the prefix in the store, unless a manifest made it a checkpoint
@@ -607,7 +638,12 @@ class Scheduler:
             return
         done = self.discarding[(run.checkpoint_dir, key[2])] = threading.Event()  # the newest is waited for
         self.pending += 1
-        self.remove_pool.submit(self._remove_partial_task, run, key, partial, done)
+        if run.committer:
+            self.remove_pool.submit(self._remove_partial_task, run, key, partial, done)
+        else:  # (a thread: it may wait a commit timeout for a committer that never says it, and must not
+            # hold up the next directory's wait behind it)
+            threading.Thread(target=self._await_removal_task, args=(run, res, key, partial, done), daemon=True,
+                             name="snapckpt-await-removal").start()
 
     def _remove_partial_task(self, run: Run, key: SaveKey, partial: str, done: threading.Event) -> None:
         try:
@@ -615,16 +651,81 @@ class Scheduler:
             open_storage().remove_tree(partial)
         except Exception as e:
             log.warning("could not remove %s after a failed commit: %s: %s", partial, type(e).__name__, e)
-        else:
-            if self.notices is not None:  # the watchers see the abort at once
-                self.notices.commit_ended(run.run_id, key[1], key[2], "failed")
         finally:
-            with self.lock:
-                if self.discarding.get((run.checkpoint_dir, key[2])) is done:
-                    del self.discarding[(run.checkpoint_dir, key[2])]
-                done.set()
-                self.pending -= 1
-                self.release_if_over(run)
+            # the watchers see the abort at once, and the other nodes' next saves of this directory, which
+            # wait for this deletion, go on (as this node's do, even when it failed)
+            if self.notices is not None:
+                self.notices.commit_ended(run.run_id, key[1], key[2], "removed")
+            self._deletion_ended(run, key, done)
+
+    def _await_removal_task(self, run: Run, res: Result, key: SaveKey, partial: str, done: threading.Event) -> None:
+        """Another node than the committer's, once save ``key`` failed here and this node's writers of it
+        ended: wait until the committer's node has deleted its partial directory, which this node's ranks
+        share. This node's ranks may hear of the failure first (a failure marker, the committer's abort
+        notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
+        that deletion. It ends on the committer's ``removed`` notice (``res.removed``); a lost notice: on the
+        directory seen gone, or holding a marker of another step of the run (a later save, which waited for
+        the deletion, re-created it; a directory being deleted may show no marker, never another step's),
+        read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
+        ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
+        deadline = time.monotonic() + run.commit_timeout_secs
+        reader = open_storage()
+        try:
+            while not res.removed.is_set():
+                steps = _marker_steps(reader, partial, run.run_id)
+                if steps is None or steps - {key[1]}:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("step %d: %s is still there %g s after its commit failed; later saves of %s go on",
+                                key[1], partial, run.commit_timeout_secs, key[2])
+                    break
+                res.removed.wait(min(BACKSTOP_SECS, left))
+        finally:
+            self._deletion_ended(run, key, done)
+
+    def _deletion_ended(self, run: Run, key: SaveKey, done: threading.Event) -> None:
+        """The deletion ``done`` of save ``key``'s partial directory ended (or, on another node, is known to
+        have ended): the later saves of that directory go on."""
+        with self.lock:
+            if self.discarding.get((run.checkpoint_dir, key[2])) is done:
+                del self.discarding[(run.checkpoint_dir, key[2])]
+            done.set()
+            self.ended.notify_all()
+            self.pending -= 1
+            self.release_if_over(run)
+
+    def _wait_for_directory(self, run: Run, key: SaveKey, who: str) -> None:
+        """Wait until save ``key`` may use its directory's partial directory on this node (``who``: the
+        writer or commit task, for the log): no other save of that directory in this run is in flight here
+        (its commit not ended, or a writer of it still running), and no deletion of a failed save's partial
+        directory is under way (``discarding``).
+
+        Why: a rank may hear that its save failed before that save is over on its node (its own part failed
+        while the commit or another rank's writer goes on; a failure the client raised itself,
+        :meth:`fail_part`), and the failed save's partial directory is deleted only once it is over
+        (:meth:`_remove_failed_partial`). A next save of the same directory (a fixed tag, a retried step)
+        that wrote meanwhile lost its files to that deletion. A crash flush under a tag whose DISK save is
+        still in flight would share its partial directory the same way. Only the saves recorded before
+        ``key``'s (``results`` keeps that order) are waited for: the waits cannot form a cycle."""
+        told = False
+        with self.lock:
+            while True:
+                earlier = []
+                for k, r in self.results.items():
+                    if k == key:
+                        break
+                    if k[2] == key[2] and k[0] == key[0] and (
+                            r.writers > 0 or (r.state == "pending" and k in self.commits_started)):
+                        earlier.append(k[1])
+                if not earlier and (run.checkpoint_dir, key[2]) not in self.discarding:
+                    return
+                if not told:
+                    told = True
+                    log.info("step %d: %s waits for %s of %s to end", key[1], who,
+                             f"the save of step {earlier[0]}" if earlier else "the deletion of a failed save",
+                             key[2])
+                self.ended.wait(BACKSTOP_SECS)  # (notified; the timeout only re-checks)
 
     def _discard_remote(self, url: str, dirname: str) -> None:
         """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads, in the
@@ -654,6 +755,7 @@ class Scheduler:
             else:
                 self.undiscarded.get(url, set()).discard(dirname)
             self.discarding.pop((url, dirname)).set()
+            self.ended.notify_all()
             self.pending -= 1
         if err is not None:
             log.warning("could not remove %s/%s after a failed save: %s: %s; tried again after the next commit",
@@ -665,6 +767,27 @@ def _partial(run: Run, dirname: str) -> str:
     if run.remote_only:
         return f"{run.checkpoint_dir}/{dirname}"
     return os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
+
+
+def _marker_steps(reader, partial: str, run_id: str) -> Optional[Set[int]]:
+    """The steps of run ``run_id`` whose part or failure markers the partial directory ``partial`` holds
+    (``None``: it is gone; what cannot be read counts as nothing)."""
+    side = os.path.join(partial, SIDECAR)
+    try:
+        if not reader.isdir(partial):
+            return None
+        names = [n for n in reader.listdir(side) if n.endswith(".json") and n.startswith(("part_", "fail_"))]
+    except OSError:
+        return set()
+    steps: Set[int] = set()
+    for name in names:
+        try:
+            rec = json.loads(reader.read_bytes(os.path.join(side, name)))
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("run_id") == run_id and isinstance(rec.get("step"), int):
+            steps.add(rec["step"])
+    return steps
 
 
 def _slot_map(s: Slot):

@@ -253,8 +253,35 @@ def preflight_fail_one_rank(d: str) -> None:
     dist.destroy_process_group()
 
 
+def resave_tag_after_failure(d: str, go: str) -> None:
+    """A fixed tag saved again as soon as its save failed: each rank saves ``best`` at step 1 (the test holds
+    rank 1's part, then makes rank 0's fail: rank 0 saves once the file ``go`` exists), then at once at step 2;
+    each reports what each ``wait()`` raised."""
+    init_dist()
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ck = Checkpointer(d, **OPTS)
+    ck.save_files({f"warm{rank}.pt": {"w": torch.ones(1)}}, 0, StorageType.DISK, dirname="warm",
+                  tracker_name=None).wait()  # (the first save's collective claim of the directory)
+    errors = {}
+    for step in (1, 2):
+        while step == 1 and rank == 0 and not os.path.exists(go):
+            time.sleep(0.02)
+        files = {f"rank{rank}.pt": {"w": torch.full((1 << 16,), value(step, rank))}}
+        try:
+            ck.save_files(files, step, StorageType.DISK, dirname="best", tracker_name=None).wait()
+            errors[step] = None
+        except Exception as e:
+            errors[step] = f"{type(e).__name__}: {e}"
+    result(rank=rank, errors=errors)
+    ck.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
     {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts, "save_steps": save_steps,
      "slow_disk": slow_disk, "hung_then_exit": hung_then_exit, "save_loop": save_loop,
-     "full_disk_one_rank": full_disk_one_rank, "preflight_fail_one_rank": preflight_fail_one_rank}[scenario](*rest)
+     "full_disk_one_rank": full_disk_one_rank, "preflight_fail_one_rank": preflight_fail_one_rank,
+     "resave_tag_after_failure": resave_tag_after_failure}[scenario](*rest)

@@ -1,0 +1,232 @@
+"""A save of a directory right after an earlier save of it, with real scheduler tasks (writer and commit).
+
+Once a save failed, its partial directory (``.<dirname>.partial-<run>``) is deleted in the background, by the
+committer's node only, once the commit failed and that node's writers of the save ended
+(``Scheduler._remove_failed_partial``). A rank may hear "failed" before that: its own part failed while
+another rank's writer goes on, or (on another node) a failure marker or the committer's abort notice ended its
+watch. A next save of the same directory (a fixed tag such as DeepSpeed's ``tag="best"``, a retried step) that
+wrote meanwhile lost its files to that deletion (``ENOENT``, and it failed too). A crash flush under a tag
+whose DISK save is still in flight shared that save's partial directory the same way.
+
+The tests drive the scheduler's own writer task on a thread (the slot's mapping and index are stubbed: one
+64-byte file per part) and end the earlier save by hand where the test says so, with no sleeps: a writer that
+writes at once (the bug) has written before the earlier save ends, one that waits writes after.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import threading
+from typing import Optional
+
+import pytest
+from _harness import wait_until
+
+from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, SIDECAR, ChecksumWriter, partial_dirname
+from snapckpt.persister import scheduler as sched_mod
+from snapckpt.persister.arena import SlotState
+from snapckpt.persister.commit import CommitRequest
+from snapckpt.persister.commit_notices import CommitNotices
+from snapckpt.persister.scheduler import Result, Scheduler
+from snapckpt.persister.flush import flush_newest
+from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
+from snapckpt.persister.writer import write_failure_marker
+from snapckpt.storage.posix import PosixStorage
+
+RUN = "c" * 16 + "0123456789ab"
+TAG = "best"
+NBYTES = 64
+
+
+@pytest.fixture
+def parts(monkeypatch):
+    """Stub the slot reads of the writer task: the slot of step ``s`` holds ``NBYTES`` bytes of value ``s``,
+    its index one file ``rank<R>.bin`` (the slot's ``path`` names the rank)."""
+    def index(buf, path):
+        return {"step": buf[0], "files": [{"path": f"{os.path.basename(path)}.bin", "kind": "bytes",
+                                           "chunks": [[0, NBYTES]]}]}
+
+    monkeypatch.setattr(sched_mod, "_slot_map", lambda s: bytearray(bytes([s.step]) * NBYTES))
+    monkeypatch.setattr(sched_mod, "read_index", index)
+
+
+def _node(ckpt: str, committer: bool = True, world_size: int = 2, local_ranks=(0, 1)):
+    lock = threading.RLock()
+    sched = Scheduler(SlotTable(None, lock), lock)
+    run = Run(run_id=RUN, world_size=world_size, local_ranks=list(local_ranks), committer=committer,
+              checkpoint_dir=ckpt, keep_last=None, commit_timeout_secs=600.0, flush_on_crash=False, fsync=False)
+    return sched, run
+
+
+def _slot(ckpt: str, rank: int, step: int) -> Slot:
+    return Slot(index=rank, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES, state=SlotState.PERSISTING,
+                step=step, run_id=RUN, dirname=TAG, seq=step)
+
+
+def _save(sched: Scheduler, step: int, **fields) -> Result:
+    """The record of a save of ``TAG`` at ``step`` whose commit has started (``fields``: its state)."""
+    key = (RUN, step, TAG)
+    with sched.lock:
+        res = sched.results.setdefault(key, Result())
+        sched.commits_started.add(key)
+        for name, v in fields.items():
+            setattr(res, name, v)
+        sched.pending += res.writers
+    return res
+
+
+def _write(sched: Scheduler, run: Run, ckpt: str, rank: int, step: int) -> threading.Thread:
+    """Rank ``rank``'s part of the save of ``TAG`` at ``step``, by the scheduler's writer task on a thread."""
+    res = _save(sched, step)
+    with sched.lock:
+        res.rank_seq[rank] = step
+        res.writers += 1
+        sched.pending += 1
+    t = threading.Thread(target=sched._write_part_task, args=(rank, _slot(ckpt, rank, step), run, step, 0.0),
+                         daemon=True)
+    t.start()
+    t.join(1.0)  # (a writer that does not wait has written its data by now)
+    return t
+
+
+def _end_writer(sched: Scheduler, run: Run, ckpt: str, rank: int, step: int, slot: Optional[Slot] = None) -> None:
+    """Rank ``rank``'s writer of the failed save at ``step`` ends (it failed too); ``slot``: the rank's slot
+    it read (READY again), if the test holds one."""
+    sched._part_ended((RUN, step, TAG), rank, slot or _slot(ckpt, rank, step), None if slot is None else slot.seq,
+                      run, step, PosixStorage(fsync=False), os.path.join(ckpt, partial_dirname(TAG, RUN)), 0.0, None,
+                      OSError(errno.EIO, "also failed"))
+
+
+def _finish(sched: Scheduler, t: threading.Thread) -> None:
+    t.join(30)
+    assert not t.is_alive(), "the writer still waits"
+    sched.syncer.shutdown()  # the part's fsyncs and marker are done
+    sched.remove_pool.shutdown(wait=True)
+
+
+def _assert_part(ckpt: str, directory: str, rank: int, step: int) -> None:
+    """``directory`` holds rank ``rank``'s part of ``step``: its file (its bytes) and its part marker."""
+    d = os.path.join(ckpt, directory)
+    assert os.path.isdir(d), f"{directory} is gone: {sorted(os.listdir(ckpt))}"
+    with open(os.path.join(d, f"rank{rank}.bin"), "rb") as f:
+        assert f.read() == bytes([step]) * NBYTES
+    with open(os.path.join(d, SIDECAR, f"part_{rank:05d}.json")) as f:
+        assert json.load(f)["step"] == step
+
+
+def _done_part(ckpt: str, rank: int, step: int) -> None:
+    """Rank ``rank``'s part of ``step`` written and durable, as the writer and the part syncer leave it."""
+    d = os.path.join(ckpt, partial_dirname(TAG, RUN))
+    os.makedirs(os.path.join(d, SIDECAR), exist_ok=True)
+    name = f"rank{rank}.bin"
+    with open(os.path.join(d, name), "wb") as f:
+        cw = ChecksumWriter(f)
+        cw.write(bytes([step]) * NBYTES)
+    marker = {"rank": rank, "run_id": RUN, "step": step,
+              "files": {name: {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": "bytes"}}}
+    with open(os.path.join(d, SIDECAR, f"part_{rank:05d}.json"), "w") as f:
+        json.dump(marker, f)
+
+
+def _old_part(ckpt: str, rank: int, step: int) -> str:
+    """What the failed save at ``step`` left in the partial directory: rank ``rank``'s file."""
+    d = os.path.join(ckpt, partial_dirname(TAG, RUN))
+    os.makedirs(os.path.join(d, SIDECAR), exist_ok=True)
+    with open(os.path.join(d, f"rank{rank}.bin"), "wb") as f:
+        f.write(bytes([step]) * 10)
+    return d
+
+
+def test_a_resave_while_a_writer_of_the_failed_save_still_runs_keeps_its_files(tmp_path, parts):
+    """The committer's node: rank 0's part of step 7 failed and so did the commit, while rank 1's writer of
+    step 7 still writes; rank 0 has heard "failed" and saves the tag again (step 8). Right: rank 0's new
+    part waits for rank 1's old writer and the deletion of step 7's partial directory that follows it, then is
+    written (before the fix: it was written at once, then deleted with step 7's directory)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    _old_part(ckpt, 1, 7)
+    _save(sched, 7, state="failed", writers=1, part_errors={0: {"type": "OSError", "message": "disk full"}})
+    t = _write(sched, run, ckpt, 0, 8)
+    _end_writer(sched, run, ckpt, 1, 7)  # the failed save is over: its partial directory is deleted
+    _finish(sched, t)
+    _assert_part(ckpt, partial_dirname(TAG, RUN), 0, 8)
+    assert sched.results[(RUN, 8, TAG)].parts_done == {0}
+
+
+@pytest.mark.parametrize("notice", ["removed", "lost", "lost_and_recreated"])
+def test_a_resave_on_another_node_waits_for_the_committers_deletion(tmp_path, parts, notice):
+    """Node 1 (ranks 2 and 3 of 4): its watch of step 7 failed (rank 0's failure marker) and its last writer
+    of step 7 ended, but the committer's node, which deletes the shared partial directory, has not yet.
+    Rank 2 saves the tag again (step 8). Right: its part waits until the committer's node said it deleted
+    the directory (``commit_ended`` ``removed``) or, that notice lost, until the directory is seen gone, or
+    seen without step 7's markers (the committer's part of step 8 re-created it); then it is written
+    (before the fix: it was written at once, then deleted by the committer)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    partial = _old_part(ckpt, 1, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    _save(sched, 7, state="failed", writers=1)
+    _end_writer(sched, run, ckpt, 3, 7)
+    t = _write(sched, run, ckpt, 2, 8)
+    shutil.rmtree(partial)  # the committer's node deletes step 7's partial directory, then says so
+    if notice == "removed":
+        CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
+                                                              "dirname": TAG, "state": "removed"})
+    elif notice == "lost_and_recreated":
+        _done_part(ckpt, 0, 8)
+    _finish(sched, t)
+    _assert_part(ckpt, partial_dirname(TAG, RUN), 2, 8)
+
+
+def test_a_crash_flush_under_a_tag_waits_for_the_tags_save_in_flight(tmp_path, parts):
+    """One rank: its DISK save of ``best`` at step 5 has its part written and its commit not yet ended
+    when the crash flush writes step 6 (the rank's newest snapshot, a MEMORY save under the same tag: the
+    client waits only between DISK saves). Right: step 6's part waits for step 5's commit, which commits
+    step 5's part, and is then written into a new partial directory (before the fix: step 6's part replaced
+    step 5's file and marker in the shared partial directory, and step 5's commit failed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
+    _done_part(ckpt, 0, 5)
+    _save(sched, 5, parts_done={0})  # its commit: started, not yet ended
+    t = _write(sched, run, ckpt, 0, 6)  # the crash flush's part of step 6
+    req = CommitRequest(checkpoint_dir=ckpt, dirname=TAG, step=5, run_id=RUN, world_size=1, timeout_secs=5.0,
+                        keep_last=None, tracker_name="", tracker_content="")
+    with sched.lock:
+        sched.pending += 1
+    sched._commit_task(req, run, 1)  # step 5's commit
+    assert sched.results[(RUN, 5, TAG)].state == "committed", sched.results[(RUN, 5, TAG)].error
+    _finish(sched, t)
+    _assert_part(ckpt, TAG, 0, 5)
+    with open(os.path.join(ckpt, TAG, MANIFEST)) as f:
+        assert json.load(f)["step"] == 5
+    _assert_part(ckpt, partial_dirname(TAG, RUN), 0, 6)
+
+
+def test_a_crash_flush_of_a_failed_step_whose_writer_still_runs_starts_once_that_save_is_over(tmp_path, parts):
+    """Two local ranks: rank 0's part of step 7 (``best``) failed and so did the commit, rank 1's writer of
+    it still runs, and the job dies: the crash flush writes step 7 again. Right: the flush starts once that
+    save is over (rank 1's writer ended, its partial directory with rank 0's failure marker deleted) and
+    commits both parts (before the fix: the flush replaced the failed save's record at once, rank 1's old
+    writer then ended on the flush's record and failed its commit with its error, and the failed save's
+    partial directory was never deleted)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    held = {r: _slot(ckpt, r, 7) for r in (0, 1)}
+    held[0].state = SlotState.READY  # its writer ended; rank 1's still reads its slot
+    for r in (0, 1):
+        sched.slots.ranks[r] = RankEntry(rank=r, slots=[held[r]], run_id=RUN)
+    partial = _old_part(ckpt, 1, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    _save(sched, 7, state="failed", writers=1, part_errors={0: {"type": "OSError", "message": "disk full"}})
+    with sched.lock:  # the job died: the crash flush
+        assert flush_newest(run, sched.slots, sched, "crashed") == 7
+    _end_writer(sched, run, ckpt, 1, 7, held[1])
+    assert wait_until(lambda: sched.results[(RUN, 7, TAG)].state != "pending", timeout=30)
+    res = sched.results[(RUN, 7, TAG)]
+    assert res.state == "committed", res.error
+    for r in (0, 1):
+        _assert_part(ckpt, TAG, r, 7)
