@@ -82,6 +82,8 @@ class Result:
     streams: Dict[int, Stream] = field(default_factory=dict)  # rank -> its streamed part (persister/stream.py)
     # another node: set when the committer's node said it deleted this failed save's partial directory
     removed: threading.Event = field(default_factory=threading.Event)
+    # ranks whose save of this step again waits for this failed save to be over here (persist: deferred)
+    deferred: Set[int] = field(default_factory=set)
 
 
 class Scheduler:
@@ -179,6 +181,10 @@ class Scheduler:
     def persist(self, entry: RankEntry, step: int, run: Run) -> None:
         """Write rank ``entry``'s newest snapshot of ``step`` to disk and commit the step (once per save).
 
+        A save of a step and directory again, once the rank heard that its earlier save of them failed,
+        starts when that save is over on this node (its writers ended, its partial directory deleted): the
+        rank's status says ``pending`` until then.
+
         Raises:
             PersisterError: the rank holds no snapshot of ``step``, or a save of the same step and
                 directory by this rank is still being persisted.
@@ -202,6 +208,14 @@ class Scheduler:
             # this rank saved the same step under the same directory again (its earlier save reached this
             # persister, or failed before it did, fail_part: a retry once the disk has room must not fail on
             # that stale error; a one-rank run's fail_part starts no commit, so that save is over already)
+            if ((entry.rank in res.part_errors or res.state == "failed")
+                    and (res.state == "pending" or res.writers > 0)):
+                # the rank heard that its earlier save failed, but that save is not over here: its writers end on
+                # its record and its partial directory is deleted once they have. This save starts then
+                if entry.rank not in res.deferred:
+                    res.deferred.add(entry.rank)
+                    self.when_over(key, lambda: self._persist_deferred(entry, step, run, res))
+                return
             if res.state == "pending" and (key in self.commits_started or res.writers > 0):
                 raise PersisterError(
                     f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
@@ -222,6 +236,18 @@ class Scheduler:
             self.commit_seq += 1
             self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
                                self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
+
+    def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result) -> None:
+        """:meth:`persist` of a save that waited for the failed save ``old`` of its step and directory to be
+        over (called with the lock, by :meth:`when_over`); if it cannot start, the rank hears ``old``'s failure."""
+        try:
+            self.persist(entry, step, run)
+        except Exception as e:
+            log.error("rank %d step %d: the save of it again could not start: %s", entry.rank, step, e)
+            old.deferred.discard(entry.rank)
+            self.on_change()  # its waiting status request is answered with the failure
+        else:
+            old.deferred.discard(entry.rank)
 
     def stream(self, entry: RankEntry, s: Slot, run: Run, step: int, dirname: str, tracker_name: str,
                tracker_content: str, index_offset: int, index_nbytes: int, data_end: int) -> bool:

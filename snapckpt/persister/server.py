@@ -734,6 +734,8 @@ class Server:
         if res is None:
             held = any(s.step == msg["step"] for s in self.slots.held(entry))
             return P.ok(state="held" if held else "unknown")
+        if entry.rank in res.deferred:  # its save again waits for this failed one to be over (Scheduler.persist)
+            return P.ok(state="pending")
         if entry.rank in res.part_errors:
             return P.ok(state="failed", error=res.part_errors[entry.rank], where="part")
         base, notes = self.scheduler.uploader.notes_window(entry.run_id)

@@ -230,3 +230,41 @@ def test_a_crash_flush_of_a_failed_step_whose_writer_still_runs_starts_once_that
     assert res.state == "committed", res.error
     for r in (0, 1):
         _assert_part(ckpt, TAG, r, 7)
+
+
+@pytest.mark.parametrize("heard", ["own_part", "commit"])
+def test_a_save_of_the_same_step_again_while_a_writer_of_its_failed_save_still_runs_starts_once_it_is_over(
+        tmp_path, parts, heard):
+    """Two local ranks: step 7's save of ``best`` failed (``own_part``: rank 0's own part, the rank hears it at
+    once; ``commit``: rank 1's part, and the commit failed) while rank 1's writer of it still runs, and rank 0
+    saves step 7 again. Right: the new save waits for the failed one to be over (rank 0's status says pending
+    meanwhile, not the old failure), then both ranks' new parts commit (before the fix: the new save replaced
+    the failed save's record at once, rank 1's old writer ended on the new record with its error, and the new
+    save failed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    old1 = _slot(ckpt, 1, 7)  # rank 1's writer of the failed save still reads it
+    new0 = Slot(index=10, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=7,
+                run_id=RUN, dirname=TAG, seq=8)
+    for r, s in ((0, new0), (1, old1)):
+        sched.slots.ranks[r] = RankEntry(rank=r, slots=[s], run_id=RUN)
+    partial = _old_part(ckpt, 1, 7)
+    failed_rank = 0 if heard == "own_part" else 1
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=failed_rank, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    old = _save(sched, 7, state="failed", writers=1, rank_seq={0: 7, 1: 7},
+                part_errors={failed_rank: {"type": "OSError", "message": "disk full"}})
+    with sched.lock:
+        sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again
+    assert sched.results[(RUN, 7, TAG)] is old and old.deferred == {0}  # not started: the old save goes on
+    _end_writer(sched, run, ckpt, 1, 7, old1)  # the failed save is over: its partial directory is deleted
+    assert wait_until(lambda: sched.results[(RUN, 7, TAG)] is not old
+                      and sched.results[(RUN, 7, TAG)].parts_done == {0}, timeout=30)
+    assert not old.deferred
+    with sched.lock:
+        sched.persist(sched.slots.ranks[1], 7, run)  # rank 1 saves step 7 again (its slot is READY now)
+    assert wait_until(lambda: sched.results[(RUN, 7, TAG)].state != "pending", timeout=30)
+    res = sched.results[(RUN, 7, TAG)]
+    assert res.state == "committed", res.error
+    for r in (0, 1):
+        _assert_part(ckpt, TAG, r, 7)
