@@ -87,9 +87,9 @@ def vectored_calls(fn, fd: int, base: int, calls: Sequence[Tuple[int, int, int, 
     with the iovec table at address ``base`` (two ``struct iovec`` per span: 32 bytes); a copy of
     :data:`SPLIT_NBYTES` or more per thread is split into runs of consecutive calls of about equal bytes, one per
     thread (the calling one and up to :data:`MAX_THREADS` - 1 more, no more than ``torch.get_num_threads()``; each
-    call releases the GIL). Returns ``None`` when every call moved its bytes, else the first span of the first call
-    that did not (a failed or short call); calls after it may have run too, so the caller copies from that span on
-    again (the same bytes)."""
+    call releases the GIL; a part whose thread cannot be started is read by the calling thread). Returns ``None``
+    when every call moved its bytes, else the first span of the first call that did not (a failed or short call);
+    calls after it may have run too, so the caller copies from that span on again (the same bytes)."""
     total = sum(c[3] for c in calls)
     parts = max(1, min(MAX_THREADS, torch.get_num_threads(), total // SPLIT_NBYTES, len(calls)))
     out: list = [None] * parts
@@ -103,13 +103,21 @@ def vectored_calls(fn, fd: int, base: int, calls: Sequence[Tuple[int, int, int, 
             cuts.append(j + 1)
     cuts.append(len(calls))
     groups = [calls[a:b] for a, b in zip(cuts, cuts[1:])]
-    threads = [threading.Thread(target=_calls_from, args=(fn, fd, base, g, out, w), daemon=True,
-                                name="snapckpt-span-read") for w, g in enumerate(groups[1:], 1) if g]
-    for t in threads:
-        t.start()
+    threads, mine = [], [0]  # the started threads; the parts the calling thread reads
     try:
-        _calls_from(fn, fd, base, groups[0], out, 0)
-    finally:
+        for w, g in enumerate(groups[1:], 1):
+            if g:
+                t = threading.Thread(target=_calls_from, args=(fn, fd, base, g, out, w), daemon=True,
+                                     name="snapckpt-span-read")
+                try:
+                    t.start()
+                except RuntimeError:  # no thread to be had (a process or cgroup limit): this part is read here
+                    mine.append(w)
+                    continue
+                threads.append(t)
+        for w in mine:
+            _calls_from(fn, fd, base, groups[w], out, w)
+    finally:  # never return (or raise) while a thread still writes into the caller's memory
         for t in threads:
             t.join()
     failed = [i for i in out if i is not None]
