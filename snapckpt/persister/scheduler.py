@@ -208,15 +208,15 @@ class Scheduler:
             # this rank saved the same step under the same directory again (its earlier save reached this
             # persister, or failed before it did, fail_part: a retry once the disk has room must not fail on
             # that stale error; a one-rank run's fail_part starts no commit, so that save is over already)
-            if ((entry.rank in res.part_errors or res.state == "failed")
-                    and (res.state == "pending" or res.writers > 0)):
+            in_flight = res.writers > 0 or (res.state == "pending" and key in self.commits_started)
+            if (entry.rank in res.part_errors or res.state == "failed") and in_flight:
                 # the rank heard that its earlier save failed, but that save is not over here: its writers end on
                 # its record and its partial directory is deleted once they have. This save starts then
                 if entry.rank not in res.deferred:
                     res.deferred.add(entry.rank)
                     self.when_over(key, lambda: self._persist_deferred(entry, step, run, res))
                 return
-            if res.state == "pending" and (key in self.commits_started or res.writers > 0):
+            if res.state == "pending" and in_flight:
                 raise PersisterError(
                     f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
                     "the same step to the same directory must wait for the first (Checkpointer.wait())")
