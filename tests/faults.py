@@ -13,6 +13,8 @@ and rank); this module builds their environment knobs and adds what a test does 
   ``EFBIG`` like a full disk (on a running persister once its arena slots exist: slot files count too);
 - :func:`damage`: corrupt one byte, truncate every file, or delete one rank's files of a checkpoint;
 - :func:`committed` / :func:`verify_all`: the committed checkpoints of a directory and their checks;
+- :func:`refuse_thread_starts`: in-process threads of one name fail to start after the first
+  (``RuntimeError: can't start new thread``, as under a process or cgroup thread limit);
 - :class:`FaultPoint` and :func:`draw_points`: the seeded random matrix (point x rank x step x damage).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import random
 import resource
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -244,3 +247,17 @@ def draw_points(seed: int, n: int, *, steps: int, disk_every: int, world_size: i
         dmg = rng.choice(kinds) if rng.random() < 0.25 else "none"
         out.append(FaultPoint(name, rank, step, dmg))
     return out
+
+
+def refuse_thread_starts(monkeypatch, name: str) -> List[threading.Thread]:
+    """Make every start of a thread named ``name`` after the first raise ``RuntimeError("can't start new
+    thread")`` (as a process or cgroup thread limit does); returns the list of the threads that started."""
+    real_start, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name == name and started:
+            raise RuntimeError("can't start new thread")
+        started.append(self)
+        return real_start(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return started

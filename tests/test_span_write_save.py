@@ -38,7 +38,7 @@ def test_an_in_process_load_split_among_threads_reads_a_part_whose_thread_cannot
     """A read-back split among threads (snapckpt.engine.span_read.vectored_calls) where a thread cannot be started
     (a process or cgroup limit on threads): the calling thread reads that part, the load is bit-exact and raises
     nothing (it raised, with the started threads left writing into the live tensors)."""
-    import threading
+    from faults import refuse_thread_starts
 
     from snapckpt.engine import slot_restore, span_read
 
@@ -54,14 +54,7 @@ def test_an_in_process_load_split_among_threads_reads_a_part_whose_thread_cannot
             v.view(torch.uint8).fill_(0x5A)
         monkeypatch.setattr(span_read, "SPLIT_NBYTES", 1)  # every call its own part's worth: three parts
         monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-        real_start, started = threading.Thread.start, []
-
-        def start(self):
-            if self.name == "snapckpt-span-read" and started:
-                raise RuntimeError("can't start new thread")
-            started.append(self)
-            return real_start(self)
-        monkeypatch.setattr(threading.Thread, "start", start)
+        started = refuse_thread_starts(monkeypatch, "snapckpt-span-read")
         ck.load(state)
         assert read and read[-1][0] == read[-1][1]  # every span by preadv: one part on the thread that started
         assert len(started) == 1 and not started[0].is_alive()

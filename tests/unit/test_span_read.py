@@ -173,7 +173,7 @@ def test_a_large_read_is_split_among_threads_bit_exactly_and_a_short_call_in_a_l
 def test_a_part_whose_thread_cannot_start_is_read_by_the_calling_thread(tmp_path, monkeypatch):
     """A restart's read split among threads where no more threads can be started (a process or cgroup limit): the
     calling thread reads those parts too, every span bit-exact (it raised, leaving the started threads running)."""
-    import threading
+    from faults import refuse_thread_starts
 
     n = 6 * span_read._BATCH + 5
     offsets, sizes, end = _spans(n)
@@ -181,14 +181,7 @@ def test_a_part_whose_thread_cannot_start_is_read_by_the_calling_thread(tmp_path
     m.tensor.copy_(torch.randint(0, 256, (end,), dtype=torch.uint8))
     monkeypatch.setattr(span_read, "SPLIT_NBYTES", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    real_start, started = threading.Thread.start, []
-
-    def start(self):
-        if self.name == "snapckpt-span-read" and started:
-            raise RuntimeError("can't start new thread")
-        started.append(self)
-        return real_start(self)
-    monkeypatch.setattr(threading.Thread, "start", start)
+    started = refuse_thread_starts(monkeypatch, "snapckpt-span-read")
     dst = [torch.zeros(int(s), dtype=torch.uint8) for s in sizes]
     assert span_read.read_spans(m.path, m.ident, [t.data_ptr() for t in dst], offsets, sizes) == n
     assert len(started) == 1 and not started[0].is_alive()
