@@ -227,6 +227,11 @@ class Scheduler:
             res = self.results.setdefault(key, Result())
         if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
             return
+        if self._commit_over(run, key):
+            # a late part of a failed save (its rank gets the commit's error): no writer. One would wait in the
+            # pool behind a next save's writers that wait for this save to be over, and its end, this save's
+            # last writer again, would delete the partial directory again, with the next save's parts in it
+            return
         res.rank_seq[entry.rank] = s.seq
         self.slots.start_persist(s)
         res.writers += 1
@@ -254,8 +259,9 @@ class Scheduler:
         """Start writing rank ``entry``'s part of ``step`` from slot ``s`` while the rank still copies into it
         (a streamed save, :mod:`snapckpt.persister.stream`), and the step's commit; its ``ready`` comes through
         :meth:`persist`. Returns ``False`` (nothing started) where the part cannot stream: a remote-only run, a
-        slot that is not WRITING(``step``), an index outside the slot, or a save of the same step and directory
-        by this rank still pending (``ready`` then persists it as any save, or refuses it)."""
+        slot that is not WRITING(``step``), an index outside the slot, a save of the same step and directory
+        by this rank not yet over here (``ready`` then persists it as any save, or defers or refuses it), or a
+        save whose commit is known here to have failed already (no part of it is written)."""
         if (run.remote_only or s.state != SlotState.WRITING or s.step != step or s.stream is not None
                 or not 0 < data_end <= index_offset or index_offset + index_nbytes > s.nbytes):
             return False
@@ -263,11 +269,14 @@ class Scheduler:
         res = self.results.get(key)
         if res is not None and any(entry.rank in x for x in (res.rank_seq, res.streams, res.parts_done,
                                                              res.part_errors)):
-            if res.state == "pending":  # this rank's earlier save of the same step and directory
+            if res.state == "pending" or res.writers > 0:  # this rank's earlier save of the same step and
+                # directory is not over here (its ready persists this one as any save, or defers or refuses it)
                 return False
             self.results.pop(key)  # it ended: this one is a new save that replaces it (as persist())
             self.commits_started.discard(key)
             res = None
+        if self._commit_over(run, key):  # a late part of a failed save: none written (see persist())
+            return False
         if res is None:
             res = self.results.setdefault(key, Result())
         st = Stream(entry.rank, step, data_end)

@@ -14,6 +14,7 @@ writes at once (the bug) has written before the earlier save ends, one that wait
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import json
 import os
@@ -268,3 +269,118 @@ def test_a_save_of_the_same_step_again_while_a_writer_of_its_failed_save_still_r
     assert res.state == "committed", res.error
     for r in (0, 1):
         _assert_part(ckpt, TAG, r, 7)
+
+
+def test_a_one_rank_save_of_a_step_again_after_its_refused_part_starts_at_once(tmp_path, parts):
+    """One rank: its free-space check refused step 2 (``fail_part``: nothing written, and in a one-rank run
+    no commit started, so that save is over already), then it saves step 2 again. Right: the new save starts
+    at once and commits (before the fix: it was deferred until the refused save was over, which never came:
+    the rank's status said pending until its wait timed out)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
+    s = Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=2, run_id=RUN,
+             dirname=TAG, seq=2)
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[s], run_id=RUN)
+    sched.fail_part(0, run, 2, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+    with sched.lock:
+        sched.persist(sched.slots.ranks[0], 2, run)
+    assert not sched.results[(RUN, 2, TAG)].deferred
+    assert wait_until(lambda: sched.results[(RUN, 2, TAG)].state != "pending", timeout=30)
+    res = sched.results[(RUN, 2, TAG)]
+    assert res.state == "committed", res.error
+    _assert_part(ckpt, TAG, 0, 2)
+
+
+def _late_rank(ckpt: str, sched: Scheduler, rank: int, step: int) -> None:
+    """Rank ``rank`` holds its READY snapshot of ``step`` (its copy ended late: it persists it only now)."""
+    s = Slot(index=20 + rank, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES, state=SlotState.READY,
+             step=step, run_id=RUN, dirname=TAG, seq=step)
+    sched.slots.ranks[rank] = RankEntry(rank=rank, slots=[s], run_id=RUN)
+
+
+def test_a_late_part_of_a_failed_save_does_not_starve_the_writers_of_the_next_save(tmp_path, parts):
+    """Three local ranks: step 7's commit of ``best`` failed at once on rank 0's part while rank 2's writer of
+    it still runs; rank 0 heard it and saves the tag again (step 8): its writer takes the pool's thread and
+    waits for step 7's save to be over. Then rank 1, whose copy of step 7 ended late, persists it. Right:
+    rank 1's part of the failed save is not written (its commit is over) and step 8's part is written once
+    rank 2's writer ended (before the fix: rank 1's writer was queued behind step 8's, which waited for it:
+    the pool never ran again; the persister has 4 writer threads, so 4 local ranks saving the tag again
+    did it, here the pool has 1)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=3, local_ranks=(0, 1, 2))
+    sched.pool = cf.ThreadPoolExecutor(max_workers=1)
+    _old_part(ckpt, 2, 7)
+    old = _save(sched, 7, state="failed", writers=1, rank_seq={0: 7, 2: 7},
+                part_errors={0: {"type": "OSError", "message": "disk full"}})
+    _late_rank(ckpt, sched, 0, 8)
+    _late_rank(ckpt, sched, 1, 7)
+    try:
+        with sched.lock:
+            sched.persist(sched.slots.ranks[0], 8, run)  # step 8: its writer waits for step 7's rank 2
+        with sched.lock:
+            sched.persist(sched.slots.ranks[1], 7, run)  # step 7's late part
+        _end_writer(sched, run, ckpt, 2, 7)
+        assert wait_until(lambda: sched.results[(RUN, 8, TAG)].parts_done == {0}, timeout=30), \
+            "step 8's writer never ran"
+        assert 1 not in old.parts_done and old.writers == 0
+    finally:
+        with sched.lock:  # (before the fix: unblock the pool, so that the test ends)
+            old.writers = 0
+            sched.ended.notify_all()
+        sched.fail_part(1, run, 8, TAG, {"type": "OSError", "message": "ends step 8's commit"})
+        sched.pool.shutdown(wait=True)
+    sched.syncer.shutdown()
+    sched.remove_pool.shutdown(wait=True)
+
+
+def test_a_late_part_of_a_failed_save_does_not_delete_the_next_saves_files(tmp_path, parts):
+    """The committer's node: step 7's save of ``best`` failed and is over (its partial directory deleted); rank 0
+    has written its part of step 8 into a new partial directory; rank 1, whose copy of step 7 ended late,
+    persists it now. Right: rank 1's part of step 7 is not written and step 8's part stays (before the fix:
+    rank 1's writer ran, refused to write (the commit is over), and its end, the failed save's last writer
+    again, deleted the partial directory a second time, with step 8's part in it)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    _save(sched, 7, state="failed", rank_seq={0: 7}, part_errors={0: {"type": "OSError", "message": "disk full"}})
+    _done_part(ckpt, 0, 8)
+    _save(sched, 8, parts_done={0}, rank_seq={0: 8})
+    _late_rank(ckpt, sched, 1, 7)
+    with sched.lock:
+        sched.persist(sched.slots.ranks[1], 7, run)
+    sched.pool.shutdown(wait=True)
+    sched.syncer.shutdown()
+    sched.remove_pool.shutdown(wait=True)
+    _assert_part(ckpt, partial_dirname(TAG, RUN), 0, 8)
+
+
+def test_a_streamed_save_of_a_step_again_while_its_failed_save_is_not_over_does_not_replace_it(tmp_path, parts):
+    """Two local ranks: step 7's save of ``best`` failed on rank 0's own part while rank 1's writer of it still
+    runs, and rank 0 saves step 7 again as a streamed save. Right: the stream does not start (the rank's
+    ``ready`` then defers the save until the failed one is over, as :meth:`Scheduler.persist` does) and the
+    failed save's record stays (before the fix: the stream replaced it at once, and rank 1's old writer ended
+    on the new record)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    old = _save(sched, 7, state="failed", writers=1, rank_seq={0: 7, 1: 7},
+                part_errors={0: {"type": "OSError", "message": "disk full"}})
+    s = Slot(index=10, path=os.path.join(ckpt, "rank0"), nbytes=4 * NBYTES, state=SlotState.WRITING, step=7,
+             run_id=RUN, dirname=TAG, seq=8)
+    entry = RankEntry(rank=0, slots=[s], run_id=RUN)
+    with sched.lock:
+        started = sched.stream(entry, s, run, 7, TAG, "", "", 2 * NBYTES, NBYTES, NBYTES)
+    assert not started and sched.results[(RUN, 7, TAG)] is old and old.writers == 1
+
+
+def test_a_streamed_late_part_of_a_failed_save_is_not_written(tmp_path, parts):
+    """Step 7's save of ``best`` failed and is over on the committer's node; rank 1 streams its part of step 7
+    late. Right: no stream and no writer (its ``ready`` then finds the commit over: nothing written), as a
+    late part that is not streamed (before the fix: a writer started on the failed save's record)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    old = _save(sched, 7, state="failed", rank_seq={0: 7}, part_errors={0: {"type": "OSError", "message": "disk full"}})
+    s = Slot(index=11, path=os.path.join(ckpt, "rank1"), nbytes=4 * NBYTES, state=SlotState.WRITING, step=7,
+             run_id=RUN, dirname=TAG, seq=7)
+    with sched.lock:
+        started = sched.stream(RankEntry(rank=1, slots=[s], run_id=RUN), s, run, 7, TAG, "", "", 2 * NBYTES,
+                               NBYTES, NBYTES)
+    assert not started and old.writers == 0 and not old.streams
