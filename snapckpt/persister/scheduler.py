@@ -214,7 +214,8 @@ class Scheduler:
                 # its record and its partial directory is deleted once they have. This save starts then
                 if entry.rank not in res.deferred:
                     res.deferred.add(entry.rank)
-                    self.when_over(key, lambda: self._persist_deferred(entry, step, run, res))
+                    s.pins += 1  # never handed out meanwhile (the rank's next snapshots go on)
+                    self.when_over(key, lambda: self._persist_deferred(entry, step, run, res, s))
                 return
             if res.state == "pending" and in_flight:
                 raise PersisterError(
@@ -242,9 +243,11 @@ class Scheduler:
             self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
                                self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
 
-    def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result) -> None:
+    def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result, s: Slot) -> None:
         """:meth:`persist` of a save that waited for the failed save ``old`` of its step and directory to be
-        over (called with the lock, by :meth:`when_over`); if it cannot start, the rank hears ``old``'s failure."""
+        over (called with the lock, by :meth:`when_over`; ``s``: the rank's slot it saves, pinned meanwhile);
+        if it cannot start, the rank hears ``old``'s failure."""
+        s.pins -= 1
         try:
             self.persist(entry, step, run)
         except Exception as e:

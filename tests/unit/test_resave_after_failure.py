@@ -258,10 +258,11 @@ def test_a_save_of_the_same_step_again_while_a_writer_of_its_failed_save_still_r
     with sched.lock:
         sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again
     assert sched.results[(RUN, 7, TAG)] is old and old.deferred == {0}  # not started: the old save goes on
+    assert new0.pins == 1  # the slot is not handed out meanwhile (before: the rank's next snapshot took it)
     _end_writer(sched, run, ckpt, 1, 7, old1)  # the failed save is over: its partial directory is deleted
     assert wait_until(lambda: sched.results[(RUN, 7, TAG)] is not old
                       and sched.results[(RUN, 7, TAG)].parts_done == {0}, timeout=30)
-    assert not old.deferred
+    assert not old.deferred and new0.pins == 0
     with sched.lock:
         sched.persist(sched.slots.ranks[1], 7, run)  # rank 1 saves step 7 again (its slot is READY now)
     assert wait_until(lambda: sched.results[(RUN, 7, TAG)].state != "pending", timeout=30)
