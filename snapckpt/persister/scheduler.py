@@ -121,6 +121,9 @@ class Scheduler:
         # remote-only mode, its prefix) has ended, off the lock; on another node than the committer's: once the
         # committer's deletion is known to have ended (_await_removal_task). A later save of it waits for that
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
+        # another node than the committer's: failed save -> the event its _await_removal_task waits on (its
+        # record may be replaced meanwhile by a save of the same step again, which the notice must not touch)
+        self.removal_waits: Dict[SaveKey, threading.Event] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
         # wakes _wait_for_directory
         self.ended = threading.Condition(lock)
@@ -377,8 +380,13 @@ class Scheduler:
         this node's watch of that commit even if a late part re-created the partial directory.
         ``committed``: the committer's commit of it ended committed (the watch ends committed even when
         retention has retired the directory before the watch read its manifest). ``removed``: the committer's
-        deletion of its partial directory ended (:meth:`_await_removal_task`)."""
+        deletion of its partial directory ended (:meth:`_await_removal_task`; once that wait started, the
+        notice ends it and leaves the save's record alone: it may be a save of the same step again)."""
         with self.lock:
+            waiting = self.removal_waits.pop((run_id, step, dirname), None) if removed else None
+            if waiting is not None:
+                waiting.set()
+                return
             res = self.results.get((run_id, step, dirname))
             if res is not None:
                 res.notices += 1
@@ -680,6 +688,7 @@ class Scheduler:
             self.remove_pool.submit(self._remove_partial_task, run, key, partial, done)
         else:  # (a thread: it may wait a commit timeout for a committer that never says it, and must not
             # hold up the next directory's wait behind it)
+            self.removal_waits[key] = res.removed
             threading.Thread(target=self._await_removal_task, args=(run, res, key, partial, done), daemon=True,
                              name="snapckpt-await-removal").start()
 
@@ -720,6 +729,9 @@ class Scheduler:
                     break
                 res.removed.wait(min(BACKSTOP_SECS, left))
         finally:
+            with self.lock:
+                if self.removal_waits.get(key) is res.removed:
+                    del self.removal_waits[key]
             self._deletion_ended(run, key, done)
 
     def _deletion_ended(self, run: Run, key: SaveKey, done: threading.Event) -> None:

@@ -385,3 +385,31 @@ def test_a_streamed_late_part_of_a_failed_save_is_not_written(tmp_path, parts):
         started = sched.stream(RankEntry(rank=1, slots=[s], run_id=RUN), s, run, 7, TAG, "", "", 2 * NBYTES,
                                NBYTES, NBYTES)
     assert not started and old.writers == 0 and not old.streams
+
+
+def test_another_nodes_wait_for_the_deletion_ends_on_its_notice_after_a_save_of_the_step_again(tmp_path, parts):
+    """Node 1 (ranks 2 and 3 of 4): step 7's save of ``best`` failed and is over here; rank 2 saves step 7 again
+    at once (a new record of the same save); the committer's node deletes the partial directory, its own save
+    of step 7 again re-creates it with its part (a marker of step 7 again), then the ``removed`` notice of the
+    deletion comes. Right: node 1's wait for the deletion ends on that notice (before the fix: the notice was
+    set on the new record, the wait read the directory, saw only step-7 markers and waited the commit
+    timeout, 600 s, holding every save of the tag on the node; and the notice marked the new save aborted:
+    its parts were not written and its watch failed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    partial = _old_part(ckpt, 1, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    _save(sched, 7, state="failed", writers=1)
+    _end_writer(sched, run, ckpt, 3, 7)  # step 7's save is over here: the wait for the deletion starts
+    assert (ckpt, TAG) in sched.discarding
+    with sched.lock:  # rank 2 saves step 7 again (the new save's record)
+        del sched.results[(RUN, 7, TAG)]
+        sched.results[(RUN, 7, TAG)] = Result()
+    shutil.rmtree(partial)  # the committer deletes it, its save of step 7 again re-creates it
+    _done_part(ckpt, 0, 7)
+    CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
+                                                          "dirname": TAG, "state": "removed"})
+    assert wait_until(lambda: (ckpt, TAG) not in sched.discarding, timeout=10), "still waits for the deletion"
+    new = sched.results[(RUN, 7, TAG)]  # the notice is not the new save's: not aborted, nothing removed
+    assert new.aborted_at is None and not new.removed.is_set() and not sched._commit_over(run, (RUN, 7, TAG))
