@@ -84,6 +84,8 @@ class Result:
     removed: threading.Event = field(default_factory=threading.Event)
     # ranks whose save of this step again waits for this failed save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
+    # another node: the committer's abort notices still to come for the failed save this one replaced (not ours)
+    stale_aborts: int = 0
 
 
 class Scheduler:
@@ -224,9 +226,7 @@ class Scheduler:
                 raise PersisterError(
                     f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
                     "the same step to the same directory must wait for the first (Checkpointer.wait())")
-            self.results.pop(key)  # the earlier save ended: this one is a new save that replaces it
-            self.commits_started.discard(key)
-            res = None
+            res = self._replace(run, key)  # the earlier save ended: this one is a new save that replaces it
         if res is None:
             res = self.results.setdefault(key, Result())
         if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
@@ -245,6 +245,17 @@ class Scheduler:
             self.commit_seq += 1
             self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
                                self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
+
+    def _replace(self, run: Run, key: SaveKey) -> Result:
+        """The record of a new save ``key`` that replaces the ended one (called with the lock). On another node
+        than the committer's, a failed one whose abort notice has not come yet: that notice, when it comes, is
+        the old save's (this node ended it on its own part's failure first), not the new one's."""
+        old = self.results.pop(key)
+        self.commits_started.discard(key)
+        res = self.results[key] = Result()
+        if not run.committer and not run.remote_only and old.state == "failed" and old.aborted_at is None:
+            res.stale_aborts = 1
+        return res
 
     def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result, s: Slot) -> None:
         """:meth:`persist` of a save that waited for the failed save ``old`` of its step and directory to be
@@ -278,9 +289,7 @@ class Scheduler:
             if res.state == "pending" or res.writers > 0:  # this rank's earlier save of the same step and
                 # directory is not over here (its ready persists this one as any save, or defers or refuses it)
                 return False
-            self.results.pop(key)  # it ended: this one is a new save that replaces it (as persist())
-            self.commits_started.discard(key)
-            res = None
+            res = self._replace(run, key)  # it ended: this one is a new save that replaces it (as persist())
         if self._commit_over(run, key):  # a late part of a failed save: none written (see persist())
             return False
         if res is None:
@@ -390,6 +399,9 @@ class Scheduler:
             res = self.results.get((run_id, step, dirname))
             if res is not None:
                 res.notices += 1
+                if aborted and not removed and res.stale_aborts > 0:  # the replaced failed save's (_replace)
+                    res.stale_aborts -= 1
+                    aborted = False
                 if aborted:
                     res.aborted_at = time.monotonic()
                 if removed:

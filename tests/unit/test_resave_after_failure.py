@@ -413,3 +413,40 @@ def test_another_nodes_wait_for_the_deletion_ends_on_its_notice_after_a_save_of_
     assert wait_until(lambda: (ckpt, TAG) not in sched.discarding, timeout=10), "still waits for the deletion"
     new = sched.results[(RUN, 7, TAG)]  # the notice is not the new save's: not aborted, nothing removed
     assert new.aborted_at is None and not new.removed.is_set() and not sched._commit_over(run, (RUN, 7, TAG))
+
+
+def test_the_committers_abort_of_a_failed_save_does_not_abort_the_save_of_the_step_again(tmp_path, parts):
+    """Node 1 (ranks 2 and 3 of 4): rank 2's part of step 7 failed, so step 7's save failed here at once and
+    is over; rank 2 saves step 7 again (a new save of the same step), and only then the committer's node says
+    that its commit of step 7 failed (``commit_ended`` ``failed``: it learned of rank 2's failure after node 1
+    did). Right: that notice is the failed save's, the new save is not aborted (before the fix: it was
+    marked aborted, its part was not written and its watch failed at once with "the committer's node reports
+    that the commit failed"); an abort notice after it is the new save's."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    new2 = Slot(index=10, path=os.path.join(ckpt, "rank2"), nbytes=NBYTES, state=SlotState.READY, step=7,
+                run_id=RUN, dirname=TAG, seq=8)
+    sched.slots.ranks[2] = RankEntry(rank=2, slots=[new2], run_id=RUN)
+    partial = _old_part(ckpt, 3, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=2, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    old = _save(sched, 7, state="failed", writers=1, rank_seq={2: 7, 3: 7},
+                part_errors={2: {"type": "OSError", "message": "disk full"}})
+    _end_writer(sched, run, ckpt, 3, 7)  # step 7's save is over here
+    with sched.lock:
+        sched.persist(sched.slots.ranks[2], 7, run)  # rank 2 saves step 7 again
+    new = sched.results[(RUN, 7, TAG)]
+    assert new is not old
+    notices = CommitNotices({}.get, sched.on_notice)
+
+    def ended(state: str) -> None:
+        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": TAG, "state": state})
+
+    ended("failed")  # the committer's abort of the failed save
+    assert new.aborted_at is None and not sched._commit_over(run, (RUN, 7, TAG))
+    shutil.rmtree(partial)
+    ended("removed")
+    assert wait_until(lambda: new.parts_done == {2}, timeout=30), new
+    ended("failed")  # the committer's abort of the new save (ends its watch here)
+    assert wait_until(lambda: new.state == "failed", timeout=30)
+    assert "reports that the commit" in new.error["message"], new.error
