@@ -450,3 +450,22 @@ def test_the_committers_abort_of_a_failed_save_does_not_abort_the_save_of_the_st
     ended("failed")  # the committer's abort of the new save (ends its watch here)
     assert wait_until(lambda: new.state == "failed", timeout=30)
     assert "reports that the commit" in new.error["message"], new.error
+
+
+def test_a_crash_flush_of_a_one_rank_step_whose_free_space_check_refused_it_writes_it(tmp_path, parts):
+    """One rank: its free-space check refused step 2 (``fail_part``: nothing written; a one-rank run starts no
+    commit, so that save is over), then the job dies holding step 2 in memory. Right: the crash flush writes
+    step 2 (before the fix: the refused save's record, pending forever, read as "its save is already pending",
+    and the newest step was not flushed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
+    s = Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=2, run_id=RUN,
+             dirname=TAG, seq=2)
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[s], run_id=RUN)
+    sched.fail_part(0, run, 2, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+    with sched.lock:
+        assert flush_newest(run, sched.slots, sched, "crashed") == 2
+    assert wait_until(lambda: sched.results[(RUN, 2, TAG)].state != "pending", timeout=30)
+    res = sched.results[(RUN, 2, TAG)]
+    assert res.state == "committed", res.error
+    _assert_part(ckpt, TAG, 0, 2)
