@@ -66,7 +66,10 @@ def flush_newest(run: Run, slots: SlotTable, scheduler: Scheduler, why: str,
                   and s.state in HELD), key=lambda s: s.seq)
     key = (run.run_id, step, newest.dirname)
     res = scheduler.result(key)
-    if res is not None and res.state != "failed":
+    # (a pending record with no commit and no writer: a one-rank run's save refused before it reached the
+    # persister, fail_part, which is over and is flushed as a failed one)
+    if res is not None and res.state != "failed" and (
+            res.state != "pending" or key in scheduler.commits_started or res.writers > 0):
         return None
     if res is not None and res.writers > 0:
         # that failed save is not over here: its writers still write into the partial directory deleted once

@@ -84,6 +84,8 @@ class Result:
     removed: threading.Event = field(default_factory=threading.Event)
     # ranks whose save of this step again waits for this failed save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
+    # another node: the committer's abort notices still to come for the failed save this one replaced (not ours)
+    stale_aborts: int = 0
 
 
 class Scheduler:
@@ -121,6 +123,9 @@ class Scheduler:
         # remote-only mode, its prefix) has ended, off the lock; on another node than the committer's: once the
         # committer's deletion is known to have ended (_await_removal_task). A later save of it waits for that
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
+        # another node than the committer's: failed save -> the event its _await_removal_task waits on (its
+        # record may be replaced meanwhile by a save of the same step again, which the notice must not touch)
+        self.removal_waits: Dict[SaveKey, threading.Event] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
         # wakes _wait_for_directory
         self.ended = threading.Condition(lock)
@@ -214,18 +219,22 @@ class Scheduler:
                 # its record and its partial directory is deleted once they have. This save starts then
                 if entry.rank not in res.deferred:
                     res.deferred.add(entry.rank)
-                    self.when_over(key, lambda: self._persist_deferred(entry, step, run, res))
+                    s.pins += 1  # never handed out meanwhile (the rank's next snapshots go on)
+                    self.when_over(key, lambda: self._persist_deferred(entry, step, run, res, s))
                 return
             if res.state == "pending" and in_flight:
                 raise PersisterError(
                     f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
                     "the same step to the same directory must wait for the first (Checkpointer.wait())")
-            self.results.pop(key)  # the earlier save ended: this one is a new save that replaces it
-            self.commits_started.discard(key)
-            res = None
+            res = self._replace(run, key)  # the earlier save ended: this one is a new save that replaces it
         if res is None:
             res = self.results.setdefault(key, Result())
         if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
+            return
+        if self._commit_over(run, key):
+            # a late part of a failed save (its rank gets the commit's error): no writer. One would wait in the
+            # pool behind a next save's writers that wait for this save to be over, and its end, this save's
+            # last writer again, would delete the partial directory again, with the next save's parts in it
             return
         res.rank_seq[entry.rank] = s.seq
         self.slots.start_persist(s)
@@ -237,9 +246,22 @@ class Scheduler:
             self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
                                self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
 
-    def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result) -> None:
+    def _replace(self, run: Run, key: SaveKey) -> Result:
+        """The record of a new save ``key`` that replaces the ended one (called with the lock). On another node
+        than the committer's, a failed one whose abort notice has not come yet: that notice, when it comes, is
+        the old save's (this node ended it on its own part's failure first), not the new one's."""
+        old = self.results.pop(key)
+        self.commits_started.discard(key)
+        res = self.results[key] = Result()
+        if not run.committer and not run.remote_only and old.state == "failed" and old.aborted_at is None:
+            res.stale_aborts = 1
+        return res
+
+    def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result, s: Slot) -> None:
         """:meth:`persist` of a save that waited for the failed save ``old`` of its step and directory to be
-        over (called with the lock, by :meth:`when_over`); if it cannot start, the rank hears ``old``'s failure."""
+        over (called with the lock, by :meth:`when_over`; ``s``: the rank's slot it saves, pinned meanwhile);
+        if it cannot start, the rank hears ``old``'s failure."""
+        s.pins -= 1
         try:
             self.persist(entry, step, run)
         except Exception as e:
@@ -254,8 +276,9 @@ class Scheduler:
         """Start writing rank ``entry``'s part of ``step`` from slot ``s`` while the rank still copies into it
         (a streamed save, :mod:`snapckpt.persister.stream`), and the step's commit; its ``ready`` comes through
         :meth:`persist`. Returns ``False`` (nothing started) where the part cannot stream: a remote-only run, a
-        slot that is not WRITING(``step``), an index outside the slot, or a save of the same step and directory
-        by this rank still pending (``ready`` then persists it as any save, or refuses it)."""
+        slot that is not WRITING(``step``), an index outside the slot, a save of the same step and directory
+        by this rank not yet over here (``ready`` then persists it as any save, or defers or refuses it), or a
+        save whose commit is known here to have failed already (no part of it is written)."""
         if (run.remote_only or s.state != SlotState.WRITING or s.step != step or s.stream is not None
                 or not 0 < data_end <= index_offset or index_offset + index_nbytes > s.nbytes):
             return False
@@ -263,11 +286,12 @@ class Scheduler:
         res = self.results.get(key)
         if res is not None and any(entry.rank in x for x in (res.rank_seq, res.streams, res.parts_done,
                                                              res.part_errors)):
-            if res.state == "pending":  # this rank's earlier save of the same step and directory
+            if res.state == "pending" or res.writers > 0:  # this rank's earlier save of the same step and
+                # directory is not over here (its ready persists this one as any save, or defers or refuses it)
                 return False
-            self.results.pop(key)  # it ended: this one is a new save that replaces it (as persist())
-            self.commits_started.discard(key)
-            res = None
+            res = self._replace(run, key)  # it ended: this one is a new save that replaces it (as persist())
+        if self._commit_over(run, key):  # a late part of a failed save: none written (see persist())
+            return False
         if res is None:
             res = self.results.setdefault(key, Result())
         st = Stream(entry.rank, step, data_end)
@@ -365,11 +389,19 @@ class Scheduler:
         this node's watch of that commit even if a late part re-created the partial directory.
         ``committed``: the committer's commit of it ended committed (the watch ends committed even when
         retention has retired the directory before the watch read its manifest). ``removed``: the committer's
-        deletion of its partial directory ended (:meth:`_await_removal_task`)."""
+        deletion of its partial directory ended (:meth:`_await_removal_task`; once that wait started, the
+        notice ends it and leaves the save's record alone: it may be a save of the same step again)."""
         with self.lock:
+            waiting = self.removal_waits.pop((run_id, step, dirname), None) if removed else None
+            if waiting is not None:
+                waiting.set()
+                return
             res = self.results.get((run_id, step, dirname))
             if res is not None:
                 res.notices += 1
+                if aborted and not removed and res.stale_aborts > 0:  # the replaced failed save's (_replace)
+                    res.stale_aborts -= 1
+                    aborted = False
                 if aborted:
                     res.aborted_at = time.monotonic()
                 if removed:
@@ -668,6 +700,7 @@ class Scheduler:
             self.remove_pool.submit(self._remove_partial_task, run, key, partial, done)
         else:  # (a thread: it may wait a commit timeout for a committer that never says it, and must not
             # hold up the next directory's wait behind it)
+            self.removal_waits[key] = res.removed
             threading.Thread(target=self._await_removal_task, args=(run, res, key, partial, done), daemon=True,
                              name="snapckpt-await-removal").start()
 
@@ -708,6 +741,9 @@ class Scheduler:
                     break
                 res.removed.wait(min(BACKSTOP_SECS, left))
         finally:
+            with self.lock:
+                if self.removal_waits.get(key) is res.removed:
+                    del self.removal_waits[key]
             self._deletion_ended(run, key, done)
 
     def _deletion_ended(self, run: Run, key: SaveKey, done: threading.Event) -> None:

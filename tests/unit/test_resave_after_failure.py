@@ -14,6 +14,7 @@ writes at once (the bug) has written before the earlier save ends, one that wait
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import json
 import os
@@ -257,10 +258,11 @@ def test_a_save_of_the_same_step_again_while_a_writer_of_its_failed_save_still_r
     with sched.lock:
         sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again
     assert sched.results[(RUN, 7, TAG)] is old and old.deferred == {0}  # not started: the old save goes on
+    assert new0.pins == 1  # the slot is not handed out meanwhile (before: the rank's next snapshot took it)
     _end_writer(sched, run, ckpt, 1, 7, old1)  # the failed save is over: its partial directory is deleted
     assert wait_until(lambda: sched.results[(RUN, 7, TAG)] is not old
                       and sched.results[(RUN, 7, TAG)].parts_done == {0}, timeout=30)
-    assert not old.deferred
+    assert not old.deferred and new0.pins == 0
     with sched.lock:
         sched.persist(sched.slots.ranks[1], 7, run)  # rank 1 saves step 7 again (its slot is READY now)
     assert wait_until(lambda: sched.results[(RUN, 7, TAG)].state != "pending", timeout=30)
@@ -268,3 +270,202 @@ def test_a_save_of_the_same_step_again_while_a_writer_of_its_failed_save_still_r
     assert res.state == "committed", res.error
     for r in (0, 1):
         _assert_part(ckpt, TAG, r, 7)
+
+
+def test_a_one_rank_save_of_a_step_again_after_its_refused_part_starts_at_once(tmp_path, parts):
+    """One rank: its free-space check refused step 2 (``fail_part``: nothing written, and in a one-rank run
+    no commit started, so that save is over already), then it saves step 2 again. Right: the new save starts
+    at once and commits (before the fix: it was deferred until the refused save was over, which never came:
+    the rank's status said pending until its wait timed out)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
+    s = Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=2, run_id=RUN,
+             dirname=TAG, seq=2)
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[s], run_id=RUN)
+    sched.fail_part(0, run, 2, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+    with sched.lock:
+        sched.persist(sched.slots.ranks[0], 2, run)
+    assert not sched.results[(RUN, 2, TAG)].deferred
+    assert wait_until(lambda: sched.results[(RUN, 2, TAG)].state != "pending", timeout=30)
+    res = sched.results[(RUN, 2, TAG)]
+    assert res.state == "committed", res.error
+    _assert_part(ckpt, TAG, 0, 2)
+
+
+def _late_rank(ckpt: str, sched: Scheduler, rank: int, step: int) -> None:
+    """Rank ``rank`` holds its READY snapshot of ``step`` (its copy ended late: it persists it only now)."""
+    s = Slot(index=20 + rank, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES, state=SlotState.READY,
+             step=step, run_id=RUN, dirname=TAG, seq=step)
+    sched.slots.ranks[rank] = RankEntry(rank=rank, slots=[s], run_id=RUN)
+
+
+def test_a_late_part_of_a_failed_save_does_not_starve_the_writers_of_the_next_save(tmp_path, parts):
+    """Three local ranks: step 7's commit of ``best`` failed at once on rank 0's part while rank 2's writer of
+    it still runs; rank 0 heard it and saves the tag again (step 8): its writer takes the pool's thread and
+    waits for step 7's save to be over. Then rank 1, whose copy of step 7 ended late, persists it. Right:
+    rank 1's part of the failed save is not written (its commit is over) and step 8's part is written once
+    rank 2's writer ended (before the fix: rank 1's writer was queued behind step 8's, which waited for it:
+    the pool never ran again; the persister has 4 writer threads, so 4 local ranks saving the tag again
+    did it, here the pool has 1)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=3, local_ranks=(0, 1, 2))
+    sched.pool = cf.ThreadPoolExecutor(max_workers=1)
+    _old_part(ckpt, 2, 7)
+    old = _save(sched, 7, state="failed", writers=1, rank_seq={0: 7, 2: 7},
+                part_errors={0: {"type": "OSError", "message": "disk full"}})
+    _late_rank(ckpt, sched, 0, 8)
+    _late_rank(ckpt, sched, 1, 7)
+    try:
+        with sched.lock:
+            sched.persist(sched.slots.ranks[0], 8, run)  # step 8: its writer waits for step 7's rank 2
+        with sched.lock:
+            sched.persist(sched.slots.ranks[1], 7, run)  # step 7's late part
+        _end_writer(sched, run, ckpt, 2, 7)
+        assert wait_until(lambda: sched.results[(RUN, 8, TAG)].parts_done == {0}, timeout=30), \
+            "step 8's writer never ran"
+        assert 1 not in old.parts_done and old.writers == 0
+    finally:
+        with sched.lock:  # (before the fix: unblock the pool, so that the test ends)
+            old.writers = 0
+            sched.ended.notify_all()
+        sched.fail_part(1, run, 8, TAG, {"type": "OSError", "message": "ends step 8's commit"})
+        sched.pool.shutdown(wait=True)
+    sched.syncer.shutdown()
+    sched.remove_pool.shutdown(wait=True)
+
+
+def test_a_late_part_of_a_failed_save_does_not_delete_the_next_saves_files(tmp_path, parts):
+    """The committer's node: step 7's save of ``best`` failed and is over (its partial directory deleted); rank 0
+    has written its part of step 8 into a new partial directory; rank 1, whose copy of step 7 ended late,
+    persists it now. Right: rank 1's part of step 7 is not written and step 8's part stays (before the fix:
+    rank 1's writer ran, refused to write (the commit is over), and its end, the failed save's last writer
+    again, deleted the partial directory a second time, with step 8's part in it)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    _save(sched, 7, state="failed", rank_seq={0: 7}, part_errors={0: {"type": "OSError", "message": "disk full"}})
+    _done_part(ckpt, 0, 8)
+    _save(sched, 8, parts_done={0}, rank_seq={0: 8})
+    _late_rank(ckpt, sched, 1, 7)
+    with sched.lock:
+        sched.persist(sched.slots.ranks[1], 7, run)
+    sched.pool.shutdown(wait=True)
+    sched.syncer.shutdown()
+    sched.remove_pool.shutdown(wait=True)
+    _assert_part(ckpt, partial_dirname(TAG, RUN), 0, 8)
+
+
+def test_a_streamed_save_of_a_step_again_while_its_failed_save_is_not_over_does_not_replace_it(tmp_path, parts):
+    """Two local ranks: step 7's save of ``best`` failed on rank 0's own part while rank 1's writer of it still
+    runs, and rank 0 saves step 7 again as a streamed save. Right: the stream does not start (the rank's
+    ``ready`` then defers the save until the failed one is over, as :meth:`Scheduler.persist` does) and the
+    failed save's record stays (before the fix: the stream replaced it at once, and rank 1's old writer ended
+    on the new record)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    old = _save(sched, 7, state="failed", writers=1, rank_seq={0: 7, 1: 7},
+                part_errors={0: {"type": "OSError", "message": "disk full"}})
+    s = Slot(index=10, path=os.path.join(ckpt, "rank0"), nbytes=4 * NBYTES, state=SlotState.WRITING, step=7,
+             run_id=RUN, dirname=TAG, seq=8)
+    entry = RankEntry(rank=0, slots=[s], run_id=RUN)
+    with sched.lock:
+        started = sched.stream(entry, s, run, 7, TAG, "", "", 2 * NBYTES, NBYTES, NBYTES)
+    assert not started and sched.results[(RUN, 7, TAG)] is old and old.writers == 1
+
+
+def test_a_streamed_late_part_of_a_failed_save_is_not_written(tmp_path, parts):
+    """Step 7's save of ``best`` failed and is over on the committer's node; rank 1 streams its part of step 7
+    late. Right: no stream and no writer (its ``ready`` then finds the commit over: nothing written), as a
+    late part that is not streamed (before the fix: a writer started on the failed save's record)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    old = _save(sched, 7, state="failed", rank_seq={0: 7}, part_errors={0: {"type": "OSError", "message": "disk full"}})
+    s = Slot(index=11, path=os.path.join(ckpt, "rank1"), nbytes=4 * NBYTES, state=SlotState.WRITING, step=7,
+             run_id=RUN, dirname=TAG, seq=7)
+    with sched.lock:
+        started = sched.stream(RankEntry(rank=1, slots=[s], run_id=RUN), s, run, 7, TAG, "", "", 2 * NBYTES,
+                               NBYTES, NBYTES)
+    assert not started and old.writers == 0 and not old.streams
+
+
+def test_another_nodes_wait_for_the_deletion_ends_on_its_notice_after_a_save_of_the_step_again(tmp_path, parts):
+    """Node 1 (ranks 2 and 3 of 4): step 7's save of ``best`` failed and is over here; rank 2 saves step 7 again
+    at once (a new record of the same save); the committer's node deletes the partial directory, its own save
+    of step 7 again re-creates it with its part (a marker of step 7 again), then the ``removed`` notice of the
+    deletion comes. Right: node 1's wait for the deletion ends on that notice (before the fix: the notice was
+    set on the new record, the wait read the directory, saw only step-7 markers and waited the commit
+    timeout, 600 s, holding every save of the tag on the node; and the notice marked the new save aborted:
+    its parts were not written and its watch failed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    partial = _old_part(ckpt, 1, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    _save(sched, 7, state="failed", writers=1)
+    _end_writer(sched, run, ckpt, 3, 7)  # step 7's save is over here: the wait for the deletion starts
+    assert (ckpt, TAG) in sched.discarding
+    with sched.lock:  # rank 2 saves step 7 again (the new save's record)
+        del sched.results[(RUN, 7, TAG)]
+        sched.results[(RUN, 7, TAG)] = Result()
+    shutil.rmtree(partial)  # the committer deletes it, its save of step 7 again re-creates it
+    _done_part(ckpt, 0, 7)
+    CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
+                                                          "dirname": TAG, "state": "removed"})
+    assert wait_until(lambda: (ckpt, TAG) not in sched.discarding, timeout=10), "still waits for the deletion"
+    new = sched.results[(RUN, 7, TAG)]  # the notice is not the new save's: not aborted, nothing removed
+    assert new.aborted_at is None and not new.removed.is_set() and not sched._commit_over(run, (RUN, 7, TAG))
+
+
+def test_the_committers_abort_of_a_failed_save_does_not_abort_the_save_of_the_step_again(tmp_path, parts):
+    """Node 1 (ranks 2 and 3 of 4): rank 2's part of step 7 failed, so step 7's save failed here at once and
+    is over; rank 2 saves step 7 again (a new save of the same step), and only then the committer's node says
+    that its commit of step 7 failed (``commit_ended`` ``failed``: it learned of rank 2's failure after node 1
+    did). Right: that notice is the failed save's, the new save is not aborted (before the fix: it was
+    marked aborted, its part was not written and its watch failed at once with "the committer's node reports
+    that the commit failed"); an abort notice after it is the new save's."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    new2 = Slot(index=10, path=os.path.join(ckpt, "rank2"), nbytes=NBYTES, state=SlotState.READY, step=7,
+                run_id=RUN, dirname=TAG, seq=8)
+    sched.slots.ranks[2] = RankEntry(rank=2, slots=[new2], run_id=RUN)
+    partial = _old_part(ckpt, 3, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=2, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    old = _save(sched, 7, state="failed", writers=1, rank_seq={2: 7, 3: 7},
+                part_errors={2: {"type": "OSError", "message": "disk full"}})
+    _end_writer(sched, run, ckpt, 3, 7)  # step 7's save is over here
+    with sched.lock:
+        sched.persist(sched.slots.ranks[2], 7, run)  # rank 2 saves step 7 again
+    new = sched.results[(RUN, 7, TAG)]
+    assert new is not old
+    notices = CommitNotices({}.get, sched.on_notice)
+
+    def ended(state: str) -> None:
+        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": TAG, "state": state})
+
+    ended("failed")  # the committer's abort of the failed save
+    assert new.aborted_at is None and not sched._commit_over(run, (RUN, 7, TAG))
+    shutil.rmtree(partial)
+    ended("removed")
+    assert wait_until(lambda: new.parts_done == {2}, timeout=30), new
+    ended("failed")  # the committer's abort of the new save (ends its watch here)
+    assert wait_until(lambda: new.state == "failed", timeout=30)
+    assert "reports that the commit" in new.error["message"], new.error
+
+
+def test_a_crash_flush_of_a_one_rank_step_whose_free_space_check_refused_it_writes_it(tmp_path, parts):
+    """One rank: its free-space check refused step 2 (``fail_part``: nothing written; a one-rank run starts no
+    commit, so that save is over), then the job dies holding step 2 in memory. Right: the crash flush writes
+    step 2 (before the fix: the refused save's record, pending forever, read as "its save is already pending",
+    and the newest step was not flushed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
+    s = Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=2, run_id=RUN,
+             dirname=TAG, seq=2)
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[s], run_id=RUN)
+    sched.fail_part(0, run, 2, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+    with sched.lock:
+        assert flush_newest(run, sched.slots, sched, "crashed") == 2
+    assert wait_until(lambda: sched.results[(RUN, 2, TAG)].state != "pending", timeout=30)
+    res = sched.results[(RUN, 2, TAG)]
+    assert res.state == "committed", res.error
+    _assert_part(ckpt, TAG, 0, 2)
