@@ -156,6 +156,18 @@ def test_a_resave_while_a_writer_of_the_failed_save_still_runs_keeps_its_files(t
     assert sched.results[(RUN, 8, TAG)].parts_done == {0}
 
 
+def _other_node_failed_over(ckpt: str):
+    """Node 1 (ranks 2 and 3 of 4): step 7's save of ``TAG`` failed (rank 0's failure marker in the partial
+    directory, beside rank 1's file) and its last writer here ended: ``(scheduler, run, partial directory)``."""
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    partial = _old_part(ckpt, 1, 7)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
+                         exc=OSError(errno.ENOSPC, "disk full"))
+    _save(sched, 7, state="failed", writers=1)
+    _end_writer(sched, run, ckpt, 3, 7)
+    return sched, run, partial
+
+
 @pytest.mark.parametrize("notice", ["removed", "lost", "lost_and_recreated"])
 def test_a_resave_on_another_node_waits_for_the_committers_deletion(tmp_path, parts, notice):
     """Node 1 (ranks 2 and 3 of 4): its watch of step 7 failed (rank 0's failure marker) and its last writer
@@ -165,12 +177,7 @@ def test_a_resave_on_another_node_waits_for_the_committers_deletion(tmp_path, pa
     seen without step 7's markers (the committer's part of step 8 re-created it); then it is written
     (before the fix: it was written at once, then deleted by the committer)."""
     ckpt = str(tmp_path)
-    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
-    partial = _old_part(ckpt, 1, 7)
-    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
-                         exc=OSError(errno.ENOSPC, "disk full"))
-    _save(sched, 7, state="failed", writers=1)
-    _end_writer(sched, run, ckpt, 3, 7)
+    sched, run, partial = _other_node_failed_over(ckpt)
     t = _write(sched, run, ckpt, 2, 8)
     shutil.rmtree(partial)  # the committer's node deletes step 7's partial directory, then says so
     if notice == "removed":
@@ -272,17 +279,24 @@ def test_a_save_of_the_same_step_again_while_a_writer_of_its_failed_save_still_r
         _assert_part(ckpt, TAG, r, 7)
 
 
+def _one_rank_refused(ckpt: str):
+    """A one-rank node holding step 2 of ``TAG`` in a READY slot, whose free-space check refused that save
+    (``fail_part``): ``(scheduler, run)``."""
+    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
+    s = Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=2, run_id=RUN,
+             dirname=TAG, seq=2)
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[s], run_id=RUN)
+    sched.fail_part(0, run, 2, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+    return sched, run
+
+
 def test_a_one_rank_save_of_a_step_again_after_its_refused_part_starts_at_once(tmp_path, parts):
     """One rank: its free-space check refused step 2 (``fail_part``: nothing written, and in a one-rank run
     no commit started, so that save is over already), then it saves step 2 again. Right: the new save starts
     at once and commits (before the fix: it was deferred until the refused save was over, which never came:
     the rank's status said pending until its wait timed out)."""
     ckpt = str(tmp_path)
-    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
-    s = Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=2, run_id=RUN,
-             dirname=TAG, seq=2)
-    sched.slots.ranks[0] = RankEntry(rank=0, slots=[s], run_id=RUN)
-    sched.fail_part(0, run, 2, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+    sched, run = _one_rank_refused(ckpt)
     with sched.lock:
         sched.persist(sched.slots.ranks[0], 2, run)
     assert not sched.results[(RUN, 2, TAG)].deferred
@@ -396,12 +410,7 @@ def test_another_nodes_wait_for_the_deletion_ends_on_its_notice_after_a_save_of_
     timeout, 600 s, holding every save of the tag on the node; and the notice marked the new save aborted:
     its parts were not written and its watch failed)."""
     ckpt = str(tmp_path)
-    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
-    partial = _old_part(ckpt, 1, 7)
-    write_failure_marker(PosixStorage(fsync=False), partial, rank=0, run_id=RUN, step=7,
-                         exc=OSError(errno.ENOSPC, "disk full"))
-    _save(sched, 7, state="failed", writers=1)
-    _end_writer(sched, run, ckpt, 3, 7)  # step 7's save is over here: the wait for the deletion starts
+    sched, run, partial = _other_node_failed_over(ckpt)  # step 7's save is over here: the wait for the deletion starts
     assert (ckpt, TAG) in sched.discarding
     with sched.lock:  # rank 2 saves step 7 again (the new save's record)
         del sched.results[(RUN, 7, TAG)]
@@ -458,11 +467,7 @@ def test_a_crash_flush_of_a_one_rank_step_whose_free_space_check_refused_it_writ
     step 2 (before the fix: the refused save's record, pending forever, read as "its save is already pending",
     and the newest step was not flushed)."""
     ckpt = str(tmp_path)
-    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
-    s = Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=2, run_id=RUN,
-             dirname=TAG, seq=2)
-    sched.slots.ranks[0] = RankEntry(rank=0, slots=[s], run_id=RUN)
-    sched.fail_part(0, run, 2, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+    sched, run = _one_rank_refused(ckpt)
     with sched.lock:
         assert flush_newest(run, sched.slots, sched, "crashed") == 2
     assert wait_until(lambda: sched.results[(RUN, 2, TAG)].state != "pending", timeout=30)
