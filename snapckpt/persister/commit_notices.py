@@ -188,6 +188,8 @@ class CommitNotices:
             log.warning("ignored a malformed commit notice from a peer of run %s: %s", run_id, str(header)[:200])
             return
         self.received += 1
+        log.debug("peer notice of run %s: %s of step %d (%s)%s", run_id, header.get("op"), step, dirname,
+                  f", {header.get('state')}" if header.get("state") else "")
         ended = header.get("op") == "commit_ended"
         state = header.get("state") if ended else None
         more = {"removed": True} if state == "removed" else {}
