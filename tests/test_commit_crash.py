@@ -226,16 +226,19 @@ def test_contract5_a_commit_in_flight_is_not_retired_by_a_later_saves_retention(
     commit is held after its rename, before its tracker (a fault point), while step 2 commits with
     ``keep_last=1``. Step 2's retention must not retire step 1, still in flight: until its commit is reported
     the other nodes' watchers read its manifest (one that vanished reads as an aborted commit there). Before,
-    step 1 was gone when its commit answered. Step 1 is retired by the next commit's retention, and the
-    tracker stays on step 2 throughout (step 1 is behind it)."""
+    step 1 was gone when its commit answered. Step 1 is retired by its own retention once its commit has
+    answered (not left until a next commit), and the tracker stays on step 2 throughout (step 1 is behind
+    it)."""
     monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "commit.before_tracker:step=1:action=sleep:secs=3")  # the persister's
     d = snap_env.ckpt_dir
     with Checkpointer(d, keep_last=1, **OPTS) as ck:
         h1 = ck.save(make_state(1, 0), 1)
         ck.save(make_state(2, 0), 2).wait()
         assert not h1.done()
+        assert committed_steps(d) == [1, 2] and tracker(d) == "step_00000002"  # in place, still in flight
         h1.wait()
-        assert committed_steps(d) == [1, 2] and tracker(d) == "step_00000002"
+        assert wait_until(lambda: committed_steps(d) == [2], timeout=20), committed_steps(d)
+        assert tracker(d) == "step_00000002"
         ck.save(make_state(3, 0), 3).wait()
     assert committed_steps(d) == [3] and tracker(d) == "step_00000003"
 
@@ -970,21 +973,34 @@ def test_B9_C5_commit_checks_exact_set_of_parts(snap_env):
 
 
 # ------------------------------------------------------------------------------------ retention / C3
-def test_C3_retention_follows_save_order_when_commits_finish_out_of_order(snap_env, monkeypatch):
-    """Five DISK saves back to back with keep_last=3; the commits of steps 2-4 are held back (a fault
-    point sleeps before their rename), so step 5 commits before them. Found by a new-user trial: retention
-    ordered checkpoints by commit time, deleted step 5 (the one ``latest`` names) and a restart resumed
-    from step 4. Right: retention follows the save order, steps 3, 4, 5 remain, ``latest`` names 5 and
-    the load gives step 5."""
+@pytest.mark.parametrize("release", [(2, 3, 4), (3, 4, 2), (4, 2, 3)], ids=lambda r: "".join(map(str, r)))
+def test_C3_retention_follows_save_order_when_commits_finish_out_of_order(snap_env, monkeypatch, tmp_path,
+                                                                           release):
+    """Five DISK saves back to back with keep_last=3; the commits of steps 2-4 are held before their rename
+    (fault points waiting on files), so step 5 commits first; then they are released one by one in the
+    order ``release``. Found by a new-user trial: retention ordered checkpoints by commit time, deleted
+    step 5 (the one ``latest`` names) and a restart resumed from step 4. Later found by a fresh-clone run
+    (release order 3, 4, 2): step 2's commit, ending last, was kept by its own retention (it protected
+    every commit in flight, itself included) until a next commit that never came. Right, in every order:
+    retention follows the save order, exactly steps 3, 4, 5 remain once the commits are over, ``latest``
+    names 5 throughout and the load gives step 5."""
+    gates = {s: str(tmp_path / f"release_{s}") for s in (2, 3, 4)}
     monkeypatch.setenv("SNAPCKPT_FAULT_POINT", ";".join(
-        f"commit.before_rename:step={s}:action=sleep:secs=1.5" for s in (2, 3, 4)))
+        f"commit.before_rename:step={s}:action=wait:secs=60:path={gates[s]}" for s in (2, 3, 4)))
     d = snap_env.ckpt_dir
     with Checkpointer(d, keep_last=3, **{**OPTS, "fsync": False}) as ck:
-        handles = [ck.save(make_state(step, 0), step) for step in range(1, 6)]
-        for h in handles:
-            h.wait()
-        assert committed_steps(d) == [3, 4, 5] and tracker(d) == "step_00000005"
+        handles = {step: ck.save(make_state(step, 0), step) for step in range(1, 6)}
+        handles[5].wait()
+        handles[1].wait()
+        assert tracker(d) == "step_00000005"
+        for s in release:
+            open(gates[s], "w").close()
+            handles[s].wait()
+            assert tracker(d) == "step_00000005"
+        # the last commit's own retirement runs just after its answer
+        assert wait_until(lambda: committed_steps(d) == [3, 4, 5], timeout=20), committed_steps(d)
         assert_equal_state(ck.load(), 5)
+    assert committed_steps(d) == [3, 4, 5] and tracker(d) == "step_00000005"
 
 
 def test_C3_retention_keeps_newest_two_and_tolerates_dirs_deleted_by_others(snap_env):

@@ -17,7 +17,9 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
 5. runs retention (holding the checkpoint directory's lock, which step 3's renames take too: commits run
    in parallel, and retention retires directories by name from its listing). It protects the directories
    whose commits are still in flight (``CommitRequest.in_flight``): one that ends after a later save's is
-   in place before its answer, and the other nodes' watchers read its manifest until then.
+   in place before its answer, and the other nodes' watchers read its manifest until then. A commit that
+   ended behind later saves' commits, and is itself beyond the newest ``keep_last``, is retired by its own
+   retention once its answer is out (:func:`retire_after_answer`), not left for the next commit.
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
 to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node).
@@ -55,7 +57,7 @@ from snapckpt.persister.leftovers import leftover_run, writer_is_dead
 from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
-__all__ = ["CommitRequest", "commit", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
+__all__ = ["CommitRequest", "commit", "retire_after_answer", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
            "raise_local_failure", "BACKSTOP_SECS", "WATCH_GRACE_SECS", "NOTICE_GRACE_SECS"]
 
 log = logging.getLogger(__name__)
@@ -315,7 +317,8 @@ def _put_back(storage: StorageWriter, aside: str, req: CommitRequest) -> None:
 
 
 def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
-           remove_partial_on_failure: bool = True, defer_deletion: Optional[List[str]] = None) -> Dict[str, Any]:
+           remove_partial_on_failure: bool = True, defer_deletion: Optional[List[str]] = None,
+           late: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the commit sequence for one step; return the manifest.
 
     Args:
@@ -325,6 +328,10 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         defer_deletion: when a list is given, checkpoints retired by retention are renamed to hidden
             directories listed there, for the caller to delete after it has reported the commit (see
             :mod:`snapckpt.persister.retention`).
+        late: when a list is given and retention kept this checkpoint only because its own commit was in
+            flight (it ended behind later saves' commits, beyond the newest ``keep_last``), its directory
+            name is appended: the caller retires it with :func:`retire_after_answer` once it has reported the
+            commit. Without the list it stays until the next commit's retention.
 
     Raises:
         CommitTimeoutError: ranks missing at the deadline (named in the message).
@@ -395,12 +402,33 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         if req.keep_last is not None:
             with _dir_lock(req.checkpoint_dir):  # its listing holds until it has retired what it chose
                 in_flight = req.in_flight() if req.in_flight is not None else []
+                spared: List[str] = []
                 apply_retention(storage, reader, req.checkpoint_dir, req.keep_last,
-                                protect=[req.dirname, *in_flight],
-                                defer_to=defer_deletion, run_id=req.run_id, step=req.step)
+                                protect=[req.dirname, *in_flight], defer_to=defer_deletion,
+                                run_id=req.run_id, step=req.step, spared=spared)
+                if late is not None and req.dirname in spared:
+                    late.append(req.dirname)
     except OSError as e:  # retention never fails a commit that already happened
         log.warning("retention after step %d failed: %s", req.step, e)
     return manifest
+
+
+def retire_after_answer(storage: StorageWriter, reader: StorageReader, req: CommitRequest,
+                        defer_deletion: Optional[List[str]] = None) -> List[str]:
+    """Run ``req``'s retention again once its commit is reported, no longer protecting it (``commit``'s
+    ``late``): a commit that ended behind later saves' commits is retired now if it is still beyond the
+    newest ``req.keep_last`` (a later save of the same directory may have replaced it meanwhile; the listing
+    is read again). Other nodes' watchers that have not read its manifest yet end on the committer's
+    committed notice (:func:`watch_commit`). Returns the retired directory names (``defer_deletion``: as
+    :func:`commit`'s).
+
+    Raises:
+        OSError: the filesystem failed (the commit itself stands).
+    """
+    with _dir_lock(req.checkpoint_dir):
+        in_flight = req.in_flight() if req.in_flight is not None else []
+        return apply_retention(storage, reader, req.checkpoint_dir, req.keep_last, protect=in_flight,
+                               defer_to=defer_deletion, run_id=req.run_id, step=req.step)
 
 
 def watch_commit(reader: StorageReader, req: CommitRequest) -> Optional[Dict[str, Any]]:

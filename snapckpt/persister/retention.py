@@ -34,15 +34,19 @@ def trash_dirname(dirname: str, run_id: str) -> str:
 
 def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_dir: str,
                     keep_last: Optional[int], protect: Iterable[str] = (), *,
-                    defer_to: Optional[List[str]] = None, run_id: str = "", step: int = -1) -> List[str]:
+                    defer_to: Optional[List[str]] = None, run_id: str = "", step: int = -1,
+                    spared: Optional[List[str]] = None) -> List[str]:
     """Delete committed checkpoints beyond the newest ``keep_last``; return the retired directory names.
 
     Args:
+        protect: directory names never retired here (commits in flight).
         defer_to: when a list is given, each retired checkpoint is renamed to
             :func:`trash_dirname` ``(dirname, run_id)`` and that absolute path is appended to the list for
             the caller to ``remove_tree``; otherwise it is deleted here.
         run_id: the committing run's id (names the hidden directories when ``defer_to`` is given).
         step: the committed step whose commit runs this retention (fault point ``commit.retention_listed``).
+        spared: when a list is given, the names in ``protect`` that are committed and would otherwise have
+            been retired are appended to it.
     """
     if keep_last is None:
         return []
@@ -54,10 +58,15 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
     # and may finish out of order, and the newest save (the one the tracker names) must never rotate
     # away because an older save committed after it. Manifests without requested_unix: commit time.
     committed.sort(key=lambda c: save_order(c.manifest))
-    keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
+    newest = {c.dirname for c in committed[-keep_last:]}
+    protect = set(protect)
     deleted = []
     for c in committed:
-        if c.dirname in keep:
+        if c.dirname in newest:
+            continue
+        if c.dirname in protect:
+            if spared is not None:
+                spared.append(c.dirname)
             continue
         if defer_to is None:
             storage.remove_tree(c.path)

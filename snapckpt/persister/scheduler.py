@@ -42,7 +42,7 @@ from snapckpt.errors import CommitError, PersisterError
 from snapckpt.ondisk.manifest import SIDECAR, partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
-from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, watch_commit
+from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, retire_after_answer, watch_commit
 from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
@@ -633,12 +633,14 @@ class Scheduler:
             self._wait_for_directory(run, (req.run_id, req.step, req.dirname), "its commit")
         storage = open_storage(fsync=run.fsync, part=(None, req.step))
         retired: List[str] = []
+        late: List[str] = []  # this checkpoint, if its retention kept it only while its commit was in flight
         t0 = time.monotonic()
         try:
             if run.remote_only:  # one node: its persister is the committer
                 commit_remote(store_for(run.checkpoint_dir), req)
             elif run.committer:
-                manifest = commit(storage, storage, req, remove_partial_on_failure=False, defer_deletion=retired)
+                manifest = commit(storage, storage, req, remove_partial_on_failure=False, defer_deletion=retired,
+                                  late=late)
                 if run.remote_dir:  # in the background: neither the commit's answer nor training waits
                     with self.lock:
                         self.pending += 1
@@ -668,6 +670,11 @@ class Scheduler:
                      req.step, state, time.monotonic() - t0, "committer, checks: listings of the partial "
                      "directory" if run.committer else "watcher, checks: manifest reads", req.stats["listings"],
                      req.stats["wakes"], notices)
+        if late:  # it ended behind later saves' commits: in place until its answer (contract 5), not after
+            try:
+                retire_after_answer(storage, storage, req, defer_deletion=retired)
+            except OSError as e:
+                log.warning("retention after step %d's late commit failed: %s", req.step, e)
         for path in retired:  # after the commit is reported: deleting GiBs takes a while
             try:
                 storage.remove_tree(path)
