@@ -19,8 +19,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import psutil
 import torch
 
-from _ports import (PORT_RETRIES, RendezvousPortTaken, free_port, note_retry, port_taken,  # noqa: F401
-                    release_ports, wait_listening)
+from _ports import (RendezvousPortTaken, free_port, port_taken, release_ports,  # noqa: F401
+                    retry_on_port_taken, wait_listening)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
@@ -201,16 +201,12 @@ def run_ranks(script: str, nprocs: int, args: Sequence[str], env: Dict[str, str]
 
     A launch whose rank 0 could not bind its rendezvous port (:class:`RendezvousPortTaken`: that exact error,
     nothing else) is launched again on a fresh port, at most ``PORT_RETRIES`` times, each retry noted
-    (:func:`note_retry`); no rank got past ``init_process_group`` in the launch that failed so."""
-    for attempt in range(PORT_RETRIES + 1):
+    (:func:`retry_on_port_taken`), then raised; no rank got past ``init_process_group`` in the launch that
+    failed so."""
+    def once() -> List[str]:
         procs = launch(script, nprocs, args, env)
-        try:
-            return finish_ok(procs, timeout) if check else finish(procs, timeout)
-        except RendezvousPortTaken as e:
-            if attempt == PORT_RETRIES:
-                raise
-            note_retry(f"run_ranks({script})", e, attempt + 1)
-    raise AssertionError("unreachable")
+        return finish_ok(procs, timeout) if check else finish(procs, timeout)
+    return retry_on_port_taken(f"run_ranks({script})", once)
 
 
 def run_torchrun(argv: Callable[[int], Sequence[str]], **kw) -> subprocess.CompletedProcess:
@@ -219,19 +215,20 @@ def run_torchrun(argv: Callable[[int], Sequence[str]], **kw) -> subprocess.Compl
     bind the port (:func:`port_taken` in its output, that exact error) is run again on a fresh port, at most
     ``PORT_RETRIES`` times, each retry noted. A c10d rendezvous must pass ``--rdzv_conf is_host=1``: without
     it a taken port makes torchrun connect to whatever holds the port and wait, instead of failing."""
-    for attempt in range(PORT_RETRIES + 1):
+    def once() -> subprocess.CompletedProcess:
         port = free_port()
         cp = subprocess.run(list(argv(port)), capture_output=True, text=True, **kw)
         out = (cp.stdout or "") + (cp.stderr or "")
-        if cp.returncode == 0 or not port_taken(out, port) or attempt == PORT_RETRIES:
-            return cp
-        note_retry(_what("run_torchrun", argv(port)), RendezvousPortTaken(port, out), attempt + 1)
-    raise AssertionError("unreachable")
+        if cp.returncode != 0 and port_taken(out, port):
+            raise RendezvousPortTaken(port, out, result=cp)
+        return cp
+    return retry_on_port_taken(_what("run_torchrun", argv), once)
 
 
-def _what(fn: str, argv: Sequence[str]) -> str:
-    """``fn(<the script>)``: the first ``.py`` argument, for a retry's note."""
-    return f"{fn}({next((os.path.basename(a) for a in argv if a.endswith('.py')), argv[0])})"
+def _what(fn: str, argv: Callable[[int], Sequence[str]]) -> str:
+    """``fn(<the script>)``: the first ``.py`` argument (whatever the port), for a retry's note."""
+    a = list(argv(0))
+    return f"{fn}({next((os.path.basename(x) for x in a if x.endswith('.py')), a[0])})"
 
 
 class _Launcher(subprocess.Popen):
@@ -253,16 +250,16 @@ def start_torchrun(argv: Callable[[int], Sequence[str]], store_timeout: float = 
     exited, or ``store_timeout`` seconds passed: then the caller sees whatever happened). An agent that exited
     because the port was taken (:func:`port_taken`, that exact error) is started again on a fresh port, at
     most ``PORT_RETRIES`` times, each retry noted; its workers had not been started."""
-    for attempt in range(PORT_RETRIES + 1):
+    def once() -> subprocess.Popen:
         port = free_port()
         proc = _Launcher(list(argv(port)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
         if wait_listening(proc.pid, port, store_timeout) or proc.poll() is None:
             return proc
         proc.read_out = proc.communicate()[0]  # exited: the caller's communicate() gets this output again
-        if not port_taken(proc.read_out, port) or attempt == PORT_RETRIES:
-            return proc
-        note_retry(_what("start_torchrun", argv(port)), RendezvousPortTaken(port, proc.read_out), attempt + 1)
-    raise AssertionError("unreachable")
+        if port_taken(proc.read_out, port):
+            raise RendezvousPortTaken(port, proc.read_out, result=proc)
+        return proc
+    return retry_on_port_taken(_what("start_torchrun", argv), once)
 
 
 def result_lines(out: str, tag: str = "RESULT") -> List[str]:

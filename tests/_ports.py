@@ -12,7 +12,7 @@ import random
 import socket
 import tempfile
 import time
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, TypeVar
 
 import psutil
 
@@ -30,13 +30,14 @@ _held: Dict[int, Tuple[int, bool]] = {}  # port -> (fd of its locked file, kept 
 
 class RendezvousPortTaken(AssertionError):
     """A launch failed because its rendezvous port was bound by a process outside the reservation (EADDRINUSE
-    at the rendezvous store's bind); ``port`` is that port. The harness relaunches on a fresh port where it
-    owns the launch (``run_ranks``, ``run_torchrun``, ``start_torchrun``, ``Rig.torchrun_all``)."""
+    at the rendezvous store's bind); ``port`` is that port, ``result`` the failed launch where the launcher
+    hands it back after its last retry. The harness relaunches on a fresh port where it owns the launch
+    (:func:`retry_on_port_taken`: ``run_ranks``, ``run_torchrun``, ``start_torchrun``, ``Rig.torchrun_all``)."""
 
-    def __init__(self, port: int, output: str) -> None:
+    def __init__(self, port: int, output: str, result: Any = None) -> None:
         super().__init__(f"the rendezvous port {port} was taken by another process (EADDRINUSE when the "
                          f"rendezvous store bound it):\n{output[-4000:]}")
-        self.port = port
+        self.port, self.result = port, result
 
 
 def free_port(*, session: bool = False) -> int:
@@ -154,13 +155,37 @@ class PortRetryWarning(UserWarning):
 #: How many times a launch whose rendezvous port was taken is started again on a fresh port.
 PORT_RETRIES = 2
 
+T = TypeVar("T")
 
-def note_retry(what: str, err: RendezvousPortTaken, attempt: int) -> None:
-    """Say (pytest's warnings summary, and stderr) that ``what`` is launched again after losing its port."""
+
+def retry_on_port_taken(what: str, launch: Callable[[], T],
+                        before_retry: Optional[Callable[[T], None]] = None) -> T:
+    """``launch()`` (which draws its own port), started again while it raises :class:`RendezvousPortTaken`, at
+    most ``PORT_RETRIES`` times; each retry is said on stderr (a ``[ports]`` line) and as a
+    :class:`PortRetryWarning` (pytest's summary) naming ``what``. ``before_retry(err.result)`` runs first
+    (e.g. to kill what the failed launch left waiting on the port).
+
+    Returns: ``launch()``'s result; after the last retry, the error's ``result`` where it carries one (the
+    caller sees the failed launch as it is).
+
+    Raises:
+        RendezvousPortTaken: the last retry lost its port too, and the error carries no ``result``.
+    """
     import sys
     import warnings
 
-    msg = (f"{what}: rendezvous port {err.port} was taken by another process (EADDRINUSE); launching again on "
-           f"a fresh port (retry {attempt} of {PORT_RETRIES})")
-    print(f"[ports] {msg}", file=sys.stderr, flush=True)
-    warnings.warn(msg, PortRetryWarning, stacklevel=3)
+    for attempt in range(1, PORT_RETRIES + 2):
+        try:
+            return launch()
+        except RendezvousPortTaken as err:
+            if attempt > PORT_RETRIES:
+                if err.result is None:
+                    raise
+                return err.result
+            if before_retry is not None:
+                before_retry(err.result)
+            msg = (f"{what}: rendezvous port {err.port} was taken by another process (EADDRINUSE); launching "
+                   f"again on a fresh port (retry {attempt} of {PORT_RETRIES})")
+            print(f"[ports] {msg}", file=sys.stderr, flush=True)
+            warnings.warn(msg, PortRetryWarning, stacklevel=3)  # at the launcher's caller
+    raise AssertionError("unreachable")

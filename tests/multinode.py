@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 import psutil
 
 from _harness import REPO, wait_until
-from _ports import PORT_RETRIES, RendezvousPortTaken, free_port, note_retry, port_taken, wait_listening
+from _ports import RendezvousPortTaken, free_port, port_taken, retry_on_port_taken, wait_listening
 
 __all__ = ["Node", "NodeRun", "Rig", "rig_available"]
 
@@ -304,7 +304,7 @@ class Rig:
         idx = list(nodes) if nodes is not None else list(range(len(self.nodes)))
         ranks = list(node_ranks) if node_ranks is not None else list(range(len(idx)))
         assert sorted(ranks) == list(range(len(idx))), ranks
-        for attempt in range(PORT_RETRIES + 1):
+        def once() -> List[NodeRun]:
             p = port or free_port()
             runs = [self.nodes[i].run_torchrun(script, args, nproc_per_node, len(idx), ranks[k], p,
                                                dict(env or {}, **(node_env or {}).get(i, {})))
@@ -313,14 +313,16 @@ class Rig:
             if wait_listening(host.proc.pid, p, store_timeout) or host.returncode is None:
                 return runs
             out = host.output()
-            if port or not port_taken(out, p) or attempt == PORT_RETRIES:
-                return runs
+            if not port and port_taken(out, p):
+                raise RendezvousPortTaken(p, out, result=runs)
+            return runs
+
+        def kill(runs: List[NodeRun]) -> None:
             for r in runs:
                 if r.returncode is None:
                     r.proc.kill()
                 r.proc.wait(timeout=30)
-            note_retry(f"Rig.torchrun_all({os.path.basename(script)})", RendezvousPortTaken(p, out), attempt + 1)
-        raise AssertionError("unreachable")
+        return retry_on_port_taken(f"Rig.torchrun_all({os.path.basename(script)})", once, before_retry=kill)
 
     def kill_trainers(self, i: int) -> List[int]:
         """SIGKILL every training process of node ``i`` (torchrun agent and workers) at once; its

@@ -120,6 +120,38 @@ def test_port_taken_is_the_stores_bind_failure_on_that_port_only():
     assert not _ports.port_taken(TORCH_MSG.format(23456).replace("EADDRINUSE", "EACCES"), 23456)
 
 
+def _launcher(outcomes, killed):
+    """A launcher over :func:`retry_on_port_taken` whose launches give ``outcomes`` in turn (an error: raised);
+    ``before_retry`` appends the failed launch's result to ``killed``. Returns the launcher's result."""
+    left = list(outcomes)
+
+    def once():
+        o = left.pop(0)
+        if isinstance(o, Exception):
+            raise o
+        return o
+    return _ports.retry_on_port_taken("fake(x.py)", once, before_retry=killed.append)
+
+
+def test_retry_on_port_taken_relaunches_then_raises_or_hands_back_the_last_launch():
+    """Each retry: the failed launch to ``before_retry``, a ``[ports]`` line and a warning at the launcher's
+    caller. After ``PORT_RETRIES`` retries the error is raised, or its ``result`` (the failed launch) returned
+    where it carries one; any other error is not retried."""
+    taken, killed = RendezvousPortTaken, []
+    with pytest.warns(PortRetryWarning, match=r"fake\(x.py\): rendezvous port 1 was taken.*retry 1 of 2") as w:
+        assert _launcher([taken(1, "", result="run1"), "ok"], killed) == "ok"
+    assert killed == ["run1"] and [x.filename for x in w] == [__file__]
+    killed.clear()
+    with pytest.warns(PortRetryWarning), pytest.raises(RendezvousPortTaken, match="port 3 was taken"):
+        _launcher([taken(1, ""), taken(2, ""), taken(3, ""), "not launched"], killed)
+    assert killed == [None, None]
+    with pytest.warns(PortRetryWarning) as w:
+        assert _launcher([taken(p, "", result=f"run{p}") for p in (1, 2, 3)], killed) == "run3"
+    assert len(w) == 2
+    with pytest.raises(AssertionError, match="other"):
+        _launcher([AssertionError("other"), "not launched"], killed)
+
+
 @pytest.fixture
 def taken_first(monkeypatch):
     """A port bound and listened on outside the reservation (what another program would do), handed out by the
