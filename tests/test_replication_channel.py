@@ -170,10 +170,10 @@ def test_a_replica_damaged_while_held_is_never_served_or_written_as_intact(repli
 
 def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
     """Commit notices (persister/commit_notices.py): node 1's ``part_done`` reaches the committer's node and
-    calls its wake callback with the save; ``commit_ended`` goes to every other node, saying committed or
-    failed (``committed`` / ``aborted``); a notice naming
-    another run than the one its connection authenticated for is ignored; a node that posted port 0 (no
-    channel) is skipped, not waited for."""
+    calls its wake callback with the save and its generation; ``commit_ended`` goes to every other node, saying
+    committed or failed (``committed`` / ``aborted``); a notice naming
+    another run than the one its connection authenticated for is ignored, and so is one without a generation;
+    a node that posted port 0 (no channel) is skipped, not waited for."""
     from snapckpt.persister.commit_notices import CommitNotices
 
     rep, port = replicator
@@ -194,7 +194,8 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
         assert arrived.wait(10) and got == [(RUN, 6, "step_00000006", 2)]
         arrived.clear()
         sock = channel.connect("127.0.0.1", port, RUN, SECRET)
-        channel.send_frame(sock, {"op": "part_done", "run_id": "f" * 28, "step": 7, "dirname": "step_00000007", "gen": 1})
+        channel.send_frame(sock, {"op": "part_done", "run_id": "f" * 28, "step": 7, "dirname": "step_00000007",
+                                  "gen": 1})
         channel.send_frame(sock, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": "step_00000007",
                                   "state": "committed"})  # no generation: malformed, dropped
         channel.send_frame(sock, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": "step_00000007",

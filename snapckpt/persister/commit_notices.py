@@ -20,8 +20,8 @@ Two small frames (JSON header only, no payload, never answered):
 ``gen`` names which save of ``(run_id, step, dirname)`` the notice is about (``Result.gen`` of
 :mod:`~snapckpt.persister.scheduler`: 1, then one more for each save of it again in the run, counted alike on
 every node): a step saved again under the same directory (a retry once its save failed, a crash flush) must
-not take the notices still on their way about the earlier save (its abort, its ``removed``) for its own. All
-persisters of a job run the same version: a notice without ``gen`` is malformed.
+not take the notices still on their way about the earlier save (its abort, ``committed``, ``removed``) for
+its own. All persisters of a job run the same version: a notice without ``gen`` is malformed.
 
 A notice only wakes a waiter: the filesystem stays the source of truth (the woken side reads the markers,
 the manifest or the partial directory itself, and validates them). A notice that is lost (the peer's

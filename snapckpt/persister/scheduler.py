@@ -259,7 +259,7 @@ class Scheduler:
     def _replace(self, run: Run, key: SaveKey) -> Result:
         """The record of a new save ``key`` that replaces the ended one, of the next generation (called with
         the lock): the peer notices still to come about the ended one (on another node than the committer's,
-        its abort, when this node ended it on its own part's failure first) name the ended one's."""
+        its abort, when this node ended it on its own part's failure first) name the ended one's generation."""
         old = self.results.pop(key)
         self.commits_started.discard(key)
         res = self.results[key] = Result(gen=old.gen + 1)
@@ -733,9 +733,9 @@ class Scheduler:
         ended: wait until the committer's node has deleted its partial directory, which this node's ranks
         share. This node's ranks may hear of the failure first (a failure marker, the committer's abort
         notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
-        that deletion. It ends on the committer's ``removed`` notice of that save's generation (``res.removed``:
-``res`` may no longer be ``results[key]`` by then, :meth:`on_notice`); a lost notice: on the
-        directory seen gone, or holding a marker of another step of the run (a later save, which waited for
+        that deletion. It ends on the committer's ``removed`` notice of that save's generation (``res.removed``;
+        ``res`` may no longer be ``results[key]`` by then: :meth:`on_notice`); a lost notice: on the directory
+        seen gone, or holding a marker of another step of the run (a later save, which waited for
         the deletion, re-created it; a directory being deleted may show no marker, never another step's),
         read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
         ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
