@@ -170,17 +170,17 @@ def test_a_replica_damaged_while_held_is_never_served_or_written_as_intact(repli
 
 def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
     """Commit notices (persister/commit_notices.py): node 1's ``part_done`` reaches the committer's node and
-    calls its wake callback with the save; ``commit_ended`` goes to every other node, saying committed or
-    failed (``committed`` / ``aborted``); a notice naming
-    another run than the one its connection authenticated for is ignored; a node that posted port 0 (no
-    channel) is skipped, not waited for."""
+    calls its wake callback with the save and its generation; ``commit_ended`` goes to every other node, saying
+    committed or failed (``committed`` / ``aborted``); a notice naming
+    another run than the one its connection authenticated for is ignored, and so is one without a generation;
+    a node that posted port 0 (no channel) is skipped, not waited for."""
     from snapckpt.persister.commit_notices import CommitNotices
 
     rep, port = replicator
     got, aborts, commits, arrived = [], [], [], threading.Event()
 
-    def on_notice(run_id, step, dirname, aborted=False, committed=False):
-        got.append((run_id, step, dirname))
+    def on_notice(run_id, step, dirname, gen, aborted=False, committed=False):
+        got.append((run_id, step, dirname, gen))
         aborts.append(aborted)
         commits.append(committed)
         arrived.set()
@@ -190,25 +190,28 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
     sender = CommitNotices({RUN: SECRET}.get, lambda *a: None)  # node 1
     sender.configure(RUN, 1, 0, {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)})
     try:
-        sender.part_done(RUN, 6, "step_00000006", [3, 2])
-        assert arrived.wait(10) and got == [(RUN, 6, "step_00000006")]
+        sender.part_done(RUN, 6, "step_00000006", 2, [3, 2])
+        assert arrived.wait(10) and got == [(RUN, 6, "step_00000006", 2)]
         arrived.clear()
         sock = channel.connect("127.0.0.1", port, RUN, SECRET)
-        channel.send_frame(sock, {"op": "part_done", "run_id": "f" * 28, "step": 7, "dirname": "step_00000007"})
+        channel.send_frame(sock, {"op": "part_done", "run_id": "f" * 28, "step": 7, "dirname": "step_00000007",
+                                  "gen": 1})
         channel.send_frame(sock, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": "step_00000007",
-                                  "state": "committed"})
-        assert arrived.wait(10) and got[1:] == [(RUN, 7, "step_00000007")]  # the other run's was dropped
+                                  "state": "committed"})  # no generation: malformed, dropped
+        channel.send_frame(sock, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": "step_00000007",
+                                  "gen": 1, "state": "committed"})
+        assert arrived.wait(10) and got[1:] == [(RUN, 7, "step_00000007", 1)]  # the other run's was dropped
         sock.close()
         assert receiver.received == 2
         # the committer's side: commit_ended goes to nodes 0 and 1 of a 3-node map, not to node 2 (port 0)
         committer = CommitNotices({RUN: SECRET}.get, lambda *a: None)
         committer.configure(RUN, 1, 1, {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)})
         arrived.clear()
-        committer.commit_ended(RUN, 8, "step_00000008", "committed")
-        assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008") and aborts[-1] is False and commits[-1]
+        committer.commit_ended(RUN, 8, "step_00000008", 1, "committed")
+        assert arrived.wait(10) and got[-1] == (RUN, 8, "step_00000008", 1) and aborts[-1] is False and commits[-1]
         arrived.clear()
-        committer.commit_ended(RUN, 9, "step_00000009", "failed")  # ends the watchers' wait (an abort)
-        assert arrived.wait(10) and got[-1] == (RUN, 9, "step_00000009") and aborts[-1] is True and not commits[-1]
+        committer.commit_ended(RUN, 9, "step_00000009", 3, "failed")  # ends the watchers' wait (an abort)
+        assert arrived.wait(10) and got[-1] == (RUN, 9, "step_00000009", 3) and aborts[-1] is True and not commits[-1]
         assert commits[0] is False  # a part_done notice says nothing of the commit
         committer.shutdown()
         assert sorted(n for _, n in committer.links) == [0]
@@ -233,7 +236,7 @@ def test_notice_links_end_once_the_run_is_over_on_the_node(replicator, tmp_path)
     sched.notices = sender
     run = Run(RUN, 2, [1], False, str(tmp_path), None, 60.0, True, False)
     try:
-        sender.part_done(RUN, 6, "step_00000006", [1])
+        sender.part_done(RUN, 6, "step_00000006", 1, [1])
         assert arrived.wait(10)
         link = sender.links[(RUN, 0)]
         run.connected.add(1)
@@ -250,7 +253,7 @@ def test_notice_links_end_once_the_run_is_over_on_the_node(replicator, tmp_path)
         link.join(10)
         assert not link.is_alive() and link.sock is None and not sender.links
         arrived.clear()
-        sender.part_done(RUN, 7, "step_00000007", [1])  # the run's node map is kept
+        sender.part_done(RUN, 7, "step_00000007", 1, [1])  # the run's node map is kept
         assert arrived.wait(10) and sender.links[(RUN, 0)] is not link
     finally:
         sender.shutdown()

@@ -4,18 +4,24 @@ filesystem to learn it.
 
 Two small frames (JSON header only, no payload, never answered):
 
-- ``{"op": "part_done", "run_id", "step", "dirname", "ranks"}``: sent by a node persister to the committer's
+- ``{"op": "part_done", "run_id", "step", "dirname", "gen", "ranks"}``: sent by a node persister to the committer's
   node (the persister serving global rank 0) each time every part of the save it has accepted so far has
   ended: written and durable (files, part marker and its directory fsynced: :mod:`~snapckpt.persister.part_sync`),
   or failed with its failure marker written. ``ranks``: the local ranks whose part ended. The committer's
   wait for the parts (:func:`~snapckpt.persister.commit.wait_for_parts`) then lists the partial directory
   at once.
-- ``{"op": "commit_ended", "run_id", "step", "dirname", "state"}``: sent by the committer's persister to
+- ``{"op": "commit_ended", "run_id", "step", "dirname", "gen", "state"}``: sent by the committer's persister to
   every other node once the commit of the save ended (``committed``: the tracker is written; ``failed``:
   the commit was abandoned; ``removed``: the deletion of a failed commit's partial directory ended, after
   which the other nodes' next saves of that directory may write into it: ``Scheduler._await_removal_task``). Each
   node's :func:`~snapckpt.persister.commit.watch_commit` then reads the manifest (or sees the partial
   directory gone) at once.
+
+``gen`` names which save of ``(run_id, step, dirname)`` the notice is about (``Result.gen`` of
+:mod:`~snapckpt.persister.scheduler`: 1, then one more for each save of it again in the run, counted alike on
+every node): a step saved again under the same directory (a retry once its save failed, a crash flush) must
+not take the notices still on their way about the earlier save (its abort, ``committed``, ``removed``) for
+its own. All persisters of a job run the same version: a notice without ``gen`` is malformed.
 
 A notice only wakes a waiter: the filesystem stays the source of truth (the woken side reads the markers,
 the manifest or the partial directory itself, and validates them). A notice that is lost (the peer's
@@ -116,8 +122,8 @@ class CommitNotices:
     Args:
         secret_of: the secret of a run id (the peer channel's, :class:`~snapckpt.persister.replication.Replicator`),
             ``None`` for a run without a channel.
-        on_notice: ``on_notice(run_id, step, dirname, aborted=False, committed=False)``, called on a receiving
-            thread for every valid notice (it wakes the waiter of that save; it must not block); ``aborted``
+        on_notice: ``on_notice(run_id, step, dirname, gen, aborted=False, committed=False)``, called on a
+            receiving thread for every valid notice (it wakes the waiter of that save; it must not block); ``aborted``
             is true for the committer's ``commit_ended`` of a failed commit, ``committed`` for a committed one;
             a ``removed`` one also passes ``removed=True``.
     """
@@ -156,45 +162,46 @@ class CommitNotices:
                     link.start()
                 link.offer(header)
 
-    def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
-        """This node's parts of ``ranks`` of the save ended (durable, or failed with a marker): tell the
-        committer's node (at once when that is this node). Never blocks."""
+    def part_done(self, run_id: str, step: int, dirname: str, gen: int, ranks: List[int]) -> None:
+        """This node's parts of ``ranks`` of generation ``gen`` of the save ended (durable, or failed with a
+        marker): tell the committer's node (at once when that is this node). Never blocks."""
         with self.lock:
             run = self.runs.get(run_id)
         if run is None:
             return
         node, committer, _ = run
         if node == committer:  # a replica holder on the committer's node wrote a peer's part
-            self.on_notice(run_id, step, dirname)
+            self.on_notice(run_id, step, dirname, gen)
             return
         self._offer(run_id, [committer], {"op": "part_done", "run_id": run_id, "step": step, "dirname": dirname,
-                                          "ranks": sorted(ranks)})
+                                          "gen": gen, "ranks": sorted(ranks)})
 
-    def commit_ended(self, run_id: str, step: int, dirname: str, state: str) -> None:
-        """The committer's commit of the save ended (``state``: committed | failed), or the deletion of its
-        partial directory after it failed ended (``removed``): tell every other node."""
+    def commit_ended(self, run_id: str, step: int, dirname: str, gen: int, state: str) -> None:
+        """The committer's commit of generation ``gen`` of the save ended (``state``: committed | failed), or
+        the deletion of its partial directory after it failed ended (``removed``): tell every other node."""
         with self.lock:
             run = self.runs.get(run_id)
         if run is None:
             return
         self._offer(run_id, sorted(run[2]), {"op": "commit_ended", "run_id": run_id, "step": step,
-                                             "dirname": dirname, "state": state})
+                                             "dirname": dirname, "gen": gen, "state": state})
 
     def receive(self, run_id: str, header: Dict[str, Any]) -> None:
         """A notice from a peer authenticated for ``run_id`` (the peer channel's serving thread). A notice
         naming another run, or malformed, is logged and ignored (it only ever wakes a waiter)."""
-        step, dirname = header.get("step"), header.get("dirname")
-        if header.get("run_id") != run_id or not isinstance(step, int) or not isinstance(dirname, str):
+        step, dirname, gen = header.get("step"), header.get("dirname"), header.get("gen")
+        if (header.get("run_id") != run_id or not isinstance(step, int) or not isinstance(dirname, str)
+                or not isinstance(gen, int)):
             log.warning("ignored a malformed commit notice from a peer of run %s: %s", run_id, str(header)[:200])
             return
         self.received += 1
-        log.debug("peer notice of run %s: %s of step %d (%s)%s", run_id, header.get("op"), step, dirname,
-                  f", {header.get('state')}" if header.get("state") else "")
+        log.debug("peer notice of run %s: %s of step %d (%s, save %d)%s", run_id, header.get("op"), step, dirname,
+                  gen, f", {header.get('state')}" if header.get("state") else "")
         ended = header.get("op") == "commit_ended"
         state = header.get("state") if ended else None
         more = {"removed": True} if state == "removed" else {}
-        self.on_notice(run_id, step, dirname, aborted=state in ("failed", "removed"), committed=state == "committed",
-                       **more)
+        self.on_notice(run_id, step, dirname, gen, aborted=state in ("failed", "removed"),
+                       committed=state == "committed", **more)
 
     def forget(self, run_id: str) -> None:
         """Run ``run_id`` is over on this node: its links send what they have queued, then close their

@@ -22,6 +22,10 @@ this node accepted for a save has ended, it sends ``part_done`` to the committer
 sends ``commit_ended`` to every other node once the commit ended. A notice received sets the save's wake
 event (:attr:`Result.part_ended`), on which the commit task waits (:meth:`Scheduler.on_notice`).
 
+A step may be saved again under the same directory in a run (a retry once its save failed, a crash flush):
+each save of ``(run id, step, dirname)`` has a generation (:attr:`Result.gen`), carried by its notices, so
+that a notice about an earlier save of it never lands on the later one's record.
+
 Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Scheduler.result` and
 :meth:`Scheduler.forget` run with the server's lock held; the tasks take it.
 """
@@ -69,6 +73,10 @@ class _CommitOver(CommitError):
 class Result:
     """The outcome of one save on this node."""
 
+    # which save of (run id, step, dirname) this is: 1, then one more for each save of it again on this node
+    # (Scheduler._replace, forget). Every node of the run counts alike (each save of it is asked of every
+    # node by its ranks, or crash-flushed on each), so the peer notices name the save by it
+    gen: int = 1
     state: str = "pending"  # pending | committed | failed
     error: Optional[Dict[str, Any]] = None
     part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
@@ -84,8 +92,6 @@ class Result:
     removed: threading.Event = field(default_factory=threading.Event)
     # ranks whose save of this step again waits for this failed save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
-    # another node: the committer's abort notices still to come for the failed save this one replaced (not ours)
-    stale_aborts: int = 0
 
 
 class Scheduler:
@@ -123,9 +129,10 @@ class Scheduler:
         # remote-only mode, its prefix) has ended, off the lock; on another node than the committer's: once the
         # committer's deletion is known to have ended (_await_removal_task). A later save of it waits for that
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
-        # another node than the committer's: failed save -> the event its _await_removal_task waits on (its
-        # record may be replaced meanwhile by a save of the same step again, which the notice must not touch)
-        self.removal_waits: Dict[SaveKey, threading.Event] = {}
+        # another node than the committer's: (run id, step, dirname, generation) -> the failed save's record while
+        # its _await_removal_task runs (a save of the same step again may have replaced it in results meanwhile:
+        # the committer's removed notice of that generation still finds it, on_notice)
+        self.removal_waits: Dict[Tuple[str, int, str, int], Result] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
         # wakes _wait_for_directory
         self.ended = threading.Condition(lock)
@@ -178,9 +185,12 @@ class Scheduler:
                 log.exception("step %d (%s): a call after the save's end failed", key[1], key[2])
 
     def forget(self, key: SaveKey) -> None:
-        """Drop the record of the save ``key`` (it is about to be persisted again, by the crash flush)."""
-        self.results.pop(key, None)
+        """Drop the record of the save ``key`` (it is about to be persisted again, by the crash flush): a fresh
+        record of the next generation takes its place."""
+        old = self.results.pop(key, None)
         self.commits_started.discard(key)
+        if old is not None:
+            self.results[key] = Result(gen=old.gen + 1)
 
     # ------------------------------------------------------------------------------------ requests
     def persist(self, entry: RankEntry, step: int, run: Run) -> None:
@@ -247,14 +257,12 @@ class Scheduler:
                                self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
 
     def _replace(self, run: Run, key: SaveKey) -> Result:
-        """The record of a new save ``key`` that replaces the ended one (called with the lock). On another node
-        than the committer's, a failed one whose abort notice has not come yet: that notice, when it comes, is
-        the old save's (this node ended it on its own part's failure first), not the new one's."""
+        """The record of a new save ``key`` that replaces the ended one, of the next generation (called with
+        the lock): the peer notices still to come about the ended one (on another node than the committer's,
+        its abort, when this node ended it on its own part's failure first) name the ended one's generation."""
         old = self.results.pop(key)
         self.commits_started.discard(key)
-        res = self.results[key] = Result()
-        if not run.committer and not run.remote_only and old.state == "failed" and old.aborted_at is None:
-            res.stale_aborts = 1
+        res = self.results[key] = Result(gen=old.gen + 1)
         return res
 
     def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result, s: Slot) -> None:
@@ -323,7 +331,7 @@ class Scheduler:
             partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
             write_failure_marker(open_storage(fsync=run.fsync), partial, rank=rank, run_id=run.run_id,
                                  step=step, exc=P.error_from_record(rec))
-            self.part_done(run.run_id, step, dirname, [rank])
+            self.part_done(run.run_id, step, dirname, [rank], res.gen)
         if key not in self.commits_started:
             self._start_commit(key, run, res, "", "", None)
 
@@ -375,33 +383,35 @@ class Scheduler:
             if not mine:
                 self.committing.pop(checkpoint_dir, None)
 
-    def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int]) -> None:
+    def part_done(self, run_id: str, step: int, dirname: str, ranks: List[int], gen: Optional[int] = None) -> None:
         """Parts of ``ranks`` of the save ended on this node (durable, or failed with their marker): the
-        committer's node is told at once (a notice; never blocks)."""
-        if self.notices is not None:
-            self.notices.part_done(run_id, step, dirname, ranks)
+        committer's node is told at once (a notice; never blocks). ``gen``: the save's generation (``None``:
+        that of its record here, 1 without one)."""
+        if self.notices is None:
+            return
+        if gen is None:
+            with self.lock:
+                res = self.results.get((run_id, step, dirname))
+                gen = res.gen if res is not None else 1
+        self.notices.part_done(run_id, step, dirname, gen, ranks)
 
-    def on_notice(self, run_id: str, step: int, dirname: str, aborted: bool = False,
+    def on_notice(self, run_id: str, step: int, dirname: str, gen: int, aborted: bool = False,
                   committed: bool = False, removed: bool = False) -> None:
-        """A peer's notice about save ``(run_id, step, dirname)``: wake its commit task, which reads the
-        filesystem again (a notice for a save this node has not started is dropped: its commit task reads
-        the filesystem first when it starts). ``aborted``: the committer's commit of it failed, which ends
-        this node's watch of that commit even if a late part re-created the partial directory.
-        ``committed``: the committer's commit of it ended committed (the watch ends committed even when
-        retention has retired the directory before the watch read its manifest). ``removed``: the committer's
-        deletion of its partial directory ended (:meth:`_await_removal_task`; once that wait started, the
-        notice ends it and leaves the save's record alone: it may be a save of the same step again)."""
+        """A peer's notice about generation ``gen`` of save ``(run_id, step, dirname)``: wake its commit task,
+        which reads the filesystem again. The notice goes to the record of that generation: the save's record,
+        or a replaced one whose wait for its deletion still runs (``removal_waits``); a notice about another
+        save of the step (an earlier one, over here; a later one this node has not started: its commit task
+        reads the filesystem first when it starts) is dropped. ``aborted``: the committer's commit of it
+        failed, which ends this node's watch of that commit even if a late part re-created the partial
+        directory. ``committed``: the committer's commit of it ended committed (the watch ends committed even
+        when retention has retired the directory before the watch read its manifest). ``removed``: the
+        committer's deletion of its partial directory ended (:meth:`_await_removal_task`)."""
         with self.lock:
-            waiting = self.removal_waits.pop((run_id, step, dirname), None) if removed else None
-            if waiting is not None:
-                waiting.set()
-                return
             res = self.results.get((run_id, step, dirname))
+            if res is None or res.gen != gen:
+                res = self.removal_waits.get((run_id, step, dirname, gen))
             if res is not None:
                 res.notices += 1
-                if aborted and not removed and res.stale_aborts > 0:  # the replaced failed save's (_replace)
-                    res.stale_aborts -= 1
-                    aborted = False
                 if aborted:
                     res.aborted_at = time.monotonic()
                 if removed:
@@ -618,7 +628,8 @@ class Scheduler:
                     res.writers -= 1
                     res.part_ended.set()
                     if res.writers == 0 and not run.committer and not run.remote_only:
-                        self.part_done(run.run_id, step, key[2], sorted(set(res.parts_done) | set(res.part_errors)))
+                        self.part_done(run.run_id, step, key[2], sorted(set(res.parts_done) | set(res.part_errors)),
+                                       res.gen)
                     self._remove_failed_partial(run, res, key)
                     self._run_over_calls(key, res)
                 self.ended.notify_all()
@@ -659,7 +670,7 @@ class Scheduler:
             res.state, res.error = state, err
             notices = res.notices
             if run.committer and self.notices is not None:
-                self.notices.commit_ended(req.run_id, req.step, req.dirname, state)
+                self.notices.commit_ended(req.run_id, req.step, req.dirname, res.gen, state)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
             self._run_over_calls((req.run_id, req.step, req.dirname), res)
             self.ended.notify_all()
@@ -704,14 +715,14 @@ class Scheduler:
         done = self.discarding[(run.checkpoint_dir, key[2])] = threading.Event()  # the newest is waited for
         self.pending += 1
         if run.committer:
-            self.remove_pool.submit(self._remove_partial_task, run, key, partial, done)
+            self.remove_pool.submit(self._remove_partial_task, run, key, res.gen, partial, done)
         else:  # (a thread: it may wait a commit timeout for a committer that never says it, and must not
             # hold up the next directory's wait behind it)
-            self.removal_waits[key] = res.removed
+            self.removal_waits[(*key, res.gen)] = res
             threading.Thread(target=self._await_removal_task, args=(run, res, key, partial, done), daemon=True,
                              name="snapckpt-await-removal").start()
 
-    def _remove_partial_task(self, run: Run, key: SaveKey, partial: str, done: threading.Event) -> None:
+    def _remove_partial_task(self, run: Run, key: SaveKey, gen: int, partial: str, done: threading.Event) -> None:
         try:
             faults.point("commit.remove_failed_partial", step=key[1], rank=None)
             open_storage().remove_tree(partial)
@@ -721,7 +732,7 @@ class Scheduler:
             # the watchers see the abort at once, and the other nodes' next saves of this directory, which
             # wait for this deletion, go on (as this node's do, even when it failed)
             if self.notices is not None:
-                self.notices.commit_ended(run.run_id, key[1], key[2], "removed")
+                self.notices.commit_ended(run.run_id, key[1], key[2], gen, "removed")
             self._deletion_ended(run, key, done)
 
     def _await_removal_task(self, run: Run, res: Result, key: SaveKey, partial: str, done: threading.Event) -> None:
@@ -729,8 +740,9 @@ class Scheduler:
         ended: wait until the committer's node has deleted its partial directory, which this node's ranks
         share. This node's ranks may hear of the failure first (a failure marker, the committer's abort
         notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
-        that deletion. It ends on the committer's ``removed`` notice (``res.removed``); a lost notice: on the
-        directory seen gone, or holding a marker of another step of the run (a later save, which waited for
+        that deletion. It ends on the committer's ``removed`` notice of that save's generation (``res.removed``;
+        ``res`` may no longer be ``results[key]`` by then: :meth:`on_notice`); a lost notice: on the directory
+        seen gone, or holding a marker of another step of the run (a later save, which waited for
         the deletion, re-created it; a directory being deleted may show no marker, never another step's),
         read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
         ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
@@ -749,8 +761,8 @@ class Scheduler:
                 res.removed.wait(min(BACKSTOP_SECS, left))
         finally:
             with self.lock:
-                if self.removal_waits.get(key) is res.removed:
-                    del self.removal_waits[key]
+                if self.removal_waits.get((*key, res.gen)) is res:
+                    del self.removal_waits[(*key, res.gen)]
             self._deletion_ended(run, key, done)
 
     def _deletion_ended(self, run: Run, key: SaveKey, done: threading.Event) -> None:

@@ -268,7 +268,7 @@ def test_a_watcher_ends_on_the_committers_abort_notice_though_a_late_part_recrea
     watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=30)
     key = (RUN, 7, "step_00000007")
     res = sched.results[key] = Result()
-    sched.on_notice(*key, aborted=True)  # an earlier commit's abort
+    sched.on_notice(*key, 1, aborted=True)  # an earlier commit's abort
     req = _req(ckpt, watch)
     req.wake, req.local_failure = res.part_ended, sched._local_failure(key)
     _part(ckpt, req, 2)  # the late part: the partial directory is back
@@ -288,7 +288,7 @@ def test_a_watcher_ends_on_the_committers_abort_notice_though_a_late_part_recrea
     try:
         t.join(1.5)
         assert t.is_alive() and not out  # the earlier abort does not end this watch
-        sched.on_notice(*key, aborted=True)
+        sched.on_notice(*key, 1, aborted=True)
         t.join(20)
         assert not t.is_alive() and out and isinstance(out[0], CommitError), out
         assert "reports that the commit of step_00000007 failed" in str(out[0])

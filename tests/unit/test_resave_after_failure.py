@@ -182,7 +182,7 @@ def test_a_resave_on_another_node_waits_for_the_committers_deletion(tmp_path, pa
     shutil.rmtree(partial)  # the committer's node deletes step 7's partial directory, then says so
     if notice == "removed":
         CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
-                                                              "dirname": TAG, "state": "removed"})
+                                                              "dirname": TAG, "gen": 1, "state": "removed"})
     elif notice == "lost_and_recreated":
         _done_part(ckpt, 0, 8)
     _finish(sched, t)
@@ -413,12 +413,11 @@ def test_another_nodes_wait_for_the_deletion_ends_on_its_notice_after_a_save_of_
     sched, run, partial = _other_node_failed_over(ckpt)  # step 7's save is over here: the wait for the deletion starts
     assert (ckpt, TAG) in sched.discarding
     with sched.lock:  # rank 2 saves step 7 again (the new save's record)
-        del sched.results[(RUN, 7, TAG)]
-        sched.results[(RUN, 7, TAG)] = Result()
+        sched._replace(run, (RUN, 7, TAG))
     shutil.rmtree(partial)  # the committer deletes it, its save of step 7 again re-creates it
     _done_part(ckpt, 0, 7)
     CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
-                                                          "dirname": TAG, "state": "removed"})
+                                                          "dirname": TAG, "gen": 1, "state": "removed"})
     assert wait_until(lambda: (ckpt, TAG) not in sched.discarding, timeout=10), "still waits for the deletion"
     new = sched.results[(RUN, 7, TAG)]  # the notice is not the new save's: not aborted, nothing removed
     assert new.aborted_at is None and not new.removed.is_set() and not sched._commit_over(run, (RUN, 7, TAG))
@@ -448,15 +447,16 @@ def test_the_committers_abort_of_a_failed_save_does_not_abort_the_save_of_the_st
     assert new is not old
     notices = CommitNotices({}.get, sched.on_notice)
 
-    def ended(state: str) -> None:
-        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": TAG, "state": state})
+    def ended(state: str, gen: int) -> None:
+        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": TAG, "gen": gen,
+                              "state": state})
 
-    ended("failed")  # the committer's abort of the failed save
+    ended("failed", 1)  # the committer's abort of the failed save
     assert new.aborted_at is None and not sched._commit_over(run, (RUN, 7, TAG))
     shutil.rmtree(partial)
-    ended("removed")
+    ended("removed", 1)
     assert wait_until(lambda: new.parts_done == {2}, timeout=30), new
-    ended("failed")  # the committer's abort of the new save (ends its watch here)
+    ended("failed", 2)  # the committer's abort of the new save (ends its watch here)
     assert wait_until(lambda: new.state == "failed", timeout=30)
     assert "reports that the commit" in new.error["message"], new.error
 
@@ -474,3 +474,100 @@ def test_a_crash_flush_of_a_one_rank_step_whose_free_space_check_refused_it_writ
     res = sched.results[(RUN, 2, TAG)]
     assert res.state == "committed", res.error
     _assert_part(ckpt, TAG, 0, 2)
+
+
+STALE = [("part_done", None), ("commit_ended", "committed"), ("commit_ended", "failed"),
+         ("commit_ended", "removed")]
+
+
+@pytest.mark.parametrize("op,state", STALE, ids=[s or op for op, s in STALE])
+def test_a_notice_about_an_earlier_save_of_the_step_does_not_touch_the_save_of_it_again(tmp_path, parts, op, state):
+    """Step 7's save of ``best`` is over on this node and the step is saved again (a new record, its commit
+    started); then a peer notice about the earlier save comes: ``part_done`` on the committer's node, the
+    committer's ``commit_ended`` (committed, failed, removed) on node 1. Right: the new save is not touched (no
+    wake, not aborted, not told committed, nothing removed), a ``removed`` ends node 1's wait for the earlier
+    save's deletion, and the same notice about the new save does reach it (before the fix: every notice named
+    only run, step and directory and landed on the new save's record: a stale ``committed`` ended its watch as
+    committed, a stale abort made it fail and refuse its parts)."""
+    ckpt = str(tmp_path)
+    key = (RUN, 7, TAG)
+    if op == "part_done":  # the committer's node: node 1's notice about its parts of the earlier save
+        sched, run = _node(ckpt)
+        _save(sched, 7, state="failed", part_errors={0: {"type": "OSError", "message": "disk full"}})
+    else:  # node 1: the earlier save failed and is over here, its wait for the committer's deletion runs
+        sched, run, partial = _other_node_failed_over(ckpt)
+        assert (ckpt, TAG) in sched.discarding
+    with sched.lock:
+        old = sched.results[key]
+        new = sched._replace(run, key)  # the step saved again
+        sched.commits_started.add(key)
+    assert (old.gen, new.gen) == (1, 2)
+    told_committed, local_failure = sched._committed_notice(key), sched._local_failure(key)  # the new commit's
+    notices = CommitNotices({}.get, sched.on_notice)
+
+    def notice(gen: int) -> None:
+        header = {"op": op, "run_id": RUN, "step": 7, "dirname": TAG, "gen": gen}
+        notices.receive(RUN, dict(header, ranks=[2, 3]) if state is None else dict(header, state=state))
+
+    notice(1)
+    assert new.notices == 0 and not new.part_ended.is_set()
+    assert new.aborted_at is None and new.committed_at is None and not new.removed.is_set()
+    assert not sched._commit_over(run, key) and not told_committed() and local_failure() is None
+    if state == "removed":  # it reached the earlier save's record, and ended its wait for the deletion
+        assert old.removed.is_set()
+        assert wait_until(lambda: (ckpt, TAG) not in sched.discarding, timeout=10), "still waits for the deletion"
+        assert not sched.removal_waits
+    notice(2)  # the same notice about the save of the step again is its own
+    assert new.notices == 1 and new.part_ended.is_set()
+    assert (new.committed_at is not None) == (state == "committed") and told_committed() == (state == "committed")
+    assert (new.aborted_at is not None) == (state in ("failed", "removed")) and new.removed.is_set() == (
+        state == "removed")
+
+
+def test_a_crash_flush_of_a_failed_save_is_the_next_generation_of_it(tmp_path, parts):
+    """The crash flush of a step whose save failed and is over replaces that save's record with the next
+    generation (``Scheduler.forget``), as a rank's save of it again does: the failed save's notices on their
+    way do not touch the flush."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[Slot(index=0, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES,
+                                                          state=SlotState.READY, step=7, run_id=RUN, dirname=TAG,
+                                                          seq=7)], run_id=RUN)
+    old = _save(sched, 7, state="failed", part_errors={0: {"type": "OSError", "message": "disk full"}})
+    with sched.lock:
+        assert flush_newest(run, sched.slots, sched, "crashed") == 7
+    assert sched.results[(RUN, 7, TAG)] is not old and sched.results[(RUN, 7, TAG)].gen == 2
+    assert wait_until(lambda: sched.results[(RUN, 7, TAG)].state != "pending", timeout=30)
+    assert sched.results[(RUN, 7, TAG)].state == "committed", sched.results[(RUN, 7, TAG)].error
+
+
+def test_the_committers_abort_of_a_failed_save_does_not_abort_its_crash_flush_on_another_node(tmp_path, parts):
+    """Node 1 (ranks 2 and 3 of 4): rank 2's part of step 7 failed, so step 7's save failed here at once and is
+    over; the job dies and node 1's crash flush writes step 7 again; only then the committer's abort of the
+    failed save comes. Right: the flush is not aborted (its parts are written; the committer's abort of the
+    flush, later, is its own). Before the fix the flush's record took that abort: the flush replaced the failed
+    save's record without the ``stale_aborts`` mark that a rank's save of it again got, so the flush refused to
+    write its parts."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    for r in (2, 3):
+        sched.slots.ranks[r] = RankEntry(rank=r, slots=[Slot(index=r, path=os.path.join(ckpt, f"rank{r}"),
+                                                             nbytes=NBYTES, state=SlotState.READY, step=7, run_id=RUN,
+                                                             dirname=TAG, seq=7)], run_id=RUN)
+    _save(sched, 7, state="failed", part_errors={2: {"type": "OSError", "message": "disk full"}})
+    with sched.lock:
+        assert flush_newest(run, sched.slots, sched, "crashed") == 7
+    flush = sched.results[(RUN, 7, TAG)]
+    notices = CommitNotices({}.get, sched.on_notice)
+
+    def ended(state: str, gen: int) -> None:
+        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": TAG, "gen": gen,
+                              "state": state})
+
+    ended("failed", 1)  # the committer's abort of the failed save
+    assert flush.aborted_at is None and not sched._commit_over(run, (RUN, 7, TAG))
+    assert wait_until(lambda: flush.parts_done == {2, 3}, timeout=30), flush
+    ended("failed", 2)  # the committer's abort of the flush (ends its watch here)
+    assert wait_until(lambda: flush.state == "failed", timeout=30)
+    sched.pool.shutdown(wait=True)
+    sched.syncer.shutdown()

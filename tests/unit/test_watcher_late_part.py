@@ -73,7 +73,7 @@ def _watcher(ckpt: str, committer: bool = False):
     res = sched.results[key] = Result()
     sched.commits_started.add(key)
     if not committer:
-        sched.on_notice(*key, aborted=True)  # the committer's commit_ended "failed"
+        sched.on_notice(*key, 1, aborted=True)  # the committer's commit_ended "failed"
     res.state = "failed"  # this node's commit (or watch) ended failed
     return sched, run, key
 
