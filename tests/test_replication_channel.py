@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 
 import pytest
@@ -217,6 +218,34 @@ def test_commit_notices_travel_over_the_channel_and_only_wake(replicator):
         assert sorted(n for _, n in committer.links) == [0]
     finally:
         sender.shutdown()
+
+
+def test_commit_ended_reports_whether_every_other_node_got_it(replicator):
+    """``commit_ended(..., delivered=)`` (a late commit's retirement waits for it, Scheduler._commit_task):
+    ``True`` once the notice was sent to every other node; ``False`` at once where a node has no channel
+    (port 0), and once a node's notice is lost (nothing listens at its address)."""
+    from snapckpt.persister.commit_notices import CommitNotices
+
+    rep, port = replicator
+    arrived = threading.Event()
+    rep.on_notice = CommitNotices({RUN: SECRET}.get, lambda *a, **k: arrived.set()).receive
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    outcomes = {}
+    for name, addrs in (("reached", {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1)}),
+                        ("no_channel", {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", 0)}),
+                        ("lost", {0: ("127.0.0.1", port), 1: ("127.0.0.1", 1), 2: ("127.0.0.1", dead)})):
+        committer = CommitNotices({RUN: SECRET}.get, lambda *a: None)
+        committer.configure(RUN, 1, 1, addrs)
+        got, done = [], threading.Event()
+        committer.commit_ended(RUN, 8, "step_00000008", 1, "committed",
+                               delivered=lambda sent, got=got, done=done: (got.append(sent), done.set()))
+        assert done.wait(30)
+        committer.shutdown()
+        outcomes[name] = got
+    assert outcomes == {"reached": [True], "no_channel": [False], "lost": [False]}
+    assert arrived.is_set()
 
 
 def test_notice_links_end_once_the_run_is_over_on_the_node(replicator, tmp_path):

@@ -59,15 +59,17 @@ class _Link(threading.Thread):
         super().__init__(name=f"snapckpt-notice-{node}", daemon=True)
         self.run_id, self.node, self.addr, self.port, self.secret_of = run_id, node, addr, port, secret_of
         self.cv = threading.Condition()
-        self.queue: Deque[Dict[str, Any]] = collections.deque(maxlen=_MAX_QUEUED)
+        # (notice, its delivery callback or None); a notice dropped here never calls its callback
+        self.queue: Deque[Tuple[Dict[str, Any], Optional[Callable[[bool], None]]]] = collections.deque(maxlen=_MAX_QUEUED)
         self.sock: Optional[socket.socket] = None
         self.stopping = False
         self.sent = 0
         self.lost = 0
 
-    def offer(self, header: Dict[str, Any]) -> None:
+    def offer(self, header: Dict[str, Any], done: Optional[Callable[[bool], None]] = None) -> None:
+        """Queue ``header``; ``done(sent)`` is called on this link's thread once it was sent or lost."""
         with self.cv:
-            self.queue.append(header)
+            self.queue.append((header, done))
             self.cv.notify()
 
     def stop(self) -> None:
@@ -82,11 +84,14 @@ class _Link(threading.Thread):
                     self.cv.wait()
                 if not self.queue:
                     break
-                header = self.queue.popleft()
-            self._send(header)
+                header, done = self.queue.popleft()
+            sent = self._send(header)
+            if done is not None:
+                done(sent)
         self._close()
 
-    def _send(self, header: Dict[str, Any]) -> None:
+    def _send(self, header: Dict[str, Any]) -> bool:
+        """Send ``header``; return whether it was sent (``False``: lost)."""
         for attempt in (0, 1):  # a kept connection may have been dropped by the peer: once more
             try:
                 if self.sock is None:
@@ -97,7 +102,7 @@ class _Link(threading.Thread):
                     self.sock.settimeout(5.0)  # a peer that stops reading must not hold this link forever
                 channel.send_frame(self.sock, header)
                 self.sent += 1
-                return
+                return True
             except Exception as e:  # OSError, a bad address: the notice is lost, the backstop covers it
                 self._close()
                 if attempt or not isinstance(e, OSError) or isinstance(e, channel.AuthError):
@@ -105,7 +110,8 @@ class _Link(threading.Thread):
                     log.info("commit notice %s of step %s to node %d (%s:%d) not delivered: %s: %s; that node "
                              "re-checks the filesystem on its own", header.get("op"), header.get("step"), self.node,
                              self.addr, self.port, type(e).__name__, e)
-                    return
+                    return False
+        return False
 
     def _close(self) -> None:
         if self.sock is not None:
@@ -135,6 +141,7 @@ class CommitNotices:
         self.lock = threading.Lock()
         # run id -> (this node, the committer's node, {node: (addr, port)} of the other nodes)
         self.runs: Dict[str, Tuple[int, int, Dict[int, Tuple[str, int]]]] = {}
+        self.unreachable: Dict[str, int] = {}  # run id -> other nodes without a channel (no notice reaches them)
         self.links: Dict[Tuple[str, int], _Link] = {}
         self.retired: List[_Link] = []  # links of forgotten runs, possibly still sending their last notices
         self.received = 0
@@ -146,8 +153,10 @@ class CommitNotices:
             if run_id not in self.runs:
                 others = {n: a for n, a in addrs.items() if n != node and a[1] > 0}
                 self.runs[run_id] = (node, committer_node, others)
+                self.unreachable[run_id] = sum(1 for n, a in addrs.items() if n != node and a[1] <= 0)
 
-    def _offer(self, run_id: str, nodes: List[int], header: Dict[str, Any]) -> None:
+    def _offer(self, run_id: str, nodes: List[int], header: Dict[str, Any],
+               done: Optional[Callable[[bool], None]] = None) -> None:
         with self.lock:
             run = self.runs.get(run_id)
             if run is None:
@@ -160,7 +169,7 @@ class CommitNotices:
                     addr, port = run[2][n]
                     link = self.links[(run_id, n)] = _Link(run_id, n, addr, port, self.secret_of)
                     link.start()
-                link.offer(header)
+                link.offer(header, done)
 
     def part_done(self, run_id: str, step: int, dirname: str, gen: int, ranks: List[int]) -> None:
         """This node's parts of ``ranks`` of generation ``gen`` of the save ended (durable, or failed with a
@@ -176,15 +185,37 @@ class CommitNotices:
         self._offer(run_id, [committer], {"op": "part_done", "run_id": run_id, "step": step, "dirname": dirname,
                                           "gen": gen, "ranks": sorted(ranks)})
 
-    def commit_ended(self, run_id: str, step: int, dirname: str, gen: int, state: str) -> None:
+    def commit_ended(self, run_id: str, step: int, dirname: str, gen: int, state: str,
+                     delivered: Optional[Callable[[bool], None]] = None) -> None:
         """The committer's commit of generation ``gen`` of the save ended (``state``: committed | failed), or
-        the deletion of its partial directory after it failed ended (``removed``): tell every other node."""
+        the deletion of its partial directory after it failed ended (``removed``): tell every other node.
+        ``delivered(all_sent)``, when given, is called once (on a sending thread, or here), ``True`` only if the
+        notice was sent to every other node of the run (a node without a channel, a lost or dropped notice:
+        ``False``, or never called for a dropped one)."""
         with self.lock:
             run = self.runs.get(run_id)
-        if run is None:
-            return
+            unreachable = self.unreachable.get(run_id, 0)
+        if run is None or (delivered is not None and (unreachable or not run[2])):
+            if delivered is not None:
+                delivered(False)
+            if run is None:
+                return
+            delivered = None
+        done = None
+        if delivered is not None:
+            left, lock, report = [len(run[2])], threading.Lock(), delivered
+
+            def done(sent: bool) -> None:
+                with lock:
+                    if left[0] <= 0:
+                        return
+                    left[0] = left[0] - 1 if sent else 0
+                    last = left[0] == 0
+                if last:
+                    report(sent)
+
         self._offer(run_id, sorted(run[2]), {"op": "commit_ended", "run_id": run_id, "step": step,
-                                             "dirname": dirname, "gen": gen, "state": state})
+                                             "dirname": dirname, "gen": gen, "state": state}, done)
 
     def receive(self, run_id: str, header: Dict[str, Any]) -> None:
         """A notice from a peer authenticated for ``run_id`` (the peer channel's serving thread). A notice

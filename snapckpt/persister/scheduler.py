@@ -116,6 +116,9 @@ class Scheduler:
         # manifest after that, took the commit for aborted (its own lock: commit threads read it in retention)
         self.committing: Dict[str, Dict[str, int]] = {}
         self.committing_lock = threading.Lock()
+        # checkpoint dir -> the latest request order (commit_seq) of this persister committed there: a commit
+        # behind it ended behind a later save's commit (its retention then retires it: retire_after_answer)
+        self.committed_seq: Dict[str, int] = {}
         self.pending = 0  # writer and commit tasks not finished
         self.failed = False  # a part or a commit failed: the persister keeps its log
         self.watches: Dict[str, PeerWatch] = {}  # run id -> its dead-peer view (persister/peers.py)
@@ -665,12 +668,23 @@ class Scheduler:
             log.error("step %d: commit failed: %s", req.step, e)
             self.failed = True
             state, err = "failed", P.error_record(e)
+        delivery: Optional[_Delivery] = None
         with self.lock:
             res = self.results[(req.run_id, req.step, req.dirname)]
             res.state, res.error = state, err
             notices = res.notices
+            # retired once reported only when a later save of this run committed before it: a commit that merely
+            # sorts behind an earlier run's checkpoint in save order (a clock ahead) is the newest save
+            behind = bool(late) and self.committed_seq.get(run.checkpoint_dir, 0) > seq
+            if state == "committed":
+                self.committed_seq[run.checkpoint_dir] = max(seq, self.committed_seq.get(run.checkpoint_dir, 0))
+            if behind and run.multi_node:  # the other nodes' watches may not have read its manifest yet
+                delivery = _Delivery()
             if run.committer and self.notices is not None:
-                self.notices.commit_ended(req.run_id, req.step, req.dirname, res.gen, state)
+                self.notices.commit_ended(req.run_id, req.step, req.dirname, res.gen, state,
+                                          **({"delivered": delivery.report} if delivery is not None else {}))
+            elif delivery is not None:
+                delivery.report(False)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
             self._run_over_calls((req.run_id, req.step, req.dirname), res)
             self.ended.notify_all()
@@ -681,7 +695,11 @@ class Scheduler:
                      req.step, state, time.monotonic() - t0, "committer, checks: listings of the partial "
                      "directory" if run.committer else "watcher, checks: manifest reads", req.stats["listings"],
                      req.stats["wakes"], notices)
-        if late:  # it ended behind later saves' commits: in place until its answer (contract 5), not after
+        if behind and delivery is not None and not delivery.wait(NOTICE_DELIVERY_SECS):
+            # a watcher without the notice ends only on its manifest: left for the next commit's retention
+            log.info("step %d (%s): kept past keep_last=%s until a next commit: its committed notice did not "
+                     "reach every other node", req.step, req.dirname, run.keep_last)
+        elif behind:  # it ended behind later saves' commits: in place until its answer (contract 5), not after
             try:
                 retire_after_answer(storage, storage, req, defer_deletion=retired)
             except OSError as e:
@@ -841,6 +859,27 @@ class Scheduler:
         if err is not None:
             log.warning("could not remove %s/%s after a failed save: %s: %s; tried again after the next commit",
                         url, dirname, type(err).__name__, str(err)[:300])
+
+# How long a late commit's task waits for its committed notice to be sent to every other node before it
+# retires the commit (seconds; a link's connect and send time out at 5 s each, tried twice): past it the
+# commit is left for the next commit's retention
+NOTICE_DELIVERY_SECS = 10.0
+
+
+class _Delivery:
+    """Whether a commit's committed notice was sent to every other node (``CommitNotices.commit_ended``'s
+    ``delivered``): :meth:`wait` returns ``True`` only then."""
+
+    def __init__(self) -> None:
+        self.event, self.sent = threading.Event(), False
+
+    def report(self, sent: bool) -> None:
+        self.sent = sent
+        self.event.set()
+
+    def wait(self, secs: float) -> bool:
+        return self.event.wait(secs) and self.sent
+
 
 def _partial(run: Run, dirname: str) -> str:
     """Where the parts of ``dirname`` are written before the commit: the hidden partial directory, or in
