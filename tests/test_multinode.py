@@ -196,7 +196,7 @@ def test_G2_a_commit_ending_behind_a_later_one_commits_on_every_node_with_keep_l
     Step 2's retention must not retire step 1, whose commit is still in flight (contract 5): before, it did,
     and node 1's watcher, reading step 1's manifest after that, took the commit for aborted (its rank's
     ``wait()`` raised while rank 0's said committed). Both saves commit on every rank; the tracker names
-    step 2."""
+    step 2; step 1 is retired by its own retention once reported and its committed notice sent to node 1."""
     rig.start(2)
     hold = {k: os.path.join(rig.tmp, f"release-{k}") for k in ("rename1", "retention2", "tracker1")}
     env = {"SNAPCKPT_FAULT_POINT": ";".join([
@@ -219,6 +219,9 @@ def test_G2_a_commit_ending_behind_a_later_one_commits_on_every_node_with_keep_l
     assert res == [{"rank": 0, "1": "committed", "2": "committed"},
                    {"rank": 1, "1": "committed", "2": "committed"}], res
     assert _read(os.path.join(rig.ckpt_dir, "latest")) == "step_00000002"
+    # its committed notice reached node 1: step 1, beyond keep_last, is retired by its own retention once reported
+    assert wait_until(lambda: not os.path.exists(step1), 30), os.listdir(rig.ckpt_dir)
+    assert "its committed notice did not reach every other node" not in _persister_log(node0)
 
 
 def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):

@@ -19,7 +19,9 @@ The committer is the persister that serves global rank 0. For a step ``N`` of ru
    whose commits are still in flight (``CommitRequest.in_flight``): one that ends after a later save's is
    in place before its answer, and the other nodes' watchers read its manifest until then. A commit that
    ended behind later saves' commits, and is itself beyond the newest ``keep_last``, is retired by its own
-   retention once its answer is out (:func:`retire_after_answer`), not left for the next commit.
+   retention once its answer is out (:func:`retire_after_answer`), not left for the next commit: the
+   scheduler calls it when a later save of the run committed first, and, across nodes, once the committed
+   notice was sent to every other node (a watcher that lost it ends on the manifest only).
 
 Every other node's persister runs :func:`watch_commit` instead, which waits for the manifest of run ``R``
 to appear (and gives up in seconds, as the committer does, on a dead peer or a lost committer node).
@@ -419,7 +421,8 @@ def retire_after_answer(storage: StorageWriter, reader: StorageReader, req: Comm
     ``late``): a commit that ended behind later saves' commits is retired now if it is still beyond the
     newest ``req.keep_last`` (a later save of the same directory may have replaced it meanwhile; the listing
     is read again). Other nodes' watchers that have not read its manifest yet end on the committer's
-    committed notice (:func:`watch_commit`). Returns the retired directory names (``defer_deletion``: as
+    committed notice (:func:`watch_commit`): the caller runs this only once that notice was sent to every
+    other node, and only for a commit that ended behind a later save's (``Scheduler._commit_task``). Returns the retired directory names (``defer_deletion``: as
     :func:`commit`'s).
 
     Raises:
