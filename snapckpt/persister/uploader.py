@@ -29,14 +29,15 @@ not in the remote tier (a persister killed after a local commit, before or durin
 those saved after the newest remote checkpoint only (save order, as retention's: after a rewind a lower step
 can be newer), at most :data:`QUEUE_DEPTH` + 1 (and ``keep_last``) of them.
 
-A checkpoint whose local directory disappears before or during its upload (local retention retired it) is
-skipped cleanly (``upload_skipped``, what it had sent is removed), unless an attempt had already failed (an
+A checkpoint whose local directory disappears before or during its upload (local retention retired it), or
+holds another commit by then (a later save of the same name: a fixed tag saved again), is skipped cleanly (``upload_skipped``, what it had sent is removed), unless an attempt had already failed (an
 outage while saves come faster than the retries): then it is an ``upload_failed`` naming that failure. Any
 other error, a network fault or a transient read error of a local file alike, is retried.
 """
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -44,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
-from snapckpt.ondisk.manifest import list_committed, save_order
+from snapckpt.ondisk.manifest import MANIFEST, list_committed, save_order
 from snapckpt.storage.factory import open_storage
 
 if TYPE_CHECKING:  # imported where a store is made: a persister without a remote tier never needs it
@@ -259,8 +260,8 @@ class Uploader:
                                           job.keep_last, name, content, order=order))
 
     def _skip_retired(self, job: UploadJob, when: str) -> None:
-        reason = (f"{job.local_dir} was deleted {when} (by retention, keep_last={job.keep_last}, or by hand); "
-                  "a newer checkpoint is uploaded instead")
+        reason = (f"{job.local_dir} was deleted or replaced by a later save of that name {when} (by retention, "
+                  f"keep_last={job.keep_last}, or by hand); a newer checkpoint is uploaded instead")
         log.warning("remote: upload of step %d to %s skipped: %s", job.manifest["step"], job.remote_dir, reason)
         self._note(job, "upload_skipped", reason)
 
@@ -283,10 +284,10 @@ class Uploader:
         cause = ""  # the last failed attempt's
         for attempt in range(RETRIES + 1):
             t0 = time.monotonic()
-            if not os.path.isdir(job.local_dir) and cause:
+            if _gone(job) and cause:
                 self._fail_retired(store, job, attempt, cause)
                 return
-            if not os.path.isdir(job.local_dir):  # local retention retired it before its turn came
+            if _gone(job):  # local retention retired it (or a later save replaced it) before its turn came
                 self._skip_retired(job, "before its upload began")
                 return
             gate = (job.remote_dir, job.tracker_name)
@@ -297,10 +298,10 @@ class Uploader:
                                      tracker_content=job.tracker_content)
                 behind = behind or not moved  # a later save's upload, maybe another persister's, wrote it
             except Exception as e:
-                if not os.path.isdir(job.local_dir) and cause:  # during a later attempt of an outage
+                if _gone(job) and cause:  # during a later attempt of an outage
                     self._fail_retired(store, job, attempt + 1, cause)
                     return
-                if not os.path.isdir(job.local_dir):
+                if _gone(job):
                     # retired meanwhile (retention renames the directory away at once): not a fault to retry
                     self._skip_retired(job, "during its upload")
                     _clean_after(store, step, "skipped")
@@ -329,6 +330,25 @@ class Uploader:
             store.apply_retention(job.keep_last, protect=[] if behind else [job.dirname])
         except Exception as e:  # retention never fails an upload that happened
             log.warning("remote retention after step %d failed: %s", step, e)
+
+
+def _gone(job: UploadJob) -> bool:
+    """Whether ``job``'s checkpoint is no longer in its local directory: retired (renamed away), or replaced by a
+    later commit of the same name (its manifest names another commit: run id and commit time; its files are not
+    those ``job.manifest`` lists). A manifest that cannot be read while the directory is there: not gone (a
+    transient read error is retried)."""
+    if not os.path.isdir(job.local_dir):
+        return True
+    try:
+        with open(os.path.join(job.local_dir, MANIFEST), "rb") as f:
+            local = json.loads(f.read())
+    except FileNotFoundError:  # renamed away since the check above, or never one (a directory of another kind)
+        return not os.path.isdir(job.local_dir)
+    except (OSError, ValueError):
+        return False
+    mine = job.manifest or {}
+    return not isinstance(local, dict) or [local.get("run_id"), local.get("created_unix")] != [
+        mine.get("run_id"), mine.get("created_unix")]
 
 
 def _clean_after(store: RemoteStore, step: int, what: str) -> None:
