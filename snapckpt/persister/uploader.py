@@ -260,8 +260,8 @@ class Uploader:
                                           job.keep_last, name, content, order=order))
 
     def _skip_retired(self, job: UploadJob, when: str) -> None:
-        reason = (f"{job.local_dir} was deleted or replaced by a later save of that name {when} (by retention, "
-                  f"keep_last={job.keep_last}, or by hand); a newer checkpoint is uploaded instead")
+        reason = (f"{job.local_dir} was deleted {when} (by retention, keep_last={job.keep_last}, or by hand) or "
+                  "replaced by a later save of that name; a newer checkpoint is uploaded instead")
         log.warning("remote: upload of step %d to %s skipped: %s", job.manifest["step"], job.remote_dir, reason)
         self._note(job, "upload_skipped", reason)
 
