@@ -33,9 +33,10 @@ def _dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _parts(ckpt: str, step: int, ranks) -> None:
-    """The parts of ``ranks`` of ``step`` (run RUN), written as the writers leave them."""
-    partial = os.path.join(ckpt, partial_dirname(_dirname(step), RUN))
+def _parts(ckpt: str, step: int, ranks, dirname: str = "") -> None:
+    """The parts of ``ranks`` of ``step`` (run RUN) into ``dirname``'s partial directory (default: the step's),
+    written as the writers leave them."""
+    partial = os.path.join(ckpt, partial_dirname(dirname or _dirname(step), RUN))
     os.makedirs(os.path.join(partial, SIDECAR), exist_ok=True)
     for r in ranks:
         name = f"rank_{r:05d}.pt"
@@ -55,9 +56,10 @@ def _committer(ckpt: str, world_size: int, notices=None):
     return sched, run
 
 
-def _request(sched: Scheduler, run: Run, step: int) -> CommitRequest:
-    """Save ``step`` as ``Scheduler._start_commit`` records it (in flight from now), without its task."""
-    key = (RUN, step, _dirname(step))
+def _request(sched: Scheduler, run: Run, step: int, dirname: str = "") -> CommitRequest:
+    """Save ``step`` (into ``dirname``, default the step's) as ``Scheduler._start_commit`` records it (in flight
+    from now), without its task."""
+    key = (RUN, step, dirname or _dirname(step))
     with sched.lock:
         sched.results[key] = Result()
         sched.commit_seq += 1
@@ -183,3 +185,26 @@ def test_a_late_commit_is_retired_only_once_every_watcher_can_know_it_committed(
         _parts(ckpt, 3, [0, 1])
         sched._commit_task(req3, run, seq3)
         assert sorted(n for n in os.listdir(ckpt) if n.startswith("step_")) == [_dirname(3)]
+
+
+def test_a_late_commit_of_a_tag_saved_again_meanwhile_is_not_retired_under_the_new_save(tmp_path):
+    """Fixed tags, ``keep_last=1``: tag ``a`` saved at step 1 (its commit ends late), ``b`` at step 2 (commits
+    first), ``a`` again at step 3 (requested before step 1's commit ended; it writes once that is over). Step
+    1's commit ends behind step 2's, but its self-retirement finds ``a`` in flight again (step 3): ``a`` stays,
+    and step 3 commits into it; then ``b`` is the one beyond keep_last. Held before the fix too."""
+    ckpt = str(tmp_path)
+    sched, run = _committer(ckpt, world_size=1)
+    a1, seq1 = _request(sched, run, 1, "a")
+    b2, seq2 = _request(sched, run, 2, "b")
+    a3, seq3 = _request(sched, run, 3, "a")
+    _parts(ckpt, 1, [0], "a")
+    _parts(ckpt, 2, [0], "b")
+    sched._commit_task(b2, run, seq2)
+    sched._commit_task(a1, run, seq1)
+    assert sorted(n for n in os.listdir(ckpt) if not n.startswith(".") and n != "latest") == ["a", "b"]
+    _parts(ckpt, 3, [0], "a")
+    sched._commit_task(a3, run, seq3)
+    assert sorted(n for n in os.listdir(ckpt) if not n.startswith(".") and n != "latest") == ["a"]
+    with open(os.path.join(ckpt, "a", MANIFEST)) as f:
+        assert json.load(f)["step"] == 3
+    assert _tracker(ckpt) == "a"
