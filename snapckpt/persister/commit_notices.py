@@ -60,7 +60,8 @@ class _Link(threading.Thread):
         self.run_id, self.node, self.addr, self.port, self.secret_of = run_id, node, addr, port, secret_of
         self.cv = threading.Condition()
         # (notice, its delivery callback or None); a notice dropped here never calls its callback
-        self.queue: Deque[Tuple[Dict[str, Any], Optional[Callable[[bool], None]]]] = collections.deque(maxlen=_MAX_QUEUED)
+        self.queue: Deque[Tuple[Dict[str, Any], Optional[Callable[[bool], None]]]] = collections.deque(
+            maxlen=_MAX_QUEUED)
         self.sock: Optional[socket.socket] = None
         self.stopping = False
         self.sent = 0

@@ -860,6 +860,7 @@ class Scheduler:
             log.warning("could not remove %s/%s after a failed save: %s: %s; tried again after the next commit",
                         url, dirname, type(err).__name__, str(err)[:300])
 
+
 # How long a late commit's task waits for its committed notice to be sent to every other node before it
 # retires the commit (seconds; a link's connect and send time out at 5 s each, tried twice): past it the
 # commit is left for the next commit's retention
