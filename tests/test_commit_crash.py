@@ -1003,6 +1003,41 @@ def test_C3_retention_follows_save_order_when_commits_finish_out_of_order(snap_e
     assert committed_steps(d) == [3, 4, 5] and tracker(d) == "step_00000005"
 
 
+def test_C3_persister_killed_between_a_late_commits_answer_and_its_retirement(snap_env, monkeypatch, tmp_path):
+    """keep_last=1: step 1's commit is held before its rename until step 2 has committed, so it ends behind
+    it; once its answer is out, its own retention lists the checkpoints to retire it (point
+    ``commit.retention_listed``, its second hit for step 1) and the persister is SIGKILLed there. Right: step 2
+    stays, ``latest`` names it throughout, step 1 is left in place (beyond keep_last, nothing half-deleted), a
+    restarted job loads step 2, and its first commit retires step 1."""
+    snap_env.leftover_ok = True
+    gate = str(tmp_path / "release_1")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"commit.before_rename:step=1:action=wait:secs=60:path={gate};"
+                                               "commit.retention_listed:step=1:occurrence=2")
+    d = snap_env.ckpt_dir
+    ck = Checkpointer(d, keep_last=1, **OPTS)
+    try:
+        h1 = ck.save(make_state(1, 0), 1)
+        ck.save(make_state(2, 0), 2).wait()
+        pid = ck.persister_pid
+        open(gate, "w").close()
+        assert wait_until(lambda: gone(pid), timeout=60), "the fault point did not kill the persister"
+        try:
+            bounded(h1.wait)  # its answer may or may not have reached the rank before the kill
+        except PersisterDiedError:
+            pass
+    finally:
+        try:
+            ck.close()
+        except PersisterDiedError:
+            pass
+    assert committed_steps(d) == [1, 2] and tracker(d) == "step_00000002"
+    monkeypatch.delenv("SNAPCKPT_FAULT_POINT")
+    with Checkpointer(d, keep_last=1, **OPTS) as ck:
+        assert_equal_state(ck.load(), 2)
+        ck.save(make_state(3, 0), 3).wait()
+    assert committed_steps(d) == [3] and tracker(d) == "step_00000003"
+
+
 def test_C3_retention_keeps_newest_two_and_tolerates_dirs_deleted_by_others(snap_env):
     """Retention and C3: keep_last=2 over 8 commits, while a second "local main" thread deletes the
     same old checkpoints the persister rotates (racing it), one committed directory is removed by hand
