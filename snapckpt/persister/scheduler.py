@@ -64,6 +64,11 @@ __all__ = ["Result", "Scheduler"]
 
 SaveKey = Tuple[str, int, str]  # (run id, step, dirname): one save
 
+# records of a run kept once their saves ended, the newest ones (Scheduler._prune): a late part, a late
+# notice or a crash flush of a recent step finds its save's record; older ones go once no rank still waits
+# to be told how they ended
+KEEP_ENDED = 64
+
 
 class _CommitOver(CommitError):
     """A part of a save whose commit is known here to have failed already (``Scheduler._commit_over``): not
@@ -83,6 +88,7 @@ class Result:
     part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     parts_done: Set[int] = field(default_factory=set)
     rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
+    told: Set[int] = field(default_factory=set)  # local ranks told how it ended (a status reply; fail_part)
     writers: int = 0  # this node's writer tasks of the step still running
     part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait (commit.py)
     notices: int = 0  # peer notices received for this save (commit_notices.py)
@@ -107,8 +113,10 @@ class Scheduler:
         self.slots = slots
         self.lock = lock
         # every save's record, in creation order, indexed by run and by the saves that may be in flight
-        # (save_records.py). The records of the saves in flight are the `live` ones whose _in_flight holds
+        # (save_records.py); pruned by _prune. The records of the saves in flight are the `live` ones whose
+        # _in_flight holds
         self.results: SaveRecords = SaveRecords()
+        self.prune_at: Dict[str, int] = {}  # run id -> its record count that starts the next _prune
         self.commits_started: Set[SaveKey] = set()
         self.commit_seq = 0  # order of persist requests, for the tracker gate
         self.tracker_seq: Dict[Tuple[str, str], int] = {}
@@ -202,6 +210,35 @@ class Scheduler:
         """Whether save ``key`` (record ``res``) is in flight here: a writer of it runs, or its commit started
         and has not ended (called with the lock)."""
         return res.writers > 0 or (res.state == "pending" and key in self.commits_started)
+
+    def _prune(self, run: Run) -> None:
+        """Drop ``run``'s records that nothing here can still need (called with the lock, as a save's commit
+        starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` records, except a
+        save still in flight, with a rank waiting for it (:attr:`Result.deferred`) or a call after its end
+        (:meth:`when_over`), one a connected local rank took part in and was not yet told the end of (a
+        ``status`` reply; :attr:`Result.told`): its handle asks again, and a missing record would answer
+        ``held`` or ``unknown``; and on another node than the committer's, a failed one whose abort notice has
+        not come (:attr:`Result.stale_aborts` of a save of the step again needs it). A pruned save is then as
+        one never asked for: a late peer notice about it is dropped (:meth:`on_notice`), and a save of its
+        step again is a new save. Runs every ``KEEP_ENDED`` records or more (the next run waits until as many
+        new ones came as were kept), so its cost per record stays O(1) amortized; a run holds at most
+        ``2 * KEEP_ENDED`` records plus those kept above."""
+        mine = self.results.by_run.get(run.run_id)
+        if mine is None or len(mine) < self.prune_at.get(run.run_id, 2 * KEEP_ENDED):
+            return
+        keys = list(mine)
+        for key in keys[:-KEEP_ENDED]:
+            res = self.results[key]
+            if self._in_flight(key, res) or res.deferred or key in self.over_calls:
+                continue
+            if not run.committer and not run.remote_only and res.state == "failed" and res.aborted_at is None:
+                continue
+            took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
+            if (took_part - res.told) & run.connected:
+                continue
+            del self.results[key]
+            self.commits_started.discard(key)
+        self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
     # ------------------------------------------------------------------------------------ requests
     def persist(self, entry: RankEntry, step: int, run: Run) -> None:
@@ -334,8 +371,10 @@ class Scheduler:
         node with the cause instead of waiting for this rank's part until the timeout."""
         key = (run.run_id, step, dirname)
         with self.lock:
+            self._prune(run)  # (before: never this save's own record, which its commit below needs)
             res = self.results.setdefault(key, Result())
             res.part_errors[rank] = rec
+            res.told.add(rank)  # its rank raised the error itself: it never asks for this save
         res.part_ended.set()  # the commit's wait sees the failure now, not at its next peer check
         if run.world_size == 1:
             return  # nobody else waits for this save
@@ -368,6 +407,7 @@ class Scheduler:
         :meth:`_tracker_gate`."""
         self.commits_started.add(key)
         self.results.track(key)
+        self._prune(run)
         _, step, dirname = key
         with self.committing_lock:
             mine = self.committing.setdefault(run.checkpoint_dir, {})
@@ -471,7 +511,7 @@ class Scheduler:
         """The saves ``(step, dirname)`` of ``run`` whose part of ``rank`` this node has accepted to write
         (its writer is queued, running or done; called with the lock)."""
         found = set()
-        for key in self.results.of_run(run.run_id):
+        for key in self.results.of_run(run.run_id):  # (records pruned, _prune, are of saves long over)
             res = self.results[key]
             if rank in res.rank_seq or rank in res.parts_done or rank in res.part_errors:
                 found.add(key[1:])

@@ -1,4 +1,4 @@
-"""The persister's save records: the in-flight index its waits read.
+"""The persister's save records: the in-flight index its waits read, and the pruning of ended records.
 
 A job saving every few steps for weeks leaves 100,000 records; before the index, every writer and every commit
 read all of them (``Scheduler._wait_for_directory``: 18 ms per wait at 100,000), and they were never dropped.
@@ -14,8 +14,9 @@ from typing import List
 
 import pytest
 
-from snapckpt.persister.scheduler import Result, Scheduler
-from snapckpt.persister.slots import Run, SlotTable
+from snapckpt.persister.scheduler import KEEP_ENDED, Result, Scheduler
+from snapckpt.persister.server import Server
+from snapckpt.persister.slots import RankEntry, Run, SlotTable
 
 RUN = "a" * 16 + "0123456789ab"
 OTHER = "b" * 16 + "0123456789ab"
@@ -134,3 +135,117 @@ def test_a_wait_reads_only_the_saves_in_flight_not_every_record_held(node):
         sched.wake_run(RUN)
         sched.release_if_over(run)
     assert reads[0] <= 4 * 3 * 3, f"{reads[0]} reads of the records' state"
+
+
+def test_the_refused_saves_of_a_one_rank_run_are_pruned_to_a_bound(node):
+    """A one-rank run whose 20,000 saves were each refused before they reached the persister (``fail_part``: the
+    free-space check; the rank raised the error itself, it never asks): the persister holds at most
+    ``2 * KEEP_ENDED`` of their records, the newest ``KEEP_ENDED`` among them (before: all 20,000)."""
+    sched, _ = node
+    one = Run(run_id=OTHER, world_size=1, local_ranks=[0], committer=True, checkpoint_dir="/nonexistent",
+              keep_last=None, commit_timeout_secs=60.0, flush_on_crash=False, fsync=False, connected={0})
+    for i in range(20_000):
+        sched.fail_part(0, one, i, "step_%d" % i, {"type": "InsufficientDiskError", "message": "full"})
+    held = [k for k in sched.results if k[0] == OTHER]
+    assert KEEP_ENDED <= len(held) <= 2 * KEEP_ENDED, len(held)
+    assert [k[1] for k in held[-KEEP_ENDED:]] == list(range(20_000 - KEEP_ENDED, 20_000))
+
+
+def test_ended_records_are_pruned_to_a_bound(node):
+    """20,000 committed saves whose ranks were told (a status reply each) or left: the run holds at most
+    ``2 * KEEP_ENDED`` records, the newest ``KEEP_ENDED`` among them, and the commits-started set shrinks with
+    them."""
+    sched, run = node
+    for i in range(20_000):
+        with sched.lock:
+            res = _ended(sched, (RUN, i, "step_%d" % i))
+            if i < 10_000:
+                res.told |= {0, 1}  # both ranks' status requests were answered
+            else:
+                run.connected = set()  # both ranks left (a clean end)
+            sched._prune(run)  # (as the next save's commit starts)
+    held = sched.results.of_run(RUN)
+    assert KEEP_ENDED <= len(held) <= 2 * KEEP_ENDED, len(held)
+    assert [k[1] for k in held[-KEEP_ENDED:]] == list(range(20_000 - KEEP_ENDED, 20_000))
+    assert len(sched.commits_started) <= 2 * KEEP_ENDED
+
+
+def _status(sched: Scheduler, rank: int, step: int, dirname: str):
+    """The persister's answer to rank ``rank``'s ``status`` request of ``(step, dirname)`` (Server._op_status)."""
+    owner = SimpleNamespace(scheduler=sched, slots=sched.slots)
+    return Server._op_status(owner, RankEntry(rank=rank, slots=[], run_id=RUN), {"step": step, "dirname": dirname})
+
+
+def test_pruning_keeps_what_a_rank_can_still_ask_about(node):
+    """Old ended saves that a connected rank was not yet told the end of, a save still in flight, one a rank's
+    save of it again waits for, one with a call after its end, and (another node) a failed one whose abort
+    notice has not come stay, however many newer ones came; each goes once that no longer holds. A status
+    answer tells the rank (the record of a committed save whose ranks both asked goes)."""
+    sched, run = node
+    with sched.lock:
+        untold = _ended(sched, (RUN, 1, "step_1"))
+        untold.told.add(0)  # rank 1 has not asked yet
+        failed = _ended(sched, (RUN, 2, "step_2"), state="failed")
+        failed.part_errors[1] = {"type": "OSError", "message": "disk"}
+        inflight = sched.results.setdefault((RUN, 3, "step_3"), Result())
+        inflight.writers = 1
+        sched.results.track((RUN, 3, "step_3"))
+        deferred = _ended(sched, (RUN, 4, "step_4"), state="failed")
+        deferred.told |= {0, 1}
+        deferred.deferred.add(0)
+        calls = _ended(sched, (RUN, 5, "step_5"))
+        calls.told |= {0, 1}
+        sched.when_over((RUN, 5, "step_5"), lambda: None)  # (a crash flush's, registered before it ended)
+        _ended(sched, (RUN, 6, "step_6")).told.add(0)  # rank 1 was not told (it leaves, below)
+        told = _ended(sched, (RUN, 7, "step_7"))
+    assert _status(sched, 0, 7, "step_7")["state"] == "committed"
+    assert _status(sched, 1, 7, "step_7")["state"] == "committed"
+    assert told.told == {0, 1}
+    assert _status(sched, 0, 2, "step_2")["state"] == "failed"
+    assert _status(sched, 1, 2, "step_2") == {"ok": True, "state": "failed", "where": "part",
+                                             "error": {"type": "OSError", "message": "disk"}}
+    with sched.lock:
+        for i in range(100, 100 + 3 * KEEP_ENDED):
+            _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
+        run.connected = {0, 1}
+        sched._prune(run)
+        held = set(sched.results)
+        assert {(RUN, s, "step_%d" % s) for s in (1, 3, 4, 5, 6)} <= held
+        assert (RUN, 2, "step_2") not in held and (RUN, 7, "step_7") not in held  # both ranks told
+        assert (RUN, 7, "step_7") not in sched.commits_started
+    assert _status(sched, 1, 1, "step_1")["state"] == "committed"  # still answered; now told
+    with sched.lock:
+        run.connected = {0}  # rank 1 left: nobody asks about step 6 any more
+        inflight.writers = 0
+        sched._run_over_calls((RUN, 3, "step_3"), inflight)
+        deferred.deferred.clear()
+        sched.over_calls.clear()
+        for i in range(1000, 1000 + 2 * KEEP_ENDED):
+            _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
+        sched._prune(run)
+        assert not {(RUN, s, "step_%d" % s) for s in (1, 3, 4, 5, 6)} & set(sched.results)
+    # a pruned save is one never asked for: its status says so, a late notice about it is dropped
+    assert _status(sched, 0, 1, "step_1") == {"ok": True, "state": "unknown"}
+    sched.on_notice(RUN, 1, "step_1", aborted=True)
+    sched.on_notice(RUN, 1, "step_1", committed=True, removed=True)
+    assert sched.result((RUN, 1, "step_1")) is None and not sched._commit_over(run, (RUN, 1, "step_1"))
+
+
+def test_a_watchers_failed_save_waits_for_its_abort_notice_before_it_is_pruned(node):
+    """Another node than the committer's: a failed save whose committer's abort notice has not come is kept
+    (a save of its step again marks that notice as the old save's, ``stale_aborts``); once it came, it goes."""
+    sched, run = node
+    run.committer = False
+    run.world_size = 4
+    with sched.lock:
+        _ended(sched, (RUN, 1, "step_1"), state="failed").told |= {0, 1}
+        for i in range(100, 100 + 2 * KEEP_ENDED):
+            _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
+        sched._prune(run)
+        assert (RUN, 1, "step_1") in sched.results
+    sched.on_notice(RUN, 1, "step_1", aborted=True)
+    with sched.lock:
+        for i in range(1000, 1000 + 2 * KEEP_ENDED):
+            _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
+        sched._prune(run)
+        assert (RUN, 1, "step_1") not in sched.results
