@@ -13,7 +13,9 @@ thread pools of this process:
   gate so that the tracker file only moves forward in request order.
 
 Each save's outcome is a :class:`Result`, read by the ``status`` requests of the ranks; a failed part is
-recorded in memory before its failure marker, so the commit of that step fails at once with its cause.
+recorded in memory before its failure marker, so the commit of that step fails at once with its cause. The
+records are indexed by the saves in flight (:mod:`snapckpt.persister.save_records`: what the per-save waits
+read) and pruned once no rank can still ask about them (:meth:`Scheduler._prune`).
 A part that can never come (its rank died before handing it over, or its node is lost) ends the commit
 in seconds too, through the run's :class:`~snapckpt.persister.peers.PeerWatch`.
 
