@@ -220,11 +220,13 @@ class Scheduler:
         (:meth:`when_over`), one a connected local rank took part in and was not yet told the end of (a
         ``status`` reply; :attr:`Result.told`): its handle asks again, and a missing record would answer
         ``held`` or ``unknown``; and on another node than the committer's, a failed one whose abort notice has
-        not come (:attr:`Result.stale_aborts` of a save of the step again needs it). A pruned save is then as
-        one never asked for: a late peer notice about it is dropped (:meth:`on_notice`), and a save of its
-        step again is a new save. Runs every ``KEEP_ENDED`` records or more (the next run waits until as many
-        new ones came as were kept), so its cost per record stays O(1) amortized; a run holds at most
-        ``2 * KEEP_ENDED`` records plus those kept above."""
+        not come (it names the save's generation, at which a save of the step again after a prune would start
+        again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
+        (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
+        holds its record counts on from it: their notices about that save then do not match, and its commit
+        path waits on its filesystem reads, as for a lost notice). Runs every ``KEEP_ENDED`` records or more
+        (the next run waits until as many new ones came as were kept), so its cost per record stays O(1)
+        amortized; a run holds at most ``2 * KEEP_ENDED`` records plus those kept above."""
         mine = self.results.by_run.get(run.run_id)
         if mine is None or len(mine) < self.prune_at.get(run.run_id, 2 * KEEP_ENDED):
             return

@@ -226,14 +226,15 @@ def test_pruning_keeps_what_a_rank_can_still_ask_about(node):
         assert not {(RUN, s, "step_%d" % s) for s in (1, 3, 4, 5, 6)} & set(sched.results)
     # a pruned save is one never asked for: its status says so, a late notice about it is dropped
     assert _status(sched, 0, 1, "step_1") == {"ok": True, "state": "unknown"}
-    sched.on_notice(RUN, 1, "step_1", aborted=True)
-    sched.on_notice(RUN, 1, "step_1", committed=True, removed=True)
+    sched.on_notice(RUN, 1, "step_1", 1, aborted=True)
+    sched.on_notice(RUN, 1, "step_1", 1, committed=True, removed=True)
     assert sched.result((RUN, 1, "step_1")) is None and not sched._commit_over(run, (RUN, 1, "step_1"))
 
 
 def test_a_watchers_failed_save_waits_for_its_abort_notice_before_it_is_pruned(node):
     """Another node than the committer's: a failed save whose committer's abort notice has not come is kept
-    (a save of its step again marks that notice as the old save's, ``stale_aborts``); once it came, it goes."""
+    (the notice names the save's generation, at which a save of the step again would start anew after a prune:
+    it would take that notice for its own); once it came, it goes."""
     sched, run = node
     run.committer = False
     run.world_size = 4
@@ -243,7 +244,7 @@ def test_a_watchers_failed_save_waits_for_its_abort_notice_before_it_is_pruned(n
             _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
         sched._prune(run)
         assert (RUN, 1, "step_1") in sched.results
-    sched.on_notice(RUN, 1, "step_1", aborted=True)
+    sched.on_notice(RUN, 1, "step_1", 1, aborted=True)
     with sched.lock:
         for i in range(1000, 1000 + 2 * KEEP_ENDED):
             _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
