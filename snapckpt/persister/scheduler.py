@@ -13,7 +13,9 @@ thread pools of this process:
   gate so that the tracker file only moves forward in request order.
 
 Each save's outcome is a :class:`Result`, read by the ``status`` requests of the ranks; a failed part is
-recorded in memory before its failure marker, so the commit of that step fails at once with its cause.
+recorded in memory before its failure marker, so the commit of that step fails at once with its cause. The
+records are indexed by the saves in flight (:mod:`snapckpt.persister.save_records`: what the per-save waits
+read) and pruned once no rank can still ask about them (:meth:`Scheduler._prune`).
 A part that can never come (its rank died before handing it over, or its node is lost) ends the commit
 in seconds too, through the run's :class:`~snapckpt.persister.peers.PeerWatch`.
 
@@ -50,6 +52,7 @@ from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, reti
 from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
+from snapckpt.persister.save_records import SaveRecords
 from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.part_sync import PartSyncer
@@ -62,6 +65,11 @@ log = logging.getLogger("snapckpt.persister")
 __all__ = ["Result", "Scheduler"]
 
 SaveKey = Tuple[str, int, str]  # (run id, step, dirname): one save
+
+# records of a run kept once their saves ended, the newest ones (Scheduler._prune): a late part, a late
+# notice or a crash flush of a recent step finds its save's record; older ones go once no rank still waits
+# to be told how they ended
+KEEP_ENDED = 64
 
 
 class _CommitOver(CommitError):
@@ -82,6 +90,7 @@ class Result:
     part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     parts_done: Set[int] = field(default_factory=set)
     rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
+    told: Set[int] = field(default_factory=set)  # local ranks told how it ended (a status reply; fail_part)
     writers: int = 0  # this node's writer tasks of the step still running
     part_ended: threading.Event = field(default_factory=threading.Event)  # wakes the commit's wait (commit.py)
     notices: int = 0  # peer notices received for this save (commit_notices.py)
@@ -105,7 +114,11 @@ class Scheduler:
     def __init__(self, slots: SlotTable, lock: threading.RLock) -> None:
         self.slots = slots
         self.lock = lock
-        self.results: Dict[SaveKey, Result] = {}
+        # every save's record, in creation order, indexed by run and by the saves that may be in flight
+        # (save_records.py); pruned by _prune. The records of the saves in flight are the `live` ones whose
+        # _in_flight holds
+        self.results: SaveRecords = SaveRecords()
+        self.prune_at: Dict[str, int] = {}  # run id -> its record count that starts the next _prune
         self.commits_started: Set[SaveKey] = set()
         self.commit_seq = 0  # order of persist requests, for the tracker gate
         self.tracker_seq: Dict[Tuple[str, str], int] = {}
@@ -178,7 +191,10 @@ class Scheduler:
         self.over_calls.setdefault(key, []).append(fn)
 
     def _run_over_calls(self, key: SaveKey, res: Result) -> None:
-        """Run :meth:`when_over`'s calls of ``key`` if its save ``res`` is over (called with the lock)."""
+        """Run :meth:`when_over`'s calls of ``key`` if its save ``res`` is over (called with the lock); a save no
+        longer in flight leaves the in-flight index (every end of a writer or a commit comes here)."""
+        if self.results.get(key) is res and not self._in_flight(key, res):
+            self.results.settle(key)
         if res.state == "pending" or res.writers > 0 or self.results.get(key) is not res:
             return
         for fn in self.over_calls.pop(key, []):
@@ -194,6 +210,42 @@ class Scheduler:
         self.commits_started.discard(key)
         if old is not None:
             self.results[key] = Result(gen=old.gen + 1)
+
+    def _in_flight(self, key: SaveKey, res: Result) -> bool:
+        """Whether save ``key`` (record ``res``) is in flight here: a writer of it runs, or its commit started
+        and has not ended (called with the lock)."""
+        return res.writers > 0 or (res.state == "pending" and key in self.commits_started)
+
+    def _prune(self, run: Run) -> None:
+        """Drop ``run``'s records that nothing here can still need (called with the lock, as a save's commit
+        starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` records, except a
+        save still in flight, with a rank waiting for it (:attr:`Result.deferred`) or a call after its end
+        (:meth:`when_over`), one a connected local rank took part in and was not yet told the end of (a
+        ``status`` reply; :attr:`Result.told`): its handle asks again, and a missing record would answer
+        ``held`` or ``unknown``; and on another node than the committer's, a failed one whose abort notice has
+        not come (it names the save's generation, at which a save of the step again after a prune would start
+        again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
+        (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
+        holds its record counts on from it: their notices about that save then do not match, and its commit
+        path waits on its filesystem reads, as for a lost notice). Runs every ``KEEP_ENDED`` records or more
+        (the next run waits until as many new ones came as were kept), so its cost per record stays O(1)
+        amortized; a run holds at most ``2 * KEEP_ENDED`` records plus those kept above."""
+        mine = self.results.by_run.get(run.run_id)
+        if mine is None or len(mine) < self.prune_at.get(run.run_id, 2 * KEEP_ENDED):
+            return
+        keys = list(mine)
+        for key in keys[:-KEEP_ENDED]:
+            res = self.results[key]
+            if self._in_flight(key, res) or res.deferred or key in self.over_calls:
+                continue
+            if not run.committer and not run.remote_only and res.state == "failed" and res.aborted_at is None:
+                continue
+            took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
+            if (took_part - res.told) & run.connected:
+                continue
+            del self.results[key]
+            self.commits_started.discard(key)
+        self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
     # ------------------------------------------------------------------------------------ requests
     def persist(self, entry: RankEntry, step: int, run: Run) -> None:
@@ -226,7 +278,7 @@ class Scheduler:
             # this rank saved the same step under the same directory again (its earlier save reached this
             # persister, or failed before it did, fail_part: a retry once the disk has room must not fail on
             # that stale error; a one-rank run's fail_part starts no commit, so that save is over already)
-            in_flight = res.writers > 0 or (res.state == "pending" and key in self.commits_started)
+            in_flight = self._in_flight(key, res)
             if (entry.rank in res.part_errors or res.state == "failed") and in_flight:
                 # the rank heard that its earlier save failed, but that save is not over here: its writers end on
                 # its record and its partial directory is deleted once they have. This save starts then
@@ -252,6 +304,7 @@ class Scheduler:
         res.rank_seq[entry.rank] = s.seq
         self.slots.start_persist(s)
         res.writers += 1
+        self.results.track(key)
         self.pending += 1
         self.pool.submit(self._write_part_task, entry.rank, s, run, step, time.monotonic())
         if key not in self.commits_started:
@@ -309,6 +362,7 @@ class Scheduler:
         s.stream = st
         res.streams[entry.rank] = st
         res.writers += 1
+        self.results.track(key)
         self.pending += 1
         self.pool.submit(self._write_part_task, entry.rank, s, run, step, time.monotonic(),
                          (st, dirname, index_offset, index_nbytes))
@@ -324,8 +378,10 @@ class Scheduler:
         node with the cause instead of waiting for this rank's part until the timeout."""
         key = (run.run_id, step, dirname)
         with self.lock:
+            self._prune(run)  # (before: never this save's own record, which its commit below needs)
             res = self.results.setdefault(key, Result())
             res.part_errors[rank] = rec
+            res.told.add(rank)  # its rank raised the error itself: it never asks for this save
         res.part_ended.set()  # the commit's wait sees the failure now, not at its next peer check
         if run.world_size == 1:
             return  # nobody else waits for this save
@@ -357,6 +413,8 @@ class Scheduler:
         ``tracker_content``: the tracker file it writes (``""``: none); ``tracker_gate``: see
         :meth:`_tracker_gate`."""
         self.commits_started.add(key)
+        self.results.track(key)
+        self._prune(run)
         _, step, dirname = key
         with self.committing_lock:
             mine = self.committing.setdefault(run.checkpoint_dir, {})
@@ -425,8 +483,9 @@ class Scheduler:
 
     def wake_run(self, run_id: str) -> None:
         """Wake every pending commit of ``run_id`` (a local rank died: its peer check answers at once)."""
-        for (rid, _, _), res in list(self.results.items()):
-            if rid == run_id and res.state == "pending":
+        for key in self.results.live_of_run(run_id):  # (a save not in that index is not in flight)
+            res = self.results[key]
+            if res.state == "pending":
                 res.part_ended.set()
 
     def release_if_over(self, run: Run) -> None:
@@ -435,9 +494,10 @@ class Scheduler:
         writing (called with the lock: when a rank leaves, when a commit or a part ends)."""
         if self.notices is None or run.connected:
             return
-        if any(rid == run.run_id and (r.state == "pending" or r.writers > 0)
-               for (rid, _, _), r in self.results.items()):
-            return
+        for key in self.results.live_of_run(run.run_id):
+            r = self.results[key]
+            if r.state == "pending" or r.writers > 0:
+                return
         self.notices.forget(run.run_id)
 
     def _peer_check(self, run: Run) -> Callable[..., None]:
@@ -457,9 +517,12 @@ class Scheduler:
     def pending_parts(self, run: Run, rank: int) -> Set[Tuple[int, str]]:
         """The saves ``(step, dirname)`` of ``run`` whose part of ``rank`` this node has accepted to write
         (its writer is queued, running or done; called with the lock)."""
-        return {(step, dirname) for (rid, step, dirname), res in self.results.items()
-                if rid == run.run_id and (rank in res.rank_seq or rank in res.parts_done
-                                          or rank in res.part_errors)}
+        found = set()
+        for key in self.results.of_run(run.run_id):  # (records pruned, _prune, are of saves long over)
+            res = self.results[key]
+            if rank in res.rank_seq or rank in res.parts_done or rank in res.part_errors:
+                found.add(key[1:])
+        return found
 
     def _local_failure(self, key: SaveKey) -> Callable[[], Optional[BaseException]]:
         """For the commit of ``key``: the error of a local rank whose part of that save failed, if any."""
@@ -806,17 +869,12 @@ class Scheduler:
         (:meth:`_remove_failed_partial`). A next save of the same directory (a fixed tag, a retried step)
         that wrote meanwhile lost its files to that deletion. A crash flush under a tag whose DISK save is
         still in flight would share its partial directory the same way. Only the saves recorded before
-        ``key``'s (``results`` keeps that order) are waited for: the waits cannot form a cycle."""
+        ``key``'s (``results`` keeps that order: creation numbers) are waited for: the waits cannot form a
+        cycle. Reads only the in-flight index of the directory, not every record held."""
         told = False
         with self.lock:
             while True:
-                earlier = []
-                for k, r in self.results.items():
-                    if k == key:
-                        break
-                    if k[2] == key[2] and k[0] == key[0] and (
-                            r.writers > 0 or (r.state == "pending" and k in self.commits_started)):
-                        earlier.append(k[1])
+                earlier = self._earlier(key)
                 if not earlier and (run.checkpoint_dir, key[2]) not in self.discarding:
                     return
                 if not told:
@@ -825,6 +883,14 @@ class Scheduler:
                              f"the save of step {earlier[0]}" if earlier else "the deletion of a failed save",
                              key[2])
                 self.ended.wait(BACKSTOP_SECS)  # (notified; the timeout only re-checks)
+
+    def _earlier(self, key: SaveKey) -> List[int]:
+        """The steps of the saves of ``key``'s run and directory in flight here and recorded before ``key``'s
+        (all held if ``key`` has no record), oldest first: what :meth:`_wait_for_directory` waits for (called
+        with the lock). Reads the in-flight index of that directory only."""
+        mine = self.results.order(key)
+        return [k[1] for n, k in self.results.live_of(key[0], key[2])
+                if k != key and (mine is None or n < mine) and self._in_flight(k, self.results[k])]
 
     def _discard_remote(self, url: str, dirname: str) -> None:
         """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads, in the
@@ -840,8 +906,8 @@ class Scheduler:
 
     def _discard_task(self, url: str, dirname: str) -> None:
         with self.lock:  # a save of this prefix already under way: its own commit or failure decides
-            busy = any(d == dirname and (r.state == "pending" or r.writers > 0)
-                       for (_, _, d), r in self.results.items())
+            busy = any(self.results[k].state == "pending" or self.results[k].writers > 0
+                       for k in self.results.live_of_dir(dirname))
         err: Optional[BaseException] = None
         if not busy:
             try:

@@ -737,7 +737,10 @@ class Server:
         if entry.rank in res.deferred:  # its save again waits for this failed one to be over (Scheduler.persist)
             return P.ok(state="pending")
         if entry.rank in res.part_errors:
+            res.told.add(entry.rank)  # (a record is pruned only once its ranks were told: Scheduler._prune)
             return P.ok(state="failed", error=res.part_errors[entry.rank], where="part")
+        if res.state != "pending":
+            res.told.add(entry.rank)
         base, notes = self.scheduler.uploader.notes_window(entry.run_id)
         return P.ok(state=res.state, error=res.error, where="commit", remote=notes, remote_base=base)
 
