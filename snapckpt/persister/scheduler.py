@@ -99,7 +99,7 @@ class Result:
     streams: Dict[int, Stream] = field(default_factory=dict)  # rank -> its streamed part (persister/stream.py)
     # another node: set when the committer's node said it deleted this failed save's partial directory
     removed: threading.Event = field(default_factory=threading.Event)
-    # ranks whose save of this step again waits for this failed save to be over here (persist: deferred)
+    # ranks whose save of this step and directory again waits for this save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
 
 
@@ -251,13 +251,15 @@ class Scheduler:
     def persist(self, entry: RankEntry, step: int, run: Run) -> None:
         """Write rank ``entry``'s newest snapshot of ``step`` to disk and commit the step (once per save).
 
-        A save of a step and directory again, once the rank heard that its earlier save of them failed,
-        starts when that save is over on this node (its writers ended, its partial directory deleted): the
-        rank's status says ``pending`` until then.
+        A save of a step and directory again by a rank whose earlier save of them is not over on this node (still
+        persisted, or failed while its writers or commit go on) starts when that save is over here (its writers
+        ended, its partial directory deleted, if it failed): the rank's status of the step says ``pending`` until
+        then, and its earlier save's handle then ends with the new save's outcome (the status is keyed by step
+        and directory). A rank whose save came once it was over starts the new save at once: every rank of the
+        step joins that one save, none is refused.
 
         Raises:
-            PersisterError: the rank holds no snapshot of ``step``, or a save of the same step and
-                directory by this rank is still being persisted.
+            PersisterError: the rank holds no snapshot of ``step``.
         """
         s = self.slots.newest_held(entry, step)
         if s is None:
@@ -278,19 +280,15 @@ class Scheduler:
             # this rank saved the same step under the same directory again (its earlier save reached this
             # persister, or failed before it did, fail_part: a retry once the disk has room must not fail on
             # that stale error; a one-rank run's fail_part starts no commit, so that save is over already)
-            in_flight = self._in_flight(key, res)
-            if (entry.rank in res.part_errors or res.state == "failed") and in_flight:
-                # the rank heard that its earlier save failed, but that save is not over here: its writers end on
-                # its record and its partial directory is deleted once they have. This save starts then
+            if self._in_flight(key, res):
+                # the earlier save is not over here: its writers and commit end on its record (and a failed one's
+                # partial directory is deleted once they have). This save starts then, as it does for a rank
+                # whose save comes later; refused, this rank's part would never come to the others' save
                 if entry.rank not in res.deferred:
                     res.deferred.add(entry.rank)
                     s.pins += 1  # never handed out meanwhile (the rank's next snapshots go on)
                     self.when_over(key, lambda: self._persist_deferred(entry, step, run, res, s))
                 return
-            if res.state == "pending" and in_flight:
-                raise PersisterError(
-                    f"step {step} ({s.dirname}) of rank {entry.rank} is still being persisted; a second save of "
-                    "the same step to the same directory must wait for the first (Checkpointer.wait())")
             res = self._replace(run, key)  # the earlier save ended: this one is a new save that replaces it
         if res is None:
             res = self.results.setdefault(key, Result())
@@ -322,14 +320,16 @@ class Scheduler:
         return res
 
     def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result, s: Slot) -> None:
-        """:meth:`persist` of a save that waited for the failed save ``old`` of its step and directory to be
-        over (called with the lock, by :meth:`when_over`; ``s``: the rank's slot it saves, pinned meanwhile);
-        if it cannot start, the rank hears ``old``'s failure."""
+        """:meth:`persist` of a save that waited for the save ``old`` of its step and directory to be over
+        (called with the lock, by :meth:`when_over`; ``s``: the rank's slot it saves, pinned meanwhile); if it
+        cannot start, the rank hears ``old``'s failure, or (``old`` committed) why it could not start."""
         s.pins -= 1
         try:
             self.persist(entry, step, run)
         except Exception as e:
             log.error("rank %d step %d: the save of it again could not start: %s", entry.rank, step, e)
+            if old.state != "failed":  # never answered "committed" from the earlier save
+                old.part_errors.setdefault(entry.rank, P.error_record(e))
             old.deferred.discard(entry.rank)
             self.on_change()  # its waiting status request is answered with the failure
         else:

@@ -734,7 +734,7 @@ class Server:
         if res is None:
             held = any(s.step == msg["step"] for s in self.slots.held(entry))
             return P.ok(state="held" if held else "unknown")
-        if entry.rank in res.deferred:  # its save again waits for this failed one to be over (Scheduler.persist)
+        if entry.rank in res.deferred:  # its save again waits for this one to be over (Scheduler.persist)
             return P.ok(state="pending")
         if entry.rank in res.part_errors:
             res.told.add(entry.rank)  # (a record is pruned only once its ranks were told: Scheduler._prune)

@@ -279,6 +279,47 @@ def test_a_save_of_the_same_step_again_while_a_writer_of_its_failed_save_still_r
         _assert_part(ckpt, TAG, r, 7)
 
 
+def test_a_save_of_the_same_step_again_while_its_first_save_is_in_flight_waits_for_it_on_every_rank(
+        tmp_path, parts):
+    """Two local ranks: step 7's save of ``best`` is in flight and will succeed (rank 0's part is written, rank
+    1's writer still runs); rank 0 saves step 7 again at once (the engine no longer waits for the first save
+    on the training thread), rank 1 only once the first save committed. Right: rank 0's save waits for the
+    first one (its status says pending, its slot is pinned), then starts as the new save of step 7, which
+    rank 1's save joins: both ranks' new parts commit (before the fix: rank 0's save was refused with
+    PersisterError while rank 1's started a new save that waited for rank 0's part until its timeout)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    key = (RUN, 7, TAG)
+    old1 = _slot(ckpt, 1, 7)  # rank 1's writer of the first save still reads it
+    new0 = Slot(index=10, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=7,
+                run_id=RUN, dirname=TAG, seq=8)
+    new1 = Slot(index=11, path=os.path.join(ckpt, "rank1"), nbytes=NBYTES, state=SlotState.READY, step=7,
+                run_id=RUN, dirname=TAG, seq=9)
+    for r, s in ((0, new0), (1, old1)):
+        sched.slots.ranks[r] = RankEntry(rank=r, slots=[s], run_id=RUN)
+    old = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    with sched.lock:
+        sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again
+    assert sched.results[key] is old and old.deferred == {0} and new0.pins == 1
+    with sched.lock:  # the first save ends committed: rank 1's writer, then the commit
+        old.parts_done.add(1)
+        old.writers -= 1
+        sched.pending -= 1
+        old.state = "committed"
+        sched._run_over_calls(key, old)
+    assert wait_until(lambda: sched.results[key] is not old and sched.results[key].parts_done == {0}, timeout=30)
+    assert not old.deferred and new0.pins == 0
+    sched.slots.ranks[1].slots.append(new1)
+    with sched.lock:
+        sched.persist(sched.slots.ranks[1], 7, run)  # rank 1 saves step 7 again: it joins the new save
+    assert wait_until(lambda: sched.results[key].state != "pending", timeout=30)
+    res = sched.results[key]
+    assert res.state == "committed", res.error
+    assert res.rank_seq == {0: 8, 1: 9}
+    for r in (0, 1):
+        _assert_part(ckpt, TAG, r, 7)
+
+
 def _one_rank_refused(ckpt: str):
     """A one-rank node holding step 2 of ``TAG`` in a READY slot, whose free-space check refused that save
     (``fail_part``): ``(scheduler, run)``."""
