@@ -846,6 +846,48 @@ def test_B4_a_tag_saved_again_as_soon_as_its_save_failed_keeps_its_files(snap_en
     assert not partials(d)
 
 
+def test_a_tag_saved_again_while_its_previous_save_is_in_flight_does_not_block_the_training_thread(
+        snap_env, monkeypatch):
+    """A fixed tag (``best``, tracker ``latest``) saved at step 1, its commit held after the rename
+    (``commit.before_tracker``, action=wait), then at step 2. Right: step 2's ``save_files`` returns while step
+    1's save is still held (the persister orders the two: step 2's writer waits for step 1's save, so nothing
+    of step 2 is in ``best`` yet); once released, both commit in save order, ``best`` holds step 2's bytes and
+    ``latest`` names step 2 (before the fix: step 2's save waited on the training thread for step 1's commit,
+    here until the release, which ``bounded`` reports as a hang)."""
+    d = snap_env.ckpt_dir
+    release = os.path.join(snap_env.tmp, "release")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"commit.before_tracker:step=1:action=wait:path={release}")
+    files = {s: {"a.pt": {"w": torch.full((1 << 12,), float(s))}} for s in (1, 2)}
+
+    def save(step: int):
+        return ck.save_files(files[step], step, StorageType.DISK, dirname="best", tracker_name="latest",
+                             tracker_content=f"best@{step}")
+
+    ck = Checkpointer(d, **OPTS)
+    try:
+        h1 = save(1)
+        assert wait_until(lambda: "hit commit.before_tracker rank=None step=1" in persister_log(snap_env, d),
+                          timeout=60), persister_log(snap_env, d)
+        h2 = bounded(lambda: save(2), 60)  # returns while step 1's commit is held
+        assert not h1.done() and not h2.done()
+        assert wait_until(lambda: "waits for the save of step 1 of best" in persister_log(snap_env, d), timeout=60)
+        with open(os.path.join(d, "best", MANIFEST)) as f:  # step 1 renamed into place, step 2 not written
+            assert json.load(f)["step"] == 1
+        assert torch.equal(torch.load(os.path.join(d, "best", "a.pt"))["w"], files[1]["a.pt"]["w"])
+        assert tracker(d) is None and not partials(d)
+        open(release, "w").close()
+        bounded(lambda: h1.wait(timeout=60))
+        bounded(lambda: h2.wait(timeout=60))
+        ck.poll()  # no failure left to report
+    finally:
+        open(release, "w").close()
+        ck.close()
+    with open(os.path.join(d, "best", MANIFEST)) as f:
+        assert json.load(f)["step"] == 2
+    assert torch.equal(torch.load(os.path.join(d, "best", "a.pt"))["w"], files[2]["a.pt"]["w"])
+    assert tracker(d) == "best@2" and not partials(d)
+
+
 # ----------------------------------------------------------------------------------------------- B5
 def test_B5_stopped_persister_times_out_and_nothing_is_marked_complete(snap_env, monkeypatch):
     """B5: a slow persister is SIGSTOPped right after ``save(step 2)`` returned. Right: ``wait()`` ends

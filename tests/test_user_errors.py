@@ -198,21 +198,29 @@ def test_paths_the_persister_cannot_use(snap_env, tmp_path, monkeypatch):
 def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):
     """A step saved to disk, committed, then saved again (a rewind, or the same iteration re-run): the
     second save is written and committed, not answered "committed" from the first one; loads see the new
-    values. A second save of a step whose first save is still being persisted waits for the first to
-    commit, then replaces it (every rank decides the same way)."""
+    values. A second save of a step whose first save is still being persisted (its commit held here) returns
+    at once, neither refused nor waited for on the training thread: the persister starts it once the first
+    has committed (every rank of the step joins it), and it replaces the first."""
     with Checkpointer(snap_env.ckpt_dir, persister_idle_timeout_secs=5) as ck:
         ck.save({"w": torch.zeros(8)}, 1, StorageType.DISK).wait()
         ck.save({"w": torch.ones(8)}, 1, StorageType.DISK).wait()
         on_disk = torch.load(os.path.join(snap_env.ckpt_dir, "step_00000001", "rank_00000.pt"))
         assert torch.equal(on_disk["w"], torch.ones(8))
-        monkeypatch.setenv("SNAPCKPT_FAULT_WRITE_DELAY_SECS", "0.05")
-    with Checkpointer(snap_env.ckpt_dir + "2", persister_idle_timeout_secs=5) as ck:
-        h = ck.save({"w": torch.zeros(8)}, 2, StorageType.DISK)
-        h2 = ck.save({"w": torch.ones(8)}, 2, StorageType.DISK)  # waits for the first, then replaces it
-        assert h.done()
-        h2.wait()
-        on_disk = torch.load(os.path.join(snap_env.ckpt_dir + "2", "step_00000002", "rank_00000.pt"))
-        assert torch.equal(on_disk["w"], torch.ones(8))
+    d2, release = snap_env.ckpt_dir + "2", os.path.join(snap_env.tmp, "release")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"commit.before_tracker:step=2:action=wait:secs=60:path={release}")
+    try:
+        with Checkpointer(d2, persister_idle_timeout_secs=5) as ck:
+            h = ck.save({"w": torch.zeros(8)}, 2, StorageType.DISK)
+            assert wait_until(lambda: os.path.isdir(os.path.join(d2, "step_00000002")), timeout=60)
+            h2 = ck.save({"w": torch.ones(8)}, 2, StorageType.DISK)  # the first is held: not waited for here
+            assert not h.done() and not h2.done()
+            open(release, "w").close()
+            h2.wait()
+            h.wait()  # (its status is the step's: the save that replaced it)
+            on_disk = torch.load(os.path.join(d2, "step_00000002", "rank_00000.pt"))
+            assert torch.equal(on_disk["w"], torch.ones(8))
+    finally:
+        open(release, "w").close()
 
 
 def test_saves_of_other_steps_under_one_tag_in_flight_at_once_commit_one_after_the_other(snap_env):

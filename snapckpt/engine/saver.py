@@ -218,19 +218,9 @@ class Saver:
         storage_type = StorageType(storage_type)
         validate_dirname(dirname)
         started = time.monotonic()
+        # (a DISK save of a directory whose earlier save is still in flight, a fixed tag or the same step again, is
+        # not waited for here: the persister orders the saves of one directory, Scheduler._wait_for_directory)
         self.fence()
-        if storage_type == StorageType.DISK:
-            # the same directory again (the same step, or another under a fixed tag): the first save must end
-            # first. Both would write and commit one partial directory (``.<dirname>.partial-<run>``): a commit
-            # took the other save's part marker and files, the other failed on its vanished directory; and for
-            # the same step, ranks could decide differently
-            for h in [h for h in self._handles if h.dirname == dirname]:
-                reported = h.reported
-                try:
-                    h.wait()
-                except Exception:  # (a Ctrl-C during the wait still propagates)
-                    if not reported:  # raised once, as poll() below would; a handled one never blocks this save
-                        raise
         if tracker_name is not None:
             validate_dirname(tracker_name)
             tracker = os.path.join(self._checkpoint_dir, tracker_name)
