@@ -888,6 +888,45 @@ def test_a_tag_saved_again_while_its_previous_save_is_in_flight_does_not_block_t
     assert tracker(d) == "best@2" and not partials(d)
 
 
+def test_a_step_saved_again_while_its_first_save_is_in_flight_each_handle_ends_with_its_own_save(
+        snap_env, monkeypatch):
+    """Step 1 saved, its commit held before the rename; step 1 saved again (other values): ``save`` returns at
+    once, the persister starts the second save once the first is over. The first commit's rename then fails
+    (ENOSPC). Right: the first handle raises that failure, the second commits the new values (each handle asks
+    for its own save, by the snapshot it handed over; before, both asked for "step 1" and the first handle,
+    asked after the second save had replaced the first, answered "committed": the failure was lost)."""
+    d = snap_env.ckpt_dir
+    plan, r1, r2 = (os.path.join(snap_env.tmp, n) for n in ("plan.json", "r1", "r2"))
+    with open(plan, "w") as f:
+        json.dump({"phase": "rename", "errno": errno.ENOSPC, "step": 1}, f)
+    monkeypatch.setenv("SNAPCKPT_FAULT_STORAGE", "@" + plan)
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"commit.before_rename:step=1:action=wait:path={r1};"
+                                               f"commit.remove_failed_partial:step=1:action=wait:path={r2}")
+    ck = Checkpointer(d, **OPTS)
+    try:
+        h1 = ck.save(make_state(1, 0), 1)
+        assert wait_until(lambda: "hit commit.before_rename rank=None step=1" in persister_log(snap_env, d),
+                          timeout=60), persister_log(snap_env, d)
+        again = {**make_state(5, 0), "step": 1}
+        h2 = bounded(lambda: ck.save(again, 1), 60)  # not refused, not waited for
+        open(r1, "w").close()  # the first save's rename fails; its partial directory's deletion is held
+        assert wait_until(lambda: "hit commit.remove_failed_partial" in persister_log(snap_env, d), timeout=60)
+        open(plan, "w").close()  # no more storage faults for the second save
+        open(r2, "w").close()
+        bounded(lambda: h2.wait(timeout=60))
+        with pytest.raises(OSError) as ei:
+            bounded(lambda: h1.wait(timeout=60))
+        assert ei.value.errno == errno.ENOSPC, repr(ei.value)
+        ck.poll()  # each failure is raised once
+        assert tracker(d) == "step_00000001" and not partials(d)
+        out = ck.load(step=1)
+        assert torch.equal(out["w"], again["w"])
+    finally:
+        for path in (r1, r2):
+            open(path, "w").close()
+        ck.close()
+
+
 # ----------------------------------------------------------------------------------------------- B5
 def test_B5_stopped_persister_times_out_and_nothing_is_marked_complete(snap_env, monkeypatch):
     """B5: a slow persister is SIGSTOPped right after ``save(step 2)`` returned. Right: ``wait()`` ends

@@ -216,7 +216,7 @@ def test_saving_a_committed_step_again_replaces_it(snap_env, monkeypatch):
             assert not h.done() and not h2.done()
             open(release, "w").close()
             h2.wait()
-            h.wait()  # (its status is the step's: the save that replaced it)
+            h.wait()
             on_disk = torch.load(os.path.join(d2, "step_00000002", "rank_00000.pt"))
             assert torch.equal(on_disk["w"], torch.ones(8))
     finally:

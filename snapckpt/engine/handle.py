@@ -34,9 +34,11 @@ class SaveOwner(Protocol):
     commit_timeout_secs: float
     """Default bound of ``SaveHandle.wait``, before its margin (seconds)."""
 
-    def status(self, step: int, dirname: str, wait_secs: float = 0.0) -> Dict[str, Any]:
+    def status(self, step: int, dirname: str, wait_secs: float = 0.0, seq: int = -1) -> Dict[str, Any]:
         """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ..., "error": ...}``);
-        with ``wait_secs`` > 0 answered once the save is no longer pending, or after about ``wait_secs`` s."""
+        with ``wait_secs`` > 0 answered once the save is no longer pending, or after about ``wait_secs`` s.
+        ``seq``: the snapshot the save handed over, which tells it from another save of the same step and
+        directory (-1: unknown)."""
         ...
 
     def on_committed(self, handle: "SaveHandle") -> None:
@@ -67,11 +69,12 @@ class SaveHandle:
 
     def __init__(self, owner: SaveOwner, step: int, tier: StorageType, stats: Optional[SaveStats],
                  skipped_reason: Optional[str] = None, dirname: str = "", copying: bool = False,
-                 started: Optional[float] = None) -> None:
+                 started: Optional[float] = None, seq: int = -1) -> None:
         self._owner = owner
         self._copying = copying  # overlap: the copy into the arena runs until the next fence()
         self.step = step
         self.dirname = dirname  # the checkpoint directory (tag) this save commits as
+        self._seq = seq  # the snapshot it handed over (the persister's ready answer; -1: not yet, or MEMORY)
         self.storage_type = tier
         self.stats = stats
         self.skipped_reason = skipped_reason
@@ -110,14 +113,16 @@ class SaveHandle:
         """The owner raised this save's failure to the caller: later calls do not raise it again."""
         self._reported = True
 
-    def mark_copied(self, stats: SaveStats, held_in_memory: bool) -> None:
+    def mark_copied(self, stats: SaveStats, held_in_memory: bool, seq: int = -1) -> None:
         """The owner finished the overlapped copy of this save and handed the slot to the persister.
 
         Args:
             stats: the save's statistics (now known).
             held_in_memory: a MEMORY save, which ends here (a DISK save goes on until committed).
+            seq: the snapshot handed over (the persister's ``ready`` answer; -1: unknown).
         """
         self.stats = stats
+        self._seq = seq
         self._copying = False
         if held_in_memory:
             self._state = "done"  # held in memory from now on
@@ -132,7 +137,7 @@ class SaveHandle:
     def _poll(self, wait_secs: float = 0.0) -> None:
         if self._state != "pending" or self._copying:
             return
-        reply = self._owner.status(self.step, self.dirname, wait_secs)
+        reply = self._owner.status(self.step, self.dirname, wait_secs, self._seq)
         state = reply.get("state")
         if state == "committed":
             self._state = "done"

@@ -138,14 +138,15 @@ class PersisterSession:
             self.connect()
         self.client.post(op, check=check, **fields)
 
-    def status(self, step: int, dirname: str, wait_secs: float = 0.0) -> Dict[str, Any]:
+    def status(self, step: int, dirname: str, wait_secs: float = 0.0, seq: int = -1) -> Dict[str, Any]:
         """The persister's state of the save of ``step`` as ``dirname`` (``{"state": ...}``); with
         ``wait_secs`` > 0, answered once the save is no longer pending or after ``wait_secs`` seconds (at most
-        half the request timeout), whichever comes first."""
+        half the request timeout), whichever comes first. ``seq``: the snapshot the save handed over (its
+        ``ready`` answer's), which tells it from another save of the same step and directory (-1: unknown)."""
         if wait_secs > 0:
             wait = min(wait_secs, self._options.request_timeout_secs / 2)
-            return self.request("await", step=step, dirname=dirname, wait_secs=float(wait))
-        return self.request("status", step=step, dirname=dirname)
+            return self.request("await", step=step, dirname=dirname, seq=seq, wait_secs=float(wait))
+        return self.request("status", step=step, dirname=dirname, seq=seq)
 
     def context(self, step: int) -> str:
         """``"rank R, step N, persister pid P"``: what every error of a save carries."""

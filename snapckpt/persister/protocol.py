@@ -49,9 +49,11 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
     "abort": {"slot": _INT},
     "fail": {"step": _INT, "dirname": _STR, "type": _STR, "message": _STR},
     "persist": {"step": _INT},
-    "status": {"step": _INT, "dirname": _STR},
+    # seq: the rank's snapshot the save handed over (the "seq" of its ready's answer; -1: not known), which
+    # tells a save of a step and directory from another save of them (Scheduler.result)
+    "status": {"step": _INT, "dirname": _STR, "seq": _INT},
     # status, answered once the save is no longer pending or after wait_secs (seconds), whichever comes first
-    "await": {"step": _INT, "dirname": _STR, "wait_secs": _FLOAT},
+    "await": {"step": _INT, "dirname": _STR, "seq": _INT, "wait_secs": _FLOAT},
     "held": {},
     # the peer channel (persister/channel.py): listen for peers, take the run's secret, its replica target
     # nodes (persister/replication.py; [] without replicas) and every node's address, this node's index and

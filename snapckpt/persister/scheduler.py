@@ -118,6 +118,8 @@ class Scheduler:
         # (save_records.py); pruned by _prune. The records of the saves in flight are the `live` ones whose
         # _in_flight holds
         self.results: SaveRecords = SaveRecords()
+        # the ended save that a save of the same step and directory again replaced (result: its rank's status)
+        self.replaced: Dict[SaveKey, Result] = {}
         self.prune_at: Dict[str, int] = {}  # run id -> its record count that starts the next _prune
         self.commits_started: Set[SaveKey] = set()
         self.commit_seq = 0  # order of persist requests, for the tracker gate
@@ -180,9 +182,16 @@ class Scheduler:
         self.uploader.submit(UploadJob(run.run_id, run.remote_dir, "", "", None, run.keep_last,
                                        checkpoint_dir=run.checkpoint_dir, before_unix=time.time()))
 
-    def result(self, key: SaveKey) -> Optional[Result]:
-        """The result of the save ``key``, or ``None`` if this node was never asked to persist it."""
-        return self.results.get(key)
+    def result(self, key: SaveKey, rank: int = -1, seq: int = -1) -> Optional[Result]:
+        """The result of the save ``key``, or ``None`` if this node was never asked to persist it. With ``rank``
+        and ``seq`` (the rank's snapshot that save handed over): the save that ``seq`` of ``rank`` was written
+        by, where a save of the same step and directory again replaced it (else the newest save of ``key``:
+        one that replaced a snapshot never written, or not yet)."""
+        res = self.results.get(key)
+        if res is None or seq < 0 or res.rank_seq.get(rank, seq) == seq:
+            return res
+        old = self.replaced.get(key)
+        return old if old is not None and old.rank_seq.get(rank) == seq else res
 
     def when_over(self, key: SaveKey, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once save ``key`` is over on this node: its commit ended and its last writer too (called
@@ -207,6 +216,7 @@ class Scheduler:
         """Drop the record of the save ``key`` (it is about to be persisted again, by the crash flush): a fresh
         record of the next generation takes its place."""
         old = self.results.pop(key, None)
+        self.replaced.pop(key, None)
         self.commits_started.discard(key)
         if old is not None:
             self.results[key] = Result(gen=old.gen + 1)
@@ -244,6 +254,7 @@ class Scheduler:
             if (took_part - res.told) & run.connected:
                 continue
             del self.results[key]
+            self.replaced.pop(key, None)
             self.commits_started.discard(key)
         self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
@@ -254,9 +265,9 @@ class Scheduler:
         A save of a step and directory again by a rank whose earlier save of them is not over on this node (still
         persisted, or failed while its writers or commit go on) starts when that save is over here (its writers
         ended, its partial directory deleted, if it failed): the rank's status of the step says ``pending`` until
-        then, and its earlier save's handle then ends with the new save's outcome (the status is keyed by step
-        and directory). A rank whose save came once it was over starts the new save at once: every rank of the
-        step joins that one save, none is refused.
+        then (its earlier save's status, asked with its ``seq``, is that save's own: :meth:`result`). A rank whose
+        save came once it was over starts the new save at once: every rank of the step joins that one save, none
+        is refused.
 
         Raises:
             PersisterError: the rank holds no snapshot of ``step``.
@@ -314,7 +325,7 @@ class Scheduler:
         """The record of a new save ``key`` that replaces the ended one, of the next generation (called with
         the lock): the peer notices still to come about the ended one (on another node than the committer's,
         its abort, when this node ended it on its own part's failure first) name the ended one's generation."""
-        old = self.results.pop(key)
+        old = self.replaced[key] = self.results.pop(key)
         self.commits_started.discard(key)
         res = self.results[key] = Result(gen=old.gen + 1)
         return res

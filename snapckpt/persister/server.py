@@ -676,7 +676,7 @@ class Server:
         if msg["persist"]:  # a DISK save: hand it to the writers in the same round trip
             self.scheduler.persist(entry, msg["step"], run)
         self.replicator.on_ready(run, entry, slot)  # to the peer nodes, in the background
-        return P.ok()
+        return P.ok(seq=slot.seq)  # (the save's status requests name it)
 
     # ------------------------------------------------------------------ peer replicas (replication.py)
     def _op_replica_listen(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
@@ -730,11 +730,12 @@ class Server:
         return P.ok()
 
     def _op_status(self, entry: RankEntry, msg: Dict[str, Any]) -> Dict[str, Any]:
-        res = self.scheduler.result((entry.run_id, msg["step"], msg["dirname"]))
+        res = self.scheduler.result((entry.run_id, msg["step"], msg["dirname"]), entry.rank, msg["seq"])
         if res is None:
             held = any(s.step == msg["step"] for s in self.slots.held(entry))
             return P.ok(state="held" if held else "unknown")
-        if entry.rank in res.deferred:  # its save again waits for this one to be over (Scheduler.persist)
+        if entry.rank in res.deferred and res.rank_seq.get(entry.rank) != msg["seq"]:
+            # its save again waits for this one to be over (Scheduler.persist)
             return P.ok(state="pending")
         if entry.rank in res.part_errors:
             res.told.add(entry.rank)  # (a record is pruned only once its ranks were told: Scheduler._prune)

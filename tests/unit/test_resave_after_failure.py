@@ -318,6 +318,9 @@ def test_a_save_of_the_same_step_again_while_its_first_save_is_in_flight_waits_f
     assert res.rank_seq == {0: 8, 1: 9}
     for r in (0, 1):
         _assert_part(ckpt, TAG, r, 7)
+    # each save's status is asked by the rank's snapshot it handed over: the first save's is its own
+    assert sched.result(key, 0, 7) is old and sched.result(key, 1, 7) is old and sched.result(key, 0, 8) is res
+    assert sched.result(key) is res  # (the newest, for a caller that names no snapshot)
 
 
 def _one_rank_refused(ckpt: str):

@@ -15,7 +15,7 @@ class _Session:
     def __init__(self) -> None:
         self.notes: list = []
 
-    def status(self, step, dirname, wait_secs):
+    def status(self, step, dirname, wait_secs, seq=-1):
         return {"state": "committed", "remote": list(self.notes)}
 
 
@@ -85,7 +85,7 @@ def test_the_persister_keeps_the_newest_notes_and_a_rank_reads_each_new_one_once
     up = Uploader(on_done=lambda: None)
     sv = _saver(1)
 
-    def reply(step, dirname, wait_secs):
+    def reply(step, dirname, wait_secs, seq=-1):
         base, notes = up.notes_window("run1")
         return {"state": "committed", "remote": notes, "remote_base": base}
 
