@@ -152,8 +152,11 @@ class Scheduler:
         # the committer's removed notice of that generation still finds it, on_notice)
         self.removal_waits: Dict[Tuple[str, int, str, int], Result] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
-        # wakes _wait_for_directory
+        # wakes _wait_for_directory (_notify_ended)
         self.ended = threading.Condition(lock)
+        # writer tasks whose directory is busy (_directory_busy), in request order: submitted once it is free
+        # (_notify_ended), not waiting on a writer thread, where they held up the writers of the saves they wait for
+        self.parked: List[Tuple[Run, SaveKey, Tuple[Any, ...]]] = []
         # save -> what runs once it is over on this node (when_over: a crash flush of its step, flush.py)
         self.over_calls: Dict[SaveKey, List[Callable[[], None]]] = {}
         # deletions of failed partial directories, one at a time (not on commit_pool: commits wait for them)
@@ -315,11 +318,35 @@ class Scheduler:
         res.writers += 1
         self.results.track(key)
         self.pending += 1
-        self.pool.submit(self._write_part_task, entry.rank, s, run, step, time.monotonic())
+        self._submit_writer(run, key, (entry.rank, s, run, step, time.monotonic()))
         if key not in self.commits_started:
             self.commit_seq += 1
             self._start_commit(key, run, res, s.tracker_name, s.tracker_content,
                                self._tracker_gate(run.checkpoint_dir, s.tracker_name, self.commit_seq))
+
+    def _submit_writer(self, run: Run, key: SaveKey, args: Tuple[Any, ...]) -> None:
+        """Queue the writer task of a part of save ``key`` (``args``: :meth:`_write_part_task`'s), or park it
+        while its directory is busy here (:meth:`_directory_busy`; called with the lock). A writer that waited on
+        a writer thread held it: with a tag saved again before the ranks' parts of its previous save were all
+        queued (the ranks hand their parts over at different times), the writers of the next save took every
+        thread, and the parts they waited for never ran."""
+        busy = self._directory_busy(run, key)
+        if busy is None:
+            self.pool.submit(self._write_part_task, *args)
+            return
+        log.info("step %d: rank %d's part waits for %s of %s to end", key[1], args[0], busy, key[2])
+        self.parked.append((run, key, args))
+
+    def _notify_ended(self) -> None:
+        """A save, its last writer or a deletion of a failed save's partial directory ended (called with the
+        lock): wake the waits for a directory and queue the parked writers whose directory is free now."""
+        self.ended.notify_all()
+        parked, self.parked = self.parked, []
+        for run, key, args in parked:
+            if self._directory_busy(run, key) is None:
+                self.pool.submit(self._write_part_task, *args)
+            else:
+                self.parked.append((run, key, args))
 
     def _replace(self, run: Run, key: SaveKey) -> Result:
         """The record of a new save ``key`` that replaces the ended one, of the next generation (called with
@@ -375,8 +402,8 @@ class Scheduler:
         res.writers += 1
         self.results.track(key)
         self.pending += 1
-        self.pool.submit(self._write_part_task, entry.rank, s, run, step, time.monotonic(),
-                         (st, dirname, index_offset, index_nbytes))
+        self._submit_writer(run, key, (entry.rank, s, run, step, time.monotonic(), (st, dirname, index_offset,
+                                                                                    index_nbytes)))
         if key not in self.commits_started:
             self.commit_seq += 1
             self._start_commit(key, run, res, tracker_name, tracker_content,
@@ -709,7 +736,7 @@ class Scheduler:
                                        res.gen)
                     self._remove_failed_partial(run, res, key)
                     self._run_over_calls(key, res)
-                self.ended.notify_all()
+                self._notify_ended()
                 self.pending -= 1
                 self.release_if_over(run)
             if exc is not None:
@@ -761,7 +788,7 @@ class Scheduler:
                 delivery.report(False)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
             self._run_over_calls((req.run_id, req.step, req.dirname), res)
-            self.ended.notify_all()
+            self._notify_ended()
         self._committed(run.checkpoint_dir, req.dirname)
         self.on_change()
         if run.multi_node:  # what the commit path cost: read by tests/test_multinode.py (no fast polling)
@@ -864,7 +891,7 @@ class Scheduler:
             if self.discarding.get((run.checkpoint_dir, key[2])) is done:
                 del self.discarding[(run.checkpoint_dir, key[2])]
             done.set()
-            self.ended.notify_all()
+            self._notify_ended()
             self.pending -= 1
             self.release_if_over(run)
 
@@ -885,14 +912,12 @@ class Scheduler:
         told = False
         with self.lock:
             while True:
-                earlier = self._earlier(key)
-                if not earlier and (run.checkpoint_dir, key[2]) not in self.discarding:
+                busy = self._directory_busy(run, key)
+                if busy is None:
                     return
                 if not told:
                     told = True
-                    log.info("step %d: %s waits for %s of %s to end", key[1], who,
-                             f"the save of step {earlier[0]}" if earlier else "the deletion of a failed save",
-                             key[2])
+                    log.info("step %d: %s waits for %s of %s to end", key[1], who, busy, key[2])
                 self.ended.wait(BACKSTOP_SECS)  # (notified; the timeout only re-checks)
 
     def _earlier(self, key: SaveKey) -> List[int]:
@@ -902,6 +927,17 @@ class Scheduler:
         mine = self.results.order(key)
         return [k[1] for n, k in self.results.live_of(key[0], key[2])
                 if k != key and (mine is None or n < mine) and self._in_flight(k, self.results[k])]
+
+    def _directory_busy(self, run: Run, key: SaveKey) -> Optional[str]:
+        """What save ``key`` waits for before it may use its partial directory on this node (see
+        :meth:`_wait_for_directory`; called with the lock): ``"the save of step N"``, ``"the deletion of a failed
+        save"``, or ``None``: nothing."""
+        earlier = self._earlier(key)
+        if earlier:
+            return f"the save of step {earlier[0]}"
+        if (run.checkpoint_dir, key[2]) in self.discarding:
+            return "the deletion of a failed save"
+        return None
 
     def _discard_remote(self, url: str, dirname: str) -> None:
         """Remote-only: delete the prefix ``dirname`` of a failed save and abort its multipart uploads, in the
@@ -931,7 +967,7 @@ class Scheduler:
             else:
                 self.undiscarded.get(url, set()).discard(dirname)
             self.discarding.pop((url, dirname)).set()
-            self.ended.notify_all()
+            self._notify_ended()
             self.pending -= 1
         if err is not None:
             log.warning("could not remove %s/%s after a failed save: %s: %s; tried again after the next commit",

@@ -323,6 +323,52 @@ def test_a_save_of_the_same_step_again_while_its_first_save_is_in_flight_waits_f
     assert sched.result(key) is res  # (the newest, for a caller that names no snapshot)
 
 
+def test_writers_that_wait_for_their_directory_do_not_hold_the_writer_threads(tmp_path, parts):
+    """Two local ranks, a tag saved at step 1 then at once at step 2 (the engine does not wait): rank 0 hands
+    over both parts before rank 1 hands over its part of step 1 (the ranks reach their ``ready`` at different
+    times), with one writer thread (the persister has 4, for up to 8 local ranks). Right: rank 0's part of
+    step 2 waits off the writer thread, rank 1's part of step 1 is written, step 1 commits, then step 2 (before
+    the fix: rank 0's step-2 writer waited on the only thread for step 1, whose last part was queued behind it:
+    neither save ever ended)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    sched.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-writer")
+    for r in (0, 1):
+        sched.slots.ranks[r] = RankEntry(rank=r, run_id=RUN, slots=[
+            Slot(index=10 * r + st, path=os.path.join(ckpt, f"rank{r}"), nbytes=NBYTES, state=SlotState.READY,
+                 step=st, run_id=RUN, dirname=TAG, seq=st) for st in (1, 2)])
+
+    def persist(rank: int, step: int) -> None:
+        with sched.lock:
+            sched.persist(sched.slots.ranks[rank], step, run)
+
+    def ended(step: int) -> bool:
+        res = sched.results.get((RUN, step, TAG))
+        return res is not None and res.state != "pending"
+
+    try:
+        persist(0, 1)
+        assert wait_until(lambda: sched.results[(RUN, 1, TAG)].parts_done == {0}, timeout=30)
+        persist(0, 2)  # step 1 is still in flight: rank 1's part of it is not handed over yet
+        persist(1, 1)
+        assert wait_until(lambda: ended(1), timeout=30), "step 1's last part never ran"
+        assert sched.results[(RUN, 1, TAG)].state == "committed", sched.results[(RUN, 1, TAG)].error
+        persist(1, 2)
+        assert wait_until(lambda: ended(2), timeout=30)
+        assert sched.results[(RUN, 2, TAG)].state == "committed", sched.results[(RUN, 2, TAG)].error
+        for r in (0, 1):
+            _assert_part(ckpt, TAG, r, 2)
+    finally:  # (a failed run: end what still waits, so that no thread outlives the test)
+        with sched.lock:
+            for res in sched.results.values():
+                if res.state == "pending":
+                    res.part_errors.setdefault(1, {"type": "OSError", "message": "test over"})
+                    res.part_ended.set()
+                res.writers = 0
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
+
+
 def _one_rank_refused(ckpt: str):
     """A one-rank node holding step 2 of ``TAG`` in a READY slot, whose free-space check refused that save
     (``fail_part``): ``(scheduler, run)``."""
