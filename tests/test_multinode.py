@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from _harness import REPO, WORKERS, result_lines, wait_until
 from multinode import loss_lines
@@ -222,6 +223,41 @@ def test_G2_a_commit_ending_behind_a_later_one_commits_on_every_node_with_keep_l
     # its committed notice reached node 1: step 1, beyond keep_last, is retired by its own retention once reported
     assert wait_until(lambda: not os.path.exists(step1), 30), os.listdir(rig.ckpt_dir)
     assert "its committed notice did not reach every other node" not in _persister_log(node0)
+
+
+def test_G2_a_tag_saved_again_while_its_save_is_in_flight_on_the_committer_but_over_on_the_other_node(rig):
+    """A fixed tag (``best``) saved at steps 1 and 2 back to back, 2 nodes x 1 rank, step 1's commit held on the
+    committer node after its rename (before its tracker). Node 1's watch of step 1 has ended (it read the
+    manifest): its part of step 2 is written at once, while node 0's waits for step 1's save there. Right: rank
+    0's ``save`` of step 2 returns while step 1 is still held (the engine no longer waits on the training
+    thread; before, it blocked until the release); once released, both saves commit on every rank, ``best``
+    holds each rank's step-2 values and ``latest`` names step 2."""
+    rig.start(2)
+    release, signals = os.path.join(rig.tmp, "release"), os.path.join(rig.tmp, "signals")
+    os.makedirs(signals)
+    env = {"SNAPCKPT_FAULT_POINT": f"commit.before_tracker:step=1:action=wait:path={release}"}
+    runs = rig.torchrun_all(os.path.join(WORKERS, "mn_out_of_order_worker.py"), [rig.ckpt_dir, "tag", signals], 1,
+                            env=env)
+    node0, node1 = rig.nodes
+    try:
+        assert wait_until(lambda: "rank 1 step 2: part written" in _persister_log(node1)
+                          and "rank 0's part waits for the save of step 1 of best" in _persister_log(node0)
+                          and os.path.exists(os.path.join(signals, "saved2-0")), 120), \
+            (_persister_log(node0), _persister_log(node1), os.listdir(signals))
+        with open(os.path.join(rig.ckpt_dir, "best", ".snapckpt", "manifest.json")) as f:
+            assert json.load(f)["step"] == 1  # step 1 renamed into place, its tracker held
+    finally:
+        open(release, "w").close()
+    assert rig.wait_all(runs, 120) == [0, 0]
+    res = sorted(_results([r.output() for r in runs]), key=lambda r: r["rank"])
+    assert [(r["1"], r["2"]) for r in res] == [("committed", "committed")] * 2, res
+    assert res[0]["first_done"] is False, res
+    with open(os.path.join(rig.ckpt_dir, "best", ".snapckpt", "manifest.json")) as f:
+        assert json.load(f)["step"] == 2
+    for r in (0, 1):
+        assert torch.load(os.path.join(rig.ckpt_dir, "best", f"rank{r}.pt"))["w"][0].item() == 20 + r
+    assert _read(os.path.join(rig.ckpt_dir, "latest")) == "best@2"
+    assert not glob.glob(os.path.join(rig.ckpt_dir, ".best.partial-*"))
 
 
 def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
