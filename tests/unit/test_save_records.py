@@ -173,7 +173,8 @@ def test_ended_records_are_pruned_to_a_bound(node):
 def _status(sched: Scheduler, rank: int, step: int, dirname: str):
     """The persister's answer to rank ``rank``'s ``status`` request of ``(step, dirname)`` (Server._op_status)."""
     owner = SimpleNamespace(scheduler=sched, slots=sched.slots)
-    return Server._op_status(owner, RankEntry(rank=rank, slots=[], run_id=RUN), {"step": step, "dirname": dirname})
+    msg = {"step": step, "dirname": dirname, "seq": -1}  # (seq -1: the newest save of the step)
+    return Server._op_status(owner, RankEntry(rank=rank, slots=[], run_id=RUN), msg)
 
 
 def test_pruning_keeps_what_a_rank_can_still_ask_about(node):
