@@ -22,6 +22,7 @@ __all__ = [
     "PersisterError",
     "PersisterDiedError",
     "PersisterTimeoutError",
+    "ProtocolVersionError",
     "PersistError",
     "DiskFullError",
     "CommitError",
@@ -106,6 +107,11 @@ class PersisterDiedError(PersisterError):
 
 class PersisterTimeoutError(PersisterError):
     """The node persister did not answer within the configured timeout (it may be hung)."""
+
+
+class ProtocolVersionError(PersisterError):
+    """A training process and its node's persister run snapckpt versions that speak different protocols
+    (snapckpt was upgraded while the job's persister lived on): refused at the connection's ``hello``."""
 
 
 class PersistError(SnapckptError):

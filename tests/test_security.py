@@ -29,6 +29,7 @@ from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointCorruptError, CommitTimeoutError,
                              PersisterError, UnsafeCheckpointError)
 from snapckpt.ondisk.manifest import MANIFEST
+from snapckpt.persister import protocol as P
 from snapckpt.persister.client import job_dirs, job_key
 from snapckpt.persister.commit import CommitRequest, commit
 from snapckpt.persister.server import HELLO_TIMEOUT_SECS
@@ -187,7 +188,7 @@ def test_security_other_user_gets_nothing(snap_env):
 
 # ------------------------------------------------------------------------------------ authentication
 def _hello(token: str, job: str, ckpt: str) -> dict:
-    return {"op": "hello", "token": token, "job": job, "run_id": job + "0" * 12, "rank": 0, "world_size": 1,
+    return {"op": "hello", "protocol": P.PROTOCOL_VERSION, "token": token, "job": job, "run_id": job + "0" * 12, "rank": 0, "world_size": 1,
             "local_ranks": [0], "committer": True, "pid": os.getpid(), "checkpoint_dir": ckpt,
             "slots_per_rank": 2, "keep_last": -1, "commit_timeout_secs": 5.0, "flush_on_crash": False,
             "fsync": False, "dir_id": "", "remote_dir": "",

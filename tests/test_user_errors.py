@@ -470,3 +470,38 @@ def test_B3_latest_step_and_load_raise_corrupt_not_not_found_when_all_are_damage
             assert "step_00000001" in msg and "100 bytes" in msg and "step_00000002" in msg, msg
             assert f"snapckpt verify {d}" in msg, msg
     assert os.path.getsize(data) == 100
+
+
+def test_a_rank_of_another_snapckpt_version_than_the_live_persister_is_refused_naming_the_fix(snap_env,
+                                                                                            monkeypatch):
+    """snapckpt upgraded while the job's persister lives on: a rank process died (here it exits without
+    closing), its persister stays for persister_idle_timeout_secs so that a restarted rank finds its
+    snapshots, and the restarted rank runs the new version, whose requests differ from what the persister
+    accepts (a field error at some later request would name no cause). Here the restarted rank's protocol
+    version differs from the real persister's. Right: ProtocolVersionError when it connects, naming both
+    versions, the persister's pid and ``snapckpt stop``; a rank of the persister's version then restarts
+    through the same persister, and the step the dead rank committed loads."""
+    from snapckpt.errors import ProtocolVersionError
+    from snapckpt.persister import protocol as P
+
+    d = snap_env.ckpt_dir
+    script = ("import os, torch; from snapckpt import Checkpointer; "
+              f"ck = Checkpointer({d!r}, persister_idle_timeout_secs=60); "
+              "ck.save({'w': torch.ones(4)}, 1).wait(); print(ck.persister_pid, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[-1])
+    version = P.PROTOCOL_VERSION
+    monkeypatch.setattr(P, "PROTOCOL_VERSION", version + 1)
+    with pytest.raises(ProtocolVersionError, match="snapckpt stop") as info:
+        with Checkpointer(d, persister_idle_timeout_secs=60) as ck:
+            ck.save({"w": torch.zeros(4)}, 2).wait()
+    msg = str(info.value)
+    assert f"runs protocol version {P.PROTOCOL_VERSION}, the job's persister (pid {pid}) protocol version " \
+           f"{P.PROTOCOL_VERSION - 1}" in msg, msg
+    monkeypatch.setattr(P, "PROTOCOL_VERSION", version)  # (not undo(): snap_env's settings would go too)
+    with Checkpointer(d, persister_idle_timeout_secs=60) as ck:
+        assert ck.persister_pid == pid  # the same live persister
+        assert torch.equal(ck.load()["w"], torch.ones(4))
+        ck.save({"w": torch.full((4,), 3.0)}, 3).wait()
+        assert torch.equal(ck.load()["w"], torch.full((4,), 3.0))

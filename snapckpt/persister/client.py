@@ -23,7 +23,8 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
-from snapckpt.errors import PersisterDiedError, PersisterError, PersisterTimeoutError
+from snapckpt.errors import (PersistError, PersisterDiedError, PersisterError, PersisterTimeoutError,
+                             ProtocolVersionError)
 from snapckpt.persister import protocol as P
 from snapckpt.storage.urls import is_remote_url
 
@@ -261,7 +262,26 @@ class PersisterClient:
         self.rfile = sock.makefile("rb")
         with open(os.path.join(self.runtime_dir, "token")) as f:
             token = f.read().strip()
-        reply = self.request("hello", token=token, job=self.job, **hello)
+        return self._hello(token, hello)
+
+    def _hello(self, token: str, hello: Dict[str, Any]) -> Dict[str, Any]:
+        """Send ``hello`` (this side's protocol version, the token, ``hello``'s fields); return its reply.
+
+        Raises:
+            ProtocolVersionError: the persister runs another protocol version (an older one refuses the
+                version field itself); the connection is closed.
+            Any other refusal of ``hello``, as :meth:`request`.
+        """
+        try:
+            reply = self.request("hello", protocol=P.PROTOCOL_VERSION, token=token, job=self.job, **hello)
+        except PersistError as e:  # an older persister's refusal of the unknown "protocol" field
+            if "op 'hello': fields" not in str(e):
+                raise
+            self.close()
+            raise P.version_mismatch(P.PROTOCOL_VERSION, None, self._pid()) from e
+        except ProtocolVersionError:
+            self.close()
+            raise
         self.persister_pid = reply.get("persister_pid")
         return reply
 

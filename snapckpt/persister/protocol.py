@@ -15,20 +15,26 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 from typing import Any, Dict
 
 from snapckpt import errors as _errors
 from snapckpt._internal.compat import add_note
 
-__all__ = ["REQUESTS", "OPERATOR_OPS", "MAX_MESSAGE_NBYTES", "encode", "decode", "validate_request", "error_record",
+__all__ = ["PROTOCOL_VERSION", "REQUESTS", "OPERATOR_OPS", "MAX_MESSAGE_NBYTES", "encode", "decode", "validate_request", "error_record",
            "error_from_record", "ProtocolError"]
 
 MAX_MESSAGE_NBYTES = 1 << 20
 
 _INT, _STR, _BOOL, _FLOAT, _LIST, _DICT = int, str, bool, (int, float), list, dict
 
+#: The version of :data:`REQUESTS`, sent in ``hello``: one more at every change of a request's fields. A rank and
+#: a persister of different versions (snapckpt upgraded while the job's persister lived on) refuse each other
+#: with :class:`~snapckpt.errors.ProtocolVersionError` at ``hello``, not with a field error at some later request.
+PROTOCOL_VERSION = 2
+
 REQUESTS: Dict[str, Dict[str, Any]] = {
-    "hello": {"token": _STR, "job": _STR, "run_id": _STR, "rank": _INT, "world_size": _INT,
+    "hello": {"protocol": _INT, "token": _STR, "job": _STR, "run_id": _STR, "rank": _INT, "world_size": _INT,
               "local_ranks": _LIST, "committer": _BOOL, "pid": _INT, "checkpoint_dir": _STR,
               "slots_per_rank": _INT, "keep_last": _INT, "commit_timeout_secs": _FLOAT,
               "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR, "remote_dir": _STR,
@@ -81,6 +87,19 @@ class ProtocolError(_errors.PersisterError):
     """A malformed control message."""
 
 
+def version_mismatch(rank_version: Any, persister_version: Any, pid: Any) -> _errors.ProtocolVersionError:
+    """The error for a ``hello`` between a rank and a persister of different protocol versions (a version
+    ``None``: that side sent none, an older snapckpt; ``pid``: the persister's, ``None`` where unknown)."""
+    def say(v: Any) -> str:
+        return "an older snapckpt (no protocol version)" if v is None else f"protocol version {v}"
+    who = "the job's persister" + (f" (pid {pid})" if pid is not None else "")
+    return _errors.ProtocolVersionError(
+        f"this training process runs {say(rank_version)}, {who} {say(persister_version)}: snapckpt was upgraded "
+        "(or another environment used) while the persister of this job lived on. Stop it with `snapckpt stop "
+        "<checkpoint_dir>` (it writes what it holds first), or wait for it to exit "
+        "(persister_idle_timeout_secs), then start the job again; nothing was written by this connection")
+
+
 def encode(obj: Dict[str, Any]) -> bytes:
     """Serialize one message to a JSON line (bytes)."""
     data = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
@@ -101,11 +120,18 @@ def decode(line: bytes) -> Dict[str, Any]:
 
 
 def validate_request(msg: Dict[str, Any]) -> str:
-    """Check a request against :data:`REQUESTS`; return its op or raise :class:`ProtocolError`."""
+    """Check a request against :data:`REQUESTS`; return its op.
+
+    Raises:
+        snapckpt.errors.ProtocolVersionError: a ``hello`` of another :data:`PROTOCOL_VERSION` (or none).
+        ProtocolError: an unknown op, a missing, extra or mistyped field.
+    """
     op = msg.get("op")
     schema = REQUESTS.get(op) if isinstance(op, str) else None
     if schema is None:
         raise ProtocolError(f"unknown op {op!r}")
+    if op == "hello" and msg.get("protocol") != PROTOCOL_VERSION:
+        raise version_mismatch(msg.get("protocol"), PROTOCOL_VERSION, os.getpid())
     fields = set(msg) - {"op"}
     if fields != set(schema):
         raise ProtocolError(f"op {op!r}: fields {sorted(fields)} != expected {sorted(schema)}")

@@ -84,3 +84,21 @@ def test_a_refused_hello_names_the_persister_pid_from_its_pid_file(pair, tmp_pat
         client.request("hello", rank=0)
     told = str(info.value) + " ".join(getattr(info.value, "__notes__", []))
     assert "persister pid 4242" in told and "pid None" not in told, told
+
+
+def test_an_older_persister_refusing_the_version_field_is_a_protocol_version_error(pair, tmp_path):
+    """A persister of an older snapckpt (no protocol version in its ``hello``) refuses the field itself, with
+    a field error that says nothing of the cause. The rank raises ProtocolVersionError naming the persister's
+    pid and ``snapckpt stop``, and closes the connection."""
+    client, peer = pair
+    os.makedirs(client.runtime_dir, exist_ok=True)
+    with open(os.path.join(client.runtime_dir, "persister.pid"), "w") as f:
+        f.write("4242\n")
+    old = P.ProtocolError("op 'hello': fields ['checkpoint_dir', 'protocol'] != expected ['checkpoint_dir']")
+    peer.sendall(P.encode(P.fail(old)))
+    with pytest.raises(errors.ProtocolVersionError) as info:
+        client._hello("token", {"rank": 0})
+    msg = str(info.value)
+    assert f"this training process runs protocol version {P.PROTOCOL_VERSION}" in msg, msg
+    assert "persister (pid 4242) an older snapckpt" in msg and "snapckpt stop" in msg, msg
+    assert client.sock is None

@@ -4,7 +4,9 @@ does not match it, and errors carried across the process boundary as records reb
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
+import os
 
 import pytest
 
@@ -17,7 +19,10 @@ SAMPLE = {int: 7, str: "s", bool: True, list: [0, 1], dict: {}, (int, float): 1.
 
 
 def good_request(op: str) -> dict:
-    return {"op": op, **{name: SAMPLE[typ] for name, typ in P.REQUESTS[op].items()}}
+    msg = {"op": op, **{name: SAMPLE[typ] for name, typ in P.REQUESTS[op].items()}}
+    if op == "hello":
+        msg["protocol"] = P.PROTOCOL_VERSION
+    return msg
 
 
 @pytest.mark.parametrize("op", sorted(P.REQUESTS))
@@ -100,6 +105,27 @@ def test_bool_float_and_list_fields_are_strictly_typed():
         P.validate_request(hello)
 
 
+@pytest.mark.parametrize("version", [None, P.PROTOCOL_VERSION - 1, P.PROTOCOL_VERSION + 1])
+def test_a_hello_of_another_protocol_version_is_refused_with_the_cause_and_the_fix(version):
+    """A rank of another snapckpt version than the job's live persister (upgraded meanwhile): refused at
+    ``hello`` with ProtocolVersionError naming both versions and ``snapckpt stop``, rebuilt with its type on
+    the rank's side; ``None``: an older rank that sends no version."""
+    hello = good_request("hello")
+    if version is None:
+        del hello["protocol"]
+    else:
+        hello["protocol"] = version
+    with pytest.raises(errors.ProtocolVersionError) as info:
+        P.validate_request(hello)
+    msg = str(info.value)
+    assert f"persister (pid {os.getpid()}) protocol version {P.PROTOCOL_VERSION}" in msg, msg
+    assert "snapckpt stop" in msg, msg
+    assert "this training process runs " + ("an older snapckpt" if version is None
+                                            else f"protocol version {version}") in msg, msg
+    back = P.error_from_record(P.error_record(info.value))
+    assert type(back) is errors.ProtocolVersionError and str(back) == msg
+
+
 def test_protocol_error_is_a_persister_error():
     assert issubclass(ProtocolError, errors.PersisterError)
     assert issubclass(ProtocolError, errors.SnapckptError) and issubclass(ProtocolError, Exception)
@@ -163,3 +189,17 @@ def test_ok_and_fail_responses():
     resp = P.fail(errors.SlotBusyError("all slots held"))
     assert resp["ok"] is False and resp["error"]["type"] == "SlotBusyError"
     assert P.decode(P.encode(resp)) == resp
+
+
+def test_the_protocol_version_names_the_requests_fields():
+    """PROTOCOL_VERSION must change with the requests' fields, or ranks and persisters of two snapckpt versions
+    would pass ``hello`` and refuse each other at some later request. When this fails after a change to
+    ``REQUESTS``: raise ``PROTOCOL_VERSION`` by one and record the new digest here."""
+    def name(typ):
+        return [c.__name__ for c in typ] if isinstance(typ, tuple) else typ.__name__
+
+    canon = json.dumps({op: {k: name(v) for k, v in fields.items()} for op, fields in P.REQUESTS.items()},
+                       sort_keys=True)
+    digests = {2: "57fd52226db8a34c"}
+    assert hashlib.sha256(canon.encode()).hexdigest()[:16] == digests.get(P.PROTOCOL_VERSION), \
+        f"REQUESTS changed: raise PROTOCOL_VERSION ({P.PROTOCOL_VERSION}) and record the digest"
