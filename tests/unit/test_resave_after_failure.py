@@ -140,6 +140,17 @@ def _old_part(ckpt: str, rank: int, step: int) -> str:
     return d
 
 
+
+def _committer_says(sched: Scheduler, step: int):
+    """``ended(state, gen)``: the committer's ``commit_ended`` notice of generation ``gen`` of the save of
+    ``step`` under TAG, received by ``sched`` through a real :class:`CommitNotices`."""
+    notices = CommitNotices({}.get, sched.on_notice)
+
+    def ended(state: str, gen: int) -> None:
+        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": step, "dirname": TAG, "gen": gen,
+                              "state": state})
+    return ended
+
 def test_a_resave_while_a_writer_of_the_failed_save_still_runs_keeps_its_files(tmp_path, parts):
     """The committer's node: rank 0's part of step 7 failed and so did the commit, while rank 1's writer of
     step 7 still writes; rank 0 has heard "failed" and saves the tag again (step 8). Right: rank 0's new
@@ -535,11 +546,7 @@ def test_the_committers_abort_of_a_failed_save_does_not_abort_the_save_of_the_st
         sched.persist(sched.slots.ranks[2], 7, run)  # rank 2 saves step 7 again
     new = sched.results[(RUN, 7, TAG)]
     assert new is not old
-    notices = CommitNotices({}.get, sched.on_notice)
-
-    def ended(state: str, gen: int) -> None:
-        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": TAG, "gen": gen,
-                              "state": state})
+    ended = _committer_says(sched, 7)
 
     ended("failed", 1)  # the committer's abort of the failed save
     assert new.aborted_at is None and not sched._commit_over(run, (RUN, 7, TAG))
@@ -648,11 +655,7 @@ def test_the_committers_abort_of_a_failed_save_does_not_abort_its_crash_flush_on
     with sched.lock:
         assert flush_newest(run, sched.slots, sched, "crashed") == 7
     flush = sched.results[(RUN, 7, TAG)]
-    notices = CommitNotices({}.get, sched.on_notice)
-
-    def ended(state: str, gen: int) -> None:
-        notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7, "dirname": TAG, "gen": gen,
-                              "state": state})
+    ended = _committer_says(sched, 7)
 
     ended("failed", 1)  # the committer's abort of the failed save
     assert flush.aborted_at is None and not sched._commit_over(run, (RUN, 7, TAG))
