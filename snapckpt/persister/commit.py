@@ -47,7 +47,7 @@ import os
 import stat
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, CommitError, CommitTimeoutError, PeerLostError
@@ -104,7 +104,8 @@ class CommitRequest:
                  peer_tick_secs: Optional[float] = None,
                  wake: Optional[threading.Event] = None,
                  in_flight: Optional[Callable[[], List[str]]] = None,
-                 committed_notice: Optional[Callable[[], bool]] = None):
+                 committed_notice: Optional[Callable[[], bool]] = None,
+                 own_parts: Optional[Callable[[], Optional[Dict[int, Dict[str, Tuple[int, str]]]]]] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -138,6 +139,10 @@ class CommitRequest:
         # committed_notice() (a watcher): whether the committer's node said this commit ended committed; None
         # where no notices come (a partial directory that vanished without a manifest is then an abort at once)
         self.committed_notice = committed_notice
+        # own_parts() (a watcher): {rank: {file: (nbytes, checksum)}} of the parts this node wrote for this save,
+        # None while one has not ended; a manifest of the run and step that lists other files for those ranks is
+        # an earlier save's of the step (a step saved again), not this one's. None: any manifest of it counts
+        self.own_parts = own_parts
         # filesystem reads of the wait (listings of the partial directory, manifest reads) and wakes
         self.stats = {"listings": 0, "wakes": 0}
 
@@ -445,6 +450,10 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Optional[Dict[str
     lost node too (``req.peer_check``); the watch's own deadline, ``req.timeout_secs`` plus
     :data:`WATCH_GRACE_SECS`, only ends a wait for a committer that neither commits nor aborts.
 
+    A manifest counts when it is of this run and step and, where ``req.own_parts`` is given, lists the parts
+    this node wrote for this save (a step saved again in the run: the step directory still holds the first
+    save's manifest until the committer replaces it).
+
     Returns the manifest, or ``None`` when the committer's notice said the commit ended committed and the
     directory is gone already (``req.committed_notice``: commits end out of order, and a later save's retention
     may retire this one before the watch reads it). With notices, a partial directory that vanished without a
@@ -469,7 +478,13 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Optional[Dict[str
             m = parse_manifest(reader.read_bytes(mpath), req.dirname)
         except Exception:  # not there yet, or being replaced
             return None
-        return m if m.get("run_id") == req.run_id and m["step"] == req.step else None
+        if m.get("run_id") != req.run_id or m["step"] != req.step:
+            return None
+        if req.own_parts is not None:  # this save's, not an earlier save's of the step (saved again)
+            own = req.own_parts()
+            if own is None or any(_files_of(m, rank) != files for rank, files in own.items()):
+                return None
+        return m
 
     def told_committed() -> bool:
         return req.committed_notice is not None and req.committed_notice()
@@ -519,6 +534,11 @@ def watch_commit(reader: StorageReader, req: CommitRequest) -> Optional[Dict[str
                 f"{WATCH_GRACE_SECS:g} s), and it did not abort the commit either; its "
                 "persister.log says why")
         _wait(req, next_read)
+
+
+def _files_of(manifest: Dict[str, Any], rank: int) -> Dict[str, Tuple[int, str]]:
+    """``{file: (nbytes, checksum)}`` of ``rank``'s files in ``manifest``."""
+    return {n: (int(f["nbytes"]), str(f[CHECKSUM])) for n, f in manifest["files"].items() if f.get("rank") == rank}
 
 
 def recover_interrupted_commits(storage: StorageWriter, checkpoint_dir: str, *, job: str,

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.slot_index import read_index, read_index_at
 from snapckpt.errors import CommitError, PersisterError
-from snapckpt.ondisk.manifest import SIDECAR, partial_dirname
+from snapckpt.ondisk.manifest import CHECKSUM, SIDECAR, partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, retire_after_answer, watch_commit
@@ -89,6 +89,9 @@ class Result:
     error: Optional[Dict[str, Any]] = None
     part_errors: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     parts_done: Set[int] = field(default_factory=set)
+    # rank -> {file: (nbytes, checksum)} of the parts this node wrote (a watcher tells this save's manifest
+    # from an earlier save's of the same step by them: _own_parts)
+    part_files: Dict[int, Dict[str, Tuple[int, str]]] = field(default_factory=dict)
     rank_seq: Dict[int, int] = field(default_factory=dict)  # slot seq each local rank's part comes from
     told: Set[int] = field(default_factory=set)  # local ranks told how it ended (a status reply; fail_part)
     writers: int = 0  # this node's writer tasks of the step still running
@@ -463,7 +466,8 @@ class Scheduler:
                             tracker_gate=tracker_gate, local_failure=self._local_failure(key),
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
                             wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir),
-                            committed_notice=self._committed_notice(key) if self.notices is not None else None)
+                            committed_notice=self._committed_notice(key) if self.notices is not None else None,
+                            own_parts=None if run.committer else self._own_parts(res))
         self.pending += 1
         self.commit_pool.submit(self._commit_task, req, run, self.commit_seq)
 
@@ -583,6 +587,19 @@ class Scheduler:
             return exc
 
         return failure
+
+    def _own_parts(self, res: Result) -> Callable[[], Optional[Dict[int, Dict[str, Tuple[int, str]]]]]:
+        """For the watch of ``res``'s commit: the files of the parts this node wrote for it, ``None`` while a
+        local rank's part of it has not ended (its commit cannot have happened yet). A manifest of the same run
+        and step that does not list them is an earlier save's of the step (:func:`watch_commit`)."""
+
+        def own() -> Optional[Dict[int, Dict[str, Tuple[int, str]]]]:
+            with self.lock:
+                if not set(res.rank_seq) <= set(res.part_files) | set(res.part_errors):
+                    return None
+                return dict(res.part_files)
+
+        return own
 
     def _committed_notice(self, key: SaveKey) -> Callable[[], bool]:
         """For the watch of ``key``'s commit: whether the committer's node said it ended committed."""
@@ -707,7 +724,9 @@ class Scheduler:
                          f", streamed, copy done at {st['ready']:.3f} s" if "ready" in st else "",
                          total - st.get("ready", data))
                 with self.lock:
-                    self.results[key].parts_done.add(rank)
+                    res = self.results[key]
+                    res.parts_done.add(rank)
+                    res.part_files[rank] = {n: (int(f["nbytes"]), str(f[CHECKSUM])) for n, f in files.items()}
             elif isinstance(exc, _CommitOver):  # not a failure of its own: the rank gets the commit's error
                 log.info("rank %d step %d: %s", rank, step, exc)
             else:
