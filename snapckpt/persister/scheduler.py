@@ -118,8 +118,10 @@ class Scheduler:
         # (save_records.py); pruned by _prune. The records of the saves in flight are the `live` ones whose
         # _in_flight holds
         self.results: SaveRecords = SaveRecords()
-        # the ended save that a save of the same step and directory again replaced (result: its rank's status)
-        self.replaced: Dict[SaveKey, Result] = {}
+        # the ended saves that saves of the same step and directory again replaced, oldest first (result: its
+        # rank's status): the last one, and earlier ones while a connected local rank that took part was not told
+        # their end (_replace drops the others)
+        self.replaced: Dict[SaveKey, List[Result]] = {}
         self.prune_at: Dict[str, int] = {}  # run id -> its record count that starts the next _prune
         self.commits_started: Set[SaveKey] = set()
         self.commit_seq = 0  # order of persist requests, for the tracker gate
@@ -188,13 +190,16 @@ class Scheduler:
     def result(self, key: SaveKey, rank: int = -1, seq: int = -1) -> Optional[Result]:
         """The result of the save ``key``, or ``None`` if this node was never asked to persist it. With ``rank``
         and ``seq`` (the rank's snapshot that save handed over): the save that ``seq`` of ``rank`` was written
-        by, where a save of the same step and directory again replaced it (else the newest save of ``key``:
-        one that replaced a snapshot never written, or not yet)."""
+        by, where saves of the same step and directory again replaced it (else the newest save of ``key``:
+        one that replaced a snapshot never written, or not yet). A rank not (yet) in the newest save is looked up
+        in the replaced ones too: its snapshot may have been written by one of them."""
         res = self.results.get(key)
-        if res is None or seq < 0 or res.rank_seq.get(rank, seq) == seq:
+        if res is None or seq < 0 or res.rank_seq.get(rank) == seq:
             return res
-        old = self.replaced.get(key)
-        return old if old is not None and old.rank_seq.get(rank) == seq else res
+        for old in reversed(self.replaced.get(key, ())):
+            if old.rank_seq.get(rank) == seq:
+                return old
+        return res
 
     def when_over(self, key: SaveKey, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once save ``key`` is over on this node: its commit ended and its last writer too (called
@@ -229,13 +234,20 @@ class Scheduler:
         and has not ended (called with the lock)."""
         return res.writers > 0 or (res.state == "pending" and key in self.commits_started)
 
+    @staticmethod
+    def _untold(res: Result, run: Run) -> bool:
+        """Whether a connected local rank of ``run`` took part in save ``res`` and was not yet told its end."""
+        took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
+        return bool((took_part - res.told) & run.connected)
+
     def _prune(self, run: Run) -> None:
         """Drop ``run``'s records that nothing here can still need (called with the lock, as a save's commit
         starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` records, except a
         save still in flight, with a rank waiting for it (:attr:`Result.deferred`) or a call after its end
         (:meth:`when_over`), one a connected local rank took part in and was not yet told the end of (a
-        ``status`` reply; :attr:`Result.told`): its handle asks again, and a missing record would answer
-        ``held`` or ``unknown``; and on another node than the committer's, a failed one whose abort notice has
+        ``status`` reply; :attr:`Result.told`), or in a save of its step and directory that it replaced
+        (:attr:`replaced`): its handle asks again, and a missing record would answer ``held`` or ``unknown``; and
+        on another node than the committer's, a failed one whose abort notice has
         not come (it names the save's generation, at which a save of the step again after a prune would start
         again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
         (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
@@ -253,8 +265,7 @@ class Scheduler:
                 continue
             if not run.committer and not run.remote_only and res.state == "failed" and res.aborted_at is None:
                 continue
-            took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
-            if (took_part - res.told) & run.connected:
+            if self._untold(res, run) or any(self._untold(r, run) for r in self.replaced.get(key, ())):
                 continue
             del self.results[key]
             self.replaced.pop(key, None)
@@ -352,7 +363,11 @@ class Scheduler:
         """The record of a new save ``key`` that replaces the ended one, of the next generation (called with
         the lock): the peer notices still to come about the ended one (on another node than the committer's,
         its abort, when this node ended it on its own part's failure first) name the ended one's generation."""
-        old = self.replaced[key] = self.results.pop(key)
+        old = self.results.pop(key)
+        # kept while a rank's handle may still ask for it (by its seq): a step saved three times answered the
+        # first save's handle with the third save's outcome when only the last replaced save was kept
+        # (the one replaced now is always kept: a rank that reconnects may still ask for it)
+        self.replaced[key] = [r for r in self.replaced.get(key, ()) if self._untold(r, run)] + [old]
         self.commits_started.discard(key)
         res = self.results[key] = Result(gen=old.gen + 1)
         return res
