@@ -53,7 +53,7 @@ from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
 from snapckpt.persister.save_records import SaveRecords
-from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
+from snapckpt.persister.slots import HELD, RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.part_sync import PartSyncer
 from snapckpt.persister.stream import Stream
@@ -101,6 +101,7 @@ class Result:
     removed: threading.Event = field(default_factory=threading.Event)
     # ranks whose save of this step and directory again waits for this save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
+    deferred_seqs: Set[int] = field(default_factory=set)  # their snapshots (slot seqs), each started in turn
 
 
 class Scheduler:
@@ -273,21 +274,23 @@ class Scheduler:
         self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
     # ------------------------------------------------------------------------------------ requests
-    def persist(self, entry: RankEntry, step: int, run: Run) -> None:
-        """Write rank ``entry``'s newest snapshot of ``step`` to disk and commit the step (once per save).
+    def persist(self, entry: RankEntry, step: int, run: Run, slot: Optional[Slot] = None) -> None:
+        """Write rank ``entry``'s newest snapshot of ``step`` (``slot``: that snapshot, a deferred save's) to
+        disk and commit the step (once per save).
 
         A save of a step and directory again by a rank whose earlier save of them is not over on this node (still
         persisted, or failed while its writers or commit go on) starts when that save is over here (its writers
         ended, its partial directory deleted, if it failed): the rank's status of the step says ``pending`` until
         then (its earlier save's status, asked with its ``seq``, is that save's own: :meth:`result`). A rank whose
         save came once it was over starts the new save at once: every rank of the step joins that one save, none
-        is refused.
+        is refused. A rank that saves the step again several times meanwhile has each snapshot saved in turn, so
+        that its k-th save of the step joins the other ranks' k-th.
 
         Raises:
             PersisterError: the rank holds no snapshot of ``step``.
         """
-        s = self.slots.newest_held(entry, step)
-        if s is None:
+        s = self.slots.newest_held(entry, step) if slot is None else slot
+        if s is None or s.step != step or s.state not in HELD:
             raise PersisterError(f"rank {entry.rank} holds no snapshot of step {step} to persist")
         key = (run.run_id, step, s.dirname)
         res = self.results.get(key)
@@ -309,8 +312,12 @@ class Scheduler:
                 # the earlier save is not over here: its writers and commit end on its record (and a failed one's
                 # partial directory is deleted once they have). This save starts then, as it does for a rank
                 # whose save comes later; refused, this rank's part would never come to the others' save
-                if entry.rank not in res.deferred:
+                # each snapshot in turn: one that took the rank's newest snapshot when the earlier save was over
+                # put a rank two saves ahead into the next save with its third snapshot, beside the other ranks'
+                # second ones, and the third save waited for its part until the commit timeout
+                if s.seq not in res.deferred_seqs:
                     res.deferred.add(entry.rank)
+                    res.deferred_seqs.add(s.seq)
                     s.pins += 1  # never handed out meanwhile (the rank's next snapshots go on)
                     self.when_over(key, lambda: self._persist_deferred(entry, step, run, res, s))
                 return
@@ -378,7 +385,7 @@ class Scheduler:
         cannot start, the rank hears ``old``'s failure, or (``old`` committed) why it could not start."""
         s.pins -= 1
         try:
-            self.persist(entry, step, run)
+            self.persist(entry, step, run, slot=s)
         except Exception as e:
             log.error("rank %d step %d: the save of it again could not start: %s", entry.rank, step, e)
             if old.state != "failed":  # never answered "committed" from the earlier save
