@@ -53,7 +53,7 @@ from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.peers import PeerWatch, lease_name
 from snapckpt.persister.remote_only import commit_remote, store_for, write_part_remote
 from snapckpt.persister.save_records import SaveRecords
-from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
+from snapckpt.persister.slots import HELD, RankEntry, Run, Slot, SlotTable
 from snapckpt.persister.uploader import Uploader, UploadJob
 from snapckpt.persister.part_sync import PartSyncer
 from snapckpt.persister.stream import Stream
@@ -104,6 +104,7 @@ class Result:
     removed: threading.Event = field(default_factory=threading.Event)
     # ranks whose save of this step and directory again waits for this save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
+    deferred_seqs: Set[int] = field(default_factory=set)  # their snapshots (slot seqs), each started in turn
 
 
 class Scheduler:
@@ -121,8 +122,10 @@ class Scheduler:
         # (save_records.py); pruned by _prune. The records of the saves in flight are the `live` ones whose
         # _in_flight holds
         self.results: SaveRecords = SaveRecords()
-        # the ended save that a save of the same step and directory again replaced (result: its rank's status)
-        self.replaced: Dict[SaveKey, Result] = {}
+        # the ended saves that saves of the same step and directory again replaced, oldest first (result: its
+        # rank's status): the last one, and earlier ones while a connected local rank that took part was not told
+        # their end (_replace drops the others)
+        self.replaced: Dict[SaveKey, List[Result]] = {}
         self.prune_at: Dict[str, int] = {}  # run id -> its record count that starts the next _prune
         self.commits_started: Set[SaveKey] = set()
         self.commit_seq = 0  # order of persist requests, for the tracker gate
@@ -191,13 +194,16 @@ class Scheduler:
     def result(self, key: SaveKey, rank: int = -1, seq: int = -1) -> Optional[Result]:
         """The result of the save ``key``, or ``None`` if this node was never asked to persist it. With ``rank``
         and ``seq`` (the rank's snapshot that save handed over): the save that ``seq`` of ``rank`` was written
-        by, where a save of the same step and directory again replaced it (else the newest save of ``key``:
-        one that replaced a snapshot never written, or not yet)."""
+        by, where saves of the same step and directory again replaced it (else the newest save of ``key``:
+        one that replaced a snapshot never written, or not yet). A rank not (yet) in the newest save is looked up
+        in the replaced ones too: its snapshot may have been written by one of them."""
         res = self.results.get(key)
-        if res is None or seq < 0 or res.rank_seq.get(rank, seq) == seq:
+        if res is None or seq < 0 or res.rank_seq.get(rank) == seq:
             return res
-        old = self.replaced.get(key)
-        return old if old is not None and old.rank_seq.get(rank) == seq else res
+        for old in reversed(self.replaced.get(key, ())):
+            if old.rank_seq.get(rank) == seq:
+                return old
+        return res
 
     def when_over(self, key: SaveKey, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once save ``key`` is over on this node: its commit ended and its last writer too (called
@@ -232,13 +238,20 @@ class Scheduler:
         and has not ended (called with the lock)."""
         return res.writers > 0 or (res.state == "pending" and key in self.commits_started)
 
+    @staticmethod
+    def _untold(res: Result, run: Run) -> bool:
+        """Whether a connected local rank of ``run`` took part in save ``res`` and was not yet told its end."""
+        took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
+        return bool((took_part - res.told) & run.connected)
+
     def _prune(self, run: Run) -> None:
         """Drop ``run``'s records that nothing here can still need (called with the lock, as a save's commit
         starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` records, except a
         save still in flight, with a rank waiting for it (:attr:`Result.deferred`) or a call after its end
         (:meth:`when_over`), one a connected local rank took part in and was not yet told the end of (a
-        ``status`` reply; :attr:`Result.told`): its handle asks again, and a missing record would answer
-        ``held`` or ``unknown``; and on another node than the committer's, a failed one whose abort notice has
+        ``status`` reply; :attr:`Result.told`), or in a save of its step and directory that it replaced
+        (:attr:`replaced`): its handle asks again, and a missing record would answer ``held`` or ``unknown``; and
+        on another node than the committer's, a failed one whose abort notice has
         not come (it names the save's generation, at which a save of the step again after a prune would start
         again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
         (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
@@ -256,8 +269,7 @@ class Scheduler:
                 continue
             if not run.committer and not run.remote_only and res.state == "failed" and res.aborted_at is None:
                 continue
-            took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
-            if (took_part - res.told) & run.connected:
+            if self._untold(res, run) or any(self._untold(r, run) for r in self.replaced.get(key, ())):
                 continue
             del self.results[key]
             self.replaced.pop(key, None)
@@ -265,21 +277,23 @@ class Scheduler:
         self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
     # ------------------------------------------------------------------------------------ requests
-    def persist(self, entry: RankEntry, step: int, run: Run) -> None:
-        """Write rank ``entry``'s newest snapshot of ``step`` to disk and commit the step (once per save).
+    def persist(self, entry: RankEntry, step: int, run: Run, slot: Optional[Slot] = None) -> None:
+        """Write rank ``entry``'s newest snapshot of ``step`` (``slot``: that snapshot, a deferred save's) to
+        disk and commit the step (once per save).
 
         A save of a step and directory again by a rank whose earlier save of them is not over on this node (still
         persisted, or failed while its writers or commit go on) starts when that save is over here (its writers
         ended, its partial directory deleted, if it failed): the rank's status of the step says ``pending`` until
         then (its earlier save's status, asked with its ``seq``, is that save's own: :meth:`result`). A rank whose
         save came once it was over starts the new save at once: every rank of the step joins that one save, none
-        is refused.
+        is refused. A rank that saves the step again several times meanwhile has each snapshot saved in turn, so
+        that its k-th save of the step joins the other ranks' k-th.
 
         Raises:
             PersisterError: the rank holds no snapshot of ``step``.
         """
-        s = self.slots.newest_held(entry, step)
-        if s is None:
+        s = self.slots.newest_held(entry, step) if slot is None else slot
+        if s is None or s.step != step or s.state not in HELD:
             raise PersisterError(f"rank {entry.rank} holds no snapshot of step {step} to persist")
         key = (run.run_id, step, s.dirname)
         res = self.results.get(key)
@@ -301,8 +315,12 @@ class Scheduler:
                 # the earlier save is not over here: its writers and commit end on its record (and a failed one's
                 # partial directory is deleted once they have). This save starts then, as it does for a rank
                 # whose save comes later; refused, this rank's part would never come to the others' save
-                if entry.rank not in res.deferred:
+                # each snapshot in turn: one that took the rank's newest snapshot when the earlier save was over
+                # put a rank two saves ahead into the next save with its third snapshot, beside the other ranks'
+                # second ones, and the third save waited for its part until the commit timeout
+                if s.seq not in res.deferred_seqs:
                     res.deferred.add(entry.rank)
+                    res.deferred_seqs.add(s.seq)
                     s.pins += 1  # never handed out meanwhile (the rank's next snapshots go on)
                     self.when_over(key, lambda: self._persist_deferred(entry, step, run, res, s))
                 return
@@ -355,7 +373,11 @@ class Scheduler:
         """The record of a new save ``key`` that replaces the ended one, of the next generation (called with
         the lock): the peer notices still to come about the ended one (on another node than the committer's,
         its abort, when this node ended it on its own part's failure first) name the ended one's generation."""
-        old = self.replaced[key] = self.results.pop(key)
+        old = self.results.pop(key)
+        # kept while a rank's handle may still ask for it (by its seq): a step saved three times answered the
+        # first save's handle with the third save's outcome when only the last replaced save was kept
+        # (the one replaced now is always kept: a rank that reconnects may still ask for it)
+        self.replaced[key] = [r for r in self.replaced.get(key, ()) if self._untold(r, run)] + [old]
         self.commits_started.discard(key)
         res = self.results[key] = Result(gen=old.gen + 1)
         return res
@@ -366,7 +388,7 @@ class Scheduler:
         cannot start, the rank hears ``old``'s failure, or (``old`` committed) why it could not start."""
         s.pins -= 1
         try:
-            self.persist(entry, step, run)
+            self.persist(entry, step, run, slot=s)
         except Exception as e:
             log.error("rank %d step %d: the save of it again could not start: %s", entry.rank, step, e)
             if old.state != "failed":  # never answered "committed" from the earlier save

@@ -664,3 +664,129 @@ def test_the_committers_abort_of_a_failed_save_does_not_abort_its_crash_flush_on
     assert wait_until(lambda: flush.state == "failed", timeout=30)
     sched.pool.shutdown(wait=True)
     sched.syncer.shutdown()
+
+
+def test_each_handle_of_a_step_saved_three_times_gets_its_own_saves_outcome(tmp_path, parts):
+    """Two local ranks; step 7 of ``best`` saved three times back to back by rank 0, rank 1 slower: the first
+    save fails (rank 1's part), rank 0's second save waits for it (deferred) and then starts, rank 0's third
+    save waits for the second (deferred again), which commits once rank 1's part of it comes; then the third
+    starts. Right: each handle (its status names its snapshot) hears its own save's outcome: the first save's
+    failure, the second's commit, also for rank 1, which has not handed over its part of the third save yet.
+    Before the fix the scheduler kept only the one save the newest had replaced, and took a rank absent from
+    the newest save for one of it: the first handles, not polled meanwhile, were answered with the third save's
+    state (the failure lost), and rank 1's second handle with the third save's ``pending``: a ``wait()`` on it
+    before rank 1's next save blocks until the third save's commit times out, then raises that failure."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}  # (their handles may still ask: the saves they took part in are kept for them)
+    key = (RUN, 7, TAG)
+
+    def slot(rank: int, seq: int) -> Slot:
+        return Slot(index=10 * rank + seq, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES,
+                    state=SlotState.READY, step=7, run_id=RUN, dirname=TAG, seq=seq)
+
+    def persist(rank: int, s: Slot) -> None:
+        with sched.lock:
+            sched.slots.ranks[rank].slots.append(s)
+            sched.persist(sched.slots.ranks[rank], 7, run)
+
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[], run_id=RUN)
+    sched.slots.ranks[1] = RankEntry(rank=1, slots=[_slot(ckpt, 1, 7)], run_id=RUN)
+    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    try:
+        persist(0, slot(0, 8))  # rank 0's second save: waits for the first
+        assert sched.results[key] is first and first.deferred == {0}
+        with sched.lock:  # the first save fails: rank 1's writer ends with an error, the commit fails
+            first.part_errors[1] = {"type": "OSError", "message": "disk full"}
+            first.writers -= 1
+            sched.pending -= 1
+            first.state = "failed"
+            first.error = {"type": "OSError", "message": "disk full"}
+            sched._run_over_calls(key, first)
+        assert wait_until(lambda: sched.results[key] is not first and sched.results[key].parts_done == {0},
+                          timeout=30)
+        second = sched.results[key]
+        persist(0, slot(0, 9))  # rank 0's third save: waits for the second (rank 1's part of it not there yet)
+        assert sched.results[key] is second and second.deferred == {0}
+        persist(1, slot(1, 8))  # rank 1's part of the second save: it commits, then the third save starts
+        assert wait_until(lambda: sched.results[key] is not second and sched.results[key].parts_done == {0},
+                          timeout=30)
+        assert second.state == "committed", second.error
+        third = sched.results[key]
+        assert third.rank_seq == {0: 9}
+        assert sched.result(key, 0, 9) is third and sched.result(key, 0, 8) is second
+        assert sched.result(key, 1, 8) is second
+        got = sched.result(key, 0, 7)
+        assert got is first, f"the first save's handle is answered with {got.state!r} (gen {got.gen}), not its failure"
+        assert sched.result(key, 1, 7) is first
+        persist(1, slot(1, 9))
+        assert wait_until(lambda: third.state != "pending", timeout=30)
+        assert third.state == "committed", third.error
+    finally:
+        with sched.lock:
+            for res in [sched.results.get(key)]:
+                if res is not None and res.state == "pending":
+                    res.part_errors.setdefault(1, {"type": "OSError", "message": "test over"})
+                    res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
+
+
+def test_a_rank_ahead_by_two_saves_of_a_step_does_not_mix_its_third_save_into_the_second(tmp_path, parts):
+    """Two local ranks; step 7 of ``best`` saved three times back to back (the engine no longer waits on the
+    training thread), rank 0 ahead: it hands over its second and third snapshot (seq 8, 9) while the first save
+    is still in flight (rank 1's writer runs); rank 1 hands over its second and third (seq 18, 19) later. Right:
+    the second save commits rank 0's second snapshot with rank 1's second, the third rank 0's third with rank
+    1's third. Before the fix rank 0's waiting save took its newest snapshot (its third) when the first save
+    ended: the second save committed rank 0's third part with rank 1's second (a mix of two saves), and rank
+    1's third save then waited for a part of rank 0 that never comes (until the commit timeout, then failed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    key = (RUN, 7, TAG)
+
+    def slot(rank: int, seq: int) -> Slot:
+        return Slot(index=100 * rank + seq, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES,
+                    state=SlotState.READY, step=7, run_id=RUN, dirname=TAG, seq=seq)
+
+    def persist(rank: int, s: Slot) -> None:
+        with sched.lock:
+            sched.slots.ranks[rank].slots.append(s)
+            sched.persist(sched.slots.ranks[rank], 7, run)
+
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[], run_id=RUN)
+    sched.slots.ranks[1] = RankEntry(rank=1, slots=[_slot(ckpt, 1, 7)], run_id=RUN)
+    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    try:
+        persist(0, slot(0, 8))
+        persist(0, slot(0, 9))  # rank 0 is two saves ahead
+        assert sched.results[key] is first
+        with sched.lock:  # the first save ends committed: rank 1's writer, then the commit
+            first.parts_done.add(1)
+            first.writers -= 1
+            sched.pending -= 1
+            first.state = "committed"
+            sched._run_over_calls(key, first)
+        assert wait_until(lambda: sched.results[key] is not first, timeout=30)
+        second = sched.results[key]
+        persist(1, slot(1, 18))  # rank 1's second save
+        assert wait_until(lambda: second.state != "pending", timeout=30)
+        assert second.rank_seq == {0: 8, 1: 18}, f"the second save committed the parts {second.rank_seq}"
+        persist(1, slot(1, 19))  # rank 1's third save
+        assert wait_until(lambda: sched.results[key] is not second
+                          and sched.results[key].state != "pending", timeout=30), \
+            f"the third save waits for rank 0: {sched.results[key]}"
+        third = sched.results[key]
+        assert third.state == "committed" and third.rank_seq == {0: 9, 1: 19}, third
+        for r in (0, 1):
+            assert sched.result(key, r, 7) is first
+        assert sched.result(key, 0, 8) is second and sched.result(key, 0, 9) is third
+    finally:
+        with sched.lock:
+            res = sched.results.get(key)
+            if res is not None and res.state == "pending":
+                res.part_errors.setdefault(1, {"type": "OSError", "message": "test over"})
+                res.part_errors.setdefault(0, {"type": "OSError", "message": "test over"})
+                res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
