@@ -385,14 +385,20 @@ class Scheduler:
     def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result, s: Slot) -> None:
         """:meth:`persist` of a save that waited for the save ``old`` of its step and directory to be over
         (called with the lock, by :meth:`when_over`; ``s``: the rank's slot it saves, pinned meanwhile); if it
-        cannot start, the rank hears ``old``'s failure, or (``old`` committed) why it could not start."""
+        cannot start, the rank hears ``old``'s failure, or (``old`` committed) why it could not start, from a
+        failed record of its own snapshot kept with the replaced saves (:meth:`result`; ``old``'s handles still
+        hear ``old``'s outcome)."""
         s.pins -= 1
         try:
             self.persist(entry, step, run, slot=s)
         except Exception as e:
             log.error("rank %d step %d: the save of it again could not start: %s", entry.rank, step, e)
-            if old.state != "failed":  # never answered "committed" from the earlier save
-                old.part_errors.setdefault(entry.rank, P.error_record(e))
+            if old.state != "failed":  # its own record, found by its snapshot (result): the earlier save stands
+                key = (run.run_id, step, s.dirname)
+                rec = P.error_record(e)
+                self.replaced.setdefault(key, []).append(Result(gen=old.gen, state="failed", error=rec,
+                                                                part_errors={entry.rank: rec},
+                                                                rank_seq={entry.rank: s.seq}))
             old.deferred.discard(entry.rank)
             self.on_change()  # its waiting status request is answered with the failure
         else:

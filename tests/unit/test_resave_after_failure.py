@@ -334,6 +334,38 @@ def test_a_save_of_the_same_step_again_while_its_first_save_is_in_flight_waits_f
     assert sched.result(key) is res  # (the newest, for a caller that names no snapshot)
 
 
+def test_a_deferred_save_that_cannot_start_fails_alone_and_the_committed_first_save_stands(tmp_path, parts):
+    """Rank 0 saves step 7 again while its first save is in flight (deferred); by the time the first save
+    commits, the deferred snapshot is no longer held (its slot was taken back: a rank that vanished in
+    between). Right: the save of it again fails with why it could not start, asked by its snapshot; the first
+    save's handles of both ranks still hear "committed" (before: the error went into the first save's
+    part_errors, and rank 0's handle of the committed first save read it as failed)."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    key = (RUN, 7, TAG)
+    new0 = Slot(index=10, path=os.path.join(ckpt, "rank0"), nbytes=NBYTES, state=SlotState.READY, step=7,
+                run_id=RUN, dirname=TAG, seq=8)
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[new0], run_id=RUN)
+    old = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    with sched.lock:
+        sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again: deferred
+    assert old.deferred == {0}
+    with sched.lock:
+        new0.state = SlotState.FREE  # the deferred snapshot is gone
+        old.parts_done.add(1)
+        old.writers -= 1
+        sched.pending -= 1
+        old.state = "committed"
+        sched._run_over_calls(key, old)
+    assert wait_until(lambda: not old.deferred, timeout=30)
+    with sched.lock:
+        assert sched.results[key] is old and not old.part_errors
+        assert sched.result(key, 0, 7) is old and sched.result(key, 1, 7) is old
+        again = sched.result(key, 0, 8)
+        assert again is not old and again.state == "failed", again
+        assert "holds no snapshot of step 7" in again.error["message"], again.error
+
+
 def test_writers_that_wait_for_their_directory_do_not_hold_the_writer_threads(tmp_path, parts):
     """Two local ranks, a tag saved at step 1 then at once at step 2 (the engine does not wait): rank 0 hands
     over both parts before rank 1 hands over its part of step 1 (the ranks reach their ``ready`` at different
