@@ -312,12 +312,7 @@ def test_a_save_of_the_same_step_again_while_its_first_save_is_in_flight_waits_f
     with sched.lock:
         sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again
     assert sched.results[key] is old and old.deferred == {0} and new0.pins == 1
-    with sched.lock:  # the first save ends committed: rank 1's writer, then the commit
-        old.parts_done.add(1)
-        old.writers -= 1
-        sched.pending -= 1
-        old.state = "committed"
-        sched._run_over_calls(key, old)
+    _first_save_commits(sched, key, old)  # rank 1's writer ends, then the commit
     assert wait_until(lambda: sched.results[key] is not old and sched.results[key].parts_done == {0}, timeout=30)
     assert not old.deferred and new0.pins == 0
     sched.slots.ranks[1].slots.append(new1)
@@ -350,13 +345,8 @@ def test_a_deferred_save_that_cannot_start_fails_alone_and_the_committed_first_s
     with sched.lock:
         sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again: deferred
     assert old.deferred == {0}
-    with sched.lock:
-        new0.state = SlotState.FREE  # the deferred snapshot is gone
-        old.parts_done.add(1)
-        old.writers -= 1
-        sched.pending -= 1
-        old.state = "committed"
-        sched._run_over_calls(key, old)
+    new0.state = SlotState.FREE  # the deferred snapshot is gone
+    _first_save_commits(sched, key, old)
     assert wait_until(lambda: not old.deferred, timeout=30)
     with sched.lock:
         assert sched.results[key] is old and not old.part_errors
@@ -698,6 +688,35 @@ def test_the_committers_abort_of_a_failed_save_does_not_abort_its_crash_flush_on
     sched.syncer.shutdown()
 
 
+def _first_save_commits(sched: Scheduler, key, first: Result) -> None:
+    """The first save of ``key``, in flight with rank 1's writer running, ends committed: that writer ends,
+    then the commit (its calls after the end run: deferred saves start)."""
+    with sched.lock:
+        first.parts_done.add(1)
+        first.writers -= 1
+        sched.pending -= 1
+        first.state = "committed"
+        sched._run_over_calls(key, first)
+
+
+def _saves_of_step_7_again(sched: Scheduler, run: Run, ckpt: str):
+    """Ranks 0 and 1 of a node whose first save of step 7 (``TAG``) is in flight, rank 1's slot still read by its
+    writer. Returns ``slot(rank, seq)``, a READY snapshot of step 7, and ``persist(rank, slot)``: the rank hands
+    it over (a save of step 7 again)."""
+    def slot(rank: int, seq: int) -> Slot:
+        return Slot(index=100 * rank + seq, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES,
+                    state=SlotState.READY, step=7, run_id=RUN, dirname=TAG, seq=seq)
+
+    def persist(rank: int, s: Slot) -> None:
+        with sched.lock:
+            sched.slots.ranks[rank].slots.append(s)
+            sched.persist(sched.slots.ranks[rank], 7, run)
+
+    sched.slots.ranks[0] = RankEntry(rank=0, slots=[], run_id=RUN)
+    sched.slots.ranks[1] = RankEntry(rank=1, slots=[_slot(ckpt, 1, 7)], run_id=RUN)
+    return slot, persist
+
+
 def test_each_handle_of_a_step_saved_three_times_gets_its_own_saves_outcome(tmp_path, parts):
     """Two local ranks; step 7 of ``best`` saved three times back to back by rank 0, rank 1 slower: the first
     save fails (rank 1's part), rank 0's second save waits for it (deferred) and then starts, rank 0's third
@@ -713,17 +732,7 @@ def test_each_handle_of_a_step_saved_three_times_gets_its_own_saves_outcome(tmp_
     run.connected = {0, 1}  # (their handles may still ask: the saves they took part in are kept for them)
     key = (RUN, 7, TAG)
 
-    def slot(rank: int, seq: int) -> Slot:
-        return Slot(index=10 * rank + seq, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES,
-                    state=SlotState.READY, step=7, run_id=RUN, dirname=TAG, seq=seq)
-
-    def persist(rank: int, s: Slot) -> None:
-        with sched.lock:
-            sched.slots.ranks[rank].slots.append(s)
-            sched.persist(sched.slots.ranks[rank], 7, run)
-
-    sched.slots.ranks[0] = RankEntry(rank=0, slots=[], run_id=RUN)
-    sched.slots.ranks[1] = RankEntry(rank=1, slots=[_slot(ckpt, 1, 7)], run_id=RUN)
+    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
     first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
     try:
         persist(0, slot(0, 8))  # rank 0's second save: waits for the first
@@ -777,28 +786,13 @@ def test_a_rank_ahead_by_two_saves_of_a_step_does_not_mix_its_third_save_into_th
     run.connected = {0, 1}
     key = (RUN, 7, TAG)
 
-    def slot(rank: int, seq: int) -> Slot:
-        return Slot(index=100 * rank + seq, path=os.path.join(ckpt, f"rank{rank}"), nbytes=NBYTES,
-                    state=SlotState.READY, step=7, run_id=RUN, dirname=TAG, seq=seq)
-
-    def persist(rank: int, s: Slot) -> None:
-        with sched.lock:
-            sched.slots.ranks[rank].slots.append(s)
-            sched.persist(sched.slots.ranks[rank], 7, run)
-
-    sched.slots.ranks[0] = RankEntry(rank=0, slots=[], run_id=RUN)
-    sched.slots.ranks[1] = RankEntry(rank=1, slots=[_slot(ckpt, 1, 7)], run_id=RUN)
+    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
     first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
     try:
         persist(0, slot(0, 8))
         persist(0, slot(0, 9))  # rank 0 is two saves ahead
         assert sched.results[key] is first
-        with sched.lock:  # the first save ends committed: rank 1's writer, then the commit
-            first.parts_done.add(1)
-            first.writers -= 1
-            sched.pending -= 1
-            first.state = "committed"
-            sched._run_over_calls(key, first)
+        _first_save_commits(sched, key, first)  # rank 1's writer ends, then the commit
         assert wait_until(lambda: sched.results[key] is not first, timeout=30)
         second = sched.results[key]
         persist(1, slot(1, 18))  # rank 1's second save
