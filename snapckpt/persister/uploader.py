@@ -284,11 +284,11 @@ class Uploader:
         cause = ""  # the last failed attempt's
         for attempt in range(RETRIES + 1):
             t0 = time.monotonic()
-            if _gone(job) and cause:
-                self._fail_retired(store, job, attempt, cause)
-                return
             if _gone(job):  # local retention retired it (or a later save replaced it) before its turn came
-                self._skip_retired(job, "before its upload began")
+                if cause:
+                    self._fail_retired(store, job, attempt, cause)
+                else:
+                    self._skip_retired(job, "before its upload began")
                 return
             gate = (job.remote_dir, job.tracker_name)
             behind = bool(job.tracker_name) and self._tracker_order.get(gate, -1) > job.order
@@ -298,10 +298,10 @@ class Uploader:
                                      tracker_content=job.tracker_content)
                 behind = behind or not moved  # a later save's upload, maybe another persister's, wrote it
             except Exception as e:
-                if _gone(job) and cause:  # during a later attempt of an outage
-                    self._fail_retired(store, job, attempt + 1, cause)
-                    return
                 if _gone(job):
+                    if cause:  # during a later attempt of an outage
+                        self._fail_retired(store, job, attempt + 1, cause)
+                        return
                     # retired meanwhile (retention renames the directory away at once): not a fault to retry
                     self._skip_retired(job, "during its upload")
                     _clean_after(store, step, "skipped")
