@@ -489,19 +489,28 @@ METHOD_CLASSES: dict[str, Callable[..., Method]] = {
 # Running
 # --------------------------------------------------------------------------------------------
 
-def adjacent_floor(state: dict[str, Any], workdir: Path, args: argparse.Namespace, n: int = 3) -> list[float]:
-    """``n`` samples (seconds) of :class:`FloorCopy` taken right before a method, outside its RSS window: the copy
-    floor under the machine's state at that point of the run. On this VM the same copy into faulted buffers was
-    0.024-0.029 s early in a run and 0.034 s after the disk methods' large file writes, so a memory method measured
-    late against a floor measured first reads up to 1.3x too slow."""
-    fc = FloorCopy(state, workdir, args)
-    try:
-        fc.setup()
-        fc.once(0)  # faults the buffers in
-        return [fc.once(i)[0] for i in range(1, n + 1)]
-    finally:
-        fc.close()
-        del fc
+class PairedFloor:
+    """:class:`FloorCopy` samples taken each right before one timed repeat of a method (outside the repeat and
+    outside its RSS window: the buffers are faulted in before the method's setup), every way's seconds kept.
+
+    The copy floor moves with the host: on this VM the same copy into faulted buffers took 0.023 s in one round
+    and 0.034 s in the next, so a method's median against a floor taken before it (or first in the run) mixes
+    two states of the machine. Each repeat is compared with the floor taken just before it instead
+    (``suite.paired_floor``)."""
+
+    def __init__(self, state: dict[str, Any], workdir: Path, args: argparse.Namespace):
+        self.fc = FloorCopy(state, workdir, args)
+        self.fc.setup()
+        self.fc.once(0)  # faults the buffers in
+        self.ways: list[dict[str, float]] = []
+
+    def sample(self, i: int) -> None:
+        """One floor sample (every way, seconds) for repeat ``i``."""
+        self.ways.append(self.fc.once(i)[2]["ways_s"])
+
+    def close(self) -> None:
+        self.fc.close()
+        del self.fc
         gc.collect()
         malloc_trim()
 
@@ -514,8 +523,7 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
     # Load average (1/5/15 min) at the method's start: on a shared machine, other tenants' load
     # is the main source of noise, so it is kept next to the numbers it may have spoiled.
     rec: dict[str, Any] = {"method": name, "error": None, "loadavg_at_start": os.getloadavg()}
-    if name in getattr(args, "adjacent_floor_for", ()):
-        rec["adjacent_floor_samples_s"] = adjacent_floor(state, workdir, args)
+    paired = PairedFloor(state, workdir, args) if name in getattr(args, "paired_floor_for", ()) else None
     method = METHOD_CLASSES[name](state, workdir, args)
     samples: list[Sample] = []
     gc.collect()
@@ -535,6 +543,8 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
                 time.sleep(settle_secs(args, state))  # the warm-up's background work ends (module docstring)
                 for i in range(1, args.repeats + 1):
                     os.sync()
+                    if paired is not None:
+                        paired.sample(i)
                     samples.append(_counting_faults(method, i))
                     method.cleanup_after(i)
                 n_restore = getattr(args, "restore_repeats", 0)
@@ -559,6 +569,10 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
         print(f"  {name}: ERROR {rec['error']}", file=sys.stderr)
     finally:
         faulthandler.cancel_dump_traceback_later()
+        paired_ways = paired.ways if paired is not None else []
+        if paired is not None:
+            rec["paired_floor_ways_s"] = paired_ways
+            paired.close()
         # A persister should exit on clean close; wait for it (untimed) so that it does not
         # compete with the next method, and record how long that took.
         exits = mon.wait_persisters_exit(args.persister_exit_wait)
@@ -574,6 +588,9 @@ def run_method(name: str, state: dict[str, Any], size_dir: Path,
         # the saves after the warm-up that were the first into one of the method's buffers (snapckpt: the
         # arena's other slots); kept among the samples too
         "first_use_samples_s": blocking[:max(0, getattr(method, "slots", 1) - 1)],
+        # the same saves each over the copy floor taken right before it (PairedFloor)
+        "first_use_paired_ratios": [b / min(w.values()) for b, w in
+                                    zip(blocking[:max(0, getattr(method, "slots", 1) - 1)], paired_ways)],
         "blocking_s": median(blocking),
         "durable_s": median(durable) if method.durable else None,
         "blocking_samples_s": blocking,

@@ -207,7 +207,7 @@ def merge_rounds(recs: list[dict[str, Any]]) -> dict[str, Any]:
     rec["error"] = next((r["error"] for r in recs if r.get("error")), None)
     rec["traceback"] = next((r["traceback"] for r in recs if r.get("traceback")), None)
     for key in ("blocking_samples_s", "durable_samples_s", "extra_samples", "first_use_samples_s",
-                "adjacent_floor_samples_s"):
+                "paired_floor_ways_s", "first_use_paired_ratios"):
         rec[key] = [x for r in ok for x in r.get(key) or []]
     rec["blocking_s"] = median(rec["blocking_samples_s"])
     rec["durable_s"] = median(rec["durable_samples_s"]) if rec["durable_samples_s"] else None
@@ -492,6 +492,18 @@ def save_return(r: dict[str, Any]) -> float | None:
     return median(xs)
 
 
+def paired_floor(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """A method's repeats against the copy floor taken right before each (``paired_floor_ways_s``): each floor
+    sample is the fastest of its ways (as ``floor_copy`` reports its own). Returns ``floor_s`` (one per repeat,
+    seconds), ``ratios`` (repeat / its floor) and ``ratio`` (their median); None without pairs."""
+    ways, blocking = rec.get("paired_floor_ways_s") or [], rec.get("blocking_samples_s") or []
+    if not ways or len(ways) != len(blocking):
+        return None
+    floor_s = [min(x.values()) for x in ways]
+    ratios = [b / f for b, f in zip(blocking, floor_s)]
+    return {"floor_s": floor_s, "ratios": ratios, "ratio": median(ratios)}
+
+
 def targets(recs: list[dict[str, Any]], state_bytes: int) -> list[tuple[str, str, str, str]]:
     """The performance issue's stall-suite targets: (target, limit, measured, verdict)."""
     by = {r["method"]: r for r in recs}
@@ -506,15 +518,18 @@ def targets(recs: list[dict[str, Any]], state_bytes: int) -> list[tuple[str, str
         rows.append((name, f"{'<=' if lower_is_better else '>='} {limit:g}", f"{value:.2f}",
                      "met" if ok else "missed"))
 
-    # The copy floor measured right before the memory save (stall.adjacent_floor), else the run's floor_copy.
-    floor = median(g("snapckpt_memory", "adjacent_floor_samples_s") or []) or g("floor_copy", "blocking_s")
-    row("overlap off: blocking / floor_copy measured right before it", 1.05,
-        ratio(g("snapckpt_memory", "blocking_s"), floor))
+    # Each memory save against the copy floor taken right before it (stall.PairedFloor), else the run's floor_copy.
+    pairs = paired_floor(by.get("snapckpt_memory", {}))
+    floor = median(pairs["floor_s"]) if pairs else g("floor_copy", "blocking_s")
+    row("overlap off: blocking / floor_copy taken right before each save (median of the pairs' ratios)", 1.05,
+        pairs["ratio"] if pairs else None)
     row("overlap off: blocking / floor_copy measured first in the run", 1.05,
         ratio(g("snapckpt_memory", "blocking_s"), g("floor_copy", "blocking_s")))
-    first_use = g("snapckpt_memory", "first_use_samples_s")  # each round's first save into the second slot
+    # each round's first save into the second slot, over the floor taken right before it
+    first_use = g("snapckpt_memory", "first_use_paired_ratios") or [
+        x / floor for x in g("snapckpt_memory", "first_use_samples_s") or []]
     row("overlap off: first save into each slot after the warm-up and its settle pause (slowest) / floor_copy "
-        "measured right before it", 1.05, ratio(max(first_use), floor) if first_use else None)
+        "taken right before it", 1.05, max(first_use) if first_use else None)
     row("overlap on: save() returns / floor_copy", 0.05,
         ratio(save_return(by.get("snapckpt_memory_overlap", {})), g("floor_copy", "blocking_s")))
     best = min((x for x in (g("snapckpt_disk", "durable_s"), g("snapckpt_disk_overlap", "durable_s")) if x),
@@ -1191,7 +1206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown methods: {unknown}")
     if args.plot is None:
         args.plot = str(Path(args.out).with_suffix(".png"))
-    args.adjacent_floor_for = ("snapckpt_memory",)  # its rows 3 and 4: against a floor taken right before it
+    args.paired_floor_for = ("snapckpt_memory",)  # its rows 3 and 4: each repeat against a floor taken right before it
     return args
 
 

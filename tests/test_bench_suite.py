@@ -192,6 +192,46 @@ def test_stall_waits_after_the_warm_up_and_counts_each_repeats_page_faults(tmp_p
     assert stall.parse_args([]).settle_s_per_gib == stall.SETTLE_S_PER_GIB > 0
 
 
+def test_a_paired_method_takes_one_copy_floor_right_before_each_repeat(tmp_path, monkeypatch):
+    """``paired_floor_for``: the memory save is compared repeat by repeat with a copy floor taken just before it
+    (the floor moves with the host between rounds); the floor samples sit between the repeats, none inside one,
+    and the target reads the median of the pairs' ratios, each floor the fastest of its ways."""
+    suite = _suite()
+    stall = suite.stall
+    calls = []
+
+    class Mark(stall.Method):
+        durable = False
+        slots = 2  # the first repeat is the first save into the second slot
+
+        def once(self, i):
+            calls.append(("once", i))
+            return float(i), None, {}
+
+    monkeypatch.setitem(stall.METHOD_CLASSES, "mark", Mark)
+    sample = stall.PairedFloor.sample
+    monkeypatch.setattr(stall.PairedFloor, "sample", lambda self, i: (calls.append(("floor", i)), sample(self, i)))
+    args = argparse.Namespace(repeats=3, method_timeout=60.0, persister_exit_wait=1.0, restore_repeats=0,
+                              settle_s_per_gib=0.0, paired_floor_for=("mark",))
+    rec = stall.run_method("mark", {"w": torch.zeros(1 << 18)}, tmp_path, args)
+    assert rec["error"] is None, rec.get("traceback")
+    assert calls == [("once", 0), ("floor", 1), ("once", 1), ("floor", 2), ("once", 2), ("floor", 3), ("once", 3)]
+    assert len(rec["paired_floor_ways_s"]) == 3
+    assert rec["first_use_paired_ratios"] == [1.0 / min(rec["paired_floor_ways_s"][0].values())]
+    assert all(set(w) == {"torch", "torch_1thread", "memmove_chunks"} and min(w.values()) > 0
+               for w in rec["paired_floor_ways_s"])
+    assert "paired_floor_ways_s" not in stall.run_method("mark", {"w": torch.zeros(8)}, tmp_path,
+                                                         argparse.Namespace(**{**vars(args), "paired_floor_for": ()}))
+
+    rec = {"blocking_samples_s": [1.0, 2.0, 3.0],
+           "paired_floor_ways_s": [{"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 1.0}, {"a": 3.3, "b": 3.0}]}
+    assert suite.paired_floor(rec) == {"floor_s": [1.0, 1.0, 3.0], "ratios": [1.0, 2.0, 1.0], "ratio": 1.0}
+    assert suite.paired_floor({**rec, "blocking_samples_s": [1.0]}) is None  # a repeat without its floor
+    merged = suite.merge_rounds([rec, {**rec, "paired_floor_ways_s": rec["paired_floor_ways_s"][:1],
+                                       "blocking_samples_s": [4.0]}])
+    assert len(merged["paired_floor_ways_s"]) == len(merged["blocking_samples_s"]) == 4
+
+
 def test_recovery_cold_read_floor_reads_each_way_first_in_a_fresh_process(monkeypatch, tmp_path):
     """``recovery.py``'s disk floor: every way runs once per repeat in a child of its own (a restart's first read
     after a drop, not a read that reuses the pages a drop freed a moment before in the same process); the floor is
