@@ -287,3 +287,54 @@ def test_notice_links_end_once_the_run_is_over_on_the_node(replicator, tmp_path)
     finally:
         sender.shutdown()
         sched.shutdown()
+
+
+def _greeter(magic):
+    """A listener on 127.0.0.1 that greets each connection with ``magic`` and a challenge, then reads until closed
+    (a persister of another snapckpt version, or another program); returns its port and what it was sent."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(magic + os.urandom(32))
+            while data := conn.recv(4096):
+                received.append(data)
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], received
+
+
+def test_a_peer_persister_of_another_snapckpt_version_is_refused_naming_both_versions(replicator, caplog):
+    """Persisters of two snapckpt versions in one job (a node upgraded, another not) would misread each other's
+    notices (version 1 sent no save generation). The client reads the version in the server's greeting and
+    refuses before it sends anything: a PeerVersionError naming both versions and the fix. A commit notice to
+    such a node is reported lost at WARNING, not retried; a listener that is not snapckpt at all stays a plain
+    ChannelError."""
+    from snapckpt.persister.commit_notices import CommitNotices
+
+    assert channel.MAGIC == b"SNAPCKPT-PEER2\n" and channel.PEER_PROTOCOL == 2
+    port, received = _greeter(b"SNAPCKPT-PEER1\n")
+    with pytest.raises(channel.PeerVersionError,
+                       match=r"peer protocol 1, this one 2: the job's nodes run different snapckpt versions"):
+        channel.connect("127.0.0.1", port, RUN, SECRET)
+    assert received == []  # not even the run id
+    port, _ = _greeter(b"HTTP/1.1 400 \r\n")
+    with pytest.raises(channel.ChannelError, match="not a snapckpt persister") as e:
+        channel.connect("127.0.0.1", port, RUN, SECRET)
+    assert not isinstance(e.value, channel.PeerVersionError)
+
+    port, _ = _greeter(b"SNAPCKPT-PEER3\n")
+    caplog.set_level(logging.INFO, logger="snapckpt.persister")
+    committer = CommitNotices({RUN: SECRET}.get, lambda *a: None)
+    committer.configure(RUN, 0, 0, {0: ("127.0.0.1", 1), 1: ("127.0.0.1", port)})  # node 0 sends to node 1
+    got, done = [], threading.Event()
+    committer.commit_ended(RUN, 8, "step_00000008", 1, "committed",
+                           delivered=lambda sent: (got.append(sent), done.set()))
+    assert done.wait(30)
+    committer.shutdown()
+    assert got == [False]
+    lost = [r for r in caplog.records if "not delivered" in r.getMessage()]
+    assert [r.levelno for r in lost] == [logging.WARNING] and "peer protocol 3, this one 2" in lost[0].getMessage()

@@ -3,7 +3,8 @@
 Sequence of a connection (both sides know the run's secret, 32 random bytes that global rank 0 drew and
 shared through the job's rendezvous store, never written to disk):
 
-1. the server sends ``MAGIC`` and a 32-byte random challenge;
+1. the server sends ``MAGIC`` (which names the peer protocol's version, :data:`PEER_PROTOCOL`) and a 32-byte
+   random challenge; a client of another version refuses it with :class:`PeerVersionError`;
 2. the client answers with its run id (a framed header) and ``HMAC-SHA256(secret, b"client" + challenge)``,
    then its own 32-byte challenge;
 3. the server looks up that run's secret, compares with :func:`hmac.compare_digest` and, on success,
@@ -26,10 +27,14 @@ import socket
 import struct
 from typing import Any, Callable, Dict, Optional, Tuple
 
-__all__ = ["AuthError", "ChannelError", "server_handshake", "client_handshake", "send_frame", "recv_header",
+__all__ = ["AuthError", "ChannelError", "PeerVersionError", "PEER_PROTOCOL", "server_handshake", "client_handshake", "send_frame", "recv_header",
            "recv_payload_into", "send_payload", "CHUNK_NBYTES", "connect"]
 
-MAGIC = b"SNAPCKPT-PEER1\n"
+#: The peer channel's version: bumped whenever a frame's fields change meaning (2: commit notices carry the save's
+#: generation). Persisters of two versions cannot work together: a notice of one is misread by the other.
+PEER_PROTOCOL = 2
+_MAGIC_PREFIX = b"SNAPCKPT-PEER"
+MAGIC = _MAGIC_PREFIX + b"%d\n" % PEER_PROTOCOL  # the same length as version 1's for versions below 10
 _PREFIX = struct.Struct("!IQ")
 MAX_HEADER_NBYTES = 1 << 20
 CHUNK_NBYTES = 16 << 20  # hashing and socket calls work on slices of this size
@@ -42,6 +47,11 @@ class ChannelError(OSError):
 
 class AuthError(ChannelError):
     """The peer did not prove that it knows this run's secret (or this side does not know its run)."""
+
+
+class PeerVersionError(AuthError):
+    """The peer persister speaks another version of the peer protocol (its node runs another snapckpt version):
+    nothing is exchanged with it. Not retried, like :class:`AuthError`."""
 
 
 def _mac(secret: bytes, role: bytes, challenge: bytes) -> bytes:
@@ -150,6 +160,12 @@ def client_handshake(sock: socket.socket, run_id: str, secret: bytes) -> None:
     sock.settimeout(HANDSHAKE_TIMEOUT_SECS)
     hello = _recv_exact(sock, len(MAGIC) + 32)
     if hello[:len(MAGIC)] != MAGIC:
+        if hello.startswith(_MAGIC_PREFIX):
+            theirs = hello[len(_MAGIC_PREFIX):].split(b"\n", 1)[0].decode("ascii", "replace")
+            raise PeerVersionError(
+                f"the peer persister speaks peer protocol {theirs}, this one {PEER_PROTOCOL}: the job's nodes run "
+                "different snapckpt versions; install one version on every node and restart the job (a persister "
+                "that outlived its ranks: `snapckpt stop CHECKPOINT_DIR` on its node)")
         raise ChannelError("the peer is not a snapckpt persister")
     mine = os.urandom(32)
     send_frame(sock, {"run_id": run_id}, 64)

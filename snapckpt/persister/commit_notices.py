@@ -108,7 +108,7 @@ class _Link(threading.Thread):
                 self._close()
                 if attempt or not isinstance(e, OSError) or isinstance(e, channel.AuthError):
                     self.lost += 1
-                    log.info("commit notice %s of step %s to node %d (%s:%d) not delivered: %s: %s; that node "
+                    log.log(logging.WARNING if isinstance(e, channel.AuthError) else logging.INFO,"commit notice %s of step %s to node %d (%s:%d) not delivered: %s: %s; that node "
                              "re-checks the filesystem on its own", header.get("op"), header.get("step"), self.node,
                              self.addr, self.port, type(e).__name__, e)
                     return False
