@@ -122,7 +122,7 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     ``in_place``: whether :func:`~snapckpt.engine.restore.copy_into` copies every one of them in place (known when
     the Stager's memo found ``dst``: :meth:`Stager.live_match`), ``None`` when not known (found here)."""
     # The save's check of types, dtypes, shapes and strides (C++): passes when the state is the saved one; it also
-    # refuses a tensor object met twice (see stager._Recheck), which the memo's match left to this check.
+    # refuses a tensor object met twice (see layout_check.Recheck), which the memo's match left to this check.
     r = layout.recheck
     same = r is not None and r.same_tensors(tensors)
     if not same and (list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)) or has_repeats(tensors)):

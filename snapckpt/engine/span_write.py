@@ -10,7 +10,7 @@ save returned does not change the slot, and anything written to the slot after i
 The iovec table (each span's source address and size, then the alignment gap to the next span, written from a
 buffer of zeros) is kept with the plan: :class:`SpanWrites` holds the layout's part (which spans, where, the calls)
 and refills the addresses only when the data pointers differ from those it was filled with (the plan's quick check
-reads them every save, :class:`~snapckpt.engine.stager._Recheck`). Gaps between spans are not part of any record:
+reads them every save, :class:`~snapckpt.engine.layout_check.Recheck`). Gaps between spans are not part of any record:
 the slot format leaves their bytes unspecified (the torch copy leaves what was there); here they become zeros.
 
 The file is the mapping's only when its device and inode are those recorded when the slot was mapped

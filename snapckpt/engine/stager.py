@@ -6,12 +6,12 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
    :func:`~snapckpt.formats.plain_layout.plain_layout`, else :func:`collect_tensors`), groups them by the
    storage they live in, and looks up the cached :class:`_Layout` (a :class:`Plan` and what later saves reuse)
    for that exact layout, keyed on every tensor's aliasing, offset, shape, stride, dtype, device, type and
-   ``requires_grad`` (:func:`_signature`, contract 3), so a changed layout (a replaced optimizer tensor, a new
+   ``requires_grad`` (:func:`signature`, contract 3), so a changed layout (a replaced optimizer tensor, a new
    parameter group, a new shape) always gets a new plan. The skeleton (``data.pkl``) of each file is pickled
    here, with user objects pickled by the training process itself, so the persister never unpickles anything;
    a plain state's skeleton and the slot index are reused while its non-tensor values are equal, and its skeleton
    is spliced with the new values when only they changed (:mod:`snapckpt.formats.value_splice`).
-2. :meth:`Stager.copy_into` copies each storage span into the slot by the layout's :class:`_CopyPlan` (the tensors
+2. :meth:`Stager.copy_into` copies each storage span into the slot by the layout's :class:`CopyPlan` (the tensors
    that are whole spans into typed views of the slot, cached per mapping: by ``torch._foreach_copy_``, small ones by
    ``pwritev`` of the slot file, large ones possibly by :mod:`snapckpt.engine.mover`), then writes the pickles, the
    index and the header. CUDA spans may be queued beforehand on a side stream into page-locked memory
@@ -22,15 +22,12 @@ Sequence for one snapshot (all on the training process, no collective, no alloca
 """
 from __future__ import annotations
 
-import bisect
 import gc
 import json
 import logging
 import math
 import time
-from collections import deque
-from itertools import compress, islice, starmap
-from operator import attrgetter, eq, is_, itemgetter, mul, not_, sub
+from operator import is_
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -45,7 +42,9 @@ from snapckpt.formats.plain_digest import Facts, digest, shape_table, tensor_par
 from snapckpt.engine import mover
 from snapckpt.engine.plain_values import pack, pack_values
 from snapckpt.engine.restore import copied_in_place
-from snapckpt.engine.span_write import SMALL_NBYTES, SlotFile, SpanWrites, write_spans
+from snapckpt.engine.copy_plan import CopyPlan, CopyStep, Sizes, Ways, copy_plan
+from snapckpt.engine.layout_check import GUARDS_AVAILABLE, RECHECKS_KEPT, Recheck, signature
+from snapckpt.engine.span_write import SlotFile, SpanWrites, write_spans
 from snapckpt.formats.specs import Concat, RawBytes, TorchSave, unwrap
 from snapckpt.formats.value_splice import ValueTemplate, split_key
 from snapckpt.formats.torch_zip import (TensorRef, _check_supported, collect_tensors, find_unpicklable, pickle_skeleton,
@@ -87,189 +86,6 @@ class Plan:
     refs: Tuple[TensorRef, ...]
     data_end: int
 
-
-_DTYPE, _SHAPE, _DEVICE, _GRAD = (attrgetter(a) for a in ("dtype", "shape", "device", "requires_grad"))
-_ITEMSIZE = attrgetter("itemsize")
-_DATA_PTR, _OFFSET = torch.Tensor.data_ptr, torch.Tensor.storage_offset
-
-
-def _signature(tensors: List[torch.Tensor]) -> tuple:
-    """The cache key of a plan: everything :func:`_build_plan` and the skeleton's tensors read.
-
-    Per tensor: storage offset, shape, stride, dtype, device, type (``nn.Parameter`` or not), ``requires_grad``, and
-    which storage it views, as the index of that storage in first-use order (its data pointer stands in only for the
-    grouping: ``None`` when every tensor has a storage of its own, the common case, found without a Python loop); and
-    whether any tensor has a lazy conjugate or negative bit. Two states whose tensors are fresh allocations of the
-    same layout (a new ``torch.get_rng_state()`` every save, optimizer state replaced by clones) get the same key and
-    share a plan; a change of aliasing (tied tensors untied), shape, stride, dtype, device or offset changes the key
-    (contract 3 (docs/design/contracts.md)). The plan holds no tensor handles: :meth:`Stager.prepare` takes the copy
-    sources from the live tensors at every save, so reusing a plan across allocations is safe. Each field is read with
-    one ``map`` over the tensors (C calls, no Python frame per tensor).
-
-    Raises:
-        RuntimeError: a tensor without strides (sparse, nested): the caller checks the tensors then.
-        SnapshotError: a tensor whose storage was freed (:func:`_check_storages`).
-    """
-    t_ = torch.Tensor
-    offs = tuple(map(t_.storage_offset, tensors))
-    dtypes = tuple(map(_DTYPE, tensors))
-    devices = tuple(map(_DEVICE, tensors))
-    ptrs, itemsizes = list(map(_DATA_PTR, tensors)), tuple(map(_ITEMSIZE, dtypes))
-    _check_storages(tensors, ptrs, offs, itemsizes)
-    groups = _groups(ptrs, offs, itemsizes, devices, len(set(devices)) <= 1)
-    # a lazy conjugate (complex dtypes only) or negation, refused when a plan is built: the direct tensors' copies
-    # (pwritev, memmove) take raw bytes, so a plan found for such a state would save the values unconjugated
-    lazy = (any(d.is_complex for d in set(dtypes)) and any(map(t_.is_conj, tensors))) or any(map(t_.is_neg, tensors))
-    return (len(tensors), groups, offs, dtypes, devices, tuple(map(_SHAPE, tensors)), tuple(map(t_.stride, tensors)),
-            tuple(map(type, tensors)), tuple(map(_GRAD, tensors)), lazy)
-
-
-def _check_storages(tensors: List[torch.Tensor], ptrs: List[int], offs: tuple, itemsizes: tuple) -> None:
-    """Refuse a tensor with elements whose storage has no memory (a null start: its storage was freed in place,
-    ``untyped_storage().resize_(0)``, as FSDP frees resharded parameters): a copy of it reads from address 0, which
-    kills the process (torch's own ``copy_`` too). ``ptrs``: the tensors' data pointers; ``offs``, ``itemsizes``:
-    their storage offsets (elements) and element sizes (bytes).
-
-    Raises:
-        SnapshotError: naming the tensor's shape and dtype.
-    """
-    starts = list(map(sub, ptrs, map(mul, offs, itemsizes))) if any(offs) else ptrs
-    if 0 not in starts:  # the common case: one C-level scan
-        return
-    for i in compress(range(len(starts)), map(not_, starts)):
-        t = tensors[i]
-        if t.numel():
-            _check_supported(t)  # a meta tensor has no memory either: its own message
-            raise SnapshotError(
-                f"cannot snapshot a tensor of shape {tuple(t.shape)} ({t.dtype}) whose storage holds no memory "
-                "(freed in place, e.g. untyped_storage().resize_(0), as FSDP does to resharded parameters): save "
-                "the state while its storage is allocated, or its sharded form")
-
-
-def _groups(ptrs: List[int], offs: tuple, itemsizes: tuple, devices: tuple, one_device: bool) -> Optional[tuple]:
-    """:func:`_signature`'s storage grouping of tensors with data pointers ``ptrs`` (a function of ``ptrs``,
-    ``offs``, ``itemsizes`` and ``devices`` only): ``None`` when every tensor has a storage of its own (on one
-    device: ``one_device``)."""
-    # every offset 0 (the common case): the data pointers are the storages' starts (two passes fewer)
-    starts = list(map(sub, ptrs, map(mul, offs, itemsizes)) if any(offs) else ptrs)
-    empty = starts.count(0)  # no storage (a null data pointer): a group of its own each
-    # sorted, not a set: a set of 200,000 aligned pointers is several times slower (hash collisions, misses)
-    ordered = sorted(starts)
-    if one_device and list(map(eq, ordered, islice(ordered, 1, None))).count(True) == max(empty - 1, 0):
-        return None
-    ids: Dict[tuple, int] = {}
-    return tuple(ids.setdefault((d, p) if p else ("empty", i), len(ids))
-                 for i, (d, p) in enumerate(zip(devices, starts)))
-
-
-try:  # PyTorch's C++ check of many tensors' dtype, device, shape, stride, requires_grad (and dispatch keys)
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - every supported torch has it; the full signature is the fallback
-    _TensorGuards = None
-
-
-class _Recheck:
-    """A quick way to tell that tensors have their layout's :func:`_signature`, without reading it (a plan-cache hit).
-
-    The tensors are read in chunks of :data:`_CHUNK`, each chunk by three C-level passes while its tensors are in the
-    CPU's caches (one pass per field over 200,000 tensors misses them three times): the storage offsets (and with them
-    the count), PyTorch's ``TensorGuards`` (a C++ loop: each tensor's Python type, dtype, device, shape, stride,
-    ``requires_grad`` and dispatch keys, the lazy conjugate and negative bits among them, against the tensors the
-    entry was made from), and the data pointers. The storage grouping is then compared: when the data pointers are
-    those of the last tensors that passed (``ptrs``: the same training state saved again, the common case), it is
-    theirs, since the grouping is a function of the pointers, offsets, element sizes and devices, all equal then; else
-    it is recomputed from the pointers (with the known element sizes). Every field of the signature is compared, so a
-    hit means the same signature; any failure (or a guard that cannot be made) falls back to the full
-    :func:`_signature`.
-
-    A hit also means that no tensor object occurs twice, so :meth:`Stager._prepare` leaves that check of a memo's
-    match to this one: ``TensorGuards.check`` refuses repeated objects within its chunk (dynamo relies on it; a
-    unit test pins it); across chunks, when the pointers are the last ones and those are distinct but for null
-    ones (``distinct``: each tensor its own bytes, the common case), only the tensors without data can be one
-    object twice, and those few are compared; otherwise every tensor is (:func:`has_repeats`).
-
-    ``whole``: one ``TensorGuards`` of all the tensors (with ``restorable``: a layout the in-process restore takes,
-    :mod:`snapckpt.engine.slot_restore`), for :meth:`same_tensors`: the restore reads no data pointers, and one
-    check of every tensor refuses a repeat without a sort (16 MiB and 70 ms to make for 200,000 tensors, once
-    per check made).
-    """
-
-    __slots__ = ("n", "offsets", "chunks", "whole", "itemsizes", "devices", "one_device", "groups", "ptrs",
-                 "distinct", "nulls")
-
-    def __init__(self, tensors: List[torch.Tensor], sig: tuple, restorable: bool = False) -> None:
-        self.n, self.offsets = len(tensors), sig[2]
-        self.chunks = [(_TensorGuards(*tensors[i:i + _CHUNK], dynamic_dims_sizes=None, dynamic_dims_strides=None),
-                        self.offsets[i:i + _CHUNK]) for i in range(0, self.n, _CHUNK)]
-        self.whole = self.chunks[0][0] if len(self.chunks) == 1 else (
-            _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None) if restorable else None)
-        self.itemsizes = tuple(map(_ITEMSIZE, sig[3]))
-        self.devices, self.groups = sig[4], sig[1]
-        self.one_device = len(set(self.devices)) <= 1
-        self._remember(list(map(_DATA_PTR, tensors)))
-
-    def _remember(self, ptrs: List[int]) -> None:
-        self.ptrs = ptrs
-        ordered = sorted(ptrs)
-        self.nulls = nulls = ordered.count(0)  # first: pointers are not negative
-        self.distinct = not any(map(eq, islice(ordered, nulls, None), islice(ordered, nulls + 1, None)))
-
-    def _scan(self, tensors: List[torch.Tensor], offsets: bool) -> Optional[List[int]]:
-        """The data pointers of ``tensors`` when every chunk passes its guards (and has the storage offsets of
-        the entry's tensors, with ``offsets``); ``None`` otherwise."""
-        if len(tensors) != self.n:
-            return None
-        ptrs: List[int] = []
-        for i, (guards, offs) in zip(range(0, self.n, _CHUNK), self.chunks):
-            part = tensors[i:i + _CHUNK]
-            if (offsets and tuple(map(_OFFSET, part)) != offs) or not guards.check(*part):
-                return None
-            ptrs.extend(map(_DATA_PTR, part))
-        return ptrs
-
-    def _once_each(self, tensors: List[torch.Tensor], ptrs: List[int]) -> bool:
-        """Whether no tensor object occurs twice in ``tensors``, whose chunks passed their guards and whose data
-        pointers ``ptrs`` are the remembered ones (see the class)."""
-        if len(self.chunks) <= 1:
-            return True  # one TensorGuards.check saw every pair
-        if not self.distinct:
-            return not has_repeats(tensors)
-        return self.nulls < 2 or not has_repeats(list(compress(tensors, map(not_, ptrs))))
-
-    def matches(self, tensors: List[torch.Tensor]) -> bool:
-        """Whether ``tensors`` have the entry's signature and no tensor object occurs twice.
-
-        Raises:
-            SnapshotError: data pointers changed and a tensor's storage was freed (:func:`_check_storages`).
-        """
-        ptrs = self._scan(tensors, True)
-        if ptrs is None:
-            return False
-        if ptrs != self.ptrs:
-            _check_storages(tensors, ptrs, self.offsets, self.itemsizes)
-            if _groups(ptrs, self.offsets, self.itemsizes, self.devices, self.one_device) != self.groups:
-                return False
-            self._remember(ptrs)
-        return self._once_each(tensors, ptrs)
-
-    def same_tensors(self, tensors: List[torch.Tensor]) -> bool:
-        """Whether ``tensors`` pass the guards (type, dtype, device, shape, stride, ``requires_grad``; offsets and
-        grouping not compared) and no tensor object occurs twice (a restore's check, :mod:`slot_restore`)."""
-        if len(tensors) != self.n:
-            return False
-        if self.whole is not None:
-            return self.whole.check(*tensors)
-        return (all(guards.check(*tensors[i:i + _CHUNK])
-                    for i, (guards, _) in zip(range(0, self.n, _CHUNK), self.chunks))
-                and not has_repeats(tensors))
-
-
-#: Tensors per chunk of the quick check (:class:`_Recheck`): their tensor structs stay in the CPU's caches for its
-#: three passes.
-_CHUNK = 1024
-
-
-_RECHECKS_KEPT = 2  # quick checks made for one layout before it goes without (see Stager._plan_for)
 
 
 def _extent_nbytes(t: torch.Tensor) -> Tuple[int, int]:
@@ -339,7 +155,7 @@ def _clusters(tensors: List[torch.Tensor], idx: List[int]) -> List[Tuple[int, in
 
 @dataclass(eq=False)  # hashed by identity: the key of a mapping's cache of views
 class _Layout:
-    """A cached plan and what later saves of the same layout reuse (one per :func:`_signature`).
+    """A cached plan and what later saves of the same layout reuse (one per :func:`signature`).
 
     Attributes:
         plan: the spans.
@@ -355,7 +171,7 @@ class _Layout:
             from (``None``: not reusable), the pickles ``(slot offset, bytes)`` and the index's ``"files"``
             JSON; ``tail_end``: the first byte after the pickles (the index's offset).
         pickles: per plain file, its last pickle (see :meth:`Stager._skeletons`).
-        recheck: the quick check of tensors of this layout (:class:`_Recheck`), ``None`` until made or when
+        recheck: the quick check of tensors of this layout (:class:`Recheck`), ``None`` until made or when
             it cannot be; ``rechecks_made``: how many were made (a layout whose check keeps missing while its
             signature hits stops getting new ones).
         restore_ok: whether a live state of the tail's key takes a slot of this layout by one copy per tensor
@@ -377,15 +193,15 @@ class _Layout:
     tail: Optional[List[Tuple[int, bytes]]] = None
     files_json: bytes = b""
     tail_end: int = 0
-    recheck: Optional[_Recheck] = None
+    recheck: Optional[Recheck] = None
     rechecks_made: int = 0
     restore_ok: Optional[bool] = None
     stream_steps: Optional[List[tuple]] = None  # the streamed copy's steps (:func:`_stream_steps`), made once
     plain_part: Optional[bytes] = None  # the tensors' share of the plain digest (:func:`tensor_part`), made once
-    sizes: Optional["_Sizes"] = None  # its direct tensors by size (:func:`_sizes`), made once
-    # the copy plans of a save through the mapping only and of one by file too (:func:`_copy_plan`), made when needed
-    copy_plans: List[Optional["_CopyPlan"]] = field(default_factory=lambda: [None, None])
-    ways: "_Ways" = field(default_factory=lambda: _Ways())  # how its large tensors are copied (:class:`_Ways`)
+    sizes: Optional["Sizes"] = None  # its direct tensors by size (:func:`layout_sizes`), made once
+    # the copy plans of a save through the mapping only and of one by file too (:func:`copy_plan`), made when needed
+    copy_plans: List[Optional["CopyPlan"]] = field(default_factory=lambda: [None, None])
+    ways: "Ways" = field(default_factory=lambda: Ways())  # how its large tensors are copied (:class:`Ways`)
     plain_table: bytes = b""  # their dtypes and shapes for a restart (:func:`shape_table`), made with plain_part
     index_head: bytes = b""  # the index's ``"plain":...,"values":...,`` entries of the tail's files, or nothing
     plain_hex: Optional[tuple] = None  # (file name, key structure, digest): reused while both stay (values change)
@@ -483,7 +299,7 @@ class Prepared:
             through the mapping.
         on_caller: set by the caller of :meth:`Stager.copy_into` when it copies on the thread that saves (no copy
             thread): the direct tensors of the ``"torch"`` steps are then copied by ``memmove`` when :attr:`ptrs` is
-            known (:meth:`_CopyStep.memmoves`).
+            known (:meth:`CopyStep.memmoves`).
     """
 
     step: int
@@ -515,190 +331,6 @@ class Prepared:
 
 _VIEWS_KEPT = 4  # layouts whose slot views a mapping keeps (as the Stager's plan cache)
 
-
-class _Ways:
-    """Which way copies a layout's large direct tensors: ``"torch"`` (one ``torch._foreach_copy_``: an OpenMP region
-    per tensor, the fastest on idle cores) or ``"mover"`` (:mod:`snapckpt.engine.mover`: chunks by ``memmove`` that
-    threads take in turn, 2-3x faster when other processes hold the cores, about 4% slower on idle ones; measured in
-    docs/performance.md). The first two timed copies try one way each; then the way with the lower median of its last
-    :data:`KEPT` copies is used, and every :data:`TRY_EVERY`-th copy tries the other way, so that a host whose load
-    changes gets the other way back. Seconds only compare copies of the same layout (the same bytes)."""
-
-    KEPT = 3
-    TRY_EVERY = 16
-
-    def __init__(self) -> None:
-        self.secs: Dict[str, List[float]] = {"torch": [], "mover": []}
-        self.picks = 0
-
-    def pick(self) -> str:
-        """The way of the next copy."""
-        self.picks += 1
-        torch_s, mover_s = self.secs["torch"], self.secs["mover"]
-        if not torch_s or not mover_s:
-            return "torch" if not torch_s else "mover"
-        best = "torch" if sorted(torch_s)[len(torch_s) // 2] <= sorted(mover_s)[len(mover_s) // 2] else "mover"
-        if self.picks % self.TRY_EVERY == 0:
-            return "mover" if best == "torch" else "torch"
-        return best
-
-    def record(self, way: str, secs: float) -> None:
-        """A copy by ``way`` took ``secs`` seconds."""
-        kept = self.secs[way]
-        kept.append(secs)
-        del kept[:-self.KEPT]
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    """A layout's direct tensors by size, the one partition its copy plans are cut from (:func:`_sizes`).
-
-    Attributes:
-        small: positions (in the direct list, ascending) of the tensors under
-            :data:`~snapckpt.engine.span_write.SMALL_NBYTES` bytes: those a save by file may write by ``pwritev``.
-        large: positions of the others of at least :data:`~snapckpt.engine.mover.MIN_TENSOR_NBYTES` bytes: copied by
-            torch or by :mod:`snapckpt.engine.mover`, whichever was faster lately (:class:`_Ways`).
-        nbytes: each direct tensor's size in bytes.
-    """
-
-    small: Tuple[int, ...]
-    large: Tuple[int, ...]
-    nbytes: Tuple[int, ...] = ()
-
-
-def _sizes(layout: _Layout) -> _Sizes:
-    """``layout``'s :class:`_Sizes` (made once per layout)."""
-    if layout.sizes is None:
-        dst = layout.direct_dst
-        nbytes = list(map(mul, map(_ITEMSIZE, map(itemgetter(1), dst)), map(math.prod, map(itemgetter(2), dst))))
-        small = tuple(j for j, n in enumerate(nbytes) if n < SMALL_NBYTES)  # a direct tensor is never empty
-        large = tuple(j for j, n in enumerate(nbytes) if n >= max(mover.MIN_TENSOR_NBYTES, SMALL_NBYTES))
-        layout.sizes = _Sizes(small, large, tuple(nbytes))
-    return layout.sizes
-
-
-@dataclass(eq=False)
-class _CopyStep:
-    """One step of a :class:`_CopyPlan`.
-
-    Attributes:
-        kind: ``"spans"`` (the span copies ``pick`` selects, a slice: bytes of a storage, CUDA ones among them),
-            ``"torch"`` (one ``_foreach_copy_`` of the direct tensors that ``pick`` takes from a list of them),
-            ``"write"`` (the plan's :class:`SpanWrites` by ``pwritev``), ``"large"`` (the direct tensors ``pick`` takes
-            by torch or in chunks by :mod:`snapckpt.engine.mover`, :class:`_Ways`) or ``"fault"`` (the mid-copy fault
-            point).
-        pick: see ``kind``: a callable (a list -> its items of this step) or a slice.
-        offsets: ``"large"``: the slot byte offsets of its tensors (the mover's destinations).
-        at, mid: ``"write"`` holding the fault point: the call before which it fires, and the first span (position
-            in ``SpanWrites.pos``) of that call; ``None`` otherwise.
-        chunks: ``"large"``: ``(slot address, source addresses, mover chunks)`` of its last copy by the mover, reused
-            while both addresses stay (the data pointers are all that changes between saves).
-        items: ``"torch"``: its positions in the direct list.
-        moves: ``"torch"``: ``(slot address, the save's data pointers, memmove arguments)`` of its last copy by
-            ``memmove`` (:meth:`memmoves`), reused while the slot and the pointers list are the same objects.
-    """
-
-    kind: str
-    pick: Any = None
-    offsets: Tuple[int, ...] = ()
-    at: Optional[int] = None
-    mid: Optional[int] = None
-    chunks: Optional[tuple] = None
-    items: Sequence[int] = ()
-    moves: Optional[tuple] = None
-
-    def memmoves(self, base: int, ptrs: List[int], layout: "_Layout") -> List[Tuple[int, int, int]]:
-        """``(slot address, source address, nbytes)`` of each direct tensor of this ``"torch"`` step, for a slot
-        at address ``base`` and the save's data pointers ``ptrs`` (collection order, :attr:`Prepared.ptrs`)."""
-        last = self.moves
-        if last is None or last[0] != base or last[1] is not ptrs:
-            dst, direct, nbytes = layout.direct_dst, layout.direct, _sizes(layout).nbytes
-            last = self.moves = (base, ptrs, [(base + dst[j][0], ptrs[direct[j]], nbytes[j]) for j in self.items])
-        return last[2]
-
-    def mover_chunks(self, base: int, srcs: List[torch.Tensor]) -> list:
-        """The mover's chunks copying ``srcs`` (this step's sources) into the slot at address ``base``."""
-        ptrs = list(map(_DATA_PTR, srcs))
-        last = self.chunks
-        if last is None or last[0] != base or last[1] != ptrs:
-            last = self.chunks = (base, ptrs, mover.chunks_of([base + off for off in self.offsets], srcs))
-        return last[2]
-
-
-@dataclass(eq=False)
-class _CopyPlan:
-    """How a non-streamed save of a layout copies its spans into the slot: :attr:`steps` in order (made once per
-    layout, :func:`_copy_plan`; a save only fills in its addresses), walked by :meth:`Stager._copy_planned`.
-
-    The span copies come first, then the direct tensors copied by torch (mid-sized ones, small ones outside long runs
-    or without a slot file), then the small ones by ``pwritev`` (:attr:`writes`), then the large ones. Exactly one
-    step holds the mid-copy fault point: the one at which half of the tensors (span copies and direct tensors, in
-    that order) are copied, split around it (a ``"fault"`` step), or a ``"write"`` step, which fires it between its
-    calls. A layout with no tensor has no step.
-    """
-
-    steps: List[_CopyStep]
-    writes: Optional[SpanWrites]
-
-
-def _picker(items: Sequence[int], n: int) -> Callable[[Sequence[Any]], Sequence[Any]]:
-    """A function that takes the items at positions ``items`` (ascending, not empty) of a sequence of ``n``."""
-    first, count = items[0], len(items)
-    if items[-1] - first + 1 == count:  # a run: a slice (the whole list as it is)
-        return _same if count == n else itemgetter(slice(first, first + count))
-    return itemgetter(*items) if count > 1 else (lambda seq: [seq[first]])
-
-
-def _same(seq: Sequence[Any]) -> Sequence[Any]:
-    return seq
-
-
-def _copy_plan(layout: _Layout, by_file: bool) -> _CopyPlan:
-    """``layout``'s :class:`_CopyPlan` for a save through the mapping only or one that may write by file
-    (``by_file``: the save knows the slot file and its data pointers), made at its first such save."""
-    plan = layout.copy_plans[by_file]
-    if plan is None:
-        plan = layout.copy_plans[by_file] = _build_copy_plan(layout, by_file)
-    return plan
-
-
-def _build_copy_plan(layout: _Layout, by_file: bool) -> _CopyPlan:
-    """A new :class:`_CopyPlan` of ``layout`` (see :func:`_copy_plan`); the first by file makes the layout's
-    :attr:`~_Layout.span_writes` from its :class:`_Sizes`."""
-    sizes, n = _sizes(layout), len(layout.direct_dst)
-    if by_file and layout.span_writes is None:
-        layout.span_writes = SpanWrites.make(layout.direct, layout.direct_dst, sizes.small) or False
-    writes = (layout.span_writes or None) if by_file else None
-    others = set(sizes.large).union(writes.pos if writes else ())
-    by_torch = [j for j in range(n) if j not in others] if others else range(n)
-    parts = [("spans", range(len(layout.spans))), ("torch", by_torch), ("write", writes.pos if writes else ()),
-             ("large", sizes.large)]
-    half = (len(layout.spans) + n) // 2  # the fault point's tensor, counted in the order of the steps
-    steps: List[_CopyStep] = []
-    for kind, items in parts:
-        here = 0 <= half < len(items)
-        if kind == "write" and items:
-            step = _CopyStep("write")
-            if here:  # between two calls: the first of the call that holds that span
-                step.at = bisect.bisect_right([b[0] for b in writes.batches], half) - 1
-                step.mid = writes.batches[step.at][0]
-            steps.append(step)
-        else:
-            cut = half if here else len(items)
-            steps += [_copy_step(kind, part, layout, n) for part in (items[:cut], items[cut:]) if part]
-            if here:
-                steps.insert(len(steps) - 1, _CopyStep("fault"))
-        half -= len(items)
-    return _CopyPlan(steps, writes)
-
-
-def _copy_step(kind: str, items: Sequence[int], layout: _Layout, n: int) -> _CopyStep:
-    """The :class:`_CopyStep` of ``kind`` over ``items`` (span copy indices, or positions in the direct list of
-    ``n``)."""
-    if kind == "spans":
-        return _CopyStep(kind, slice(items[0], items[-1] + 1))
-    offsets = tuple(layout.direct_dst[j][0] for j in items) if kind == "large" else ()
-    return _CopyStep(kind, _picker(items, n), offsets, items=items if kind == "torch" else ())
 
 
 def direct_views(layout: _Layout, slot: torch.Tensor, cache: Optional[Dict[Any, List[torch.Tensor]]]
@@ -808,16 +440,16 @@ class Stager:
     def _plan_for(self, tensors: List[torch.Tensor], check_repeats: bool = False) -> Optional[Tuple[_Layout, bool]]:
         """The layout of these tensors and whether it was built now (not found in the cache). With
         ``check_repeats`` (tensors from a memo's match that left that check here): ``None`` when a tensor object
-        occurs twice, checked only when no quick check hits (a hit rules a repeat out, :class:`_Recheck`).
+        occurs twice, checked only when no quick check hits (a hit rules a repeat out, :class:`Recheck`).
 
-        A cached layout is found by its quick check (:class:`_Recheck`), else by the full :func:`_signature`;
-        a layout found by its signature gets a new quick check, at most ``_RECHECKS_KEPT`` in its life (one
+        A cached layout is found by its quick check (:class:`Recheck`), else by the full :func:`signature`;
+        a layout found by its signature gets a new quick check, at most ``RECHECKS_KEPT`` in its life (one
         whose check keeps missing, for something the signature does not hold, goes on by the signature alone
         instead of paying for a check per save).
 
         Raises:
             SnapshotError: a tensor snapckpt cannot snapshot (checked when a plan is built), or one whose storage was
-                freed (:func:`_check_storages`).
+                freed (:func:`check_storages`).
         """
         try:
             for cached in reversed(self._layouts.values()):  # newest first
@@ -826,7 +458,7 @@ class Stager:
                     return cached, False
             if check_repeats and has_repeats(tensors):
                 return None
-            sig = _signature(tensors)
+            sig = signature(tensors)
         except RuntimeError:  # no strides or storage (sparse, nested): say which tensor and why
             for t in tensors:
                 _check_supported(t)
@@ -841,16 +473,16 @@ class Stager:
             if len(self._layouts) >= self._cache_size:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[sig] = layout
-        if _TensorGuards is None:
+        if not GUARDS_AVAILABLE:
             return layout, built
-        if layout.rechecks_made >= _RECHECKS_KEPT:
+        if layout.rechecks_made >= RECHECKS_KEPT:
             layout.recheck = None
             return layout, built
         layout.rechecks_made += 1
         try:
-            layout.recheck = _Recheck(tensors, sig, layout.direct_all)
+            layout.recheck = Recheck(tensors, sig, layout.direct_all)
         except Exception:  # noqa: BLE001 - a tensor the guards do not take: the full key every save
-            layout.recheck, layout.rechecks_made = None, _RECHECKS_KEPT
+            layout.recheck, layout.rechecks_made = None, RECHECKS_KEPT
         return layout, built
 
     def _plain_layout(self, name: str, obj: Any, distinct_tensors: bool = True
@@ -1158,7 +790,7 @@ class Stager:
         buf[0:HEADER_NBYTES] = bytes(HEADER_NBYTES)
         layout = prepared.layout
         by_file = prepared.slot_file is not None and prepared.ptrs is not None
-        plan = _copy_plan(layout, by_file)
+        plan = copy_plan(layout, by_file)
         reused = prepared.views is not None and layout in prepared.views  # not the mapping's first copy
         dst = direct_views(layout, slot, prepared.views) if prepared.direct else []
         with torch.no_grad():  # a Parameter's copy must not enter autograd
@@ -1170,10 +802,10 @@ class Stager:
         write_header(buf, prepared.step, prepared.index_offset, prepared.index_nbytes)
 
     @staticmethod
-    def _copy_planned(prepared: Prepared, plan: _CopyPlan, slot: torch.Tensor, dst: List[torch.Tensor],
+    def _copy_planned(prepared: Prepared, plan: CopyPlan, slot: torch.Tensor, dst: List[torch.Tensor],
                       device_done, reused: bool) -> None:
         """Walk ``plan``'s steps for ``prepared`` (``dst``: the slot's views of its direct tensors; ``device_done``: see
-        :meth:`copy_into`). The large tensors go the way :class:`_Ways` picks, timed, and the time is recorded when
+        :meth:`copy_into`). The large tensors go the way :class:`Ways` picks, timed, and the time is recorded when
         ``reused`` (a first copy into a mapping takes its page faults: not a fair sample)."""
         src, ways = prepared.direct, prepared.layout.ways
         way, secs = None, 0.0
@@ -1209,7 +841,7 @@ class Stager:
             ways.record(way, secs)
 
     @staticmethod
-    def _write(prepared: Prepared, writes: SpanWrites, step: _CopyStep, dst: List[torch.Tensor]) -> None:
+    def _write(prepared: Prepared, writes: SpanWrites, step: CopyStep, dst: List[torch.Tensor]) -> None:
         """A ``"write"`` step: the small tensors of ``writes`` by ``pwritev`` of the slot file
         (:mod:`snapckpt.engine.span_write`); what it did not write (no descriptor, a null data pointer, another file
         at the path, a short write) by ``_foreach_copy_`` through the mapping. The step's fault point fires between

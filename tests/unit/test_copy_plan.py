@@ -1,4 +1,4 @@
-"""A save's copy plan (snapckpt/engine/stager.py ``_CopyPlan``): made once per layout from one size partition of the
+"""A save's copy plan (snapckpt/engine/copy_plan.py ``CopyPlan``): made once per layout from one size partition of the
 direct tensors, its steps cover every tensor exactly once in the expected ways, the mid-copy fault point fires once,
 in the middle, for every mix of ways (torch, mover, pwritev, pwritev falling back, span copies); the slot file's
 descriptor is opened once across saves (close-on-exec), kept with the mapping and closed with it, or when forgotten,
@@ -15,7 +15,8 @@ import torch
 
 from _harness import SlotOnFile
 from snapckpt.engine import mover, span_write, stager as stager_mod
-from snapckpt.engine.stager import Stager, _copy_plan, _sizes
+from snapckpt.engine.copy_plan import Ways, copy_plan, layout_sizes
+from snapckpt.engine.stager import Stager
 
 NAME = "rank_00000.pt"
 SMALL = span_write.SMALL_NBYTES // 4 // 8  # floats of a small tensor (1 KiB)
@@ -74,13 +75,13 @@ def test_the_plan_of_a_mixed_layout_has_its_steps_from_one_partition(tmp_path):
     st = Stager()
     p = st.prepare({NAME: state}, 1)
     layout = p.layout
-    sizes = _sizes(layout)
+    sizes = layout_sizes(layout)
     n = len(layout.direct_dst)
     assert n == len(state) - 3 and len(layout.spans) == 3
     assert list(sizes.small) == list(range(span_write.MIN_SPANS + 40))
     assert list(sizes.large) == list(range(n - 3, n))
-    plan = _copy_plan(layout, True)
-    assert _copy_plan(layout, True) is plan and _sizes(layout) is sizes  # made once
+    plan = copy_plan(layout, True)
+    assert copy_plan(layout, True) is plan and layout_sizes(layout) is sizes  # made once
     writes = layout.span_writes
     assert plan.writes is writes and sorted(writes.pos) == list(sizes.small) and writes.rest == list(range(
         len(sizes.small), n))
@@ -93,7 +94,7 @@ def test_the_plan_of_a_mixed_layout_has_its_steps_from_one_partition(tmp_path):
     assert list(plan.steps[1].pick(list(range(n)))) == list(range(len(sizes.small), n - 3))  # the mid-sized ones
     assert plan.steps[3].offsets == tuple(layout.direct_dst[j][0] for j in sizes.large)
     # through the mapping only: no writes, the small ones by torch, the fault point its own step in the middle
-    plain = _copy_plan(layout, False)
+    plain = copy_plan(layout, False)
     kinds = [s.kind for s in plain.steps]
     assert plain.writes is None and kinds == ["spans", "torch", "fault", "torch", "large"]
     items = [i for s in plain.steps for i in (_items(s, layout, None) if s.kind != "fault" else ["fault"])]
@@ -130,7 +131,7 @@ MIXES = {  # name: (state, way of the large tensors, slot file replaced before t
 def test_the_mid_copy_fault_point_fires_once_in_the_middle_for_every_mix_of_ways(tmp_path, monkeypatch, mix):
     spec, way, replaced = MIXES[mix]
     if way is not None:
-        monkeypatch.setattr(stager_mod._Ways, "pick", lambda self: way)
+        monkeypatch.setattr(Ways, "pick", lambda self: way)
     moved, real_copy = [], mover.copy_chunks
     monkeypatch.setattr(mover, "copy_chunks", lambda chunks, threads=None: moved.append(len(chunks)) or real_copy(chunks))
     written, real_write = [], stager_mod.write_spans

@@ -16,6 +16,7 @@ from torch.serialization import location_tag
 
 from _harness import assert_same_state
 
+from snapckpt.engine import layout_check
 from snapckpt.errors import SnapshotError, UnsafeCheckpointError
 from snapckpt.formats import Concat, MemoryOnly, RawBytes, TorchSave, safetensors_file
 from snapckpt.formats import torch_zip as Z
@@ -521,21 +522,21 @@ def test_a_quick_check_that_keeps_missing_is_not_remade_every_save(monkeypatch):
     from snapckpt.engine import stager as stager_mod
 
     made = []
-    init = stager_mod._Recheck.__init__
+    init = layout_check.Recheck.__init__
 
     def counting_init(self, *args):
         made.append(1)
         init(self, *args)
 
-    monkeypatch.setattr(stager_mod._Recheck, "__init__", counting_init)
-    monkeypatch.setattr(stager_mod._Recheck, "matches", lambda self, tensors: False)
+    monkeypatch.setattr(layout_check.Recheck, "__init__", counting_init)
+    monkeypatch.setattr(layout_check.Recheck, "matches", lambda self, tensors: False)
     stager, buf = stager_mod.Stager(), bytearray(1 << 16)
     slot = torch.frombuffer(buf, dtype=torch.uint8)
     state = {f"w{i}": torch.rand(3) for i in range(5)}
     for step in range(6):
         p = stager.prepare({"s.pt": state}, step)
         stager_mod.Stager.copy_into(p, slot, buf)
-    assert stager.plan_builds == 1 and len(made) == stager_mod._RECHECKS_KEPT == 2
+    assert stager.plan_builds == 1 and len(made) == layout_check.RECHECKS_KEPT == 2
     assert all(lay.recheck is None for lay in stager._layouts.values())
     monkeypatch.undo()
     other = {f"w{i}": torch.rand(3) for i in range(5)}
@@ -553,7 +554,7 @@ def test_a_quick_plan_hit_reads_the_grouping_from_the_data_pointers_and_sees_one
     stager, buf, views = stager_mod.Stager(), bytearray(1 << 18), {}
     slot = torch.frombuffer(buf, dtype=torch.uint8)
     grouped = []
-    groups = stager_mod._groups
+    groups = layout_check._groups
 
     def counting_groups(*args):
         grouped.append(1)
@@ -568,7 +569,7 @@ def test_a_quick_plan_hit_reads_the_grouping_from_the_data_pointers_and_sees_one
     s = {"m": {f"p{i}": torch.rand(3) for i in range(20)}, "e1": torch.empty(0), "e2": torch.empty(0)}
     for step in range(3):  # the third save finds its tensors by the memo and its plan by the quick check
         roundtrip(s, step)
-    stager_mod._groups = counting_groups
+    layout_check._groups = counting_groups
     try:
         _same(roundtrip(s, 3), s)
         assert not grouped and stager.plan_builds == 1  # the same pointers: the grouping is the last hit's
@@ -576,9 +577,9 @@ def test_a_quick_plan_hit_reads_the_grouping_from_the_data_pointers_and_sees_one
         _same(roundtrip(s, 4), s)
         assert len(grouped) == 1 and stager.plan_builds == 1  # a new pointer: grouped again, the same plan
     finally:
-        stager_mod._groups = groups
+        layout_check._groups = groups
     x, y = torch.empty(0), torch.empty(0)
-    guards = stager_mod._TensorGuards(x, y, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    guards = layout_check._TensorGuards(x, y, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     assert guards.check(x, y) and not guards.check(x, x) and not guards.check(y, y)
     s["e2"] = s["e1"]
     back = roundtrip(s, 5)
@@ -626,7 +627,7 @@ def test_a_quick_check_in_chunks_sees_any_change_in_any_chunk_and_a_tensor_met_t
     from snapckpt.engine import stager as stager_mod
     from snapckpt.persister.slot_index import read_slot
 
-    monkeypatch.setattr(stager_mod, "_CHUNK", 3)
+    monkeypatch.setattr(layout_check, "CHUNK", 3)
     stager, buf, views = stager_mod.Stager(), bytearray(1 << 18), {}
     slot = torch.frombuffer(buf, dtype=torch.uint8)
 
@@ -669,11 +670,10 @@ def test_the_quick_checks_restore_check_sees_a_tensor_met_twice_in_two_chunks(mo
     """The restore's check of a quick check in chunks (by one TensorGuards of every tensor for a layout the
     in-process restore takes, else chunk by chunk and a sort of the objects) refuses a tensor object met twice
     in two chunks, a count or a shape of another layout, and takes the tensors it was made of."""
-    from snapckpt.engine import stager as stager_mod
 
-    monkeypatch.setattr(stager_mod, "_CHUNK", 3)
+    monkeypatch.setattr(layout_check, "CHUNK", 3)
     ts = [torch.rand(2) for _ in range(10)]
-    r = stager_mod._Recheck(ts, stager_mod._signature(ts), restorable)
+    r = layout_check.Recheck(ts, layout_check.signature(ts), restorable)
     assert len(r.chunks) == 4 and (r.whole is None) is not restorable
     assert r.same_tensors(ts) and r.same_tensors([t.clone() for t in ts])
     assert not r.same_tensors(ts[:9] + ts[:1])  # ts[0] in chunks 0 and 3

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from snapckpt.engine import mover
+from snapckpt.engine.copy_plan import Ways
 
 
 def _chunks_into(buf: bytearray, srcs):
@@ -66,14 +67,13 @@ def test_a_stalled_helper_holds_up_only_its_own_chunk(monkeypatch):
 
 @pytest.mark.parametrize("way", ["torch", "mover"])
 def test_the_stager_copies_large_tensors_either_way_and_the_slot_reads_back_exactly(monkeypatch, way):
-    from snapckpt.engine import stager as stager_mod
     from snapckpt.engine.stager import Stager
     from snapckpt.persister.slot_index import read_slot
 
     moved = []
     real = mover.copy_chunks
     monkeypatch.setattr(mover, "copy_chunks", lambda chunks, threads=None: moved.append(len(chunks)) or real(chunks))
-    monkeypatch.setattr(stager_mod._Ways, "pick", lambda self: way)
+    monkeypatch.setattr(Ways, "pick", lambda self: way)
     g = torch.Generator().manual_seed(1)
     state = {"w": torch.rand(1024, 700, generator=g), "b": torch.rand(16, generator=g),
              "p": torch.nn.Parameter(torch.rand(600, 600, generator=g)), "t": torch.rand(700, 500, generator=g).t(),
@@ -98,21 +98,20 @@ def test_the_stager_copies_large_tensors_either_way_and_the_slot_reads_back_exac
 
 
 def test_the_way_of_a_layout_is_the_faster_one_lately_and_the_other_is_tried_again_now_and_then():
-    from snapckpt.engine.stager import _Ways
 
-    w = _Ways()
+    w = Ways()
     assert w.pick() == "torch"  # nothing timed yet (an untimed first copy into a mapping picks too)
     w.record("torch", 0.10)
     assert w.pick() == "mover"
     w.record("mover", 0.03)
     picks = []
-    for _ in range(2 * _Ways.TRY_EVERY):
+    for _ in range(2 * Ways.TRY_EVERY):
         picks.append(w.pick())
         w.record(picks[-1], 0.10 if picks[-1] == "torch" else 0.03)
-    assert picks.count("torch") == 2 and picks.count("mover") == 2 * _Ways.TRY_EVERY - 2
-    for _ in range(_Ways.KEPT):  # the cores got idle: torch's copies are now the faster ones
+    assert picks.count("torch") == 2 and picks.count("mover") == 2 * Ways.TRY_EVERY - 2
+    for _ in range(Ways.KEPT):  # the cores got idle: torch's copies are now the faster ones
         w.record("mover", 0.2)
-    assert w.pick() == "torch" and len(w.secs["mover"]) == _Ways.KEPT
+    assert w.pick() == "torch" and len(w.secs["mover"]) == Ways.KEPT
 
 
 def test_move_each_copies_every_range_in_order_keeping_the_gil():

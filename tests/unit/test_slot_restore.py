@@ -192,11 +192,11 @@ def test_the_tensors_copied_in_place_are_those_copy_into_copies():
 
 
 def test_a_live_tensor_put_in_place_of_another_in_another_chunk_of_the_check_takes_the_general_path(monkeypatch):
-    """The save's quick check reads the tensors in chunks (stager._CHUNK); its guards see a tensor object met twice
+    """The save's quick check reads the tensors in chunks (layout_check.CHUNK); its guards see a tensor object met twice
     within a chunk only: one met in two chunks is still seen."""
-    from snapckpt.engine import stager as stager_mod
+    from snapckpt.engine import layout_check
 
-    monkeypatch.setattr(stager_mod, "_CHUNK", 3)
+    monkeypatch.setattr(layout_check, "CHUNK", 3)
     stager, m, state = Stager(), _slot(), _state()
     for step in range(3):  # the second save makes the memo, the third uses it
         _save(stager, m, state, step)
