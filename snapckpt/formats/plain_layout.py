@@ -171,7 +171,7 @@ class LayoutMemo:
     again) on any difference of structure: a container's type or length, a key, a value's type (``True`` /
     ``1``, ``1`` / ``1.0``, a ``str`` subclass), a tensor where a value was (or the reverse), a container or
     tensor met twice (aliasing; a memo is not made for such states). Tensors are only found here, not checked:
-    a replaced or resized tensor is the plan's business (:func:`snapckpt.engine.stager._signature`).
+    a replaced or resized tensor is the plan's business (:func:`snapckpt.engine.layout_check.signature`).
 
     Attributes:
         order: per tensor in walking order, its position in breadth-first order; ``None`` when the two orders
