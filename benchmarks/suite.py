@@ -1188,8 +1188,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loop-methods", default=",".join(m for m, _ in LOOP_PLAN))
     p.add_argument("--readme", action="store_true",
                    help="rewrite the perf section of --readme-path (docs/performance.md) from --out (and loop.json next to it)")
-    p.add_argument("--results-page", action="store_true",
-                   help="write docs/benchmarks.md and its plots from benchmarks/results/*.json (results_page.py)")
     p.add_argument("--render", action="store_true",
                    help="only re-render the markdown and PNG of an existing --out JSON (no measuring)")
     p.add_argument("--readme-path", default=str(REPO_ROOT / "docs" / "performance.md"),
@@ -1214,11 +1212,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.readme:
         update_readme(Path(args.readme_path), Path(args.out), args.readme_size_gib)
-        return 0
-    if args.results_page:
-        import results_page
-
-        print(f"wrote {results_page.write_page()}")
         return 0
     if args.render:
         result = json.loads(Path(args.out).read_text())

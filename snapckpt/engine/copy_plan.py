@@ -11,20 +11,28 @@ import bisect
 import math
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter, mul
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from snapckpt.engine import mover
 from snapckpt.engine.span_write import SMALL_NBYTES, SpanWrites
 
-if TYPE_CHECKING:
-    from snapckpt.engine.stager import _Layout
-
 __all__ = ["Ways", "Sizes", "layout_sizes", "CopyStep", "CopyPlan", "copy_plan"]
 
 _ITEMSIZE = attrgetter("itemsize")
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+class _Layout(Protocol):
+    """What a copy plan reads of a cached layout (:class:`snapckpt.engine.stager._Layout`), and what it caches there."""
+
+    direct: Tuple[int, ...]  # collection-order index of each direct tensor (a tensor that is a whole span)
+    direct_dst: Tuple[Tuple[int, torch.dtype, Tuple[int, ...], Tuple[int, ...]], ...]  # slot offset, dtype, size, stride
+    spans: Tuple[Tuple[int, int], ...]  # the span copies
+    sizes: Optional["Sizes"]
+    copy_plans: List[Optional["CopyPlan"]]
+    span_writes: Any  # SpanWrites, False (none) or None (not made yet)
 
 
 class Ways:
