@@ -26,8 +26,8 @@ event (:attr:`Result.part_ended`), on which the commit task waits (:meth:`Schedu
 
 A step may be saved again under the same directory in a run (a retry once its save failed, a crash flush):
 each save of ``(run id, step, dirname)`` has a generation (:attr:`Result.gen`), carried by its notices, so
-that a notice about an earlier save of it never lands on the later one's record. The records of a key's saves
-are held together, ordered by generation (``Scheduler.results``: the newest, and the earlier ones still needed).
+that a notice about an earlier save of it never lands on the later one's record; a key's records are held
+together, by generation (``Scheduler.results``).
 
 Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Scheduler.result` and
 :meth:`Scheduler.forget` run with the server's lock held; the tasks take it.
@@ -107,9 +107,8 @@ class Result:
     # ranks whose save of this step and directory again waits for this save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
     deferred_seqs: Set[int] = field(default_factory=set)  # their snapshots (slot seqs), each started in turn
-    # another node than the committer's: its wait for the committer's deletion of this failed save's partial
-    # directory runs (Scheduler._await_removal_task; the removed notice of its generation must still find it)
-    awaiting_removal: bool = False
+    # another node: the wait for the committer's deletion of this failed save's partial directory runs
+    awaiting_removal: bool = False  # (Scheduler._await_removal_task; its removed notice must find this record)
 
 
 class Scheduler:
@@ -252,11 +251,10 @@ class Scheduler:
 
     def _prune(self, run: Run) -> None:
         """Drop ``run``'s records that nothing here can still need (called with the lock, as a save's commit
-        starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` records, except a
-        save still in flight, or with a call after its end (:meth:`when_over`), one any record of whose key
-        (its earlier generations too) is :meth:`_needed` (a connected local rank took part and was not yet
-        told the end, a ``status`` reply, :attr:`Result.told`: its handle asks again, and a missing record would
-        answer ``held`` or ``unknown``); and on another node than the committer's, a failed one whose abort notice has
+        starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` keys, except a save
+        still in flight or with a call after its end (:meth:`when_over`), one any record of which (its earlier
+        generations too) is :meth:`_needed` (an untold rank's handle asks again: a missing record would answer
+        ``held`` or ``unknown``), and on another node than the committer's, a failed one whose abort notice has
         not come (it names the save's generation, at which a save of the step again after a prune would start
         again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
         (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
@@ -600,12 +598,12 @@ class Scheduler:
     def _local_failure(self, key: SaveKey) -> Callable[[], Optional[BaseException]]:
         """For the commit of ``key`` (its newest save's, now): the error of a local rank whose part of that save
         failed, or the committer's abort of it, if any (a save of the step again is another generation)."""
-        gen = self._gen(key)
+        gen = getattr(self.results.get(key), "gen", 1)  # (none held: its first save's)
 
         def failure() -> Optional[BaseException]:
             with self.lock:
-                res = self.results.get(key)
-                if res is None or res.gen != gen:
+                res = self.results.find(key, gen)
+                if res is None:
                     return None
                 if not res.part_errors:
                     if res.aborted_at is not None:
@@ -635,19 +633,14 @@ class Scheduler:
     def _committed_notice(self, key: SaveKey) -> Callable[[], bool]:
         """For the watch of ``key``'s commit (its newest save's, now): whether the committer's node said it
         ended committed."""
-        gen = self._gen(key)
+        gen = getattr(self.results.get(key), "gen", 1)  # (none held: its first save's)
 
         def committed() -> bool:
             with self.lock:
-                res = self.results.get(key)
-                return res is not None and res.gen == gen and res.committed_at is not None
+                res = self.results.find(key, gen)
+                return res is not None and res.committed_at is not None
 
         return committed
-
-    def _gen(self, key: SaveKey) -> int:
-        """The generation of ``key``'s newest save (1 where none is held: its first)."""
-        res = self.results.get(key)
-        return res.gen if res is not None else 1
 
     def _tracker_gate(self, checkpoint_dir: str, tracker_name: str, seq: int):
         """A gate that lets the commit of request ``seq`` write its tracker only if no later request of the
@@ -916,10 +909,10 @@ class Scheduler:
         share. This node's ranks may hear of the failure first (a failure marker, the committer's abort
         notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
         that deletion. It ends on the committer's ``removed`` notice of that save's generation (``res.removed``;
-        ``res`` may be an earlier record of ``key`` by then, held while it waits: :meth:`on_notice`); a lost notice: on the directory
-        seen gone, or holding a marker of another step of the run (a later save, which waited for
-        the deletion, re-created it; a directory being deleted may show no marker, never another step's),
-        read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
+        ``res`` may be an earlier record of ``key`` by then, held while it waits: :meth:`on_notice`); a lost
+        notice: on the directory seen gone, or holding a marker of another step of the run (a later save, which
+        waited for the deletion, re-created it; a directory being deleted may show no marker, never another
+        step's), read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
         ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
         deadline = time.monotonic() + run.commit_timeout_secs
         reader = open_storage()
