@@ -15,7 +15,7 @@ thread pools of this process:
 Each save's outcome is a :class:`Result`, read by the ``status`` requests of the ranks; a failed part is
 recorded in memory before its failure marker, so the commit of that step fails at once with its cause. The
 records are indexed by the saves in flight (:mod:`snapckpt.persister.save_records`: what the per-save waits
-read) and pruned once no rank can still ask about them (:meth:`Scheduler._prune`).
+read) and pruned once nothing here can still ask about them (:meth:`Scheduler._needed`, :meth:`Scheduler._prune`).
 A part that can never come (its rank died before handing it over, or its node is lost) ends the commit
 in seconds too, through the run's :class:`~snapckpt.persister.peers.PeerWatch`.
 
@@ -26,7 +26,8 @@ event (:attr:`Result.part_ended`), on which the commit task waits (:meth:`Schedu
 
 A step may be saved again under the same directory in a run (a retry once its save failed, a crash flush):
 each save of ``(run id, step, dirname)`` has a generation (:attr:`Result.gen`), carried by its notices, so
-that a notice about an earlier save of it never lands on the later one's record.
+that a notice about an earlier save of it never lands on the later one's record; a key's records are held
+together, by generation (``Scheduler.results``).
 
 Locking: :meth:`Scheduler.persist`, :meth:`Scheduler.fail_part`, :meth:`Scheduler.result` and
 :meth:`Scheduler.forget` run with the server's lock held; the tasks take it.
@@ -83,7 +84,8 @@ class Result:
 
     # which save of (run id, step, dirname) this is: 1, then one more for each save of it again on this node
     # (Scheduler._replace, forget). Every node of the run counts alike (each save of it is asked of every
-    # node by its ranks, or crash-flushed on each), so the peer notices name the save by it
+    # node by its ranks, or crash-flushed on each), so the peer notices name the save by it. 0: no save, the
+    # failed record of a rank's snapshot whose save could not start (Scheduler._persist_deferred)
     gen: int = 1
     state: str = "pending"  # pending | committed | failed
     error: Optional[Dict[str, Any]] = None
@@ -105,6 +107,8 @@ class Result:
     # ranks whose save of this step and directory again waits for this save to be over here (persist: deferred)
     deferred: Set[int] = field(default_factory=set)
     deferred_seqs: Set[int] = field(default_factory=set)  # their snapshots (slot seqs), each started in turn
+    # another node: the wait for the committer's deletion of this failed save's partial directory runs
+    awaiting_removal: bool = False  # (Scheduler._await_removal_task; its removed notice must find this record)
 
 
 class Scheduler:
@@ -118,14 +122,11 @@ class Scheduler:
     def __init__(self, slots: SlotTable, lock: threading.RLock) -> None:
         self.slots = slots
         self.lock = lock
-        # every save's record, in creation order, indexed by run and by the saves that may be in flight
-        # (save_records.py); pruned by _prune. The records of the saves in flight are the `live` ones whose
-        # _in_flight holds
+        # every save's records, by key in creation order, each key's by generation (the newest last), indexed
+        # by run and by the saves that may be in flight (save_records.py); the earlier generations are kept while
+        # _needed (or the last one replaced: _replace), the keys pruned by _prune. The records of the saves in
+        # flight are the `live` ones whose _in_flight holds
         self.results: SaveRecords = SaveRecords()
-        # the ended saves that saves of the same step and directory again replaced, oldest first (result: its
-        # rank's status): the last one, and earlier ones while a connected local rank that took part was not told
-        # their end (_replace drops the others)
-        self.replaced: Dict[SaveKey, List[Result]] = {}
         self.prune_at: Dict[str, int] = {}  # run id -> its record count that starts the next _prune
         self.commits_started: Set[SaveKey] = set()
         self.commit_seq = 0  # order of persist requests, for the tracker gate
@@ -153,10 +154,6 @@ class Scheduler:
         # remote-only mode, its prefix) has ended, off the lock; on another node than the committer's: once the
         # committer's deletion is known to have ended (_await_removal_task). A later save of it waits for that
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
-        # another node than the committer's: (run id, step, dirname, generation) -> the failed save's record while
-        # its _await_removal_task runs (a save of the same step again may have replaced it in results meanwhile:
-        # the committer's removed notice of that generation still finds it, on_notice)
-        self.removal_waits: Dict[Tuple[str, int, str, int], Result] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
         # wakes _wait_for_directory (_notify_ended)
         self.ended = threading.Condition(lock)
@@ -196,14 +193,13 @@ class Scheduler:
         and ``seq`` (the rank's snapshot that save handed over): the save that ``seq`` of ``rank`` was written
         by, where saves of the same step and directory again replaced it (else the newest save of ``key``:
         one that replaced a snapshot never written, or not yet). A rank not (yet) in the newest save is looked up
-        in the replaced ones too: its snapshot may have been written by one of them."""
-        res = self.results.get(key)
-        if res is None or seq < 0 or res.rank_seq.get(rank) == seq:
-            return res
-        for old in reversed(self.replaced.get(key, ())):
-            if old.rank_seq.get(rank) == seq:
-                return old
-        return res
+        in the earlier ones held too (newest first): its snapshot may have been written by one of them."""
+        recs = self.results.records(key)
+        if seq >= 0:
+            for res in reversed(recs):
+                if res.rank_seq.get(rank) == seq:
+                    return res
+        return recs[-1] if recs else None
 
     def when_over(self, key: SaveKey, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once save ``key`` is over on this node: its commit ended and its last writer too (called
@@ -226,12 +222,13 @@ class Scheduler:
 
     def forget(self, key: SaveKey) -> None:
         """Drop the record of the save ``key`` (it is about to be persisted again, by the crash flush): a fresh
-        record of the next generation takes its place."""
-        old = self.results.pop(key, None)
-        self.replaced.pop(key, None)
+        record of the next generation takes its place. The earlier records go (the ranks' handles of the step
+        hear the flush's outcome), but one whose wait for its deletion still runs (its removed notice)."""
+        old = self.results.get(key)
         self.commits_started.discard(key)
         if old is not None:
-            self.results[key] = Result(gen=old.gen + 1)
+            self.results.push(key, Result(gen=old.gen + 1))
+            self.results.keep_older(key, lambda r: r.awaiting_removal)
 
     def _in_flight(self, key: SaveKey, res: Result) -> bool:
         """Whether save ``key`` (record ``res``) is in flight here: a writer of it runs, or its commit started
@@ -244,14 +241,20 @@ class Scheduler:
         took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
         return bool((took_part - res.told) & run.connected)
 
+    def _needed(self, res: Result, run: Run) -> bool:
+        """Whether record ``res`` of ``run`` must be held whatever its age (called with the lock): a rank's save
+        of its step again waits for it (:attr:`Result.deferred`), the wait for its partial directory's deletion
+        runs (:attr:`Result.awaiting_removal`: :meth:`on_notice` finds it by its generation), or a connected
+        local rank that took part was not told its end (:meth:`_untold`: its handle asks by its ``seq``,
+        :meth:`result`)."""
+        return bool(res.deferred) or res.awaiting_removal or self._untold(res, run)
+
     def _prune(self, run: Run) -> None:
         """Drop ``run``'s records that nothing here can still need (called with the lock, as a save's commit
-        starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` records, except a
-        save still in flight, with a rank waiting for it (:attr:`Result.deferred`) or a call after its end
-        (:meth:`when_over`), one a connected local rank took part in and was not yet told the end of (a
-        ``status`` reply; :attr:`Result.told`), or in a save of its step and directory that it replaced
-        (:attr:`replaced`): its handle asks again, and a missing record would answer ``held`` or ``unknown``; and
-        on another node than the committer's, a failed one whose abort notice has
+        starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` keys, except a save
+        still in flight or with a call after its end (:meth:`when_over`), one any record of which (its earlier
+        generations too) is :meth:`_needed` (an untold rank's handle asks again: a missing record would answer
+        ``held`` or ``unknown``), and on another node than the committer's, a failed one whose abort notice has
         not come (it names the save's generation, at which a save of the step again after a prune would start
         again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
         (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
@@ -265,14 +268,13 @@ class Scheduler:
         keys = list(mine)
         for key in keys[:-KEEP_ENDED]:
             res = self.results[key]
-            if self._in_flight(key, res) or res.deferred or key in self.over_calls:
+            if self._in_flight(key, res) or key in self.over_calls:
                 continue
             if not run.committer and not run.remote_only and res.state == "failed" and res.aborted_at is None:
                 continue
-            if self._untold(res, run) or any(self._untold(r, run) for r in self.replaced.get(key, ())):
+            if any(self._needed(r, run) for r in self.results.records(key)):
                 continue
             del self.results[key]
-            self.replaced.pop(key, None)
             self.commits_started.discard(key)
         self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
@@ -372,22 +374,24 @@ class Scheduler:
     def _replace(self, run: Run, key: SaveKey) -> Result:
         """The record of a new save ``key`` that replaces the ended one, of the next generation (called with
         the lock): the peer notices still to come about the ended one (on another node than the committer's,
-        its abort, when this node ended it on its own part's failure first) name the ended one's generation."""
-        old = self.results.pop(key)
+        its abort, when this node ended it on its own part's failure first) name the ended one's generation,
+        and find its record (:meth:`on_notice`) while it is held: the earlier records are kept while
+        :meth:`_needed`, and the one replaced now always (a rank that reconnects may still ask for it)."""
+        old = self.results[key]
+        res = Result(gen=old.gen + 1)
+        self.results.push(key, res)
         # kept while a rank's handle may still ask for it (by its seq): a step saved three times answered the
         # first save's handle with the third save's outcome when only the last replaced save was kept
-        # (the one replaced now is always kept: a rank that reconnects may still ask for it)
-        self.replaced[key] = [r for r in self.replaced.get(key, ()) if self._untold(r, run)] + [old]
+        self.results.keep_older(key, lambda r: r is old or self._needed(r, run))
         self.commits_started.discard(key)
-        res = self.results[key] = Result(gen=old.gen + 1)
         return res
 
     def _persist_deferred(self, entry: RankEntry, step: int, run: Run, old: Result, s: Slot) -> None:
         """:meth:`persist` of a save that waited for the save ``old`` of its step and directory to be over
         (called with the lock, by :meth:`when_over`; ``s``: the rank's slot it saves, pinned meanwhile); if it
         cannot start, the rank hears ``old``'s failure, or (``old`` committed) why it could not start, from a
-        failed record of its own snapshot kept with the replaced saves (:meth:`result`; ``old``'s handles still
-        hear ``old``'s outcome)."""
+        failed record of its own snapshot (generation 0) kept with the earlier records of the key (:meth:`result`;
+        ``old``'s handles still hear ``old``'s outcome)."""
         s.pins -= 1
         try:
             self.persist(entry, step, run, slot=s)
@@ -396,9 +400,8 @@ class Scheduler:
             if old.state != "failed":  # its own record, found by its snapshot (result): the earlier save stands
                 key = (run.run_id, step, s.dirname)
                 rec = P.error_record(e)
-                self.replaced.setdefault(key, []).append(Result(gen=old.gen, state="failed", error=rec,
-                                                                part_errors={entry.rank: rec},
-                                                                rank_seq={entry.rank: s.seq}))
+                self.results.add_older(key, Result(gen=0, state="failed", error=rec, part_errors={entry.rank: rec},
+                                                   rank_seq={entry.rank: s.seq}))
             old.deferred.discard(entry.rank)
             self.on_change()  # its waiting status request is answered with the failure
         else:
@@ -529,18 +532,16 @@ class Scheduler:
     def on_notice(self, run_id: str, step: int, dirname: str, gen: int, aborted: bool = False,
                   committed: bool = False, removed: bool = False) -> None:
         """A peer's notice about generation ``gen`` of save ``(run_id, step, dirname)``: wake its commit task,
-        which reads the filesystem again. The notice goes to the record of that generation: the save's record,
-        or a replaced one whose wait for its deletion still runs (``removal_waits``); a notice about another
-        save of the step (an earlier one, over here; a later one this node has not started: its commit task
-        reads the filesystem first when it starts) is dropped. ``aborted``: the committer's commit of it
+        which reads the filesystem again. The notice goes to the record of that generation if it is held (the
+        save's, or an earlier one still needed: a wait for its deletion runs, :meth:`_needed`); a notice about
+        another save of the step (an earlier one no longer held; a later one this node has not started: its
+        commit task reads the filesystem first when it starts) is dropped. ``aborted``: the committer's commit of it
         failed, which ends this node's watch of that commit even if a late part re-created the partial
         directory. ``committed``: the committer's commit of it ended committed (the watch ends committed even
         when retention has retired the directory before the watch read its manifest). ``removed``: the
         committer's deletion of its partial directory ended (:meth:`_await_removal_task`)."""
         with self.lock:
-            res = self.results.get((run_id, step, dirname))
-            if res is None or res.gen != gen:
-                res = self.removal_waits.get((run_id, step, dirname, gen))
+            res = self.results.find((run_id, step, dirname), gen)
             if res is not None:
                 res.notices += 1
                 if aborted:
@@ -595,17 +596,17 @@ class Scheduler:
         return found
 
     def _local_failure(self, key: SaveKey) -> Callable[[], Optional[BaseException]]:
-        """For the commit of ``key``: the error of a local rank whose part of that save failed, if any."""
-
-        since = time.monotonic()  # an abort notice about an earlier commit of the same save does not count
+        """For the commit of ``key`` (its newest save's, now): the error of a local rank whose part of that save
+        failed, or the committer's abort of it, if any (a save of the step again is another generation)."""
+        gen = getattr(self.results.get(key), "gen", 1)  # (none held: its first save's)
 
         def failure() -> Optional[BaseException]:
             with self.lock:
-                res = self.results.get(key)
+                res = self.results.find(key, gen)
                 if res is None:
                     return None
                 if not res.part_errors:
-                    if res.aborted_at is not None and res.aborted_at >= since:
+                    if res.aborted_at is not None:
                         return CommitError(f"step {key[1]}: the committer's node reports that the commit of "
                                            f"{key[2]} failed (see rank 0's error)")
                     return None
@@ -630,13 +631,14 @@ class Scheduler:
         return own
 
     def _committed_notice(self, key: SaveKey) -> Callable[[], bool]:
-        """For the watch of ``key``'s commit: whether the committer's node said it ended committed."""
-        since = time.monotonic()  # a notice about an earlier commit of the same save does not count
+        """For the watch of ``key``'s commit (its newest save's, now): whether the committer's node said it
+        ended committed."""
+        gen = getattr(self.results.get(key), "gen", 1)  # (none held: its first save's)
 
         def committed() -> bool:
             with self.lock:
-                res = self.results.get(key)
-                return res is not None and res.committed_at is not None and res.committed_at >= since
+                res = self.results.find(key, gen)
+                return res is not None and res.committed_at is not None
 
         return committed
 
@@ -884,7 +886,7 @@ class Scheduler:
             self.remove_pool.submit(self._remove_partial_task, run, key, res.gen, partial, done)
         else:  # (a thread: it may wait a commit timeout for a committer that never says it, and must not
             # hold up the next directory's wait behind it)
-            self.removal_waits[(*key, res.gen)] = res
+            res.awaiting_removal = True
             threading.Thread(target=self._await_removal_task, args=(run, res, key, partial, done), daemon=True,
                              name="snapckpt-await-removal").start()
 
@@ -907,10 +909,10 @@ class Scheduler:
         share. This node's ranks may hear of the failure first (a failure marker, the committer's abort
         notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
         that deletion. It ends on the committer's ``removed`` notice of that save's generation (``res.removed``;
-        ``res`` may no longer be ``results[key]`` by then: :meth:`on_notice`); a lost notice: on the directory
-        seen gone, or holding a marker of another step of the run (a later save, which waited for
-        the deletion, re-created it; a directory being deleted may show no marker, never another step's),
-        read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
+        ``res`` may be an earlier record of ``key`` by then, held while it waits: :meth:`on_notice`); a lost
+        notice: on the directory seen gone, or holding a marker of another step of the run (a later save, which
+        waited for the deletion, re-created it; a directory being deleted may show no marker, never another
+        step's), read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
         ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
         deadline = time.monotonic() + run.commit_timeout_secs
         reader = open_storage()
@@ -927,8 +929,7 @@ class Scheduler:
                 res.removed.wait(min(BACKSTOP_SECS, left))
         finally:
             with self.lock:
-                if self.removal_waits.get((*key, res.gen)) is res:
-                    del self.removal_waits[(*key, res.gen)]
+                res.awaiting_removal = False
             self._deletion_ended(run, key, done)
 
     def _deletion_ended(self, run: Run, key: SaveKey, done: threading.Event) -> None:

@@ -256,8 +256,8 @@ def test_a_watcher_ends_on_the_committers_abort_notice_though_a_late_part_recrea
     """The committer failed the commit and removed the partial directory, then a late part of this node
     re-created it: the directory alone would keep the watcher waiting until the commit timeout. The
     committer's ``commit_ended`` "failed" notice (:meth:`Scheduler.on_notice` with ``aborted``) ends the
-    watch at once; an abort notice that came before this commit's request does not count (a re-commit of
-    the same save). Found by breaking the multi-node commit path (a stopped peer persister)."""
+    watch at once; the abort notice of an earlier save of the step (generation 1; this save is its generation
+    2) does not count. Found by breaking the multi-node commit path (a stopped peer persister)."""
     from snapckpt.errors import CommitError
     from snapckpt.persister.scheduler import Result, Scheduler
     from snapckpt.persister.slots import SlotTable
@@ -267,8 +267,10 @@ def test_a_watcher_ends_on_the_committers_abort_notice_though_a_late_part_recrea
     sched = Scheduler(SlotTable(None, lock), lock)
     watch = peers.PeerWatch(PosixStorage(), ckpt, RUN, peer_timeout_secs=30)
     key = (RUN, 7, "step_00000007")
-    res = sched.results[key] = Result()
-    sched.on_notice(*key, 1, aborted=True)  # an earlier commit's abort
+    sched.results[key] = Result()
+    sched.on_notice(*key, 1, aborted=True)  # the earlier save's abort
+    res = Result(gen=2)
+    sched.results.push(key, res)  # the step saved again
     req = _req(ckpt, watch)
     req.wake, req.local_failure = res.part_ended, sched._local_failure(key)
     _part(ckpt, req, 2)  # the late part: the partial directory is back
@@ -288,7 +290,7 @@ def test_a_watcher_ends_on_the_committers_abort_notice_though_a_late_part_recrea
     try:
         t.join(1.5)
         assert t.is_alive() and not out  # the earlier abort does not end this watch
-        sched.on_notice(*key, 1, aborted=True)
+        sched.on_notice(*key, 2, aborted=True)
         t.join(20)
         assert not t.is_alive() and out and isinstance(out[0], CommitError), out
         assert "reports that the commit of step_00000007 failed" in str(out[0])

@@ -635,7 +635,7 @@ def test_a_notice_about_an_earlier_save_of_the_step_does_not_touch_the_save_of_i
     if state == "removed":  # it reached the earlier save's record, and ended its wait for the deletion
         assert old.removed.is_set()
         assert wait_until(lambda: (ckpt, TAG) not in sched.discarding, timeout=10), "still waits for the deletion"
-        assert not sched.removal_waits
+        assert not old.awaiting_removal
     notice(2)  # the same notice about the save of the step again is its own
     assert new.notices == 1 and new.part_ended.is_set()
     assert (new.committed_at is not None) == (state == "committed") and told_committed() == (state == "committed")

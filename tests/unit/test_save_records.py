@@ -251,3 +251,81 @@ def test_a_watchers_failed_save_waits_for_its_abort_notice_before_it_is_pruned(n
             _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
         sched._prune(run)
         assert (RUN, 1, "step_1") not in sched.results
+
+
+def _save_of(sched: Scheduler, run: Run, key, seqs, told=(0, 1), state: str = "committed") -> Result:
+    """The newest save of ``key`` (a save of it again replaces the one held, ``Scheduler._replace``), ended
+    ``state``, rank ``r``'s part from its snapshot ``seqs[r]``; ``told``: the ranks whose status was answered."""
+    res = sched._replace(run, key) if key in sched.results else sched.results.setdefault(key, Result())
+    res.rank_seq.update(seqs)
+    res.parts_done.update(seqs)
+    res.state = state
+    res.told.update(told)
+    return res
+
+
+def test_the_records_of_a_step_saved_again_are_one_list_by_generation_kept_only_while_needed(node):
+    """A step saved again and again under one directory: its records are held in generation order, the newest
+    last, and an earlier one stays only while something can ask about it: the one replaced last (a rank that
+    reconnects), one whose connected rank 1 was not told its end (found by rank 1's ``seq``), one whose wait for
+    the committer's deletion runs (found by its generation, for the ``removed`` notice). Nothing else: a
+    rank's ``seq`` of a dropped save is answered with the newest, a notice about it touches nothing."""
+    sched, run = node
+    key = (RUN, 7, "best")
+    with sched.lock:
+        _save_of(sched, run, key, {0: 10, 1: 11})
+        untold = _save_of(sched, run, key, {0: 20, 1: 21}, told=(0,), state="failed")
+        waits = _save_of(sched, run, key, {0: 30, 1: 31}, state="failed")
+        waits.awaiting_removal = True  # (another node: _await_removal_task runs)
+        _save_of(sched, run, key, {0: 40, 1: 41})
+        _save_of(sched, run, key, {0: 50, 1: 51})
+        newest = _save_of(sched, run, key, {0: 60, 1: 61}, told=())
+        assert [r.gen for r in sched.results.records(key)] == [2, 3, 5, 6]
+        assert sched.results[key] is newest and list(sched.results) == [key]
+    assert sched.result(key, 1, 21) is untold and sched.result(key, 0, 20) is untold
+    assert sched.result(key, 0, 40) is newest and sched.result(key, 1, 11) is newest  # dropped: the newest
+    assert sched.result(key, 1, 51).gen == 5 and sched.result(key, 1, -1) is newest
+    sched.on_notice(*key, 3, aborted=True, removed=True)  # the committer deleted generation 3's partial directory
+    assert waits.removed.is_set() and waits.aborted_at is not None
+    sched.on_notice(*key, 4, aborted=True)  # a notice about a save no longer held: dropped
+    assert newest.notices == 0 and newest.aborted_at is None
+    reply = Server._op_status(SimpleNamespace(scheduler=sched, slots=sched.slots),
+                              RankEntry(rank=1, slots=[], run_id=RUN), {"step": 7, "dirname": "best", "seq": 21})
+    assert reply["state"] == "failed" and untold.told == {0, 1}
+    with sched.lock:
+        waits.awaiting_removal = False  # its wait ended
+        _save_of(sched, run, key, {0: 70, 1: 71})
+        assert [r.gen for r in sched.results.records(key)] == [6, 7]
+
+
+def test_a_key_is_pruned_only_once_none_of_its_records_is_needed(node):
+    """An old key whose newest save ended and was told, but an earlier record of which is still needed (a wait
+    for its deletion runs; a connected rank was not told its end), outlives ``KEEP_ENDED`` newer saves; once
+    nothing needs any of its records, the whole key goes, and a crash flush (``forget``) keeps only a record
+    whose deletion wait runs."""
+    sched, run = node
+    key = (RUN, 1, "best")
+    newer = iter(range(100, 100_000))
+
+    def prune() -> None:  # as the commits of 2 * KEEP_ENDED newer saves start
+        for _ in range(2 * KEEP_ENDED):
+            i = next(newer)
+            _ended(sched, (RUN, i, "step_%d" % i)).told |= {0, 1}
+        sched._prune(run)
+
+    with sched.lock:
+        first = _save_of(sched, run, key, {0: 1, 1: 1}, told=(0,), state="failed")
+        _save_of(sched, run, key, {0: 2, 1: 2})
+        _save_of(sched, run, key, {0: 3, 1: 3})  # first: kept, rank 1 was not told
+        prune()
+        assert [r.gen for r in sched.results.records(key)] == [1, 2, 3]
+        first.told.add(1)
+        first.awaiting_removal = True
+        prune()
+        assert [r.gen for r in sched.results.records(key)] == [1, 2, 3]  # its deletion wait still runs
+        sched.forget(key)  # the crash flush of step 1
+        assert [r.gen for r in sched.results.records(key)] == [1, 4]
+        _save_of(sched, run, key, {0: 5, 1: 5})
+        first.awaiting_removal = False
+        prune()
+        assert key not in sched.results and sched.results.records(key) == []
