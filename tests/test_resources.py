@@ -115,6 +115,30 @@ def test_D1_second_slot_does_not_fit(snap_env):
         assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
 
 
+def test_D1_the_setting_the_error_names_works_while_the_failed_runs_persister_lives(snap_env):
+    """D1, retried as the error says: a 10 MiB state on a 16 MiB tmpfs fails with two slots per rank, naming
+    ``slots_per_rank=1``; the rank dies without closing (a crash: its persister stays for a restart). The job,
+    restarted with ``slots_per_rank=1``, is served by that same persister, which had made two slot records
+    for the rank: the rank's own setting bounds the slots it uses (before, the persister counted every record
+    it held and refused again, naming the same two slots), the snapshot is taken and loads from memory."""
+    snap_env.leftover_ok = True
+    shm = os.path.join(snap_env.tmp, "tiny-shm")
+    with tmpfs(shm, "16m"):
+        rc, out = run_worker(snap_env, "fewer_slots", snap_env.ckpt_dir, shm, "2")
+        assert rc == 0, f"worker exited {rc}:\n{out}"
+        (first,) = results(out)
+        assert first["error"] and "slots_per_rank=1 fits" in first["error"], first
+        rc, out = run_worker(snap_env, "fewer_slots", snap_env.ckpt_dir, shm, "1")
+        assert rc == 0, f"worker exited {rc}:\n{out}"
+        (second,) = results(out)
+        assert second["persister_pid"] == first["persister_pid"], "not served by the surviving persister"
+        assert second["error"] is None and second["loaded"] == [1, "MEMORY", 3.0], second
+        assert 10 * MiB < second["shm_used"] < 12 * MiB, f"more than one slot held: {second}"
+        subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "snapckpt"), "stop", snap_env.ckpt_dir],
+                       env=snap_env.env, capture_output=True, timeout=60)
+        assert wait_until(lambda: not os.listdir(shm), timeout=30), f"arena left in {shm}: {tree(shm)}"
+
+
 def test_single_slot_killed_mid_copy_never_loads_a_torn_snapshot(snap_env):
     """Issue 18, target 6: ``slots_per_rank=1``. Step 1 is saved to disk and step 2 at once to memory: the
     only slot is being written to disk, so step 2 waits for it (``slot_wait``), then takes the slot. Step 3

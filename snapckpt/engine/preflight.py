@@ -236,9 +236,10 @@ def check_shared_dir(checkpoint_dir: str, run_id: str, coord, topology, hosts: l
 
 
 def slot_limit(options, topology, slot_nbytes: int) -> int:
-    """How many arena slots this rank may use for a snapshot slot of ``slot_nbytes`` bytes: 0 (all
-    ``slots_per_rank``) without a host-memory budget; under ``host_memory_budget_nbytes`` the most that fit
-    the rank's equal share of it (:func:`snapckpt.persister.budget.slots_within`).
+    """How many arena slots this rank may use for a snapshot slot of ``slot_nbytes`` bytes: ``slots_per_rank``
+    without a host-memory budget; under ``host_memory_budget_nbytes`` the most that fit the rank's equal share of
+    it (:func:`snapckpt.persister.budget.slots_within`). Always a count, never "all": a persister that outlived an
+    earlier run of the job holds that run's slots of the rank, more than this run's ``slots_per_rank`` may allow.
 
     Args:
         options: the :class:`~snapckpt.options.CheckpointOptions`.
@@ -252,7 +253,7 @@ def slot_limit(options, topology, slot_nbytes: int) -> int:
     """
     budget = options.resolved_host_memory_budget_nbytes
     if budget is None:
-        return 0
+        return options.slots_per_rank
     local, replicas = len(topology.local_ranks), options.resolved_replicas(topology.num_nodes)
     k = slots_within(budget, slot_nbytes, local, replicas, options.slots_per_rank)
     if k < 1:

@@ -468,7 +468,8 @@ class Saver:
         return handle
 
     def slot_limit(self, slot_nbytes: int) -> int:
-        """The slots this rank may use for ``slot_nbytes``-byte slots (0: all), after the host-memory budget;
+        """The slots this rank may use for ``slot_nbytes``-byte slots (``slots_per_rank``, or fewer under the
+        host-memory budget: :func:`~snapckpt.engine.preflight.slot_limit`);
         when the size grew, the first local rank warns if the node's arena does not fit the host, and a
         lower count stops the prefaults of slots the persister may now empty.
 
@@ -479,7 +480,7 @@ class Saver:
         if slot_nbytes > self._checked_nbytes:
             self._checked_nbytes = slot_nbytes
             if self._session.topology.local_rank == 0:
-                slots = limit or self._options.slots_per_rank
+                slots = limit
                 warning = host_memory_shortfall(self._options, self._session.topology, slot_nbytes, slots,
                                                 self._session.arena_dir)
                 if warning:

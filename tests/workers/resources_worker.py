@@ -18,6 +18,8 @@ Modes (first argument), each printing ``RESULT {...json...}`` lines:
 - ``hold CKPT MARKER IDLE_SECS``: commit step 1, snapshot step 2 in memory, write ``MARKER`` (JSON with
   the persister pid) and sleep until killed.
 - ``resume CKPT``: load, report step/tier, commit step 3, close, report.
+- ``fewer_slots CKPT SHM SLOTS``: ``slots_per_rank=SLOTS``: save a 10 MiB state in memory (step 1) and report its
+  error, or load it back and report; then exit without closing (as a crashed rank: the persister lives on).
 """
 from __future__ import annotations
 
@@ -196,6 +198,20 @@ def run_resume(ckpt: str) -> None:
     result(phase="closed", persister_gone=wait_gone(pid), fds_before=fds0, fds_after_close=me.num_fds())
 
 
+def run_fewer_slots(ckpt: str, shm: str, slots: str) -> None:
+    ck = Checkpointer(ckpt, shm_dir=shm, slots_per_rank=int(slots), **QUICK)
+    err, loaded = None, None
+    try:
+        ck.save(state_of(10 * MiB, fill=3.0), 1, StorageType.MEMORY).wait()
+        out = ck.load()
+        loaded = [ck.last_load.step, ck.last_load.tier.name, float(out["model"]["w"][0])]
+    except InsufficientSharedMemoryError as e:
+        err = str(e)
+    result(error=err, loaded=loaded, persister_pid=ck.persister_pid, shm_used=used_bytes(shm))
+    sys.stdout.flush()
+    os._exit(0)  # no close(): the persister outlives this rank, as after a crash
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     mode, args = sys.argv[1], sys.argv[2:]
@@ -213,6 +229,8 @@ if __name__ == "__main__":
         run_single_slot(*args)
     elif mode == "single_slot_resume":
         run_single_slot_resume(*args)
+    elif mode == "fewer_slots":
+        run_fewer_slots(*args)
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.destroy_process_group()
