@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["StorageType", "Event", "SaveStats"]
+__all__ = ["StorageType", "Event", "SaveStats", "EVENT_KINDS"]
 
 
 class StorageType(str, enum.Enum):
@@ -58,6 +58,12 @@ class SaveStats:
     blocking_secs: float
     durable_secs: Optional[float] = None
     persist_gbps: Optional[float] = None
+
+
+#: Every :attr:`Event.kind` a Checkpointer emits (its listeners and :meth:`HookRegistry.on
+#: <snapckpt.engine.hooks.HookRegistry.on>` take each).
+EVENT_KINDS = ("snapshot_taken", "committed", "skipped", "slot_wait", "failed", "upload_skipped", "upload_failed",
+               "replicated", "replica_lagging", "steps_lost", "world_size_changed")
 
 
 @dataclass(frozen=True)

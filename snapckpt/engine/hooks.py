@@ -8,8 +8,8 @@ Integrations (and hand-written loops) call three methods and nothing else::
     ...
     hooks.train_end()               # wait for every commit
 
-Callbacks registered with :meth:`HookRegistry.on` receive :class:`~snapckpt.events.Event` records for
-``snapshot_taken``, ``committed``, ``skipped``, ``slot_wait`` and ``failed``.
+Callbacks registered with :meth:`HookRegistry.on` receive :class:`~snapckpt.events.Event` records of one kind of
+:data:`~snapckpt.events.EVENT_KINDS` (the remote and peer tiers' too: ``upload_failed``, ``replica_lagging``...).
 """
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from snapckpt.events import Event, StorageType
+from snapckpt.events import EVENT_KINDS, Event, StorageType
 
 __all__ = ["SnapshotPolicy", "HookRegistry"]
 
 log = logging.getLogger(__name__)
-EVENT_KINDS = ("snapshot_taken", "committed", "skipped", "slot_wait", "failed")
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,12 @@ class HookRegistry:
         self._shared_clock = timed and checkpointer.coordinator.world_size > 1
 
     def on(self, kind: str, callback: Callable[[Event], None]) -> Callable[[], None]:
-        """Register ``callback(event)`` for ``kind``; return a function that removes it."""
+        """Register ``callback(event)`` for ``kind`` (one of :data:`~snapckpt.events.EVENT_KINDS`); return a function
+        that removes it.
+
+        Raises:
+            ValueError: ``kind`` is not an event kind (the message lists them).
+        """
         if kind not in self._callbacks:
             raise ValueError(f"unknown event {kind!r}; one of {EVENT_KINDS}")
         self._callbacks[kind].append(callback)
