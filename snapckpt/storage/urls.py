@@ -46,8 +46,8 @@ def check_remote_url(url: object, role: str) -> Tuple[str, str]:
         role: what the URL is, for messages (``"remote_dir"``, ``"checkpoint_dir"``, ``"URL"``).
 
     Raises:
-        RemoteURLError: not a ``str`` URL, a ``file://`` URL, credentials or query options in it, or no bucket
-            or no prefix; the message names the URL (never a credential), the cause and the fix.
+        RemoteURLError: not a ``str`` URL, a ``file://`` or ``http(s)://`` URL, credentials or query options in it,
+            or no bucket or no prefix; the message names the URL (never a credential), the cause and the fix.
     """
     if not isinstance(url, str) or not is_remote_url(url.strip()):
         shown = shown_url(url) if isinstance(url, str) else url
@@ -63,6 +63,12 @@ def check_remote_url(url: object, role: str) -> Tuple[str, str]:
             f"{role} {full!r} is a {scheme}:// URL, a local path: pass the plain path {path!r} (a "
             "checkpoint directory, or a shared filesystem mounted on every node); remote storage is an "
             "object store URL such as s3://bucket/run1")
+    if scheme.lower() in ("http", "https"):  # fsspec's HTTP filesystem reads only: no probe, upload or commit
+        raise RemoteURLError(
+            f"{role} {shown_url(full)!r} is an {scheme}:// URL, which fsspec can only read from: name the store "
+            f"by its protocol and give the endpoint apart, e.g. s3://bucket/run1 with "
+            f"AWS_ENDPOINT_URL={scheme}://{bucket.split('@')[-1].split('?')[0] or 'host:port'} (MinIO, Ceph and other S3-compatible "
+            "stores; docs/remote.md)")
     if "@" in bucket or "?" in rest:  # credentials or options pasted into the URL: never echo them
         raise RemoteURLError(
             f"{role} for {scheme}:// carries credentials or query options in the URL; pass only "

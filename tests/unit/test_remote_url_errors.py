@@ -19,6 +19,9 @@ FAULTS = [  # (url, what the message says)
     ("gs://bucket/run1", "is not installed"),
     ("ftp://no-such-host.invalid/run1", "cannot be reached"),  # ftp connects when made
     ("file:///tmp/run1", "pass the plain path '/tmp/run1'"),
+    # fsspec reads http:// only: its probe failed with an empty NotImplementedError
+    ("http://127.0.0.1:9000/bucket/run1", "s3://bucket/run1 with AWS_ENDPOINT_URL=http://127.0.0.1:9000"),
+    ("https://key:secret@minio.local/bucket/run1", "AWS_ENDPOINT_URL=https://minio.local (MinIO"),
     ("s3://bucket", "names no prefix in the bucket"),
     ("s3://key:secret@bucket/run1", "carries credentials"),
 ]
