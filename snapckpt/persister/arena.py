@@ -220,8 +220,8 @@ class SlotFiles:
             where = (f"shared-memory directory {self.directory!r} has {free} bytes free" if need > free else
                      f"the host has {avail} bytes of RAM available (MemAvailable)")
             raise InsufficientSharedMemoryError(
-                f"{where} but the {slots} snapshot slot(s) of rank {rank} need {need} more ({nbytes} bytes per "
-                f"slot, {fmt_nbytes(nbytes * slots)} in all); {advice}; or: {hint}")
+                f"{where} but the {slots} snapshot slot(s) of rank {rank} need {need} bytes more than they hold "
+                f"({nbytes} bytes per slot, {fmt_nbytes(nbytes * slots)} in all); {advice}; or: {hint}")
         if checked is not None:
             checked()
         path = self.path(rank, slot)
