@@ -32,7 +32,31 @@ Knobs:
 """
 from __future__ import annotations
 
+import difflib
 import os
+from typing import List
+
+#: Every ``SNAPCKPT_*`` variable the library reads (the list above).
+KNOBS = ("SNAPCKPT_SHM_DIR", "SNAPCKPT_RUNTIME_DIR", "SNAPCKPT_REMOTE_DIR", "SNAPCKPT_REMOTE_BLOCK_NBYTES",
+         "SNAPCKPT_PEER_TIMEOUT_SECS", "SNAPCKPT_REPLICAS", "SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES",
+         "SNAPCKPT_REPLICA_ADDR", "SNAPCKPT_LOG_LEVEL", "SNAPCKPT_STREAM_PERSIST", "SNAPCKPT_FAULT_WRITE_DELAY_SECS",
+         "SNAPCKPT_FAULT_POINT", "SNAPCKPT_FAULT_STORAGE")
+#: ``SNAPCKPT_*`` variables of the project's own scripts and benchmarks, not settings of the library.
+TOOL_VARIABLES = ("SNAPCKPT_WHEELHOUSE", "SNAPCKPT_BENCH_FSYNC")
+
+
+def unknown_knobs() -> List[str]:
+    """A sentence per ``SNAPCKPT_*`` variable set in the environment that snapckpt does not read (a misspelled
+    setting silently does nothing: ``SNAPCKPT_REMOTEDIR`` would train without a remote tier), naming the closest
+    known one; empty when there is none."""
+    out = []
+    for name in sorted(os.environ):
+        if name.startswith("SNAPCKPT_") and name not in KNOBS and name not in TOOL_VARIABLES:
+            close = difflib.get_close_matches(name, KNOBS, n=1, cutoff=0.7)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            out.append(f"the environment variable {name} is not a snapckpt setting and is ignored{hint}; "
+                       f"the settings are {', '.join(KNOBS[:10])}")
+    return out
 
 def shm_dir() -> str:
     """Default directory for shared-memory arena files."""

@@ -99,6 +99,8 @@ class Checkpointer:
         self.options.resolved_host_memory_budget_nbytes  # a malformed SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES fails here
         _env.log_level()  # so does a malformed SNAPCKPT_LOG_LEVEL (not a persister crash at startup)
         self.options.resolved_replicas(1)  # and SNAPCKPT_REPLICAS (not at the first save, a persister started)
+        for warning in _env.unknown_knobs():  # a misspelled SNAPCKPT_* variable would do nothing, silently
+            log.warning("%s", warning)
         url = remote_only_url(checkpoint_dir)
         #: True when ``checkpoint_dir`` is an object-store URL: remote-only mode (no local directory)
         self.remote_only = url is not None
