@@ -21,10 +21,12 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from operator import attrgetter, is_, itemgetter
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from snapckpt.engine import mover
+from snapckpt.engine.copy_plan import layout_sizes
 from snapckpt.engine.restore import copied_in_place as _copied_in_place
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.span_write import SlotFile, SpanWrites, read_back
@@ -42,19 +44,21 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 @dataclass
 class SlotCopies:
-    """A restore found by :func:`find`: ``torch._foreach_copy_(dsts, srcs)`` (live tensors, views of the slot); with
+    """A restore found by :func:`find`: ``torch._foreach_copy_(dsts, srcs)`` (live tensors, views of the slot; the small
+    ones split among threads by :func:`snapckpt.engine.mover.foreach_copy`); with
     ``back`` (the mapping's slot file and the layout's :class:`~snapckpt.engine.span_write.SpanWrites`, filled with the
     live tensors' data pointers) the tensors at ``back[1].pos`` are read from the file by ``preadv`` instead (their
     versions bumped, as an in-place copy bumps them) and only what that did not read is copied by torch."""
 
     dsts: List[torch.Tensor]
     srcs: List[torch.Tensor]
+    nbytes: Sequence[int]  # each tensor's bytes (the layout's): torch's copy is split among threads by them
     back: Optional[Tuple[SlotFile, SpanWrites]] = None
     read_by_file: int = 0  # how many tensors preadv read, for tests and profiles
 
     def run(self) -> None:
         """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``)."""
-        dsts, srcs = self.dsts, self.srcs
+        dsts, srcs, nbytes = self.dsts, self.srcs, self.nbytes
         if self.back is not None:
             file, writes = self.back
             fd = file.descriptor(writes.end)
@@ -67,9 +71,9 @@ class SlotCopies:
                 rest = writes.rest if done == len(pos) else sorted(writes.rest + pos[done:])
                 if len(rest) < len(dsts):
                     dsts, srcs = list(map(dsts.__getitem__, rest)), list(map(srcs.__getitem__, rest))
-        if dsts:
-            with torch.no_grad():  # a Parameter's copy must not enter autograd
-                torch._foreach_copy_(dsts, srcs)
+                    nbytes = list(map(nbytes.__getitem__, rest))
+        if dsts:  # under no_grad: a Parameter's copy must not enter autograd
+            mover.foreach_copy(dsts, srcs, nbytes)
 
 
 def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
@@ -142,5 +146,5 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # or one of another shape, which the guards refuse, takes torch's copy)
     if (same and writes and writes.ptrs is not None and file is not None
             and list(map(_DATA_PTR, tensors)) == writes.ptrs):
-        return SlotCopies(tensors, srcs, (file, writes))
-    return SlotCopies(tensors, srcs)
+        return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, (file, writes))
+    return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes)

@@ -131,3 +131,62 @@ def test_move_each_copies_every_range_in_order_keeping_the_gil():
     want[60:] = src[60:]
     assert torch.equal(dst, want)
     assert mover._memmove_gil._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # noqa: SLF001
+
+
+def test_foreach_copy_splits_the_small_tensors_among_threads_and_copies_as_torch_does(monkeypatch):
+    """``mover.foreach_copy`` (the in-process memory restore's copy): the tensors under MIN_TENSOR_NBYTES are cut
+    into parts of about equal bytes that the calling thread and a helper take (each under no_grad: grad mode is per
+    thread, and a Parameter that requires grad refuses an in-place copy in grad mode); the large ones go in one call
+    first; every tensor ends equal to its source with its version bumped, as ``Tensor.copy_`` leaves it."""
+    monkeypatch.setattr(mover, "SPLIT_NBYTES", 1 << 15)
+    monkeypatch.setattr(mover, "MIN_TENSOR_NBYTES", 1 << 14)  # 5 of the 12 are large
+    g = torch.Generator().manual_seed(1)
+    sizes = [100, 3000, 5000, 1 << 13, 777, 4000, 6000, 2500, 3333, 4444, 1 << 13, 999]
+    srcs = [torch.rand(n, generator=g) for n in sizes]
+    dsts = [torch.nn.Parameter(torch.zeros(n)) if i % 3 == 0 else torch.zeros(n) for i, n in enumerate(sizes)]
+    versions = [t._version for t in dsts]
+    nbytes = [n * 4 for n in sizes]
+    calls = []
+    run = mover._pool.run
+    monkeypatch.setattr(mover._pool, "run", lambda items, helpers, fn: (calls.append((len(items), helpers)),
+                                                                        run(items, helpers, fn)))
+    threads, helper_in, me, mine = set(), threading.Event(), threading.get_ident(), []
+    copy = mover._foreach_copy_no_grad
+
+    def part(d, s):  # the calling thread waits in its first part (after the large ones) until the helper took one
+        threads.add(threading.get_ident())
+        if threading.get_ident() != me:
+            helper_in.set()
+        else:
+            mine.append(len(d))
+            if len(mine) == 2:
+                assert helper_in.wait(30)
+        copy(d, s)
+
+    monkeypatch.setattr(mover, "_foreach_copy_no_grad", part)
+    mover.foreach_copy(dsts, srcs, nbytes, threads=2)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert all(t._version > v for t, v in zip(dsts, versions))
+    assert calls == [(4, 1)] and len(threads) == 2  # 4 parts (2 per thread) of the 7 small ones
+    assert mine[0] == 5  # the large ones first, in one call on the calling thread
+    assert torch.is_grad_enabled()
+
+    calls.clear()
+    for t in dsts:
+        with torch.no_grad():
+            t.zero_()
+    mover.foreach_copy(dsts, srcs, nbytes, threads=1)  # one thread: one call, no pool
+    assert calls == [] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_foreach_copy_raises_a_parts_error_on_the_calling_thread_and_the_pool_goes_on(monkeypatch):
+    """An error in a part copied by a helper (here a shape that differs) is raised by ``foreach_copy`` itself, not
+    lost on the helper thread; the pool takes the next job."""
+    monkeypatch.setattr(mover, "SPLIT_NBYTES", 1)
+    srcs = [torch.rand(1000) for _ in range(8)]
+    dsts = [torch.zeros(1000) for _ in range(7)] + [torch.zeros(999)]
+    with pytest.raises(RuntimeError):
+        mover.foreach_copy(dsts, srcs, [4000] * 8, threads=2)
+    dsts[-1] = torch.zeros(1000)
+    mover.foreach_copy(dsts, srcs, [4000] * 8, threads=2)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))

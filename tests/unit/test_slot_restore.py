@@ -220,3 +220,32 @@ def test_a_tensor_met_twice_takes_the_general_path():
         assert slot_restore.find(stager, m, NAME, saves, live) is not None  # the control
         live["model"]["w5"] = live["model"]["w3"]
         assert slot_restore.find(stager, m, NAME, saves, live) is None, saves
+
+
+def test_a_restore_split_among_threads_copies_every_tensor_in_place_parameters_included(monkeypatch):
+    """With the small tensors' bytes over ``mover.SPLIT_NBYTES`` the copy is split among the calling thread and a
+    helper (``mover.foreach_copy``): every tensor, a Parameter that requires grad among them, gets the saved values in
+    place, its version bumped, and grad mode is left as it was."""
+    from snapckpt.engine import mover
+
+    monkeypatch.setattr(mover, "SPLIT_NBYTES", 1)
+    parts = []
+    run = mover._pool.run
+    monkeypatch.setattr(mover._pool, "run", lambda items, helpers, fn: (parts.append(len(items)),
+                                                                        run(items, helpers, fn)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    stager, m, state = Stager(), _slot(), _state()
+    state["model"].update({f"p{i}": torch.nn.Parameter(torch.rand(5, 3)) for i in range(6)})
+    _save(stager, m, state, 1)
+    saved = _copy_of(state)
+    with torch.no_grad():
+        for t in state["model"].values():
+            t.add_(1.0)
+    versions = [t._version for t in state["model"].values()]
+    found = slot_restore.find(stager, m, NAME, 1, state)
+    assert found is not None and found.back is None
+    found.run()
+    assert parts == [4] and torch.is_grad_enabled()
+    _assert_equal(state, saved)
+    assert all(t._version > v for t, v in zip(state["model"].values(), versions))
+    assert all(t.requires_grad for k, t in state["model"].items() if k.startswith("p"))
