@@ -251,6 +251,22 @@ def test_H1_store_commit_record_retention_and_corrupt_download(tmp_path, s3_buck
     assert open(os.path.join(dest, "latest")).read() == "step_00000002"
 
 
+def test_remote_retention_never_deletes_what_the_tracker_object_names(tmp_path, s3_bucket):
+    """Step 1 uploaded with its tracker, steps 2 and 3 without (DeepSpeed's save_latest=False): the tracker
+    object still names step 1, so keep_last=1 keeps it (a resume from the store loads it) and deletes step 2."""
+    from snapckpt.storage.remote import RemoteStore
+    store = RemoteStore(s3_bucket.url("run"))
+    for step in (1, 2, 3):
+        d, m = _local_checkpoint(str(tmp_path / "src"), step, {"a.bin": bytes([step]) * 100})
+        tracker = {"tracker_name": "latest", "tracker_content": os.path.basename(d)} if step == 1 else {}
+        if tracker:  # as the local commit records the tracker it wrote
+            m["tracker"] = {"name": "latest", "content": os.path.basename(d)}
+        store.upload(d, os.path.basename(d), m, run_id="r", **tracker)
+    assert s3_bucket.get("run/latest") == b"step_00000001"
+    assert store.apply_retention(1) == ["step_00000002"]
+    assert [c.step for c in store.list_committed()] == [1, 3]
+
+
 def test_H2_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
     """Uploads slower than saves: the upload of step 1 is held up (a fault point sleeps 8 s before its
     manifest) while steps 1-5 are committed locally without waiting for it. The queue keeps 2 waiting

@@ -46,7 +46,8 @@ from snapckpt.storage.urls import check_remote_url, is_remote_url
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError, RemoteURLError
-from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum, save_order)
+from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum, save_order,
+                                      tracker_named)
 
 __all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url", "call_bounded",
            "NoAnswer", "PROBE_TIMEOUT_SECS"]
@@ -690,12 +691,15 @@ class RemoteStore:
     # ---------------------------------------------------------------------------- retention, orphans
     def apply_retention(self, keep_last: Optional[int], protect: List[str] = ()) -> List[str]:
         """Delete remote checkpoints beyond the ``keep_last`` most recently saved (manifest first, then
-        the data); return the deleted directory names."""
+        the data), except one the tracker object names (as local retention:
+        :func:`~snapckpt.ondisk.manifest.tracker_named`); return the deleted directory names."""
         if keep_last is None:
             return []
         committed = self.list_committed()
         committed.sort(key=lambda c: save_order(c.manifest))
         keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
+        if len(committed) > keep_last:
+            keep |= tracker_named(((c.dirname, c.manifest) for c in committed[:-keep_last]), self._read_tracker)
         deleted = []
         for c in committed:
             if c.dirname in keep:
@@ -705,6 +709,12 @@ class RemoteStore:
             deleted.append(c.dirname)
             log.info("remote retention: deleted %s (step %d), keeping the newest %d", c.url, c.step, keep_last)
         return deleted
+
+    def _read_tracker(self, name: str) -> Optional[str]:
+        try:
+            return self._read(self._path(name)).decode("utf-8", errors="replace")
+        except (FileNotFoundError, IsADirectoryError):
+            return None
 
     def clean_orphans(self, keep_runs: Sequence[str] = ()) -> List[str]:
         """Delete what interrupted uploads left: prefixes holding snapckpt's upload marker but no manifest,
