@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from snapckpt.engine import slot_restore
@@ -220,3 +221,45 @@ def test_a_tensor_met_twice_takes_the_general_path():
         assert slot_restore.find(stager, m, NAME, saves, live) is not None  # the control
         live["model"]["w5"] = live["model"]["w3"]
         assert slot_restore.find(stager, m, NAME, saves, live) is None, saves
+
+
+def test_a_live_state_made_under_inference_mode_is_refused_before_anything_is_written():
+    """Saved from normal tensors, restored into the same layout made under torch.inference_mode() (a model rebuilt
+    for evaluation): torch's refusal of their copy_, before any tensor is written (torch's own copy_ writes the
+    first, then raises); inside inference mode they are restored."""
+    stager, m, state = Stager(), _slot(), _state()
+    _save(stager, m, state, 1)
+    with torch.inference_mode():
+        live = _copy_of(state)
+        for t in live["model"].values():
+            t.zero_()
+        before = _copy_of(live)
+    found = slot_restore.find(stager, m, NAME, 1, live)
+    assert found is not None
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        found.run()
+    _assert_equal(live, before)
+    with torch.inference_mode():
+        found.run()
+    _assert_equal(live, _copy_of(state))
+
+
+def test_a_save_made_inside_inference_mode_then_inference_tensors_restored_outside_it_are_refused():
+    """A save taken inside torch.inference_mode() (whose quick check, made there, passes inference tensors outside
+    it), a normal state restored, then one of the same layout made under inference mode: refused, nothing written."""
+    stager, m, state = Stager(), _slot(), _state()
+    with torch.inference_mode():
+        _save(stager, m, state, 1)
+    slot_restore.find(stager, m, NAME, 1, state).run()  # normal tensors: restored
+    _assert_equal(state, _copy_of(state))
+    with torch.inference_mode():
+        live = _copy_of(state)
+        live["p"] = torch.nn.Parameter(live["p"])
+        for t in live["model"].values():
+            t.zero_()
+        before = _copy_of(live)
+    found = slot_restore.find(stager, m, NAME, 1, live)
+    assert found is not None
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        found.run()
+    _assert_equal(live, before)
