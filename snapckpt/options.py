@@ -27,7 +27,9 @@ class CheckpointOptions:
     Attributes:
         keep_last: retention; the ``keep_last`` most recently *saved* checkpoints (save order, not commit
             order nor step number) are kept, older ones are deleted after each commit (``None`` keeps
-            everything). The newest committed checkpoint and every in-flight one are never deleted.
+            everything). The newest committed checkpoint, every in-flight one and the one the tracker file
+            names (DeepSpeed's ``latest`` after later ``save_latest=False`` saves: what a resume loads) are
+            never deleted.
         shm_dir: directory of a tmpfs that holds the shared-memory arena (default ``/dev/shm`` or
             ``$SNAPCKPT_SHM_DIR``).
         runtime_dir: parent directory for the persister's socket, lock and token (default

@@ -286,3 +286,15 @@ def test_loop_targets_call_a_negative_extra_time_invalid_not_met():
     assert "| met |" in rows["extra s per memory checkpoint / copy floor's (snapckpt memory, overlap off)"]
     on = rows["extra s per memory checkpoint / copy floor's (snapckpt memory, overlap on)"]
     assert "invalid" in on and "met" not in on, on
+
+
+def test_headline_takes_its_port_from_the_benchmarks_shared_helper():
+    """benchmarks/headline.py reserves its torchrun port with _common.free_port (one definition for every
+    benchmark), not a copy of its own."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        headline, common = importlib.import_module("headline"), importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert headline.free_port is common.free_port
+    assert 0 < headline.free_port() < 65536

@@ -190,6 +190,17 @@ def test_B1_B6_latest_after_commit_memory_save_and_bad_tags(snap_env):
     assert r["closed_by_destroy"] is True
 
 
+def test_keep_last_never_retires_the_tag_latest_names(snap_env, tmp_path):
+    """Tag a saved with save_latest, then b and c without, under keep_last=1: as with DeepSpeed's own engine
+    (which has no retention), latest still names a, a is still there and stock engine.load_checkpoint(dir)
+    loads it; b, beyond keep_last and not named by latest, is retired."""
+    native = str(tmp_path / "native")
+    (r,) = _results(run_ranks("ds_save_latest_worker.py", 1, [snap_env.ckpt_dir, native], ENV, timeout=300))
+    assert r["native_latest"] == "a" and r["native_tags"] == ["a", "b", "c"] and r["native_stock_load"] == "a", r
+    assert r["snapckpt_latest"] == "a" and r["snapckpt_tags"] == ["a", "c"], r
+    assert r["snapckpt_stock_load"] == "a", r
+
+
 def test_changed_data_parallel_size_names_universal_checkpoint(snap_env):
     """A ZeRO checkpoint written by 2 ranks, loaded by 1: a clear error that names DeepSpeed's universal
     checkpoint route (ds_to_universal, load_universal), not a shape error deep inside the optimizer."""

@@ -251,6 +251,79 @@ def test_H1_store_commit_record_retention_and_corrupt_download(tmp_path, s3_buck
     assert open(os.path.join(dest, "latest")).read() == "step_00000002"
 
 
+def test_remote_retention_never_deletes_what_the_tracker_object_names(tmp_path, s3_bucket):
+    """Step 1 uploaded with its tracker, steps 2 and 3 without (DeepSpeed's save_latest=False): the tracker
+    object still names step 1, so keep_last=1 keeps it (a resume from the store loads it) and deletes step 2."""
+    from snapckpt.storage.remote import RemoteStore
+    store = RemoteStore(s3_bucket.url("run"))
+    for step in (1, 2, 3):
+        d, m = _local_checkpoint(str(tmp_path / "src"), step, {"a.bin": bytes([step]) * 100})
+        tracker = {"tracker_name": "latest", "tracker_content": os.path.basename(d)} if step == 1 else {}
+        if tracker:  # as the local commit records the tracker it wrote
+            m["tracker"] = {"name": "latest", "content": os.path.basename(d)}
+        store.upload(d, os.path.basename(d), m, run_id="r", **tracker)
+    assert s3_bucket.get("run/latest") == b"step_00000001"
+    assert store.apply_retention(1) == ["step_00000002"]
+    assert [c.step for c in store.list_committed()] == [1, 3]
+
+
+def _upload_requests(store, d, m) -> dict:
+    """{kind: count} of the store requests one upload of ``d`` (with its tracker) makes: manifest reads and
+    listings."""
+    counts = {"manifest reads": 0, "listings": 0}
+    read, find, ls = store._read, store.fs.find, store.fs.ls
+
+    def counted(kind, fn, path, *a, **kw):
+        if kind != "manifest reads" or path.endswith("manifest.json"):
+            counts[kind] += 1
+        return fn(path, *a, **kw)
+    store._read = lambda p: counted("manifest reads", read, p)
+    store.fs.find = lambda p, *a, **kw: counted("listings", find, p, *a, **kw)
+    store.fs.ls = lambda p, *a, **kw: counted("listings", ls, p, *a, **kw)
+    try:
+        store.upload(d, os.path.basename(d), m, run_id="r", tracker_name="latest", tracker_content=os.path.basename(d))
+    finally:
+        store._read, store.fs.find, store.fs.ls = read, find, ls
+    return counts
+
+
+def test_an_upload_reads_the_same_few_objects_however_many_checkpoints_the_store_holds(tmp_path, s3_bucket):
+    """An upload with a tracker looks for a checkpoint saved later (the tracker rule) with one listing of the
+    store and a read of the manifests it has not seen, not a read and a listing per remote checkpoint: its
+    requests do not grow with the checkpoints kept there (keep_last=None keeps every one)."""
+    from snapckpt.storage.remote import RemoteStore
+    store = RemoteStore(s3_bucket.url("run"))
+    counts = {}
+    for step in range(1, 8):
+        d, m = _local_checkpoint(str(tmp_path / "src"), step, {"a.bin": bytes([step]) * 10, "b.bin": b"b"})
+        counts[step] = _upload_requests(store, d, m)
+    assert counts[7] == counts[3], counts
+    assert s3_bucket.get("run/latest") == b"step_00000007"
+
+
+def test_an_upload_sees_a_checkpoint_saved_again_later_by_another_persister(tmp_path, s3_bucket):
+    """The manifests an upload remembers are read again once they change: step 1 saved again (another
+    persister, after a restart) later than step 3 is saved, so step 3's upload leaves the tracker at step 1."""
+    from snapckpt.storage.remote import RemoteStore
+    store, other = RemoteStore(s3_bucket.url("run")), RemoteStore(s3_bucket.url("run"))
+    ckpt = {}
+    for step in (1, 2, 3):
+        ckpt[step] = _local_checkpoint(str(tmp_path / "src"), step, {"a.bin": bytes([step]) * 10})
+        ckpt[step][1]["tracker"] = {"name": "latest", "content": f"step_{step:08d}"}
+    for step in (1, 2):
+        d, m = ckpt[step]
+        assert store.upload(d, os.path.basename(d), m, run_id="r", tracker_name="latest",
+                            tracker_content=os.path.basename(d))
+    d1, m1 = _local_checkpoint(str(tmp_path / "again"), 1, {"a.bin": b"again" * 10})
+    m1["requested_unix"] = ckpt[3][1]["requested_unix"] + 1
+    m1["tracker"] = {"name": "latest", "content": "step_00000001"}
+    assert other.upload(d1, "step_00000001", m1, run_id="r2", tracker_name="latest", tracker_content="step_00000001")
+    d3, m3 = ckpt[3]
+    assert not store.upload(d3, "step_00000003", m3, run_id="r", tracker_name="latest",
+                            tracker_content="step_00000003")
+    assert s3_bucket.get("run/latest") == b"step_00000001"
+
+
 def test_H2_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
     """Uploads slower than saves: the upload of step 1 is held up (a fault point sleeps 8 s before its
     manifest) while steps 1-5 are committed locally without waiting for it. The queue keeps 2 waiting

@@ -584,6 +584,9 @@ class Checkpointer:
                 (``snapckpt verify``). Never a fresh start: hours of training may be one repair away.
             IncompatibleCheckpointError: world size differs, or a tensor's shape differs from ``state_dict``.
             UnsafeCheckpointError: ``weights_only=True`` met pickled objects.
+            RuntimeError: ``state_dict`` holds tensors made under ``torch.inference_mode()`` and this call is
+                outside it: torch's refusal of ``copy_`` into them (from a memory snapshot raised before anything
+                is written, as none of its reads by address may pass torch's check).
         """
         if step is not None:
             check_step(step)

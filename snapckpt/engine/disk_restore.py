@@ -82,10 +82,13 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 def _direct(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:
-    """Whether ``src``'s whole record can be read straight into ``dst`` (same bytes, same layout)."""
+    """Whether ``src``'s whole record can be read straight into ``dst`` (same bytes, same layout). Not into a tensor
+    made under ``torch.inference_mode()`` outside it: a read by address would pass torch's refusal of the update,
+    which the caller's ``copy_`` raises."""
     return (dst.device.type == "cpu" and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
             and src.storage_offset() == 0 and src.numel() * src.element_size() == nbytes
-            and nbytes >= DIRECT_MIN_NBYTES and not dst.is_conj() and not dst.is_neg())
+            and nbytes >= DIRECT_MIN_NBYTES and not dst.is_conj() and not dst.is_neg()
+            and not (dst.is_inference() and not torch.is_inference_mode_enabled()))
 
 
 def read_into(path: str, nbytes: int, record: Dict[str, Any], dst: Any, *, weights_only: bool,

@@ -129,7 +129,7 @@ class Recheck:
     """
 
     __slots__ = ("n", "offsets", "chunks", "whole", "itemsizes", "devices", "one_device", "groups", "ptrs",
-                 "distinct", "nulls")
+                 "distinct", "nulls", "inference")
 
     def __init__(self, tensors: List[torch.Tensor], sig: tuple, restorable: bool = False) -> None:
         self.n, self.offsets = len(tensors), sig[2]
@@ -140,6 +140,10 @@ class Recheck:
         self.itemsizes = tuple(map(_ITEMSIZE, sig[3]))
         self.devices, self.groups = sig[4], sig[1]
         self.one_device = len(set(self.devices)) <= 1
+        # whether the tensors that pass same_tensors outside torch.inference_mode() include some made under it: found
+        # by the first restore that needs it (slot_restore). Checked outside it, the guards' dispatch keys tell the
+        # two kinds apart (whichever mode made them), so every tensor list that passes there is of that one answer
+        self.inference: Optional[bool] = None
         self._remember(list(map(_DATA_PTR, tensors)))
 
     def _remember(self, ptrs: List[int]) -> None:

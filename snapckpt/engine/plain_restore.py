@@ -47,6 +47,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from snapckpt.engine import plain_values, span_read
+from snapckpt.engine.restore import refuse_inference
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.errors import SnapshotError
 from snapckpt.engine.stager import ALIGN
@@ -68,6 +69,7 @@ _HEAD = re.compile(rb'\{"v":2,"step":(\d+),"plain":"([0-9a-f]{64})","values":\[(
 _HEAD_MAX = 256  # bytes of the index read for it
 _IS_CPU = attrgetter("is_cpu")
 _IS_NESTED = attrgetter("is_nested")
+_IS_INFERENCE = torch.Tensor.is_inference
 
 try:  # libc's memmove called with the GIL held: a copy of a few KiB is shorter than a release and re-take of the GIL,
     # and 200,000 releases would let any other Python thread of the process in between (ctypes.memmove releases it)
@@ -102,9 +104,17 @@ class PlainCopies:
     values: List[Any]
     end: int = 0  # the end of the last span (slot bytes): mapped before the small copies; 0: the saves' mapping
     read_by_file: int = 0  # how many small spans preadv copied (the rest: memmove), for tests and profiles
+    inference: bool = False  # some live tensors were made under torch.inference_mode()
 
     def run(self) -> None:
-        """Copy (the live tensors have the saved dtypes: a copy of bytes)."""
+        """Copy (the live tensors have the saved dtypes: a copy of bytes).
+
+        Raises:
+            RuntimeError: a live tensor made under ``torch.inference_mode()``, restored outside it
+                (:func:`~snapckpt.engine.restore.refuse_inference`), before anything is written.
+        """
+        if self.inference and not torch.is_inference_mode_enabled():
+            refuse_inference()
         if self.slot.tensor is None:
             raise SnapshotError(f"the mapping of {self.slot.path} was closed before the restore copied from it")
         deque(map(setitem, self.dicts, self.keys, self.values), maxlen=0)
@@ -198,7 +208,12 @@ def _find(walked: "_Walked", mapped: MappedSlot, name: str, saved: str, data_lim
     offsets, nbytes = direct_offsets(facts)
     if digest(name, walked.structure, tensor_part(facts, offsets.tolist())) != saved:  # no numpy: not a dependency
         return None
-    return _copies(mapped, walked, ptrs, offsets, nbytes, data_limit, values_at)
+    copies = _copies(mapped, walked, ptrs, offsets, nbytes, data_limit, values_at)
+    # (the table's guards compare dispatch keys, which tell inference tensors apart from their references: made
+    # and checked in the same mode, they pass only tensors that may be written in it)
+    if copies is not None and not torch.is_inference_mode_enabled():
+        copies.inference = any(map(_IS_INFERENCE, tensors))
+    return copies
 
 
 def _find_by_table(walked: "_Walked", mapped: MappedSlot, name: str, saved: str, data_limit: int,

@@ -15,13 +15,26 @@ import torch
 
 from snapckpt.errors import IncompatibleCheckpointError
 
-__all__ = ["MAX_STEP", "check_shapes", "check_step", "copy_into", "copied_in_place", "pairs"]
+__all__ = ["MAX_STEP", "check_shapes", "check_step", "copy_into", "copied_in_place", "pairs", "refuse_inference"]
 
 _SHAPE = attrgetter("shape")
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _EXACT_TENSOR_TYPES = frozenset(_TENSOR_TYPES)
 _MISSING = object()
 MAX_STEP = 2**63 - 1  # steps are signed 64-bit integers in the arena's slot header
+
+
+def refuse_inference() -> None:
+    """Raise what torch's ``copy_`` into a tensor made under ``torch.inference_mode()`` raises outside it, for the
+    restores that write live tensors by their addresses (``preadv``, ``memmove``: past torch's check), before they
+    write anything (torch's own ``copy_`` writes the tensor, then raises).
+
+    Raises:
+        RuntimeError: always.
+    """
+    raise RuntimeError("Inplace update to inference tensor outside InferenceMode is not allowed: the live state "
+                       "holds tensors made under torch.inference_mode(); load inside torch.inference_mode(), or "
+                       "clone them into normal tensors first (snapckpt wrote nothing into them)")
 
 
 def check_step(step: Any, what: str = "step") -> None:

@@ -27,7 +27,7 @@ import torch
 
 from snapckpt.engine import mover
 from snapckpt.engine.copy_plan import layout_sizes
-from snapckpt.engine.restore import copied_in_place as _copied_in_place
+from snapckpt.engine.restore import copied_in_place as _copied_in_place, refuse_inference
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.span_write import SlotFile, SpanWrites, read_back
 from snapckpt.engine.stager import Stager, _Layout, direct_views, index_bytes
@@ -40,6 +40,7 @@ __all__ = ["SlotCopies", "find"]
 _SHAPE = attrgetter("shape")
 _SIZE = itemgetter(2)  # of a _Layout.direct_dst entry
 _DATA_PTR = torch.Tensor.data_ptr
+_IS_INFERENCE = torch.Tensor.is_inference
 
 
 @dataclass
@@ -55,10 +56,18 @@ class SlotCopies:
     nbytes: Sequence[int]  # each tensor's bytes (the layout's): torch's copy is split among threads by them
     back: Optional[Tuple[SlotFile, SpanWrites]] = None
     read_by_file: int = 0  # how many tensors preadv read, for tests and profiles
+    inference: bool = False  # some of dsts were made under torch.inference_mode()
 
     def run(self) -> None:
-        """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``)."""
+        """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``).
+
+        Raises:
+            RuntimeError: a live tensor made under ``torch.inference_mode()``, restored outside it
+                (:func:`~snapckpt.engine.restore.refuse_inference`), before anything is written.
+        """
         dsts, srcs, nbytes = self.dsts, self.srcs, self.nbytes
+        if self.inference and not torch.is_inference_mode_enabled():
+            refuse_inference()
         if self.back is not None:
             file, writes = self.back
             fd = file.descriptor(writes.end)
@@ -141,10 +150,20 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     if not ok:
         return None
     srcs = direct_views(layout, mapped.tensor, mapped.views)
+    # inference tensors may be written inside torch.inference_mode(), not outside it; once known for tensors that
+    # pass the guards (which compare dispatch keys), it holds for the next ones that pass (layout_check.Recheck)
+    if torch.is_inference_mode_enabled():
+        inference = False
+    elif same and r.inference is not None:
+        inference = r.inference
+    else:
+        inference = any(map(_IS_INFERENCE, tensors))
+        if same:
+            r.inference = inference
     writes, file = layout.span_writes, getattr(mapped, "file", None)
     # the save's pwritev table read back: only into the addresses it was filled with (a tensor given new memory since,
     # or one of another shape, which the guards refuse, takes torch's copy)
     if (same and writes and writes.ptrs is not None and file is not None
             and list(map(_DATA_PTR, tensors)) == writes.ptrs):
-        return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, (file, writes))
-    return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes)
+        return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, (file, writes), inference=inference)
+    return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, inference=inference)

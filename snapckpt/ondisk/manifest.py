@@ -35,7 +35,7 @@ import re
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import xxhash
 
@@ -45,7 +45,8 @@ from snapckpt.storage.base import StorageReader
 __all__ = ["FORMAT_VERSION", "SIDECAR", "MANIFEST", "Committed", "build_manifest", "parse_manifest",
            "list_committed", "check_sizes", "check_checksums", "crc32_file", "record_checksum", "validate_dirname",
            "validate_file_name", "partial_dirname", "part_marker_name", "fail_marker_name", "ChecksumWriter",
-           "CHECKSUM", "CHECKSUMS", "file_checksum", "file_set_changes", "present_files", "save_order"]
+           "CHECKSUM", "CHECKSUMS", "file_checksum", "file_set_changes", "present_files", "save_order",
+           "tracker_named"]
 
 FORMAT_VERSION = 1
 SIDECAR = ".snapckpt"
@@ -234,6 +235,26 @@ def save_order(manifest: Dict[str, Any]) -> float:
     catch-up follow, local and remote alike (after a rewind a lower step is newer)."""
     value = manifest.get("requested_unix", manifest.get("created_unix", 0.0))
     return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def tracker_named(manifests: Iterable[Tuple[str, Dict[str, Any]]],
+                  read_tracker: Callable[[str], Optional[str]]) -> Set[str]:
+    """The directory names, among ``manifests`` (``(dirname, manifest)`` pairs), whose commit wrote a tracker
+    file (the manifest's ``tracker`` record) that still holds what that commit wrote, whitespace stripped as
+    the frameworks read it: what a framework's own resume loads (DeepSpeed's ``latest`` after a later
+    ``save_latest=False`` save still names the older tag). ``read_tracker(name)`` returns the tracker file's
+    text, ``None`` when it cannot be read; each name is read once."""
+    wrote: Dict[str, Dict[str, Set[str]]] = {}
+    for dirname, m in manifests:
+        rec = m.get("tracker")
+        if isinstance(rec, dict) and isinstance(rec.get("name"), str) and isinstance(rec.get("content"), str):
+            wrote.setdefault(rec["name"], {}).setdefault(rec["content"].strip(), set()).add(dirname)
+    named: Set[str] = set()
+    for name, by_content in wrote.items():
+        text = read_tracker(name)
+        if text is not None:
+            named |= by_content.get(text.strip(), set())
+    return named
 
 
 def parse_manifest(data: bytes, dirname: Optional[str] = None, source: Optional[str] = None) -> Dict[str, Any]:

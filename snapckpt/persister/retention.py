@@ -4,7 +4,9 @@ Only directories with a valid snapckpt manifest are ever candidates (native chec
 write are never touched); the ``keep_last`` most recently saved are kept (save order, not commit time nor step number: a
 rewound run's new checkpoints are never rotated away in favour of abandoned higher steps), which always
 includes the newest committed one; in-flight (partial) directories are hidden and never candidates; a directory already
-deleted by someone else is not an error (case C3).
+deleted by someone else is not an error (case C3). The checkpoint a tracker file still names (DeepSpeed's ``latest``
+after later ``save_latest=False`` saves) is never retired either: it is what the framework's own resume loads, and
+without retention (the framework's own save) it would still be there.
 
 Deleting a multi-GiB checkpoint takes a while (about 0.2 s per GiB on ext4 here). So that it does not
 delay the commit's answer, :func:`apply_retention` can first rename each old checkpoint to a hidden
@@ -19,7 +21,7 @@ import os
 from typing import Iterable, List, Optional
 
 from snapckpt._internal import faultpoints as faults
-from snapckpt.ondisk.manifest import list_committed, save_order
+from snapckpt.ondisk.manifest import list_committed, save_order, tracker_named
 from snapckpt.storage.base import StorageReader, StorageWriter
 
 __all__ = ["apply_retention", "trash_dirname"]
@@ -36,7 +38,8 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
                     keep_last: Optional[int], protect: Iterable[str] = (), *,
                     defer_to: Optional[List[str]] = None, run_id: str = "", step: int = -1,
                     spared: Optional[List[str]] = None) -> List[str]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; return the retired directory names.
+    """Delete committed checkpoints beyond the newest ``keep_last``, except one a tracker file in
+    ``checkpoint_dir`` names (:func:`~snapckpt.ondisk.manifest.tracker_named`); return the retired directory names.
 
     Args:
         protect: directory names never retired here (commits in flight).
@@ -59,6 +62,9 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
     # away because an older save committed after it. Manifests without requested_unix: commit time.
     committed.sort(key=lambda c: save_order(c.manifest))
     newest = {c.dirname for c in committed[-keep_last:]}
+    if len(committed) > keep_last:
+        newest |= tracker_named(((c.dirname, c.manifest) for c in committed[:-keep_last]),
+                                lambda name: _read_text(reader, os.path.join(checkpoint_dir, name)))
     protect = set(protect)
     deleted = []
     for c in committed:
@@ -81,3 +87,10 @@ def apply_retention(storage: StorageWriter, reader: StorageReader, checkpoint_di
         deleted.append(c.dirname)
         log.info("retention: deleted %s (step %d), keeping the newest %d", c.dirname, c.step, keep_last)
     return deleted
+
+
+def _read_text(reader: StorageReader, path: str) -> Optional[str]:
+    try:
+        return reader.read_bytes(path).decode("utf-8", errors="replace")
+    except OSError:  # missing, or a directory: it names nothing
+        return None

@@ -46,7 +46,8 @@ from snapckpt.storage.urls import check_remote_url, is_remote_url
 from snapckpt._internal import env as _env
 from snapckpt._internal import faultpoints as faults
 from snapckpt.errors import CheckpointCorruptError, RemoteStorageError, RemoteURLError
-from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum, save_order)
+from snapckpt.ondisk.manifest import (CHECKSUMS, MANIFEST, SIDECAR, parse_manifest, record_checksum, save_order,
+                                      tracker_named)
 
 __all__ = ["RemoteStore", "RemoteCommitted", "REMOTE_MARKER", "BLOCK_NBYTES", "is_remote_url", "call_bounded",
            "NoAnswer", "PROBE_TIMEOUT_SECS"]
@@ -114,6 +115,9 @@ class RemoteStore:
                                  "another scheme works when its fsspec filesystem stores objects)") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
+        # {dirname: (identity of its manifest object in a listing, parsed manifest)}: _committed_listed's
+        # manifests, read again only when the listing shows the object changed
+        self._manifests: Dict[str, Tuple[Tuple[Any, ...], Dict[str, Any]]] = {}
         #: :meth:`claim` created the owner record (no job had used the directory): it holds none of this job's
         #: checkpoints, so a listing that fails cannot hide one
         self.claimed_new = False
@@ -305,6 +309,48 @@ class RemoteStore:
         out.sort(key=lambda c: (c.step, c.manifest.get("created_unix", 0)))
         return out
 
+    def _committed_listed(self) -> List[RemoteCommitted]:
+        """The committed checkpoints :meth:`list_committed` finds (a manifest object that parses, every data object
+        listed with its recorded size; hidden prefixes skipped), unsorted, from one recursive listing of the remote
+        directory (a paginated LIST, about one request per 1,000 objects) instead of a manifest read and a
+        listing per prefix: a manifest is read again only when the listing shows its object changed (another
+        ETag, size or modification time; read every time where the store reports none of those).
+
+        Raises:
+            RemoteStorageError: the bucket does not exist.
+            OSError / the store's errors: the store cannot be listed.
+        """
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError as e:
+            self.check_bucket(e)
+            return []
+        objects: Dict[str, Dict[str, Dict[str, Any]]] = {}  # {dirname: {name in it: listing info}}
+        for path, info in found.items():
+            top, _, rest = posixpath.relpath(path, self.root).partition("/")
+            if rest and not top.startswith("."):
+                objects.setdefault(top, {})[rest] = info
+        known, self._manifests = self._manifests, {}
+        out = []
+        for name, listed in objects.items():
+            info = listed.get(MANIFEST)
+            if info is None:  # an upload in flight, or interrupted
+                continue
+            ident = _listed_identity(info)
+            if ident is not None and name in known and known[name][0] == ident:
+                m = known[name][1]
+            else:
+                try:
+                    m = parse_manifest(self._read(self._path(name, MANIFEST)), name)
+                except (FileNotFoundError, CheckpointCorruptError):  # gone since the listing, or damaged
+                    continue
+            if ident is not None:
+                self._manifests[name] = (ident, m)
+            if all(int(listed.get(f, {}).get("size", -1)) == rec["nbytes"] for f, rec in m["files"].items()):
+                out.append(RemoteCommitted(m["step"], name, self.display(name), m))
+        return out
+
     def _check_sizes(self, dirname: str, manifest: Dict[str, Any]) -> None:
         sizes: Dict[str, int] = {}
         base = self._path(dirname)
@@ -397,7 +443,8 @@ class RemoteStore:
         ``tracker_name`` (its manifest's ``tracker`` record) and whose save was requested after ``manifest``'s
         (``requested_unix``, the order retention and the loader use), or ``None``."""
         mine = save_order(manifest)
-        later = [c for c in self.list_committed() if c.dirname != dirname and save_order(c.manifest) > mine
+        # one listing, not list_committed's two requests per prefix: this runs after every upload with a tracker
+        later = [c for c in self._committed_listed() if c.dirname != dirname and save_order(c.manifest) > mine
                  and isinstance(c.manifest.get("tracker"), dict) and c.manifest["tracker"].get("name") == tracker_name
                  and isinstance(c.manifest["tracker"].get("content"), str)]
         return max(later, key=lambda c: save_order(c.manifest)) if later else None
@@ -690,12 +737,15 @@ class RemoteStore:
     # ---------------------------------------------------------------------------- retention, orphans
     def apply_retention(self, keep_last: Optional[int], protect: List[str] = ()) -> List[str]:
         """Delete remote checkpoints beyond the ``keep_last`` most recently saved (manifest first, then
-        the data); return the deleted directory names."""
+        the data), except one the tracker object names (as local retention:
+        :func:`~snapckpt.ondisk.manifest.tracker_named`); return the deleted directory names."""
         if keep_last is None:
             return []
         committed = self.list_committed()
         committed.sort(key=lambda c: save_order(c.manifest))
         keep = {c.dirname for c in committed[-keep_last:]} | set(protect)
+        if len(committed) > keep_last:
+            keep |= tracker_named(((c.dirname, c.manifest) for c in committed[:-keep_last]), self._read_tracker)
         deleted = []
         for c in committed:
             if c.dirname in keep:
@@ -705,6 +755,12 @@ class RemoteStore:
             deleted.append(c.dirname)
             log.info("remote retention: deleted %s (step %d), keeping the newest %d", c.url, c.step, keep_last)
         return deleted
+
+    def _read_tracker(self, name: str) -> Optional[str]:
+        try:
+            return self._read(self._path(name)).decode("utf-8", errors="replace")
+        except (FileNotFoundError, IsADirectoryError):
+            return None
 
     def clean_orphans(self, keep_runs: Sequence[str] = ()) -> List[str]:
         """Delete what interrupted uploads left: prefixes holding snapckpt's upload marker but no manifest,
@@ -896,6 +952,15 @@ def call_bounded(fn: Callable[[], Any], timeout: Optional[float]) -> Any:
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+def _listed_identity(info: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
+    """What tells one version of an object from another in a listing's ``info`` (its size with the ETag, or the
+    generation, or the modification time), ``None`` when the store reports none of them."""
+    for key in ("ETag", "etag", "generation", "LastModified", "last_modified", "mtime", "updated"):
+        if info.get(key) is not None:
+            return (info.get("size"), key, str(info[key]))
+    return None
 
 
 def _protocols(fs) -> tuple:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from snapckpt.engine import plain_restore, plain_values
@@ -85,6 +86,26 @@ def test_a_restarted_process_copies_the_slot_into_its_live_state_bit_exactly():
     assert _tensors(live) == objects and all(a is b for a, b in zip(_tensors(live), objects))  # in place
     assert all(t._version > v for t, v in zip(objects, versions))  # as an in-place copy bumps them
     assert type(live["p"]) is torch.nn.Parameter and live["p"].requires_grad and live["p"].grad_fn is None
+
+
+def test_a_live_state_made_under_inference_mode_is_refused_before_anything_is_written():
+    """A restart that builds its state under torch.inference_mode() and loads outside it: torch's refusal of
+    copy_ into those tensors ("Inplace update to inference tensor outside InferenceMode"), raised before a byte is
+    written (preadv and memmove write by address, past torch's check); inside inference mode they are restored."""
+    state = _state()
+    m = _save(state)
+    with torch.inference_mode():
+        live = _zeros_like(state)
+    found = _find(m, live)
+    assert isinstance(found, plain_restore.PlainCopies) and found.small
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        found.run()
+    assert not any(t.any() for t in _tensors(live))  # nothing written
+    with torch.inference_mode():
+        found = _find(m, live)
+        found.run()
+    for a, b in zip(_tensors(state), _tensors(live)):
+        assert torch.equal(a, b)
 
 
 def test_large_tensors_are_copied_by_torch_and_small_ones_by_bytes():

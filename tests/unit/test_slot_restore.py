@@ -3,8 +3,10 @@ the slot and the live state are of the saved layout; the general path (None) whe
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from snapckpt.engine import slot_restore
@@ -249,3 +251,80 @@ def test_a_restore_split_among_threads_copies_every_tensor_in_place_parameters_i
     _assert_equal(state, saved)
     assert all(t._version > v for t, v in zip(state["model"].values(), versions))
     assert all(t.requires_grad for k, t in state["model"].items() if k.startswith("p"))
+
+
+def test_a_live_state_made_under_inference_mode_is_refused_before_anything_is_written():
+    """Saved from normal tensors, restored into the same layout made under torch.inference_mode() (a model rebuilt
+    for evaluation): torch's refusal of their copy_, before any tensor is written (torch's own copy_ writes the
+    first, then raises); inside inference mode they are restored."""
+    stager, m, state = Stager(), _slot(), _state()
+    _save(stager, m, state, 1)
+    with torch.inference_mode():
+        live = _copy_of(state)
+        for t in live["model"].values():
+            t.zero_()
+        before = _copy_of(live)
+    found = slot_restore.find(stager, m, NAME, 1, live)
+    assert found is not None
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        found.run()
+    _assert_equal(live, before)
+    with torch.inference_mode():
+        found.run()
+    _assert_equal(live, _copy_of(state))
+
+
+def test_a_save_made_inside_inference_mode_then_inference_tensors_restored_outside_it_are_refused():
+    """A save taken inside torch.inference_mode() (whose quick check, made there, passes inference tensors outside
+    it), a normal state restored, then one of the same layout made under inference mode: refused, nothing written."""
+    stager, m, state = Stager(), _slot(), _state()
+    with torch.inference_mode():
+        _save(stager, m, state, 1)
+    slot_restore.find(stager, m, NAME, 1, state).run()  # normal tensors: restored
+    _assert_equal(state, _copy_of(state))
+    with torch.inference_mode():
+        live = _copy_of(state)
+        live["p"] = torch.nn.Parameter(live["p"])
+        for t in live["model"].values():
+            t.zero_()
+        before = _copy_of(live)
+    found = slot_restore.find(stager, m, NAME, 1, live)
+    assert found is not None
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        found.run()
+    _assert_equal(live, before)
+
+
+def test_a_restore_split_among_threads_inside_inference_mode_copies_on_every_thread(monkeypatch):
+    """Inference mode is per thread, as grad mode: a live state made under ``torch.inference_mode()`` and restored
+    inside it, with the copy split among threads, is copied by the helper in inference mode too (outside it the
+    helper's part raised torch's refusal)."""
+    from snapckpt.engine import mover
+
+    monkeypatch.setattr(mover, "SPLIT_NBYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    stager, m, state = Stager(), _slot(), _state()
+    _save(stager, m, state, 1)
+    with torch.inference_mode():
+        live = _copy_of(state)
+        for t in live["model"].values():
+            t.zero_()
+        found = slot_restore.find(stager, m, NAME, 1, live)
+        assert found is not None
+        threads, helper_in, me = set(), threading.Event(), threading.get_ident()
+        run = mover._pool.run
+
+        def part(fn):
+            def go(d, s):  # the calling thread waits in its first part until the helper took one
+                threads.add(threading.get_ident())
+                if threading.get_ident() != me:
+                    helper_in.set()
+                else:
+                    assert helper_in.wait(30)
+                fn(d, s)
+            return go
+
+        monkeypatch.setattr(mover._pool, "run", lambda items, helpers, fn: run(items, helpers, part(fn)))
+        found.run()
+    assert len(threads) == 2, threads
+    _assert_equal(live, _copy_of(state))

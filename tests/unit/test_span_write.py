@@ -289,6 +289,40 @@ def test_an_in_process_restore_reads_the_written_spans_back_by_preadv_bit_exact(
     s.m.close()
 
 
+@pytest.mark.parametrize("large", [False, True])  # small tensors only (all by file), or one copied by torch too
+def test_an_in_process_restore_into_inference_tensors_is_refused_as_torch_refuses_it(tmp_path, large):
+    """Tensors made under torch.inference_mode(), restored outside it: torch's refusal of their copy_ ("Inplace
+    update to inference tensor outside InferenceMode"), before anything is written (preadv bypassed torch's
+    check); inside inference mode they are restored, by file."""
+    with torch.inference_mode():
+        state = _restorable()
+        if not large:
+            del state["big"]
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / "slot", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    for step in (1, 2, 3):
+        s.save(st, state, step)
+    with torch.inference_mode():
+        saved = {k: v.clone() for k, v in state.items()}
+        for v in state.values():
+            v.add_(1)  # training went on
+        changed = {k: v.clone() for k, v in state.items()}
+    found = slot_restore.find(st, s.m, NAME, 3, state)
+    assert found is not None and found.back is not None
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        found.run()
+    for k, v in state.items():
+        assert torch.equal(v, changed[k]), k
+    found = slot_restore.find(st, s.m, NAME, 3, state)
+    with torch.inference_mode():
+        found.run()
+    assert found.read_by_file == len(found.back[1].pos)
+    for k, v in state.items():
+        assert torch.equal(v, saved[k]), k
+    s.m.close()
+
+
 def test_an_in_process_restore_into_tensors_with_other_memory_or_shapes_is_not_read_by_file(tmp_path):
     state = _restorable()
     st = Stager()
