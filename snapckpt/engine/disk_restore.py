@@ -160,6 +160,8 @@ def read_into(path: str, nbytes: int, record: Dict[str, Any], dst: Any, *, weigh
             if users[key] == 1 and id(d) not in seen_dst and _direct(d, s, n):
                 direct[off] = (key, d)
                 seen_dst.add(id(d))
+        if direct:  # bumped as an in-place copy bumps them: autograd must see the tensors written
+            torch.autograd.graph.increment_version([d for _, d in direct.values()])
         with torch.no_grad():
             _stream(fd, size, records, direct, hasher)
         if hasher is not None and hasher.hexdigest() != want:
