@@ -28,6 +28,7 @@ __all__ = [
     "CommitError",
     "CommitTimeoutError",
     "PeerLostError",
+    "SaveSkippedError",
     "CoordinationError",
     "RankTimeoutError",
     "CheckpointNotFoundError",
@@ -138,6 +139,14 @@ class PeerLostError(CommitError):
     """A commit was abandoned because a part it waits for can never come: the rank's process died before
     handing it over, or the persister of the rank's node is gone (its lease went stale). The message names
     the step, the rank(s), their pid and host (see :mod:`snapckpt.persister.peers`)."""
+
+
+class SaveSkippedError(CommitError):
+    """A DISK save was skipped on every rank because one rank had no free arena slot (``on_slot_busy="skip"``);
+    the message names that rank. Never raised to the caller: it travels, as the save's error, from the skipping
+    rank through the persisters to the other ranks, whose handle of that save then ends skipped
+    (:attr:`~snapckpt.engine.handle.SaveHandle.skipped`, a ``skipped`` event) instead of failed. Nothing of the
+    save is committed; the previous checkpoint is untouched."""
 
 
 class CoordinationError(SnapckptError):

@@ -260,6 +260,46 @@ def test_G2_a_tag_saved_again_while_its_save_is_in_flight_on_the_committer_but_o
     assert not glob.glob(os.path.join(rig.ckpt_dir, ".best.partial-*"))
 
 
+@pytest.mark.parametrize("scenario,skipper", [("step", 0), ("step", 1), ("resave", 0)])
+def test_G2_a_save_one_rank_skips_is_skipped_on_every_node_and_the_next_save_commits(rig, scenario, skipper):
+    """``on_slot_busy="skip"`` across nodes (2 nodes x 1 rank, tests/workers/skip_worker.py, order ``first``):
+    rank ``skipper``'s only slot is held busy (its part of step 1 held in its node's persister), so it skips the
+    next save before the other rank saves at all. ``step``: step 2 skipped, then step 3; ``resave``: step 7 saved
+    twice under the tag ``best``, the first save skipped by the committer's rank, which saves again before node 1's
+    rank hands over its first snapshot. Right: the other node's save ends skipped, naming the skipper (the committer
+    ended the save at once; node 1 hears it even when its rank comes after the committer's abort notices, and does
+    not write its part into the partial directory the committer deleted); the next save commits with both ranks'
+    parts. Before the fix the other rank's save failed at the commit timeout, and a step saved again mixed the two
+    saves' snapshots."""
+    rig.start(2)
+    signals = os.path.join(rig.tmp, "signals")
+    os.makedirs(signals)
+    env = {"SNAPCKPT_FAULT_POINT": f"persist.mid_file:rank={skipper}:step=1:action=wait:"
+                                   f"path={os.path.join(signals, 'release')}"}
+    runs = rig.torchrun_all(os.path.join(WORKERS, "skip_worker.py"),
+                            [scenario, rig.ckpt_dir, signals, str(skipper), "first"], 1, env=env)
+    assert rig.wait_all(runs, 180) == [0, 0]
+    res = {r["rank"]: r for r in _results([r.output() for r in runs])}
+    assert sorted(res) == [0, 1], res
+    skipped, then, last = ("2", "3", "s3") if scenario == "step" else ("71", "72", "best")
+    for rank in (0, 1):
+        out = res[rank]["outcomes"]
+        assert out[skipped].startswith("skipped: ") and f"rank {skipper} had no free arena slot" in out[skipped], res
+        assert out["1"] == "committed" and out[then] == "committed", res
+        assert res[rank]["failed"] == [], res
+        w = torch.load(os.path.join(rig.ckpt_dir, last, f"rank{rank}.pt"))["w"][0].item()
+        assert w == 100 * int(then) + rank, (rank, w)
+    assert _read(os.path.join(rig.ckpt_dir, "latest")) == last
+    assert "s2" not in os.listdir(rig.ckpt_dir)
+    # (a hidden .s2.partial-* may stay: node 1's part of step 2 written before the committer's abort notice reached
+    # node 1 but after the committer deleted that directory; never loaded, removed at the job's next start)
+    assert wait_until(lambda: not [n for n in os.listdir(rig.ckpt_dir) if ".partial-" in n
+                                   and not n.startswith(".s2.")], 30), os.listdir(rig.ckpt_dir)
+    if scenario == "resave":  # node 1's rank came long after the committer ended the first save: not written
+        assert "step 7: rank 1's part of best is not written: the committer's node ended that save (1)" in \
+            _persister_log(rig.nodes[1]), _persister_log(rig.nodes[1])
+
+
 def test_G7_node_local_checkpoint_dir_is_refused_at_start(rig):
     """G7: node 1 sees its own (private) directory at the checkpoint path. Every rank's Checkpointer fails
     at construction with a CheckpointDirError naming the rank and node that do not see rank 0's directory

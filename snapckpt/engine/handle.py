@@ -1,7 +1,8 @@
 """SaveHandle: the result of one ``Checkpointer.save`` (torchsnapshot's ``PendingSnapshot`` idea).
 
 ``snapshot_taken`` is true when ``save`` returns (unless the snapshot was skipped); ``done()`` asks, without
-waiting, whether the save reached its end (committed for DISK; held in memory for MEMORY; or failed);
+waiting, whether the save reached its end (committed for DISK; held in memory for MEMORY; failed; or, for
+DISK, skipped because another rank had no free slot: ``skipped`` then turns true);
 ``wait()`` blocks, bounded, until then and re-raises a background failure on the caller's thread with
 its original type, annotated with rank, step and persister pid.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, Optional, Protocol
 
-from snapckpt.errors import CommitTimeoutError
+from snapckpt.errors import CommitTimeoutError, SaveSkippedError
 from snapckpt.events import SaveStats, StorageType
 from snapckpt.persister import protocol as P
 
@@ -49,6 +50,10 @@ class SaveOwner(Protocol):
         """``handle``'s save failed with ``exc`` (log and event)."""
         ...
 
+    def on_skipped(self, handle: "SaveHandle") -> None:
+        """``handle``'s save was skipped because another rank had no free slot (log and event)."""
+        ...
+
     def context(self, step: int) -> str:
         """Rank, step and persister pid, for error messages."""
         ...
@@ -78,6 +83,7 @@ class SaveHandle:
         self.storage_type = tier
         self.stats = stats
         self.skipped_reason = skipped_reason
+        self._taken = skipped_reason is None  # this rank's snapshot was taken (kept when another rank skips)
         self._state = "pending" if ((tier == StorageType.DISK or copying) and skipped_reason is None) else "done"
         self._error: Optional[BaseException] = None
         self._reported = False
@@ -90,7 +96,7 @@ class SaveHandle:
     def snapshot_taken(self) -> bool:
         """True when the state has been copied into the arena: when ``save`` returns (unless skipped), or
         with ``overlap=True`` after the next ``fence()``."""
-        return self.skipped_reason is None and not self._copying and self._error is None
+        return self._taken and not self._copying and self._error is None
 
     @property
     def committed(self) -> bool:
@@ -100,7 +106,10 @@ class SaveHandle:
 
     @property
     def skipped(self) -> bool:
-        """True when no snapshot was taken for this step (no free slot with ``on_slot_busy="skip"``)."""
+        """True when this save was skipped: this rank had no free slot (``on_slot_busy="skip"``; then no snapshot was
+        taken), or, for a DISK save, another rank had none (known once :meth:`done` or :meth:`wait` says it
+        ended: every rank's save of the step and directory is skipped, none committed; ``skipped_reason`` names
+        that rank)."""
         return self.skipped_reason is not None
 
     @property
@@ -145,6 +154,10 @@ class SaveHandle:
             self.committed_secs = now - self._created
             self.durable_secs = now - self._started
             self._owner.on_committed(self)
+        elif state == "failed" and (reply.get("error") or {}).get("type") == SaveSkippedError.__name__:
+            self.skipped_reason = str(reply["error"].get("message") or "skipped by another rank")
+            self._state = "done"
+            self._owner.on_skipped(self)
         elif state == "failed":
             rec = reply.get("error") or {"type": "PersistError", "message": "unknown failure"}
             self.fail(P.error_from_record(rec, context=self._owner.context(self.step)))

@@ -37,8 +37,8 @@ from snapckpt.engine.restore import check_step
 from snapckpt.engine.session import CLOSED, PersisterSession
 from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.engine.stager import Stager
-from snapckpt.errors import (CheckpointDirError, CheckpointerClosedError, InsufficientDiskError, SlotBusyError,
-                             SnapckptError)
+from snapckpt.errors import (CheckpointDirError, CheckpointerClosedError, InsufficientDiskError, SaveSkippedError,
+                             SlotBusyError, SnapckptError)
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.metrics import summary_line
 from snapckpt.ondisk import dirclaim
@@ -210,6 +210,11 @@ class Saver:
         log.error("rank %d: save of step %d failed: %s", self._rank, handle.step, exc)
         self._emit(Event("failed", handle.step, handle.storage_type, self._rank, error=exc))
 
+    def on_skipped(self, handle: SaveHandle) -> None:
+        """Log and emit ``skipped``: another rank skipped this save (its reason in ``handle.skipped_reason``)."""
+        log.warning("rank %d: save of step %d skipped: %s", self._rank, handle.step, handle.skipped_reason)
+        self._emit(Event("skipped", handle.step, handle.storage_type, self._rank, reason=handle.skipped_reason))
+
     # ----------------------------------------------------------------------------------- the save
     def save_files(self, files: Mapping[str, Any], step: int, storage_type: StorageType, *, dirname: str,
                    tracker_name: Optional[str], tracker_content: str = "",
@@ -253,11 +258,7 @@ class Saver:
         reply = self._acquire(step, prepared.total_nbytes, storage_type)
         t2 = time.perf_counter()
         if reply is None:
-            reason = f"no free arena slot for step {step} (on_slot_busy='skip')"
-            log.warning("rank %d: snapshot of step %d skipped: %s", self._rank, step, reason)
-            handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason, dirname=dirname)
-            self._emit(Event("skipped", step, storage_type, self._rank, reason=reason))
-            return handle
+            return self._skip(step, storage_type, dirname)
         slot = reply["slot"]
         try:
             # overlap (CPU sources): a prefault of this slot still running is not waited for on the training
@@ -272,6 +273,25 @@ class Saver:
                        tracker_content if tracker_name else "", t0, t1, t2, started)
         self._newest = self._copy(job)
         return self._newest
+
+    def _skip(self, step: int, storage_type: StorageType, dirname: str) -> SaveHandle:
+        """No free slot with ``on_slot_busy="skip"``: a skipped handle and a ``skipped`` event. A DISK save is
+        collective, so the persister is told (``fail`` with a :class:`SaveSkippedError`): the other ranks' saves of
+        ``(step, dirname)`` end skipped at once, naming this rank, and the next save of every rank pairs with the
+        others' next one (this skip counts as this rank's save of it). A MEMORY save is this rank's alone: the load
+        agreement takes the newest step every rank holds."""
+        reason = f"rank {self._rank} had no free arena slot for step {step} (on_slot_busy='skip')"
+        if storage_type == StorageType.DISK:
+            reason += f"; {dirname} is skipped on every rank"
+            try:
+                self._session.request("fail", step=step, dirname=dirname, type=SaveSkippedError.__name__,
+                                      message=reason)
+            except SnapckptError as e:  # (the next request says it again, as it would for any save)
+                log.warning("rank %d: could not tell the persister that step %d is skipped: %s", self._rank, step, e)
+        log.warning("rank %d: snapshot of step %d skipped: %s", self._rank, step, reason)
+        handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason, dirname=dirname)
+        self._emit(Event("skipped", step, storage_type, self._rank, reason=reason))
+        return handle
 
     def _check_free(self, step: int, dirname: str, nbytes: int) -> None:
         """DISK: raise ``InsufficientDiskError`` (and fail this step for the other ranks at once) when

@@ -50,7 +50,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from snapckpt._internal import faultpoints as faults
-from snapckpt.errors import CheckpointCorruptError, CommitError, CommitTimeoutError, PeerLostError
+from snapckpt.errors import CheckpointCorruptError, CommitError, CommitTimeoutError, PeerLostError, SaveSkippedError
 from snapckpt.ondisk.manifest import (CHECKSUM, MANIFEST, SIDECAR, build_manifest, check_checksums, check_sizes, parse_manifest,
                         partial_dirname, validate_file_name)
 from snapckpt.storage.base import StorageReader, StorageWriter
@@ -167,6 +167,7 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
     the markers of N ranks cost N reads in all, not one per rank per wake.
 
     Raises:
+        SaveSkippedError: a rank's failure marker says it skipped the save (no free slot).
         CommitError: a failure marker (that rank's error), or a part marker listing a file outside the
             checkpoint directory or a malformed record (names the marker).
     """
@@ -198,6 +199,8 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
         if kind == "fail":
             err = rec.get("error")
             exc = error_from_record(err if isinstance(err, dict) else {})
+            if isinstance(exc, SaveSkippedError):  # a rank skipped the save: every rank's ends skipped
+                raise exc
             raise CommitError(f"step {req.step}: rank {rank} failed to write its part: "
                               f"{type(exc).__name__}: {exc}") from exc
         files = rec.get("files")
@@ -220,10 +223,11 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
 
 def raise_local_failure(req: CommitRequest) -> None:
     """Raise :class:`CommitError` with the error of a local rank whose part of this save failed, or the
-    committer node's notice that the commit failed (a watcher), if any."""
+    committer node's notice that the commit failed (a watcher), if any; :class:`SaveSkippedError` as it is (a
+    rank skipped the save: its message names the rank)."""
     exc = req.local_failure() if req.local_failure is not None else None
-    if isinstance(exc, CommitError) and not hasattr(exc, "snapckpt_rank"):  # the committer's abort notice
-        raise exc
+    if isinstance(exc, SaveSkippedError) or (isinstance(exc, CommitError) and not hasattr(exc, "snapckpt_rank")):
+        raise exc  # a rank skipped the save (its message names it), or the committer's abort notice
     if exc is not None:
         rank = getattr(exc, "snapckpt_rank", "?")
         raise CommitError(f"step {req.step}: rank {rank} failed to write its part: {type(exc).__name__}: "
@@ -344,6 +348,7 @@ def commit(storage: StorageWriter, reader: StorageReader, req: CommitRequest, *,
         CommitTimeoutError: ranks missing at the deadline (named in the message).
         PeerLostError: a missing part can never come: its rank died before handing it over, or its
             node's persister is lost (``req.peer_check``, :mod:`snapckpt.persister.peers`).
+        SaveSkippedError: a rank skipped the save (``on_slot_busy="skip"``): nothing is committed.
         CommitError: a rank failed, an unexpected rank wrote a part, or a listed file is damaged.
         OSError: the filesystem failed while committing.
     """

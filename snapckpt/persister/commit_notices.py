@@ -15,7 +15,9 @@ Two small frames (JSON header only, no payload, never answered):
   the commit was abandoned; ``removed``: the deletion of a failed commit's partial directory ended, after
   which the other nodes' next saves of that directory may write into it: ``Scheduler._await_removal_task``). Each
   node's :func:`~snapckpt.persister.commit.watch_commit` then reads the manifest (or sees the partial
-  directory gone) at once.
+  directory gone) at once. A save that a rank skipped (``on_slot_busy="skip"``) ends ``failed`` with
+  ``"error"``, its :class:`~snapckpt.errors.SaveSkippedError` record, so that the ranks of every node hear it
+  was skipped (and which rank skipped it), not that it failed.
 
 ``gen`` names which save of ``(run_id, step, dirname)`` the notice is about (``Result.gen`` of
 :mod:`~snapckpt.persister.scheduler`: 1, then one more for each save of it again in the run, counted alike on
@@ -132,7 +134,7 @@ class CommitNotices:
         on_notice: ``on_notice(run_id, step, dirname, gen, aborted=False, committed=False)``, called on a
             receiving thread for every valid notice (it wakes the waiter of that save; it must not block); ``aborted``
             is true for the committer's ``commit_ended`` of a failed commit, ``committed`` for a committed one;
-            a ``removed`` one also passes ``removed=True``.
+            a ``removed`` one also passes ``removed=True``, one with an error record ``error=<record>``.
     """
 
     def __init__(self, secret_of: Callable[[str], Optional[bytes]],
@@ -187,9 +189,11 @@ class CommitNotices:
                                           "gen": gen, "ranks": sorted(ranks)})
 
     def commit_ended(self, run_id: str, step: int, dirname: str, gen: int, state: str,
-                     delivered: Optional[Callable[[bool], None]] = None) -> None:
+                     delivered: Optional[Callable[[bool], None]] = None,
+                     error: Optional[Dict[str, Any]] = None) -> None:
         """The committer's commit of generation ``gen`` of the save ended (``state``: committed | failed), or
         the deletion of its partial directory after it failed ended (``removed``): tell every other node.
+        ``error``: the failed commit's error record, sent along (a skipped save's).
         ``delivered(all_sent)``, when given, is called once (on a sending thread, or here), ``True`` only if the
         notice was sent to every other node of the run (a node without a channel, a lost or dropped notice:
         ``False``, or never called for a dropped one)."""
@@ -215,8 +219,10 @@ class CommitNotices:
                 if last:
                     report(sent)
 
-        self._offer(run_id, sorted(run[2]), {"op": "commit_ended", "run_id": run_id, "step": step,
-                                             "dirname": dirname, "gen": gen, "state": state}, done)
+        header = {"op": "commit_ended", "run_id": run_id, "step": step, "dirname": dirname, "gen": gen, "state": state}
+        if error is not None:
+            header["error"] = error
+        self._offer(run_id, sorted(run[2]), header, done)
 
     def receive(self, run_id: str, header: Dict[str, Any]) -> None:
         """A notice from a peer authenticated for ``run_id`` (the peer channel's serving thread). A notice
@@ -231,7 +237,10 @@ class CommitNotices:
                   gen, f", {header.get('state')}" if header.get("state") else "")
         ended = header.get("op") == "commit_ended"
         state = header.get("state") if ended else None
-        more = {"removed": True} if state == "removed" else {}
+        more: Dict[str, Any] = {"removed": True} if state == "removed" else {}
+        err = header.get("error")
+        if ended and isinstance(err, dict) and isinstance(err.get("type"), str) and isinstance(err.get("message"), str):
+            more["error"] = {"type": err["type"], "message": err["message"]}
         self.on_notice(run_id, step, dirname, gen, aborted=state in ("failed", "removed"),
                        committed=state == "committed", **more)
 

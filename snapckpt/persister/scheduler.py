@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.slot_index import read_index, read_index_at
-from snapckpt.errors import CommitError, PersisterError
+from snapckpt.errors import CommitError, PersisterError, SaveSkippedError
 from snapckpt.ondisk.manifest import CHECKSUM, SIDECAR, partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
@@ -71,6 +71,9 @@ SaveKey = Tuple[str, int, str]  # (run id, step, dirname): one save
 # notice or a crash flush of a recent step finds its save's record; older ones go once no rank still waits
 # to be told how they ended
 KEEP_ENDED = 64
+# saves whose committer's abort notices are kept before this node has their record (Scheduler.aborts_ahead), the
+# newest ones: a save whose local ranks never come (the run ended) is forgotten after as many others
+AHEAD_KEPT = 4 * KEEP_ENDED
 
 
 class _CommitOver(CommitError):
@@ -109,6 +112,9 @@ class Result:
     deferred_seqs: Set[int] = field(default_factory=set)  # their snapshots (slot seqs), each started in turn
     # another node: the wait for the committer's deletion of this failed save's partial directory runs
     awaiting_removal: bool = False  # (Scheduler._await_removal_task; its removed notice must find this record)
+    # another node: the committer's error record sent with its abort notice (a skipped save's: SaveSkippedError)
+    abort_error: Optional[Dict[str, Any]] = None
+    late: Set[int] = field(default_factory=set)  # local ranks whose snapshot came once it was over: not written
 
 
 class Scheduler:
@@ -154,6 +160,10 @@ class Scheduler:
         # remote-only mode, its prefix) has ended, off the lock; on another node than the committer's: once the
         # committer's deletion is known to have ended (_await_removal_task). A later save of it waits for that
         self.discarding: Dict[Tuple[str, str], threading.Event] = {}
+        # another node than the committer's: save -> {generation: (error record, removed)} of the committer's abort
+        # notices about a generation of it this node has no record of yet (its local ranks come later: another rank
+        # skipped the save, and the committer ended it at once). Its record takes them when made (_aborted_ahead)
+        self.aborts_ahead: Dict[SaveKey, Dict[int, Tuple[Optional[Dict[str, Any]], bool]]] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
         # wakes _wait_for_directory (_notify_ended)
         self.ended = threading.Condition(lock)
@@ -249,6 +259,76 @@ class Scheduler:
         :meth:`result`)."""
         return bool(res.deferred) or res.awaiting_removal or self._untold(res, run)
 
+    @staticmethod
+    def _took_part(res: Result, rank: int) -> bool:
+        """Whether local rank ``rank`` took part in save ``res``: handed its snapshot over (or streamed it), or
+        failed or skipped the save before the persister (:meth:`fail_part`)."""
+        return any(rank in x for x in (res.rank_seq, res.part_errors, res.parts_done, res.streams))
+
+    def _behind(self, key: SaveKey, rank: int) -> Optional[Result]:
+        """The oldest save of ``key`` replaced here that local rank ``rank`` took no part in, or ``None`` (called
+        with the lock). A rank's k-th save of a step and directory is the k-th save of it on every rank: a part of
+        ``rank`` that comes once another rank's later save has replaced that save (that rank skipped it, and it
+        ended at once) is ``rank``'s part of it, not of the newest save, where it would be paired with the other
+        ranks' next snapshots. That save ended without it: the part is not written (:meth:`_late_part`)."""
+        for old in self.results.records(key)[:-1]:
+            if old.gen > 0 and not self._took_part(old, rank):  # (generation 0: _persist_deferred's stand-in)
+                return old
+        return None
+
+    def _late_part(self, run: Run, key: SaveKey, res: Result, rank: int, seq: int) -> None:
+        """Rank ``rank``'s snapshot ``seq`` of save ``res``, which is over here (failed, or its commit aborted by
+        the committer's node): not written, but recorded, so that the rank's status finds that save by its seq and
+        its next save of ``key`` is a new save (called with the lock). A record no commit ran for (the committer's
+        abort came before this node's first part: :meth:`_aborted_ahead`) ends here, failed with the committer's
+        error (a skipped save's :class:`SaveSkippedError`)."""
+        res.rank_seq[rank] = seq
+        res.late.add(rank)
+        if res.state != "pending" or key in self.commits_started or self.results.get(key) is not res:
+            return
+        res.state = "failed"
+        res.error = res.abort_error or P.error_record(CommitError(
+            f"step {key[1]}: the committer's node reports that the commit of {key[2]} failed (see rank 0's error)"))
+        log.warning("step %d: rank %d's part of %s is not written: the committer's node ended that save (%d) before "
+                 "this node's first part of it came: %s", key[1], rank, key[2], res.gen, res.error.get("message"))
+        self._remove_failed_partial(run, res, key)  # (another node: waits for the committer's deletion)
+        self._run_over_calls(key, res)
+        self._notify_ended()
+
+    def _record(self, key: SaveKey) -> Result:
+        """The record of save ``key``, made (generation 1) if there is none (called with the lock)."""
+        res = self.results.get(key)
+        if res is None:
+            res = self.results[key] = self._aborted_ahead(key, Result())
+        return res
+
+    def _abort_ahead(self, key: SaveKey, gen: int, error: Optional[Dict[str, Any]], removed: bool) -> None:
+        """Keep the committer's abort notice of generation ``gen`` of save ``key``, which this node has no record
+        of yet (called with the lock; :attr:`aborts_ahead`)."""
+        mine = self.aborts_ahead.setdefault(key, {})
+        was_error, was_removed = mine.get(gen, (None, False))
+        mine[gen] = (error or was_error, removed or was_removed)
+        while len(self.aborts_ahead) > AHEAD_KEPT:
+            del self.aborts_ahead[next(iter(self.aborts_ahead))]
+
+    def _aborted_ahead(self, key: SaveKey, res: Result) -> Result:
+        """``res``, the new record of ``key``, with the committer's abort notices of its generation that came before
+        it (called with the lock): the commit is known failed here (:meth:`_commit_over`), so no part of it is
+        written, and the committer's deletion of its partial directory, if said, is known ended."""
+        ahead = self.aborts_ahead.get(key)
+        if ahead:
+            got = ahead.pop(res.gen, None)
+            for g in [g for g in ahead if g < res.gen]:
+                del ahead[g]
+            if not ahead:
+                del self.aborts_ahead[key]
+            if got is not None:
+                res.aborted_at = time.monotonic()
+                res.abort_error = got[0]
+                if got[1]:
+                    res.removed.set()
+        return res
+
     def _prune(self, run: Run) -> None:
         """Drop ``run``'s records that nothing here can still need (called with the lock, as a save's commit
         starts or a part fails before the persister): all but its newest :data:`KEEP_ENDED` keys, except a save
@@ -308,6 +388,13 @@ class Scheduler:
                 self.slots.start_persist(s)
             st.set_ready(s.seq)  # (a writer that failed before has recorded the part's error: the commit fails)
             return
+        if res is not None and not self._took_part(res, entry.rank):
+            if any(entry.rank in old.late and old.rank_seq[entry.rank] == s.seq for old in self.results.records(key)[:-1]):
+                return  # this snapshot was an earlier save's late part already (a persist of it again)
+            old = self._behind(key, entry.rank)
+            if old is not None:  # its part of an earlier save of key that ended without it: not written
+                self._late_part(run, key, old, entry.rank, s.seq)
+                return
         if res is not None and (res.rank_seq.get(entry.rank, s.seq) != s.seq
                                 or (entry.rank in res.part_errors and entry.rank not in res.rank_seq)):
             # this rank saved the same step under the same directory again (its earlier save reached this
@@ -328,13 +415,14 @@ class Scheduler:
                 return
             res = self._replace(run, key)  # the earlier save ended: this one is a new save that replaces it
         if res is None:
-            res = self.results.setdefault(key, Result())
+            res = self._record(key)
         if s.state == SlotState.PERSISTING or entry.rank in res.parts_done:
             return
         if self._commit_over(run, key):
             # a late part of a failed save (its rank gets the commit's error): no writer. One would wait in the
             # pool behind a next save's writers that wait for this save to be over, and its end, this save's
             # last writer again, would delete the partial directory again, with the next save's parts in it
+            self._late_part(run, key, res, entry.rank, s.seq)
             return
         res.rank_seq[entry.rank] = s.seq
         self.slots.start_persist(s)
@@ -378,11 +466,13 @@ class Scheduler:
         and find its record (:meth:`on_notice`) while it is held: the earlier records are kept while
         :meth:`_needed`, and the one replaced now always (a rank that reconnects may still ask for it)."""
         old = self.results[key]
-        res = Result(gen=old.gen + 1)
+        res = self._aborted_ahead(key, Result(gen=old.gen + 1))
         self.results.push(key, res)
         # kept while a rank's handle may still ask for it (by its seq): a step saved three times answered the
         # first save's handle with the third save's outcome when only the last replaced save was kept
-        self.results.keep_older(key, lambda r: r is old or self._needed(r, run))
+        # (and while a connected local rank took no part in it: its part may still come, _behind)
+        self.results.keep_older(key, lambda r: r is old or self._needed(r, run) or (
+            r.gen > 0 and any(not self._took_part(r, rank) for rank in run.connected)))
         self.commits_started.discard(key)
         return res
 
@@ -426,10 +516,12 @@ class Scheduler:
                 # directory is not over here (its ready persists this one as any save, or defers or refuses it)
                 return False
             res = self._replace(run, key)  # it ended: this one is a new save that replaces it (as persist())
+        elif res is not None and self._behind(key, entry.rank) is not None:
+            return False  # its part of an earlier save that ended without it (ready: persist() records it)
+        if res is None:
+            res = self._record(key)
         if self._commit_over(run, key):  # a late part of a failed save: none written (see persist())
             return False
-        if res is None:
-            res = self.results.setdefault(key, Result())
         st = Stream(entry.rank, step, data_end)
         s.stream = st
         res.streams[entry.rank] = st
@@ -446,14 +538,32 @@ class Scheduler:
 
     def fail_part(self, rank: int, run: Run, step: int, dirname: str, rec: Dict[str, Any]) -> None:
         """Rank ``rank``'s DISK save of ``(step, dirname)`` failed before it reached the persister (error
-        record ``rec``): record it and drop a failure marker, so that the commit fails at once on every
-        node with the cause instead of waiting for this rank's part until the timeout."""
+        record ``rec``), or the rank skipped it (no free slot: a :class:`SaveSkippedError` record): record it and
+        drop a failure marker, so that the commit fails at once on every node with the cause instead of waiting
+        for this rank's part until the timeout (a skip: every rank's save of it ends skipped).
+
+        It is the rank's next save of them, as a part handed over would be (:meth:`persist`): a rank that took
+        part in the newest save of them here fails the save after it (once that one is over here, if it is not
+        yet); a rank behind (:meth:`_behind`) fails its part of the earlier save that already ended without it.
+        So a rank that skips a save of a step saved again counts that save like every other rank."""
         key = (run.run_id, step, dirname)
         with self.lock:
             self._prune(run)  # (before: never this save's own record, which its commit below needs)
-            res = self.results.setdefault(key, Result())
+            res = self.results.get(key)
+            if res is not None and self._took_part(res, rank):  # its save of them again
+                if self._in_flight(key, res):  # starts once that save is over here (as persist() defers)
+                    self.when_over(key, lambda: self.fail_part(rank, run, step, dirname, rec))
+                    return
+                res = self._replace(run, key)
+            elif res is not None:
+                old = self._behind(key, rank)
+                if old is not None:  # that save ended without this rank's part: nobody waits for it
+                    old.part_errors[rank] = rec
+                    old.told.add(rank)
+                    return
+            res = self._record(key)
             res.part_errors[rank] = rec
-            res.told.add(rank)  # its rank raised the error itself: it never asks for this save
+            res.told.add(rank)  # its rank raised the error itself (or skipped): it never asks for this save
         res.part_ended.set()  # the commit's wait sees the failure now, not at its next peer check
         if run.world_size == 1:
             return  # nobody else waits for this save
@@ -530,7 +640,7 @@ class Scheduler:
         self.notices.part_done(run_id, step, dirname, gen, ranks)
 
     def on_notice(self, run_id: str, step: int, dirname: str, gen: int, aborted: bool = False,
-                  committed: bool = False, removed: bool = False) -> None:
+                  committed: bool = False, removed: bool = False, error: Optional[Dict[str, Any]] = None) -> None:
         """A peer's notice about generation ``gen`` of save ``(run_id, step, dirname)``: wake its commit task,
         which reads the filesystem again. The notice goes to the record of that generation if it is held (the
         save's, or an earlier one still needed: a wait for its deletion runs, :meth:`_needed`); a notice about
@@ -539,11 +649,18 @@ class Scheduler:
         failed, which ends this node's watch of that commit even if a late part re-created the partial
         directory. ``committed``: the committer's commit of it ended committed (the watch ends committed even
         when retention has retired the directory before the watch read its manifest). ``removed``: the
-        committer's deletion of its partial directory ended (:meth:`_await_removal_task`)."""
+        committer's deletion of its partial directory ended (:meth:`_await_removal_task`). ``error``: the failed
+        commit's error record (a skipped save's), which this node's commit then ends with. An abort of a
+        generation this node has no record of yet is kept for that record (:attr:`aborts_ahead`)."""
         with self.lock:
-            res = self.results.find((run_id, step, dirname), gen)
+            key = (run_id, step, dirname)
+            res = self.results.find(key, gen)
+            if res is None and aborted and getattr(self.results.get(key), "gen", 0) < gen:
+                self._abort_ahead(key, gen, error, removed)  # a save this node's ranks have not handed over yet
             if res is not None:
                 res.notices += 1
+                if error is not None:
+                    res.abort_error = error
                 if aborted:
                     res.aborted_at = time.monotonic()
                 if removed:
@@ -591,7 +708,7 @@ class Scheduler:
         found = set()
         for key in self.results.of_run(run.run_id):  # (records pruned, _prune, are of saves long over)
             res = self.results[key]
-            if rank in res.rank_seq or rank in res.parts_done or rank in res.part_errors:
+            if (rank in res.rank_seq and rank not in res.late) or rank in res.parts_done or rank in res.part_errors:
                 found.add(key[1:])
         return found
 
@@ -607,10 +724,15 @@ class Scheduler:
                     return None
                 if not res.part_errors:
                     if res.aborted_at is not None:
+                        if res.abort_error is not None:  # a skipped save: every rank's ends skipped
+                            exc = P.error_from_record(res.abort_error)
+                            if isinstance(exc, SaveSkippedError):
+                                return exc
                         return CommitError(f"step {key[1]}: the committer's node reports that the commit of "
                                            f"{key[2]} failed (see rank 0's error)")
                     return None
-                rank, rec = sorted(res.part_errors.items())[0]
+                errors = sorted(res.part_errors.items())  # a failure is said before a skip
+                rank, rec = next(((r, e) for r, e in errors if e.get("type") != SaveSkippedError.__name__), errors[0])
             exc = P.error_from_record(rec)
             exc.snapckpt_rank = rank  # read by the commit's message
             return exc
@@ -814,6 +936,9 @@ class Scheduler:
             else:
                 watch_commit(storage, req)
             state, err = "committed", None
+        except SaveSkippedError as e:  # a rank had no free slot: nothing committed, every rank hears "skipped"
+            log.warning("step %d: save of %s skipped: %s", req.step, req.dirname, e)
+            state, err = "failed", P.error_record(e)
         except BaseException as e:
             log.error("step %d: commit failed: %s", req.step, e)
             self.failed = True
@@ -831,8 +956,10 @@ class Scheduler:
             if behind and run.multi_node:  # the other nodes' watches may not have read its manifest yet
                 delivery = _Delivery()
             if run.committer and self.notices is not None:
-                self.notices.commit_ended(req.run_id, req.step, req.dirname, res.gen, state,
-                                          **({"delivered": delivery.report} if delivery is not None else {}))
+                more: Dict[str, Any] = {"delivered": delivery.report} if delivery is not None else {}
+                if err is not None and err["type"] == SaveSkippedError.__name__:  # the other nodes' ranks: skipped
+                    more["error"] = {"type": err["type"], "message": err["message"]}
+                self.notices.commit_ended(req.run_id, req.step, req.dirname, res.gen, state, **more)
             elif delivery is not None:
                 delivery.report(False)
             self._remove_failed_partial(run, res, (req.run_id, req.step, req.dirname))
