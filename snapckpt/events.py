@@ -72,7 +72,9 @@ class Event:
     ``upload_skipped``, ``upload_failed``, ``replicated``, ``replica_lagging``, ``steps_lost`` or
     ``world_size_changed``.
 
-    ``skipped`` means no snapshot was taken for the step; ``slot_wait`` means the save is waiting for a
+    ``skipped`` means no snapshot was taken for the step (``on_slot_busy="skip"``), or, for a DISK save, that
+    another rank took none, so the save was skipped on every rank (``reason`` names that rank; emitted once the
+    handle learns it: ``done``, ``wait``, ``poll``, the next ``save``); ``slot_wait`` means the save is waiting for a
     free arena slot (``on_slot_busy="wait"``) and its snapshot is still to come. ``upload_skipped`` /
     ``upload_failed`` (remote tier, on the committer node's ranks): a committed step was not uploaded to
     ``remote_dir`` (the upload queue was full, or the store kept failing); the local copy is intact.

@@ -57,7 +57,12 @@ class CheckpointOptions:
         on_slot_busy: what ``save`` does when every slot of the rank is held by the persister:
             ``"wait"`` (a ``slot_wait`` event and a warning, then up to ``slot_wait_timeout_secs``, then
             :class:`~snapckpt.errors.SlotBusyError`) or ``"skip"`` (no snapshot for that step; a
-            ``skipped`` event and a warning say so).
+            ``skipped`` event and a warning say so). A DISK save is collective, and so is its skip: when one
+            rank skips, every rank's save of that step and directory ends skipped at once (its handle's
+            ``skipped``, a ``skipped`` event whose reason names the rank), on every node, with nothing committed
+            and the previous checkpoint untouched; the skip counts as a save, so the next save of every rank
+            (the same step or tag again included) pairs with the others'. A MEMORY save is skipped on that
+            rank only (a restart resumes from the newest step every rank holds).
         slot_wait_timeout_secs: bound for ``on_slot_busy="wait"``, seconds.
         request_timeout_secs: bound on one request to the persister, seconds; past it
             :class:`~snapckpt.errors.PersisterTimeoutError`.

@@ -93,6 +93,7 @@ class HookRegistry:
         self._last_disk = now
         self._last_step: Optional[int] = None
         self._last_disk_step: Optional[int] = None
+        self._last_disk_handle = None  # the handle of that DISK save
         checkpointer.add_listener(self._dispatch)
         timed = policy.memory_interval_secs is not None or policy.disk_interval_secs is not None
         # one store round per step, only with a time-based interval and several ranks
@@ -145,14 +146,19 @@ class HookRegistry:
             if tier == StorageType.DISK:
                 self._last_disk = now
                 self._last_disk_step = step
+                self._last_disk_handle = handle
 
     def train_end(self) -> None:
         """Call once after the last step: optional final DISK save, then wait for every commit.
 
         The earlier commits are waited for before that save: a slot still being written would otherwise make it
-        wait for the persister anyway, with a ``slot_wait`` warning that reads as a misconfigured interval."""
-        if (self.policy.save_on_train_end and self._last_step is not None
-                and self._last_disk_step != self._last_step):
+        wait for the persister anyway, with a ``slot_wait`` warning that reads as a misconfigured interval. They
+        are waited for before the decision too: a DISK save of the last step that another rank skipped
+        (``on_slot_busy="skip"``) reads skipped on this rank only once it ended, and every rank must decide alike
+        (a final save by the skipping rank alone waited for the others' parts until the commit timeout)."""
+        if self.policy.save_on_train_end and self._last_step is not None:
             self.checkpointer.wait()
+            if self._last_disk_step == self._last_step and not getattr(self._last_disk_handle, "skipped", False):
+                return  # the last step is on disk (and every earlier save was waited for)
             self.checkpointer.save(self.state_fn(), self._last_step, storage_type=StorageType.DISK)
         self.checkpointer.wait()

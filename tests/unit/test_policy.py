@@ -136,6 +136,35 @@ def test_a_skipped_snapshot_does_not_count_as_the_last_disk_save():
     assert ck.calls == [("wait",), ("save", "S", 1, DISK), ("wait",)]
 
 
+def test_train_end_saves_again_when_another_rank_skipped_the_last_disk_save():
+    """The last step's DISK save was taken on this rank, but another rank skipped it (``on_slot_busy="skip"``): the
+    save is skipped on every rank, which this rank's handle says once it ended (after ``wait``). Right: train_end
+    saves the last step again on this rank too, as the skipping rank does (before, only the skipping rank saved,
+    and its lone save waited for the other ranks' parts until the commit timeout)."""
+    ck = FakeCheckpointer()
+    handles = []
+    save = ck.save
+
+    def save_and_keep(state, step, storage_type):
+        handles.append(save(state, step, storage_type))
+        return handles[-1]
+
+    ck.save = save_and_keep
+    wait = ck.wait
+
+    def wait_and_learn_the_skip():
+        for h in handles:
+            h.skipped = True
+        wait()
+
+    ck.wait = wait_and_learn_the_skip
+    hooks = HookRegistry(ck, lambda: "S", SnapshotPolicy(disk_interval_steps=1, save_on_train_end=True))
+    hooks.step_end(1)
+    ck.calls.clear()
+    hooks.train_end()
+    assert ck.calls == [("wait",), ("save", "S", 1, DISK), ("wait",)]
+
+
 def test_train_end_without_steps_or_option_only_waits():
     ck = FakeCheckpointer()
     HookRegistry(ck, lambda: "S", SnapshotPolicy(save_on_train_end=True)).train_end()
