@@ -286,7 +286,7 @@ class Saver:
             try:
                 self._session.request("fail", step=step, dirname=dirname, type=SaveSkippedError.__name__,
                                       message=reason)
-            except SnapckptError as e:  # (the next request says it again, as it would for any save)
+            except SnapckptError as e:  # a dead or hung persister: the next save's requests raise it
                 log.warning("rank %d: could not tell the persister that step %d is skipped: %s", self._rank, step, e)
         log.warning("rank %d: snapshot of step %d skipped: %s", self._rank, step, reason)
         handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason, dirname=dirname)

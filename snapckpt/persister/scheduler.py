@@ -289,8 +289,9 @@ class Scheduler:
         res.state = "failed"
         res.error = res.abort_error or P.error_record(CommitError(
             f"step {key[1]}: the committer's node reports that the commit of {key[2]} failed (see rank 0's error)"))
-        log.warning("step %d: rank %d's part of %s is not written: the committer's node ended that save (%d) before "
-                 "this node's first part of it came: %s", key[1], rank, key[2], res.gen, res.error.get("message"))
+        log.warning("step %d: rank %d's part of %s is not written: the committer's node ended that save (%d) "
+                    "before this node's first part of it came: %s", key[1], rank, key[2], res.gen,
+                    res.error.get("message"))
         self._remove_failed_partial(run, res, key)  # (another node: waits for the committer's deletion)
         self._run_over_calls(key, res)
         self._notify_ended()
@@ -389,7 +390,8 @@ class Scheduler:
             st.set_ready(s.seq)  # (a writer that failed before has recorded the part's error: the commit fails)
             return
         if res is not None and not self._took_part(res, entry.rank):
-            if any(entry.rank in old.late and old.rank_seq[entry.rank] == s.seq for old in self.results.records(key)[:-1]):
+            if any(entry.rank in old.late and old.rank_seq[entry.rank] == s.seq
+                   for old in self.results.records(key)[:-1]):
                 return  # this snapshot was an earlier save's late part already (a persist of it again)
             old = self._behind(key, entry.rank)
             if old is not None:  # its part of an earlier save of key that ended without it: not written

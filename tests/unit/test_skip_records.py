@@ -133,8 +133,8 @@ def test_another_node_that_hears_the_skip_before_its_rank_comes_writes_nothing(t
     abort notice (with the skip's record) before rank 1 handed its snapshot over here. Right: rank 1's part is not
     written (the committer deleted, or deletes, the partial directory: a part written now would re-create it, and
     a save of it again would count it), its status reads the skip; its next save of step 7 is a new save, written
-    (once the committer's deletion is known ended: said, or the directory seen gone). Before, the notice was dropped: the part was written and the
-    watch waited for a commit that never came."""
+    (once the committer's deletion is known ended: said, or the directory seen gone). Before, the notice was
+    dropped: the part was written and the watch waited for a commit that never came."""
     ckpt = str(tmp_path)
     sched, run = _node(ckpt, committer=False, local_ranks=(1,))
     notices = CommitNotices({}.get, sched.on_notice)
