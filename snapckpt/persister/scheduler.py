@@ -115,6 +115,7 @@ class Result:
     # another node: the committer's error record sent with its abort notice (a skipped save's: SaveSkippedError)
     abort_error: Optional[Dict[str, Any]] = None
     late: Set[int] = field(default_factory=set)  # local ranks whose snapshot came once it was over: not written
+    flush: bool = False  # a crash flush's save (Scheduler.forget): its parts are the persister's, no rank is behind
 
 
 class Scheduler:
@@ -237,7 +238,7 @@ class Scheduler:
         old = self.results.get(key)
         self.commits_started.discard(key)
         if old is not None:
-            self.results.push(key, Result(gen=old.gen + 1))
+            self.results.push(key, Result(gen=old.gen + 1, flush=True))
             self.results.keep_older(key, lambda r: r.awaiting_removal)
 
     def _in_flight(self, key: SaveKey, res: Result) -> bool:
@@ -271,7 +272,10 @@ class Scheduler:
         ``rank`` that comes once another rank's later save has replaced that save (that rank skipped it, and it
         ended at once) is ``rank``'s part of it, not of the newest save, where it would be paired with the other
         ranks' next snapshots. That save ended without it: the part is not written (:meth:`_late_part`)."""
-        for old in self.results.records(key)[:-1]:
+        recs = self.results.records(key)
+        if not recs or recs[-1].flush:  # (a crash flush writes every local rank's newest snapshot)
+            return None
+        for old in recs[:-1]:
             if old.gen > 0 and not self._took_part(old, rank):  # (generation 0: _persist_deferred's stand-in)
                 return old
         return None

@@ -168,3 +168,27 @@ def test_a_commit_notice_carries_the_error_of_a_skipped_save():
     assert got[0] == ((RUN, STEP, TAG, 2), {"aborted": True, "committed": False,
                                            "error": {"type": "SaveSkippedError", "message": SKIP["message"]}})
     assert got[1] == ((RUN, STEP, TAG, 2), {"aborted": True, "committed": False})
+
+
+def test_a_crash_flush_writes_a_rank_that_took_no_part_in_the_failed_save_it_replaces(tmp_path, parts):
+    """Node 1 (ranks 2 and 3 of 4): step 7's save failed here before rank 3 handed its part over (rank 2's part
+    failed), and the wait for the committer's deletion of it still runs; the job dies and node 1's crash flush
+    writes step 7 again. Right: both ranks' parts of the flush are written: a flush writes every local rank's
+    newest snapshot, none is a late part of the failed save (the rule that a rank behind a save gives its part to
+    it is about the ranks' own saves only)."""
+    from snapckpt.persister.flush import flush_newest
+
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    for r in (2, 3):
+        sched.slots.ranks[r].slots.append(Slot(index=r, path=os.path.join(ckpt, f"rank{r}"), nbytes=NBYTES,
+                                               state=SlotState.READY, step=STEP, run_id=RUN, dirname=TAG, seq=7))
+    with sched.lock:
+        sched.results[KEY] = Result(state="failed", part_errors={2: {"type": "OSError", "message": "disk full"}},
+                                    awaiting_removal=True)
+        assert flush_newest(run, sched.slots, sched, "crashed") == STEP
+    flush = sched.results[KEY]
+    assert flush.gen == 2 and len(sched.results.records(KEY)) == 2
+    assert wait_until(lambda: flush.parts_done == {2, 3}, timeout=30), flush
+    sched.pool.shutdown(wait=True)
+    sched.syncer.shutdown()
