@@ -816,3 +816,49 @@ def test_a_rank_ahead_by_two_saves_of_a_step_does_not_mix_its_third_save_into_th
                 res.part_ended.set()
             sched.ended.notify_all()
         sched.pool.shutdown(wait=False)
+
+
+def test_a_retried_step_refused_again_before_the_persister_fails_its_save_at_once(tmp_path, parts):
+    """Two local ranks, one node: the free-space check of rank 0 refused step 7 of ``best`` (``fail_part``),
+    rank 1's part was written, the save failed. The step is retried and rank 0's check refuses it again before
+    rank 1 hands over its new snapshot. Right: the retry fails at once on rank 0's error, as the first save did.
+    Before the fix ``fail_part`` put the error on the ended first save's record (not a new save of the step:
+    no commit started for it either), rank 1's part then started a new save without it, and that commit waited
+    for rank 0's part, which never comes (one node: no failure marker either), until the commit timeout."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    key = (RUN, 7, TAG)
+    refused = {"type": "InsufficientDiskError", "message": "no room"}
+
+    def ready(seq: int) -> None:
+        s = Slot(index=100 + seq, path=os.path.join(ckpt, "rank1"), nbytes=NBYTES, state=SlotState.READY,
+                 step=7, run_id=RUN, dirname=TAG, seq=seq)
+        with sched.lock:
+            sched.slots.ranks[1].slots.append(s)
+            sched.persist(sched.slots.ranks[1], 7, run)
+
+    sched.slots.ranks[1] = RankEntry(rank=1, slots=[], run_id=RUN)
+    try:
+        sched.fail_part(0, run, 7, TAG, refused)
+        ready(7)
+        assert wait_until(lambda: sched.results[key].state != "pending", timeout=30)
+        first = sched.results[key]
+        assert first.state == "failed"
+        assert wait_until(lambda: first.writers == 0 and not sched.discarding, timeout=30)
+        sched.fail_part(0, run, 7, TAG, refused)  # the retry: refused again, before rank 1's part
+        ready(8)
+        retry = sched.results[key]
+        assert retry is not first and retry.rank_seq == {1: 8}
+        assert wait_until(lambda: retry.state != "pending", timeout=30), \
+            "the retry's commit waits for rank 0's part, refused before the persister"
+        assert retry.state == "failed" and "no room" in json.dumps(retry.error), retry.error
+        assert sched.result(key, 1, 8) is retry and sched.result(key, 1, 7) is first
+    finally:
+        with sched.lock:
+            res = sched.results.get(key)
+            if res is not None and res.state == "pending":
+                res.part_errors.setdefault(0, {"type": "OSError", "message": "test over"})
+                res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
