@@ -819,8 +819,8 @@ def test_a_rank_ahead_by_two_saves_of_a_step_does_not_mix_its_third_save_into_th
 
 
 def test_a_retried_step_refused_again_before_the_persister_fails_its_save_at_once(tmp_path, parts):
-    """Two local ranks, one node: the free-space check of rank 0 refused step 7 of ``best`` (``fail_part``),
-    rank 1's part was written, the save failed. The step is retried and rank 0's check refuses it again before
+    """Two local ranks, one node: rank 1 handed over its part of step 7 of ``best``, the free-space check of
+    rank 0 refused it (``fail_part``), the save failed. The step is retried and rank 0's check refuses it again before
     rank 1 hands over its new snapshot. Right: the retry fails at once on rank 0's error, as the first save did.
     Before the fix ``fail_part`` put the error on the ended first save's record (not a new save of the step:
     no commit started for it either), rank 1's part then started a new save without it, and that commit waited
@@ -840,8 +840,8 @@ def test_a_retried_step_refused_again_before_the_persister_fails_its_save_at_onc
 
     sched.slots.ranks[1] = RankEntry(rank=1, slots=[], run_id=RUN)
     try:
-        sched.fail_part(0, run, 7, TAG, refused)
         ready(7)
+        sched.fail_part(0, run, 7, TAG, refused)
         assert wait_until(lambda: sched.results[key].state != "pending", timeout=30)
         first = sched.results[key]
         assert first.state == "failed"
