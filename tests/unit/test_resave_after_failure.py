@@ -862,3 +862,40 @@ def test_a_retried_step_refused_again_before_the_persister_fails_its_save_at_onc
                 res.part_ended.set()
             sched.ended.notify_all()
         sched.pool.shutdown(wait=False)
+
+
+def test_a_retry_refused_while_the_first_save_of_the_step_is_in_flight_does_not_fail_that_save(tmp_path, parts):
+    """Two local ranks: the first save of step 7 of ``best`` is in flight (rank 0's part written, rank 1's
+    writer still runs) when rank 0 saves step 7 again and its free-space check refuses it (``fail_part``).
+    Right: the first save is untouched and commits once rank 1's part ends; the refusal is the retry's, which
+    fails at once when rank 1 hands over its part of it. Before the fix the refusal went onto the first save's
+    record: its commit failed on a part that had been written."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    key = (RUN, 7, TAG)
+    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
+    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    try:
+        sched.fail_part(0, run, 7, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+        assert not first.part_errors, "the retry's refusal fails the first save"
+        with sched.lock:  # rank 1's part of the first save ends written; its commit ends committed
+            first.parts_done.add(1)
+            first.writers -= 1
+            sched.pending -= 1
+            first.state = "committed"
+            sched._run_over_calls(key, first)
+        retry = sched.results[key]
+        assert retry is not first and set(retry.part_errors) == {0}
+        persist(1, slot(1, 8))
+        assert wait_until(lambda: retry.state != "pending", timeout=30)
+        assert retry.state == "failed" and "no room" in json.dumps(retry.error), retry.error
+        assert first.state == "committed" and sched.result(key, 1, 7) is first
+    finally:
+        with sched.lock:
+            res = sched.results.get(key)
+            if res is not None and res.state == "pending":
+                res.part_errors.setdefault(0, {"type": "OSError", "message": "test over"})
+                res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
