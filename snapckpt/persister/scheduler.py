@@ -451,7 +451,18 @@ class Scheduler:
         key = (run.run_id, step, dirname)
         with self.lock:
             self._prune(run)  # (before: never this save's own record, which its commit below needs)
-            res = self.results.setdefault(key, Result())
+            res = self.results.get(key)
+            if res is not None and any(rank in x for x in (res.rank_seq, res.parts_done, res.part_errors,
+                                                           res.streams)):
+                # the rank's save of the step and directory again (as in persist()): not the earlier save's
+                # failure. On that ended record, the new save started without it and waited for this part
+                # until the commit timeout; on one in flight, it failed a save whose part was written
+                if self._in_flight(key, res):
+                    self.when_over(key, lambda: self.fail_part(rank, run, step, dirname, rec))
+                    return
+                res = self._replace(run, key)
+            elif res is None:
+                res = self.results.setdefault(key, Result())
             res.part_errors[rank] = rec
             res.told.add(rank)  # its rank raised the error itself: it never asks for this save
         res.part_ended.set()  # the commit's wait sees the failure now, not at its next peer check
