@@ -899,3 +899,41 @@ def test_a_retry_refused_while_the_first_save_of_the_step_is_in_flight_does_not_
                 res.part_ended.set()
             sched.ended.notify_all()
         sched.pool.shutdown(wait=False)
+
+
+def test_a_rank_whose_part_came_after_the_save_failed_joins_the_save_of_the_step_again(tmp_path, parts):
+    """Two local ranks: rank 0's free-space check refused step 7 of ``best`` (``fail_part``) and the save failed
+    at once, before rank 1 handed over its part (a late part: not written). Step 7 is saved again, rank 1 first
+    (rank 0's disk has room now). Right: rank 1's part is the retry's, which commits; rank 1's handle of its
+    first snapshot still hears the failure. Before the fix the late part left no trace in the failed save's
+    record: rank 1's next part was taken for another late part of it and dropped, and rank 0's then started
+    the retry, whose commit waited for rank 1's part until the commit timeout."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    key = (RUN, 7, TAG)
+    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
+    sched.slots.ranks[1].slots.clear()
+    try:
+        sched.fail_part(0, run, 7, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+        assert wait_until(lambda: sched.results[key].state == "failed", timeout=30)
+        first = sched.results[key]
+        persist(1, slot(1, 7))  # the late part
+        assert wait_until(lambda: not sched.discarding and first.writers == 0, timeout=30)
+        persist(1, slot(1, 8))  # the retry, rank 1 first
+        persist(0, slot(0, 8))
+        retry = sched.results[key]
+        assert retry is not first
+        assert wait_until(lambda: retry.state != "pending", timeout=30), \
+            f"the retry waits for rank 1's part (it holds {sorted(retry.rank_seq)})"
+        assert retry.state == "committed", retry.error
+        assert sched.result(key, 1, 7) is first and sched.result(key, 1, 8) is retry
+        _assert_part(ckpt, TAG, 1, 7)
+    finally:
+        with sched.lock:
+            res = sched.results.get(key)
+            if res is not None and res.state == "pending":
+                res.part_errors.setdefault(1, {"type": "OSError", "message": "test over"})
+                res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
