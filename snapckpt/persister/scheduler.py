@@ -334,7 +334,10 @@ class Scheduler:
         if self._commit_over(run, key):
             # a late part of a failed save (its rank gets the commit's error): no writer. One would wait in the
             # pool behind a next save's writers that wait for this save to be over, and its end, this save's
-            # last writer again, would delete the partial directory again, with the next save's parts in it
+            # last writer again, would delete the partial directory again, with the next save's parts in it.
+            # Its snapshot is recorded: the rank's next one is a save of the step again (not another late part,
+            # dropped: that save waited for it until the commit timeout), and this one's handle hears this save
+            res.rank_seq[entry.rank] = s.seq
             return
         res.rank_seq[entry.rank] = s.seq
         self.slots.start_persist(s)
