@@ -184,8 +184,10 @@ def copy_chunks(chunks: List[Tuple[int, int, int]], threads: Optional[int] = Non
     _pool.run(chunks, max(0, n - 1))
 
 
-def _foreach_copy_no_grad(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-    with torch.no_grad():  # grad mode is per thread: a Parameter's copy must not enter autograd on a helper either
+def _foreach_copy_no_grad(dsts: List[torch.Tensor], srcs: List[torch.Tensor], inference: bool = False) -> None:
+    # grad mode is per thread: a Parameter's copy must not enter autograd on a helper either. So is inference mode,
+    # outside which an inference tensor (made under it) refuses an in-place copy: a helper takes the caller's
+    with torch.inference_mode() if inference else torch.no_grad():
         torch._foreach_copy_(dsts, srcs)
 
 
@@ -222,5 +224,6 @@ def foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor], nbytes: Seq
     k = min(max(2 * n, total // CHUNK_NBYTES), len(dsts))
     acc = list(accumulate(nbytes))
     cuts = [0] + [bisect.bisect_left(acc, total * j // k) + 1 for j in range(1, k)] + [len(dsts)]
-    parts = [(dsts[a:b], srcs[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    inference = torch.is_inference_mode_enabled()
+    parts = [(dsts[a:b], srcs[a:b], inference) for a, b in zip(cuts, cuts[1:]) if b > a]
     _pool.run(parts, n - 1, _foreach_copy_no_grad)
