@@ -193,7 +193,8 @@ def _foreach_copy_no_grad(dsts: List[torch.Tensor], srcs: List[torch.Tensor], in
 
 def foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor], nbytes: Sequence[int],
                  threads: Optional[int] = None) -> None:
-    """``torch._foreach_copy_(dsts, srcs)`` under ``torch.no_grad()`` (versions bumped, dtype and device follow
+    """``torch._foreach_copy_(dsts, srcs)`` under ``torch.no_grad()``, or under ``torch.inference_mode()`` on every
+    thread when the caller is in it (versions bumped, dtype and device follow
     ``dsts``, as ``Tensor.copy_``), with the tensors under :data:`MIN_TENSOR_NBYTES` split into parts of about equal
     bytes that the calling thread and helper threads take in turn when they hold :data:`SPLIT_NBYTES` or more.
 
