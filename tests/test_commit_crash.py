@@ -1180,3 +1180,33 @@ def test_B4_preflight_refusal_on_one_rank_fails_the_others_at_once(snap_env):
     assert "InsufficientDiskError" in res[1]["error"] and "did not write their part" not in res[1]["error"], res
     for r in res.values():
         assert r["latest"] == 3 and r["partials"] == []
+
+
+def test_B4_a_step_retried_after_a_preflight_refusal_ends_at_once(snap_env):
+    """Rank 0's free-space preflight refuses step 2 just after rank 1's part came; the step is retried and rank
+    0's preflight refuses it again before rank 1's part comes. Right: rank 1's retry fails at
+    once on rank 0's refusal, as its first save did. Before the fix rank 0's refusal went onto the first save's
+    record, and rank 1's retry waited for rank 0's part until the commit timeout (40 s)."""
+    outs = run_ranks("commit_crash_worker.py", 2, ["preflight_fail_then_retry", snap_env.ckpt_dir, "refused"], {},
+                     timeout=200)
+    res = {r["rank"]: r for r in (json.loads(l) for o in outs for l in result_lines(o))}
+    for attempt in ("first", "retry"):
+        assert res[0]["errors"][attempt].startswith("InsufficientDiskError"), res
+        err = res[1]["errors"][attempt]
+        assert err.startswith("CommitError") and "InsufficientDiskError" in err, (attempt, res)
+        assert "did not write their part" not in err, (attempt, res)
+    assert res[0]["latest"] == res[1]["latest"] == 1
+
+
+def test_B4_a_step_retried_after_a_preflight_refusal_commits_when_the_late_rank_saves_first(snap_env):
+    """Rank 0's free-space preflight refuses step 2, rank 1's part comes once that save failed (a late part: not
+    written); the step is retried, rank 1 first, and rank 0 has room now. Right: the retry commits on both
+    ranks. Before the fix rank 1's part of the retry was taken for another late part of the failed save and
+    dropped, and the retry waited for it until the commit timeout (40 s)."""
+    outs = run_ranks("commit_crash_worker.py", 2, ["preflight_fail_then_retry", snap_env.ckpt_dir, "room"], {},
+                     timeout=200)
+    res = {r["rank"]: r for r in (json.loads(l) for o in outs for l in result_lines(o))}
+    assert res[0]["errors"]["first"].startswith("InsufficientDiskError"), res
+    assert res[1]["errors"]["first"].startswith("CommitError"), res
+    assert res[0]["errors"]["retry"] is None and res[1]["errors"]["retry"] is None, res
+    assert res[0]["latest"] == res[1]["latest"] == 2

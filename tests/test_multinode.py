@@ -572,3 +572,25 @@ def test_G3_two_of_three_nodes_lost_with_a_ranks_snapshot_and_its_replica_resume
             in outs[0]), outs[0]
     lost = [e for e in _results(outs, "EVENT") if e["kind"] == "steps_lost"]
     assert [(e["rank"], e["step"]) for e in lost] == [(0, PAUSE)] and warning in lost[0]["reason"], lost
+
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed (breakit15): the committer's abort notice of a save this node has "
+                                       "not started yet is dropped (Scheduler.on_notice), and the late part re-creates "
+                                       "the deleted partial directory, so the watch waits for its deadline")
+def test_G2_a_part_that_comes_after_the_committers_commit_failed_ends_at_once(rig):
+    """2 nodes x 1 rank: rank 0's free-space preflight refuses step 2 (its commit fails at once on the committer's
+    node, which deletes the partial directory and sends its abort notice); rank 1 hands over its part of step 2
+    a second later. Right: rank 1's wait() fails at once, as it does on one node. Observed: node 1 had no record of
+    that save when the abort notice came and dropped it; rank 1's part was then written (re-creating the partial
+    directory the committer had deleted) and its watch waited for the commit timeout plus 20 s (60 s) before
+    failing with CommitTimeoutError. The retry of the step by both ranks commits."""
+    rig.start(2)
+    runs = rig.torchrun_all(os.path.join(WORKERS, "commit_crash_worker.py"),
+                            ["preflight_fail_then_retry", rig.ckpt_dir, "room"], 1)
+    assert rig.wait_all(runs, 150) == [0, 0]
+    res = {r["rank"]: r for r in _results([r.output() for r in runs])}
+    assert res[0]["errors"]["first"].startswith("InsufficientDiskError"), res
+    assert res[1]["errors"]["first"].startswith("CommitError"), res
+    assert res[1]["secs"]["first"] < 30, res
+    assert res[0]["errors"]["retry"] is None and res[1]["errors"]["retry"] is None, res

@@ -184,20 +184,18 @@ def copy_chunks(chunks: List[Tuple[int, int, int]], threads: Optional[int] = Non
     _pool.run(chunks, max(0, n - 1))
 
 
-def _foreach_copy_no_grad(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-    with torch.no_grad():  # grad mode is per thread: a Parameter's copy must not enter autograd on a helper either
-        torch._foreach_copy_(dsts, srcs)
-
-
-def _foreach_copy_inference(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-    with torch.inference_mode():  # per thread too: the caller's inference tensors are written in it on a helper
+def _foreach_copy_no_grad(dsts: List[torch.Tensor], srcs: List[torch.Tensor], inference: bool = False) -> None:
+    # grad mode is per thread: a Parameter's copy must not enter autograd on a helper either. So is inference mode,
+    # outside which an inference tensor (made under it) refuses an in-place copy: a helper takes the caller's
+    with torch.inference_mode() if inference else torch.no_grad():
         torch._foreach_copy_(dsts, srcs)
 
 
 def foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor], nbytes: Sequence[int],
                  threads: Optional[int] = None) -> None:
-    """``torch._foreach_copy_(dsts, srcs)`` under ``torch.no_grad()`` (or the caller's ``torch.inference_mode()``, on
-    every thread; versions bumped, dtype and device follow ``dsts``, as ``Tensor.copy_``), with the tensors under :data:`MIN_TENSOR_NBYTES` split into parts of about equal
+    """``torch._foreach_copy_(dsts, srcs)`` under ``torch.no_grad()``, or under ``torch.inference_mode()`` on every
+    thread when the caller is in it (versions bumped, dtype and device follow
+    ``dsts``, as ``Tensor.copy_``), with the tensors under :data:`MIN_TENSOR_NBYTES` split into parts of about equal
     bytes that the calling thread and helper threads take in turn when they hold :data:`SPLIT_NBYTES` or more.
 
     Each small copy is a loop on one thread inside torch; the large ones stay in one call on the calling thread first,
@@ -227,5 +225,6 @@ def foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor], nbytes: Seq
     k = min(max(2 * n, total // CHUNK_NBYTES), len(dsts))
     acc = list(accumulate(nbytes))
     cuts = [0] + [bisect.bisect_left(acc, total * j // k) + 1 for j in range(1, k)] + [len(dsts)]
-    parts = [(dsts[a:b], srcs[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
-    _pool.run(parts, n - 1, _foreach_copy_inference if torch.is_inference_mode_enabled() else _foreach_copy_no_grad)
+    inference = torch.is_inference_mode_enabled()
+    parts = [(dsts[a:b], srcs[a:b], inference) for a, b in zip(cuts, cuts[1:]) if b > a]
+    _pool.run(parts, n - 1, _foreach_copy_no_grad)

@@ -153,15 +153,15 @@ def test_foreach_copy_splits_the_small_tensors_among_threads_and_copies_as_torch
     threads, helper_in, me, mine = set(), threading.Event(), threading.get_ident(), []
     copy = mover._foreach_copy_no_grad
 
-    def part(d, s):  # the calling thread waits in its first part (after the large ones) until the helper took one
-        threads.add(threading.get_ident())
+    def part(d, s, *inference):  # the calling thread waits in its first part (after the large ones) until the
+        threads.add(threading.get_ident())  # helper took one
         if threading.get_ident() != me:
             helper_in.set()
         else:
             mine.append(len(d))
             if len(mine) == 2:
                 assert helper_in.wait(30)
-        copy(d, s)
+        copy(d, s, *inference)
 
     monkeypatch.setattr(mover, "_foreach_copy_no_grad", part)
     mover.foreach_copy(dsts, srcs, nbytes, threads=2)
@@ -190,3 +190,29 @@ def test_foreach_copy_raises_a_parts_error_on_the_calling_thread_and_the_pool_go
     dsts[-1] = torch.zeros(1000)
     mover.foreach_copy(dsts, srcs, [4000] * 8, threads=2)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_foreach_copy_under_inference_mode_copies_into_inference_tensors_on_every_thread(monkeypatch):
+    """Inference tensors (made under ``torch.inference_mode``) take an in-place copy only under it, and inference
+    mode is per thread: called under it, ``foreach_copy``'s helpers copy under it too (before the fix the parts a
+    helper took raised "Inplace update to inference tensor outside InferenceMode", some tensors copied)."""
+    monkeypatch.setattr(mover, "SPLIT_NBYTES", 1)
+    helper_in, me, took = threading.Event(), threading.get_ident(), []
+    copy = mover._foreach_copy_no_grad
+
+    def part(d, s, *inference):  # the calling thread waits in its part until the helper took one
+        if threading.get_ident() != me:
+            took.append(len(d))
+            helper_in.set()
+        else:
+            assert helper_in.wait(30)
+        copy(d, s, *inference)
+
+    monkeypatch.setattr(mover, "_foreach_copy_no_grad", part)
+    with torch.inference_mode():
+        dsts = [torch.zeros(1000) for _ in range(8)]
+    srcs = [torch.full((1000,), float(i)) for i in range(8)]
+    with torch.inference_mode():
+        mover.foreach_copy(dsts, srcs, [4000] * 8, threads=2)
+    assert took and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()

@@ -816,3 +816,124 @@ def test_a_rank_ahead_by_two_saves_of_a_step_does_not_mix_its_third_save_into_th
                 res.part_ended.set()
             sched.ended.notify_all()
         sched.pool.shutdown(wait=False)
+
+
+def test_a_retried_step_refused_again_before_the_persister_fails_its_save_at_once(tmp_path, parts):
+    """Two local ranks, one node: rank 1 handed over its part of step 7 of ``best``, the free-space check of
+    rank 0 refused it (``fail_part``), the save failed. The step is retried and rank 0's check refuses it again before
+    rank 1 hands over its new snapshot. Right: the retry fails at once on rank 0's error, as the first save did.
+    Before the fix ``fail_part`` put the error on the ended first save's record (not a new save of the step:
+    no commit started for it either), rank 1's part then started a new save without it, and that commit waited
+    for rank 0's part, which never comes (one node: no failure marker either), until the commit timeout."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    key = (RUN, 7, TAG)
+    refused = {"type": "InsufficientDiskError", "message": "no room"}
+
+    def ready(seq: int) -> None:
+        s = Slot(index=100 + seq, path=os.path.join(ckpt, "rank1"), nbytes=NBYTES, state=SlotState.READY,
+                 step=7, run_id=RUN, dirname=TAG, seq=seq)
+        with sched.lock:
+            sched.slots.ranks[1].slots.append(s)
+            sched.persist(sched.slots.ranks[1], 7, run)
+
+    sched.slots.ranks[1] = RankEntry(rank=1, slots=[], run_id=RUN)
+    try:
+        ready(7)
+        sched.fail_part(0, run, 7, TAG, refused)
+        assert wait_until(lambda: sched.results[key].state != "pending", timeout=30)
+        first = sched.results[key]
+        assert first.state == "failed"
+        assert wait_until(lambda: first.writers == 0 and not sched.discarding, timeout=30)
+        sched.fail_part(0, run, 7, TAG, refused)  # the retry: refused again, before rank 1's part
+        ready(8)
+        retry = sched.results[key]
+        assert retry is not first and retry.rank_seq == {1: 8}
+        assert wait_until(lambda: retry.state != "pending", timeout=30), \
+            "the retry's commit waits for rank 0's part, refused before the persister"
+        assert retry.state == "failed" and "no room" in json.dumps(retry.error), retry.error
+        assert sched.result(key, 1, 8) is retry and sched.result(key, 1, 7) is first
+    finally:
+        with sched.lock:
+            res = sched.results.get(key)
+            if res is not None and res.state == "pending":
+                res.part_errors.setdefault(0, {"type": "OSError", "message": "test over"})
+                res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
+
+
+def test_a_retry_refused_while_the_first_save_of_the_step_is_in_flight_does_not_fail_that_save(tmp_path, parts):
+    """Two local ranks: the first save of step 7 of ``best`` is in flight (rank 0's part written, rank 1's
+    writer still runs) when rank 0 saves step 7 again and its free-space check refuses it (``fail_part``).
+    Right: the first save is untouched and commits once rank 1's part ends; the refusal is the retry's, which
+    fails at once when rank 1 hands over its part of it. Before the fix the refusal went onto the first save's
+    record: its commit failed on a part that had been written."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    key = (RUN, 7, TAG)
+    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
+    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    try:
+        sched.fail_part(0, run, 7, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+        assert not first.part_errors, "the retry's refusal fails the first save"
+        with sched.lock:  # rank 1's part of the first save ends written; its commit ends committed
+            first.parts_done.add(1)
+            first.writers -= 1
+            sched.pending -= 1
+            first.state = "committed"
+            sched._run_over_calls(key, first)
+        retry = sched.results[key]
+        assert retry is not first and set(retry.part_errors) == {0}
+        persist(1, slot(1, 8))
+        assert wait_until(lambda: retry.state != "pending", timeout=30)
+        assert retry.state == "failed" and "no room" in json.dumps(retry.error), retry.error
+        assert first.state == "committed" and sched.result(key, 1, 7) is first
+    finally:
+        with sched.lock:
+            res = sched.results.get(key)
+            if res is not None and res.state == "pending":
+                res.part_errors.setdefault(0, {"type": "OSError", "message": "test over"})
+                res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)
+
+
+def test_a_rank_whose_part_came_after_the_save_failed_joins_the_save_of_the_step_again(tmp_path, parts):
+    """Two local ranks: rank 0's free-space check refused step 7 of ``best`` (``fail_part``) and the save failed
+    at once, before rank 1 handed over its part (a late part: not written). Step 7 is saved again, rank 1 first
+    (rank 0's disk has room now). Right: rank 1's part is the retry's, which commits; rank 1's handle of its
+    first snapshot still hears the failure. Before the fix the late part left no trace in the failed save's
+    record: rank 1's next part was taken for another late part of it and dropped, and rank 0's then started
+    the retry, whose commit waited for rank 1's part until the commit timeout."""
+    ckpt = str(tmp_path)
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    key = (RUN, 7, TAG)
+    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
+    sched.slots.ranks[1].slots.clear()
+    try:
+        sched.fail_part(0, run, 7, TAG, {"type": "InsufficientDiskError", "message": "no room"})
+        assert wait_until(lambda: sched.results[key].state == "failed", timeout=30)
+        first = sched.results[key]
+        persist(1, slot(1, 7))  # the late part
+        assert wait_until(lambda: not sched.discarding and first.writers == 0, timeout=30)
+        persist(1, slot(1, 8))  # the retry, rank 1 first
+        persist(0, slot(0, 8))
+        retry = sched.results[key]
+        assert retry is not first
+        assert wait_until(lambda: retry.state != "pending", timeout=30), \
+            f"the retry waits for rank 1's part (it holds {sorted(retry.rank_seq)})"
+        assert retry.state == "committed", retry.error
+        assert sched.result(key, 1, 7) is first and sched.result(key, 1, 8) is retry
+        _assert_part(ckpt, TAG, 1, 7)
+    finally:
+        with sched.lock:
+            res = sched.results.get(key)
+            if res is not None and res.state == "pending":
+                res.part_errors.setdefault(1, {"type": "OSError", "message": "test over"})
+                res.part_ended.set()
+            sched.ended.notify_all()
+        sched.pool.shutdown(wait=False)

@@ -315,13 +315,13 @@ def test_a_restore_split_among_threads_inside_inference_mode_copies_on_every_thr
         run = mover._pool.run
 
         def part(fn):
-            def go(d, s):  # the calling thread waits in its first part until the helper took one
+            def go(d, s, *inference):  # the calling thread waits in its first part until the helper took one
                 threads.add(threading.get_ident())
                 if threading.get_ident() != me:
                     helper_in.set()
                 else:
                     assert helper_in.wait(30)
-                fn(d, s)
+                fn(d, s, *inference)
             return go
 
         monkeypatch.setattr(mover._pool, "run", lambda items, helpers, fn: run(items, helpers, part(fn)))

@@ -279,9 +279,42 @@ def resave_tag_after_failure(d: str, go: str) -> None:
     dist.destroy_process_group()
 
 
+def preflight_fail_then_retry(d: str, mode: str) -> None:
+    """Rank 0's free-space preflight refuses step 2 (fault injection: it sees 0 bytes free). ``mode``
+    ``refused``: rank 1 saved step 2 a moment before (its part is written); then step 2 is saved again, and
+    rank 0's preflight refuses it again before rank 1's part comes. ``room``: rank 1 saves step 2 a moment later
+    (its part comes once that save failed); then step 2 is saved again, rank 1 first, and rank 0 has room. Each rank reports what each ``wait()`` raised and the seconds it took."""
+    import torch.distributed as dist
+
+    init_dist()
+    rank = dist.get_rank()
+    ck = Checkpointer(d, **dict(OPTS, commit_timeout_secs=40))
+    ck.save(make_state(1, rank), 1).wait()
+    real = ck.storage.free_bytes
+    errors, secs = {}, {}
+    for attempt in ("first", "retry"):
+        refused = rank == 0 and (attempt == "first" or mode == "refused")
+        if refused:
+            ck.storage.free_bytes = lambda path: 0
+        if rank == {"first": 0 if mode == "refused" else 1, "retry": 1 if mode == "refused" else 0}[attempt]:
+            time.sleep(1.0)  # (the other rank's request first)
+        t0 = time.monotonic()
+        try:
+            ck.save(make_state(2, rank), 2).wait()
+            errors[attempt] = None
+        except Exception as e:
+            errors[attempt] = f"{type(e).__name__}: {e}"
+        secs[attempt] = round(time.monotonic() - t0, 3)
+        ck.storage.free_bytes = real
+        dist.barrier()
+    result(rank=rank, errors=errors, secs=secs, latest=ck.latest_step())
+    ck.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
     {"kill_in_copy": kill_in_copy, "crash_after_save": crash_after_save, "load": load, "parts": parts, "save_steps": save_steps,
      "slow_disk": slow_disk, "hung_then_exit": hung_then_exit, "save_loop": save_loop,
      "full_disk_one_rank": full_disk_one_rank, "preflight_fail_one_rank": preflight_fail_one_rank,
-     "resave_tag_after_failure": resave_tag_after_failure}[scenario](*rest)
+     "resave_tag_after_failure": resave_tag_after_failure, "preflight_fail_then_retry": preflight_fail_then_retry}[scenario](*rest)
