@@ -575,16 +575,14 @@ def test_G3_two_of_three_nodes_lost_with_a_ranks_snapshot_and_its_replica_resume
 
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed (breakit15): the committer's abort notice of a save this node has "
-                                       "not started yet is dropped (Scheduler.on_notice), and the late part re-creates "
-                                       "the deleted partial directory, so the watch waits for its deadline")
 def test_G2_a_part_that_comes_after_the_committers_commit_failed_ends_at_once(rig):
     """2 nodes x 1 rank: rank 0's free-space preflight refuses step 2 (its commit fails at once on the committer's
     node, which deletes the partial directory and sends its abort notice); rank 1 hands over its part of step 2
-    a second later. Right: rank 1's wait() fails at once, as it does on one node. Observed: node 1 had no record of
-    that save when the abort notice came and dropped it; rank 1's part was then written (re-creating the partial
-    directory the committer had deleted) and its watch waited for the commit timeout plus 20 s (60 s) before
-    failing with CommitTimeoutError. The retry of the step by both ranks commits."""
+    a second later. Right: rank 1's wait() fails at once, as it does on one node. Before (found by breakit15): node 1
+    had no record of that save when the abort notice came and dropped it; rank 1's part was then written
+    (re-creating the partial directory the committer had deleted) and its watch waited for the commit timeout plus
+    20 s (60 s) before failing with CommitTimeoutError. Node 1 now keeps the abort for the save its ranks have not
+    handed over yet (Scheduler.aborts_ahead, skipagree8). The retry of the step by both ranks commits."""
     rig.start(2)
     runs = rig.torchrun_all(os.path.join(WORKERS, "commit_crash_worker.py"),
                             ["preflight_fail_then_retry", rig.ckpt_dir, "room"], 1)
