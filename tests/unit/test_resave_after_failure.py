@@ -24,41 +24,29 @@ from typing import Optional
 
 import pytest
 from _harness import wait_until
+from _sched_rig import NBYTES, node, stub_slot_reads
 
 from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, SIDECAR, ChecksumWriter, partial_dirname
-from snapckpt.persister import scheduler as sched_mod
 from snapckpt.persister.arena import SlotState
 from snapckpt.persister.commit import CommitRequest
 from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.scheduler import Result, Scheduler
 from snapckpt.persister.flush import flush_newest
-from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
+from snapckpt.persister.slots import RankEntry, Run, Slot
 from snapckpt.persister.writer import write_failure_marker
 from snapckpt.storage.posix import PosixStorage
 
 RUN = "c" * 16 + "0123456789ab"
 TAG = "best"
-NBYTES = 64
 
 
 @pytest.fixture
 def parts(monkeypatch):
-    """Stub the slot reads of the writer task: the slot of step ``s`` holds ``NBYTES`` bytes of value ``s``,
-    its index one file ``rank<R>.bin`` (the slot's ``path`` names the rank)."""
-    def index(buf, path):
-        return {"step": buf[0], "files": [{"path": f"{os.path.basename(path)}.bin", "kind": "bytes",
-                                           "chunks": [[0, NBYTES]]}]}
-
-    monkeypatch.setattr(sched_mod, "_slot_map", lambda s: bytearray(bytes([s.step]) * NBYTES))
-    monkeypatch.setattr(sched_mod, "read_index", index)
+    stub_slot_reads(monkeypatch)
 
 
 def _node(ckpt: str, committer: bool = True, world_size: int = 2, local_ranks=(0, 1)):
-    lock = threading.RLock()
-    sched = Scheduler(SlotTable(None, lock), lock)
-    run = Run(run_id=RUN, world_size=world_size, local_ranks=list(local_ranks), committer=committer,
-              checkpoint_dir=ckpt, keep_last=None, commit_timeout_secs=600.0, flush_on_crash=False, fsync=False)
-    return sched, run
+    return node(RUN, ckpt, committer, world_size, local_ranks)
 
 
 def _slot(ckpt: str, rank: int, step: int) -> Slot:
@@ -150,6 +138,19 @@ def _committer_says(sched: Scheduler, step: int):
         notices.receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": step, "dirname": TAG, "gen": gen,
                               "state": state})
     return ended
+
+
+def _end_pending(sched, key, rank: int = 0) -> None:
+    """A test's teardown: a save of ``key`` still pending fails on ``rank``'s part (its commit task ends), and the
+    pool stops."""
+    with sched.lock:
+        res = sched.results.get(key)
+        if res is not None and res.state == "pending":
+            res.part_errors.setdefault(rank, {"type": "OSError", "message": "test over"})
+            res.part_ended.set()
+        sched.ended.notify_all()
+    sched.pool.shutdown(wait=False)
+
 
 def test_a_resave_while_a_writer_of_the_failed_save_still_runs_keeps_its_files(tmp_path, parts):
     """The committer's node: rank 0's part of step 7 failed and so did the commit, while rank 1's writer of
@@ -717,6 +718,17 @@ def _saves_of_step_7_again(sched: Scheduler, run: Run, ckpt: str):
     return slot, persist
 
 
+def _first_save_of_step_7_in_flight(ckpt: str):
+    """Two connected local ranks (their handles may still ask: the saves they took part in are kept for them) whose
+    first save of step 7 (``TAG``) is in flight: rank 0's part written, rank 1's writer runs. Returns ``(sched, run,
+    key, slot, persist, first)`` (``slot``, ``persist``: :func:`_saves_of_step_7_again`; ``first``: that save)."""
+    sched, run = _node(ckpt)
+    run.connected = {0, 1}
+    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
+    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    return sched, run, (RUN, 7, TAG), slot, persist, first
+
+
 def test_each_handle_of_a_step_saved_three_times_gets_its_own_saves_outcome(tmp_path, parts):
     """Two local ranks; step 7 of ``best`` saved three times back to back by rank 0, rank 1 slower: the first
     save fails (rank 1's part), rank 0's second save waits for it (deferred) and then starts, rank 0's third
@@ -728,12 +740,7 @@ def test_each_handle_of_a_step_saved_three_times_gets_its_own_saves_outcome(tmp_
     state (the failure lost), and rank 1's second handle with the third save's ``pending``: a ``wait()`` on it
     before rank 1's next save blocks until the third save's commit times out, then raises that failure."""
     ckpt = str(tmp_path)
-    sched, run = _node(ckpt)
-    run.connected = {0, 1}  # (their handles may still ask: the saves they took part in are kept for them)
-    key = (RUN, 7, TAG)
-
-    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
-    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    sched, run, key, slot, persist, first = _first_save_of_step_7_in_flight(ckpt)
     try:
         persist(0, slot(0, 8))  # rank 0's second save: waits for the first
         assert sched.results[key] is first and first.deferred == {0}
@@ -782,12 +789,7 @@ def test_a_rank_ahead_by_two_saves_of_a_step_does_not_mix_its_third_save_into_th
     ended: the second save committed rank 0's third part with rank 1's second (a mix of two saves), and rank
     1's third save then waited for a part of rank 0 that never comes (until the commit timeout, then failed)."""
     ckpt = str(tmp_path)
-    sched, run = _node(ckpt)
-    run.connected = {0, 1}
-    key = (RUN, 7, TAG)
-
-    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
-    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    sched, run, key, slot, persist, first = _first_save_of_step_7_in_flight(ckpt)
     try:
         persist(0, slot(0, 8))
         persist(0, slot(0, 9))  # rank 0 is two saves ahead
@@ -855,13 +857,7 @@ def test_a_retried_step_refused_again_before_the_persister_fails_its_save_at_onc
         assert retry.state == "failed" and "no room" in json.dumps(retry.error), retry.error
         assert sched.result(key, 1, 8) is retry and sched.result(key, 1, 7) is first
     finally:
-        with sched.lock:
-            res = sched.results.get(key)
-            if res is not None and res.state == "pending":
-                res.part_errors.setdefault(0, {"type": "OSError", "message": "test over"})
-                res.part_ended.set()
-            sched.ended.notify_all()
-        sched.pool.shutdown(wait=False)
+        _end_pending(sched, key)
 
 
 def test_a_retry_refused_while_the_first_save_of_the_step_is_in_flight_does_not_fail_that_save(tmp_path, parts):
@@ -871,11 +867,7 @@ def test_a_retry_refused_while_the_first_save_of_the_step_is_in_flight_does_not_
     fails at once when rank 1 hands over its part of it. Before the fix the refusal went onto the first save's
     record: its commit failed on a part that had been written."""
     ckpt = str(tmp_path)
-    sched, run = _node(ckpt)
-    run.connected = {0, 1}
-    key = (RUN, 7, TAG)
-    slot, persist = _saves_of_step_7_again(sched, run, ckpt)
-    first = _save(sched, 7, writers=1, rank_seq={0: 7, 1: 7}, parts_done={0})
+    sched, run, key, slot, persist, first = _first_save_of_step_7_in_flight(ckpt)
     try:
         sched.fail_part(0, run, 7, TAG, {"type": "InsufficientDiskError", "message": "no room"})
         assert not first.part_errors, "the retry's refusal fails the first save"
@@ -892,13 +884,7 @@ def test_a_retry_refused_while_the_first_save_of_the_step_is_in_flight_does_not_
         assert retry.state == "failed" and "no room" in json.dumps(retry.error), retry.error
         assert first.state == "committed" and sched.result(key, 1, 7) is first
     finally:
-        with sched.lock:
-            res = sched.results.get(key)
-            if res is not None and res.state == "pending":
-                res.part_errors.setdefault(0, {"type": "OSError", "message": "test over"})
-                res.part_ended.set()
-            sched.ended.notify_all()
-        sched.pool.shutdown(wait=False)
+        _end_pending(sched, key)
 
 
 def test_a_rank_whose_part_came_after_the_save_failed_joins_the_save_of_the_step_again(tmp_path, parts):
@@ -930,10 +916,4 @@ def test_a_rank_whose_part_came_after_the_save_failed_joins_the_save_of_the_step
         assert sched.result(key, 1, 7) is first and sched.result(key, 1, 8) is retry
         _assert_part(ckpt, TAG, 1, 7)
     finally:
-        with sched.lock:
-            res = sched.results.get(key)
-            if res is not None and res.state == "pending":
-                res.part_errors.setdefault(1, {"type": "OSError", "message": "test over"})
-                res.part_ended.set()
-            sched.ended.notify_all()
-        sched.pool.shutdown(wait=False)
+        _end_pending(sched, key, rank=1)

@@ -8,42 +8,32 @@ tests/test_multinode.py.
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 from _harness import wait_until
+from _sched_rig import NBYTES, node, stub_slot_reads
 
 from snapckpt.errors import SaveSkippedError
 from snapckpt.ondisk.manifest import partial_dirname
 from snapckpt.persister import protocol as P
-from snapckpt.persister import scheduler as sched_mod
 from snapckpt.persister.arena import SlotState
 from snapckpt.persister.commit_notices import CommitNotices
 from snapckpt.persister.scheduler import Result, Scheduler
-from snapckpt.persister.slots import RankEntry, Run, Slot, SlotTable
+from snapckpt.persister.slots import RankEntry, Run, Slot
 
 RUN = "d" * 16 + "0123456789ab"
-TAG, STEP, NBYTES = "best", 7, 64
+TAG, STEP = "best", 7
 KEY = (RUN, STEP, TAG)
 SKIP = P.error_record(SaveSkippedError("rank 1 had no free arena slot for step 7 (on_slot_busy='skip')"))
 
 
 @pytest.fixture
 def parts(monkeypatch):
-    """Stub the slot reads of the writer task: one ``NBYTES``-byte file ``rank<R>.bin`` per part."""
-    def index(buf, path):
-        return {"step": buf[0], "files": [{"path": f"{os.path.basename(path)}.bin", "kind": "bytes",
-                                           "chunks": [[0, NBYTES]]}]}
-
-    monkeypatch.setattr(sched_mod, "_slot_map", lambda s: bytearray(bytes([s.step]) * NBYTES))
-    monkeypatch.setattr(sched_mod, "read_index", index)
+    stub_slot_reads(monkeypatch)
 
 
 def _node(ckpt: str, committer: bool = True, world_size: int = 2, local_ranks=(0, 1)):
-    lock = threading.RLock()
-    sched = Scheduler(SlotTable(None, lock), lock)
-    run = Run(run_id=RUN, world_size=world_size, local_ranks=list(local_ranks), committer=committer,
-              checkpoint_dir=ckpt, keep_last=None, commit_timeout_secs=600.0, flush_on_crash=False, fsync=False)
+    sched, run = node(RUN, ckpt, committer, world_size, local_ranks)
     run.connected = set(local_ranks)
     for r in local_ranks:
         sched.slots.ranks[r] = RankEntry(rank=r, slots=[], run_id=RUN)

@@ -253,22 +253,38 @@ def test_a_restore_split_among_threads_copies_every_tensor_in_place_parameters_i
     assert all(t.requires_grad for k, t in state["model"].items() if k.startswith("p"))
 
 
+def _inference_copy(state: dict, parameter: bool = False) -> dict:
+    """A copy of ``state`` made under torch.inference_mode() (``p`` a Parameter again with ``parameter``), its model
+    zeroed."""
+    with torch.inference_mode():
+        live = _copy_of(state)
+        if parameter:
+            live["p"] = torch.nn.Parameter(live["p"])
+        for t in live["model"].values():
+            t.zero_()
+    return live
+
+
+def _refused(stager: Stager, m: SimpleNamespace, live: dict):
+    """The restore of step 1 into ``live`` (inference tensors) outside inference mode: torch's refusal, nothing
+    written. Returns the restore found."""
+    before = _copy_of(live)
+    found = slot_restore.find(stager, m, NAME, 1, live)
+    assert found is not None
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        found.run()
+    _assert_equal(live, before)
+    return found
+
+
 def test_a_live_state_made_under_inference_mode_is_refused_before_anything_is_written():
     """Saved from normal tensors, restored into the same layout made under torch.inference_mode() (a model rebuilt
     for evaluation): torch's refusal of their copy_, before any tensor is written (torch's own copy_ writes the
     first, then raises); inside inference mode they are restored."""
     stager, m, state = Stager(), _slot(), _state()
     _save(stager, m, state, 1)
-    with torch.inference_mode():
-        live = _copy_of(state)
-        for t in live["model"].values():
-            t.zero_()
-        before = _copy_of(live)
-    found = slot_restore.find(stager, m, NAME, 1, live)
-    assert found is not None
-    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
-        found.run()
-    _assert_equal(live, before)
+    live = _inference_copy(state)
+    found = _refused(stager, m, live)
     with torch.inference_mode():
         found.run()
     _assert_equal(live, _copy_of(state))
@@ -282,17 +298,7 @@ def test_a_save_made_inside_inference_mode_then_inference_tensors_restored_outsi
         _save(stager, m, state, 1)
     slot_restore.find(stager, m, NAME, 1, state).run()  # normal tensors: restored
     _assert_equal(state, _copy_of(state))
-    with torch.inference_mode():
-        live = _copy_of(state)
-        live["p"] = torch.nn.Parameter(live["p"])
-        for t in live["model"].values():
-            t.zero_()
-        before = _copy_of(live)
-    found = slot_restore.find(stager, m, NAME, 1, live)
-    assert found is not None
-    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
-        found.run()
-    _assert_equal(live, before)
+    _refused(stager, m, _inference_copy(state, parameter=True))
 
 
 def test_a_restore_split_among_threads_inside_inference_mode_copies_on_every_thread(monkeypatch):
