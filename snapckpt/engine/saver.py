@@ -283,11 +283,7 @@ class Saver:
         reason = f"rank {self._rank} had no free arena slot for step {step} (on_slot_busy='skip')"
         if storage_type == StorageType.DISK:
             reason += f"; {dirname} is skipped on every rank"
-            try:
-                self._session.request("fail", step=step, dirname=dirname, type=SaveSkippedError.__name__,
-                                      message=reason)
-            except SnapckptError as e:  # a dead or hung persister: the next save's requests raise it
-                log.warning("rank %d: could not tell the persister that step %d is skipped: %s", self._rank, step, e)
+            self._fail_for_every_rank(step, dirname, SaveSkippedError(reason))
         log.warning("rank %d: snapshot of step %d skipped: %s", self._rank, step, reason)
         handle = SaveHandle(self, step, storage_type, None, skipped_reason=reason, dirname=dirname)
         self._emit(Event("skipped", step, storage_type, self._rank, reason=reason))
@@ -302,12 +298,19 @@ class Saver:
                 f"{self._checkpoint_dir!r} has {free} bytes free; rank {self._rank}'s part of step {step} "
                 f"needs {nbytes}; free space or keep fewer checkpoints (keep_last; "
                 "save_total_limit under the Trainer); nothing was written")
-            try:  # the other ranks' saves of this step fail at once with this cause, not at a timeout
-                self._session.request("fail", step=step, dirname=dirname, type=type(err).__name__,
-                                      message=str(err))
-            except SnapckptError:
-                pass
+            self._fail_for_every_rank(step, dirname, err)
             raise err
+
+    def _fail_for_every_rank(self, step: int, dirname: str, err: SnapckptError) -> None:
+        """Tell the persister that this rank's save of ``(step, dirname)`` ends with ``err`` before it (a refused
+        preflight, a skip): the other ranks' saves of it end at once with this cause, not at the commit timeout,
+        and it counts as this rank's save of it. A dead or hung persister is only logged: the next save's requests
+        raise it."""
+        try:
+            self._session.request("fail", step=step, dirname=dirname, type=type(err).__name__, message=str(err))
+        except SnapckptError as e:
+            log.warning("rank %d: could not tell the persister that step %d ends with %s: %s", self._rank, step,
+                        type(err).__name__, e)
 
     def _copy(self, job: _CopyJob) -> SaveHandle:
         """Copy ``job``'s snapshot into its slot: now, or on the copy thread until the next fence."""
@@ -500,8 +503,7 @@ class Saver:
         if slot_nbytes > self._checked_nbytes:
             self._checked_nbytes = slot_nbytes
             if self._session.topology.local_rank == 0:
-                slots = limit
-                warning = host_memory_shortfall(self._options, self._session.topology, slot_nbytes, slots,
+                warning = host_memory_shortfall(self._options, self._session.topology, slot_nbytes, limit,
                                                 self._session.arena_dir)
                 if warning:
                     log.warning("rank %d: %s", self._rank, warning)
