@@ -254,14 +254,15 @@ def test_a_restore_split_among_threads_copies_every_tensor_in_place_parameters_i
     assert all(t._version > v for t, v in zip(state["model"].values(), versions))
     assert all(t.requires_grad for k, t in state["model"].items() if k.startswith("p"))
 
-    for threads, want in ((2, [2]), (3, [2, 3])):
+    # (one thread, not three: a third would leave a second helper in the process's pool for the next tests)
+    for threads, want, runs in ((2, [2], [4, 4]), (1, [2, 1], [4, 4])):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         with torch.no_grad():
             for t in state["model"].values():
                 t.add_(1.0)
         slot_restore.find(stager, m, NAME, 1, state).run()
         _assert_equal(state, saved)
-        assert made == want and parts[-1] == 2 * threads, (made, parts)
+        assert (made, parts) == (want, runs)
 
 
 def _inference_copy(state: dict, parameter: bool = False) -> dict:
