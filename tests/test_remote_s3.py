@@ -267,9 +267,8 @@ def test_remote_retention_never_deletes_what_the_tracker_object_names(tmp_path, 
     assert [c.step for c in store.list_committed()] == [1, 3]
 
 
-def _upload_requests(store, d, m) -> dict:
-    """{kind: count} of the store requests one upload of ``d`` (with its tracker) makes: manifest reads and
-    listings."""
+def _requests(store, fn) -> dict:
+    """{kind: count} of the store requests ``fn()`` makes through ``store``: manifest reads and listings."""
     counts = {"manifest reads": 0, "listings": 0}
     read, find, ls = store._read, store.fs.find, store.fs.ls
 
@@ -281,10 +280,16 @@ def _upload_requests(store, d, m) -> dict:
     store.fs.find = lambda p, *a, **kw: counted("listings", find, p, *a, **kw)
     store.fs.ls = lambda p, *a, **kw: counted("listings", ls, p, *a, **kw)
     try:
-        store.upload(d, os.path.basename(d), m, run_id="r", tracker_name="latest", tracker_content=os.path.basename(d))
+        fn()
     finally:
         store._read, store.fs.find, store.fs.ls = read, find, ls
     return counts
+
+
+def _upload_requests(store, d, m) -> dict:
+    """:func:`_requests` of one upload of ``d`` (with its tracker)."""
+    return _requests(store, lambda: store.upload(d, os.path.basename(d), m, run_id="r", tracker_name="latest",
+                                                 tracker_content=os.path.basename(d)))
 
 
 def test_an_upload_reads_the_same_few_objects_however_many_checkpoints_the_store_holds(tmp_path, s3_bucket):
@@ -299,6 +304,50 @@ def test_an_upload_reads_the_same_few_objects_however_many_checkpoints_the_store
         counts[step] = _upload_requests(store, d, m)
     assert counts[7] == counts[3], counts
     assert s3_bucket.get("run/latest") == b"step_00000007"
+
+
+def test_list_committed_reports_damaged_prefixes_every_time_and_reads_only_changed_manifests(tmp_path, s3_bucket):
+    """``list_committed`` (the load's and retention's listing) is one listing of the store plus a read of the
+    manifests it has not seen: its requests do not grow with the checkpoints kept there. A damaged prefix (a
+    manifest that does not parse, a data object missing or of another size) is still described in
+    ``problems`` on every call, naming the object; a prefix without a manifest (an upload in flight) and a hidden
+    one are skipped silently; a manifest replaced since (another ETag) is read again."""
+    from snapckpt.storage.remote import RemoteStore
+    store = RemoteStore(s3_bucket.url("run"))
+    for step in range(1, 5):
+        d, m = _local_checkpoint(str(tmp_path / "src"), step, {"a.bin": bytes([step]) * 100, "b.bin": b"b"})
+        store.upload(d, os.path.basename(d), m, run_id="r")
+    put = lambda key, body: s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=f"run/{key}", Body=body)
+    put("step_00000002/.snapckpt/manifest.json", b"{not json")
+    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key="run/step_00000003/b.bin")
+    put("step_00000004/a.bin", b"short")
+    put("step_00000009/.snapckpt/remote.json", b"{}")  # an upload in flight
+    put(".trash/step_00000005/.snapckpt/manifest.json", b"{not json")
+    url = store.url
+
+    def listed(problems):
+        return [c.step for c in store.list_committed(problems)]
+
+    want = [f"{url}/step_00000002: manifest is not valid JSON (9 bytes)",
+            f"{url}/step_00000003: {url}/step_00000003/b.bin is missing (listed in the manifest)",
+            f"{url}/step_00000004: {url}/step_00000004/a.bin is 5 bytes, the manifest says 100"]
+    for _ in range(2):
+        problems = []
+        assert listed(problems) == [1]
+        assert [p[:len(w)] for p, w in zip(problems, want)] == want and len(problems) == 3, problems
+        assert problems[0].endswith(f"[{url}/step_00000002/.snapckpt/manifest.json]"), problems
+
+    few = _requests(store, lambda: listed([]))  # the damaged manifest read again, each damaged prefix listed again
+    assert few == {"manifest reads": 1, "listings": 3}, few
+    for step in range(5, 12):
+        d, m = _local_checkpoint(str(tmp_path / "src"), step, {"a.bin": bytes([step]) * 10})
+        store.upload(d, os.path.basename(d), m, run_id="r")
+    listed([])
+    assert _requests(store, lambda: listed([])) == few
+    d1, m1 = _local_checkpoint(str(tmp_path / "again"), 1, {"a.bin": b"again"})
+    RemoteStore(url).upload(d1, "step_00000001", m1, run_id="r2")  # another persister saves step 1 again
+    assert _requests(store, lambda: listed([])) == {"manifest reads": 2, "listings": 3}
+    assert [c.manifest["files"]["a.bin"]["nbytes"] for c in store.list_committed() if c.step == 1] == [5]
 
 
 def test_an_upload_sees_a_checkpoint_saved_again_later_by_another_persister(tmp_path, s3_bucket):

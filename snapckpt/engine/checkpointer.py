@@ -201,8 +201,7 @@ class Checkpointer:
             return False
         # part of an arena that does not fit would hold shared memory that slots of the real state need
         # (a guess too large then failed every save after the first): reserve all of it or none
-        if host_memory_shortfall(self.options, self._session.topology, want,
-                                 limit or self.options.slots_per_rank, self._session.arena_dir):
+        if host_memory_shortfall(self.options, self._session.topology, want, limit, self._session.arena_dir):
             log.warning("rank %d: nothing is reserved ahead for the expected snapshot size (%d bytes per slot): "
                         "the node's arena at that size does not fit; the first save sizes the slots to the "
                         "state it holds", self.rank, want)

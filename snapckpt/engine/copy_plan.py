@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter, mul
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -83,6 +83,21 @@ class Sizes:
     small: Tuple[int, ...]
     large: Tuple[int, ...]
     nbytes: Tuple[int, ...] = ()
+    # {(threads, of a subset): (that subset, its mover.Split)}: split()'s, made once per layout
+    _splits: Dict[Tuple[int, bool], Tuple[Optional[Sequence[int]], mover.Split]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def split(self, threads: int, rest: Optional[Sequence[int]] = None) -> mover.Split:
+        """How :func:`mover.foreach_copy` divides the direct tensors (or those at the positions ``rest``, ascending:
+        what a restore's read back by file left) among ``threads`` threads (:func:`mover.split_of`): made once per
+        thread count and ``rest`` object (a restore's is the layout's ``SpanWrites.rest`` each time), not at every
+        restore."""
+        key = (threads, rest is not None)
+        made = self._splits.get(key)
+        if made is None or made[0] is not rest:
+            nbytes = self.nbytes if rest is None else list(map(self.nbytes.__getitem__, rest))
+            made = self._splits[key] = (rest, mover.split_of(nbytes, threads))
+        return made[1]
 
 
 def layout_sizes(layout: _Layout) -> Sizes:

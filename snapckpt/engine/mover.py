@@ -17,13 +17,15 @@ import ctypes
 import os
 import threading
 from collections import deque
+from dataclasses import dataclass
 from itertools import accumulate, compress, starmap
 from operator import not_
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["CHUNK_NBYTES", "MIN_TENSOR_NBYTES", "SPLIT_NBYTES", "copy_chunks", "chunks_of", "move_each", "foreach_copy"]
+__all__ = ["CHUNK_NBYTES", "MIN_TENSOR_NBYTES", "SPLIT_NBYTES", "copy_chunks", "chunks_of", "move_each", "Split",
+           "split_of", "foreach_copy"]
 
 #: bytes one thread copies between two looks at the shared list (8 MiB: ~0.5 ms at this VM's bandwidth)
 CHUNK_NBYTES = 8 << 20
@@ -191,8 +193,48 @@ def _foreach_copy_no_grad(dsts: List[torch.Tensor], srcs: List[torch.Tensor], in
         torch._foreach_copy_(dsts, srcs)
 
 
-def foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor], nbytes: Sequence[int],
-                 threads: Optional[int] = None) -> None:
+@dataclass(frozen=True)
+class Split:
+    """How :func:`foreach_copy` divides a list of tensors among threads, from their sizes alone (:func:`split_of`; a
+    restore's is made once per layout: :meth:`snapckpt.engine.copy_plan.Sizes.split`).
+
+    Attributes:
+        threads: threads in all, the calling one among them.
+        large: which tensors (a mask over the list) are copied first, in one call on the calling thread; ``None``:
+            none is (every tensor is under :data:`MIN_TENSOR_NBYTES`, or :attr:`parts` is empty).
+        small: the mask of the others (``None`` with ``large``).
+        parts: ``(start, end)`` of each part of the small tensors (positions in their list) that the threads take in
+            turn; ``()``: one ``torch._foreach_copy_`` of every tensor on the calling thread.
+    """
+
+    threads: int
+    large: Optional[Tuple[bool, ...]] = None
+    small: Optional[Tuple[bool, ...]] = None
+    parts: Tuple[Tuple[int, int], ...] = ()
+
+
+def split_of(nbytes: Sequence[int], threads: Optional[int] = None) -> Split:
+    """The :class:`Split` of tensors of ``nbytes`` bytes each among ``threads`` threads in all (default
+    ``torch.get_num_threads()``): the tensors under :data:`MIN_TENSOR_NBYTES` are cut into parts of about equal bytes
+    (about :data:`CHUNK_NBYTES`, at least two per thread) when they hold :data:`SPLIT_NBYTES` or more, else nothing
+    is split."""
+    n = torch.get_num_threads() if threads is None else threads
+    small = list(map(MIN_TENSOR_NBYTES.__gt__, nbytes))
+    total = sum(compress(nbytes, small))
+    if n < 2 or total < SPLIT_NBYTES:
+        return Split(n)
+    large = None
+    if not all(small):
+        large = tuple(map(not_, small))
+        nbytes = list(compress(nbytes, small))
+    # parts of about CHUNK_NBYTES, at least two per thread: a thread that is not running holds up one part only
+    k = min(max(2 * n, total // CHUNK_NBYTES), len(nbytes))
+    acc = list(accumulate(nbytes))
+    cuts = [0] + [bisect.bisect_left(acc, total * j // k) + 1 for j in range(1, k)] + [len(nbytes)]
+    return Split(n, large, tuple(small) if large else None, tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a))
+
+
+def foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor], split: Split) -> None:
     """``torch._foreach_copy_(dsts, srcs)`` under ``torch.no_grad()``, or under ``torch.inference_mode()`` on every
     thread when the caller is in it (versions bumped, dtype and device follow
     ``dsts``, as ``Tensor.copy_``), with the tensors under :data:`MIN_TENSOR_NBYTES` split into parts of about equal
@@ -203,28 +245,17 @@ def foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor], nbytes: Seq
     regions). ``torch._foreach_copy_`` releases the GIL while it copies.
 
     Args:
-        nbytes: each tensor's size in bytes (of ``dsts[i]``; a layout's, made once, so nothing per tensor is read
-            here).
-        threads: threads in all, the calling one among them (default ``torch.get_num_threads()``).
+        split: how, from the tensors' sizes (:func:`split_of` of ``dsts``' sizes in bytes; a layout's, made once, so
+            nothing per tensor is read or computed here).
 
     Raises:
         What ``torch._foreach_copy_`` raises, from whichever thread copied the part.
     """
-    n = torch.get_num_threads() if threads is None else threads
-    small = list(map(MIN_TENSOR_NBYTES.__gt__, nbytes))
-    total = sum(compress(nbytes, small))
-    if n < 2 or total < SPLIT_NBYTES:
+    if not split.parts:
         _foreach_copy_no_grad(dsts, srcs)
         return
-    if not all(small):
-        large = list(map(not_, small))
-        _foreach_copy_no_grad(list(compress(dsts, large)), list(compress(srcs, large)))
-        dsts, srcs = list(compress(dsts, small)), list(compress(srcs, small))
-        nbytes = list(compress(nbytes, small))
-    # parts of about CHUNK_NBYTES, at least two per thread: a thread that is not running holds up one part only
-    k = min(max(2 * n, total // CHUNK_NBYTES), len(dsts))
-    acc = list(accumulate(nbytes))
-    cuts = [0] + [bisect.bisect_left(acc, total * j // k) + 1 for j in range(1, k)] + [len(dsts)]
+    if split.large is not None:
+        _foreach_copy_no_grad(list(compress(dsts, split.large)), list(compress(srcs, split.large)))
+        dsts, srcs = list(compress(dsts, split.small)), list(compress(srcs, split.small))
     inference = torch.is_inference_mode_enabled()
-    parts = [(dsts[a:b], srcs[a:b], inference) for a, b in zip(cuts, cuts[1:]) if b > a]
-    _pool.run(parts, n - 1, _foreach_copy_no_grad)
+    _pool.run([(dsts[a:b], srcs[a:b], inference) for a, b in split.parts], split.threads - 1, _foreach_copy_no_grad)

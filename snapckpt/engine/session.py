@@ -87,9 +87,9 @@ class PersisterSession:
             "flush_on_crash": o.flush_on_crash,
             "fsync": o.fsync, "dir_id": self._dir_id, "remote_dir": o.resolved_remote_dir or ""})
 
-    def reserve(self, nbytes: int, slots: int = 0) -> bool:
+    def reserve(self, nbytes: int, slots: int) -> bool:
         """Before the first save: have the persister grow this rank's free slots (the first ``slots`` it may
-        use; 0: all) to ``nbytes`` bytes and map them here, both on background threads; return whether any
+        use: :meth:`Saver.slot_limit <snapckpt.engine.saver.Saver.slot_limit>`) to ``nbytes`` bytes and map them here, both on background threads; return whether any
         slot is being grown. Best effort: a failure (too little shared memory) is left for the first save's
         own ``acquire`` to raise, with its full message."""
         try:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from operator import attrgetter, is_, itemgetter
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from snapckpt.engine import mover
-from snapckpt.engine.copy_plan import layout_sizes
+from snapckpt.engine.copy_plan import Sizes, layout_sizes
 from snapckpt.engine.restore import copied_in_place as _copied_in_place, refuse_inference
 from snapckpt.engine.slot_maps import MappedSlot
 from snapckpt.engine.span_write import SlotFile, SpanWrites, read_back
@@ -53,7 +53,7 @@ class SlotCopies:
 
     dsts: List[torch.Tensor]
     srcs: List[torch.Tensor]
-    nbytes: Sequence[int]  # each tensor's bytes (the layout's): torch's copy is split among threads by them
+    sizes: Sizes  # the layout's: torch's copy is split among threads by them (Sizes.split, made once)
     back: Optional[Tuple[SlotFile, SpanWrites]] = None
     read_by_file: int = 0  # how many tensors preadv read, for tests and profiles
     inference: bool = False  # some of dsts were made under torch.inference_mode()
@@ -65,7 +65,7 @@ class SlotCopies:
             RuntimeError: a live tensor made under ``torch.inference_mode()``, restored outside it
                 (:func:`~snapckpt.engine.restore.refuse_inference`), before anything is written.
         """
-        dsts, srcs, nbytes = self.dsts, self.srcs, self.nbytes
+        dsts, srcs, rest = self.dsts, self.srcs, None
         if self.inference and not torch.is_inference_mode_enabled():
             refuse_inference()
         if self.back is not None:
@@ -80,9 +80,10 @@ class SlotCopies:
                 rest = writes.rest if done == len(pos) else sorted(writes.rest + pos[done:])
                 if len(rest) < len(dsts):
                     dsts, srcs = list(map(dsts.__getitem__, rest)), list(map(srcs.__getitem__, rest))
-                    nbytes = list(map(nbytes.__getitem__, rest))
+                else:
+                    rest = None
         if dsts:  # under no_grad: a Parameter's copy must not enter autograd
-            mover.foreach_copy(dsts, srcs, nbytes)
+            mover.foreach_copy(dsts, srcs, self.sizes.split(torch.get_num_threads(), rest))
 
 
 def find(stager: Stager, mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[SlotCopies]:
@@ -165,5 +166,5 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # or one of another shape, which the guards refuse, takes torch's copy)
     if (same and writes and writes.ptrs is not None and file is not None
             and list(map(_DATA_PTR, tensors)) == writes.ptrs):
-        return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, (file, writes), inference=inference)
-    return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, inference=inference)
+        return SlotCopies(tensors, srcs, layout_sizes(layout), (file, writes), inference=inference)
+    return SlotCopies(tensors, srcs, layout_sizes(layout), inference=inference)

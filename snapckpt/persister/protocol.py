@@ -39,7 +39,8 @@ REQUESTS: Dict[str, Dict[str, Any]] = {
               "slots_per_rank": _INT, "keep_last": _INT, "commit_timeout_secs": _FLOAT,
               "flush_on_crash": _BOOL, "fsync": _BOOL, "dir_id": _STR, "remote_dir": _STR,
               "peer_timeout_secs": _FLOAT},
-    # slots: how many of its slots the rank may use (0: all), from its host-memory budget (persister/budget.py)
+    # slots: how many of its slots the rank may use: slots_per_rank, or fewer under its host-memory budget
+    # (persister/budget.py); 0 (all) only from ranks of this version older than that (SlotTable.usable)
     "acquire": {"step": _INT, "nbytes": _INT, "slots": _INT},
     "reserve": {"nbytes": _INT, "slots": _INT},
     # hold: the rank starts (True) or ends reading a checkpoint; reservations wait meanwhile (slots.ReserveHolds)

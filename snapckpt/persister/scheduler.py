@@ -117,6 +117,11 @@ class Result:
     late: Set[int] = field(default_factory=set)  # local ranks whose snapshot came once it was over: not written
     flush: bool = False  # a crash flush's save (Scheduler.forget): its parts are the persister's, no rank is behind
 
+    def participants(self) -> Set[int]:
+        """The local ranks that took part in this save: handed their snapshot over (or streamed it), or failed
+        or skipped the save before the persister (``Scheduler.fail_part``)."""
+        return set(self.rank_seq) | set(self.part_errors) | set(self.parts_done) | set(self.streams)
+
 
 class Scheduler:
     """Writer and commit tasks of every save on this node, and their results.
@@ -249,8 +254,7 @@ class Scheduler:
     @staticmethod
     def _untold(res: Result, run: Run) -> bool:
         """Whether a connected local rank of ``run`` took part in save ``res`` and was not yet told its end."""
-        took_part = set(res.rank_seq) | set(res.part_errors) | set(res.parts_done) | set(res.streams)
-        return bool((took_part - res.told) & run.connected)
+        return bool((res.participants() - res.told) & run.connected)
 
     def _needed(self, res: Result, run: Run) -> bool:
         """Whether record ``res`` of ``run`` must be held whatever its age (called with the lock): a rank's save
@@ -259,12 +263,6 @@ class Scheduler:
         local rank that took part was not told its end (:meth:`_untold`: its handle asks by its ``seq``,
         :meth:`result`)."""
         return bool(res.deferred) or res.awaiting_removal or self._untold(res, run)
-
-    @staticmethod
-    def _took_part(res: Result, rank: int) -> bool:
-        """Whether local rank ``rank`` took part in save ``res``: handed its snapshot over (or streamed it), or
-        failed or skipped the save before the persister (:meth:`fail_part`)."""
-        return any(rank in x for x in (res.rank_seq, res.part_errors, res.parts_done, res.streams))
 
     def _behind(self, key: SaveKey, rank: int) -> Optional[Result]:
         """The oldest save of ``key`` replaced here that local rank ``rank`` took no part in, or ``None`` (called
@@ -276,7 +274,7 @@ class Scheduler:
         if not recs or recs[-1].flush:  # (a crash flush writes every local rank's newest snapshot)
             return None
         for old in recs[:-1]:
-            if old.gen > 0 and not self._took_part(old, rank):  # (generation 0: _persist_deferred's stand-in)
+            if old.gen > 0 and rank not in old.participants():  # (generation 0: _persist_deferred's stand-in)
                 return old
         return None
 
@@ -393,7 +391,7 @@ class Scheduler:
                 self.slots.start_persist(s)
             st.set_ready(s.seq)  # (a writer that failed before has recorded the part's error: the commit fails)
             return
-        if res is not None and not self._took_part(res, entry.rank):
+        if res is not None and entry.rank not in res.participants():
             if any(entry.rank in old.late and old.rank_seq[entry.rank] == s.seq
                    for old in self.results.records(key)[:-1]):
                 return  # this snapshot was an earlier save's late part already (a persist of it again)
@@ -478,7 +476,7 @@ class Scheduler:
         # first save's handle with the third save's outcome when only the last replaced save was kept
         # (and while a connected local rank took no part in it: its part may still come, _behind)
         self.results.keep_older(key, lambda r: r is old or self._needed(r, run) or (
-            r.gen > 0 and any(not self._took_part(r, rank) for rank in run.connected)))
+            r.gen > 0 and bool(run.connected - r.participants())))
         self.commits_started.discard(key)
         return res
 
@@ -516,8 +514,7 @@ class Scheduler:
             return False
         key = (run.run_id, step, dirname)
         res = self.results.get(key)
-        if res is not None and any(entry.rank in x for x in (res.rank_seq, res.streams, res.parts_done,
-                                                             res.part_errors)):
+        if res is not None and entry.rank in res.participants():
             if res.state == "pending" or res.writers > 0:  # this rank's earlier save of the same step and
                 # directory is not over here (its ready persists this one as any save, or defers or refuses it)
                 return False
@@ -556,7 +553,7 @@ class Scheduler:
         with self.lock:
             self._prune(run)  # (before: never this save's own record, which its commit below needs)
             res = self.results.get(key)
-            if res is not None and self._took_part(res, rank):  # its save of them again
+            if res is not None and rank in res.participants():  # its save of them again
                 if self._in_flight(key, res):  # starts once that save is over here (as persist() defers)
                     self.when_over(key, lambda: self.fail_part(rank, run, step, dirname, rec))
                     return

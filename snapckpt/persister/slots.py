@@ -81,7 +81,7 @@ class RankEntry:
     slots: List[Slot]
     conn: Optional[socket.socket] = None
     run_id: str = ""
-    limit: int = 0  # the slot limit of its last acquire (0: all slots; see SlotTable.acquire)
+    limit: int = 0  # the slot limit of its last acquire (0, before its first: all slots; see SlotTable.usable)
 
 
 @dataclass
@@ -282,8 +282,14 @@ class SlotTable:
 
     # ------------------------------------------------------------------------------- transitions
     def usable(self, entry: RankEntry, limit: int = 0) -> List[Slot]:
-        """The slots of ``entry`` a snapshot may use under ``limit`` (0: all of them): the one holding the
-        newest complete snapshot first, then the lowest indices. The others are emptied by :meth:`acquire`."""
+        """The slots of ``entry`` a snapshot may use under ``limit``: the one holding the newest complete snapshot
+        first, then the lowest indices. The others are emptied by :meth:`acquire`.
+
+        ``limit`` 0 means all of them. This snapckpt's ranks always send a count (``slots_per_rank``, or fewer under
+        the host-memory budget: :func:`snapckpt.engine.preflight.slot_limit`), but ranks of the same
+        :data:`~snapckpt.persister.protocol.PROTOCOL_VERSION` (2) from before that send 0 for ``slots_per_rank``,
+        and :attr:`RankEntry.limit` is 0 until a rank's first acquire (its ``held`` reply counts every slot). So 0
+        stays (as "no slot usable" it would skip every save of such a rank) until the protocol version changes."""
         if limit <= 0 or limit >= len(entry.slots):
             return list(entry.slots)
         held = self.held(entry)
@@ -314,7 +320,8 @@ class SlotTable:
         """Hand out a slot of at least ``nbytes`` bytes for ``step`` (WRITING), or ``None`` when every
         slot is in use (the client's policy then waits or skips).
 
-        ``limit``: how many slots the rank may use (0: all; the budget's count, :mod:`~snapckpt.persister.budget`).
+        ``limit``: how many slots the rank may use (its ``slots_per_rank``, or the budget's count,
+        :mod:`~snapckpt.persister.budget`; 0: all, see :meth:`usable`).
         With one, that slot is handed out even when it holds the rank's newest snapshot (which is then
         overwritten), but never while PERSISTING or pinned.
 

@@ -115,7 +115,7 @@ class RemoteStore:
                                  "another scheme works when its fsspec filesystem stores objects)") from e
         self.root = self.root.rstrip("/")
         self.block_nbytes = _env.remote_block_nbytes()
-        # {dirname: (identity of its manifest object in a listing, parsed manifest)}: _committed_listed's
+        # {dirname: (identity of its manifest object in a listing, parsed manifest)}: list_committed's
         # manifests, read again only when the listing shows the object changed
         self._manifests: Dict[str, Tuple[Tuple[Any, ...], Dict[str, Any]]] = {}
         #: :meth:`claim` created the owner record (no job had used the directory): it holds none of this job's
@@ -283,38 +283,14 @@ class RemoteStore:
     def list_committed(self, problems: Optional[List[str]] = None) -> List[RemoteCommitted]:
         """Committed remote checkpoints, oldest step first: prefixes whose manifest object parses and whose
         data objects all exist with the recorded sizes. Prefixes without a manifest (an upload in flight,
-        or interrupted) are skipped silently; damaged ones are described in ``problems``.
+        or interrupted) and hidden ones are skipped silently; damaged ones are described in ``problems``.
 
-        Raises:
-            RemoteStorageError: the bucket does not exist.
-            OSError / the store's errors: the store cannot be listed.
-        """
-        out: List[RemoteCommitted] = []
-        self.fs.invalidate_cache()
-        for name in self._dirs():
-            if name.startswith("."):
-                continue
-            try:
-                data = self._read(self._path(name, MANIFEST))
-            except FileNotFoundError:
-                continue
-            try:
-                m = parse_manifest(data, name, source=self.display(name, MANIFEST))
-                self._check_sizes(name, m)
-            except CheckpointCorruptError as e:
-                if problems is not None:
-                    problems.append(f"{self.display(name)}: {e}")
-                continue
-            out.append(RemoteCommitted(m["step"], name, self.display(name), m))
-        out.sort(key=lambda c: (c.step, c.manifest.get("created_unix", 0)))
-        return out
-
-    def _committed_listed(self) -> List[RemoteCommitted]:
-        """The committed checkpoints :meth:`list_committed` finds (a manifest object that parses, every data object
-        listed with its recorded size; hidden prefixes skipped), unsorted, from one recursive listing of the remote
-        directory (a paginated LIST, about one request per 1,000 objects) instead of a manifest read and a
-        listing per prefix: a manifest is read again only when the listing shows its object changed (another
-        ETag, size or modification time; read every time where the store reports none of those).
+        One recursive listing of the remote directory (a paginated LIST, about one request per 1,000
+        objects) gives every prefix's objects and sizes; a manifest is read only when the listing shows its
+        object changed since this store last read it (another ETag, size or modification time; read every
+        time where the store reports none of those, and every time while it does not parse). A prefix whose
+        objects do not match its manifest in that listing is listed once more before it is called damaged
+        (:meth:`_check_sizes` names the object; the prefix may have changed since the listing).
 
         Raises:
             RemoteStorageError: the bucket does not exist.
@@ -331,24 +307,33 @@ class RemoteStore:
             top, _, rest = posixpath.relpath(path, self.root).partition("/")
             if rest and not top.startswith("."):
                 objects.setdefault(top, {})[rest] = info
-        known, self._manifests = self._manifests, {}
-        out = []
-        for name, listed in objects.items():
+        # built aside, then swapped in: a listing given up by call_bounded may still be running beside this one
+        known, fresh = self._manifests, {}
+        out: List[RemoteCommitted] = []
+        for name, listed in sorted(objects.items()):
             info = listed.get(MANIFEST)
             if info is None:  # an upload in flight, or interrupted
                 continue
             ident = _listed_identity(info)
-            if ident is not None and name in known and known[name][0] == ident:
-                m = known[name][1]
-            else:
-                try:
-                    m = parse_manifest(self._read(self._path(name, MANIFEST)), name)
-                except (FileNotFoundError, CheckpointCorruptError):  # gone since the listing, or damaged
-                    continue
-            if ident is not None:
-                self._manifests[name] = (ident, m)
-            if all(int(listed.get(f, {}).get("size", -1)) == rec["nbytes"] for f, rec in m["files"].items()):
-                out.append(RemoteCommitted(m["step"], name, self.display(name), m))
+            try:
+                if ident is not None and name in known and known[name][0] == ident:
+                    m = known[name][1]
+                else:
+                    m = parse_manifest(self._read(self._path(name, MANIFEST)), name,
+                                       source=self.display(name, MANIFEST))
+                if ident is not None:
+                    fresh[name] = (ident, m)
+                if any(int(listed.get(f, {}).get("size", -1)) != rec["nbytes"] for f, rec in m["files"].items()):
+                    self._check_sizes(name, m)
+            except FileNotFoundError:  # gone since the listing (retention)
+                continue
+            except CheckpointCorruptError as e:
+                if problems is not None:
+                    problems.append(f"{self.display(name)}: {e}")
+                continue
+            out.append(RemoteCommitted(m["step"], name, self.display(name), m))
+        self._manifests = fresh
+        out.sort(key=lambda c: (c.step, c.manifest.get("created_unix", 0)))
         return out
 
     def _check_sizes(self, dirname: str, manifest: Dict[str, Any]) -> None:
@@ -443,8 +428,7 @@ class RemoteStore:
         ``tracker_name`` (its manifest's ``tracker`` record) and whose save was requested after ``manifest``'s
         (``requested_unix``, the order retention and the loader use), or ``None``."""
         mine = save_order(manifest)
-        # one listing, not list_committed's two requests per prefix: this runs after every upload with a tracker
-        later = [c for c in self._committed_listed() if c.dirname != dirname and save_order(c.manifest) > mine
+        later = [c for c in self.list_committed() if c.dirname != dirname and save_order(c.manifest) > mine
                  and isinstance(c.manifest.get("tracker"), dict) and c.manifest["tracker"].get("name") == tracker_name
                  and isinstance(c.manifest["tracker"].get("content"), str)]
         return max(later, key=lambda c: save_order(c.manifest)) if later else None

@@ -164,7 +164,7 @@ def test_foreach_copy_splits_the_small_tensors_among_threads_and_copies_as_torch
         copy(d, s, *inference)
 
     monkeypatch.setattr(mover, "_foreach_copy_no_grad", part)
-    mover.foreach_copy(dsts, srcs, nbytes, threads=2)
+    mover.foreach_copy(dsts, srcs, mover.split_of(nbytes, threads=2))
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     assert all(t._version > v for t, v in zip(dsts, versions))
     assert calls == [(4, 1)] and len(threads) == 2  # 4 parts (2 per thread) of the 7 small ones
@@ -175,7 +175,7 @@ def test_foreach_copy_splits_the_small_tensors_among_threads_and_copies_as_torch
     for t in dsts:
         with torch.no_grad():
             t.zero_()
-    mover.foreach_copy(dsts, srcs, nbytes, threads=1)  # one thread: one call, no pool
+    mover.foreach_copy(dsts, srcs, mover.split_of(nbytes, threads=1))  # one thread: one call, no pool
     assert calls == [] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
 
 
@@ -186,9 +186,9 @@ def test_foreach_copy_raises_a_parts_error_on_the_calling_thread_and_the_pool_go
     srcs = [torch.rand(1000) for _ in range(8)]
     dsts = [torch.zeros(1000) for _ in range(7)] + [torch.zeros(999)]
     with pytest.raises(RuntimeError):
-        mover.foreach_copy(dsts, srcs, [4000] * 8, threads=2)
+        mover.foreach_copy(dsts, srcs, mover.split_of([4000] * 8, threads=2))
     dsts[-1] = torch.zeros(1000)
-    mover.foreach_copy(dsts, srcs, [4000] * 8, threads=2)
+    mover.foreach_copy(dsts, srcs, mover.split_of([4000] * 8, threads=2))
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
 
 
@@ -213,6 +213,6 @@ def test_foreach_copy_under_inference_mode_copies_into_inference_tensors_on_ever
         dsts = [torch.zeros(1000) for _ in range(8)]
     srcs = [torch.full((1000,), float(i)) for i in range(8)]
     with torch.inference_mode():
-        mover.foreach_copy(dsts, srcs, [4000] * 8, threads=2)
+        mover.foreach_copy(dsts, srcs, mover.split_of([4000] * 8, threads=2))
     assert took and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()

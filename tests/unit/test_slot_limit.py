@@ -107,6 +107,19 @@ def test_a_lower_limit_empties_the_slots_beyond_it(table):
     assert [x for x in entry.slots if x.state in HELD] == []
 
 
+def test_a_slot_count_of_0_from_an_older_rank_of_the_protocol_means_every_slot(table):
+    """Ranks of PROTOCOL_VERSION 2 from before slot_limit always returned a count ask with ``slots=0`` for
+    ``slots_per_rank`` (and a rank's entry holds 0 until its first acquire): every slot is usable, none emptied, so
+    such a rank's saves are not all skipped (SlotTable.usable keeps the meaning until the protocol version changes)."""
+    entry = table.attach(0, table.runs["run"], None, 2)
+    assert table.usable(entry, entry.limit) == entry.slots
+    a = table.acquire(entry, 1, 64 * KiB, limit=0)
+    _ready(table, entry, a, 1)
+    b = table.acquire(entry, 2, 64 * KiB, limit=0)
+    assert b is not None and b is not a and a.state == SlotState.READY and a.nbytes == 64 * KiB
+    assert table.usable(entry, 0) == entry.slots == table.usable(entry, 2)
+
+
 def test_budget_arithmetic_and_advice():
     # 4 local ranks, 1 GiB slots: a 9 GiB budget holds 2 slots each; with one replica, 1; 3 GiB: none
     assert slots_within(9 << 30, 1 << 30, 4, 0, 2) == 2

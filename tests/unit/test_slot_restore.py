@@ -227,14 +227,16 @@ def test_a_tensor_met_twice_takes_the_general_path():
 def test_a_restore_split_among_threads_copies_every_tensor_in_place_parameters_included(monkeypatch):
     """With the small tensors' bytes over ``mover.SPLIT_NBYTES`` the copy is split among the calling thread and a
     helper (``mover.foreach_copy``): every tensor, a Parameter that requires grad among them, gets the saved values in
-    place, its version bumped, and grad mode is left as it was."""
+    place, its version bumped, and grad mode is left as it was. The split is the layout's, made at its first restore
+    (not at each): a restore again makes none, one with another thread count makes its own."""
     from snapckpt.engine import mover
 
     monkeypatch.setattr(mover, "SPLIT_NBYTES", 1)
-    parts = []
-    run = mover._pool.run
+    parts, made = [], []
+    run, split_of = mover._pool.run, mover.split_of
     monkeypatch.setattr(mover._pool, "run", lambda items, helpers, fn: (parts.append(len(items)),
                                                                         run(items, helpers, fn)))
+    monkeypatch.setattr(mover, "split_of", lambda nbytes, threads: made.append(threads) or split_of(nbytes, threads))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     stager, m, state = Stager(), _slot(), _state()
     state["model"].update({f"p{i}": torch.nn.Parameter(torch.rand(5, 3)) for i in range(6)})
@@ -251,6 +253,16 @@ def test_a_restore_split_among_threads_copies_every_tensor_in_place_parameters_i
     _assert_equal(state, saved)
     assert all(t._version > v for t, v in zip(state["model"].values(), versions))
     assert all(t.requires_grad for k, t in state["model"].items() if k.startswith("p"))
+
+    # (one thread, not three: a third would leave a second helper in the process's pool for the next tests)
+    for threads, want, runs in ((2, [2], [4, 4]), (1, [2, 1], [4, 4])):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        with torch.no_grad():
+            for t in state["model"].values():
+                t.add_(1.0)
+        slot_restore.find(stager, m, NAME, 1, state).run()
+        _assert_equal(state, saved)
+        assert (made, parts) == (want, runs)
 
 
 def _inference_copy(state: dict, parameter: bool = False) -> dict:
