@@ -552,7 +552,8 @@ class Server:
             raise CheckpointDirInUseError(
                 f"checkpoint_dir {msg['checkpoint_dir']!r} is in use: rank {rank} of another process (pid "
                 f"{self.conn_pid.get(entry.conn)}, run {entry.run_id}) is saving into it. If that is another "
-                "job, give each job its own checkpoint_dir (or its own job_id=); under torchrun or another "
+                "job, give each job its own checkpoint_dir (a job_id= of its own does not help: the directory "
+                "admits one job at a time) or stop the other job first; under torchrun or another "
                 "launcher, call torch.distributed.init_process_group() before creating the Checkpointer, so "
                 "that each process knows its rank")
         run = self.slots.runs.get(msg["run_id"])
