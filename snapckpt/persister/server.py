@@ -172,6 +172,8 @@ class Server:
                         log.info("persister pid %d stopping at an operator's request", os.getpid())
                     break
         finally:
+            if self.stop:  # SIGTERM: no request is taken from now on, so a part not handed over never comes
+                self.scheduler.stop_accepting()
             self.replicator.shutdown()
             self.scheduler.shutdown()  # the lease still beats: other nodes may wait for these commits
             self.notices.shutdown()  # after the commits: their last notices are sent
@@ -802,6 +804,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def on_term(signum, frame):
         server.stop = True
         server.crashed_since_empty = False
+        server.scheduler.stopping.set()  # (the lock may be held here: the waits are woken by stop_accepting)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
