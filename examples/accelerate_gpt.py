@@ -39,7 +39,8 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(tokens, batch_size=8, shuffle=True,
                                          generator=torch.Generator().manual_seed(1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, a.steps)
+    # Accelerate's prepared scheduler steps once per process at each optimizer step (split_batches=False)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, a.steps * acc.num_processes)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
 
     ckpt = AcceleratorCheckpointer(acc, a.checkpoint_dir)

@@ -211,6 +211,8 @@ def test_changed_data_parallel_size_names_universal_checkpoint(snap_env):
                      check=False)
     assert "IncompatibleCheckpointError" in outs[0], outs[0][-3000:]
     assert "ds_to_universal" in outs[0] and "load_universal" in outs[0]
+    # a new-user trial: the tool refuses a checkpoint without this client state, which plain DeepSpeed omits
+    assert "client_state={\"universal_checkpoint_info\": {}}" in outs[0], outs[0][-3000:]
 
 
 def test_config_section_validation(tmp_path):

@@ -130,6 +130,8 @@ def test_a_second_job_without_job_id_on_the_same_dir_is_refused_naming_the_first
                             capture_output=True, text=True, timeout=120)
         assert cp.stdout.startswith("CheckpointDirInUseError "), cp.stdout + cp.stderr
         assert f"pid {os.getpid()}" in cp.stdout and "own checkpoint_dir" in cp.stdout, cp.stdout
+        # a new-user trial followed the hint "(or its own job_id=)": the directory claim refused that job too
+        assert "job_id= of its own does not help" in cp.stdout, cp.stdout
         first.save({"w": torch.full((4,), 2.0)}, 2).wait()
         assert torch.equal(first.load()["w"], torch.full((4,), 2.0))
 

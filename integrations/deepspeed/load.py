@@ -32,7 +32,9 @@ UNIVERSAL_CHECKPOINT_ADVICE = (
     "DeepSpeed ZeRO checkpoints cannot be loaded at another data-parallel size; convert the checkpoint with "
     "DeepSpeed's universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal --input_folder "
     "<dir>/<tag> --output_folder <dir>/<tag>_universal) and load it with "
-    "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config")
+    "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config. The tool needs the key "
+    "\"universal_checkpoint_info\" in the checkpoint's client state, which Megatron-DeepSpeed saves and plain "
+    "DeepSpeed does not: save with engine.save_checkpoint(dir, client_state={\"universal_checkpoint_info\": {}})")
 
 
 class DeepSpeedLoader:

@@ -184,6 +184,21 @@ class Scheduler:
         # called (any thread, without the lock) when a save ended or a rank's part failed: the server answers
         # the ranks' held await requests (server.py)
         self.on_change: Callable[[], None] = lambda: None
+        # set when this persister takes no more requests (SIGTERM, stop_accepting): a part not handed over by now
+        # can never come to this node
+        self.stopping = threading.Event()
+
+    def stop_accepting(self) -> None:
+        """This persister takes no more requests (it was sent SIGTERM; call without the lock). A commit of this
+        node waiting for the part of a local rank that has not handed it over fails now, not at
+        ``commit_timeout_secs``: nothing can bring that part any more, and a job's stop must not wait up to 600 s
+        (a pod's grace is typically 30 s). Parts already handed over are still written and committed; waits on
+        other nodes' parts go on (their ranks may live)."""
+        self.stopping.set()
+        with self.lock:
+            for key in list(self.results):
+                for res in self.results.records(key):
+                    res.part_ended.set()  # the waits look again (CommitRequest.wake)
 
     def shutdown(self) -> None:
         """Wait for every writer, commit and upload task (at exit)."""
@@ -607,7 +622,7 @@ class Scheduler:
         req = CommitRequest(checkpoint_dir=run.checkpoint_dir, dirname=dirname, step=step, run_id=run.run_id,
                             world_size=run.world_size, timeout_secs=run.commit_timeout_secs,
                             keep_last=run.keep_last, tracker_name=tracker_name, tracker_content=tracker_content,
-                            tracker_gate=tracker_gate, local_failure=self._local_failure(key),
+                            tracker_gate=tracker_gate, local_failure=self._local_failure(key, run),
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
                             wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir),
                             committed_notice=self._committed_notice(key) if self.notices is not None else None,
@@ -715,9 +730,11 @@ class Scheduler:
                 found.add(key[1:])
         return found
 
-    def _local_failure(self, key: SaveKey) -> Callable[[], Optional[BaseException]]:
+    def _local_failure(self, key: SaveKey, run: Optional[Run] = None) -> Callable[[], Optional[BaseException]]:
         """For the commit of ``key`` (its newest save's, now): the error of a local rank whose part of that save
-        failed, or the committer's abort of it, if any (a save of the step again is another generation)."""
+        failed, or the committer's abort of it, if any (a save of the step again is another generation); on the
+        committer's node of ``run``, once this persister stops accepting requests (:meth:`stop_accepting`), a
+        :class:`CommitError` naming the local ranks that never handed their part over."""
         gen = getattr(self.results.get(key), "gen", 1)  # (none held: its first save's)
 
         def failure() -> Optional[BaseException]:
@@ -725,6 +742,13 @@ class Scheduler:
                 res = self.results.find(key, gen)
                 if res is None:
                     return None
+                if self.stopping.is_set() and run is not None and run.committer and not res.part_errors:
+                    never = sorted(r for r in run.local_ranks if r not in res.rank_seq)
+                    if never:
+                        return CommitError(
+                            f"step {key[1]}: the persister was stopped (SIGTERM) before ranks {never} of this node "
+                            f"handed over their part of {key[2]}; nothing of this save is committed and the "
+                            "previous checkpoint stays loadable")
                 if not res.part_errors:
                     if res.aborted_at is not None:
                         if res.abort_error is not None:  # a skipped save: every rank's ends skipped

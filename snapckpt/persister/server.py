@@ -172,6 +172,8 @@ class Server:
                         log.info("persister pid %d stopping at an operator's request", os.getpid())
                     break
         finally:
+            if self.stop:  # SIGTERM: no request is taken from now on, so a part not handed over never comes
+                self.scheduler.stop_accepting()
             self.replicator.shutdown()
             self.scheduler.shutdown()  # the lease still beats: other nodes may wait for these commits
             self.notices.shutdown()  # after the commits: their last notices are sent
@@ -552,7 +554,8 @@ class Server:
             raise CheckpointDirInUseError(
                 f"checkpoint_dir {msg['checkpoint_dir']!r} is in use: rank {rank} of another process (pid "
                 f"{self.conn_pid.get(entry.conn)}, run {entry.run_id}) is saving into it. If that is another "
-                "job, give each job its own checkpoint_dir (or its own job_id=); under torchrun or another "
+                "job, give each job its own checkpoint_dir (a job_id= of its own does not help: the directory "
+                "admits one job at a time) or stop the other job first; under torchrun or another "
                 "launcher, call torch.distributed.init_process_group() before creating the Checkpointer, so "
                 "that each process knows its rank")
         run = self.slots.runs.get(msg["run_id"])
@@ -801,6 +804,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def on_term(signum, frame):
         server.stop = True
         server.crashed_since_empty = False
+        server.scheduler.stopping.set()  # (the lock may be held here: the waits are woken by stop_accepting)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -2,6 +2,7 @@
 options, the storage factory and the remote store all need it)."""
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Optional, Tuple
 
@@ -47,7 +48,8 @@ def check_remote_url(url: object, role: str) -> Tuple[str, str]:
 
     Raises:
         RemoteURLError: not a ``str`` URL, a ``file://`` or ``http(s)://`` URL, credentials or query options in it,
-            or no bucket or no prefix; the message names the URL (never a credential), the cause and the fix.
+            no bucket or no prefix, or an empty, ``.`` or ``..`` segment in the prefix (``s3://b//run1``); the
+            message names the URL (never a credential), the cause and the fix.
     """
     if not isinstance(url, str) or not is_remote_url(url.strip()):
         shown = shown_url(url) if isinstance(url, str) else url
@@ -73,6 +75,14 @@ def check_remote_url(url: object, role: str) -> Tuple[str, str]:
         raise RemoteURLError(
             f"{role} for {scheme}:// carries credentials or query options in the URL; pass only "
             f"{scheme}://bucket/prefix and give credentials through the environment (docs/remote.md)")
+    segments = prefix.split("/")
+    if bucket and prefix.strip("/") and any(seg in ("", ".", "..") for seg in segments):
+        # s3fs and the S3 API disagree on such keys ("a//b" is written, then listed as "a/b" or not at all): the
+        # parts would be uploaded and never found, so no checkpoint would ever commit
+        clean = posixpath.normpath("/" + "/".join(seg for seg in segments if seg)).lstrip("/") or "run1"
+        raise RemoteURLError(
+            f"{role} {full!r} has an empty, '.' or '..' path segment (a doubled '/'?): object stores do not "
+            f"normalize keys, so its checkpoints could not be listed back; pass {scheme}://{bucket}/{clean}")
     if not bucket or not prefix.strip("/"):
         # a bucket root is shared with other data: the clean-up of interrupted uploads would touch it
         raise RemoteURLError(

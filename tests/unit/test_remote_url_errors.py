@@ -24,6 +24,9 @@ FAULTS = [  # (url, what the message says)
     ("https://key:secret@minio.local/bucket/run1", "AWS_ENDPOINT_URL=https://minio.local (MinIO"),
     ("s3://bucket", "names no prefix in the bucket"),
     ("s3://key:secret@bucket/run1", "carries credentials"),
+    # keys are not normalized: parts were uploaded under "/run1/..." and never listed, no save ever committed
+    ("s3://bucket//run1", "pass s3://bucket/run1"),
+    ("s3://bucket/a/../run1/", "pass s3://bucket/run1"),
 ]
 
 
