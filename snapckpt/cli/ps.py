@@ -91,8 +91,9 @@ def cmd_ps(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             rows.append([str(r["pid"]), r["job"], "-", "-", "-", "-", f"(not answering: {r['error']})"])
             continue
         dirs = sorted({run["checkpoint_dir"] for run in r["runs"]}) or ["-"]
-        connected = sum(len(run["connected_ranks"]) for run in r["runs"])
-        local = sum(len(run["local_ranks"]) for run in r["runs"])
+        # a restarted job is a new run of the same ranks (the crashed one's snapshots stay): count ranks once
+        connected = len({x for run in r["runs"] for x in run["connected_ranks"]})
+        local = len({x for run in r["runs"] for x in run["local_ranks"]})
         steps = ",".join(map(str, r["steps_held"])) or "-"
         rows.append([str(r["pid"]), r["job"], _age(r["age_secs"]), human_bytes(r["memory_bytes"]), steps,
                      f"{connected}/{local}" + (" stopping" if r["stopping"] else ""), ", ".join(dirs)])
