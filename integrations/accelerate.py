@@ -179,7 +179,9 @@ class AcceleratorCheckpointer:
         loaded step + 1, so that the next ``save_state()`` names a new folder (accelerate's own
         ``load_state`` leaves it at 0 and the next save then finds its folder taken). A folder that the job
         saving there committed again (or deleted) while accelerate read it is not kept: the load is done again,
-        the folder now there verified first.
+        the folder now there verified first. A folder saved by another number of processes is loaded as
+        ``accelerator.load_state`` loads it (a warning names the world size that saved it); memory snapshots of
+        another world size are not used.
 
         Raises:
             CheckpointCorruptError: every checkpoint was refused, or the folder changed under 3 loads in a row.
@@ -194,7 +196,10 @@ class AcceleratorCheckpointer:
 
         for attempt in range(3):
             try:
-                files, cand = ck.load_with(probe)
+                # accelerate's load_state reads a folder saved by any number of processes (model and
+                # optimizer files are the main process's; a missing random_states_{i}.pkl is skipped): so are
+                # committed folders of another world size (memory snapshots are per rank: this world's only)
+                files, cand = ck.load_with(probe, any_world_size=True)
             except CheckpointNotFoundError:
                 return None
             path = os.path.join(ck.checkpoint_dir, self.dirname(cand.step))

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from _harness import REPO, assert_equal_state, wait_until
+from _harness import REPO, assert_equal_state, run_torchrun, wait_until
 from faults import kill_persisters
 
 WORKER = os.path.join(REPO, "tests", "workers", "accel_worker.py")
@@ -74,6 +74,24 @@ def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
     assert again["resumed"] == os.path.join(out, "checkpoint_8")
     assert _modes(os.path.join(out, "checkpoint_8")) == _modes(theirs)  # written out of memory
     _same(again["rows"], ref, range(9, 11))
+
+
+def test_resume_at_another_world_size_as_stock_load_state(snap_env):
+    """Folders saved by 2 processes, resumed by 1: accelerate's own ``load_state`` reads them (the model and
+    optimizer files are the main process's; ``random_states_0.pkl`` is this process's). ``load_state()``
+    refused (IncompatibleCheckpointError, "snapckpt does not reshard"); now it loads the same folder (not the
+    2-process memory snapshots the persister still holds) and the next steps equal the stock load's."""
+    out = os.path.join(snap_env.tmp, "run")
+    cfg = {"out": out, "mode": "snap", "steps": 5, "save_at": 5, "mem": True, "result": out + ".ws2"}
+    p = run_torchrun(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                   "--master_addr", "127.0.0.1", "--master_port", str(port), WORKER, json.dumps(cfg)],
+                     env={**os.environ, **snap_env.env, "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    stock = _run({"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5}, snap_env.env)
+    snap = _run({"out": out, "mode": "snap", "steps": 10}, snap_env.env)
+    assert snap["resumed"] == os.path.join(out, "checkpoint_5")
+    assert sorted(snap["rows"]) == list(range(6, 11)), snap["rows"]
+    _same(snap["rows"], stock["rows"], range(6, 11))
 
 
 def test_B3_accelerate_only_checkpoint_damaged_raises_instead_of_starting_afresh(snap_env):

@@ -213,6 +213,28 @@ def test_changed_data_parallel_size_names_universal_checkpoint(snap_env):
     assert "ds_to_universal" in outs[0] and "load_universal" in outs[0]
     # a new-user trial: the tool refuses a checkpoint without this client state, which plain DeepSpeed omits
     assert "client_state={\"universal_checkpoint_info\": {}}" in outs[0], outs[0][-3000:]
+    assert "ZeRO stage 1-3" in outs[0], outs[0][-3000:]
+
+
+def test_changed_data_parallel_size_zero0_loads_as_deepspeed_does(snap_env):
+    """ZeRO stage 0 keeps model, optimizer and scheduler whole in mp_rank_00_model_states.pt: DeepSpeed's own
+    load_checkpoint resumes a 2-rank tag with 1 rank. snapckpt loaded by the same engine call did refuse it
+    (IncompatibleCheckpointError, "ZeRO checkpoints cannot be loaded at another data-parallel size"); now it
+    loads the same tag from disk (the 2-rank memory snapshots left in the persister are not used) into the
+    same parameters, optimizer moments and learning rate as the stock load. (The next losses differ: snapckpt
+    also restores rank 0's RNG state, for the dropout; DeepSpeed's checkpoint holds none.)"""
+    ckpt = snap_env.ckpt_dir
+    run_ranks("ds_resume_worker.py", 2, [ckpt, "0", "fp32", "2", "0", "0", "2", "0"], ENV, timeout=300)
+    stock = run_ranks("ds_resume_worker.py", 1, ["stock:" + ckpt, "0", "fp32", "4", "0", "0", "0", "0"], ENV,
+                      timeout=300)
+    snap = run_ranks("ds_resume_worker.py", 1, [ckpt, "0", "fp32", "4", "0", "0", "0", "0"], ENV, timeout=300)
+    assert _resumed(stock[0]) == [["2", "stock"]], stock[0][-3000:]
+    assert _resumed(snap[0]) == [["2", "disk"]], snap[0][-3000:]
+    assert "saved by world size 2; this job has 1" in snap[0], snap[0][-3000:]
+    loaded = [[json.loads(line.split(" ", 1)[1]) for line in out[0].splitlines() if line.startswith("LOADED ")]
+              for out in (stock, snap)]
+    assert len(loaded[0]) == 1 and loaded[0][0]["exp_avg"] and loaded[0] == loaded[1], loaded
+    assert sorted(_losses(snap, 0)) == [3, 4]
 
 
 def test_config_section_validation(tmp_path):

@@ -158,8 +158,9 @@ class DeepSpeedCheckpointer:
         either tier. Returns ``(None, None)`` when there is nothing to load, as DeepSpeed does.
 
         Raises:
-            IncompatibleCheckpointError: the checkpoint was written at another data-parallel size (the message
-                names DeepSpeed's universal checkpoint route).
+            IncompatibleCheckpointError: under ZeRO stage 1-3, the checkpoint was written at another
+                data-parallel size (the message names DeepSpeed's universal checkpoint route). A ZeRO stage 0
+                one loads at any data-parallel size, as with DeepSpeed's own ``load_checkpoint``.
             CheckpointCorruptError: every candidate failed (the message lists each failure per rank).
             CheckpointNotFoundError: no such ``tag``; or, with ``tag=None``, ``latest`` is empty or names a
                 tag that is not in the directory and no other checkpoint is there (a warning names

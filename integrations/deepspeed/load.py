@@ -29,7 +29,9 @@ __all__ = ["DeepSpeedLoader", "UNIVERSAL_CHECKPOINT_ADVICE"]
 log = logging.getLogger(__name__)
 
 UNIVERSAL_CHECKPOINT_ADVICE = (
-    "DeepSpeed ZeRO checkpoints cannot be loaded at another data-parallel size; convert the checkpoint with "
+    "DeepSpeed ZeRO stage 1-3 checkpoints (optimizer state partitioned by data-parallel rank) cannot be loaded "
+    "at another data-parallel size, by DeepSpeed's own load_checkpoint either (ZeRO stage 0 ones can); convert "
+    "the checkpoint with "
     "DeepSpeed's universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal --input_folder "
     "<dir>/<tag> --output_folder <dir>/<tag>_universal) and load it with "
     "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config. The tool needs the key "
@@ -62,7 +64,8 @@ class DeepSpeedLoader:
             if tag is not None:
                 return self._load_tag(tag, kwargs)
             result, _ = self.checkpointer.load_with(lambda c: self._load_candidate(c, kwargs),
-                                                    check=self._check_candidate)
+                                                    check=self._check_candidate,
+                                                    any_world_size=self._any_world_size())
             self._warn_missing_tracker_tag()  # once something else was loaded: "instead" is then true
             return result
         except IncompatibleCheckpointError as e:
@@ -89,7 +92,8 @@ class DeepSpeedLoader:
         if "snapckpt" in kinds:
             try:
                 result, _ = self.checkpointer.load_with(lambda c: self._load_disk(c, kwargs), dirname=tag,
-                                                        check=self._check_candidate)
+                                                        check=self._check_candidate,
+                                                        any_world_size=self._any_world_size())
             except CheckpointNotFoundError as e:  # retired (or mid-replace) since the look: name the tag
                 raise CheckpointNotFoundError(f"{gone}: {e}") from e
             return result
@@ -119,6 +123,14 @@ class DeepSpeedLoader:
         log.info("no snapckpt commit in %s; loading the checkpoint DeepSpeed wrote natively",
                  self.checkpoint_dir)
         return self._native_load(self.checkpoint_dir, None, kwargs)
+
+    def _any_world_size(self) -> bool:
+        """Whether a committed tag saved at another world size is a candidate: under ZeRO stage 0, as for
+        DeepSpeed's own ``load_checkpoint``, which reads ``mp_rank_{mp}_model_states.pt`` (model, optimizer and
+        scheduler, not partitioned by data-parallel rank) at any data-parallel size. Stages 1-3 partition the
+        optimizer state per data-parallel rank: DeepSpeed refuses another size, and so does snapckpt (with
+        :data:`UNIVERSAL_CHECKPOINT_ADVICE`). The RNG sidecar of this rank is restored when the tag has one."""
+        return int(self.engine.zero_optimization_stage()) == 0
 
     def _warn_missing_tracker_tag(self) -> None:
         """Rank 0 warns when ``latest`` is empty or unreadable, or names a tag that is not in the directory

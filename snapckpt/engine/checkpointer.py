@@ -500,8 +500,8 @@ class Checkpointer:
         return self._loader.latest_step()
 
     def load_with(self, fn: Callable[["LoadCandidate"], Any], step: Optional[int] = None, *,
-                   dirname: Optional[str] = None, check: Optional[Callable[["LoadCandidate"], Any]] = None
-                   ) -> Tuple[Any, "LoadCandidate"]:
+                   dirname: Optional[str] = None, check: Optional[Callable[["LoadCandidate"], Any]] = None,
+                   any_world_size: bool = False) -> Tuple[Any, "LoadCandidate"]:
         """Collective: agree on load candidates with every rank, newest first, and return
         ``(fn(candidate), candidate)`` for the first candidate ``fn`` succeeded on in every rank.
 
@@ -517,6 +517,11 @@ class Checkpointer:
                 for that candidate. A framework loader that runs collectives of the training group (DeepSpeed
                 ZeRO-3) must only be called once every rank knows its files are intact: pass
                 ``check=lambda c: c.verify()`` (or ``c.files()``, which is kept for ``fn``).
+            any_world_size: committed directories saved by another world size are candidates too, for an
+                integration whose framework loader reads them by path at any world size (Accelerate's
+                ``load_state``, DeepSpeed ZeRO stage 0): ``candidate.verify()`` then checks a share of every
+                file on each rank, and a warning names the world size that saved it. Memory snapshots (and
+                the remote tier's steps) of another world size are never candidates.
 
         Raises:
             CheckpointNotFoundError, CheckpointCorruptError, IncompatibleCheckpointError,
@@ -526,7 +531,7 @@ class Checkpointer:
             check_step(step)
         self.wait()
         with self._reading():
-            return self._loader.load_with(fn, step, dirname=dirname, check=check)
+            return self._loader.load_with(fn, step, dirname=dirname, check=check, any_world_size=any_world_size)
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:

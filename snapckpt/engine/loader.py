@@ -168,6 +168,7 @@ class Loader:
         self._disk_saved: List[Tuple[int, str, float]] = []  # (step, dirname, saved at), see _warn_rewind
         self._remote_saved: List[Tuple[int, str, float]] = []  # the same, of the remote tier's other steps
         self._listed: Dict[str, List[Any]] = {}  # dirname -> _identity of the manifest rank 0 listed
+        self._saved_by: Dict[str, int] = {}  # dirname -> the world size that saved it (disk candidates)
         self._remote_dirs: Set[str] = set()
         self.last_load: Optional[LoadInfo] = None
         self._remote = remote
@@ -185,15 +186,20 @@ class Loader:
     def world_size(self) -> int:
         return self._topology.world_size
 
-    def candidates(self, step: Optional[int] = None) -> List[Tuple[int, str, Optional[str]]]:
+    def candidates(self, step: Optional[int] = None, *, any_world_size: bool = False
+                   ) -> List[Tuple[int, str, Optional[str]]]:
         """Agree with all ranks on the load candidates: ``[(step, "memory"|"disk", dirname)]``, newest first.
 
         Directories skipped as damaged are kept in ``self._damaged`` (``"dirname: what is wrong"``). With
         ``step``, a committed directory whose files fail the quick size check is still a candidate, so
         that reading it fails with an error naming the damaged file instead of "not found" (case B3).
+        ``any_world_size``: committed directories of another world size are candidates too (for a framework
+        loader that reads them by path at any world size); memory snapshots (one per rank of the world that
+        took them) stay of this world size only, as do the remote tier's steps.
 
         Raises:
-            IncompatibleCheckpointError: only checkpoints of another world size exist.
+            IncompatibleCheckpointError: only checkpoints of another world size exist (not with
+                ``any_world_size``).
         """
         reply = self._session.request("held")
         held = reply["slots"]
@@ -232,8 +238,9 @@ class Loader:
                         "replicas counted (steps per rank: %s); the memory tier cannot be used",
                         {r: sorted({s for s, _ in have}) for r, have in enumerate(tier.have)})
         disk_all = everyone[0]["disk"]
-        wrong = [d for d in disk_all if d[2] != self.world_size]
-        disk_ok = [d for d in disk_all if d[2] == self.world_size]
+        wrong = [] if any_world_size else [d for d in disk_all if d[2] != self.world_size]
+        disk_ok = [d for d in disk_all if any_world_size or d[2] == self.world_size]
+        self._saved_by = {d[1]: int(d[2]) for d in disk_ok}
         self._disk_saved = [(d[0], d[1], d[3]) for d in disk_ok]
         self._listed = {d[1]: d[4] for d in disk_ok}
         self._remote_saved = [(r[0], r[1], r[3]) for r in everyone[0]["remote"]
@@ -501,6 +508,13 @@ class Loader:
             m, _ = self._read_remote(dirname)
             return m
         m = self._manifest(path, dirname)
+        if int(m.get("world_size", self.world_size)) != self.world_size:
+            # saved by another world size: the ranks' files do not map to this job's ranks; each rank checks a
+            # share of every file (the framework's loader may read any of them on any rank)
+            share = dict(sorted(m["files"].items())[self.rank::self.world_size])
+            checks = check_checksums if self.options.verify_checksums else check_sizes
+            checks(self._storage, path, {**m, "files": share})
+            return m
         if self.options.verify_checksums:
             mine = sum(int(r.get("nbytes", 0)) for r in m["files"].values() if r.get("rank") == self.rank)
             # A bar for a long read (>= 1 GiB), on local rank 0 only, when its stderr is a terminal.
@@ -681,11 +695,11 @@ class Loader:
         return self._maps.get(s["slot"], s["path"], s["nbytes"])
 
     def load_with(self, fn: Callable[[LoadCandidate], Any], step: Optional[int] = None, *,
-                  dirname: Optional[str] = None, check: Optional[Callable[[LoadCandidate], Any]] = None
-                  ) -> Tuple[Any, LoadCandidate]:
+                  dirname: Optional[str] = None, check: Optional[Callable[[LoadCandidate], Any]] = None,
+                  any_world_size: bool = False) -> Tuple[Any, LoadCandidate]:
         """``Checkpointer.load_with`` after its checks and ``wait()`` (its docstring has the details)."""
         t0 = time.perf_counter()
-        cands = all_cands = self.candidates(step)
+        cands = all_cands = self.candidates(step, any_world_size=any_world_size)
         if step is not None:
             cands = [c for c in cands if c[0] == step]
         if dirname is not None:
@@ -707,6 +721,7 @@ class Loader:
                          self.last_load.seconds)
                 if step is None and dirname is None:
                     self._warn_rewind(cstep)
+                self._warn_world_size(cand)
                 if errors:
                     log.warning("rank %d: loaded step %d (%s), not the newest: %d newer checkpoint(s) refused: "
                                 "%s; `snapckpt verify %s` checks them all", self.rank, cstep, cand.tier.value,
@@ -725,6 +740,14 @@ class Loader:
             raise CheckpointNotFoundError(f"no complete checkpoint of {what} in memory or in {self.checkpoint_dir}: "
                                           f"{'; '.join(errors)}")
         self._raise_nothing_loadable(step, errors, held)
+
+    def _warn_world_size(self, cand: LoadCandidate) -> None:
+        """Rank 0 warns when ``cand`` (loaded) was saved by another world size (``any_world_size``)."""
+        saved_by = self._saved_by.get(cand.dirname or "", self.world_size) if cand.tier == StorageType.DISK else None
+        if self.rank == 0 and saved_by is not None and saved_by != self.world_size:
+            log.warning("loaded step %d from %s, saved by world size %d; this job has %d: the framework's own "
+                        "loader read it (memory snapshots of that world are not used)", cand.step, cand.path,
+                        saved_by, self.world_size)
 
     def _try(self, cand: LoadCandidate, check: Optional[Callable[[LoadCandidate], Any]],
              fn: Callable[[LoadCandidate], Any]) -> Tuple[Any, Dict[int, Dict[str, Any]]]:

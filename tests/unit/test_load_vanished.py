@@ -35,7 +35,7 @@ def _loader(tmp_path, monkeypatch, coord=None) -> Loader:
     world = 1 if coord is None else 2
     ld = Loader(CheckpointOptions(), str(tmp_path), Topology(0, world, tuple(range(world)), 0, 1),
                 coord or LocalCoordinator(), PosixStorage(fsync=False), maps=None, session=None, dir_id="d")
-    monkeypatch.setattr(ld, "candidates", lambda step=None: [(2, "disk", DIRNAME)])
+    monkeypatch.setattr(ld, "candidates", lambda step=None, any_world_size=False: [(2, "disk", DIRNAME)])
     return ld
 
 

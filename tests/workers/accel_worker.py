@@ -6,7 +6,7 @@ Usage: accel_worker.py '<json config>'. Keys: out (checkpoint dir), steps, save_
         when ``mem``; on start ``load_state()`` resumes from the newest snapshot (memory or disk);
     "stock_resume": ``accelerator.load_state(out/checkpoint_<resume_from>)`` (stock loader), then train.
 exit_at: after that step, ``os._exit(0)`` (no close). Writes ``result`` (json: per-step losses and lrs,
-``resumed`` folder).
+``resumed`` folder; ``result.<process index>`` under torchrun with several processes).
 """
 import json
 import os
@@ -73,7 +73,8 @@ def main():
             break
         if step >= cfg["steps"]:
             break
-    with open(cfg["result"], "w") as f:
+    result = cfg["result"] if acc.num_processes == 1 else f"{cfg['result']}.{acc.process_index}"
+    with open(result, "w") as f:
         json.dump({"rows": rows, "resumed": resumed}, f)
     if step == cfg.get("exit_at"):
         os._exit(0)

@@ -2,7 +2,7 @@
 
 Usage: ds_resume_worker.py CKPT STAGE DTYPE TOTAL KILL_AT MEM_EVERY DISK_EVERY WAIT [REMOTE_DIR]
 With memory snapshots (MEM_EVERY > 0) the copy is overlapped (``overlap``: it runs during forward and
-backward, and DeepSpeed's pre-optimizer-step call fences it). ``CKPT=-`` trains without snapckpt (the uninterrupted reference). Otherwise the engine resumes with
+backward, and DeepSpeed's pre-optimizer-step call fences it). ``CKPT=-`` trains without snapckpt (the uninterrupted reference); ``CKPT=stock:<dir>`` loads ``<dir>`` with DeepSpeed's own ``load_checkpoint`` (no snapckpt), then trains. Otherwise the engine resumes with
 ``engine.load_checkpoint(CKPT)`` (memory tier first) and trains to TOTAL; with ``KILL_AT > 0`` every rank
 SIGKILLs itself at the end of step KILL_AT+1 (the policy snapshot of step KILL_AT was taken at that step's
 forward and fenced by its ``engine.step()``; with WAIT=1 after waiting for its commit). Prints ``RESULT {"step", "loss"}``
@@ -24,8 +24,15 @@ def main():
     ckpt, stage, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     total, kill_at, mem, disk, wait = (int(a) for a in sys.argv[4:9])
     deepspeed.init_distributed(dist_backend="gloo")
+    stock = ckpt.startswith("stock:")
     if ckpt == "-":
         engine = ds_common.build(stage, dtype)
+    elif stock:  # DeepSpeed's own engine.load_checkpoint of the directory, no snapckpt
+        ckpt = ckpt[len("stock:"):]
+        engine = ds_common.build(stage, dtype)
+        path, _ = engine.load_checkpoint(ckpt)
+        if path is not None:
+            print(f"RESUMED {engine.global_steps} stock", flush=True)
     else:
         section = {"checkpoint_dir": ckpt, "memory_interval_steps": mem or None,
                    "disk_interval_steps": disk or None, "keep_last": 2,
@@ -36,6 +43,13 @@ def main():
         path, _ = engine.load_checkpoint(ckpt)
         if path is not None:
             print(f"RESUMED {engine.global_steps} {engine.snapckpt.checkpointer.last_load.tier.value}", flush=True)
+    if ckpt != "-" and stage == 0 and engine.global_steps:  # what was loaded: sums (float64) of the
+        # parameters and optimizer moments, the learning rate (ZeRO 1-3 optimizers have other state dicts)
+        opt = engine.optimizer.state_dict()["state"]
+        print("LOADED " + json.dumps({"params": [float(p.double().sum()) for p in engine.module.parameters()],
+                                      "exp_avg": [float(v["exp_avg"].double().sum()) for _, v in sorted(opt.items())
+                                                  if "exp_avg" in v],
+                                      "lr": engine.lr_scheduler.get_last_lr()}), flush=True)
     for step in range(int(engine.global_steps) + 1, total + 1):
         loss = ds_common.train_step(engine, step)
         print("RESULT " + json.dumps({"step": step, "loss": loss}), flush=True)
@@ -45,7 +59,7 @@ def main():
             if wait:
                 engine.snapckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
-    if ckpt != "-":
+    if ckpt != "-" and not stock:
         engine.snapckpt.close()
     ds_common.exit_after_barrier()
 
