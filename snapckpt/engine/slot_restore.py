@@ -137,7 +137,10 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # The save's check of types, dtypes, shapes and strides (C++): passes when the state is the saved one; it also
     # refuses a tensor object met twice (see layout_check.Recheck), which the memo's match left to this check.
     r = layout.recheck
-    same = r is not None and r.same_tensors(tensors)
+    # the native loop (when built) checks the guards' fields and that the data pointers are the ones the last save
+    # read (which fill the pwritev table) in one pass, and that no tensor object occurs twice
+    fast = r is not None and r.native_same(tensors)
+    same = fast or (r is not None and r.same_tensors(tensors))
     if not same and (list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)) or has_repeats(tensors)):
         return None  # the general path names the mismatches (a tensor twice: the key is not the saved one)
     if in_place is None and layout.restore_ok is None:
@@ -154,16 +157,18 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # pass the guards (which compare dispatch keys), it holds for the next ones that pass (layout_check.Recheck)
     if torch.is_inference_mode_enabled():
         inference = False
+    elif fast:  # inference or not as the tensors the native records were made from (not cached: see above)
+        inference = r.table_inference
     elif same and r.inference is not None:
         inference = r.inference
     else:
         inference = any(map(_IS_INFERENCE, tensors))
         if same:
             r.inference = inference
-    writes, file = layout.span_writes, getattr(mapped, "file", None)
     # the save's pwritev table read back: only into the addresses it was filled with (a tensor given new memory since,
     # or one of another shape, which the guards refuse, takes torch's copy)
+    writes, file = layout.span_writes, getattr(mapped, "file", None)
     if (same and writes and writes.ptrs is not None and file is not None
-            and list(map(_DATA_PTR, tensors)) == writes.ptrs):
+            and ((fast and writes.ptrs is r.ptrs) or list(map(_DATA_PTR, tensors)) == writes.ptrs)):
         return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, (file, writes), inference=inference)
     return SlotCopies(tensors, srcs, layout_sizes(layout).nbytes, inference=inference)
