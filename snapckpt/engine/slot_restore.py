@@ -147,6 +147,7 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # (the tensors' metadata is in the caches then: a pass of its own misses them again); an extra bump, should the
     # copy not run, is harmless (torch's note on increment_version)
     bump = (r is not None and back and writes.ptrs is r.ptrs and r.table is not None and r.bump_ok
+            and len(writes.pos) == len(tensors)  # every tensor read back: torch's copy bumps none a second time
             and (layout.restore_ok if in_place is None else in_place) is True
             and (not r.table_inference or torch.is_inference_mode_enabled()))
     fast = r is not None and r.native_same(tensors, bump)
