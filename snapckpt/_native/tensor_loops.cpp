@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 namespace {
@@ -59,11 +60,21 @@ PyObject* probe(PyObject*, PyObject* t) {
 }
 
 // table(tensors, tensor_type) -> bytes, or None when a tensor's layout cannot be tabled (the caller goes without).
+PyObject* table_impl(PyObject* const* args);
+
 PyObject* table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !list_arg(args[0])) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "table(tensors, tensor_type)");
     return nullptr;
   }
+  try {
+    return table_impl(args);
+  } catch (const std::exception&) {  // a C++ exception must not cross into Python: no table, the Python path
+    Py_RETURN_NONE;
+  }
+}
+
+PyObject* table_impl(PyObject* const* args) {
   PyObject* lst = args[0];
   Py_ssize_t n = PyList_GET_SIZE(lst);
   std::vector<int64_t> out;
@@ -111,11 +122,21 @@ inline bool matches(PyObject* o, const int64_t*& r, const int64_t* end) {
 // from the ints of list `ptrs` (0 when `ptrs` is None). With bump true and 0 returned, every tensor's version counter
 // was bumped (as an in-place copy bumps it; RuntimeError for an inference tensor outside inference mode, checked for
 // every tensor before any is bumped).
+PyObject* check_impl(PyObject* const* args);
+
 PyObject* check(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !list_arg(args[0]) || !PyBytes_Check(args[1])) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "check(tensors, table: bytes, ptrs, bump)");
     return nullptr;
   }
+  try {
+    return check_impl(args);
+  } catch (const std::exception&) {  // not expected (the records rule such tensors out): the Python path decides
+    return PyLong_FromLong(-1);
+  }
+}
+
+PyObject* check_impl(PyObject* const* args) {
   PyObject* lst = args[0];
   PyObject* ptrs = args[2] == Py_None ? nullptr : args[2];
   if (ptrs && !PyList_Check(ptrs)) {
