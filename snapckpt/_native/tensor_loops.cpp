@@ -117,6 +117,23 @@ inline bool matches(PyObject* o, const int64_t*& r, const int64_t* end) {
   return true;
 }
 
+// Each tensor's Python object, TensorImpl and StorageImpl are cache misses, one behind the other: the loop asks for
+// those of tensors a few places ahead (objects 16 ahead, their TensorImpls 8 ahead, the storages 4 ahead), so that
+// the misses of several tensors overlap instead of following one another.
+inline void prefetch_ahead(PyObject* lst, Py_ssize_t i, Py_ssize_t n) {
+  if (i + 16 < n) __builtin_prefetch(PyList_GET_ITEM(lst, i + 16));
+  if (i + 8 < n) {
+    const char* t = reinterpret_cast<const char*>(impl_of(PyList_GET_ITEM(lst, i + 8)));
+    __builtin_prefetch(t);
+    __builtin_prefetch(t + 64);
+    __builtin_prefetch(t + 128);
+  }
+  if (i + 4 < n) {
+    c10::TensorImpl* t = impl_of(PyList_GET_ITEM(lst, i + 4));
+    __builtin_prefetch(t->unsafe_storage().unsafeGetStorageImpl());
+  }
+}
+
 // check(tensors, table, ptrs, bump) -> int: -1 when a tensor's type, dispatch keys, dtype, requires_grad, device,
 // storage offset, shape or strides differ from its record (or the counts differ); else how many data pointers differ
 // from the ints of list `ptrs` (0 when `ptrs` is None). With bump true and 0 returned, every tensor's version counter
@@ -152,6 +169,7 @@ PyObject* check_impl(PyObject* const* args) {
   long differ = 0;
   bool inference = false;
   for (Py_ssize_t i = 0; i < n; ++i) {
+    prefetch_ahead(lst, i, n);
     PyObject* o = PyList_GET_ITEM(lst, i);
     if (!matches(o, r, end)) return PyLong_FromLong(-1);
     if (ptrs) {
@@ -168,7 +186,15 @@ PyObject* check_impl(PyObject* const* args) {
                       "Inplace update to inference tensor outside InferenceMode is not allowed.");
       return nullptr;
     }
-    for (Py_ssize_t i = 0; i < n; ++i) impl_of(PyList_GET_ITEM(lst, i))->bump_version();
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + 8 < n) __builtin_prefetch(impl_of(PyList_GET_ITEM(lst, i + 8)));
+      if (i + 4 < n) {
+        // the version counter's object (VariableVersion holds one intrusive pointer); a prefetch never faults
+        const c10::TensorImpl* t = impl_of(PyList_GET_ITEM(lst, i + 4));
+        __builtin_prefetch(*reinterpret_cast<void* const*>(&t->version_counter()));
+      }
+      impl_of(PyList_GET_ITEM(lst, i))->bump_version();
+    }
   }
   return PyLong_FromLong(differ);
 }
