@@ -46,3 +46,9 @@ if ! installed; then
     grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
     inputs_sum > "$STAMP"
 fi
+
+# The optional native loops over many tensors (snapckpt/_native, a few seconds with g++): cached per torch version
+# and source; snapckpt runs the Python path where they are not built (no compiler: a note, not a failure).
+if ! "$VENV/bin/python" -m snapckpt._native build > /dev/null 2> "$VENV/.snapckpt-native-build.log"; then
+    echo "setup: the optional native loops were not built (see $VENV/.snapckpt-native-build.log)" >&2
+fi

@@ -64,7 +64,7 @@ def test_wheel_contents_and_metadata(wheel):
     assert "snapckpt/py.typed" in names
     for pkg in ("snapckpt/cli/ps.py", "snapckpt/persister/control.py", "snapckpt/integrations/deepspeed/engine.py",
                 "snapckpt/integrations/megatron/save.py", "snapckpt/integrations/transformers/callback.py",
-                "snapckpt/integrations/accelerate.py"):
+                "snapckpt/integrations/accelerate.py", "snapckpt/_native/tensor_loops.cpp"):
         assert pkg in names, pkg
     assert not any(n.startswith(("tests/", "integrations/")) for n in names)
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]

@@ -20,6 +20,11 @@ Knobs:
   It shortens the time to durable when the copy is a large share of the write (a slow copy on a loaded node, a
   fast disk) and lengthens the save's blocking time, the copy sharing the cores with the writer: measured on
   2 cores, docs/performance.md. ``0`` hands the slot over once the copy is complete.
+- ``SNAPCKPT_NATIVE``: ``1`` (default) or ``0``: whether the optional native loops over many tensors
+  (:mod:`snapckpt._native`) are used when they were built (``python -m snapckpt._native build``); ``0`` keeps the
+  Python path. Nothing is ever compiled at run time.
+- ``SNAPCKPT_NATIVE_DIR``: where the native loops are built and looked for (default
+  ``$XDG_CACHE_HOME/snapckpt/native``, else ``~/.cache/snapckpt/native``).
 - ``TORCHELASTIC_RESTART_COUNT`` (set by torchrun, not by users): the launch attempt, part of every
   coordination key so that a restarted attempt never reads an earlier attempt's records (contract 12).
 - ``SNAPCKPT_FAULT_WRITE_DELAY_SECS``: fault injection for tests: the persister sleeps this long before
@@ -39,8 +44,8 @@ from typing import List
 #: Every ``SNAPCKPT_*`` variable the library reads (the list above).
 KNOBS = ("SNAPCKPT_SHM_DIR", "SNAPCKPT_RUNTIME_DIR", "SNAPCKPT_REMOTE_DIR", "SNAPCKPT_REMOTE_BLOCK_NBYTES",
          "SNAPCKPT_PEER_TIMEOUT_SECS", "SNAPCKPT_REPLICAS", "SNAPCKPT_HOST_MEMORY_BUDGET_NBYTES",
-         "SNAPCKPT_REPLICA_ADDR", "SNAPCKPT_LOG_LEVEL", "SNAPCKPT_STREAM_PERSIST", "SNAPCKPT_FAULT_WRITE_DELAY_SECS",
-         "SNAPCKPT_FAULT_POINT", "SNAPCKPT_FAULT_STORAGE")
+         "SNAPCKPT_REPLICA_ADDR", "SNAPCKPT_LOG_LEVEL", "SNAPCKPT_STREAM_PERSIST", "SNAPCKPT_NATIVE",
+         "SNAPCKPT_NATIVE_DIR", "SNAPCKPT_FAULT_WRITE_DELAY_SECS", "SNAPCKPT_FAULT_POINT", "SNAPCKPT_FAULT_STORAGE")
 #: ``SNAPCKPT_*`` variables of the project's own scripts and benchmarks, not settings of the library.
 TOOL_VARIABLES = ("SNAPCKPT_WHEELHOUSE", "SNAPCKPT_BENCH_FSYNC")
 
@@ -208,3 +213,26 @@ def launch_attempt() -> str:
     if not (raw.isascii() and raw.isdigit()):
         raise ValueError(f"TORCHELASTIC_RESTART_COUNT={raw!r} must be a non-negative integer")
     return raw
+
+
+def native() -> bool:
+    """``SNAPCKPT_NATIVE`` (default true): whether built native loops may be used.
+
+    Raises:
+        ValueError: set to anything but ``0``/``1``/``true``/``false`` (any case).
+    """
+    raw = os.environ.get("SNAPCKPT_NATIVE", "").strip().lower()
+    if raw in ("", "1", "true"):
+        return True
+    if raw in ("0", "false"):
+        return False
+    raise ValueError(f"SNAPCKPT_NATIVE={raw!r} must be 0 or 1 (or false/true), or unset for the default, 1")
+
+
+def native_dir() -> str:
+    """Directory of built native loops (``SNAPCKPT_NATIVE_DIR``, else under ``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    raw = os.environ.get("SNAPCKPT_NATIVE_DIR", "").strip()
+    if raw:
+        return raw
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "snapckpt", "native")

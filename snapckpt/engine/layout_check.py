@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from snapckpt import _native
 from snapckpt.errors import SnapshotError
 from snapckpt.formats.plain_layout import has_repeats
 from snapckpt.formats.torch_zip import _check_supported
@@ -129,7 +130,7 @@ class Recheck:
     """
 
     __slots__ = ("n", "offsets", "chunks", "whole", "itemsizes", "devices", "one_device", "groups", "ptrs",
-                 "distinct", "nulls", "inference")
+                 "distinct", "nulls", "inference", "native", "table", "table_inference")
 
     def __init__(self, tensors: List[torch.Tensor], sig: tuple, restorable: bool = False) -> None:
         self.n, self.offsets = len(tensors), sig[2]
@@ -144,6 +145,12 @@ class Recheck:
         # by the first restore that needs it (slot_restore). Checked outside it, the guards' dispatch keys tell the
         # two kinds apart (whichever mode made them), so every tensor list that passes there is of that one answer
         self.inference: Optional[bool] = None
+        # the optional native loop (snapckpt._native) and its records of these tensors' type, dispatch keys, dtype,
+        # requires_grad, device, storage offset, shape and strides: every field the guards and offsets compare
+        self.native = _native.load()
+        self.table = self.native.table(tensors, torch.Tensor) if self.native is not None else None
+        # whether the tensors that pass native_same (inference or not as these) include inference tensors
+        self.table_inference = self.table is not None and any(map(torch.Tensor.is_inference, tensors))
         self._remember(list(map(_DATA_PTR, tensors)))
 
     def _remember(self, ptrs: List[int]) -> None:
@@ -180,6 +187,8 @@ class Recheck:
         Raises:
             SnapshotError: data pointers changed and a tensor's storage was freed (:func:`check_storages`).
         """
+        if self.native_same(tensors):
+            return True
         ptrs = self._scan(tensors, True)
         if ptrs is None:
             return False
@@ -189,6 +198,35 @@ class Recheck:
                 return False
             self._remember(ptrs)
         return self._once_each(tensors, ptrs)
+
+    def native_same(self, tensors: List[torch.Tensor], bump: bool = False) -> bool:
+        """Whether the native loop (:mod:`snapckpt._native`, when built) finds ``tensors`` of the entry's records
+        (every field :meth:`matches` compares but the grouping, and stricter: dispatch keys all equal, inference or
+        not as they were) with the remembered data pointers, in one pass, no tensor object twice; ``False`` also
+        when there is no native loop (the caller takes the Python path, which decides). With ``bump`` (only when
+        :attr:`bump_ok`), a ``True`` answer bumped every tensor's version counter, as an in-place copy bumps it.
+
+        Raises:
+            RuntimeError: with ``bump``, an inference tensor outside ``torch.inference_mode()`` (nothing bumped).
+            ValueError: ``bump`` without :attr:`bump_ok`.
+        """
+        if self.table is None:
+            return False
+        if bump and not self.bump_ok:
+            raise ValueError("bump: only when the remembered data pointers rule a repeated tensor out (bump_ok)")
+        return self.native.check(tensors, self.table, self.ptrs, bump) == 0 and (bump or self._no_repeats(tensors))
+
+    @property
+    def bump_ok(self) -> bool:
+        """Whether tensors with the remembered data pointers hold no tensor object twice (distinct pointers, at most
+        one null): :meth:`native_same` may bump then, no repeat being left to look for after it."""
+        return self.distinct and self.nulls < 2
+
+    def _no_repeats(self, tensors: List[torch.Tensor]) -> bool:
+        """:meth:`_once_each` of tensors that the native loop passed (no guards saw the pairs of a chunk)."""
+        if not self.distinct:
+            return not has_repeats(tensors)
+        return self.nulls < 2 or not has_repeats(list(compress(tensors, map(not_, self.ptrs))))
 
     def same_tensors(self, tensors: List[torch.Tensor]) -> bool:
         """Whether ``tensors`` pass the guards (type, dtype, device, shape, stride, ``requires_grad``; offsets and

@@ -57,6 +57,7 @@ class SlotCopies:
     back: Optional[Tuple[SlotFile, SpanWrites]] = None
     read_by_file: int = 0  # how many tensors preadv read, for tests and profiles
     inference: bool = False  # some of dsts were made under torch.inference_mode()
+    bumped: bool = False  # every version was bumped by find's native check (snapckpt._native)
 
     def run(self) -> None:
         """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``).
@@ -75,7 +76,8 @@ class SlotCopies:
                 pos = writes.pos
                 every = len(pos) == len(dsts)  # pos ascending: then it is every position
                 # bumped first, while the tensors' metadata is still in the caches from the data pointers' pass
-                torch.autograd.graph.increment_version(dsts if every else list(map(dsts.__getitem__, pos)))
+                if not self.bumped:
+                    torch.autograd.graph.increment_version(dsts if every else list(map(dsts.__getitem__, pos)))
                 done = self.read_by_file = read_back(fd, writes)
                 rest = writes.rest if done == len(pos) else sorted(writes.rest + pos[done:])
                 if len(rest) < len(dsts):
@@ -138,7 +140,19 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # The save's check of types, dtypes, shapes and strides (C++): passes when the state is the saved one; it also
     # refuses a tensor object met twice (see layout_check.Recheck), which the memo's match left to this check.
     r = layout.recheck
-    same = r is not None and r.same_tensors(tensors)
+    writes, file = layout.span_writes, getattr(mapped, "file", None)
+    back = bool(writes) and writes.ptrs is not None and file is not None
+    # the native loop (when built) checks the guards' fields and that the data pointers are the ones the last save
+    # read (which fill the pwritev table) in one pass, and that no tensor object occurs twice. When the read back
+    # will follow (the in-place check known, no inference tensor refused), it bumps the versions in the same call
+    # (the tensors' metadata is in the caches then: a pass of its own misses them again); an extra bump, should the
+    # copy not run, is harmless (torch's note on increment_version)
+    bump = (r is not None and back and writes.ptrs is r.ptrs and r.table is not None and r.bump_ok
+            and len(writes.pos) == len(tensors)  # every tensor read back: torch's copy bumps none a second time
+            and (layout.restore_ok if in_place is None else in_place) is True
+            and (not r.table_inference or torch.is_inference_mode_enabled()))
+    fast = r is not None and r.native_same(tensors, bump)
+    same = fast or (r is not None and r.same_tensors(tensors))
     if not same and (list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)) or has_repeats(tensors)):
         return None  # the general path names the mismatches (a tensor twice: the key is not the saved one)
     if in_place is None and layout.restore_ok is None:
@@ -155,16 +169,17 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # pass the guards (which compare dispatch keys), it holds for the next ones that pass (layout_check.Recheck)
     if torch.is_inference_mode_enabled():
         inference = False
+    elif fast:  # inference or not as the tensors the native records were made from (not cached: see above)
+        inference = r.table_inference
     elif same and r.inference is not None:
         inference = r.inference
     else:
         inference = any(map(_IS_INFERENCE, tensors))
         if same:
             r.inference = inference
-    writes, file = layout.span_writes, getattr(mapped, "file", None)
     # the save's pwritev table read back: only into the addresses it was filled with (a tensor given new memory since,
     # or one of another shape, which the guards refuse, takes torch's copy)
-    if (same and writes and writes.ptrs is not None and file is not None
-            and list(map(_DATA_PTR, tensors)) == writes.ptrs):
-        return SlotCopies(tensors, srcs, layout_sizes(layout), (file, writes), inference=inference)
+    if same and back and ((fast and writes.ptrs is r.ptrs) or list(map(_DATA_PTR, tensors)) == writes.ptrs):
+        return SlotCopies(tensors, srcs, layout_sizes(layout), (file, writes), inference=inference,
+                          bumped=fast and bump)
     return SlotCopies(tensors, srcs, layout_sizes(layout), inference=inference)

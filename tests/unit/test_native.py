@@ -1,0 +1,194 @@
+"""The optional native loop over many tensors (snapckpt/_native): it passes and refuses what the Python path's checks
+pass and refuse (type, dtype, shape, strides, storage offset, requires_grad, inference, a tensor twice, new memory),
+an in-process restore through it gives the same bytes and version bumps as without it, and without a built library
+(or with ``SNAPCKPT_NATIVE=0``) everything runs the Python path. Builds the library once into the user's cache
+(a few seconds; ``scripts/setup.sh`` builds it first), skipped without a C++ compiler."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _harness import SlotOnFile as _Slot
+from snapckpt import _native
+from snapckpt._internal import env
+from snapckpt.engine import layout_check, slot_restore, span_write
+from snapckpt.engine.layout_check import Recheck, signature
+from snapckpt.engine.stager import Stager
+
+NAME = "rank_00000.pt"
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not env.native():
+        pytest.skip("SNAPCKPT_NATIVE=0")
+    try:
+        _native.build()
+    except RuntimeError as e:  # pragma: no cover - a host without a C++ compiler
+        pytest.skip(str(e))
+    mod = _native.load()
+    assert mod is not None
+    return mod
+
+
+def _tensors() -> list:
+    g = torch.Generator().manual_seed(0)
+    base = torch.rand(40, generator=g)
+    return [torch.rand(3, 2, generator=g), torch.randint(0, 9, (5,), generator=g),
+            torch.nn.Parameter(torch.rand(4, generator=g)), torch.rand(2, 3, generator=g).t(),  # strides (1, 3)
+            base[10:20], torch.zeros(0), torch.rand(1, generator=g).double()]
+
+
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
+def _changes() -> list:
+    """``(name, change of a tensor list)``: every one the quick check must refuse, and new memory, which it passes
+    by recomputing the grouping (the native loop leaves that to the Python path)."""
+    def at(i, f):
+        return lambda ts: ts[:i] + [f(ts[i])] + ts[i + 1:]
+    return [
+        ("dtype", at(0, lambda t: t.double())),
+        ("shape", at(0, lambda t: t.reshape(2, 3))),
+        ("strides", at(3, lambda t: t.contiguous())),
+        ("storage offset", at(4, lambda t: t.detach().clone())),
+        ("requires_grad", at(2, lambda t: torch.nn.Parameter(t.detach(), requires_grad=False))),
+        ("type", at(2, lambda t: t.detach())),
+        ("inference", at(0, _inference)),
+        ("twice", lambda ts: ts[:1] + ts[:1] + ts[2:]),
+        ("count", lambda ts: ts[:-1]),
+        ("new memory", lambda ts: [t.detach().clone().requires_grad_(t.requires_grad) if type(t) is torch.Tensor
+                                   else t for t in ts[:4]] + ts[4:]),
+    ]
+
+
+def _recheck(tensors: list, with_native: bool) -> Recheck:
+    r = Recheck(tensors, signature(tensors), restorable=True)
+    if not with_native:
+        r.table = None
+    return r
+
+
+def test_the_native_check_passes_and_refuses_what_the_python_check_does(native):
+    ts = _tensors()
+    assert _recheck(ts, True).native_same(ts) and not _recheck(ts, False).native_same(ts)
+    assert _recheck(ts, True).matches(ts) and _recheck(ts, False).matches(ts)
+    for name, change in _changes():
+        changed = change(list(ts))
+        assert not _recheck(ts, True).native_same(changed), name  # the Python path decides
+        assert _recheck(ts, True).matches(changed) == _recheck(ts, False).matches(changed), name
+        assert (_recheck(ts, True).same_tensors(changed) == _recheck(ts, False).same_tensors(changed)), name
+    # a tensor twice among tensors without memory (null data pointers): found after the loop passed
+    empty = [torch.zeros(0), torch.zeros(0), torch.rand(2)]
+    twice = [empty[0], empty[0], empty[2]]
+    r = _recheck(empty, True)
+    assert r.table is not None and r.native_same(empty) and not r.bump_ok
+    assert not r.native_same(twice) and not r.matches(twice) and not _recheck(empty, False).matches(twice)
+
+
+def test_the_native_bump_is_torchs_and_refuses_inference_tensors_outside_inference_mode(native):
+    ts = [t.detach() for t in _tensors()]
+    r = _recheck(ts, True)
+    before = [t._version for t in ts]
+    assert r.native_same(ts, bump=True)
+    assert [t._version for t in ts] == [v + 1 for v in before]
+    inf = [_inference(t) for t in ts]
+    r = _recheck(inf, True)
+    # (torch's increment_version skips them; the restore refuses them before, slot_restore's refuse_inference)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        r.native_same(inf, bump=True)
+    with torch.inference_mode():
+        assert r.native_same(inf, bump=True)
+
+
+def _restore(tmp_path, state: dict, with_native: bool, change=None):
+    """Save ``state`` three times, change it (training went on; ``change``: then into another state), restore in
+    process with or without the native records; returns ``((read back, spans read, spans, bumped by the check) or
+    None, the live tensors' version increments, the saved values, the live state)``."""
+    st = Stager()
+    p = st.prepare({NAME: state}, 1)
+    s = _Slot(tmp_path / f"slot{int(with_native)}", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    for step in (1, 2, 3):
+        p = s.save(st, state, step)
+    assert (p.layout.recheck.table is not None) is True
+    if not with_native:
+        p.layout.recheck.table = None
+    saved = {k: v.clone() for k, v in state.items()}
+    for v in state.values():
+        v.add_(1)
+    live = change(state) if change else state
+    versions = {k: v._version for k, v in live.items()}
+    found = slot_restore.find(st, s.m, NAME, 3, live)
+    if found is not None:
+        found.run()
+        # what the test compares (the found copies hold views of the mapping, closed here)
+        found = (found.back is not None, found.read_by_file, len(found.back[1].pos) if found.back else 0,
+                 found.bumped)
+    s.m.close()
+    return found, {k: v._version - versions[k] for k, v in live.items()}, saved, live
+
+
+@pytest.mark.parametrize("large", [False, True])  # every tensor read back (the bump in the check), or one by torch
+def test_an_in_process_restore_gives_the_same_bytes_and_bumps_with_the_native_check_or_without(tmp_path, native,
+                                                                                               large):
+    def state() -> dict:
+        g = torch.Generator().manual_seed(1)
+        s = {f"t{i}": torch.rand(1 + i % 37, generator=g) for i in range(3 * span_write._BATCH + 5)}
+        if large:
+            s["big"] = torch.rand(span_write.SMALL_NBYTES // 4 + 3, generator=g)
+        return s
+    runs = {}
+    for with_native in (True, False):
+        found, bumps, saved, live = _restore(tmp_path, state(), with_native)
+        by_file, read, spans, bumped = found
+        assert by_file and read == spans > 0
+        assert bumped == (with_native and not large)
+        for k, v in live.items():
+            assert torch.equal(v, saved[k]), k
+        runs[with_native] = bumps
+    assert runs[True] == runs[False] and all(runs[True].values())
+
+
+def test_a_restore_into_tensors_of_another_dtype_shape_or_memory_goes_as_without_the_native_check(tmp_path, native):
+    def state() -> dict:
+        g = torch.Generator().manual_seed(2)
+        return {f"t{i}": torch.rand(2 + i % 5, generator=g) for i in range(40)}
+    changes = {
+        "dtype": lambda s: {**s, "t3": s["t3"].double()},
+        "shape": lambda s: {**s, "t3": s["t3"].resize_(s["t3"].numel() - 1)},
+        "strides": lambda s: {**s, "t3": torch.rand(2, s["t3"].numel()).t()[:, 0]},
+        "memory": lambda s: {k: v.clone() for k, v in s.items()},
+    }
+    for name, change in changes.items():
+        got = []
+        for with_native in (True, False):
+            found, bumps, saved, live = _restore(tmp_path, state(), with_native, change)
+            got.append((found and found[:3], bumps))
+            if found is not None:
+                assert all(torch.equal(v, saved[k].to(v.dtype)) for k, v in live.items()), name
+        assert got[0] == got[1], name
+
+
+def test_without_a_built_library_or_with_the_knob_off_the_python_path_runs(tmp_path, monkeypatch):
+    assert _native.load(str(tmp_path)) is None  # nothing built there: nothing compiled either
+    assert not any(tmp_path.iterdir())
+    path = _native.library_path(str(tmp_path))
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(b"not a library")
+    assert _native.load(str(tmp_path)) is None
+    real = _native.load
+    monkeypatch.setattr(layout_check._native, "load", lambda: real(str(tmp_path)))
+    ts = _tensors()
+    r = Recheck(ts, signature(ts))
+    assert r.table is None and not r.native_same(ts) and r.matches(ts)
+    assert not r.matches(ts[:1] + ts[:1] + ts[2:])
+    monkeypatch.setenv("SNAPCKPT_NATIVE", "0")
+    assert real() is None
+    monkeypatch.setenv("SNAPCKPT_NATIVE", "2")
+    with pytest.raises(ValueError, match="SNAPCKPT_NATIVE"):
+        real()
