@@ -87,6 +87,12 @@ def build(directory: Optional[str] = None, compiler: Optional[str] = None) -> st
         r = subprocess.run([cxx, _SOURCE, "-o", tmp, *_flags()], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"building {_SOURCE} failed ({cxx}, exit {r.returncode}):\n{r.stderr[-4000:]}")
+        # its view of a tensor object is checked in a child first: a torch that lays tensors out otherwise could
+        # crash the process that reads them, and that must never be a training process
+        r = subprocess.run([sys.executable, "-m", "snapckpt._native", "probe", tmp], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"the library built from {_SOURCE} failed its check against torch {torch.__version__} "
+                               f"(exit {r.returncode}; not installed, snapckpt runs without):\n{r.stderr[-2000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -105,6 +111,15 @@ def _probe(mod: ModuleType) -> bool:
             and mod.check(ts[::-1], table, None, False) == -1)
 
 
+def _import(path: str) -> ModuleType:
+    """The extension module in the file ``path`` (any name: :func:`build` checks it under a temporary one)."""
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, path)
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    loader.exec_module(mod)
+    return mod
+
+
 def load(directory: Optional[str] = None) -> Optional[ModuleType]:
     """The built native loops, or ``None`` (``SNAPCKPT_NATIVE=0``, not built for this torch and source, or failing
     its check): never compiles. Cached per directory for the process.
@@ -121,9 +136,7 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
         mod = None
         if os.path.exists(path):
             try:
-                spec = importlib.util.spec_from_file_location(MODULE, path)
-                mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-                spec.loader.exec_module(mod)  # type: ignore[union-attr]
+                mod = _import(path)
                 if not _probe(mod):
                     mod = None
             except (ImportError, OSError):
@@ -135,6 +148,8 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m snapckpt._native build [DIR]``: build (or find built) the native loops; prints the path."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "probe":  # build()'s check of a library just built, in a child process
+        return 0 if _probe(_import(args[1])) else 3
     if not args or args[0] != "build":
         print("usage: python -m snapckpt._native build [DIR]", file=sys.stderr)
         return 2
