@@ -57,9 +57,10 @@ def test_a_commit_waiting_for_a_rank_that_never_handed_over_fails_when_the_persi
 def test_a_save_whose_parts_are_all_handed_over_still_commits_after_the_stop(tmp_path, parts):
     ckpt = str(tmp_path)
     sched, run = _node(ckpt)
-    sched.stop_accepting()
-    _hand_over(sched, run, ckpt, 0)
-    _hand_over(sched, run, ckpt, 1)
+    with sched.lock:  # both parts in hand before the stop (after it, no part is handed over any more)
+        _hand_over(sched, run, ckpt, 0)
+        _hand_over(sched, run, ckpt, 1)
+    sched.stop_accepting()  # their writers and the commit may still be running
     res = sched.results[(RUN, STEP, f"step_{STEP}")]
     assert wait_until(lambda: res.state != "pending", timeout=30), res
     assert res.state == "committed", res
