@@ -74,6 +74,9 @@ KEEP_ENDED = 64
 # saves whose committer's abort notices are kept before this node has their record (Scheduler.aborts_ahead), the
 # newest ones: a save whose local ranks never come (the run ended) is forgotten after as many others
 AHEAD_KEPT = 4 * KEEP_ENDED
+# saves whose newest generation is remembered once their records were pruned (Scheduler.pruned_gens), the newest ones:
+# a save of such a step again counts on from it, as a node that still holds the record does
+PRUNED_GENS_KEPT = 16384
 
 
 class _CommitOver(CommitError):
@@ -170,6 +173,10 @@ class Scheduler:
         # notices about a generation of it this node has no record of yet (its local ranks come later: another rank
         # skipped the save, and the committer ended it at once). Its record takes them when made (_aborted_ahead)
         self.aborts_ahead: Dict[SaveKey, Dict[int, Tuple[Optional[Dict[str, Any]], bool]]] = {}
+        # save -> the generation of its newest record when _prune dropped it (the newest PRUNED_GENS_KEPT): a save of
+        # it again is the next generation here too, as on a node that still holds the record (the part markers and
+        # notices name the save by it: a node that started again at 1 made them disagree)
+        self.pruned_gens: Dict[SaveKey, int] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
         # wakes _wait_for_directory (_notify_ended)
         self.ended = threading.Condition(lock)
@@ -260,6 +267,8 @@ class Scheduler:
         if old is not None:
             self.results.push(key, Result(gen=old.gen + 1, flush=True))
             self.results.keep_older(key, lambda r: r.awaiting_removal)
+        else:  # (its markers say "flush": no commit takes them for a failed save's, whatever its generation)
+            self._record(key).flush = True
 
     def _in_flight(self, key: SaveKey, res: Result) -> bool:
         """Whether save ``key`` (record ``res``) is in flight here: a writer of it runs, or its commit started
@@ -314,10 +323,11 @@ class Scheduler:
         self._notify_ended()
 
     def _record(self, key: SaveKey) -> Result:
-        """The record of save ``key``, made (generation 1) if there is none (called with the lock)."""
+        """The record of save ``key``, made if there is none (called with the lock): generation 1, or the one after
+        its pruned records' (:attr:`pruned_gens`)."""
         res = self.results.get(key)
         if res is None:
-            res = self.results[key] = self._aborted_ahead(key, Result())
+            res = self.results[key] = self._aborted_ahead(key, Result(gen=self.pruned_gens.pop(key, 0) + 1))
         return res
 
     def _abort_ahead(self, key: SaveKey, gen: int, error: Optional[Dict[str, Any]], removed: bool) -> None:
@@ -353,11 +363,11 @@ class Scheduler:
         still in flight or with a call after its end (:meth:`when_over`), one any record of which (its earlier
         generations too) is :meth:`_needed` (an untold rank's handle asks again: a missing record would answer
         ``held`` or ``unknown``), and on another node than the committer's, a failed one whose abort notice has
-        not come (it names the save's generation, at which a save of the step again after a prune would start
-        again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
-        (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
-        holds its record counts on from it: their notices about that save then do not match, and its commit
-        path waits on its filesystem reads, as for a lost notice). Runs every ``KEEP_ENDED`` records or more
+        not come (its notice names the save's generation). A pruned save is then as one never asked for: a late peer
+        notice about it is dropped (:meth:`on_notice`), and a save of its step again is a new save, of the generation
+        after the pruned one's (:attr:`pruned_gens`), as on a node that still holds its record: the nodes' notices
+        and part markers about it name it alike (a node that started again at 1 made the notices miss, so that its
+        commit path waited on its filesystem reads, and its part markers look like an earlier save's). Runs every ``KEEP_ENDED`` records or more
         (the next run waits until as many new ones came as were kept), so its cost per record stays O(1)
         amortized; a run holds at most ``2 * KEEP_ENDED`` records plus those kept above."""
         mine = self.results.by_run.get(run.run_id)
@@ -372,8 +382,11 @@ class Scheduler:
                 continue
             if any(self._needed(r, run) for r in self.results.records(key)):
                 continue
+            self.pruned_gens[key] = res.gen
             del self.results[key]
             self.commits_started.discard(key)
+        while len(self.pruned_gens) > PRUNED_GENS_KEPT:
+            del self.pruned_gens[next(iter(self.pruned_gens))]
         self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
     # ------------------------------------------------------------------------------------ requests
@@ -589,7 +602,7 @@ class Scheduler:
             # ranks on other nodes learn it from a failure marker (none once the commit is over: see _commit_over)
             partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
             write_failure_marker(open_storage(fsync=run.fsync), partial, rank=rank, run_id=run.run_id,
-                                 step=step, exc=P.error_from_record(rec))
+                                 step=step, exc=P.error_from_record(rec), gen=res.gen)
             self.part_done(run.run_id, step, dirname, [rank], res.gen)
         if key not in self.commits_started:
             self._start_commit(key, run, res, "", "", None)
@@ -626,7 +639,8 @@ class Scheduler:
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
                             wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir),
                             committed_notice=self._committed_notice(key) if self.notices is not None else None,
-                            own_parts=None if run.committer else self._own_parts(res))
+                            own_parts=None if run.committer else self._own_parts(res),
+                            gen=res.gen, failed_gens=None if run.remote_only else self._failed_gens(key))
         self.pending += 1
         self.commit_pool.submit(self._commit_task, req, run, self.commit_seq)
 
@@ -673,7 +687,7 @@ class Scheduler:
         with self.lock:
             key = (run_id, step, dirname)
             res = self.results.find(key, gen)
-            if res is None and aborted and getattr(self.results.get(key), "gen", 0) < gen:
+            if res is None and aborted and getattr(self.results.get(key), "gen", self.pruned_gens.get(key, 0)) < gen:
                 self._abort_ahead(key, gen, error, removed)  # a save this node's ranks have not handed over yet
             if res is not None:
                 res.notices += 1
@@ -766,6 +780,16 @@ class Scheduler:
 
         return failure
 
+    def _failed_gens(self, key: SaveKey) -> Callable[[], Set[int]]:
+        """For the commit of ``key`` (its newest save's, now): the generations of the earlier saves of ``key`` held
+        here that failed (a part marker of one of them is stale: :func:`~snapckpt.persister.commit.collect_parts`)."""
+
+        def failed() -> Set[int]:
+            with self.lock:
+                return {r.gen for r in self.results.records(key) if r.gen > 0 and r.state == "failed"}
+
+        return failed
+
     def _own_parts(self, res: Result) -> Callable[[], Optional[Dict[int, Dict[str, Tuple[int, str]]]]]:
         """For the watch of ``res``'s commit: the files of the parts this node wrote for it, ``None`` while a
         local rank's part of it has not ended (its commit cannot have happened yet). A manifest of the same run
@@ -847,6 +871,8 @@ class Scheduler:
                 self._wait_for_directory(run, key, f"rank {rank}'s part")
                 with self.lock:
                     over = self._commit_over(run, key)
+                    mine = self.results.get(key)  # (this part's record: a save in flight is never replaced)
+                    gen, flush = (mine.gen, mine.flush) if mine is not None else (None, False)
                 if over:  # never re-create the partial directory the committer deleted (or is deleting)
                     raise _CommitOver(f"step {step}: the commit of {dirname} already failed (see rank 0's error); "
                                       f"rank {rank}'s part of it is not written")
@@ -856,7 +882,7 @@ class Scheduler:
                 else:
                     written = write_part_data(storage, buf, index, partial, rank=rank, run_id=run.run_id,
                                               step=step, on_data_read=data_read,
-                                              gate=stream.wait if stream is not None else None)
+                                              gate=stream.wait if stream is not None else None, gen=gen, flush=flush)
                 stages["data"] = time.monotonic() - t0
             finally:
                 if stream is not None:
@@ -912,10 +938,12 @@ class Scheduler:
                 log.error("rank %d step %d: writing the part failed: %s", rank, step, exc)
                 self.failed = True
                 with self.lock:  # recorded before the marker: the commit it ends must not win the race
-                    self.results[key].part_errors[rank] = P.error_record(exc)
+                    mine = self.results[key]
+                    mine.part_errors[rank] = P.error_record(exc)
                     over = self._commit_over(run, key)
                 if storage is not None and not over:  # remote-only: one node, its commit reads part_errors
-                    write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=exc)
+                    write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=exc,
+                                         gen=mine.gen)
         finally:
             with self.lock:
                 if stream is not None:
