@@ -266,8 +266,9 @@ class Saver:
             # (direct tensors are CPU tensors): Prepared.copies would make a view per tensor on every save
             m = self._maps.get(slot, reply["path"], reply["nbytes"], usable=reply.get("usable"),
                                wait_prefault=not self._options.overlap or has_cuda_sources(prepared.span_copies))
-        except BaseException:
+        except BaseException as e:
             self._abort(slot)
+            self._copy_failed(step, storage_type, dirname, e)
             raise
         job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
                        tracker_content if tracker_name else "", t0, t1, t2, started)
@@ -301,7 +302,7 @@ class Saver:
             self._fail_for_every_rank(step, dirname, err)
             raise err
 
-    def _fail_for_every_rank(self, step: int, dirname: str, err: SnapckptError) -> None:
+    def _fail_for_every_rank(self, step: int, dirname: str, err: BaseException) -> None:
         """Tell the persister that this rank's save of ``(step, dirname)`` ends with ``err`` before it (a refused
         preflight, a skip): the other ranks' saves of it end at once with this cause, not at the commit timeout,
         and it counts as this rank's save of it. A dead or hung persister is only logged: the next save's requests
@@ -311,6 +312,18 @@ class Saver:
         except SnapckptError as e:
             log.warning("rank %d: could not tell the persister that step %d ends with %s: %s", self._rank, step,
                         type(err).__name__, e)
+
+    def _copy_failed(self, step: int, storage_type: StorageType, dirname: str, exc: BaseException) -> None:
+        """A snapshot copy failed before its slot was handed over (its slot aborted): a DISK save tells the persister
+        (``fail``, :meth:`_fail_for_every_rank`), so that the other ranks' saves of ``(step, dirname)`` end at once
+        with this cause, not at the commit timeout, and this rank's next save of them pairs with the others' next
+        one: it counts as this rank's save of them, as a skip does. Without it, that next part was taken for this
+        rank's part of the save it failed (written into it beside the others' older snapshots, or, that save over,
+        dropped as a late part of it while the others' next save waited for it). A streamed part's writer already
+        fails the part on the abort (the persister takes this ``fail`` as that save's: ``Scheduler.fail_part``).
+        An interrupt (not an ``Exception``) tells nothing."""
+        if storage_type == StorageType.DISK and isinstance(exc, Exception):
+            self._fail_for_every_rank(step, dirname, exc)
 
     def _copy(self, job: _CopyJob) -> SaveHandle:
         """Copy ``job``'s snapshot into its slot: now, or on the copy thread until the next fence."""
@@ -331,14 +344,16 @@ class Saver:
                     self.cuda = CudaCopier(self._options.cuda_copy_piece_nbytes if self._options.overlap else 0)
                 m.cuda = self.cuda
                 device_done = self.cuda.start(prepared.span_copies, m.tensor)
-            except BaseException:
+            except BaseException as e:
                 self._abort(slot, sync_cuda=True)
+                self._copy_failed(step, storage_type, job.dirname, e)
                 raise
         try:
             if device_done is None:
                 self._stream(job)
-        except BaseException:
+        except BaseException as e:
             self._abort(slot)
+            self._copy_failed(step, storage_type, job.dirname, e)
             raise
         if self._options.overlap:
             # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
@@ -353,8 +368,9 @@ class Saver:
             return job.handle
         try:
             Stager.copy_into(prepared, m.tensor, m.buf, device_done)
-        except BaseException:
+        except BaseException as e:
             self._abort(slot, sync_cuda=device_done is not None)
+            self._copy_failed(step, storage_type, job.dirname, e)
             raise
         return self._copied(job)
 
@@ -570,6 +586,7 @@ class Saver:
             t_copy = job.future.result()
         except BaseException as e:
             self._abort(job.slot, device_done=job.device_done)
+            self._copy_failed(job.step, job.storage_type, job.dirname, e)
             job.handle.fail(e)
             job.handle.mark_reported()
             raise

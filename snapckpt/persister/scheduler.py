@@ -576,11 +576,19 @@ class Scheduler:
         It is the rank's next save of them, as a part handed over would be (:meth:`persist`): a rank that took
         part in the newest save of them here fails the save after it (once that one is over here, if it is not
         yet); a rank behind (:meth:`_behind`) fails its part of the earlier save that already ended without it.
-        So a rank that skips a save of a step saved again counts that save like every other rank."""
+        So a rank that skips a save of a step saved again counts that save like every other rank. A rank whose
+        snapshot copy failed (:meth:`~snapckpt.engine.saver.Saver._copy_failed`) after it started streaming its part of
+        the newest save here is that save's failure already (its cancelled stream fails the part): nothing more."""
         key = (run.run_id, step, dirname)
         with self.lock:
             self._prune(run)  # (before: never this save's own record, which its commit below needs)
             res = self.results.get(key)
+            st = res.streams.get(rank) if res is not None else None
+            if st is not None and st.seq is None and rank not in res.rank_seq:
+                # its streamed part of that save, whose copy failed (Saver._copy_failed): the abort cancelled the
+                # stream, and its writer fails the part (a marker, the commit ends): this is that save's failure
+                res.told.add(rank)
+                return
             if res is not None and rank in res.participants():  # its save of them again
                 if self._in_flight(key, res):  # starts once that save is over here (as persist() defers)
                     self.when_over(key, lambda: self.fail_part(rank, run, step, dirname, rec))
