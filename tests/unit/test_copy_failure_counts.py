@@ -1,5 +1,5 @@
-"""A rank whose snapshot copy of a DISK save fails (before its slot is handed over) tells the persister (``fail``,
-``Saver._copy_failed``): the save counts as this rank's save of ``(step, dirname)``, so the other ranks' save of it
+"""A rank whose DISK save fails before its snapshot is handed over (its snapshot copy, no slot freed in time, the
+free-space preflight...) tells the persister (``fail``, ``Saver._save_failed``): the save counts as this rank's save of ``(step, dirname)``, so the other ranks' save of it
 ends at once with the cause, and the rank's next save of them pairs with the others' next one. Before, only the
 slot was aborted: the persister never heard of that save from this rank, and took the rank's next snapshot of the
 step for its part of the failed save (written beside the other ranks' older snapshots while that save was in
@@ -15,6 +15,7 @@ from _sched_rig import node
 
 from snapckpt import StorageType
 from snapckpt.engine import saver as S
+from snapckpt.errors import PersisterTimeoutError, SlotBusyError
 from snapckpt.persister.scheduler import Result
 from snapckpt.persister.stream import Stream
 
@@ -72,6 +73,42 @@ def test_a_memory_snapshots_failed_copy_tells_only_the_abort():
     with pytest.raises(RuntimeError):
         sv.fence()
     assert [op for op, _ in sv._session.requests] == ["abort"]
+
+
+def _saver_failing_at_acquire(exc: BaseException):
+    """A Saver whose slot request fails with ``exc`` (its preparation stubbed)."""
+    sv = S.Saver.__new__(S.Saver)
+    sv._session, sv._rank = _Session(), 1
+    sv._handles, sv._claimed, sv._other_world, sv._local = [], True, {}, False
+    sv._checkpoint_dir = "/nonexistent/ckpt"
+
+    class _Prepared:
+        total_nbytes = 64
+
+    class _Stager:
+        def prepare(self, *a, **k):
+            return _Prepared()
+
+    def acquire(*a):
+        raise exc
+
+    sv.fence, sv._stager, sv._acquire = (lambda: None), _Stager(), acquire
+    return sv
+
+
+@pytest.mark.parametrize("storage_type, exc, told", [
+    (StorageType.DISK, SlotBusyError("rank 1: no arena slot freed within 60 s for step 7"), True),
+    (StorageType.DISK, PersisterTimeoutError("the persister did not answer"), False),  # (it would not answer again)
+    (StorageType.MEMORY, SlotBusyError("rank 1: no arena slot freed within 60 s for step 7"), False)],
+    ids=["disk_slot_busy", "disk_persister_hung", "memory"])
+def test_a_save_that_fails_before_its_copy_is_told_to_the_persister(storage_type, exc, told):
+    """Rank 1 waited for a free slot in vain (``on_slot_busy="wait"``): a DISK save tells the persister, as a skip
+    does; a hung persister is not asked again, and a MEMORY snapshot is the rank's alone."""
+    sv = _saver_failing_at_acquire(exc)
+    with pytest.raises(type(exc)):
+        sv.save_files({}, 7, storage_type, dirname="best", tracker_name="latest")
+    want = [("fail", {"step": 7, "dirname": "best", "type": type(exc).__name__, "message": str(exc)})] if told else []
+    assert sv._session.requests == want
 
 
 def test_the_fail_after_a_cancelled_streamed_part_is_that_saves_failure(tmp_path):
