@@ -46,7 +46,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.slot_index import read_index, read_index_at
 from snapckpt.errors import CommitError, PersisterError, SaveSkippedError
-from snapckpt.ondisk.manifest import CHECKSUM, SIDECAR, partial_dirname
+from snapckpt.ondisk.manifest import (CHECKSUM, SIDECAR, fail_marker_name, part_marker_name, partial_dirname,
+                                     validate_file_name)
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, retire_after_answer, watch_commit
@@ -1100,16 +1101,16 @@ class Scheduler:
         notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
         that deletion. It ends on the committer's ``removed`` notice of that save's generation (``res.removed``;
         ``res`` may be an earlier record of ``key`` by then, held while it waits: :meth:`on_notice`); a lost
-        notice: on the directory seen gone, or holding a marker of another step of the run (a later save, which
-        waited for the deletion, re-created it; a directory being deleted may show no marker, never another
-        step's), read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
+        notice: on the directory seen gone, or holding a marker of another save of the run (another step's, or a
+        later generation's of this step: a later save, which waited for the deletion, re-created it; a directory
+        being deleted may show no marker, never another save's), read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
         ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
         deadline = time.monotonic() + run.commit_timeout_secs
         reader = open_storage()
         try:
             while not res.removed.is_set():
-                steps = _marker_steps(reader, partial, run.run_id)
-                if steps is None or steps - {key[1]}:
+                saves = _marker_saves(reader, partial, run.run_id)
+                if saves is None or any(step != key[1] or (gen or 0) > res.gen for step, gen in saves):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -1117,10 +1118,45 @@ class Scheduler:
                                 key[1], partial, run.commit_timeout_secs, key[2])
                     break
                 res.removed.wait(min(BACKSTOP_SECS, left))
+            self._remove_stale_parts(reader, res, key, partial)
         finally:
             with self.lock:
                 res.awaiting_removal = False
             self._deletion_ended(run, key, done)
+
+    def _remove_stale_parts(self, reader, res: Result, key: SaveKey, partial: str) -> None:
+        """Another node than the committer's, once the committer's deletion of failed save ``res``'s partial
+        directory is known ended (or given up on, :meth:`_await_removal_task`): delete what this node's parts of that
+        save wrote there after it (a
+        writer that started before this node heard of the abort re-created the directory: its files and marker would
+        stay until the job's next start). Only the files that this node's own markers of that save (its generation)
+        list, then those markers: a later save of the directory may have re-created it meanwhile (its markers name
+        another generation; this node's own next parts wait for this task: ``discarding``). The emptied directories
+        stay: removing one could pull it from under another node's writer between its ``makedirs`` and its files.
+        Never raises (what cannot be deleted stays until the next start, :func:`recover_interrupted_commits`)."""
+        with self.lock:
+            ranks = sorted(set(res.parts_done) | set(res.part_errors))
+        gone = []
+        for rank in ranks:
+            for marker in (part_marker_name(rank), fail_marker_name(rank)):
+                path = os.path.join(partial, marker)
+                try:
+                    rec = json.loads(reader.read_bytes(path))
+                except (OSError, ValueError):
+                    continue  # none (the usual case: written before the deletion, deleted with it)
+                if not (isinstance(rec, dict) and rec.get("run_id") == key[0] and rec.get("step") == key[1]
+                        and rec.get("gen") == res.gen):
+                    continue
+                files = rec.get("files") if isinstance(rec.get("files"), dict) else {}
+                for name in [*files, marker]:
+                    try:
+                        os.unlink(os.path.join(partial, validate_file_name(name) if name != marker else name))
+                        gone.append(name)
+                    except (OSError, ValueError):
+                        pass
+        if gone:
+            log.info("step %d: removed %s from %s: parts of the failed save %d written after the committer deleted "
+                     "its partial directory", key[1], ", ".join(gone), partial, res.gen)
 
     def _deletion_ended(self, run: Run, key: SaveKey, done: threading.Event) -> None:
         """The deletion ``done`` of save ``key``'s partial directory ended (or, on another node, is known to
@@ -1241,9 +1277,10 @@ def _partial(run: Run, dirname: str) -> str:
     return os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
 
 
-def _marker_steps(reader, partial: str, run_id: str) -> Optional[Set[int]]:
-    """The steps of run ``run_id`` whose part or failure markers the partial directory ``partial`` holds
-    (``None``: it is gone; what cannot be read counts as nothing)."""
+def _marker_saves(reader, partial: str, run_id: str) -> Optional[Set[Tuple[int, Optional[int]]]]:
+    """``(step, generation)`` of the saves of run ``run_id`` whose part or failure markers the partial directory
+    ``partial`` holds (generation ``None``: the marker names none; ``None``: the directory is gone; what cannot be
+    read counts as nothing)."""
     side = os.path.join(partial, SIDECAR)
     try:
         if not reader.isdir(partial):
@@ -1251,15 +1288,16 @@ def _marker_steps(reader, partial: str, run_id: str) -> Optional[Set[int]]:
         names = [n for n in reader.listdir(side) if n.endswith(".json") and n.startswith(("part_", "fail_"))]
     except OSError:
         return set()
-    steps: Set[int] = set()
+    saves: Set[Tuple[int, Optional[int]]] = set()
     for name in names:
         try:
             rec = json.loads(reader.read_bytes(os.path.join(side, name)))
         except (OSError, ValueError):
             continue
         if isinstance(rec, dict) and rec.get("run_id") == run_id and isinstance(rec.get("step"), int):
-            steps.add(rec["step"])
-    return steps
+            gen = rec.get("gen")
+            saves.add((rec["step"], gen if isinstance(gen, int) else None))
+    return saves
 
 
 def _slot_map(s: Slot):

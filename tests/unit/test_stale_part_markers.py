@@ -159,3 +159,27 @@ def test_a_crash_flush_of_a_step_this_node_never_saved_marks_its_parts_as_a_flus
         sched.forget(KEY)
     assert sched.results[KEY].flush and sched.results[KEY].gen == 1
     assert sched_mod.PRUNED_GENS_KEPT > 2 * KEEP_ENDED
+
+
+def test_another_node_removes_its_parts_written_after_the_committer_deleted_the_directory(tmp_path):
+    """Node 1 (ranks 2 and 3 of 4): its writer of rank 2's part of save 1 started before the committer's abort came
+    and wrote the part after the committer had deleted the partial directory; rank 3's failure marker came late
+    too. Node 0's part of save 2 is already there. Once node 1 hears that the committer's deletion ended, it
+    deletes its own parts of save 1 (files and markers) and nothing else. Before: they stayed until the next start
+    of the job."""
+    ckpt = str(tmp_path)
+    sched, run = node(RUN, ckpt, committer=False, world_size=4, local_ranks=(2, 3))
+    partial = os.path.join(ckpt, partial_dirname(TAG, RUN))
+    _marker_part(ckpt, 2, 2, gen=1)
+    write_failure_marker(PosixStorage(fsync=False), partial, rank=3, run_id=RUN, step=STEP, exc=OSError(5, "x"),
+                         gen=1)
+    _marker_part(ckpt, 0, 0, gen=2)
+    with sched.lock:
+        res = sched.results[KEY] = Result(state="failed", parts_done={2}, part_errors={3: {"type": "OSError",
+                                                                                          "message": "x"}})
+        sched.commits_started.add(KEY)
+        sched._remove_failed_partial(run, res, KEY)
+    sched.on_notice(*KEY, 1, aborted=True, removed=True)
+    assert wait_until(lambda: not sched.discarding and not res.awaiting_removal, timeout=30)
+    left = sorted(os.path.relpath(os.path.join(d, f), partial) for d, _, fs in os.walk(partial) for f in fs)
+    assert left == [".snapckpt/part_00000.json", "rank0.bin"], left
