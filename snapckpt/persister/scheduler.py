@@ -364,13 +364,14 @@ class Scheduler:
         still in flight or with a call after its end (:meth:`when_over`), one any record of which (its earlier
         generations too) is :meth:`_needed` (an untold rank's handle asks again: a missing record would answer
         ``held`` or ``unknown``), and on another node than the committer's, a failed one whose abort notice has
-        not come (its notice names the save's generation). A pruned save is then as one never asked for: a late peer
-        notice about it is dropped (:meth:`on_notice`), and a save of its step again is a new save, of the generation
-        after the pruned one's (:attr:`pruned_gens`), as on a node that still holds its record: the nodes' notices
-        and part markers about it name it alike (a node that started again at 1 made the notices miss, so that its
-        commit path waited on its filesystem reads, and its part markers look like an earlier save's). Runs every ``KEEP_ENDED`` records or more
-        (the next run waits until as many new ones came as were kept), so its cost per record stays O(1)
-        amortized; a run holds at most ``2 * KEEP_ENDED`` records plus those kept above."""
+        not come (its notice names the save's generation). A pruned save is then as one never asked for: a late
+        peer notice about it is dropped (:meth:`on_notice`), and a save of its step again is a new save, of the
+        generation after the pruned one's (:attr:`pruned_gens`), as on a node that still holds its record: the nodes'
+        notices and part markers about it name it alike (a node that started again at 1 made the notices miss, so
+        that its commit path waited on its filesystem reads, and its part markers looked like an earlier save's).
+        Runs every ``KEEP_ENDED`` records or more (the next run waits until as many new ones came as were kept),
+        so its cost per record stays O(1) amortized; a run holds at most ``2 * KEEP_ENDED`` records plus those kept
+        above."""
         mine = self.results.by_run.get(run.run_id)
         if mine is None or len(mine) < self.prune_at.get(run.run_id, 2 * KEEP_ENDED):
             return
@@ -578,15 +579,15 @@ class Scheduler:
         part in the newest save of them here fails the save after it (once that one is over here, if it is not
         yet); a rank behind (:meth:`_behind`) fails its part of the earlier save that already ended without it.
         So a rank that skips a save of a step saved again counts that save like every other rank. A rank whose
-        snapshot copy failed (:meth:`~snapckpt.engine.saver.Saver._copy_failed`) after it started streaming its part of
-        the newest save here is that save's failure already (its cancelled stream fails the part): nothing more."""
+        snapshot copy failed (:meth:`~snapckpt.engine.saver.Saver._save_failed`) after it started streaming its part
+        of the newest save here is that save's failure already (its cancelled stream fails the part): nothing more."""
         key = (run.run_id, step, dirname)
         with self.lock:
             self._prune(run)  # (before: never this save's own record, which its commit below needs)
             res = self.results.get(key)
             st = res.streams.get(rank) if res is not None else None
             if st is not None and st.seq is None and rank not in res.rank_seq:
-                # its streamed part of that save, whose copy failed (Saver._copy_failed): the abort cancelled the
+                # its streamed part of that save, whose copy failed (Saver._save_failed): the abort cancelled the
                 # stream, and its writer fails the part (a marker, the commit ends): this is that save's failure
                 res.told.add(rank)
                 return
@@ -696,7 +697,8 @@ class Scheduler:
         with self.lock:
             key = (run_id, step, dirname)
             res = self.results.find(key, gen)
-            if res is None and aborted and getattr(self.results.get(key), "gen", self.pruned_gens.get(key, 0)) < gen:
+            newest = getattr(self.results.get(key), "gen", self.pruned_gens.get(key, 0))  # (0: none yet)
+            if res is None and aborted and newest < gen:
                 self._abort_ahead(key, gen, error, removed)  # a save this node's ranks have not handed over yet
             if res is not None:
                 res.notices += 1
@@ -1103,8 +1105,10 @@ class Scheduler:
         ``res`` may be an earlier record of ``key`` by then, held while it waits: :meth:`on_notice`); a lost
         notice: on the directory seen gone, or holding a marker of another save of the run (another step's, or a
         later generation's of this step: a later save, which waited for the deletion, re-created it; a directory
-        being deleted may show no marker, never another save's), read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
-        ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
+        being deleted may show no marker, never another save's), read every
+        :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after ``run.commit_timeout_secs`` (a
+        committer that never deletes it: its node was lost). Then this node's own parts of that save written after
+        the deletion go (:meth:`_remove_stale_parts`)."""
         deadline = time.monotonic() + run.commit_timeout_secs
         reader = open_storage()
         try:

@@ -1,10 +1,11 @@
 """A rank whose DISK save fails before its snapshot is handed over (its snapshot copy, no slot freed in time, the
-free-space preflight...) tells the persister (``fail``, ``Saver._save_failed``): the save counts as this rank's save of ``(step, dirname)``, so the other ranks' save of it
-ends at once with the cause, and the rank's next save of them pairs with the others' next one. Before, only the
-slot was aborted: the persister never heard of that save from this rank, and took the rank's next snapshot of the
-step for its part of the failed save (written beside the other ranks' older snapshots while that save was in
-flight, or dropped as a late part of it once it was over, the others' next save then waiting for it until the
-commit timeout). Driven by a stub Saver (the copy's future fails) and the scheduler rig (tests/unit/_sched_rig.py).
+free-space preflight...) tells the persister (``fail``, ``Saver._save_failed``): the save counts as this rank's save
+of ``(step, dirname)``, so the other ranks' save of it ends at once with the cause, and the rank's next save of them
+pairs with the others' next one. Before, only the slot was aborted: the persister never heard of that save from this
+rank, and took the rank's next snapshot of the step for its part of the failed save (written beside the other ranks'
+older snapshots while that save was in flight, or dropped as a late part of it once it was over, the others' next
+save then waiting for it until the commit timeout). Driven by stub Savers and the scheduler rig
+(tests/unit/_sched_rig.py).
 """
 from __future__ import annotations
 
