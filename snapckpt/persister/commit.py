@@ -60,7 +60,7 @@ from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
 __all__ = ["CommitRequest", "commit", "retire_after_answer", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
-           "raise_local_failure", "BACKSTOP_SECS", "WATCH_GRACE_SECS", "NOTICE_GRACE_SECS"]
+           "raise_local_failure", "stale_marker", "BACKSTOP_SECS", "WATCH_GRACE_SECS", "NOTICE_GRACE_SECS"]
 
 log = logging.getLogger(__name__)
 BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake (a lost notice; seconds)
@@ -240,9 +240,16 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
 
 def _stale(rec: Dict[str, Any], req: CommitRequest) -> bool:
     """Whether marker ``rec`` (of ``req``'s run and step) is one of an earlier save of the step that failed."""
-    gen = rec.get("gen")
-    return (req.failed_gens is not None and isinstance(gen, int) and gen != req.gen and not rec.get("flush")
-            and gen in req.failed_gens())
+    return stale_marker(rec, req.gen, req.failed_gens)
+
+
+def stale_marker(rec: Dict[str, Any], gen: Optional[int], failed_gens: Optional[Callable[[], Set[int]]]) -> bool:
+    """Whether part or failure marker ``rec`` (of the save's run and step) is one of an earlier save of the step
+    that failed, for the save of generation ``gen``: it names another generation, among ``failed_gens()``, and is
+    not a crash flush's (``flush``). ``failed_gens`` ``None``: never."""
+    mgen = rec.get("gen")
+    return (failed_gens is not None and isinstance(mgen, int) and mgen != gen and not rec.get("flush")
+            and mgen in failed_gens())
 
 
 def raise_local_failure(req: CommitRequest) -> None:

@@ -120,6 +120,9 @@ class Result:
     abort_error: Optional[Dict[str, Any]] = None
     late: Set[int] = field(default_factory=set)  # local ranks whose snapshot came once it was over: not written
     flush: bool = False  # a crash flush's save (Scheduler.forget): its parts are the persister's, no rank is behind
+    # a crash flush's: the generations of the earlier saves of its step that failed here, whose records it dropped
+    # (Scheduler.forget); their part markers are stale for its commit (Scheduler._failed_gens)
+    failed_before: Set[int] = field(default_factory=set)
 
     def participants(self) -> Set[int]:
         """The local ranks that took part in this save: handed their snapshot over (or streamed it), or failed
@@ -266,7 +269,8 @@ class Scheduler:
         old = self.results.get(key)
         self.commits_started.discard(key)
         if old is not None:
-            self.results.push(key, Result(gen=old.gen + 1, flush=True))
+            failed = {g for r in self.results.records(key) for g in self._failed_of(r)}
+            self.results.push(key, Result(gen=old.gen + 1, flush=True, failed_before=failed))
             self.results.keep_older(key, lambda r: r.awaiting_removal)
         else:  # (its markers say "flush": no commit takes them for a failed save's, whatever its generation)
             self._record(key).flush = True
@@ -797,9 +801,14 @@ class Scheduler:
 
         def failed() -> Set[int]:
             with self.lock:
-                return {r.gen for r in self.results.records(key) if r.gen > 0 and r.state == "failed"}
+                return {g for r in self.results.records(key) for g in self._failed_of(r)}
 
         return failed
+
+    @staticmethod
+    def _failed_of(res: Result) -> Set[int]:
+        """The generations known failed by record ``res``: its own, if it failed, and those it dropped."""
+        return res.failed_before | ({res.gen} if res.gen > 0 and res.state == "failed" else set())
 
     def _own_parts(self, res: Result) -> Callable[[], Optional[Dict[int, Dict[str, Tuple[int, str]]]]]:
         """For the watch of ``res``'s commit: the files of the parts this node wrote for it, ``None`` while a

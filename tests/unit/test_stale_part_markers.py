@@ -183,3 +183,24 @@ def test_another_node_removes_its_parts_written_after_the_committer_deleted_the_
     assert wait_until(lambda: not sched.discarding and not res.awaiting_removal, timeout=30)
     left = sorted(os.path.relpath(os.path.join(d, f), partial) for d, _, fs in os.walk(partial) for f in fs)
     assert left == [".snapckpt/part_00000.json", "rank0.bin"], left
+
+
+def test_a_replica_stand_in_does_not_take_a_stale_marker_for_its_ranks_own_part(tmp_path):
+    """A node's crash flush stands in for rank 2 of a lost node from its replica unless rank 2's own node wrote its
+    part (``replica_flush._part_there``). A stale marker of the failed save 1 is not that part (the flush's commit
+    skips it: the stand-in must write); a flush's marker, or one without ``gen``, is."""
+    from snapckpt.persister.replica_flush import _part_there
+
+    ckpt = str(tmp_path)
+    sched, _ = node(RUN, ckpt, world_size=4)
+    with sched.lock:
+        sched.results[KEY] = Result(gen=1, state="failed")
+        sched.forget(KEY)  # the flush: save 2
+    marker = os.path.join(ckpt, partial_dirname(TAG, RUN), SIDECAR, "part_00002.json")
+    assert not _part_there(marker, sched, KEY)
+    _marker_part(ckpt, 2, 2, gen=1)
+    assert not _part_there(marker, sched, KEY)
+    _marker_part(ckpt, 2, 2, gen=1, flush=True)
+    assert _part_there(marker, sched, KEY)
+    _marker_part(ckpt, 2, 2)
+    assert _part_there(marker, sched, KEY)
