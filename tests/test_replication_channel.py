@@ -315,10 +315,10 @@ def test_a_peer_persister_of_another_snapckpt_version_is_refused_naming_both_ver
     ChannelError."""
     from snapckpt.persister.commit_notices import CommitNotices
 
-    assert channel.MAGIC == b"SNAPCKPT-PEER2\n" and channel.PEER_PROTOCOL == 2
+    assert channel.MAGIC == b"SNAPCKPT-PEER3\n" and channel.PEER_PROTOCOL == 3
     port, received = _greeter(b"SNAPCKPT-PEER1\n")
     with pytest.raises(channel.PeerVersionError,
-                       match=r"peer protocol 1, this one 2: the job's nodes run different snapckpt versions"):
+                       match=r"peer protocol 1, this one 3: the job's nodes run different snapckpt versions"):
         channel.connect("127.0.0.1", port, RUN, SECRET)
     assert received == []  # not even the run id
     port, _ = _greeter(b"HTTP/1.1 400 \r\n")
@@ -326,7 +326,7 @@ def test_a_peer_persister_of_another_snapckpt_version_is_refused_naming_both_ver
         channel.connect("127.0.0.1", port, RUN, SECRET)
     assert not isinstance(e.value, channel.PeerVersionError)
 
-    port, _ = _greeter(b"SNAPCKPT-PEER3\n")
+    port, _ = _greeter(b"SNAPCKPT-PEER2\n")
     caplog.set_level(logging.INFO, logger="snapckpt.persister")
     committer = CommitNotices({RUN: SECRET}.get, lambda *a: None)
     committer.configure(RUN, 0, 0, {0: ("127.0.0.1", 1), 1: ("127.0.0.1", port)})  # node 0 sends to node 1
@@ -337,4 +337,4 @@ def test_a_peer_persister_of_another_snapckpt_version_is_refused_naming_both_ver
     committer.shutdown()
     assert got == [False]
     lost = [r for r in caplog.records if "not delivered" in r.getMessage()]
-    assert [r.levelno for r in lost] == [logging.WARNING] and "peer protocol 3, this one 2" in lost[0].getMessage()
+    assert [r.levelno for r in lost] == [logging.WARNING] and "peer protocol 2, this one 3" in lost[0].getMessage()

@@ -38,7 +38,7 @@ from snapckpt.engine.session import CLOSED, PersisterSession
 from snapckpt.engine.slot_maps import MappedSlot, SlotMaps
 from snapckpt.engine.stager import Stager
 from snapckpt.errors import (CheckpointDirError, CheckpointerClosedError, InsufficientDiskError, SaveSkippedError,
-                             SlotBusyError, SnapckptError)
+                             PersisterDiedError, PersisterTimeoutError, SlotBusyError, SnapckptError)
 from snapckpt.events import Event, SaveStats, StorageType
 from snapckpt.metrics import summary_line
 from snapckpt.ondisk import dirclaim
@@ -251,11 +251,15 @@ class Saver:
             self._warn_replacing(step, storage_type, dirname, target)
         t0 = time.perf_counter()
         self.poll()
-        prepared = self._stager.prepare(files, step, check_weights_only=check_weights_only)
-        t1 = time.perf_counter()
-        if storage_type == StorageType.DISK and self._local:
-            self._check_free(step, dirname, prepared.total_nbytes)
-        reply = self._acquire(step, prepared.total_nbytes, storage_type)
+        try:  # (a failure from here on is this rank's alone, maybe: the other ranks are told, _save_failed)
+            prepared = self._stager.prepare(files, step, check_weights_only=check_weights_only)
+            t1 = time.perf_counter()
+            if storage_type == StorageType.DISK and self._local:
+                self._check_free(step, dirname, prepared.total_nbytes)
+            reply = self._acquire(step, prepared.total_nbytes, storage_type)
+        except Exception as e:
+            self._save_failed(step, storage_type, dirname, e)
+            raise
         t2 = time.perf_counter()
         if reply is None:
             return self._skip(step, storage_type, dirname)
@@ -266,8 +270,9 @@ class Saver:
             # (direct tensors are CPU tensors): Prepared.copies would make a view per tensor on every save
             m = self._maps.get(slot, reply["path"], reply["nbytes"], usable=reply.get("usable"),
                                wait_prefault=not self._options.overlap or has_cuda_sources(prepared.span_copies))
-        except BaseException:
+        except BaseException as e:
             self._abort(slot)
+            self._save_failed(step, storage_type, dirname, e)
             raise
         job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
                        tracker_content if tracker_name else "", t0, t1, t2, started)
@@ -290,20 +295,19 @@ class Saver:
         return handle
 
     def _check_free(self, step: int, dirname: str, nbytes: int) -> None:
-        """DISK: raise ``InsufficientDiskError`` (and fail this step for the other ranks at once) when
-        ``checkpoint_dir`` has less than ``nbytes`` free."""
+        """DISK: raise ``InsufficientDiskError`` when ``checkpoint_dir`` has less than ``nbytes`` free (the caller
+        fails this step for the other ranks at once: :meth:`_save_failed`)."""
         free = self._storage.free_bytes(self._checkpoint_dir)
         if free < nbytes:
             err = InsufficientDiskError(
                 f"{self._checkpoint_dir!r} has {free} bytes free; rank {self._rank}'s part of step {step} "
                 f"needs {nbytes}; free space or keep fewer checkpoints (keep_last; "
                 "save_total_limit under the Trainer); nothing was written")
-            self._fail_for_every_rank(step, dirname, err)
             raise err
 
-    def _fail_for_every_rank(self, step: int, dirname: str, err: SnapckptError) -> None:
-        """Tell the persister that this rank's save of ``(step, dirname)`` ends with ``err`` before it (a refused
-        preflight, a skip): the other ranks' saves of it end at once with this cause, not at the commit timeout,
+    def _fail_for_every_rank(self, step: int, dirname: str, err: BaseException) -> None:
+        """Tell the persister that this rank's save of ``(step, dirname)`` ends with ``err`` before it (a skip, or a
+        failure before the hand-over: :meth:`_save_failed`): the other ranks' saves of it end at once with this cause, not at the commit timeout,
         and it counts as this rank's save of it. A dead or hung persister is only logged: the next save's requests
         raise it."""
         try:
@@ -311,6 +315,21 @@ class Saver:
         except SnapckptError as e:
             log.warning("rank %d: could not tell the persister that step %d ends with %s: %s", self._rank, step,
                         type(err).__name__, e)
+
+    def _save_failed(self, step: int, storage_type: StorageType, dirname: str, exc: BaseException) -> None:
+        """This rank's save failed before its snapshot was handed over: its preparation, the free-space preflight,
+        the slot (no slot freed in time: ``SlotBusyError``; the host-memory budget), or the snapshot copy (its slot
+        aborted). A DISK save tells the persister (``fail``, :meth:`_fail_for_every_rank`), so that the other ranks'
+        saves of ``(step, dirname)`` end at once with this cause, not at the commit timeout, and this rank's next
+        save of them pairs with the others' next one: it counts as this rank's save of them, as a skip does.
+        Without it, that next part was taken for this rank's part of the save it failed (written into it beside the
+        others' older snapshots, or, that save over, dropped as a late part of it while the others' next save waited
+        for it). A streamed part's writer already fails the part on the abort (the persister takes this ``fail`` as
+        that save's: ``Scheduler.fail_part``). An interrupt (not an ``Exception``), or a persister that died or
+        does not answer (its requests would wait again), tells nothing."""
+        if (storage_type == StorageType.DISK and isinstance(exc, Exception)
+                and not isinstance(exc, (PersisterDiedError, PersisterTimeoutError))):
+            self._fail_for_every_rank(step, dirname, exc)
 
     def _copy(self, job: _CopyJob) -> SaveHandle:
         """Copy ``job``'s snapshot into its slot: now, or on the copy thread until the next fence."""
@@ -331,14 +350,16 @@ class Saver:
                     self.cuda = CudaCopier(self._options.cuda_copy_piece_nbytes if self._options.overlap else 0)
                 m.cuda = self.cuda
                 device_done = self.cuda.start(prepared.span_copies, m.tensor)
-            except BaseException:
+            except BaseException as e:
                 self._abort(slot, sync_cuda=True)
+                self._save_failed(step, storage_type, job.dirname, e)
                 raise
         try:
             if device_done is None:
                 self._stream(job)
-        except BaseException:
+        except BaseException as e:
             self._abort(slot)
+            self._save_failed(step, storage_type, job.dirname, e)
             raise
         if self._options.overlap:
             # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
@@ -353,8 +374,9 @@ class Saver:
             return job.handle
         try:
             Stager.copy_into(prepared, m.tensor, m.buf, device_done)
-        except BaseException:
+        except BaseException as e:
             self._abort(slot, sync_cuda=device_done is not None)
+            self._save_failed(step, storage_type, job.dirname, e)
             raise
         return self._copied(job)
 
@@ -570,6 +592,7 @@ class Saver:
             t_copy = job.future.result()
         except BaseException as e:
             self._abort(job.slot, device_done=job.device_done)
+            self._save_failed(job.step, job.storage_type, job.dirname, e)
             job.handle.fail(e)
             job.handle.mark_reported()
             raise

@@ -31,8 +31,10 @@ __all__ = ["AuthError", "ChannelError", "PeerVersionError", "PEER_PROTOCOL", "se
            "recv_payload_into", "send_payload", "CHUNK_NBYTES", "connect"]
 
 #: The peer channel's version: bumped whenever a frame's fields change meaning (2: commit notices carry the save's
-#: generation). Persisters of two versions cannot work together: a notice of one is misread by the other.
-PEER_PROTOCOL = 2
+#: generation; 3: that generation counts on past a node's pruned records, and the part markers that the committer's
+#: node reads name it, ``collect_parts``). Persisters of two versions cannot work together: a notice of one is
+#: misread by the other.
+PEER_PROTOCOL = 3
 _MAGIC_PREFIX = b"SNAPCKPT-PEER"
 MAGIC = _MAGIC_PREFIX + b"%d\n" % PEER_PROTOCOL  # the same length as version 1's for versions below 10
 _PREFIX = struct.Struct("!IQ")

@@ -60,7 +60,7 @@ from snapckpt.persister.protocol import error_from_record
 from snapckpt.persister.retention import apply_retention
 
 __all__ = ["CommitRequest", "commit", "retire_after_answer", "wait_for_parts", "watch_commit", "recover_interrupted_commits", "collect_parts",
-           "raise_local_failure", "BACKSTOP_SECS", "WATCH_GRACE_SECS", "NOTICE_GRACE_SECS"]
+           "raise_local_failure", "stale_marker", "BACKSTOP_SECS", "WATCH_GRACE_SECS", "NOTICE_GRACE_SECS"]
 
 log = logging.getLogger(__name__)
 BACKSTOP_SECS = 1.0  # a wait re-reads the filesystem this often without a wake (a lost notice; seconds)
@@ -105,7 +105,8 @@ class CommitRequest:
                  wake: Optional[threading.Event] = None,
                  in_flight: Optional[Callable[[], List[str]]] = None,
                  committed_notice: Optional[Callable[[], bool]] = None,
-                 own_parts: Optional[Callable[[], Optional[Dict[int, Dict[str, Tuple[int, str]]]]]] = None):
+                 own_parts: Optional[Callable[[], Optional[Dict[int, Dict[str, Tuple[int, str]]]]]] = None,
+                 gen: Optional[int] = None, failed_gens: Optional[Callable[[], Set[int]]] = None):
         self.checkpoint_dir = checkpoint_dir
         self.dirname = dirname
         self.step = step
@@ -143,6 +144,12 @@ class CommitRequest:
         # None while one has not ended; a manifest of the run and step that lists other files for those ranks is
         # an earlier save's of the step (a step saved again), not this one's. None: any manifest of it counts
         self.own_parts = own_parts
+        # which save of (run_id, step, dirname) this is (the scheduler's Result.gen; None: any), and failed_gens(): the
+        # generations of the step's earlier saves known failed here. A marker of such a save (a part written on
+        # another node after the committer had deleted the partial directory, before that node heard of the
+        # abort) is stale: not counted (collect_parts)
+        self.gen = gen
+        self.failed_gens = failed_gens
         # filesystem reads of the wait (listings of the partial directory, manifest reads) and wakes
         self.stats = {"listings": 0, "wakes": 0}
 
@@ -165,6 +172,11 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
     an earlier call (marker name -> file records), filled here: a wait lists the directory at each wake,
     and reads only the markers that are new (a part marker of a save is written once, by a rename), so
     the markers of N ranks cost N reads in all, not one per rank per wake.
+
+    A marker of an earlier save of the step that failed (its ``gen`` is in ``req.failed_gens()``, and it is not
+    a crash flush's) is stale (:func:`_stale`): skipped, and described in ``unreadable``; the rank's part of this
+    save replaces it (the same marker name). A marker without ``gen`` (remote-only parts, replica stand-ins)
+    counts for any save of its step.
 
     Raises:
         SaveSkippedError: a rank's failure marker says it skipped the save (no free slot).
@@ -195,6 +207,11 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
             unreadable.pop(path, None)
         if rec.get("run_id") != req.run_id or rec.get("step") != req.step:
             continue
+        if _stale(rec, req):
+            if unreadable is not None:  # (named by a timeout)
+                unreadable[path] = (f"a marker of save {rec['gen']} of step {req.step}, which failed (this is save "
+                                    f"{req.gen}): not counted")
+            continue
         rank = int(rest)
         if kind == "fail":
             err = rec.get("error")
@@ -219,6 +236,20 @@ def collect_parts(reader: StorageReader, req: CommitRequest, unreadable: Optiona
         if seen is not None:
             seen[name] = files
     return parts
+
+
+def _stale(rec: Dict[str, Any], req: CommitRequest) -> bool:
+    """Whether marker ``rec`` (of ``req``'s run and step) is one of an earlier save of the step that failed."""
+    return stale_marker(rec, req.gen, req.failed_gens)
+
+
+def stale_marker(rec: Dict[str, Any], gen: Optional[int], failed_gens: Optional[Callable[[], Set[int]]]) -> bool:
+    """Whether part or failure marker ``rec`` (of the save's run and step) is one of an earlier save of the step
+    that failed, for the save of generation ``gen``: it names another generation, among ``failed_gens()``, and is
+    not a crash flush's (``flush``). ``failed_gens`` ``None``: never."""
+    mgen = rec.get("gen")
+    return (failed_gens is not None and isinstance(mgen, int) and mgen != gen and not rec.get("flush")
+            and mgen in failed_gens())
 
 
 def raise_local_failure(req: CommitRequest) -> None:
@@ -312,7 +343,7 @@ def wait_for_parts(reader: StorageReader, req: CommitRequest, *, in_dir: Optiona
             raise CommitTimeoutError(
                 f"step {req.step}: ranks {missing} did not write their part{where} within "
                 f"{req.timeout_secs:g} s (save() is collective: every rank must call it for the same "
-                "step; or those ranks died)" + (f"; unreadable markers: {unreadable}" if unreadable else ""))
+                "step; or those ranks died)" + (f"; markers not counted: {unreadable}" if unreadable else ""))
         _wait(req, next_read)
 
 

@@ -25,11 +25,13 @@ import logging
 import os
 import threading
 import time
+from typing import Tuple
 
 import xxhash
 
 from snapckpt.ondisk.manifest import part_marker_name, partial_dirname
 from snapckpt.persister import peers
+from snapckpt.persister.commit import stale_marker
 from snapckpt.persister.arena import map_slot
 from snapckpt.persister.replication import Replica
 from snapckpt.persister.scheduler import Scheduler
@@ -74,7 +76,7 @@ def _wait_and_write(run: Run, rep: Replica, step: int, dirname: str, scheduler: 
     deadline = time.monotonic() + run.commit_timeout_secs
     try:
         while time.monotonic() < deadline:
-            if os.path.exists(marker):
+            if _part_there(marker, scheduler, (run.run_id, step, dirname)):
                 log.info("rank %d's own node wrote its part of step %d: the replica is not needed", rep.rank, step)
                 return
             with scheduler.lock:
@@ -94,6 +96,24 @@ def _wait_and_write(run: Run, rep: Replica, step: int, dirname: str, scheduler: 
     finally:
         with scheduler.lock:
             scheduler.pending -= 1
+
+
+def _part_there(marker: str, scheduler: Scheduler, key: Tuple[str, int, str]) -> bool:
+    """Whether the part marker ``marker`` is in the partial directory of the flush ``key`` and counts for its
+    commit: not a stale marker of an earlier failed save of the step (:func:`~snapckpt.persister.commit.stale_marker`:
+    a part written on its node after the committer had deleted the directory), which the commit skips. A marker
+    that cannot be read counts (it is renamed into place whole: being replaced, as before)."""
+    try:
+        with open(marker, "rb") as f:
+            rec = json.loads(f.read())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    with scheduler.lock:
+        res = scheduler.results.get(key)
+        gen = res.gen if res is not None else None
+    return not (isinstance(rec, dict) and stale_marker(rec, gen, scheduler._failed_gens(key)))
 
 
 def write_or_fail(run: Run, rep: Replica, step: int, partial: str, why: str) -> bool:

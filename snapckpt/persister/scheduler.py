@@ -46,7 +46,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from snapckpt._internal import faultpoints as faults
 from snapckpt.persister.slot_index import read_index, read_index_at
 from snapckpt.errors import CommitError, PersisterError, SaveSkippedError
-from snapckpt.ondisk.manifest import CHECKSUM, SIDECAR, partial_dirname
+from snapckpt.ondisk.manifest import (CHECKSUM, SIDECAR, fail_marker_name, part_marker_name, partial_dirname,
+                                     validate_file_name)
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotState, map_slot
 from snapckpt.persister.commit import BACKSTOP_SECS, CommitRequest, commit, retire_after_answer, watch_commit
@@ -74,6 +75,9 @@ KEEP_ENDED = 64
 # saves whose committer's abort notices are kept before this node has their record (Scheduler.aborts_ahead), the
 # newest ones: a save whose local ranks never come (the run ended) is forgotten after as many others
 AHEAD_KEPT = 4 * KEEP_ENDED
+# saves whose newest generation is remembered once their records were pruned (Scheduler.pruned_gens), the newest ones:
+# a save of such a step again counts on from it, as a node that still holds the record does
+PRUNED_GENS_KEPT = 16384
 
 
 class _CommitOver(CommitError):
@@ -116,6 +120,9 @@ class Result:
     abort_error: Optional[Dict[str, Any]] = None
     late: Set[int] = field(default_factory=set)  # local ranks whose snapshot came once it was over: not written
     flush: bool = False  # a crash flush's save (Scheduler.forget): its parts are the persister's, no rank is behind
+    # a crash flush's: the generations of the earlier saves of its step that failed here, whose records it dropped
+    # (Scheduler.forget); their part markers are stale for its commit (Scheduler._failed_gens)
+    failed_before: Set[int] = field(default_factory=set)
 
     def participants(self) -> Set[int]:
         """The local ranks that took part in this save: handed their snapshot over (or streamed it), or failed
@@ -170,6 +177,10 @@ class Scheduler:
         # notices about a generation of it this node has no record of yet (its local ranks come later: another rank
         # skipped the save, and the committer ended it at once). Its record takes them when made (_aborted_ahead)
         self.aborts_ahead: Dict[SaveKey, Dict[int, Tuple[Optional[Dict[str, Any]], bool]]] = {}
+        # save -> the generation of its newest record when _prune dropped it (the newest PRUNED_GENS_KEPT): a save of
+        # it again is the next generation here too, as on a node that still holds the record (the part markers and
+        # notices name the save by it: a node that started again at 1 made them disagree)
+        self.pruned_gens: Dict[SaveKey, int] = {}
         # notified (with the lock) when a save ended or its last writer did, or a deletion above ended:
         # wakes _wait_for_directory (_notify_ended)
         self.ended = threading.Condition(lock)
@@ -258,8 +269,11 @@ class Scheduler:
         old = self.results.get(key)
         self.commits_started.discard(key)
         if old is not None:
-            self.results.push(key, Result(gen=old.gen + 1, flush=True))
+            failed = {g for r in self.results.records(key) for g in self._failed_of(r)}
+            self.results.push(key, Result(gen=old.gen + 1, flush=True, failed_before=failed))
             self.results.keep_older(key, lambda r: r.awaiting_removal)
+        else:  # (its markers say "flush": no commit takes them for a failed save's, whatever its generation)
+            self._record(key).flush = True
 
     def _in_flight(self, key: SaveKey, res: Result) -> bool:
         """Whether save ``key`` (record ``res``) is in flight here: a writer of it runs, or its commit started
@@ -314,10 +328,11 @@ class Scheduler:
         self._notify_ended()
 
     def _record(self, key: SaveKey) -> Result:
-        """The record of save ``key``, made (generation 1) if there is none (called with the lock)."""
+        """The record of save ``key``, made if there is none (called with the lock): generation 1, or the one after
+        its pruned records' (:attr:`pruned_gens`)."""
         res = self.results.get(key)
         if res is None:
-            res = self.results[key] = self._aborted_ahead(key, Result())
+            res = self.results[key] = self._aborted_ahead(key, Result(gen=self.pruned_gens.pop(key, 0) + 1))
         return res
 
     def _abort_ahead(self, key: SaveKey, gen: int, error: Optional[Dict[str, Any]], removed: bool) -> None:
@@ -353,13 +368,14 @@ class Scheduler:
         still in flight or with a call after its end (:meth:`when_over`), one any record of which (its earlier
         generations too) is :meth:`_needed` (an untold rank's handle asks again: a missing record would answer
         ``held`` or ``unknown``), and on another node than the committer's, a failed one whose abort notice has
-        not come (it names the save's generation, at which a save of the step again after a prune would start
-        again: 1). A pruned save is then as one never asked for: a late peer notice about it is dropped
-        (:meth:`on_notice`), and a save of its step again is a new save, of generation 1 here (a node that still
-        holds its record counts on from it: their notices about that save then do not match, and its commit
-        path waits on its filesystem reads, as for a lost notice). Runs every ``KEEP_ENDED`` records or more
-        (the next run waits until as many new ones came as were kept), so its cost per record stays O(1)
-        amortized; a run holds at most ``2 * KEEP_ENDED`` records plus those kept above."""
+        not come (its notice names the save's generation). A pruned save is then as one never asked for: a late
+        peer notice about it is dropped (:meth:`on_notice`), and a save of its step again is a new save, of the
+        generation after the pruned one's (:attr:`pruned_gens`), as on a node that still holds its record: the nodes'
+        notices and part markers about it name it alike (a node that started again at 1 made the notices miss, so
+        that its commit path waited on its filesystem reads, and its part markers looked like an earlier save's).
+        Runs every ``KEEP_ENDED`` records or more (the next run waits until as many new ones came as were kept),
+        so its cost per record stays O(1) amortized; a run holds at most ``2 * KEEP_ENDED`` records plus those kept
+        above."""
         mine = self.results.by_run.get(run.run_id)
         if mine is None or len(mine) < self.prune_at.get(run.run_id, 2 * KEEP_ENDED):
             return
@@ -372,8 +388,11 @@ class Scheduler:
                 continue
             if any(self._needed(r, run) for r in self.results.records(key)):
                 continue
+            self.pruned_gens[key] = res.gen
             del self.results[key]
             self.commits_started.discard(key)
+        while len(self.pruned_gens) > PRUNED_GENS_KEPT:
+            del self.pruned_gens[next(iter(self.pruned_gens))]
         self.prune_at[run.run_id] = max(2 * KEEP_ENDED, len(mine) + KEEP_ENDED)
 
     # ------------------------------------------------------------------------------------ requests
@@ -563,11 +582,19 @@ class Scheduler:
         It is the rank's next save of them, as a part handed over would be (:meth:`persist`): a rank that took
         part in the newest save of them here fails the save after it (once that one is over here, if it is not
         yet); a rank behind (:meth:`_behind`) fails its part of the earlier save that already ended without it.
-        So a rank that skips a save of a step saved again counts that save like every other rank."""
+        So a rank that skips a save of a step saved again counts that save like every other rank. A rank whose
+        snapshot copy failed (:meth:`~snapckpt.engine.saver.Saver._save_failed`) after it started streaming its part
+        of the newest save here is that save's failure already (its cancelled stream fails the part): nothing more."""
         key = (run.run_id, step, dirname)
         with self.lock:
             self._prune(run)  # (before: never this save's own record, which its commit below needs)
             res = self.results.get(key)
+            st = res.streams.get(rank) if res is not None else None
+            if st is not None and st.seq is None and rank not in res.rank_seq:
+                # its streamed part of that save, whose copy failed (Saver._save_failed): the abort cancelled the
+                # stream, and its writer fails the part (a marker, the commit ends): this is that save's failure
+                res.told.add(rank)
+                return
             if res is not None and rank in res.participants():  # its save of them again
                 if self._in_flight(key, res):  # starts once that save is over here (as persist() defers)
                     self.when_over(key, lambda: self.fail_part(rank, run, step, dirname, rec))
@@ -589,7 +616,7 @@ class Scheduler:
             # ranks on other nodes learn it from a failure marker (none once the commit is over: see _commit_over)
             partial = os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
             write_failure_marker(open_storage(fsync=run.fsync), partial, rank=rank, run_id=run.run_id,
-                                 step=step, exc=P.error_from_record(rec))
+                                 step=step, exc=P.error_from_record(rec), gen=res.gen)
             self.part_done(run.run_id, step, dirname, [rank], res.gen)
         if key not in self.commits_started:
             self._start_commit(key, run, res, "", "", None)
@@ -626,7 +653,8 @@ class Scheduler:
                             peer_check=self._peer_check(run), peer_tick_secs=self.watches[run.run_id].tick_secs,
                             wake=res.part_ended, in_flight=lambda: self._committing(run.checkpoint_dir),
                             committed_notice=self._committed_notice(key) if self.notices is not None else None,
-                            own_parts=None if run.committer else self._own_parts(res))
+                            own_parts=None if run.committer else self._own_parts(res),
+                            gen=res.gen, failed_gens=None if run.remote_only else self._failed_gens(key))
         self.pending += 1
         self.commit_pool.submit(self._commit_task, req, run, self.commit_seq)
 
@@ -673,7 +701,8 @@ class Scheduler:
         with self.lock:
             key = (run_id, step, dirname)
             res = self.results.find(key, gen)
-            if res is None and aborted and getattr(self.results.get(key), "gen", 0) < gen:
+            newest = getattr(self.results.get(key), "gen", self.pruned_gens.get(key, 0))  # (0: none yet)
+            if res is None and aborted and newest < gen:
                 self._abort_ahead(key, gen, error, removed)  # a save this node's ranks have not handed over yet
             if res is not None:
                 res.notices += 1
@@ -766,6 +795,21 @@ class Scheduler:
 
         return failure
 
+    def _failed_gens(self, key: SaveKey) -> Callable[[], Set[int]]:
+        """For the commit of ``key`` (its newest save's, now): the generations of the earlier saves of ``key`` held
+        here that failed (a part marker of one of them is stale: :func:`~snapckpt.persister.commit.collect_parts`)."""
+
+        def failed() -> Set[int]:
+            with self.lock:
+                return {g for r in self.results.records(key) for g in self._failed_of(r)}
+
+        return failed
+
+    @staticmethod
+    def _failed_of(res: Result) -> Set[int]:
+        """The generations known failed by record ``res``: its own, if it failed, and those it dropped."""
+        return res.failed_before | ({res.gen} if res.gen > 0 and res.state == "failed" else set())
+
     def _own_parts(self, res: Result) -> Callable[[], Optional[Dict[int, Dict[str, Tuple[int, str]]]]]:
         """For the watch of ``res``'s commit: the files of the parts this node wrote for it, ``None`` while a
         local rank's part of it has not ended (its commit cannot have happened yet). A manifest of the same run
@@ -847,6 +891,8 @@ class Scheduler:
                 self._wait_for_directory(run, key, f"rank {rank}'s part")
                 with self.lock:
                     over = self._commit_over(run, key)
+                    mine = self.results.get(key)  # (this part's record: a save in flight is never replaced)
+                    gen, flush = (mine.gen, mine.flush) if mine is not None else (None, False)
                 if over:  # never re-create the partial directory the committer deleted (or is deleting)
                     raise _CommitOver(f"step {step}: the commit of {dirname} already failed (see rank 0's error); "
                                       f"rank {rank}'s part of it is not written")
@@ -856,7 +902,7 @@ class Scheduler:
                 else:
                     written = write_part_data(storage, buf, index, partial, rank=rank, run_id=run.run_id,
                                               step=step, on_data_read=data_read,
-                                              gate=stream.wait if stream is not None else None)
+                                              gate=stream.wait if stream is not None else None, gen=gen, flush=flush)
                 stages["data"] = time.monotonic() - t0
             finally:
                 if stream is not None:
@@ -912,10 +958,12 @@ class Scheduler:
                 log.error("rank %d step %d: writing the part failed: %s", rank, step, exc)
                 self.failed = True
                 with self.lock:  # recorded before the marker: the commit it ends must not win the race
-                    self.results[key].part_errors[rank] = P.error_record(exc)
+                    mine = self.results[key]
+                    mine.part_errors[rank] = P.error_record(exc)
                     over = self._commit_over(run, key)
                 if storage is not None and not over:  # remote-only: one node, its commit reads part_errors
-                    write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=exc)
+                    write_failure_marker(storage, partial, rank=rank, run_id=run.run_id, step=step, exc=exc,
+                                         gen=mine.gen)
         finally:
             with self.lock:
                 if stream is not None:
@@ -1064,16 +1112,18 @@ class Scheduler:
         notice, their own part), and a next save of the directory that wrote meanwhile lost its files to
         that deletion. It ends on the committer's ``removed`` notice of that save's generation (``res.removed``;
         ``res`` may be an earlier record of ``key`` by then, held while it waits: :meth:`on_notice`); a lost
-        notice: on the directory seen gone, or holding a marker of another step of the run (a later save, which
-        waited for the deletion, re-created it; a directory being deleted may show no marker, never another
-        step's), read every :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after
-        ``run.commit_timeout_secs`` (a committer that never deletes it: its node was lost)."""
+        notice: on the directory seen gone, or holding a marker of another save of the run (another step's, or a
+        later generation's of this step: a later save, which waited for the deletion, re-created it; a directory
+        being deleted may show no marker, never another save's), read every
+        :data:`~snapckpt.persister.commit.BACKSTOP_SECS`; at the latest after ``run.commit_timeout_secs`` (a
+        committer that never deletes it: its node was lost). Then this node's own parts of that save written after
+        the deletion go (:meth:`_remove_stale_parts`)."""
         deadline = time.monotonic() + run.commit_timeout_secs
         reader = open_storage()
         try:
             while not res.removed.is_set():
-                steps = _marker_steps(reader, partial, run.run_id)
-                if steps is None or steps - {key[1]}:
+                saves = _marker_saves(reader, partial, run.run_id)
+                if saves is None or any(step != key[1] or (gen or 0) > res.gen for step, gen in saves):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -1081,10 +1131,45 @@ class Scheduler:
                                 key[1], partial, run.commit_timeout_secs, key[2])
                     break
                 res.removed.wait(min(BACKSTOP_SECS, left))
+            self._remove_stale_parts(reader, res, key, partial)
         finally:
             with self.lock:
                 res.awaiting_removal = False
             self._deletion_ended(run, key, done)
+
+    def _remove_stale_parts(self, reader, res: Result, key: SaveKey, partial: str) -> None:
+        """Another node than the committer's, once the committer's deletion of failed save ``res``'s partial
+        directory is known ended (or given up on, :meth:`_await_removal_task`): delete what this node's parts of that
+        save wrote there after it (a
+        writer that started before this node heard of the abort re-created the directory: its files and marker would
+        stay until the job's next start). Only the files that this node's own markers of that save (its generation)
+        list, then those markers: a later save of the directory may have re-created it meanwhile (its markers name
+        another generation; this node's own next parts wait for this task: ``discarding``). The emptied directories
+        stay: removing one could pull it from under another node's writer between its ``makedirs`` and its files.
+        Never raises (what cannot be deleted stays until the next start, :func:`recover_interrupted_commits`)."""
+        with self.lock:
+            ranks = sorted(set(res.parts_done) | set(res.part_errors))
+        gone = []
+        for rank in ranks:
+            for marker in (part_marker_name(rank), fail_marker_name(rank)):
+                path = os.path.join(partial, marker)
+                try:
+                    rec = json.loads(reader.read_bytes(path))
+                except (OSError, ValueError):
+                    continue  # none (the usual case: written before the deletion, deleted with it)
+                if not (isinstance(rec, dict) and rec.get("run_id") == key[0] and rec.get("step") == key[1]
+                        and rec.get("gen") == res.gen):
+                    continue
+                files = rec.get("files") if isinstance(rec.get("files"), dict) else {}
+                for name in [*files, marker]:
+                    try:
+                        os.unlink(os.path.join(partial, validate_file_name(name) if name != marker else name))
+                        gone.append(name)
+                    except (OSError, ValueError):
+                        pass
+        if gone:
+            log.info("step %d: removed %s from %s: parts of the failed save %d written after the committer deleted "
+                     "its partial directory", key[1], ", ".join(gone), partial, res.gen)
 
     def _deletion_ended(self, run: Run, key: SaveKey, done: threading.Event) -> None:
         """The deletion ``done`` of save ``key``'s partial directory ended (or, on another node, is known to
@@ -1205,9 +1290,10 @@ def _partial(run: Run, dirname: str) -> str:
     return os.path.join(run.checkpoint_dir, partial_dirname(dirname, run.run_id))
 
 
-def _marker_steps(reader, partial: str, run_id: str) -> Optional[Set[int]]:
-    """The steps of run ``run_id`` whose part or failure markers the partial directory ``partial`` holds
-    (``None``: it is gone; what cannot be read counts as nothing)."""
+def _marker_saves(reader, partial: str, run_id: str) -> Optional[Set[Tuple[int, Optional[int]]]]:
+    """``(step, generation)`` of the saves of run ``run_id`` whose part or failure markers the partial directory
+    ``partial`` holds (generation ``None``: the marker names none; ``None``: the directory is gone; what cannot be
+    read counts as nothing)."""
     side = os.path.join(partial, SIDECAR)
     try:
         if not reader.isdir(partial):
@@ -1215,15 +1301,16 @@ def _marker_steps(reader, partial: str, run_id: str) -> Optional[Set[int]]:
         names = [n for n in reader.listdir(side) if n.endswith(".json") and n.startswith(("part_", "fail_"))]
     except OSError:
         return set()
-    steps: Set[int] = set()
+    saves: Set[Tuple[int, Optional[int]]] = set()
     for name in names:
         try:
             rec = json.loads(reader.read_bytes(os.path.join(side, name)))
         except (OSError, ValueError):
             continue
         if isinstance(rec, dict) and rec.get("run_id") == run_id and isinstance(rec.get("step"), int):
-            steps.add(rec["step"])
-    return steps
+            gen = rec.get("gen")
+            saves.add((rec["step"], gen if isinstance(gen, int) else None))
+    return saves
 
 
 def _slot_map(s: Slot):

@@ -65,9 +65,10 @@ class WrittenPart:
     records; ``handles`` the files' descriptors, open until they are fsynced."""
 
     def __init__(self, storage: StorageWriter, partial_dir: str, rank: int, run_id: str, step: int,
-                 on_data_read: Optional[Callable[[], None]]) -> None:
+                 on_data_read: Optional[Callable[[], None]], gen: Optional[int] = None, flush: bool = False) -> None:
         self.storage, self.partial_dir, self.rank, self.run_id, self.step = storage, partial_dir, rank, run_id, step
         self.on_data_read = on_data_read
+        self.gen, self.flush = gen, flush  # which save of the step the part is of (its marker's "gen", "flush")
         self.files: Dict[str, Dict[str, Any]] = {}
         self.handles: List[_SyncHandle] = []
 
@@ -80,10 +81,16 @@ class WrittenPart:
 def write_part_data(storage: StorageWriter, buf, index: Dict[str, Any], partial_dir: str, *, rank: int,
                     run_id: str, step: int,
                     on_data_read: Optional[Callable[[], None]] = None,
-                    gate: Optional[Callable[[int, int], None]] = None) -> WrittenPart:
+                    gate: Optional[Callable[[int, int], None]] = None,
+                    gen: Optional[int] = None, flush: bool = False) -> WrittenPart:
     """Write rank ``rank``'s files of ``step`` from slot mapping ``buf`` (arguments as :func:`write_part`),
     without fsync and without part marker: those are :func:`finish_parts`' job, so that a node's persister
     fsyncs the parts it has ready together instead of one after another.
+
+    ``gen``: the save's generation (``Result.gen`` of :mod:`~snapckpt.persister.scheduler`: which save of
+    ``(run_id, step, dirname)`` it is), written into the part marker with ``flush`` (a crash flush's part): the
+    commit counts no marker of an earlier failed save of the step (:func:`~snapckpt.persister.commit.collect_parts`).
+    ``None``: the marker names none (counted by any save of the step).
 
     ``gate(offset, nbytes)``: a streamed save (:class:`~snapckpt.persister.stream.Stream`): returns once slot
     bytes ``[offset, offset + nbytes)`` are final, raises when they never will be; no slot byte is read before.
@@ -93,7 +100,7 @@ def write_part_data(storage: StorageWriter, buf, index: Dict[str, Any], partial_
     """
     storage.makedirs(os.path.join(partial_dir, SIDECAR))
     delay = _env.fault_write_delay_secs()
-    part = WrittenPart(storage, partial_dir, rank, run_id, step, on_data_read)
+    part = WrittenPart(storage, partial_dir, rank, run_id, step, on_data_read, gen, flush)
     mid_file = faults.armed()  # fault point persist.mid_file: in the middle of each file written
     try:
         for f in index["files"]:
@@ -182,13 +189,24 @@ def _sync_files(part: WrittenPart) -> Optional[BaseException]:
 
 def _write_marker(part: WrittenPart) -> Optional[BaseException]:
     """Write ``part``'s marker (temporary file fsynced, renamed; the directory fsync is the caller's)."""
-    marker = {"rank": part.rank, "run_id": part.run_id, "step": part.step, "files": part.files}
+    marker = _marker_fields(part.rank, part.run_id, part.step, part.gen, part.flush)
+    marker["files"] = part.files
     try:
         part.storage.write_atomic(os.path.join(part.partial_dir, part_marker_name(part.rank)),
                                   json.dumps(marker).encode(), sync_dir=False)
         return None
     except BaseException as e:
         return e
+
+
+def _marker_fields(rank: int, run_id: str, step: int, gen: Optional[int], flush: bool = False) -> Dict[str, Any]:
+    """The fields a part or failure marker starts with: ``gen`` only when known, ``flush`` only when true."""
+    marker: Dict[str, Any] = {"rank": rank, "run_id": run_id, "step": step}
+    if gen is not None:
+        marker["gen"] = gen
+    if flush:
+        marker["flush"] = True
+    return marker
 
 
 def _with_path(e: OSError, path: str) -> OSError:
@@ -313,12 +331,13 @@ def encode_file(sink, buf, f: Dict[str, Any], kind: str, *, coalesce: bool = Tru
 
 
 def write_failure_marker(storage: StorageWriter, partial_dir: str, *, rank: int, run_id: str, step: int,
-                         exc: BaseException) -> None:
+                         exc: BaseException, gen: Optional[int] = None) -> None:
     """Tell the committer that rank ``rank``'s part failed (best effort: the disk may be full). A part that
     failed because its partial directory is gone (``FileNotFoundError``: the committer removed it once the
     commit failed) gets no marker: recreating the directory would leave a stale failure marker that fails
-    the next save of the same step at once (a crash flush of that step)."""
-    marker = {"rank": rank, "run_id": run_id, "step": step, "error": error_record(exc)}
+    the next save of the same step at once (a crash flush of that step). ``gen``: as :func:`write_part_data`'s."""
+    marker = _marker_fields(rank, run_id, step, gen)
+    marker["error"] = error_record(exc)
     try:
         if not isinstance(exc, FileNotFoundError):
             storage.makedirs(os.path.join(partial_dir, SIDECAR))

@@ -16,8 +16,9 @@ from snapckpt import StorageType
 from snapckpt.engine import saver as S
 
 
-class _Reached(Exception):
-    """The save got past its poll() (to the Stager's prepare)."""
+class _Reached(BaseException):
+    """The save got past its poll() (to the Stager's prepare). Not an ``Exception``: a save that fails from there on
+    tells the persister (``Saver._save_failed``), which this stub does not have."""
 
 
 class _Handle:
