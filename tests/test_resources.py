@@ -115,27 +115,6 @@ def test_D1_second_slot_does_not_fit(snap_env):
         assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
 
 
-def test_D1_two_local_ranks_each_get_their_share_of_a_small_shm(snap_env):
-    """D1 with 2 local ranks: a 12 MiB state per rank (12.6 MiB slots), a 40 MiB tmpfs: two slots per rank
-    (50.4 MiB) do not fit, one per rank (25.2 MiB) does, as the node check's warning says. Wrong: the first
-    rank to save took both its slots (25.2 MiB) and the other failed for want of room (with one slot each the
-    node fits). Right: no rank takes more than its share (20 MiB): both fail alike, naming
-    ``slots_per_rank=1`` as the warning does, which then works for both."""
-    shm = os.path.join(snap_env.tmp, "small-shm")
-    with tmpfs(shm, "40m"):
-        outs = finish(launch(WORKER, 2, ["node_share", snap_env.ckpt_dir, shm, "2"], snap_env.env), 120)
-        res = sorted((r for out in outs for r in results(out)), key=lambda r: r["rank"])
-        assert len(res) == 2, outs
-        assert re.search(r"host memory: this node's snapshot arena needs .* slots_per_rank=1 fits", "".join(outs))
-        for r in res:
-            assert r["error"] and "slots_per_rank=1 fits" in r["error"], res
-            assert "share of this node's shared memory" in r["error"], res
-        outs = finish(launch(WORKER, 2, ["node_share", snap_env.ckpt_dir, shm, "1"], snap_env.env), 120)
-        res = [r for out in outs for r in results(out)]
-        assert len(res) == 2 and all(r["error"] is None for r in res), res
-        assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
-
-
 def test_D1_the_setting_the_error_names_works_while_the_failed_runs_persister_lives(snap_env):
     """D1, retried as the error says: a 10 MiB state on a 16 MiB tmpfs fails with two slots per rank, naming
     ``slots_per_rank=1``; the rank dies without closing (a crash: its persister stays for a restart). The job,

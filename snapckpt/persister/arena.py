@@ -177,7 +177,6 @@ class SlotFiles:
 
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
                     reserve_nbytes: int = 0, *, slots: int = 1, held_nbytes: int = 0,
-                    node_share: Optional[Tuple[int, int, int]] = None,
                     pause: Optional[Callable[[], None]] = None,
                     checked: Optional[Callable[[], None]] = None, zero: bool = False) -> int:
         """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
@@ -190,12 +189,6 @@ class SlotFiles:
         check counts it too, so an arena that cannot hold every slot fails at the first snapshot, not at
         a later one. ``slots`` (how many slots the rank uses) and ``held_nbytes`` (bytes its slots already
         hold, up to ``nbytes`` each) only shape the error's advice: which ``slots_per_rank`` would fit.
-
-        ``node_share``: ``(local ranks, bytes the slots of every local rank hold, bytes this rank's slots hold)``
-        for a rank of several on the node that uses more than one slot: its slots may then hold at most an equal
-        share of what the node's slots may use (the room plus what they hold), so that the first local rank to
-        save cannot take the room another one needs for its first slot (the node check's
-        :func:`~snapckpt.engine.preflight.host_memory_shortfall` counts every local rank the same way).
 
         ``checked``: called once the capacity check passed, before the pages are reserved (the caller starts
         the other slots' growths there, so that they run alongside this one).
@@ -229,20 +222,6 @@ class SlotFiles:
             raise InsufficientSharedMemoryError(
                 f"{where} but the {slots} snapshot slot(s) of rank {rank} need {need} bytes more than they hold "
                 f"({nbytes} bytes per slot, {fmt_nbytes(nbytes * slots)} in all); {advice}; or: {hint}")
-        if node_share is not None and node_share[0] > 1:
-            local, local_nbytes, own_nbytes = node_share
-            total = room + local_nbytes
-            share = total // local
-            if own_nbytes + need > share:
-                advice = fitting_setting(nbytes, slots, local, 0, total)
-                raise InsufficientSharedMemoryError(
-                    f"the {slots} snapshot slot(s) of rank {rank} ({nbytes} bytes per slot, "
-                    f"{fmt_nbytes(nbytes * slots)} in all) do not fit its share of this node's shared memory, "
-                    f"{fmt_nbytes(share)}: {fmt_nbytes(total)} for the slots of {local} local ranks "
-                    f"({self.directory!r} has {free} bytes free"
-                    + (f", MemAvailable is {avail} bytes" if avail is not None else "")
-                    + f", the local ranks' slots hold {local_nbytes}); more would leave another local rank no "
-                    f"room for its snapshot; {advice}; or: {hint}")
         if checked is not None:
             checked()
         path = self.path(rank, slot)

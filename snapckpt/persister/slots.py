@@ -31,7 +31,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import validate_dirname
@@ -369,21 +369,10 @@ class SlotTable:
                     other.growing_to = 0
 
         slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve,
-                                             slots=len(usable), held_nbytes=held_nbytes,
-                                             node_share=self._node_share(entry, len(usable)), checked=grow_others)
+                                             slots=len(usable), held_nbytes=held_nbytes, checked=grow_others)
         slot.state, slot.step, slot.run_id, slot.origin = SlotState.WRITING, step, entry.run_id, None
         grow_others()  # when this slot needed no growth
         return slot
-
-    def _node_share(self, entry: RankEntry, slots: int) -> Optional[Tuple[int, int, int]]:
-        """``(local ranks, bytes their slots hold, bytes this rank's slots hold)`` of ``entry``'s run, for the
-        arena's equal-share check (:meth:`~snapckpt.persister.arena.SlotFiles.ensure_size`); ``None`` for a rank
-        with one slot (its first slot is never refused for another rank's sake) or alone on the node."""
-        run = self.runs.get(entry.run_id)
-        if slots <= 1 or run is None or len(run.local_ranks) <= 1:
-            return None
-        local = sum(s.nbytes for r in run.local_ranks if (e := self.ranks.get(r)) is not None for s in e.slots)
-        return len(run.local_ranks), local, sum(s.nbytes for s in entry.slots)
 
     def reserve(self, entry: RankEntry, nbytes: int, limit: int = 0) -> List[Slot]:
         """Grow every FREE (or INVALID) slot of ``entry`` below ``nbytes`` bytes to ``nbytes``, in the background

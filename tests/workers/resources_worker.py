@@ -18,8 +18,6 @@ Modes (first argument), each printing ``RESULT {...json...}`` lines:
 - ``hold CKPT MARKER IDLE_SECS``: commit step 1, snapshot step 2 in memory, write ``MARKER`` (JSON with
   the persister pid) and sleep until killed.
 - ``resume CKPT``: load, report step/tier, commit step 3, close, report.
-- ``node_share CKPT SHM SLOTS``: 2 ranks (one node), ``slots_per_rank=SLOTS``: each snapshots a 12 MiB state in
-  memory (step 1) and reports its error; then closes.
 - ``fewer_slots CKPT SHM SLOTS``: ``slots_per_rank=SLOTS``: save a 10 MiB state in memory (step 1) and report its
   error, or load it back and report; then exit without closing (as a crashed rank: the persister lives on).
 """
@@ -214,18 +212,6 @@ def run_fewer_slots(ckpt: str, shm: str, slots: str) -> None:
     os._exit(0)  # no close(): the persister outlives this rank, as after a crash
 
 
-def run_node_share(ckpt: str, shm: str, slots: str) -> None:
-    ck = Checkpointer(ckpt, shm_dir=shm, slots_per_rank=int(slots), **QUICK)
-    err = None
-    try:
-        ck.save(state_of(12 * MiB), 1, StorageType.MEMORY)
-    except InsufficientSharedMemoryError as e:
-        err = str(e)
-    dist.barrier()
-    result(rank=dist.get_rank(), error=err, shm_used=used_bytes(shm))
-    ck.close()
-
-
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     mode, args = sys.argv[1], sys.argv[2:]
@@ -243,8 +229,6 @@ if __name__ == "__main__":
         run_single_slot(*args)
     elif mode == "single_slot_resume":
         run_single_slot_resume(*args)
-    elif mode == "node_share":
-        run_node_share(*args)
     elif mode == "fewer_slots":
         run_fewer_slots(*args)
     else:
