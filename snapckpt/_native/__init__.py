@@ -139,7 +139,7 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
                 mod = _import(path)
                 if not _probe(mod):
                     mod = None
-            except (ImportError, OSError):
+            except Exception:  # noqa: BLE001 - any library that is not this source's build: the Python path
                 mod = None
         _loaded[path] = mod
         return mod

@@ -192,3 +192,22 @@ def test_without_a_built_library_or_with_the_knob_off_the_python_path_runs(tmp_p
     monkeypatch.setenv("SNAPCKPT_NATIVE", "2")
     with pytest.raises(ValueError, match="SNAPCKPT_NATIVE"):
         real()
+
+
+def test_a_foreign_library_at_the_path_is_not_loaded(tmp_path):
+    """An extension module of the right name that is not this source's build (no probe()) at the library's path:
+    load() answers None (the Python path), it does not raise into the save's quick check."""
+    import subprocess
+    import sysconfig
+    path = _native.library_path(str(tmp_path))
+    os.makedirs(os.path.dirname(path))
+    src = tmp_path / "m.c"
+    src.write_text('#include <Python.h>\nstatic PyModuleDef m = {PyModuleDef_HEAD_INIT, "snapckpt_tensor_loops", 0, -1, 0};\n'
+                   "PyMODINIT_FUNC PyInit_snapckpt_tensor_loops(void) { return PyModule_Create(&m); }\n")
+    cc = os.environ.get("CC") or "cc"
+    try:
+        subprocess.run([cc, "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", path],
+                       check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:  # pragma: no cover - a host without a C compiler
+        pytest.skip(f"no C compiler: {e}")
+    assert _native.load(str(tmp_path)) is None
