@@ -75,7 +75,7 @@ def build(directory: Optional[str] = None, compiler: Optional[str] = None) -> st
             in the message).
     """
     path = library_path(directory)
-    if os.path.exists(path):
+    if os.path.exists(path) and _intact(path):
         return path
     cxx = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
@@ -93,6 +93,9 @@ def build(directory: Optional[str] = None, compiler: Optional[str] = None) -> st
         if r.returncode:
             raise RuntimeError(f"the library built from {_SOURCE} failed its check against torch {torch.__version__} "
                                f"(exit {r.returncode}; not installed, snapckpt runs without):\n{r.stderr[-2000:]}")
+        with open(path + ".sha256.tmp", "w") as f:  # load() imports only a file of this digest: a truncated copy
+            f.write(_digest(tmp))                      # (a full disk, a shared home) would crash dlopen (SIGBUS)
+        os.replace(path + ".sha256.tmp", path + ".sha256")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -109,6 +112,20 @@ def _probe(mod: ModuleType) -> bool:
     table = mod.table(ts, torch.Tensor)
     return (table is not None and mod.check(ts, table, list(map(torch.Tensor.data_ptr, ts)), False) == 0
             and mod.check(ts[::-1], table, None, False) == -1)
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _intact(path: str) -> bool:
+    """Whether the library at ``path`` is the file :func:`build` installed (its sha256 beside it, ``.sha256``)."""
+    try:
+        with open(path + ".sha256") as f:
+            return f.read().strip() == _digest(path)
+    except OSError:
+        return False
 
 
 def _import(path: str) -> ModuleType:
@@ -134,7 +151,7 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
         if path in _loaded:
             return _loaded[path]
         mod = None
-        if os.path.exists(path):
+        if os.path.exists(path) and _intact(path):
             try:
                 mod = _import(path)
                 if not _probe(mod):

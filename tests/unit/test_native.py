@@ -210,4 +210,23 @@ def test_a_foreign_library_at_the_path_is_not_loaded(tmp_path):
                        check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as e:  # pragma: no cover - a host without a C compiler
         pytest.skip(f"no C compiler: {e}")
+    with open(path + ".sha256", "w") as f:  # as build() writes it: the import and the probe are what refuse it
+        f.write(_native._digest(path))
     assert _native.load(str(tmp_path)) is None
+
+
+def test_a_truncated_library_is_not_loaded(tmp_path, native):
+    """A copy of the built library cut short (a full disk, an interrupted copy of a shared home): dlopen of it died
+    of SIGBUS inside load(), on the first save (found by a break-it trial). Now load() checks the file against the
+    digest build() wrote beside it and answers None (the Python path)."""
+    import shutil
+    built = _native.library_path()
+    path = _native.library_path(str(tmp_path))
+    os.makedirs(os.path.dirname(path))
+    shutil.copyfile(built + ".sha256", path + ".sha256")
+    with open(built, "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read()[:20000])
+    assert _native.load(str(tmp_path)) is None
+    shutil.copyfile(built, path)  # the whole file: loaded
+    assert _native.load(str(tmp_path)) is None  # (answers are cached per directory and process)
+    assert _native.load(os.path.dirname(os.path.dirname(built))) is not None
