@@ -65,11 +65,18 @@ def test_checkpoint_metrics_reach_log_history_and_tensorboard(snap_env, monkeypa
         assert got == pytest.approx(values, rel=1e-6), name  # TensorBoard stores float32
 
 
-def test_on_save_fires_for_every_callback_as_the_trainers_own_save_does(snap_env):
+def test_on_save_fires_for_every_callback_as_the_trainers_own_save_does(snap_env, monkeypatch):
     """With the callback only passed in ``Trainer(callbacks=[...])`` (no ``attach``: it finds its Trainer at
     construction), a user callback's ``on_save`` fires for the same steps as with the Trainer's own save, once ``checkpoint-N`` is complete (its ``trainer_state.json`` readable, naming step
     N), with ``state.global_step == N``. Before, the callback's take-over skipped ``on_save`` altogether
-    (W&B, MLflow, Neptune, ClearML and DVCLive hook it)."""
+    (W&B, MLflow, Neptune, ClearML and DVCLive hook it).
+
+    ``save_total_limit=1``, and step 2's commit is held (fault point, before its rename) until step 4's folder
+    is committed, as on a loaded host: the callback learns of step 2's commit with step 4 on disk. Right:
+    ``on_save`` of step 2 still fires with ``checkpoint-2`` there (before, retention deleted it first, the
+    ``on_save`` raised inside the event listener, which only logged it, and step 2's ``on_save`` was lost),
+    the same folders are kept, and an exception raised by a user's ``on_save`` (step 5) leaves ``train()``
+    as with the Trainer's own save (before, it was logged and training went on)."""
     import json
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -85,10 +92,12 @@ def test_on_save_fires_for_every_callback_as_the_trainers_own_save_does(snap_env
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             with open(os.path.join(folder, "trainer_state.json")) as f:
                 self.seen.append((state.global_step, json.load(f)["global_step"]))
+            if state.global_step == 5:
+                raise RuntimeError("on_save of step 5 fails")
 
     def run(out, snap):
         args = TrainingArguments(output_dir=out, max_steps=5, save_steps=2, save_strategy="steps",
-                                 per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                                 save_total_limit=1, per_device_train_batch_size=4, report_to=[], use_cpu=True,
                                  dataloader_num_workers=0, disable_tqdm=True, seed=7)
         rec = Recorder()
         cbs = [rec]
@@ -98,9 +107,16 @@ def test_on_save_fires_for_every_callback_as_the_trainers_own_save_does(snap_env
         trainer = Trainer(model=build_model(), args=args, train_dataset=Tokens(n=24), callbacks=cbs)
         if snap:
             assert cb._found is trainer and cb._trainer is None  # found at the Trainer's construction
-        trainer.train()
-        return rec.seen
+        with pytest.raises(RuntimeError, match="on_save of step 5 fails"):
+            trainer.train()
+        if snap:
+            cb.close()
+        return rec.seen, sorted(os.listdir(out))
 
     stock = run(os.path.join(snap_env.tmp, "stock"), snap=False)
-    assert stock == [(2, 2), (4, 4), (5, 5)], stock  # the Trainer saves the last step too
+    assert stock == ([(2, 2), (4, 4), (5, 5)], ["checkpoint-5"]), stock  # the Trainer saves the last step too
+    gate = os.path.join(snap_env.ckpt_dir, "checkpoint-4")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"commit.before_rename:step=2:action=wait:secs=60:path={gate}")
     assert run(snap_env.ckpt_dir, snap=True) == stock
+    logs = glob.glob(os.path.join(snap_env.runtime_root, "**", "persister.log"), recursive=True)
+    assert any("hit commit.before_rename rank=None step=2" in open(f).read() for f in logs), logs

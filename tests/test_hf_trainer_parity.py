@@ -3,6 +3,7 @@
 In-process Trainers on the tiny GPT-2 of ``tests/workers/hf_worker.py`` (CPU), each compared with the stock
 Trainer on the same arguments."""
 import dataclasses
+import glob
 import http.server
 import json
 import logging
@@ -123,7 +124,7 @@ def _timeless(path, out):
     return state
 
 
-def test_save_strategy_best_matches_the_trainers_own_save(snap_env):
+def test_save_strategy_best_matches_the_trainers_own_save(snap_env, monkeypatch):
     """``save_strategy="best"``: the Trainer saves only after an evaluation that found a new best
     ``metric_for_best_model``, deciding after ``on_evaluate`` with no callback event before its save (so it
     was refused before). Right: the callback foresees that decision in ``on_evaluate`` and takes the save.
@@ -134,7 +135,12 @@ def test_save_strategy_best_matches_the_trainers_own_save(snap_env):
     with the same files and ``trainer_state.json`` (``best_metric``, ``best_global_step``,
     ``best_model_checkpoint``, logs), training stops at the same step and the same best model is loaded at
     the end. A callback handling ``on_evaluate`` listed after SnapckptCallback is refused at Trainer
-    construction, naming it and the fix."""
+    construction, naming it and the fix.
+
+    The first save's commit is held (fault point, before its rename) until the third save's folder is
+    committed, as a loaded host did once: the callback then learns of the first commit when a newer best is
+    on disk. Before, its retention (``save_total_limit=2``) ran first and deleted ``checkpoint-1``, and
+    ``on_save`` of step 1 raised in the event listener, which only logged it: step 1's ``on_save`` was lost."""
     from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 
     from hf_worker import Tokens, build_model
@@ -173,8 +179,13 @@ def test_save_strategy_best_matches_the_trainers_own_save(snap_env):
     evals = sum("eval_loss" in e for e in stock[2][max(stock[2], key=lambda n: int(n.split("-")[1]))]
                 ["log_history"])
     # the scenario: some evaluations saved, some not; rotation removed a folder; early stopping stopped
-    assert 1 < len(stock[0]) < evals and len(stock[1]) < len(stock[0]) and stock[3] < 8, stock[:4]
+    assert 2 < len(stock[0]) < evals and len(stock[1]) < len(stock[0]) and stock[3] < 8, stock[:4]
+    third = os.path.join(snap_env.ckpt_dir, f"checkpoint-{stock[0][2][0]}")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", f"commit.before_rename:step={stock[0][0][0]}:action=wait:secs=60:"
+                                               f"path={third}")
     mine = run(snap_env.ckpt_dir, snap=True)
+    logs = glob.glob(os.path.join(snap_env.runtime_root, "**", "persister.log"), recursive=True)
+    assert any(f"hit commit.before_rename rank=None step={stock[0][0][0]}" in open(f).read() for f in logs), logs
     for name in mine[1]:  # written by snapckpt, not by the Trainer's own save
         assert os.path.isfile(os.path.join(snap_env.ckpt_dir, name, ".snapckpt", "manifest.json")), name
     assert mine[0] == stock[0]  # on_save: same steps, each folder complete when it fires
