@@ -25,11 +25,13 @@ How it plugs in (transformers 5.24, public callback events only):
    by ``on_epoch_end`` (``save_strategy="epoch"``) merges with a pending save of the same step.
 3. ``on_pre_optimizer_step`` calls :meth:`Checkpointer.fence` (under DeepSpeed, which steps inside
    ``accelerator.backward``, the snapshot is fenced as soon as it is taken).
-4. Retention: after each commit, world rank 0 applies transformers' own ``rotate_checkpoints`` with
-   ``save_total_limit`` and ``state.best_model_checkpoint``. It only sees committed folders (folders in
-   flight are hidden ``.checkpoint-N.partial-*``), keeps the newest committed one and the best one.
-   transformers' ``get_last_checkpoint`` only matches ``checkpoint-<digits>``, so auto-resume never picks
-   an incomplete folder.
+4. Retention: after each commit, world rank 0 applies the rule of transformers' own ``rotate_checkpoints``
+   with ``save_total_limit`` and ``state.best_model_checkpoint``. It only sees committed folders (folders in
+   flight are hidden ``.checkpoint-N.partial-*``), keeps the newest committed one and the best one, and never
+   retires a folder whose ``on_save`` has not fired yet: as ``Trainer._save_checkpoint`` does, it runs just
+   before the ``on_save`` of step N, over the folders up to N, N counting as the newest (commits may be learnt
+   of late and out of order on a loaded host). transformers' ``get_last_checkpoint`` only matches
+   ``checkpoint-<digits>``, so auto-resume never picks an incomplete folder.
 5. Resume (:mod:`snapckpt.integrations.transformers.resume`) at ``on_init_end``, before ``train()`` looks for
    a checkpoint: a memory-only snapshot is written out as ``checkpoint-N``, damaged folders are set aside.
 6. Metrics (:mod:`snapckpt.metrics`), after :meth:`SnapckptCallback.attach`: each checkpoint's
@@ -72,14 +74,16 @@ import copy
 import dataclasses
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
 import numpy as np
 from transformers import TrainerCallback
-from transformers.trainer_utils import rotate_checkpoints
+from transformers.trainer_utils import sort_checkpoints
 from transformers.utils.hub import convert_file_size_to_int
 
 from snapckpt import Checkpointer, CheckpointOptions, Event, SnapshotPolicy, StorageType
@@ -194,7 +198,8 @@ class SnapckptCallback(TrainerCallback):
         self._trainer: Any = None  # attach(): on_save and metrics through Trainer.log
         self._found: Any = None  # the Trainer found at construction: on_save only
         self._saved_states: Dict[int, Any] = {}  # step -> (args, TrainerState at that step), for on_save
-        self._committed_steps: Set[int] = set()  # committed, its on_save waiting for an older step's commit
+        self._committed_steps: Set[int] = set()  # committed, its on_save not fired yet (_deliver)
+        self._rotate_due = False  # a commit with no on_save owed: retention runs at the next _deliver
         self._logging = False  # inside our own Trainer.log call
         self._firing = False  # inside our own CallbackHandler.on_save call
         self._own_eval = False  # the next on_evaluate is the Trainer's evaluation of its training loop
@@ -213,10 +218,12 @@ class SnapckptCallback(TrainerCallback):
         and fire the Trainer's ``on_save`` event for every callback, as the Trainer's own save does.
 
         ``on_save`` fires when a disk checkpoint is committed (the folder ``checkpoint-N`` is complete, as
-        after the Trainer's own save), on the training thread at the next step boundary, with the
-        ``TrainerState`` as it was at step ``N`` (a copy: ``state.global_step == N``, so callbacks that
-        look for ``checkpoint-{state.global_step}`` find it). The callbacks' returned control is merged
-        into the Trainer's.
+        after the Trainer's own save), on the training thread at the next step boundary, in step order, with
+        the ``TrainerState`` as it was at step ``N`` (a copy: ``state.global_step == N``, so callbacks that
+        look for ``checkpoint-{state.global_step}`` find it: retention never retires it before). The
+        callbacks' returned control is merged into the Trainer's; an exception raised by one of them leaves
+        ``train()``, as from the Trainer's own ``on_save``. A save that fails raises its error at the next step
+        boundary; one skipped (``on_slot_busy="skip"``) is logged as a warning; neither fires ``on_save``.
 
         Call it once after constructing the Trainer with this callback::
 
@@ -388,8 +395,9 @@ class SnapckptCallback(TrainerCallback):
         self._flush(args, state, control, kwargs)
         if self.checkpointer is not None:
             self.checkpointer.wait()
-            self._rotate()
+            self._deliver()
         self.close()
+        self._deliver()  # a commit close() waited for
         self._log_metrics()
 
     # ------------------------------------------------------------------------------ save points
@@ -406,6 +414,7 @@ class SnapckptCallback(TrainerCallback):
                 self.checkpointer.expect({"model": kwargs.get("model"),
                                           "optimizer": None if args.save_only_model else kwargs.get("optimizer")})
         self.checkpointer.poll()  # background failures surface here; commits trigger retention
+        self._deliver()
         disk = bool(control.should_save)
         mem = self._policy.decide(state.global_step, 0.0, 0.0) == StorageType.MEMORY  # no time-based cadence
         if disk:
@@ -424,6 +433,7 @@ class SnapckptCallback(TrainerCallback):
             self._request(args, state, control, kwargs, StorageType.DISK)
         else:
             self._flush(args, state, control, kwargs)
+        self._deliver()
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
@@ -437,6 +447,7 @@ class SnapckptCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self._own_eval = False
         self._flush(args, state, control, kwargs)
+        self._deliver()
         self._log_metrics()
 
     on_epoch_begin = on_step_begin  # take the pending snapshot before the next step either way
@@ -446,7 +457,7 @@ class SnapckptCallback(TrainerCallback):
             # The end-of-training summary: _load_best_model comes next and needs the folders committed.
             self._flush(args, state, control, kwargs, drop_last_log=True)
             self.checkpointer.wait()
-            self._rotate()
+            self._deliver()
             self._log_metrics()  # the last commits, before on_train_end closes the reporting writers
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -561,23 +572,42 @@ class SnapckptCallback(TrainerCallback):
             state.best_model_checkpoint = path
 
     def _on_event(self, event: Event) -> None:
+        """The Checkpointer's listener: records only. It runs inside ``poll``/``save_files``/``wait``, which
+        log and swallow a listener's exception, so ``on_save`` and retention run later, in :meth:`_deliver`."""
         m = event_metrics(event)
         if m:
             self.metrics.append(m)
             self._unlogged.append(m)
         if event.kind == "committed" and event.tier == StorageType.DISK:
-            self._rotate()
-            self._committed_steps.add(event.step)
+            if event.step in self._saved_states:
+                self._committed_steps.add(event.step)  # retention runs before its on_save
+            elif self._state is not None:  # (before training: the write-out of a memory snapshot, no retention
+                self._rotate_due = True    # with a fresh TrainerState)
         elif event.kind == "failed" or (event.kind == "skipped" and event.tier == StorageType.DISK):
-            self._saved_states.pop(event.step, None)
-        else:
-            return
-        # the Trainer fires on_save in step order; commits of several saves may finish out of order
+            if self._saved_states.pop(event.step, None) is not None and event.kind == "skipped":
+                log.warning("checkpoint-%d was not saved (%s): on_save does not fire for it", event.step,
+                            event.reason)
+
+    def _deliver(self) -> None:
+        """Fire the ``on_save`` of every committed step whose older saves have all ended, in step order (the
+        Trainer's order; commits may end out of order), each right after retention as
+        ``Trainer._save_checkpoint`` runs it; then the retention a commit without ``on_save`` (no Trainer
+        found) asked for.
+        Called on the training thread at step boundaries, outside the Checkpointer's calls.
+
+        Raises:
+            whatever a callback's ``on_save`` raises (as the Trainer's own save would let it).
+        """
         while self._saved_states and min(self._saved_states) in self._committed_steps:
             step = min(self._saved_states)
             self._committed_steps.discard(step)
-            self._fire_on_save(step, self._saved_states.pop(step))
+            saved = self._saved_states.pop(step)
+            self._rotate(newest=step, state=saved[1])
+            self._fire_on_save(step, saved)
         self._committed_steps = {s for s in self._committed_steps if s in self._saved_states}
+        if self._rotate_due:
+            self._rotate_due = False
+            self._rotate()
 
     def _fire_on_save(self, step: int, saved: Any) -> None:
         """The Trainer's ``on_save`` for the committed step ``step``, with the ``(args, state)`` of that step
@@ -617,12 +647,42 @@ class SnapckptCallback(TrainerCallback):
             self._logging = False
             control.should_log = should_log
 
-    def _rotate(self) -> None:
-        args, state = self._args, self._state
+    def _rotate(self, newest: Optional[int] = None, state: Any = None) -> None:
+        """Retention (world rank 0, ``save_total_limit``): the rule of transformers' ``rotate_checkpoints``
+        (transformers 5.24, ``use_mtime=True`` as the Trainer calls it) over the committed ``checkpoint-*``
+        folders except those whose ``on_save`` has not fired (``self._saved_states``): the Trainer never
+        deletes a folder before its ``on_save``, and saved none of them yet when it saved step ``newest``.
+
+        Args:
+            newest: the step whose ``on_save`` fires next: its folder counts as the newest, as the one the
+                Trainer has just written (``None``: the newest by modification time).
+            state: the ``TrainerState`` whose ``best_model_checkpoint`` is kept (default: the current one).
+        """
+        args, state = self._args, (state if state is not None else self._state)
         if args is None or state is None or not state.is_world_process_zero or not args.save_total_limit:
             return
-        rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
-                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+        owed = {_folder(args.output_dir, s) for s in self._saved_states}
+        folders = [c for c in sort_checkpoints(args.output_dir, PREFIX, use_mtime=True) if c not in owed]
+        if newest is not None:
+            mine = _folder(args.output_dir, newest)
+            folders = [c for c in folders if c != mine] + ([mine] if os.path.isdir(mine) else [])
+        if len(folders) <= args.save_total_limit:
+            return
+        protected = {folders[-1]}  # what rotate_checkpoints keeps: the newest, for resuming, and the best
+        if state.best_model_checkpoint is not None:
+            protected.add(str(Path(state.best_model_checkpoint)))
+        remaining = len(folders)
+        for folder in folders:
+            if remaining <= max(args.save_total_limit, len(protected)):
+                break
+            if folder not in protected:
+                shutil.rmtree(folder, ignore_errors=True)
+                remaining -= 1
+
+
+def _folder(output_dir: str, step: int) -> str:
+    """``checkpoint-<step>`` under ``output_dir``, spelt as ``sort_checkpoints`` lists it."""
+    return str(Path(output_dir) / f"{PREFIX}-{step}")
 
 
 def _strategy(value: Any) -> str:
