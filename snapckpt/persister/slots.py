@@ -484,11 +484,13 @@ class SlotTable:
             return []
         missing = [r for r in run.local_ranks if not self._asked_in(r, run)]
         if missing and run.asked_since is not None and time.monotonic() - run.asked_since > self.FIRST_SLOTS_WAIT_SECS:
-            log.warning("run %s: local rank(s) %s asked for no arena slot within %g s of the first local rank: the "
-                        "other ranks' slots beyond their first now grow without counting them; if the node's shared "
-                        "memory cannot hold every rank's slots, such a rank's first save may be refused "
-                        "(InsufficientSharedMemoryError names the setting that fits)", run.run_id, missing,
-                        self.FIRST_SLOTS_WAIT_SECS)
+            # info, not a warning (which keeps persister.log after a clean exit): a rank may never save, and what
+            # this can cost (a later first save refused) raises its own error with the advice
+            log.info("run %s: local rank(s) %s asked for no arena slot within %g s of the first local rank: the "
+                     "other ranks' slots beyond their first now grow without counting them; if the node's shared "
+                     "memory cannot hold every rank's slots, such a rank's first save may be refused "
+                     "(InsufficientSharedMemoryError names the setting that fits)", run.run_id, missing,
+                     self.FIRST_SLOTS_WAIT_SECS)
             run.waited_out = True
             return []
         return missing
