@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from _harness import finish, launch, result_lines, tree, used_bytes, wait_until
+from _harness import finish, finish_ok, launch, result_lines, tree, used_bytes, wait_until
 from faults import point_env
 from snapckpt import Checkpointer, StorageType
 from snapckpt.errors import (CheckpointDirError, DiskFullError, InsufficientDiskError, PersisterError,
@@ -112,6 +112,39 @@ def test_D1_second_slot_does_not_fit(snap_env):
         assert 10 * MiB < budget["shm_used"] < 12 * MiB, f"more than one slot held: {budget}"
         assert "host_memory_budget_nbytes=12582912" in budget["outgrown"], budget
         assert budget["last_stats"] == 9, "the refused save copied its state"
+        assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
+
+
+def test_D1_two_local_ranks_a_second_slot_never_takes_another_ranks_first(snap_env):
+    """D1 with 2 local ranks on a 36 MiB tmpfs, one launch, three Checkpointers.
+
+    ``even``: 12 MiB states (12.6 MiB slots), two slots each: four slots (50.4 MiB) do not fit, two (25.2 MiB) do,
+    as the node check warns. Rank 0 saves steps 1 and 2, then rank 1 its first. Wrong (before): rank 0 took both
+    its slots and rank 1, whose one slot would fit, was refused with "no slot count fits", contradicting the node
+    check. Right: rank 0's second slot waits until rank 1 has asked for its first (rank 0 saves with one slot
+    meanwhile); then every rank's slots are counted, and both ranks are refused alike naming ``slots_per_rank=1``,
+    as the node check does. ``one``: that setting works for both. ``uneven`` (pipeline stages): 12 and 2 MiB, two
+    slots each (29.4 MiB) fit and are all used, and the newest step loads from memory: a rank of another size is
+    counted at its own size."""
+    shm = os.path.join(snap_env.tmp, "small-shm")
+    with tmpfs(shm, "36m"):
+        outs = finish_ok(launch(WORKER, 2, ["local_ranks", snap_env.ckpt_dir, shm], snap_env.env), 180)
+        res = {(r["phase"], r["rank"]): r for out in outs for r in results(out)}
+        assert len(res) == 6, outs
+        assert re.search(r"host memory: this node's snapshot arena needs 50.4 MiB .* slots_per_rank=1 fits: "
+                         r"needs 25.2 MiB", outs[0]), outs[0]
+        even0, even1 = res["even", 0]["errors"], res["even", 1]["errors"]
+        assert even0["1"] is None and even0["2"] is None, even0  # one slot, reused, while rank 1 had not asked
+        for e in (even1["1"], even1["3"], even0["3"]):
+            assert e is not None and "no slot count fits" not in e, (even0, even1)
+            assert re.search(r"slots_per_rank=1 fits: needs 25.2 MiB", e), e
+        for rank in (0, 1):
+            assert not any(res["one", rank]["errors"].values()), res["one", rank]
+            uneven = res["uneven", rank]
+            assert not any(uneven["errors"].values()), uneven
+            assert uneven["loaded"] == [3, "MEMORY", 3.0], uneven
+        # all four slots (2 x 12.6 + 2 x 2.1 MiB) held: the second slots grew once both ranks had asked
+        assert res["uneven", 1]["shm_used"] > 28 * MiB, res["uneven", 1]
         assert wait_until(lambda: not os.listdir(shm), timeout=15), f"arena left in {shm}: {tree(shm)}"
 
 

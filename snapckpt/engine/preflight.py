@@ -271,8 +271,10 @@ def host_memory_shortfall(options, topology, slot_nbytes: int, slots: int, arena
     """A warning when this node's arena for slots of ``slot_nbytes`` bytes does not fit, else ``None``.
 
     The arena needs ``slot_nbytes x (slots + replicas) x local ranks`` bytes (each local rank's state taken
-    to be this rank's size); what is available is the smaller of the free space of ``shm_dir`` and the
-    host's ``MemAvailable``, each plus what the job's arena (``arena_dir``) already holds (it is reused).
+    to be this rank's size: the persister knows each rank's own size only once it asked for a slot,
+    :meth:`snapckpt.persister.slots.SlotTable.acquire`); what is available is the smaller of the free space of
+    ``shm_dir`` and the host's ``MemAvailable``, each plus what the job's arena (``arena_dir``) already holds (it
+    is reused).
     The message names both and the setting that fits (:func:`snapckpt.persister.budget.fitting_setting`).
 
     Args:
@@ -296,10 +298,13 @@ def host_memory_shortfall(options, topology, slot_nbytes: int, slots: int, arena
     if need <= available:
         return None
     peers = f" + {replicas} peer replica slot(s)" if replicas else ""
+    uneven = (" (every local rank counted at this rank's size; ranks of other sizes, such as pipeline stages, are "
+              "counted at their own by the persister, which refuses a save only when their slots do not fit)"
+              if local > 1 else "")
     return (f"host memory: this node's snapshot arena needs {fmt_nbytes(need)} ({local} local rank(s) x ({slots} "
             f"slot(s){peers}) x {fmt_nbytes(slot_nbytes)}) but {fmt_nbytes(available)} is available ({shm} has "
             f"{free} bytes free, MemAvailable is {mem} bytes, the arena already holds {held}); "
-            + fitting_setting(slot_nbytes, slots, local, replicas, available))
+            + fitting_setting(slot_nbytes, slots, local, replicas, available) + uneven)
 
 
 def _dir_nbytes(path: str) -> int:

@@ -44,7 +44,7 @@ from typing import Callable, List, Optional, Tuple
 
 from snapckpt._internal.private_dirs import private_dir
 from snapckpt.errors import InsufficientSharedMemoryError, PreflightError, SnapshotError
-from snapckpt.persister.budget import fitting_setting, fmt_nbytes
+from snapckpt.persister.budget import OtherRanks, fitting_node_setting, fitting_setting, fmt_nbytes
 
 __all__ = ["slot_file_name", "SlotState", "HEADER_NBYTES", "write_header", "read_header", "SlotFiles", "map_slot",
            "mem_available_bytes", "WATERMARK_OFFSET", "watermark_view", "stores_in_order", "write_zeros",
@@ -177,7 +177,7 @@ class SlotFiles:
 
     def ensure_size(self, rank: int, slot: int, nbytes: int, current_nbytes: int,
                     reserve_nbytes: int = 0, *, slots: int = 1, held_nbytes: int = 0,
-                    pause: Optional[Callable[[], None]] = None,
+                    others: Optional[OtherRanks] = None, pause: Optional[Callable[[], None]] = None,
                     checked: Optional[Callable[[], None]] = None, zero: bool = False) -> int:
         """Make the slot file at least ``nbytes`` long, reserving its pages; return its size in bytes.
 
@@ -189,6 +189,10 @@ class SlotFiles:
         check counts it too, so an arena that cannot hold every slot fails at the first snapshot, not at
         a later one. ``slots`` (how many slots the rank uses) and ``held_nbytes`` (bytes its slots already
         hold, up to ``nbytes`` each) only shape the error's advice: which ``slots_per_rank`` would fit.
+
+        ``others``: what the node's other local ranks' slots have yet to reserve (bytes), counted in the check too,
+        so that this rank's growth never takes the room another rank needs for a slot the persister has counted for
+        it (:meth:`snapckpt.persister.slots.SlotTable.acquire`); the advice is then the node's, each rank at its size.
 
         ``checked``: called once the capacity check passed, before the pages are reserved (the caller starts
         the other slots' growths there, so that they run alongside this one).
@@ -208,20 +212,27 @@ class SlotFiles:
         self.cleared.wait()  # a dead persister's slot files still being deleted: their pages count as free
         grow = nbytes - current_nbytes
         need = grow + reserve_nbytes
-        st = os.statvfs(self.directory)
-        free = st.f_bavail * st.f_frsize
-        avail = mem_available_bytes()
+        free, avail = self.room()
         hint = ("lower slots_per_rank (1: one slot, reused) or slot_headroom, set host_memory_budget_nbytes, "
                 "point shm_dir= (or the environment variable SNAPCKPT_SHM_DIR) at a larger tmpfs, or save less "
                 "state per rank")
         room = min(free, avail) if avail is not None else free
-        if need > room:
-            advice = fitting_setting(nbytes, slots, 1, 0, room + held_nbytes)
-            where = (f"shared-memory directory {self.directory!r} has {free} bytes free" if need > free else
+        more = others.nbytes if others is not None else 0
+        if need + more > room:
+            where = (f"shared-memory directory {self.directory!r} has {free} bytes free" if need + more > free else
                      f"the host has {avail} bytes of RAM available (MemAvailable)")
+            mine = (f"the {slots} snapshot slot(s) of rank {rank} need {need} bytes more than they hold "
+                    f"({nbytes} bytes per slot, {fmt_nbytes(nbytes * slots)} in all)")
+            if others is None or not others.ranks:
+                advice = fitting_setting(nbytes, slots, 1, 0, room + held_nbytes)
+                raise InsufficientSharedMemoryError(f"{where} but {mine}; {advice}; or: {hint}")
+            advice = fitting_node_setting([(nbytes, slots)] + [(n, k) for _, n, k in others.ranks],
+                                          room + held_nbytes + others.held)
+            theirs = ", ".join(f"rank {r}: {k} x {n} bytes" for r, n, k in others.ranks)
             raise InsufficientSharedMemoryError(
-                f"{where} but the {slots} snapshot slot(s) of rank {rank} need {need} bytes more than they hold "
-                f"({nbytes} bytes per slot, {fmt_nbytes(nbytes * slots)} in all); {advice}; or: {hint}")
+                f"{where} but {mine}, and the slots of this node's other local ranks, counted at the sizes they "
+                f"asked for ({theirs}), need {more} bytes more than they hold: this node's arena does not fit "
+                f"with these slot counts; {advice}; or: {hint}")
         if checked is not None:
             checked()
         path = self.path(rank, slot)
@@ -258,6 +269,11 @@ class SlotFiles:
         finally:
             os.close(fd)
         return nbytes
+
+    def room(self) -> Tuple[int, Optional[int]]:
+        """``(free bytes of the arena's filesystem, the host's MemAvailable in bytes or None where unknown)``."""
+        st = os.statvfs(self.directory)
+        return st.f_bavail * st.f_frsize, mem_available_bytes()
 
     def remove(self, rank: int, slot: int) -> None:
         """Delete the file of ``slot`` of ``rank`` (gone already is fine); its pages return to the tmpfs once

@@ -11,7 +11,10 @@ Shared memory is RAM: every byte counted here is host memory held for the whole 
 """
 from __future__ import annotations
 
-__all__ = ["arena_nbytes", "fitting_setting", "fmt_nbytes", "slots_within"]
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+__all__ = ["arena_nbytes", "fitting_node_setting", "fitting_setting", "fmt_nbytes", "slots_within", "OtherRanks"]
 
 
 def fmt_nbytes(n: int) -> str:
@@ -52,3 +55,38 @@ def fitting_setting(slot_nbytes: int, slots: int, local_ranks: int, replicas: in
     return (f"no slot count fits: even slots_per_rank=1 needs {fmt_nbytes(one)} of {fmt_nbytes(available)} "
             f"available; use a larger tmpfs (shm_dir= or SNAPCKPT_SHM_DIR), free host memory{peers}, or save "
             f"at most {fmt_nbytes(per_rank)} per rank (more ranks or nodes, sharded optimizer state)")
+
+
+def fitting_node_setting(ranks: List[Tuple[int, int]], available: int) -> str:
+    """:func:`fitting_setting` for the local ranks of a node whose sizes the persister knows: ``ranks`` holds
+    ``(slot_nbytes, slots)`` per rank (bytes of one slot, slots it uses). Ranks of one size and slot count get
+    :func:`fitting_setting`'s sentence, the one the node check (:func:`snapckpt.engine.preflight.host_memory_shortfall`)
+    writes; ranks of different sizes (pipeline stages) count each rank at its own size."""
+    sizes = {n for n, _ in ranks}
+    counts = {k for _, k in ranks}
+    if len(sizes) == 1 and len(counts) == 1:
+        return fitting_setting(sizes.pop(), counts.pop(), len(ranks), 0, available)
+    for k in range(max(counts) - 1, 0, -1):
+        need = sum(n * min(k, c) for n, c in ranks)
+        if need <= available:
+            return (f"slots_per_rank={k} fits: needs {fmt_nbytes(need)} of {fmt_nbytes(available)} available for "
+                    f"the slots of this node's {len(ranks)} local ranks, each at its own size (with one slot, no "
+                    "complete snapshot is in memory while the next one is copied, and a save waits for the slot's "
+                    "disk write: see docs/performance.md)")
+    one = sum(n for n, _ in ranks)
+    return (f"no slot count fits: even slots_per_rank=1 needs {fmt_nbytes(one)} of {fmt_nbytes(available)} available "
+            f"for the slots of this node's {len(ranks)} local ranks; use a larger tmpfs (shm_dir= or "
+            "SNAPCKPT_SHM_DIR), free host memory, or save less state per rank (more ranks or nodes, sharded "
+            "optimizer state)")
+
+
+@dataclass
+class OtherRanks:
+    """What the node's other local ranks add to a rank's capacity check (:meth:`SlotFiles.ensure_size
+    <snapckpt.persister.arena.SlotFiles.ensure_size>`): ``nbytes``, the bytes their slots have yet to reserve to
+    hold their ranks' last asked size; ``held``, the bytes those slots hold already (up to that size); ``ranks``,
+    ``(rank, slot_nbytes, slots)`` of each of them, for the message and the advice."""
+
+    nbytes: int = 0
+    held: int = 0
+    ranks: List[Tuple[int, int, int]] = field(default_factory=list)

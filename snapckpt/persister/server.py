@@ -643,6 +643,8 @@ class Server:
         slot = self.slots.acquire(entry, msg["step"], msg["nbytes"], msg["slots"])
         if slot is None:
             return P.ok(busy=True, detail=self.slots.describe(entry), replication=notes)
+        # the slots the rank prefaults at this size, once grown: those left ungrown for now too (SlotTable.acquire),
+        # which grow once every local rank has asked for a slot
         usable = [s.index for s in self.slots.usable(entry, msg["slots"])]
         return P.ok(busy=False, replication=notes, usable=usable, **self.slots.info(slot))
 
@@ -759,7 +761,9 @@ class Server:
         # loader names them when it falls back to an older step
         torn = [{"slot": s.index, "step": s.step} for s in entry.slots if s.state == SlotState.INVALID]
         return P.ok(slots=[self.slots.info(s) for s in self.slots.held(entry)], interrupted=torn,
-                    usable_slots=len(self.slots.usable(entry, entry.limit)))
+                    # the slots its last acquire used (those left ungrown not counted: SlotTable.acquire)
+                    usable_slots=len([s for s in self.slots.usable(entry, entry.limit)
+                                      if s.index not in entry.deferred]))
 
 
 def batch_scheduling() -> bool:

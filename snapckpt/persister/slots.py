@@ -20,6 +20,18 @@ again once it is READY (not while PERSISTING or pinned by a peer send), so while
 copied into it the rank holds no complete memory snapshot: the slot is WRITING, and INVALID if the copy
 dies. Slots beyond a rank's limit are emptied (their pages released) once nothing reads them.
 
+Several local ranks share the node's shared memory. A rank's slots beyond its first grow only once every
+local rank of its run has asked for a slot (an ``acquire``, or a ``reserve`` ahead of its first save), so that
+the node knows each rank's size before it grants a second slot: until then the rank saves with its first slot
+alone, as a rank limited to one slot does (a save waits while it is being written to disk, never refused for
+it). Every growth is then checked against the whole node: the free shared memory must hold what this rank's
+slots and every other local rank's slots still need at the sizes they asked for (:meth:`SlotTable.acquire`), so
+one rank's second slot never takes the room another rank needs for its first, ranks of different sizes
+(pipeline stages) fit as they are, and when the node's slots do not fit every rank is refused alike, with the
+setting that fits for the node (the one the node check names: :func:`snapckpt.engine.preflight.host_memory_shortfall`).
+A local rank that has not asked within :attr:`SlotTable.FIRST_SLOTS_WAIT_SECS` of the first (it never saves, or
+its process never started) no longer holds the others back; it is counted once it asks.
+
 Locking: every method runs with the server's lock held, except :meth:`SlotTable.release` (called by
 a writer thread), which takes it.
 """
@@ -30,6 +42,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
@@ -37,6 +50,7 @@ from snapckpt.errors import PersisterError
 from snapckpt.ondisk.manifest import validate_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister.arena import SlotFiles, SlotState
+from snapckpt.persister.budget import OtherRanks
 from snapckpt.storage.urls import is_remote_url
 
 log = logging.getLogger("snapckpt.persister")
@@ -82,6 +96,11 @@ class RankEntry:
     conn: Optional[socket.socket] = None
     run_id: str = ""
     limit: int = 0  # the slot limit of its last acquire (0, before its first: all slots; see SlotTable.usable)
+    # the slot size (bytes) and slot limit of its last acquire or reserve in its run (0: it has not asked yet):
+    # what the node counts for it when another local rank's slot grows (SlotTable.acquire)
+    want: int = 0
+    want_slots: int = 0
+    deferred: List[int] = field(default_factory=list)  # its slots its last acquire left ungrown (SlotTable.acquire)
 
 
 @dataclass
@@ -104,6 +123,8 @@ class Run:
     peer_timeout_secs: float = 10.0  # a node lease unrenewed this long is a lost node (persister/peers.py)
     # local ranks whose process died (disconnected without bye): rank -> gone record (persister/peers.py)
     gone: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    asked_since: Optional[float] = None  # time.monotonic() of its first local rank's first acquire or reserve
+    waited_out: bool = False  # some local rank had not asked within SlotTable.FIRST_SLOTS_WAIT_SECS of that
 
     @property
     def remote_only(self) -> bool:
@@ -188,6 +209,10 @@ class SlotTable:
         lock: the server's lock (see the module docstring).
     """
 
+    #: How long (seconds) after the first local rank of a run asked for a slot its ranks' second slots wait for the
+    #: other local ranks to ask for their first (see the module docstring); then they grow without those ranks.
+    FIRST_SLOTS_WAIT_SECS = 60.0
+
     def __init__(self, arena: SlotFiles, lock: threading.RLock) -> None:
         self.arena = arena
         self.lock = lock
@@ -208,13 +233,17 @@ class SlotTable:
     # ----------------------------------------------------------------------------------- records
     def attach(self, rank: int, run: Run, conn: socket.socket, slots_per_rank: int) -> RankEntry:
         """Serve ``rank`` of ``run`` on ``conn``; its slot records are made (or added) up to
-        ``slots_per_rank``, those it had before (a restarted rank) are kept with their snapshots."""
+        ``slots_per_rank``, those it had before (a restarted rank) are kept with their snapshots. A rank of a new
+        run (a restart) has not asked for a slot in it yet (:attr:`RankEntry.want`); one that reconnects in the
+        same run keeps what it asked for."""
         entry = self.ranks.get(rank)
         if entry is None:
             entry = RankEntry(rank, [Slot(i, self.arena.path(rank, i)) for i in range(slots_per_rank)])
             self.ranks[rank] = entry
         while len(entry.slots) < slots_per_rank:
             entry.slots.append(Slot(len(entry.slots), self.arena.path(rank, len(entry.slots))))
+        if entry.run_id != run.run_id:
+            entry.want, entry.want_slots = 0, 0
         entry.conn = conn
         entry.run_id = run.run_id
         return entry
@@ -248,8 +277,13 @@ class SlotTable:
         return max(cands, key=lambda x: x.seq) if cands else None
 
     def describe(self, entry: RankEntry) -> str:
-        """Every slot's state and step, for a busy reply (``"slot 0: READY(5), ..."``)."""
-        return ", ".join(f"slot {s.index}: {s.state.value}({s.step})" for s in entry.slots)
+        """Every slot's state and step, for a busy reply (``"slot 0: READY(5), ..."``), and why slots of the rank
+        are not used (:attr:`RankEntry.deferred`)."""
+        text = ", ".join(f"slot {s.index}: {s.state.value}({s.step})" for s in entry.slots)
+        if entry.deferred:
+            text += (f"; slot(s) {entry.deferred} grow once every local rank of this node has asked for its first "
+                     f"slot (not yet: rank(s) {self.unasked(entry)})")
+        return text
 
     def drop_moved_ranks(self, run: Run) -> List[int]:
         """Free the slots this node still holds for ranks of an earlier run of the job that are not local to
@@ -325,19 +359,32 @@ class SlotTable:
         With one, that slot is handed out even when it holds the rank's newest snapshot (which is then
         overwritten), but never while PERSISTING or pinned.
 
+        While another local rank of the run has not asked for a slot (:meth:`unasked`), only the first of the
+        usable slots may grow: the others are used only if they hold ``nbytes`` already (:attr:`RankEntry.deferred`
+        lists the rest), and with one slot in use it is handed out as under a limit of one. The capacity check
+        counts what the other local ranks' slots still need at the sizes they asked for (:meth:`_others`).
+
         Raises:
             InsufficientSharedMemoryError, PreflightError: the arena cannot grow the slot (the message says
                 which ``slots_per_rank`` fits).
         """
         entry.limit = limit
+        self._asked(entry, nbytes, limit)
         usable = self.usable(entry, limit)
         self._trim(entry, usable)
-        ready = [s for s in usable if s.state == SlotState.READY]
+        waiting = self.unasked(entry)
+        active = usable if not waiting else [s for i, s in enumerate(usable) if i == 0 or s.nbytes >= nbytes]
+        deferred = [s.index for s in usable if s not in active]
+        if deferred and not entry.deferred:
+            log.info("rank %d: saves with %d of its %d slot(s) until local rank(s) %s of this node ask for their "
+                     "first slot: their sizes are not known yet", entry.rank, len(active), len(usable), waiting)
+        entry.deferred = deferred
+        ready = [s for s in active if s.state == SlotState.READY]
         # the restore point: the newest complete snapshot, READY or PERSISTING (an older READY slot is not
         # kept for it while the newest is being written to disk)
-        held = [s for s in usable if s.state in HELD]
-        newest = max(held, key=lambda s: s.seq) if held and len(usable) > 1 else None
-        free = [s for s in usable if s.state in (SlotState.FREE, SlotState.INVALID) and s.stream is None]
+        held = [s for s in active if s.state in HELD]
+        newest = max(held, key=lambda s: s.seq) if held and len(active) > 1 else None
+        free = [s for s in active if s.state in (SlotState.FREE, SlotState.INVALID) and s.stream is None]
         reusable = sorted((s for s in ready if s is not newest and not s.pins and s.stream is None),
                           key=lambda s: s.seq)
         candidates = free + reusable
@@ -350,46 +397,141 @@ class SlotTable:
         # running for another slot, a reservation to at least this size, is not waited for: the first save after
         # construction does not wait for the reservation of the rank's other slot (issue 18); what that growth has
         # yet to reserve is counted from its file's size, which grows piece by piece (SlotFiles.ensure_size, pause).
-        for s in usable:
+        for s in active:
             if s is slot or s.growing is None or s.growing.done() or s.growing_to < nbytes:
                 self._grown(s)
-        reserve = sum(_still_to_reserve(s, nbytes) for s in usable if s is not slot)
+        reserve = sum(_still_to_reserve(s, nbytes) for s in active if s is not slot)
         held_nbytes = sum(min(s.nbytes, nbytes) for s in usable)
+        grows = slot.nbytes < nbytes
+        others = self._others(entry, full=not waiting) if grows or reserve else None
 
         def grow_others() -> None:
             # reserve the other slots' pages now, off the training path, alongside this slot's growth (the
             # check just passed counted them): the rank's prefault of the next slot waits for its file to grow
-            for other in usable:
-                if (other is not slot and other.growing is None and other.nbytes < nbytes
-                        and other.state in (SlotState.FREE, SlotState.INVALID)):
-                    other.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, other.index,
-                                                          nbytes, other.nbytes)
-                    # one posix_fallocate: its file's size says nothing of its progress until it ends, so a save
-                    # that acquires another slot meanwhile waits for it (growing_to 0), as it always did
-                    other.growing_to = 0
+            for other in active:
+                self._grow_free(entry, other, nbytes, skip=slot)
+            if not waiting:  # the check counted every local rank's slots too: those left ungrown grow now
+                for e in self._asked_others(entry):
+                    for other in self.usable(e, e.want_slots):
+                        self._grow_free(e, other, e.want)
 
         slot.nbytes = self.arena.ensure_size(entry.rank, slot.index, nbytes, slot.nbytes, reserve,
-                                             slots=len(usable), held_nbytes=held_nbytes, checked=grow_others)
+                                             slots=len(usable), held_nbytes=held_nbytes, others=others,
+                                             checked=grow_others)
         slot.state, slot.step, slot.run_id, slot.origin = SlotState.WRITING, step, entry.run_id, None
-        grow_others()  # when this slot needed no growth
+        # when this slot needed no growth (no capacity check ran): only where the node's memory holds them beside
+        # the other local ranks' slots; else the acquire that hands one of them out raises, with the advice
+        if not grows and reserve and reserve + others.nbytes <= self._room():
+            grow_others()
         return slot
+
+    def _grow_free(self, entry: RankEntry, s: Slot, nbytes: int, skip: Optional[Slot] = None,
+                   ahead: bool = False) -> bool:
+        """Grow slot ``s`` of ``entry`` to ``nbytes`` in the background if it is FREE (or INVALID), smaller and not
+        growing already (and not ``skip``); return whether it grows. By default with one ``posix_fallocate``: its
+        file's size says nothing of its progress until it ends, so a save that acquires the slot meanwhile waits
+        for it (``growing_to`` 0), as it always did. ``ahead`` (a reservation ahead of the first save): piece by
+        piece, writing zeros, pausing while a rank reads a checkpoint (:meth:`reserve`)."""
+        if (s is skip or s.growing is not None or s.nbytes >= nbytes
+                or s.state not in (SlotState.FREE, SlotState.INVALID)):
+            return False
+        if ahead:
+            s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes,
+                                              pause=self.holds.pauser(), zero=True)
+            s.growing_to = nbytes
+        else:
+            s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes)
+            s.growing_to = 0
+        return True
 
     def reserve(self, entry: RankEntry, nbytes: int, limit: int = 0) -> List[Slot]:
         """Grow every FREE (or INVALID) slot of ``entry`` below ``nbytes`` bytes to ``nbytes``, in the background
         (the growth pool), ahead of the rank's first snapshot; return the slots being grown. A growth that
         fails (too little shared memory) is only logged: the snapshot's own ``acquire`` raises the error.
         Slots that hold a snapshot are left alone; with ``limit`` (see :meth:`acquire`), only usable ones grow. A
-        slot still growing for an earlier reservation is left at that size."""
+        slot still growing for an earlier reservation is left at that size. The rank has asked for ``nbytes``
+        (:meth:`acquire` counts it for the node); only its first usable slot grows while another local rank has not
+        asked, or when the node's free memory does not hold every local rank's slots at their sizes (the acquire
+        then says so)."""
+        self._asked(entry, nbytes, limit)
+        usable = self.usable(entry, limit)
+        fits = not self.unasked(entry) and self._node_fits(entry, usable, nbytes)
         out = []
-        for s in self.usable(entry, limit):
+        for s in (usable if fits else usable[:1]):
             if s.growing is not None and s.growing.done():
                 self._grown(s)  # an earlier reservation (expected_nbytes, the restart's size) ended: a larger one grows
-            if s.state in (SlotState.FREE, SlotState.INVALID) and s.growing is None and s.nbytes < nbytes:
-                s.growing = self.grow_pool.submit(self.arena.ensure_size, entry.rank, s.index, nbytes, s.nbytes,
-                                                  pause=self.holds.pauser(), zero=True)
-                s.growing_to = nbytes
+            if self._grow_free(entry, s, nbytes, ahead=True):
                 out.append(s)
+        if fits:  # every local rank's slots were counted: those of the ranks that asked before grow too
+            for e in self._asked_others(entry):
+                for s in self.usable(e, e.want_slots):
+                    self._grow_free(e, s, e.want, ahead=True)
         return out
+
+    def _asked(self, entry: RankEntry, nbytes: int, limit: int) -> None:
+        """``entry`` asks for slots of ``nbytes`` bytes under ``limit`` (:attr:`RankEntry.want`)."""
+        entry.want, entry.want_slots = nbytes, limit
+        run = self.runs.get(entry.run_id)
+        if run is not None and run.asked_since is None:
+            run.asked_since = time.monotonic()
+
+    def unasked(self, entry: RankEntry) -> List[int]:
+        """The local ranks of ``entry``'s run that have not asked for a slot in it yet (no ``acquire`` nor
+        ``reserve``; a rank whose process has not said ``hello`` neither); ``[]`` once
+        :attr:`FIRST_SLOTS_WAIT_SECS` have passed since the run's first ask (logged once)."""
+        run = self.runs.get(entry.run_id)
+        if run is None or len(run.local_ranks) <= 1 or run.waited_out:
+            return []
+        missing = [r for r in run.local_ranks if not self._asked_in(r, run)]
+        if missing and run.asked_since is not None and time.monotonic() - run.asked_since > self.FIRST_SLOTS_WAIT_SECS:
+            # info, not a warning (which keeps persister.log after a clean exit): a rank may never save, and what
+            # this can cost (a later first save refused) raises its own error with the advice
+            log.info("run %s: local rank(s) %s asked for no arena slot within %g s of the first local rank: the "
+                     "other ranks' slots beyond their first now grow without counting them; if the node's shared "
+                     "memory cannot hold every rank's slots, such a rank's first save may be refused "
+                     "(InsufficientSharedMemoryError names the setting that fits)", run.run_id, missing,
+                     self.FIRST_SLOTS_WAIT_SECS)
+            run.waited_out = True
+            return []
+        return missing
+
+    def _asked_in(self, rank: int, run: Run) -> bool:
+        e = self.ranks.get(rank)
+        return e is not None and e.run_id == run.run_id and e.want > 0
+
+    def _others(self, entry: RankEntry, full: bool) -> OtherRanks:
+        """What the other local ranks of ``entry``'s run that asked for slots still need (:class:`OtherRanks`): their
+        usable slots (with ``full`` False, their first only: their others wait too) up to the size each asked for.
+        A finished background growth of theirs is taken first, and a single ``posix_fallocate`` one waited for
+        (its file's size says nothing of its progress)."""
+        out = OtherRanks()
+        for e in self._asked_others(entry):
+            usable = self.usable(e, e.want_slots)
+            for s in (usable if full else usable[:1]):
+                if s.growing is not None and (s.growing.done() or not s.growing_to):
+                    self._grown(s)
+                out.nbytes += _still_to_reserve(s, e.want)
+                out.held += min(s.nbytes, e.want)
+            out.ranks.append((e.rank, e.want, len(usable)))
+        return out
+
+    def _asked_others(self, entry: RankEntry) -> List[RankEntry]:
+        """The other local ranks of ``entry``'s run that have asked for a slot in it."""
+        run = self.runs.get(entry.run_id)
+        if run is None:
+            return []
+        return [self.ranks[r] for r in run.local_ranks if r != entry.rank and self._asked_in(r, run)]
+
+    def _node_fits(self, entry: RankEntry, usable: List[Slot], nbytes: int) -> bool:
+        """Whether the arena's free memory holds what ``usable`` slots of ``entry`` and every other local rank's
+        slots still need (:meth:`_others`), at the sizes asked for."""
+        need = sum(_still_to_reserve(s, nbytes) for s in usable) + self._others(entry, full=True).nbytes
+        return need <= self._room()
+
+    def _room(self) -> int:
+        """Bytes the arena may still reserve: the smaller of its filesystem's free bytes and MemAvailable."""
+        free, avail = self.arena.room()
+        return min(free, avail) if avail is not None else free
 
     def _grown(self, slot: Slot) -> None:
         """Wait for a background growth of ``slot`` and take its size (called with the lock; the growth

@@ -20,6 +20,10 @@ Modes (first argument), each printing ``RESULT {...json...}`` lines:
 - ``resume CKPT``: load, report step/tier, commit step 3, close, report.
 - ``fewer_slots CKPT SHM SLOTS``: ``slots_per_rank=SLOTS``: save a 10 MiB state in memory (step 1) and report its
   error, or load it back and report; then exit without closing (as a crashed rank: the persister lives on).
+- ``local_ranks CKPT SHM``: 2 ranks on one node, three Checkpointers one after the other, each saving in memory
+  in turn (rank 0 steps 1-2, then rank 1 step 1(-2), then rank 0 step 3, rank 1 step 3): ``even`` (both 12 MiB,
+  two slots), ``one`` (both 12 MiB, ``slots_per_rank=1``), ``uneven`` (rank 0 12 MiB, rank 1 2 MiB, two slots,
+  then loaded); a result per rank and phase with each save's error and what the tmpfs held.
 """
 from __future__ import annotations
 
@@ -212,6 +216,44 @@ def run_fewer_slots(ckpt: str, shm: str, slots: str) -> None:
     os._exit(0)  # no close(): the persister outlives this rank, as after a crash
 
 
+def run_local_ranks(ckpt: str, shm: str) -> None:
+    rank = dist.get_rank()
+    for phase, slots, mib in (("even", 2, (12, 12)), ("one", 1, (12, 12)), ("uneven", 2, (12, 2))):
+        ck = Checkpointer(ckpt, shm_dir=shm, slots_per_rank=slots, **QUICK)
+        errors = {}
+
+        def save(step: int) -> None:
+            try:
+                ck.save(state_of(mib[rank] * MiB, fill=float(step)), step, StorageType.MEMORY)
+                errors[step] = None
+            except InsufficientSharedMemoryError as e:
+                errors[step] = str(e)
+
+        # a Checkpointer's first save is collective (the directory claim): settled here, so that the saves below
+        # come in the order set by the barriers
+        ck._saver._claim_dir(1, StorageType.MEMORY)
+        if rank == 0:  # its second save takes its second slot, when it may have one
+            save(1)
+            save(2)
+        dist.barrier()
+        if rank == 1:
+            save(1)
+            if errors[1] is None:
+                save(2)
+        dist.barrier()
+        save(3)
+        dist.barrier()
+        loaded = None
+        if phase == "uneven":
+            out = ck.load()
+            loaded = [ck.last_load.step, ck.last_load.tier.name, float(out["model"]["w"][0])]
+        result(phase=phase, rank=rank, errors=errors, shm_used=used_bytes(shm), loaded=loaded)
+        pid = ck.persister_pid
+        ck.close()
+        wait_gone(pid)
+        dist.barrier()
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     mode, args = sys.argv[1], sys.argv[2:]
@@ -231,6 +273,8 @@ if __name__ == "__main__":
         run_single_slot_resume(*args)
     elif mode == "fewer_slots":
         run_fewer_slots(*args)
+    elif mode == "local_ranks":
+        run_local_ranks(*args)
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.destroy_process_group()
