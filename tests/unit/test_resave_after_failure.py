@@ -299,6 +299,9 @@ def test_a_save_of_the_same_step_again_while_its_first_save_is_in_flight_waits_f
     with sched.lock:
         sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again
     assert sched.results[key] is old and old.deferred == {0} and new0.pins == 1
+    with sched.lock:  # the deferred snapshot's save has no record yet: pending, not the first save's outcome
+        assert sched.result(key, 0, 8).waiting and sched.result(key, 0, -1).waiting
+        assert sched.result(key, 0, 7) is old and sched.result(key, 1, 7) is old and sched.result(key) is old
     _first_save_commits(sched, key, old)  # rank 1's writer ends, then the commit
     assert wait_until(lambda: sched.results[key] is not old and sched.results[key].parts_done == {0}, timeout=30)
     assert not old.deferred and new0.pins == 0
