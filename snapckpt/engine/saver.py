@@ -271,8 +271,7 @@ class Saver:
             m = self._maps.get(slot, reply["path"], reply["nbytes"], usable=reply.get("usable"),
                                wait_prefault=not self._options.overlap or has_cuda_sources(prepared.span_copies))
         except BaseException as e:
-            self._abort(slot)
-            self._save_failed(step, storage_type, dirname, e)
+            self._abort_and_fail(slot, step, storage_type, dirname, e)
             raise
         job = _CopyJob(prepared, slot, m, step, storage_type, dirname, tracker_name or "",
                        tracker_content if tracker_name else "", t0, t1, t2, started)
@@ -331,6 +330,14 @@ class Saver:
                 and not isinstance(exc, (PersisterDiedError, PersisterTimeoutError))):
             self._fail_for_every_rank(step, dirname, exc)
 
+    def _abort_and_fail(self, slot: int, step: int, storage_type: StorageType, dirname: str, exc: BaseException,
+                        *, sync_cuda: bool = False, device_done=None) -> None:
+        """This rank's save of ``(step, dirname)`` failed with ``exc`` once it held ``slot``, before the hand-over:
+        hand the slot back (:meth:`_abort`; ``sync_cuda`` / ``device_done``: its queued CUDA copies are waited for
+        first), then tell the persister (:meth:`_save_failed`), in that order; the caller re-raises ``exc``."""
+        self._abort(slot, sync_cuda=sync_cuda, device_done=device_done)
+        self._save_failed(step, storage_type, dirname, exc)
+
     def _copy(self, job: _CopyJob) -> SaveHandle:
         """Copy ``job``'s snapshot into its slot: now, or on the copy thread until the next fence."""
         prepared, m, slot, step, storage_type = job.prepared, job.mapped, job.slot, job.step, job.storage_type
@@ -351,15 +358,13 @@ class Saver:
                 m.cuda = self.cuda
                 device_done = self.cuda.start(prepared.span_copies, m.tensor)
             except BaseException as e:
-                self._abort(slot, sync_cuda=True)
-                self._save_failed(step, storage_type, job.dirname, e)
+                self._abort_and_fail(slot, step, storage_type, job.dirname, e, sync_cuda=True)
                 raise
         try:
             if device_done is None:
                 self._stream(job)
         except BaseException as e:
-            self._abort(slot)
-            self._save_failed(step, storage_type, job.dirname, e)
+            self._abort_and_fail(slot, step, storage_type, job.dirname, e)
             raise
         if self._options.overlap:
             # The copy runs on the copy thread; fence() (before the optimizer step) waits for it and then
@@ -375,8 +380,7 @@ class Saver:
         try:
             Stager.copy_into(prepared, m.tensor, m.buf, device_done)
         except BaseException as e:
-            self._abort(slot, sync_cuda=device_done is not None)
-            self._save_failed(step, storage_type, job.dirname, e)
+            self._abort_and_fail(slot, step, storage_type, job.dirname, e, sync_cuda=device_done is not None)
             raise
         return self._copied(job)
 
@@ -591,8 +595,7 @@ class Saver:
         try:
             t_copy = job.future.result()
         except BaseException as e:
-            self._abort(job.slot, device_done=job.device_done)
-            self._save_failed(job.step, job.storage_type, job.dirname, e)
+            self._abort_and_fail(job.slot, job.step, job.storage_type, job.dirname, e, device_done=job.device_done)
             job.handle.fail(e)
             job.handle.mark_reported()
             raise

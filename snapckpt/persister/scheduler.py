@@ -92,7 +92,8 @@ class Result:
     # which save of (run id, step, dirname) this is: 1, then one more for each save of it again on this node
     # (Scheduler._replace, forget). Every node of the run counts alike (each save of it is asked of every
     # node by its ranks, or crash-flushed on each), so the peer notices name the save by it. 0: no save, the
-    # failed record of a rank's snapshot whose save could not start (Scheduler._persist_deferred)
+    # failed record of a rank's snapshot whose save could not start (Scheduler._persist_deferred), or the
+    # stand-in of one whose save has not started yet (waiting)
     gen: int = 1
     state: str = "pending"  # pending | committed | failed
     error: Optional[Dict[str, Any]] = None
@@ -123,6 +124,9 @@ class Result:
     # a crash flush's: the generations of the earlier saves of its step that failed here, whose records it dropped
     # (Scheduler.forget); their part markers are stale for its commit (Scheduler._failed_gens)
     failed_before: Set[int] = field(default_factory=set)
+    # a stand-in, never among the records: the save of a rank's snapshot that waits for the save of its step and
+    # directory before it to be over here (Scheduler.result; the rank is in that save's `deferred`): pending
+    waiting: bool = False
 
     def participants(self) -> Set[int]:
         """The local ranks that took part in this save: handed their snapshot over (or streamed it), or failed
@@ -235,12 +239,17 @@ class Scheduler:
         and ``seq`` (the rank's snapshot that save handed over): the save that ``seq`` of ``rank`` was written
         by, where saves of the same step and directory again replaced it (else the newest save of ``key``:
         one that replaced a snapshot never written, or not yet). A rank not (yet) in the newest save is looked up
-        in the earlier ones held too (newest first): its snapshot may have been written by one of them."""
+        in the earlier ones held too (newest first): its snapshot may have been written by one of them. A snapshot
+        in none of them whose save of the step again waits for the newest one to be over (the rank is in its
+        :attr:`Result.deferred`: :meth:`persist`) has no record yet: its save reads as pending, a fresh
+        :attr:`Result.waiting` stand-in (not the earlier save's outcome)."""
         recs = self.results.records(key)
         if seq >= 0:
             for res in reversed(recs):
                 if res.rank_seq.get(rank) == seq:
                     return res
+        if recs and rank in recs[-1].deferred and recs[-1].rank_seq.get(rank) != seq:
+            return Result(gen=0, waiting=True)  # (seq -1, not known: a rank that defers a save hears pending)
         return recs[-1] if recs else None
 
     def when_over(self, key: SaveKey, fn: Callable[[], None]) -> None:

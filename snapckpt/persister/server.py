@@ -739,8 +739,7 @@ class Server:
         if res is None:
             held = any(s.step == msg["step"] for s in self.slots.held(entry))
             return P.ok(state="held" if held else "unknown")
-        if entry.rank in res.deferred and res.rank_seq.get(entry.rank) != msg["seq"]:
-            # its save again waits for this one to be over (Scheduler.persist)
+        if res.waiting:  # its save of the step again waits for the one before to be over (Scheduler.result)
             return P.ok(state="pending")
         if entry.rank in res.part_errors:
             res.told.add(entry.rank)  # (a record is pruned only once its ranks were told: Scheduler._prune)

@@ -24,9 +24,9 @@ from typing import Optional
 
 import pytest
 from _harness import wait_until
-from _sched_rig import NBYTES, node, stub_slot_reads
+from _sched_rig import NBYTES, node, stub_slot_reads, write_part
 
-from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, SIDECAR, ChecksumWriter, partial_dirname
+from snapckpt.ondisk.manifest import MANIFEST, SIDECAR, partial_dirname
 from snapckpt.persister.arena import SlotState
 from snapckpt.persister.commit import CommitRequest
 from snapckpt.persister.commit_notices import CommitNotices
@@ -103,20 +103,6 @@ def _assert_part(ckpt: str, directory: str, rank: int, step: int) -> None:
         assert f.read() == bytes([step]) * NBYTES
     with open(os.path.join(d, SIDECAR, f"part_{rank:05d}.json")) as f:
         assert json.load(f)["step"] == step
-
-
-def _done_part(ckpt: str, rank: int, step: int) -> None:
-    """Rank ``rank``'s part of ``step`` written and durable, as the writer and the part syncer leave it."""
-    d = os.path.join(ckpt, partial_dirname(TAG, RUN))
-    os.makedirs(os.path.join(d, SIDECAR), exist_ok=True)
-    name = f"rank{rank}.bin"
-    with open(os.path.join(d, name), "wb") as f:
-        cw = ChecksumWriter(f)
-        cw.write(bytes([step]) * NBYTES)
-    marker = {"rank": rank, "run_id": RUN, "step": step,
-              "files": {name: {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": "bytes"}}}
-    with open(os.path.join(d, SIDECAR, f"part_{rank:05d}.json"), "w") as f:
-        json.dump(marker, f)
 
 
 def _old_part(ckpt: str, rank: int, step: int) -> str:
@@ -196,7 +182,7 @@ def test_a_resave_on_another_node_waits_for_the_committers_deletion(tmp_path, pa
         CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
                                                               "dirname": TAG, "gen": 1, "state": "removed"})
     elif notice == "lost_and_recreated":
-        _done_part(ckpt, 0, 8)
+        write_part(ckpt, TAG, RUN, 0, 8)
     _finish(sched, t)
     _assert_part(ckpt, partial_dirname(TAG, RUN), 2, 8)
 
@@ -209,7 +195,7 @@ def test_a_crash_flush_under_a_tag_waits_for_the_tags_save_in_flight(tmp_path, p
     step 5's file and marker in the shared partial directory, and step 5's commit failed)."""
     ckpt = str(tmp_path)
     sched, run = _node(ckpt, world_size=1, local_ranks=(0,))
-    _done_part(ckpt, 0, 5)
+    write_part(ckpt, TAG, RUN, 0, 5)
     _save(sched, 5, parts_done={0})  # its commit: started, not yet ended
     t = _write(sched, run, ckpt, 0, 6)  # the crash flush's part of step 6
     req = CommitRequest(checkpoint_dir=ckpt, dirname=TAG, step=5, run_id=RUN, world_size=1, timeout_secs=5.0,
@@ -313,6 +299,9 @@ def test_a_save_of_the_same_step_again_while_its_first_save_is_in_flight_waits_f
     with sched.lock:
         sched.persist(sched.slots.ranks[0], 7, run)  # rank 0 saves step 7 again
     assert sched.results[key] is old and old.deferred == {0} and new0.pins == 1
+    with sched.lock:  # the deferred snapshot's save has no record yet: pending, not the first save's outcome
+        assert sched.result(key, 0, 8).waiting and sched.result(key, 0, -1).waiting
+        assert sched.result(key, 0, 7) is old and sched.result(key, 1, 7) is old and sched.result(key) is old
     _first_save_commits(sched, key, old)  # rank 1's writer ends, then the commit
     assert wait_until(lambda: sched.results[key] is not old and sched.results[key].parts_done == {0}, timeout=30)
     assert not old.deferred and new0.pins == 0
@@ -481,7 +470,7 @@ def test_a_late_part_of_a_failed_save_does_not_delete_the_next_saves_files(tmp_p
     ckpt = str(tmp_path)
     sched, run = _node(ckpt)
     _save(sched, 7, state="failed", rank_seq={0: 7}, part_errors={0: {"type": "OSError", "message": "disk full"}})
-    _done_part(ckpt, 0, 8)
+    write_part(ckpt, TAG, RUN, 0, 8)
     _save(sched, 8, parts_done={0}, rank_seq={0: 8})
     _late_rank(ckpt, sched, 1, 7)
     with sched.lock:
@@ -539,7 +528,7 @@ def test_another_nodes_wait_for_the_deletion_ends_on_its_notice_after_a_save_of_
     with sched.lock:  # rank 2 saves step 7 again (the new save's record)
         sched._replace(run, (RUN, 7, TAG))
     shutil.rmtree(partial)  # the committer deletes it, its save of step 7 again re-creates it
-    _done_part(ckpt, 0, 7)
+    write_part(ckpt, TAG, RUN, 0, 7)
     CommitNotices({}.get, sched.on_notice).receive(RUN, {"op": "commit_ended", "run_id": RUN, "step": 7,
                                                           "dirname": TAG, "gen": 1, "state": "removed"})
     assert wait_until(lambda: (ckpt, TAG) not in sched.discarding, timeout=10), "still waits for the deletion"

@@ -15,10 +15,10 @@ import os
 
 import pytest
 from _harness import wait_until
-from _sched_rig import NBYTES, node, stub_slot_reads
+from _sched_rig import NBYTES, node, stub_slot_reads, write_part
 
 from snapckpt.errors import SaveSkippedError
-from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, SIDECAR, ChecksumWriter, partial_dirname
+from snapckpt.ondisk.manifest import CHECKSUM, MANIFEST, SIDECAR, partial_dirname
 from snapckpt.persister import protocol as P
 from snapckpt.persister import scheduler as sched_mod
 from snapckpt.persister.arena import SlotState
@@ -32,22 +32,6 @@ RUN = "e" * 16 + "0123456789ab"
 TAG, STEP = "best", 7
 KEY = (RUN, STEP, TAG)
 SKIP = P.error_record(SaveSkippedError("rank 1 had no free arena slot for step 7 (on_slot_busy='skip')"))
-
-
-def _marker_part(ckpt: str, rank: int, fill: int, **fields) -> str:
-    """Rank ``rank``'s part in step 7's partial directory, as a writer leaves it: ``rank<R>.bin`` of bytes ``fill``
-    and its part marker with ``fields`` (``gen``, ``flush``). Returns the file's checksum."""
-    d = os.path.join(ckpt, partial_dirname(TAG, RUN))
-    os.makedirs(os.path.join(d, SIDECAR), exist_ok=True)
-    name = f"rank{rank}.bin"
-    with open(os.path.join(d, name), "wb") as f:
-        cw = ChecksumWriter(f)
-        cw.write(bytes([fill]) * NBYTES)
-    marker = {"rank": rank, "run_id": RUN, "step": STEP, **fields,
-              "files": {name: {"nbytes": cw.nbytes, CHECKSUM: cw.hexdigest, "kind": "bytes"}}}
-    with open(os.path.join(d, SIDECAR, f"part_{rank:05d}.json"), "w") as f:
-        json.dump(marker, f)
-    return cw.hexdigest
 
 
 def test_the_committer_does_not_count_a_stale_part_of_its_aborted_save(tmp_path, monkeypatch):
@@ -68,7 +52,7 @@ def test_the_committer_does_not_count_a_stale_part_of_its_aborted_save(tmp_path,
     first = sched.results[KEY]
     assert wait_until(lambda: first.state == "failed" and not sched.discarding, timeout=30), first
     for r in (2, 3):  # node 1's late parts of save 1, after the deletion
-        _marker_part(ckpt, r, fill=100 + r, gen=1)
+        write_part(ckpt, TAG, RUN, r, STEP, fill=100 + r, gen=1)
     for r in (0, 1):  # both ranks save step 7 again
         s = Slot(index=r, path=os.path.join(ckpt, f"rank{r}"), nbytes=NBYTES, state=SlotState.READY, step=STEP,
                  run_id=RUN, dirname=TAG, seq=10 + r)
@@ -80,7 +64,7 @@ def test_the_committer_does_not_count_a_stale_part_of_its_aborted_save(tmp_path,
     assert wait_until(lambda: second.parts_done == {0, 1}, timeout=30), second
     # (the commit lists the markers at once on its parts' wakes: a stale part counted ends it within this wait)
     assert not wait_until(lambda: second.state != "pending", timeout=1.5), second.error
-    fresh = {r: _marker_part(ckpt, r, fill=r, gen=2) for r in (2, 3)}  # node 1's parts of save 2
+    fresh = {r: write_part(ckpt, TAG, RUN, r, STEP, fill=r, gen=2) for r in (2, 3)}  # node 1's parts of save 2
     second.part_ended.set()  # (node 1's part_done notice)
     assert wait_until(lambda: second.state != "pending", timeout=30)
     assert second.state == "committed", second.error
@@ -102,10 +86,10 @@ def test_collect_parts_skips_the_markers_of_a_failed_generation_only(tmp_path):
     a failure marker of save 1 do not (the failure marker would fail save 2 at once). Save 3 (save 2 not failed):
     save 2's markers count."""
     ckpt = str(tmp_path)
-    _marker_part(ckpt, 0, 0, gen=2)
-    _marker_part(ckpt, 1, 1, gen=1)
-    _marker_part(ckpt, 2, 2, gen=1, flush=True)
-    _marker_part(ckpt, 3, 3)
+    write_part(ckpt, TAG, RUN, 0, STEP, fill=0, gen=2)
+    write_part(ckpt, TAG, RUN, 1, STEP, fill=1, gen=1)
+    write_part(ckpt, TAG, RUN, 2, STEP, fill=2, gen=1, flush=True)
+    write_part(ckpt, TAG, RUN, 3, STEP, fill=3)
     partial = os.path.join(ckpt, partial_dirname(TAG, RUN))
     write_failure_marker(PosixStorage(fsync=False), partial, rank=4, run_id=RUN, step=STEP,
                          exc=OSError(5, "old failure"), gen=1)
@@ -170,10 +154,10 @@ def test_another_node_removes_its_parts_written_after_the_committer_deleted_the_
     ckpt = str(tmp_path)
     sched, run = node(RUN, ckpt, committer=False, world_size=4, local_ranks=(2, 3))
     partial = os.path.join(ckpt, partial_dirname(TAG, RUN))
-    _marker_part(ckpt, 2, 2, gen=1)
+    write_part(ckpt, TAG, RUN, 2, STEP, fill=2, gen=1)
     write_failure_marker(PosixStorage(fsync=False), partial, rank=3, run_id=RUN, step=STEP, exc=OSError(5, "x"),
                          gen=1)
-    _marker_part(ckpt, 0, 0, gen=2)
+    write_part(ckpt, TAG, RUN, 0, STEP, fill=0, gen=2)
     with sched.lock:
         res = sched.results[KEY] = Result(state="failed", parts_done={2}, part_errors={3: {"type": "OSError",
                                                                                           "message": "x"}})
@@ -198,9 +182,9 @@ def test_a_replica_stand_in_does_not_take_a_stale_marker_for_its_ranks_own_part(
         sched.forget(KEY)  # the flush: save 2
     marker = os.path.join(ckpt, partial_dirname(TAG, RUN), SIDECAR, "part_00002.json")
     assert not _part_there(marker, sched, KEY)
-    _marker_part(ckpt, 2, 2, gen=1)
+    write_part(ckpt, TAG, RUN, 2, STEP, fill=2, gen=1)
     assert not _part_there(marker, sched, KEY)
-    _marker_part(ckpt, 2, 2, gen=1, flush=True)
+    write_part(ckpt, TAG, RUN, 2, STEP, fill=2, gen=1, flush=True)
     assert _part_there(marker, sched, KEY)
-    _marker_part(ckpt, 2, 2)
+    write_part(ckpt, TAG, RUN, 2, STEP, fill=2)
     assert _part_there(marker, sched, KEY)
