@@ -6,7 +6,6 @@
 // PyObject_HEAD, then the at::Tensor, whose only member is the TensorImpl pointer); load() checks it with probe().
 #include <Python.h>
 
-#include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
 
 #include <cstdint>
@@ -134,16 +133,14 @@ inline void prefetch_ahead(PyObject* lst, Py_ssize_t i, Py_ssize_t n) {
   }
 }
 
-// check(tensors, table, ptrs, bump) -> int: -1 when a tensor's type, dispatch keys, dtype, requires_grad, device,
-// storage offset, shape or strides differ from its record (or the counts differ); else how many data pointers differ
-// from the ints of list `ptrs` (0 when `ptrs` is None). With bump true and 0 returned, every tensor's version counter
-// was bumped (as an in-place copy bumps it; RuntimeError for an inference tensor outside inference mode, checked for
-// every tensor before any is bumped).
+// check(tensors, table, ptrs) -> int: -1 when a tensor's type, dispatch keys, dtype, requires_grad, device, storage
+// offset, shape or strides differ from its record (or the counts differ); else how many data pointers differ from
+// the ints of list `ptrs` (0 when `ptrs` is None).
 PyObject* check_impl(PyObject* const* args);
 
 PyObject* check(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4 || !list_arg(args[0]) || !PyBytes_Check(args[1])) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "check(tensors, table: bytes, ptrs, bump)");
+  if (nargs != 3 || !list_arg(args[0]) || !PyBytes_Check(args[1])) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "check(tensors, table: bytes, ptrs)");
     return nullptr;
   }
   try {
@@ -160,14 +157,11 @@ PyObject* check_impl(PyObject* const* args) {
     PyErr_SetString(PyExc_TypeError, "ptrs: a list of ints or None");
     return nullptr;
   }
-  int bump = PyObject_IsTrue(args[3]);
-  if (bump < 0) return nullptr;
   Py_ssize_t n = PyList_GET_SIZE(lst);
   if (ptrs && PyList_GET_SIZE(ptrs) != n) return PyLong_FromLong(-1);
   const int64_t* r = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(args[1]));
   const int64_t* end = r + PyBytes_GET_SIZE(args[1]) / sizeof(int64_t);
   long differ = 0;
-  bool inference = false;
   for (Py_ssize_t i = 0; i < n; ++i) {
     prefetch_ahead(lst, i, n);
     PyObject* o = PyList_GET_ITEM(lst, i);
@@ -177,26 +171,44 @@ PyObject* check_impl(PyObject* const* args) {
       if (want == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
       if (want != reinterpret_cast<uintptr_t>(impl_of(o)->data())) ++differ;
     }
-    if (bump) inference |= impl_of(o)->is_inference();
   }
   if (r != end) return PyLong_FromLong(-1);
-  if (bump && differ == 0) {
-    if (inference && !c10::InferenceMode::is_enabled()) {
-      PyErr_SetString(PyExc_RuntimeError,
-                      "Inplace update to inference tensor outside InferenceMode is not allowed.");
-      return nullptr;
-    }
+  return PyLong_FromLong(differ);
+}
+
+// bump(tensors) -> None: bump every tensor's version counter, as an in-place copy (and torch's increment_version)
+// bumps it; a tensor made under inference mode has none and is skipped, as torch's increment_version skips it.
+// TypeError for an item that is not a tensor (the ones before it bumped).
+PyObject* bump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !list_arg(args[0]) || !PyType_Check(args[1])) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "bump(tensors, tensor_type)");
+    return nullptr;
+  }
+  PyObject* lst = args[0];
+  PyTypeObject* tensor_type = reinterpret_cast<PyTypeObject*>(args[1]);
+  Py_ssize_t n = PyList_GET_SIZE(lst);
+  try {
     for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* o = PyList_GET_ITEM(lst, i);
+      if (!PyObject_TypeCheck(o, tensor_type)) {
+        PyErr_SetString(PyExc_TypeError, "bump: expected a list of tensors");
+        return nullptr;
+      }
+      if (i + 16 < n) __builtin_prefetch(PyList_GET_ITEM(lst, i + 16));
       if (i + 8 < n) __builtin_prefetch(impl_of(PyList_GET_ITEM(lst, i + 8)));
       if (i + 4 < n) {
         // the version counter's object (VariableVersion holds one intrusive pointer); a prefetch never faults
         const c10::TensorImpl* t = impl_of(PyList_GET_ITEM(lst, i + 4));
         __builtin_prefetch(*reinterpret_cast<void* const*>(&t->version_counter()));
       }
-      impl_of(PyList_GET_ITEM(lst, i))->bump_version();
+      c10::TensorImpl* t = impl_of(o);
+      if (!t->is_inference()) t->bump_version();
     }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
   }
-  return PyLong_FromLong(differ);
+  Py_RETURN_NONE;
 }
 
 PyMethodDef methods[] = {
@@ -204,7 +216,9 @@ PyMethodDef methods[] = {
     {"table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table)), METH_FASTCALL,
      "table(tensors, tensor_type) -> bytes or None"},
     {"check", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(check)), METH_FASTCALL,
-     "check(tensors, table, ptrs, bump) -> int"},
+     "check(tensors, table, ptrs) -> int"},
+    {"bump", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(bump)), METH_FASTCALL,
+     "bump(tensors, tensor_type) -> None"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "snapckpt_tensor_loops", nullptr, -1, methods};
