@@ -4,8 +4,10 @@ The per-tensor passes of a save's quick check and an in-process restore (guards,
 one torch call per tensor each from Python; for 200,000 small tensors each pass reads every tensor's metadata out
 of memory again (the previous pass pushed it out of the caches). :func:`load` gives a module whose
 ``check(tensors, table, ptrs)`` does them in one C++ loop (records from ``table(tensors, torch.Tensor)``),
-``bump(tensors, torch.Tensor)`` bumps their version counters (:func:`increment_version`), or ``None``: the Python
-path then runs unchanged. Measured gains: docs/performance.md ("Many tensors, one native
+``check_ids(tensors, table, ids, variants, ptrs_out)`` checks tensors against records chosen by index (a restarted
+process's live tensors against a slot's shape table) and writes their data pointers, ``bump(tensors,
+torch.Tensor)`` bumps their version counters (:func:`increment_version`), or ``None``: the Python path then runs
+unchanged. Measured gains: docs/performance.md ("Many tensors, one native
 loop").
 
 Nothing is compiled on a training thread, nor at import: :func:`build` (``python -m snapckpt._native build``,
@@ -27,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from array import array
 from types import ModuleType
 from typing import List, Optional
 
@@ -117,7 +120,10 @@ def _probe(mod: ModuleType) -> bool:
     ts = [t, torch.zeros(2, 3, dtype=torch.float64)]
     table = mod.table(ts, torch.Tensor)
     ptrs = list(map(torch.Tensor.data_ptr, ts))
-    if not (table is not None and mod.check(ts, table, ptrs) == 0 and mod.check(ts[::-1], table, None) == -1):
+    out = array("q", bytes(16))
+    if not (table is not None and mod.check(ts, table, ptrs) == 0 and mod.check(ts[::-1], table, None) == -1
+            and mod.check_ids(ts, table, array("i", [0, 1]), 1, out) == 0 and out.tolist() == ptrs
+            and mod.check_ids(ts, table, array("i", [1, 0]), 1, out) == -1):
         return False
     versions = [x._version for x in ts]
     mod.bump(ts, torch.Tensor)  # last: it writes, into what the checks above read right
