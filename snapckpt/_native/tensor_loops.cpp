@@ -180,7 +180,8 @@ PyObject* check_impl(PyObject* const* args) {
 // check_ids(tensors, table, ids, variants, ptrs_out) -> int: 0 when each tensors[i] has one of the records
 // variants * ids[i] ... variants * ids[i] + variants - 1 of the table (the one of its Python type) and a data pointer
 // that is not null and no other tensor's (so no tensor object occurs twice), its data pointer then written to
-// ptrs_out[i]; else -1 (ptrs_out partly written). ids: a buffer of len(tensors) int32; ptrs_out: a writable buffer of
+// ptrs_out[i]; -2 when the first tensor that fails has a Python type that none of its records has (the caller may
+// ask again with records of more types); else -1 (ptrs_out partly written either way). ids: a buffer of len(tensors) int32; ptrs_out: a writable buffer of
 // len(tensors) int64. A restarted process's check of its live tensors against the slot's shape table.
 PyObject* check_ids_impl(PyObject* const* args, const int32_t* ids, int64_t* out);
 
@@ -239,7 +240,8 @@ PyObject* check_ids_impl(PyObject* const* args, const int32_t* ids, int64_t* out
     const int64_t* rec = nullptr;
     for (long v = 0; v < variants && !rec; ++v)
       if (first[v][0] == type) rec = first[v];
-    if (!rec || !matches(o, rec, end)) return PyLong_FromLong(-1);
+    if (!rec) return PyLong_FromLong(-2);
+    if (!matches(o, rec, end)) return PyLong_FromLong(-1);
     const int64_t p = static_cast<int64_t>(reinterpret_cast<uintptr_t>(impl_of(o)->data()));
     if (p == 0) return PyLong_FromLong(-1);
     ascending &= i == 0 || static_cast<uint64_t>(p) > static_cast<uint64_t>(out[i - 1]);

@@ -6,6 +6,7 @@ by the copy, none by a check) and refusals as without it, and without a built li
 (a few seconds; ``scripts/setup.sh`` builds it first), skipped without a C++ compiler."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -303,6 +304,12 @@ def _restart_state(large: bool = False) -> dict:
     return state
 
 
+@functools.lru_cache(maxsize=None)
+def _template(large: bool) -> dict:
+    """``_restart_state(large)``, made once: the structure every fresh state copies (never changed)."""
+    return _restart_state(large)
+
+
 def _fresh(state):
     """A live state of ``state``'s structure, as a restarted process builds it (zeros, other values)."""
     if isinstance(state, dict):
@@ -319,18 +326,23 @@ def _restart_tensors(state: dict) -> list:
     return [*state["many"].values(), state["step"], *([state["big"]] if "big" in state else [])]
 
 
-def _restarted(tmp_path, monkeypatch, with_native: bool, change=None, large: bool = False):
-    """Save ``_restart_state(large)`` into a slot file, then restore it as a restarted process does
-    (``plain_restore.find`` and ``run``) into a fresh state (changed by ``change``), with the native loop or without
-    (``SNAPCKPT_NATIVE=0``). Returns ``(outcome, guards ran)``: ``None`` (the general path's), ``("refused",
-    message)`` when the copy raised, else ``(spans read by preadv, every live tensor's bytes, version increments,
-    the live non-tensor values)``; find itself must change no version."""
+def _saved(tmp_path, large: bool = False) -> _Slot:
+    """A slot file holding ``_restart_state(large)`` as a job's save left it (step 1)."""
     state = _restart_state(large)
     st = Stager()
     p = st.prepare({NAME: state}, 1)
-    s = _Slot(tmp_path / f"restart{int(with_native)}", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
+    s = _Slot(tmp_path / f"restart{int(large)}", (p.total_nbytes + 4095) // 4096 * 4096 + (1 << 20))
     s.save(st, state, 1)
-    live = _fresh(state)
+    return s
+
+
+def _restarted(s: _Slot, monkeypatch, with_native: bool, change=None, large: bool = False):
+    """Restore the slot ``s`` (:func:`_saved`) as a restarted process does (``plain_restore.find`` and ``run``) into a
+    fresh state of ``_restart_state(large)``'s structure (changed by ``change``), with the native loop or without
+    (``SNAPCKPT_NATIVE=0``). Returns ``(outcome, guards ran)``: ``None`` (the general path's), ``("refused",
+    message)`` when the copy raised, else ``(spans read by preadv, every live tensor's bytes, version increments,
+    the live non-tensor values)``; find itself must change no version."""
+    live = _fresh(_template(large))
     if change:
         change(live)
     tensors = _restart_tensors(live)
@@ -338,24 +350,21 @@ def _restarted(tmp_path, monkeypatch, with_native: bool, change=None, large: boo
     def versions():  # one tensor of every storage: views share their base's counter
         return [-1 if t.is_inference() else t._version for t in tensors]
     calls, real = [], plain_restore._guards_pass
-    try:
-        with monkeypatch.context() as mp:
-            if not with_native:
-                mp.setenv("SNAPCKPT_NATIVE", "0")
-            mp.setattr(plain_restore, "_guards_pass", lambda *a: calls.append(1) or real(*a))
-            before = versions()
-            found = plain_restore.find(s.m, NAME, 1, live)
-            assert versions() == before  # found, not copied: nothing bumped
-            if found is None:
-                return None, bool(calls)
-            try:
-                found.run()
-            except RuntimeError as e:
-                return ("refused", str(e)), bool(calls)
-            return ((found.read_by_file, [bytes(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in tensors],
-                     [a - b for a, b in zip(versions(), before)], live["iteration"]), bool(calls))
-    finally:
-        s.m.close()
+    with monkeypatch.context() as mp:
+        if not with_native:
+            mp.setenv("SNAPCKPT_NATIVE", "0")
+        mp.setattr(plain_restore, "_guards_pass", lambda *a: calls.append(1) or real(*a))
+        before = versions()
+        found = plain_restore.find(s.m, NAME, 1, live)
+        assert versions() == before  # found, not copied: nothing bumped
+        if found is None:
+            return None, bool(calls)
+        try:
+            found.run()
+        except RuntimeError as e:
+            return ("refused", str(e)), bool(calls)
+        return ((found.read_by_file, [bytes(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in tensors],
+                 [a - b for a, b in zip(versions(), before)], live["iteration"]), bool(calls))
 
 
 @pytest.mark.parametrize("large", [False, True])
@@ -363,7 +372,9 @@ def test_a_restarted_restore_gives_the_same_bytes_and_bumps_with_the_native_chec
                                                                                             monkeypatch, large):
     """The control: a fresh state of the saved layout is taken by the native loop (no guards), every small span read
     by preadv, bit for bit as without it, each version bumped once (by the copy, not by find)."""
-    (got, guards), (want, guards_off) = (_restarted(tmp_path, monkeypatch, w, large=large) for w in (True, False))
+    s = _saved(tmp_path, large)
+    (got, guards), (want, guards_off) = (_restarted(s, monkeypatch, w, large=large) for w in (True, False))
+    s.m.close()
     assert not guards and guards_off
     assert got == want and got is not None
     read, data, bumps, iteration = got
@@ -397,14 +408,16 @@ def test_a_restarted_restore_refuses_and_takes_what_it_does_without_the_native_c
     }
     walked_out = {"a subclass": lambda s: many(s).__setitem__("p0", torch.zeros(3, 2).as_subclass(_Sub))}  # not plain
     outcomes = set()
+    s = _saved(tmp_path)  # one slot, every restore reads it
     for what, change in {**changes, **taken, **walked_out}.items():
         shared.zero_()
-        got, guards = _restarted(tmp_path, monkeypatch, True, change)
+        got, guards = _restarted(s, monkeypatch, True, change)
         shared.zero_()
-        want, _ = _restarted(tmp_path, monkeypatch, False, change)
+        want, _ = _restarted(s, monkeypatch, False, change)
         assert guards == (what in changes), what  # the native loop asked the Python path
         assert got == want, what
         outcomes.add("none" if got is None else got[0] if got[0] == "refused" else "copied")
+    s.m.close()
     assert outcomes == {"none", "refused", "copied"}
 
 
@@ -414,8 +427,9 @@ class _Sub(torch.Tensor):
 
 def test_the_native_check_by_index_refuses_what_it_cannot_vouch_for(native):
     """``check_ids``: each tensor against its index's records (the one of its Python type), its data pointer written
-    out; an index out of range, a tensor object twice (data pointers in any order), a null data pointer (no
-    elements), buffers of the wrong size are refused (-1, or ValueError for the buffers)."""
+    out; a tensor of a type none of its records has: -2; an index out of range, a tensor object twice (data pointers
+    in any order), a null data pointer (no elements), buffers of the wrong size are refused (-1, or ValueError for
+    the buffers)."""
     from array import array
 
     refs = [torch.zeros(3), torch.nn.Parameter(torch.zeros(3)), torch.zeros(2, dtype=torch.float64),
@@ -425,6 +439,9 @@ def test_the_native_check_by_index_refuses_what_it_cannot_vouch_for(native):
     ids = array("i", [1, 0, 0])
     out = array("q", bytes(8 * len(ts)))
     assert native.check_ids(ts, table, ids, 2, out) == 0 and out.tolist() == [t.data_ptr() for t in ts]
+    tensors_only = native.table(refs[::2], torch.Tensor)
+    assert native.check_ids(ts, tensors_only, array("i", [1, 0, 0]), 1, out) == -2  # no Parameter record
+    assert native.check_ids(ts[::2], tensors_only, array("i", [1, 0]), 1, array("q", bytes(16))) == 0
     assert native.check_ids(ts[::-1], table, ids, 2, out) == -1  # shapes and dtypes not their indices'
     assert native.check_ids(ts, table, array("i", [1, 0, 2]), 2, out) == -1  # out of range
     assert native.check_ids(ts, table, array("i", [1, 0, -1]), 2, out) == -1
