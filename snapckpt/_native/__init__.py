@@ -3,8 +3,11 @@
 The per-tensor passes of a save's quick check and an in-process restore (guards, data pointers, version bumps) are
 one torch call per tensor each from Python; for 200,000 small tensors each pass reads every tensor's metadata out
 of memory again (the previous pass pushed it out of the caches). :func:`load` gives a module whose
-``check(tensors, table, ptrs, bump)`` does them in one C++ loop (records from ``table(tensors, torch.Tensor)``),
-or ``None``: the Python path then runs unchanged. Measured gains: docs/performance.md ("Many tensors, one native
+``check(tensors, table, ptrs)`` does them in one C++ loop (records from ``table(tensors, torch.Tensor)``),
+``check_ids(tensors, table, ids, variants, ptrs_out)`` checks tensors against records chosen by index (a restarted
+process's live tensors against a slot's shape table) and writes their data pointers, ``bump(tensors,
+torch.Tensor)`` bumps their version counters (:func:`increment_version`), or ``None``: the Python path then runs
+unchanged. Measured gains: docs/performance.md ("Many tensors, one native
 loop").
 
 Nothing is compiled on a training thread, nor at import: :func:`build` (``python -m snapckpt._native build``,
@@ -26,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from array import array
 from types import ModuleType
 from typing import List, Optional
 
@@ -33,12 +37,13 @@ import torch
 
 from snapckpt._internal import env
 
-__all__ = ["build", "load", "library_path", "MODULE"]
+__all__ = ["build", "load", "library_path", "increment_version", "MODULE"]
 
 MODULE = "snapckpt_tensor_loops"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensor_loops.cpp")
 _lock = threading.Lock()
 _loaded: "dict[str, Optional[ModuleType]]" = {}
+_keys: "dict[tuple, str]" = {}  # _key() per (source, flags): read and hashed once per process
 
 
 def _flags() -> List[str]:
@@ -51,12 +56,16 @@ def _flags() -> List[str]:
 
 
 def _key() -> str:
-    h = hashlib.sha256()
-    with open(_SOURCE, "rb") as f:
-        h.update(f.read())
-    h.update("\0".join(_flags()).encode())
-    tag = sys.implementation.cache_tag
-    return f"torch-{torch.__version__}-{tag}-{h.hexdigest()[:16]}"
+    flags = _flags()
+    at = (_SOURCE, tuple(flags))
+    if at not in _keys:
+        h = hashlib.sha256()
+        with open(_SOURCE, "rb") as f:
+            h.update(f.read())
+        h.update("\0".join(flags).encode())
+        tag = sys.implementation.cache_tag
+        _keys[at] = f"torch-{torch.__version__}-{tag}-{h.hexdigest()[:16]}"
+    return _keys[at]
 
 
 def library_path(directory: Optional[str] = None) -> str:
@@ -110,8 +119,15 @@ def _probe(mod: ModuleType) -> bool:
         return False
     ts = [t, torch.zeros(2, 3, dtype=torch.float64)]
     table = mod.table(ts, torch.Tensor)
-    return (table is not None and mod.check(ts, table, list(map(torch.Tensor.data_ptr, ts)), False) == 0
-            and mod.check(ts[::-1], table, None, False) == -1)
+    ptrs = list(map(torch.Tensor.data_ptr, ts))
+    out = array("q", bytes(16))
+    if not (table is not None and mod.check(ts, table, ptrs) == 0 and mod.check(ts[::-1], table, None) == -1
+            and mod.check_ids(ts, table, array("i", [0, 1]), 1, out) == 0 and out.tolist() == ptrs
+            and mod.check_ids(ts, table, array("i", [1, 0]), 1, out) == -1):
+        return False
+    versions = [x._version for x in ts]
+    mod.bump(ts, torch.Tensor)  # last: it writes, into what the checks above read right
+    return [x._version for x in ts] == [v + 1 for v in versions]
 
 
 def _digest(path: str) -> str:
@@ -160,6 +176,22 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
                 mod = None
         _loaded[path] = mod
         return mod
+
+
+def increment_version(tensors: List[torch.Tensor]) -> None:
+    """``torch.autograd.graph.increment_version(tensors)``: bump each tensor's version counter, as an in-place copy
+    bumps it (a tensor made under ``torch.inference_mode()`` has none and is skipped), by the native loop when it is
+    loaded (one pass that asks for the tensors a few places ahead: 200,000 scattered tensors' counters are cache
+    misses), else by torch's call.
+
+    Raises:
+        TypeError: an item that is not a tensor (the ones before it bumped).
+    """
+    mod = load()
+    if mod is None:
+        torch.autograd.graph.increment_version(tensors)
+    else:
+        mod.bump(tensors, torch.Tensor)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -6,9 +6,9 @@
 // PyObject_HEAD, then the at::Tensor, whose only member is the TensorImpl pointer); load() checks it with probe().
 #include <Python.h>
 
-#include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -134,16 +134,14 @@ inline void prefetch_ahead(PyObject* lst, Py_ssize_t i, Py_ssize_t n) {
   }
 }
 
-// check(tensors, table, ptrs, bump) -> int: -1 when a tensor's type, dispatch keys, dtype, requires_grad, device,
-// storage offset, shape or strides differ from its record (or the counts differ); else how many data pointers differ
-// from the ints of list `ptrs` (0 when `ptrs` is None). With bump true and 0 returned, every tensor's version counter
-// was bumped (as an in-place copy bumps it; RuntimeError for an inference tensor outside inference mode, checked for
-// every tensor before any is bumped).
+// check(tensors, table, ptrs) -> int: -1 when a tensor's type, dispatch keys, dtype, requires_grad, device, storage
+// offset, shape or strides differ from its record (or the counts differ); else how many data pointers differ from
+// the ints of list `ptrs` (0 when `ptrs` is None).
 PyObject* check_impl(PyObject* const* args);
 
 PyObject* check(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4 || !list_arg(args[0]) || !PyBytes_Check(args[1])) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "check(tensors, table: bytes, ptrs, bump)");
+  if (nargs != 3 || !list_arg(args[0]) || !PyBytes_Check(args[1])) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "check(tensors, table: bytes, ptrs)");
     return nullptr;
   }
   try {
@@ -160,14 +158,11 @@ PyObject* check_impl(PyObject* const* args) {
     PyErr_SetString(PyExc_TypeError, "ptrs: a list of ints or None");
     return nullptr;
   }
-  int bump = PyObject_IsTrue(args[3]);
-  if (bump < 0) return nullptr;
   Py_ssize_t n = PyList_GET_SIZE(lst);
   if (ptrs && PyList_GET_SIZE(ptrs) != n) return PyLong_FromLong(-1);
   const int64_t* r = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(args[1]));
   const int64_t* end = r + PyBytes_GET_SIZE(args[1]) / sizeof(int64_t);
   long differ = 0;
-  bool inference = false;
   for (Py_ssize_t i = 0; i < n; ++i) {
     prefetch_ahead(lst, i, n);
     PyObject* o = PyList_GET_ITEM(lst, i);
@@ -177,26 +172,122 @@ PyObject* check_impl(PyObject* const* args) {
       if (want == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
       if (want != reinterpret_cast<uintptr_t>(impl_of(o)->data())) ++differ;
     }
-    if (bump) inference |= impl_of(o)->is_inference();
   }
   if (r != end) return PyLong_FromLong(-1);
-  if (bump && differ == 0) {
-    if (inference && !c10::InferenceMode::is_enabled()) {
-      PyErr_SetString(PyExc_RuntimeError,
-                      "Inplace update to inference tensor outside InferenceMode is not allowed.");
-      return nullptr;
+  return PyLong_FromLong(differ);
+}
+
+// check_ids(tensors, table, ids, variants, ptrs_out) -> int: 0 when each tensors[i] has one of the records
+// variants * ids[i] ... variants * ids[i] + variants - 1 of the table (the one of its Python type) and a data pointer
+// that is not null and no other tensor's (so no tensor object occurs twice), its data pointer then written to
+// ptrs_out[i]; -2 when the first tensor that fails has a Python type that none of its records has (the caller may
+// ask again with records of more types); else -1 (ptrs_out partly written either way). ids: a buffer of len(tensors) int32; ptrs_out: a writable buffer of
+// len(tensors) int64. A restarted process's check of its live tensors against the slot's shape table.
+PyObject* check_ids_impl(PyObject* const* args, const int32_t* ids, int64_t* out);
+
+PyObject* check_ids(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5 || !list_arg(args[0]) || !PyBytes_Check(args[1]) || !PyLong_Check(args[3])) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "check_ids(tensors, table: bytes, ids, variants: int, ptrs_out)");
+    return nullptr;
+  }
+  Py_buffer ids, out;
+  if (PyObject_GetBuffer(args[2], &ids, PyBUF_C_CONTIGUOUS) < 0) return nullptr;
+  if (PyObject_GetBuffer(args[4], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+    PyBuffer_Release(&ids);
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(args[0]);
+  PyObject* result;
+  if (ids.len != n * static_cast<Py_ssize_t>(sizeof(int32_t)) ||
+      out.len != n * static_cast<Py_ssize_t>(sizeof(int64_t))) {
+    PyErr_SetString(PyExc_ValueError, "ids: int32 and ptrs_out: int64, one per tensor");
+    result = nullptr;
+  } else {
+    try {
+      result = check_ids_impl(args, static_cast<const int32_t*>(ids.buf), static_cast<int64_t*>(out.buf));
+    } catch (const std::exception&) {  // not expected: the Python path decides
+      result = PyErr_Occurred() ? nullptr : PyLong_FromLong(-1);
     }
+  }
+  PyBuffer_Release(&out);
+  PyBuffer_Release(&ids);
+  return result;
+}
+
+PyObject* check_ids_impl(PyObject* const* args, const int32_t* ids, int64_t* out) {
+  PyObject* lst = args[0];
+  long variants = PyLong_AsLong(args[3]);
+  if (variants < 1) return PyErr_Occurred() ? nullptr : PyLong_FromLong(-1);
+  const int64_t* r = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(args[1]));
+  const int64_t* end = r + PyBytes_GET_SIZE(args[1]) / sizeof(int64_t);
+  std::vector<const int64_t*> starts;  // each record's first word
+  while (r < end) {
+    if (end - r < static_cast<ptrdiff_t>(kFixed)) return PyLong_FromLong(-1);
+    starts.push_back(r);
+    r += kFixed + 2 * static_cast<size_t>(r[2] >> 40);
+  }
+  if (r != end) return PyLong_FromLong(-1);
+  const size_t shapes = starts.size() / static_cast<size_t>(variants);
+  Py_ssize_t n = PyList_GET_SIZE(lst);
+  bool ascending = true;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    prefetch_ahead(lst, i, n);
+    PyObject* o = PyList_GET_ITEM(lst, i);
+    if (ids[i] < 0 || static_cast<size_t>(ids[i]) >= shapes) return PyLong_FromLong(-1);
+    const int64_t type = static_cast<int64_t>(reinterpret_cast<uintptr_t>(Py_TYPE(o)));
+    const int64_t* const* first = starts.data() + static_cast<size_t>(ids[i]) * variants;
+    const int64_t* rec = nullptr;
+    for (long v = 0; v < variants && !rec; ++v)
+      if (first[v][0] == type) rec = first[v];
+    if (!rec) return PyLong_FromLong(-2);
+    if (!matches(o, rec, end)) return PyLong_FromLong(-1);
+    const int64_t p = static_cast<int64_t>(reinterpret_cast<uintptr_t>(impl_of(o)->data()));
+    if (p == 0) return PyLong_FromLong(-1);
+    ascending &= i == 0 || static_cast<uint64_t>(p) > static_cast<uint64_t>(out[i - 1]);
+    out[i] = p;
+  }
+  if (!ascending) {  // distinct data pointers: a sorted copy without two equal neighbours
+    std::vector<uint64_t> sorted(reinterpret_cast<const uint64_t*>(out), reinterpret_cast<const uint64_t*>(out) + n);
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return PyLong_FromLong(-1);
+  }
+  return PyLong_FromLong(0);
+}
+
+// bump(tensors) -> None: bump every tensor's version counter, as an in-place copy (and torch's increment_version)
+// bumps it; a tensor made under inference mode has none and is skipped, as torch's increment_version skips it.
+// TypeError for an item that is not a tensor (the ones before it bumped).
+PyObject* bump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !list_arg(args[0]) || !PyType_Check(args[1])) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "bump(tensors, tensor_type)");
+    return nullptr;
+  }
+  PyObject* lst = args[0];
+  PyTypeObject* tensor_type = reinterpret_cast<PyTypeObject*>(args[1]);
+  Py_ssize_t n = PyList_GET_SIZE(lst);
+  try {
     for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* o = PyList_GET_ITEM(lst, i);
+      if (!PyObject_TypeCheck(o, tensor_type)) {
+        PyErr_SetString(PyExc_TypeError, "bump: expected a list of tensors");
+        return nullptr;
+      }
+      if (i + 16 < n) __builtin_prefetch(PyList_GET_ITEM(lst, i + 16));
       if (i + 8 < n) __builtin_prefetch(impl_of(PyList_GET_ITEM(lst, i + 8)));
       if (i + 4 < n) {
         // the version counter's object (VariableVersion holds one intrusive pointer); a prefetch never faults
         const c10::TensorImpl* t = impl_of(PyList_GET_ITEM(lst, i + 4));
         __builtin_prefetch(*reinterpret_cast<void* const*>(&t->version_counter()));
       }
-      impl_of(PyList_GET_ITEM(lst, i))->bump_version();
+      c10::TensorImpl* t = impl_of(o);
+      if (!t->is_inference()) t->bump_version();
     }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
   }
-  return PyLong_FromLong(differ);
+  Py_RETURN_NONE;
 }
 
 PyMethodDef methods[] = {
@@ -204,7 +295,11 @@ PyMethodDef methods[] = {
     {"table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table)), METH_FASTCALL,
      "table(tensors, tensor_type) -> bytes or None"},
     {"check", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(check)), METH_FASTCALL,
-     "check(tensors, table, ptrs, bump) -> int"},
+     "check(tensors, table, ptrs) -> int"},
+    {"check_ids", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(check_ids)), METH_FASTCALL,
+     "check_ids(tensors, table, ids, variants, ptrs_out) -> int"},
+    {"bump", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(bump)), METH_FASTCALL,
+     "bump(tensors, tensor_type) -> None"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "snapckpt_tensor_loops", nullptr, -1, methods};

@@ -199,28 +199,14 @@ class Recheck:
             self._remember(ptrs)
         return self._once_each(tensors, ptrs)
 
-    def native_same(self, tensors: List[torch.Tensor], bump: bool = False) -> bool:
+    def native_same(self, tensors: List[torch.Tensor]) -> bool:
         """Whether the native loop (:mod:`snapckpt._native`, when built) finds ``tensors`` of the entry's records
         (every field :meth:`matches` compares but the grouping, and stricter: dispatch keys all equal, inference or
         not as they were) with the remembered data pointers, in one pass, no tensor object twice; ``False`` also
-        when there is no native loop (the caller takes the Python path, which decides). With ``bump`` (only when
-        :attr:`bump_ok`), a ``True`` answer bumped every tensor's version counter, as an in-place copy bumps it.
-
-        Raises:
-            RuntimeError: with ``bump``, an inference tensor outside ``torch.inference_mode()`` (nothing bumped).
-            ValueError: ``bump`` without :attr:`bump_ok`.
-        """
+        when there is no native loop (the caller takes the Python path, which decides). Changes nothing."""
         if self.table is None:
             return False
-        if bump and not self.bump_ok:
-            raise ValueError("bump: only when the remembered data pointers rule a repeated tensor out (bump_ok)")
-        return self.native.check(tensors, self.table, self.ptrs, bump) == 0 and (bump or self._no_repeats(tensors))
-
-    @property
-    def bump_ok(self) -> bool:
-        """Whether tensors with the remembered data pointers hold no tensor object twice (distinct pointers, at most
-        one null): :meth:`native_same` may bump then, no repeat being left to look for after it."""
-        return self.distinct and self.nulls < 2
+        return self.native.check(tensors, self.table, self.ptrs) == 0 and self._no_repeats(tensors)
 
     def _no_repeats(self, tensors: List[torch.Tensor]) -> bool:
         """:meth:`_once_each` of tensors that the native loop passed (no guards saw the pairs of a chunk)."""

@@ -23,8 +23,12 @@ Reading each field of 200,000 live tensors (dtype, shape, device, contiguity, th
 copy; a slot whose index names a shape table (:func:`~snapckpt.formats.plain_digest.shape_table`: each distinct dtype
 and shape once, each tensor's index among them) is checked without that (:func:`_find_by_table`): the tensors' share
 of the digest is derived from the table, and ``TensorGuards`` checks (C++, 960 tensors each) made from a reference
-tensor per shape confirm that the live tensors are those. Any miss there goes to the field-by-field check, which decides as
-before. In a restarted process the slot's mapping is new: ``preadv`` reads the file's pages without mapping
+tensor per shape confirm that the live tensors are those. Where the optional native loops are built
+(:mod:`snapckpt._native`), one C++ pass checks the live tensors against records of the same references and reads
+their data pointers instead (:func:`_native_ptrs`: each tensor's metadata read once, not once per pass); its miss is
+no refusal, the guards then decide. Any miss there goes to the field-by-field check, which decides as
+before. Neither check changes a version counter: :meth:`PlainCopies.run` bumps them, once, as it copies (a restore
+found on one rank is not run when another rank refuses the step). In a restarted process the slot's mapping is new: ``preadv`` reads the file's pages without mapping
 them; when the ``memmove`` path runs instead and every tensor is small, the slot is first mapped by one
 ``MADV_POPULATE_READ`` (a page fault per 4 KiB page otherwise). With large
 tensors it is not: torch copies them on several threads whose page faults map their spans in parallel, and one
@@ -46,6 +50,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from snapckpt import _native
 from snapckpt.engine import plain_values, span_read
 from snapckpt.engine.restore import refuse_inference
 from snapckpt.engine.slot_maps import MappedSlot
@@ -95,7 +100,7 @@ class PlainCopies:
     large_dsts: List[torch.Tensor]
     large_srcs: List[torch.Tensor]
     small: List[torch.Tensor]
-    dst_ptrs: List[int]
+    dst_ptrs: "List[int] | array"  # an array("q") when the native check wrote them
     offsets: torch.Tensor  # int64: the small spans' slot byte offsets
     nbytes: torch.Tensor  # int64: their sizes
     slot: MappedSlot
@@ -124,7 +129,7 @@ class PlainCopies:
         if self.small:
             # bumped first, as an in-place copy would bump them: while the tensors' metadata is still in the CPU's
             # caches from find (after copying the bytes it is not: 20,000 scattered tensors cost 5 ms more)
-            torch.autograd.graph.increment_version(self.small)
+            _native.increment_version(self.small)
             done = self.read_by_file = span_read.read_spans(self.slot.path, getattr(self.slot, "ident", None),
                                                             self.dst_ptrs, self.offsets, self.nbytes)
             if done < len(self.small):  # no preadv, or it stopped: from the mapping
@@ -176,15 +181,11 @@ def find(mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[PlainCo
         if (not plain_values.entries(dst, walked.tensors, walked.dicts, walked.keys)
                 or len(walked.tensors) != levels.n_tensors):
             return None
-        # a nested tensor is a torch.Tensor without strides: TensorGuards' check of one aborts the process (a C++
-        # exception it cannot pass on, torch 2.13), Facts' numel raises; the general path names it
-        if any(map(_IS_NESTED, walked.tensors)):
-            return None
         found = None
         if table_at is not None:
             found = _find_by_table(walked, mapped, name, head[2].decode(), index_offset, values_at, table_at)
         # a miss of the table's check is not a refusal: the tensor-by-tensor check decides (slower, same outcome)
-        if found is None:
+        if found is None and not _nested(walked.tensors):
             found = _find(walked, mapped, name, head[2].decode(), index_offset, values_at)
         if isinstance(found, PlainCopies) and hasattr(mapped, "map_for_reading"):
             found.end = index_offset
@@ -192,6 +193,12 @@ def find(mapped: MappedSlot, name: str, step: int, dst: Any) -> Optional[PlainCo
     finally:
         if enabled:
             gc.enable()
+
+
+def _nested(tensors: List[torch.Tensor]) -> bool:
+    """Whether a tensor is nested: a torch.Tensor without strides, whose ``TensorGuards`` check aborts the process (a
+    C++ exception it cannot pass on, torch 2.13) and whose ``Facts`` raise; the general path names it."""
+    return any(map(_IS_NESTED, tensors))
 
 
 def _find(walked: "_Walked", mapped: MappedSlot, name: str, saved: str, data_limit: int,
@@ -224,7 +231,9 @@ def _find_by_table(walked: "_Walked", mapped: MappedSlot, name: str, saved: str,
     conjugate bit, ``Tensor`` without ``requires_grad`` or ``Parameter`` with it (of a float or complex dtype; of
     another, without), and that no tensor object occurs twice. Passing both, the
     live tensors' :class:`Facts` are the table's, so the digest is the one :func:`_find` computes and the copies are
-    the same; ``None`` on any miss (:func:`_find` then decides, from the live tensors)."""
+    the same; ``None`` on any miss (:func:`_find` then decides, from the live tensors). The native loop
+    (:mod:`snapckpt._native`, when built) checks the same against records of the same references first, with their
+    data pointers in the same pass (:func:`_native_ptrs`); on a miss the guards decide."""
     if _TensorGuards is None:
         return None
     table = read_table(bytes(mapped.buf[table_at[0]:table_at[0] + table_at[1]]))
@@ -232,13 +241,42 @@ def _find_by_table(walked: "_Walked", mapped: MappedSlot, name: str, saved: str,
     if table is None or len(tensors) != len(table.ids):
         return None
     part, offsets, nbytes, all_small = _table_part(table)
-    if digest(name, walked.structure, part) != saved or not _guards_pass(table, tensors):
+    if digest(name, walked.structure, part) != saved:
         return None
-    try:
-        ptrs = list(map(torch.Tensor.data_ptr, tensors))
-    except RuntimeError:  # pragma: no cover - a dense CPU tensor has a storage
-        return None
+    ptrs: "List[int] | array | None" = _native_ptrs(table, tensors)
+    if ptrs is None:
+        if _nested(tensors) or not _guards_pass(table, tensors):
+            return None
+        try:
+            ptrs = list(map(torch.Tensor.data_ptr, tensors))
+        except RuntimeError:  # pragma: no cover - a dense CPU tensor has a storage
+            return None
     return _copies(mapped, walked, ptrs, _as_tensor(offsets), _as_tensor(nbytes), data_limit, values_at, all_small)
+
+
+def _native_ptrs(table: ShapeTable, tensors: List[torch.Tensor]) -> Optional[array]:
+    """The data pointers of ``tensors`` (an ``array("q")``) when the native loop (:mod:`snapckpt._native`) finds each
+    one of a reference of :func:`_guards_pass` for its table entry (Python type, dispatch keys, dtype,
+    ``requires_grad``, device, storage offset 0, shape, contiguous strides, not an inference tensor: stricter than
+    the guards) with a data pointer of its own (not null, no other tensor's: no tensor object twice); ``None``
+    otherwise (no native loop, or a miss: the guards decide). One pass over the tensors that reads each one's
+    metadata once, where the guards, the data pointers and the sort for repeats read it three times."""
+    mod = _native.load()
+    if mod is None or table.ids.itemsize != 4 or _reinterpret_tensor is None:
+        return None
+    ptrs = _int64s(len(tensors))
+    # references of each shape as a Tensor first; only when a tensor is of no type there (a Parameter: rare in a
+    # state dict), of both types (making a reference costs ~10 us: a table of 4,096 shapes, tens of ms)
+    for kinds in ((False,), (False, True)):
+        try:
+            refs = [_reference(table.kinds[code], shape, p) for code, shape in table.shapes for p in kinds]
+        except Exception:  # noqa: BLE001 - as _guards_pass: a torch that makes no such view, the guards decide
+            return None
+        records = mod.table(refs, torch.Tensor)
+        got = -1 if records is None else mod.check_ids(tensors, records, table.ids, len(kinds), ptrs)
+        if got != -2:
+            return ptrs if got == 0 else None
+    return None
 
 
 def _table_part(table: ShapeTable) -> Tuple[bytes, array, array, bool]:

@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from snapckpt import _native
 from snapckpt.engine import mover
 from snapckpt.engine.copy_plan import Sizes, layout_sizes
 from snapckpt.engine.restore import copied_in_place as _copied_in_place, refuse_inference
@@ -57,7 +58,6 @@ class SlotCopies:
     back: Optional[Tuple[SlotFile, SpanWrites]] = None
     read_by_file: int = 0  # how many tensors preadv read, for tests and profiles
     inference: bool = False  # some of dsts were made under torch.inference_mode()
-    bumped: bool = False  # every version was bumped by find's native check (snapckpt._native)
 
     def run(self) -> None:
         """Copy (dtype and device follow the live tensors, as ``Tensor.copy_``).
@@ -74,11 +74,11 @@ class SlotCopies:
             fd = file.descriptor(writes.end)
             if fd is not None:
                 pos = writes.pos
-                every = len(pos) == len(dsts)  # pos ascending: then it is every position
-                # bumped first, while the tensors' metadata is still in the caches from the data pointers' pass
-                if not self.bumped:
-                    torch.autograd.graph.increment_version(dsts if every else list(map(dsts.__getitem__, pos)))
                 done = self.read_by_file = read_back(fd, writes)
+                # the versions of the tensors read back, once (torch's copy of the others bumps theirs): after the
+                # read, so that a read that stops leaves the rest to that copy alone
+                if done:
+                    _native.increment_version(dsts if done == len(dsts) else list(map(dsts.__getitem__, pos[:done])))
                 rest = writes.rest if done == len(pos) else sorted(writes.rest + pos[done:])
                 if len(rest) < len(dsts):
                     dsts, srcs = list(map(dsts.__getitem__, rest)), list(map(srcs.__getitem__, rest))
@@ -143,15 +143,9 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     writes, file = layout.span_writes, getattr(mapped, "file", None)
     back = bool(writes) and writes.ptrs is not None and file is not None
     # the native loop (when built) checks the guards' fields and that the data pointers are the ones the last save
-    # read (which fill the pwritev table) in one pass, and that no tensor object occurs twice. When the read back
-    # will follow (the in-place check known, no inference tensor refused), it bumps the versions in the same call
-    # (the tensors' metadata is in the caches then: a pass of its own misses them again); an extra bump, should the
-    # copy not run, is harmless (torch's note on increment_version)
-    bump = (r is not None and back and writes.ptrs is r.ptrs and r.table is not None and r.bump_ok
-            and len(writes.pos) == len(tensors)  # every tensor read back: torch's copy bumps none a second time
-            and (layout.restore_ok if in_place is None else in_place) is True
-            and (not r.table_inference or torch.is_inference_mode_enabled()))
-    fast = r is not None and r.native_same(tensors, bump)
+    # read (which fill the pwritev table) in one pass, and that no tensor object occurs twice; it changes nothing
+    # (the versions are bumped by the copy: a restore found here may not be run, when another rank refuses the step)
+    fast = r is not None and r.native_same(tensors)
     same = fast or (r is not None and r.same_tensors(tensors))
     if not same and (list(map(_SHAPE, tensors)) != list(map(_SIZE, layout.direct_dst)) or has_repeats(tensors)):
         return None  # the general path names the mismatches (a tensor twice: the key is not the saved one)
@@ -180,6 +174,5 @@ def _copies(mapped: MappedSlot, layout: _Layout, dst: Any, tensors: List[torch.T
     # the save's pwritev table read back: only into the addresses it was filled with (a tensor given new memory since,
     # or one of another shape, which the guards refuse, takes torch's copy)
     if same and back and ((fast and writes.ptrs is r.ptrs) or list(map(_DATA_PTR, tensors)) == writes.ptrs):
-        return SlotCopies(tensors, srcs, layout_sizes(layout), (file, writes), inference=inference,
-                          bumped=fast and bump)
+        return SlotCopies(tensors, srcs, layout_sizes(layout), (file, writes), inference=inference)
     return SlotCopies(tensors, srcs, layout_sizes(layout), inference=inference)

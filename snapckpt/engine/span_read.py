@@ -20,6 +20,7 @@ import ctypes
 import errno
 import os
 import threading
+from array import array
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -131,14 +132,16 @@ def _load() -> bool:
     return bool(_preadv)
 
 
-def read_spans(path: str, ident: Optional[tuple], ptrs: List[int], offsets: torch.Tensor, nbytes: torch.Tensor) -> int:
+def read_spans(path: str, ident: Optional[tuple], ptrs: "List[int] | array", offsets: torch.Tensor,
+               nbytes: torch.Tensor) -> int:
     """Copy bytes ``[offsets[i], offsets[i] + nbytes[i])`` of the slot file ``path`` to address ``ptrs[i]`` for each
     ``i`` in order, by ``preadv``; return how many leading spans were copied (``len(ptrs)``: all).
 
     Args:
         path: the slot file; ident: ``(st_dev, st_ino)`` of the file that is mapped (``None``: unknown, nothing is
             read).
-        ptrs: the destinations: each the start of ``nbytes[i]`` writable bytes (a live contiguous CPU tensor's data).
+        ptrs: the destinations: each the start of ``nbytes[i]`` writable bytes (a live contiguous CPU tensor's data);
+            a list of ints or an ``array("q")``.
         offsets, nbytes: int64 tensors of ``len(ptrs)`` items: the spans in the file (byte offsets, sizes), in
             ascending order, each gap to the next (alignment) under 4 KiB; otherwise nothing is read.
 
@@ -170,15 +173,16 @@ def read_spans(path: str, ident: Optional[tuple], ptrs: List[int], offsets: torc
 _ROWS = 32_000
 
 
-def _iovecs(ptrs: List[int], offsets: torch.Tensor, nbytes: torch.Tensor) -> Optional[torch.Tensor]:
+def _iovecs(ptrs: "List[int] | array", offsets: torch.Tensor, nbytes: torch.Tensor) -> Optional[torch.Tensor]:
     """The iovec table of :func:`read_spans` (int64, ``(len(ptrs), 4)``: ``struct iovec`` pairs per span, its
     tensor's bytes then the gap to the next span in the scratch buffer), or ``None`` when a span is out of order,
     of a negative size or followed by a gap of 4 KiB or more."""
     n = len(ptrs)
     iov = torch.empty((n, 4), dtype=torch.int64)
+    given = torch.frombuffer(ptrs, dtype=torch.int64) if isinstance(ptrs, array) else None  # no int objects made
     for a in range(0, n, _ROWS):
         b = min(n, a + _ROWS)
-        iov[a:b, 0] = torch.tensor(ptrs[a:b], dtype=torch.int64)
+        iov[a:b, 0] = given[a:b] if given is not None else torch.tensor(ptrs[a:b], dtype=torch.int64)
         iov[a:b, 1] = nbytes[a:b]
         iov[a:b, 2] = ctypes.addressof(_SCRATCH)
         gaps = iov[a:b, 3]
