@@ -29,8 +29,10 @@ slots and every other local rank's slots still need at the sizes they asked for 
 one rank's second slot never takes the room another rank needs for its first, ranks of different sizes
 (pipeline stages) fit as they are, and when the node's slots do not fit every rank is refused alike, with the
 setting that fits for the node (the one the node check names: :func:`snapckpt.engine.preflight.host_memory_shortfall`).
-A local rank that has not asked within :attr:`SlotTable.FIRST_SLOTS_WAIT_SECS` of the first (it never saves, or
-its process never started) no longer holds the others back; it is counted once it asks.
+A local rank that has not asked within :attr:`SlotTable.FIRST_SLOTS_WAIT_SECS` of the run's first save that used one
+slot for want of it (it never saves, or its process never started) no longer holds the others back; it is counted
+once it asks. The wait runs from that save, not from the first ask: a rank that reserved ahead of its first save
+(``expected_nbytes``, a restart's size) may ask minutes before another rank asks at that save.
 
 Locking: every method runs with the server's lock held, except :meth:`SlotTable.release` (called by
 a writer thread), which takes it.
@@ -123,7 +125,9 @@ class Run:
     peer_timeout_secs: float = 10.0  # a node lease unrenewed this long is a lost node (persister/peers.py)
     # local ranks whose process died (disconnected without bye): rank -> gone record (persister/peers.py)
     gone: Dict[int, Dict[str, Any]] = field(default_factory=dict)
-    asked_since: Optional[float] = None  # time.monotonic() of its first local rank's first acquire or reserve
+    # time.monotonic() of the first acquire of a local rank that left a slot ungrown because another local rank had
+    # not asked (SlotTable.acquire)
+    deferred_since: Optional[float] = None
     waited_out: bool = False  # some local rank had not asked within SlotTable.FIRST_SLOTS_WAIT_SECS of that
 
     @property
@@ -209,8 +213,9 @@ class SlotTable:
         lock: the server's lock (see the module docstring).
     """
 
-    #: How long (seconds) after the first local rank of a run asked for a slot its ranks' second slots wait for the
-    #: other local ranks to ask for their first (see the module docstring); then they grow without those ranks.
+    #: How long (seconds) after a local rank's first save with its first slot alone (another local rank had not asked
+    #: for a slot) its ranks' second slots wait for the other local ranks to ask for their first (see the module
+    #: docstring); then they grow without those ranks.
     FIRST_SLOTS_WAIT_SECS = 60.0
 
     def __init__(self, arena: SlotFiles, lock: threading.RLock) -> None:
@@ -379,6 +384,9 @@ class SlotTable:
             log.info("rank %d: saves with %d of its %d slot(s) until local rank(s) %s of this node ask for their "
                      "first slot: their sizes are not known yet", entry.rank, len(active), len(usable), waiting)
         entry.deferred = deferred
+        run = self.runs.get(entry.run_id)
+        if deferred and run is not None and run.deferred_since is None:
+            run.deferred_since = time.monotonic()  # the bounded wait starts (unasked)
         ready = [s for s in active if s.state == SlotState.READY]
         # the restore point: the newest complete snapshot, READY or PERSISTING (an older READY slot is not
         # kept for it while the newest is being written to disk)
@@ -471,24 +479,23 @@ class SlotTable:
     def _asked(self, entry: RankEntry, nbytes: int, limit: int) -> None:
         """``entry`` asks for slots of ``nbytes`` bytes under ``limit`` (:attr:`RankEntry.want`)."""
         entry.want, entry.want_slots = nbytes, limit
-        run = self.runs.get(entry.run_id)
-        if run is not None and run.asked_since is None:
-            run.asked_since = time.monotonic()
 
     def unasked(self, entry: RankEntry) -> List[int]:
         """The local ranks of ``entry``'s run that have not asked for a slot in it yet (no ``acquire`` nor
         ``reserve``; a rank whose process has not said ``hello`` neither); ``[]`` once
-        :attr:`FIRST_SLOTS_WAIT_SECS` have passed since the run's first ask (logged once)."""
+        :attr:`FIRST_SLOTS_WAIT_SECS` have passed since the run's first save that left a slot ungrown for want of them
+        (:attr:`Run.deferred_since`; logged once)."""
         run = self.runs.get(entry.run_id)
         if run is None or len(run.local_ranks) <= 1 or run.waited_out:
             return []
         missing = [r for r in run.local_ranks if not self._asked_in(r, run)]
-        if missing and run.asked_since is not None and time.monotonic() - run.asked_since > self.FIRST_SLOTS_WAIT_SECS:
+        if (missing and run.deferred_since is not None
+                and time.monotonic() - run.deferred_since > self.FIRST_SLOTS_WAIT_SECS):
             # info, not a warning (which keeps persister.log after a clean exit): a rank may never save, and what
             # this can cost (a later first save refused) raises its own error with the advice
-            log.info("run %s: local rank(s) %s asked for no arena slot within %g s of the first local rank: the "
-                     "other ranks' slots beyond their first now grow without counting them; if the node's shared "
-                     "memory cannot hold every rank's slots, such a rank's first save may be refused "
+            log.info("run %s: local rank(s) %s asked for no arena slot within %g s of the first save that waited "
+                     "for them: the other ranks' slots beyond their first now grow without counting them; if the "
+                     "node's shared memory cannot hold every rank's slots, such a rank's first save may be refused "
                      "(InsufficientSharedMemoryError names the setting that fits)", run.run_id, missing,
                      self.FIRST_SLOTS_WAIT_SECS)
             run.waited_out = True

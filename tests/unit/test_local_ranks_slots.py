@@ -71,7 +71,7 @@ def test_a_rank_that_never_asks_holds_the_others_back_for_a_bounded_time(table):
     a = table.attach(0, run, None, 2)  # rank 1 never even says hello
     _ready(table, a, table.acquire(a, 1, 64 * KiB, limit=2), 1)
     assert a.deferred == [1]
-    run.asked_since -= table.FIRST_SLOTS_WAIT_SECS + 1  # the wait has run out
+    run.deferred_since -= table.FIRST_SLOTS_WAIT_SECS + 1  # the wait has run out
     second = table.acquire(a, 2, 64 * KiB, limit=2)
     assert second is a.slots[1] and a.deferred == [] and run.waited_out and table.unasked(a) == []
 
@@ -141,3 +141,32 @@ def test_even_sizes_that_do_not_fit_refuse_every_rank_alike(table, monkeypatch):
     for msg in errors:
         assert advice in msg and "no slot count fits" not in msg, msg
     assert _sizes(a) == [64 * KiB, 0] and _sizes(b) == [0, 0]
+
+
+def test_the_wait_for_the_other_ranks_starts_when_a_slot_is_left_ungrown_not_at_a_reservation(table, monkeypatch):
+    """A rank that reserved ahead (``expected_nbytes``, a restart's size) asks long before the job's first save; a
+    local rank that does not reserve (no files of its own in the newest checkpoint: the world grew) asks only at its
+    first save. The bounded wait runs from the first save that used one slot because of it, not from the
+    reservation. Wrong (before): the clock started at the reservation, so at the first save, minutes later, the
+    wait had run out without anyone waiting: rank 0 took both slots and rank 1's first slot had no room (D1 again).
+    Right: rank 0 saves with one slot, and once rank 1 asks both are refused alike with the node check's advice
+    (the even-size case above), whose setting then works. Clock: the slot table's ``time.monotonic``, moved by
+    hand."""
+    import snapckpt.persister.slots as slots_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(slots_mod, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    _small_host(monkeypatch, table, 224 * KiB)
+    run = table.runs["run"]
+    a, b = table.attach(0, run, None, 2), table.attach(1, run, None, 2)
+    for s in table.reserve(a, 64 * KiB, 2):
+        s.growing.result(timeout=30)
+    now[0] += 600  # ten minutes of training before the first save
+    _ready(table, a, table.acquire(a, 1, 64 * KiB, limit=2), 1)
+    _ready(table, a, table.acquire(a, 2, 64 * KiB, limit=2), 2)
+    assert a.deferred == [1] and _sizes(a) == [64 * KiB, 0], "rank 1 has not asked yet: one slot meanwhile"
+    with pytest.raises(InsufficientSharedMemoryError) as e:  # as in the node check: refused alike, with its advice
+        table.acquire(b, 1, 64 * KiB, limit=2)
+    assert fitting_node_setting([(64 * KiB, 2), (64 * KiB, 2)], 224 * KiB) in str(e.value), str(e.value)
+    assert _sizes(a) == [64 * KiB, 0], "rank 0's second slot did not take the room of rank 1's first"
+    assert table.acquire(b, 1, 64 * KiB, limit=1) is b.slots[0]  # the setting named works
