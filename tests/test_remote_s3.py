@@ -374,22 +374,16 @@ def test_an_upload_sees_a_checkpoint_saved_again_later_by_another_persister(tmp_
 
 
 def test_H2_full_upload_queue_skips_oldest_with_an_event(snap_env, s3_bucket):
-    """Uploads slower than saves: the upload of step 1 is held up (a fault point waits before its manifest
-    until the ranks have ended; a fixed sleep of 8 s before) while steps 1-5 are committed locally without
-    waiting for it. The queue keeps 2 waiting
+    """Uploads slower than saves: the upload of step 1 is held up (a fault point sleeps 8 s before its
+    manifest) while steps 1-5 are committed locally without waiting for it. The queue keeps 2 waiting
     uploads and drops the oldest waiting one when a newer arrives (which ones depends on when the uploader
     thread took step 1; at least one is dropped): every dropped step is an ``upload_skipped`` event on both
     ranks and a warning in the persister's log, and is not on the server; every other step is committed
     there; the newest (5) always is, and the tracker object names it."""
     url = s3_bucket.url("run")
-    release = os.path.join(snap_env.tmp, "release-upload-1")
-    env = dict(snap_env.env,
-               SNAPCKPT_FAULT_POINT=f"remote.before_manifest:step=1:action=wait:secs=60:path={release}")
-    try:
-        res = _results(run_ranks("remote_worker.py", 2, ["save", snap_env.ckpt_dir, url, "1,2,3,4,5"], env,
-                                 timeout=90))
-    finally:
-        open(release, "w").close()
+    env = dict(snap_env.env, SNAPCKPT_FAULT_POINT="remote.before_manifest:step=1:action=sleep:secs=8")
+    res = _results(run_ranks("remote_worker.py", 2, ["save", snap_env.ckpt_dir, url, "1,2,3,4,5"], env,
+                             timeout=90))
     skipped = sorted(s for k, s in res[0]["events"] if k == "upload_skipped")
     for r in res:
         assert sorted(s for k, s in r["events"] if k == "upload_skipped") == skipped, r["events"]
