@@ -228,15 +228,21 @@ def test_contract5_a_commit_in_flight_is_not_retired_by_a_later_saves_retention(
     the other nodes' watchers read its manifest (one that vanished reads as an aborted commit there). Before,
     step 1 was gone when its commit answered. Step 1 is retired by its own retention once its commit has
     answered (not left until a next commit), and the tracker stays on step 2 throughout (step 1 is behind
-    it). Step 1's commit is held 8 s: step 2's save and commit must end within it (3 s was not always enough
-    on a loaded 2-core CI host: step 1's commit then answered first, and its own retention had retired it)."""
-    monkeypatch.setenv("SNAPCKPT_FAULT_POINT", "commit.before_tracker:step=1:action=sleep:secs=8")  # the persister's
+    it). Step 1's commit is held until step 2's has ended and been checked (fault point ``action=wait``; a fixed
+    sleep had to last 8 s: 3 s was not always enough on a loaded 2-core CI host, step 1's commit then answered
+    first, and its own retention had retired it)."""
+    release = os.path.join(snap_env.tmp, "release-step-1")
+    monkeypatch.setenv("SNAPCKPT_FAULT_POINT",  # the persister's
+                       f"commit.before_tracker:step=1:action=wait:secs=60:path={release}")
     d = snap_env.ckpt_dir
     with Checkpointer(d, keep_last=1, **OPTS) as ck:
         h1 = ck.save(make_state(1, 0), 1)
-        ck.save(make_state(2, 0), 2).wait()
-        assert not h1.done()
-        assert committed_steps(d) == [1, 2] and tracker(d) == "step_00000002"  # in place, still in flight
+        try:
+            ck.save(make_state(2, 0), 2).wait()
+            assert not h1.done()
+            assert committed_steps(d) == [1, 2] and tracker(d) == "step_00000002"  # in place, still in flight
+        finally:
+            open(release, "w").close()
         h1.wait()
         assert wait_until(lambda: committed_steps(d) == [2], timeout=20), committed_steps(d)
         assert tracker(d) == "step_00000002"

@@ -13,7 +13,7 @@ import json
 import re
 
 from _harness import finish, launch, result_lines, wait_until
-from faults import committed, slow_env
+from faults import committed
 
 
 def test_G1_rank_fails_first_the_others_die_of_the_collective_error_resume_from_memory(snap_env):
@@ -53,7 +53,7 @@ def test_G1_ctrl_c_while_the_clean_close_waits_for_a_commit_keeps_the_memory_tie
     worker installs Python's SIGINT handler itself: a run started in the background of a non-interactive
     shell inherits SIGINT ignored, and the Ctrl-C then did nothing (the close ended when the hold did)."""
     release = tmp_path / "release-step-2"
-    env = {**snap_env.env, **slow_env(0.5),
+    env = {**snap_env.env,  # (the hold alone keeps the commit outstanding: no slowed writes, 0.5 s each, before)
            "SNAPCKPT_FAULT_POINT": f"commit.before_rename:step=2:action=wait:path={release}:secs=150"}
     procs = launch("failure_order_worker.py", 2, ["interrupted_close", snap_env.ckpt_dir], env)
     try:

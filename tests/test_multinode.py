@@ -409,8 +409,11 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig, disk6):
     rig.leftover_ok = True
     log = os.path.join(rig.tmp, "losses.log")
     extra = ["--commit-timeout", "40"]
-    env = {} if disk6 == "committed" else {
-        "SNAPCKPT_FAULT_POINT": f"persist.before_part_marker:rank=1:step={DISK}:action=sleep:secs=600"}
+    # node 0's crash flush waits out node 1's lease (renewed every second while it lives): 5 s, not the default
+    # 10, a wait this test spends idle after the loss
+    env = {"SNAPCKPT_PEER_TIMEOUT_SECS": "5"}
+    if disk6 == "in_flight":
+        env["SNAPCKPT_FAULT_POINT"] = f"persist.before_part_marker:rank=1:step={DISK}:action=sleep:secs=600"
     runs = rig.torchrun_all(WORKER, _args(rig.ckpt_dir, "--pause-at", str(PAUSE), *extra, loss_log=log)[1:], 1,
                             env=env)
     _wait_paused(runs, 2)
@@ -435,7 +438,7 @@ def test_G8_node_lost_and_replaced_resumes_from_peer_replica(rig, disk6):
     rig.lose_node(1)
     rig.kill_trainers(0)
     # the whole job died and node 1 is gone: node 0's crash flush still commits step 9, writing rank 1's
-    # part from its replica once node 1's lease is stale (peer_timeout_secs, 10 s)
+    # part from its replica once node 1's lease is stale (peer_timeout_secs, 5 s here)
     assert wait_until(lambda: _read(tracker) == f"step_{PAUSE:08d}", 60), _persister_log(rig.nodes[0])
     assert "rank 1 step 9: part written from the peer replica (the lease of rank 1's node" in _persister_log(
         rig.nodes[0])

@@ -1308,6 +1308,9 @@ def test_H2_uploads_failing_for_the_run_are_told_to_the_training_side_then_the_c
             assert info.levelno == logging.INFO and url in info.getMessage() and "step 4 " in info.getMessage()
             assert len(warnings()) == 1
             assert not [k for k, _ in events if k == "uploaded"]  # no new event kind
+            # step 5's upload ends before the proxy closes (else it fails there and the persister's retries,
+            # 1 + 2 + 4 s of backoff, held the teardown)
+            assert wait_until(lambda: latest() == b"step_00000005", timeout=60)
     finally:
         proxy.close()
     assert sorted(n for n in os.listdir(snap_env.ckpt_dir) if n.startswith("step_")) == \
