@@ -15,8 +15,9 @@ What it shows:
   part of the checkpoint;
 * ``HookRegistry`` snapshots into host memory every ``--memory-interval`` steps and to disk every
   ``--disk-interval`` steps; the state holds model, optimizer, LR scheduler, RNG states, the step
-  and the data position, so an interrupted run resumes with bitwise the same losses (CPU), at any
-  rank count (DDP keeps its initial gradient buckets: see ``train``).
+  and the data position, so an interrupted run resumes with bitwise the same losses (CPU), with any
+  number of ranks (DDP keeps its initial gradient buckets: see ``train``), the same before and after the
+  restart: the plain ``Checkpointer`` does not reshard (another number raises ``IncompatibleCheckpointError``).
 
 On start the script asks ``ckpt.latest_step()``; when a checkpoint exists it loads it (from memory
 if the node's persister survived, from disk otherwise) and prints

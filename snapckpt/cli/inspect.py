@@ -116,20 +116,39 @@ def _inspect_safetensors(path: str, rec: Dict[str, Any]) -> None:
         rec["status"], rec["error"] = "unreadable", f"cannot read the safetensors header: {type(e).__name__}: {e}"
 
 
+def _is_torch_archive(path: str) -> bool:
+    """Whether a file recorded as raw bytes is itself a ``torch.save`` archive (the Trainer's ``scheduler.pt``,
+    ``rng_state_*.pth`` and ``training_args.bin``, which the Hugging Face callback hands over as bytes): one zip
+    from the file's first byte to its last (the archive the end record describes starts at offset 0) with a
+    ``<name>/data.pkl`` entry. A DCP ``.distcp`` shard, a run of ``torch.save`` records and raw tensor data whose
+    end record describes its last record only, is not one."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return False
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            # zipfile shifts every offset by the bytes found before the archive: 0 only for a whole-file zip
+            return (bool(infos) and min(i.header_offset for i in infos) == 0
+                    and any(i.filename.count("/") == 1 and i.filename.endswith("/data.pkl") for i in infos))
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def _inspect_file(args: argparse.Namespace, path: str, rec: Dict[str, Any], kind: Optional[str] = None) -> None:
     """Fill the file record ``rec`` (``status`` "ok", "unreadable", "refused" or "not inspected", its
     ``keys``) from the file at ``path``.
 
     ``kind`` is the manifest record's (``"torch"``: a ``torch.save`` archive; ``"bytes"``: any other format,
-    listed only when it is a safetensors file). Other formats (DCP ``.distcp`` shards, JSON) are not
-    inspected; ``verify`` checks their checksums.
+    listed only when it is a safetensors file or itself a ``torch.save`` archive, :func:`_is_torch_archive`).
+    Other formats (DCP ``.distcp`` shards, JSON) are not inspected; ``verify`` checks their checksums.
     """
     import torch
 
     if path.endswith(".safetensors"):
         _inspect_safetensors(path, rec)
         return
-    if kind not in (None, "torch") or not zipfile.is_zipfile(path):
+    if not (zipfile.is_zipfile(path) if kind in (None, "torch") else _is_torch_archive(path)):
         rec["kind"], rec["status"] = "other", "not inspected"
         return
     rec["kind"] = "torch"
