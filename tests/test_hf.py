@@ -157,14 +157,23 @@ def test_F1_callback_resumes_a_trainer_written_folder(snap_env, stock):
     assert not os.path.exists(os.path.join(out, "checkpoint-5", ".snapckpt"))  # the Trainer's folder untouched
 
 
-def test_memory_tier_resume_after_kill9(snap_env, stock):
+def test_memory_tier_resume_after_kill9_then_B3_damaged_folder_of_the_newest_memory_step(snap_env, stock):
     """A memory snapshot every step with the copy overlapped (``overlap=True``: it runs during the next
     forward and backward, fenced in ``on_pre_optimizer_step``); kill -9 at the end of step 8, before step
     8's snapshot was fenced: that snapshot is lost (as documented) and the newest held one is step 7's,
     copied while step 8 computed. The next Trainer writes step 7 out of memory and the stock resume
     continues with bitwise-equal losses from step 8 on, so the overlapped snapshot held exactly step 7's
     state (A1 with overlap on). No "rewind" warning: memory holding a newer step than the disk is the
-    ordinary case."""
+    ordinary case.
+
+    Then B3 against the memory tier (in the same runs: one start fewer). Fault: that resumed training is
+    killed -9 at the end of step 11, the persister lives on and commits ``checkpoint-10``, then a byte of its
+    ``model.safetensors`` flips; memory still holds step 10, intact. Wrong behaviour (found by a trial): the
+    folder was set aside and the Trainer resumed from ``checkpoint-5``, five steps lost although a complete
+    step 10 was held. Right behaviour: the damaged folder is moved aside (kept), step 10 is written out of
+    memory in its place and the stock resume continues from it with bitwise-equal losses from step 11 on."""
+    from faults import verify_all
+
     _, ref = stock
     out = os.path.join(snap_env.tmp, "run")
     cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False, "overlap": True}}
@@ -173,33 +182,20 @@ def test_memory_tier_resume_after_kill9(snap_env, stock):
     assert wait_until(lambda: os.path.isdir(os.path.join(out, "checkpoint-5")), 30)  # the persister lives on
     assert not os.path.exists(os.path.join(out, "checkpoint-8"))
     log = []
-    second = _run({**cfg, "resume": True}, snap_env.env, log=log)
+    second = _run({**cfg, "resume": True, "kill_at": 11, "die": "kill", "wait_for": "checkpoint-10"}, snap_env.env,
+                  expect_rc=-signal.SIGKILL, log=log)
     assert second["materialized"] == [7, "memory"]
-    _same_steps(_rows(second), ref, range(8, STEPS + 1))
+    _same_steps(_rows(second), ref, range(8, 12))
     # the ordinary resume from memory is no rewind: checkpoint-5, older and saved earlier, was reported as
     # "saved after" step 7 (found by a review helper)
     assert "a rewind?" not in log[0], log[0][-3000:]
 
-
-def test_B3_damaged_folder_of_the_newest_memory_step_is_rewritten_from_memory(snap_env, stock):
-    """B3 against the memory tier. Fault: training is killed -9 at the end of step 11, the persister lives
-    on and commits ``checkpoint-10``, then a byte of its ``model.safetensors`` flips; memory still holds
-    step 10, intact. Wrong behaviour (found by a trial): the folder was set aside and the Trainer resumed
-    from ``checkpoint-5``, five steps lost although a complete step 10 was held. Right behaviour: the
-    damaged folder is moved aside (kept), step 10 is written out of memory in its place and the stock
-    resume continues from it with bitwise-equal losses from step 11 on."""
-    from faults import verify_all
-
-    _, ref = stock
-    out = os.path.join(snap_env.tmp, "run")
-    cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False, "overlap": True}}
-    _run({**cfg, "kill_at": 11, "die": "kill", "wait_for": "checkpoint-10"}, snap_env.env,
-         expect_rc=-signal.SIGKILL)
+    # B3: checkpoint-10 committed by the persister that outlived the second kill, then damaged
     assert snap_env.persisters(), "the persister (and its memory tier) must outlive the killed training"
     _flip(os.path.join(out, "checkpoint-10", "model.safetensors"))
-    second = _run({**cfg, "resume": True}, snap_env.env)
-    assert second["materialized"] == [10, "memory"], second.get("materialized")
-    _same_steps(_rows(second), ref, range(11, STEPS + 1))
+    third = _run({**cfg, "resume": True}, snap_env.env)
+    assert third["materialized"] == [10, "memory"], third.get("materialized")
+    _same_steps(_rows(third), ref, range(11, STEPS + 1))
     assert any(n.startswith(".checkpoint-10.damaged-") for n in os.listdir(out)), os.listdir(out)
     assert verify_all(out) == [], verify_all(out)
 
