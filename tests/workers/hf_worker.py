@@ -96,6 +96,7 @@ class Recorder(TrainerCallback):
     def __init__(self, cfg, snap):
         self.cfg, self.snap = cfg, snap
         self.rows = []
+        self.facts = {}  # known before training (``materialized``): in the result of a run killed early too
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
@@ -106,7 +107,7 @@ class Recorder(TrainerCallback):
         kill_at = self.cfg.get("kill_at")
         if kill_at is None or state.global_step != kill_at:
             return
-        dump(self.cfg, {"rows": self.rows})
+        dump(self.cfg, {**self.facts, "rows": self.rows})
         how = self.cfg["die"]
         if self.cfg.get("wait_for"):
             wait_for = os.path.join(args.output_dir, self.cfg["wait_for"])
@@ -174,6 +175,7 @@ def train(cfg):
     facts = {}
     if snap is not None and snap.resumed_from is not None:
         facts["materialized"] = [snap.resumed_from[0], snap.resumed_from[1].value]
+    rec.facts = dict(facts)
     trainer.train(resume_from_checkpoint=True if cfg.get("resume") else None)
     facts.update(rows=rec.rows, best=trainer.state.best_model_checkpoint,
                  stall=snap.stall_secs if snap else None)
