@@ -25,15 +25,25 @@ from faults import kill_persisters
 WORKER = os.path.join(REPO, "tests", "workers", "accel_worker.py")
 
 
-def _run(cfg, env):
-    cfg = dict(cfg, result=cfg["out"] + f".{cfg['mode']}.{cfg.get('exit_at', 0)}.json")
+def _run(cfg, env, ref=None):
+    """Run the worker; return its facts. ``ref``: a config the same process runs first, to its end (one
+    start fewer); then returns ``(facts, ref_facts)``."""
+    def named(c):
+        return dict(c, result=c["out"] + f".{c['mode']}.{c.get('exit_at', 0)}.json")
+
+    cfg = named(cfg)
+    if ref is not None:
+        cfg["ref"] = named(ref)
     p = subprocess.run([sys.executable, WORKER, json.dumps(cfg)], env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    with open(cfg["result"]) as f:
-        facts = json.load(f)
-    facts["rows"] = {r["step"]: (r["loss"], r["lr"]) for r in facts["rows"]}
-    return facts
+    got = []
+    for c in ([cfg, cfg["ref"]] if ref is not None else [cfg]):
+        with open(c["result"]) as f:
+            facts = json.load(f)
+        facts["rows"] = {r["step"]: (r["loss"], r["lr"]) for r in facts["rows"]}
+        got.append(facts)
+    return tuple(got) if ref is not None else got[0]
 
 
 def _same(got, ref, steps):
@@ -56,9 +66,11 @@ def _modes(d):
 
 def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
     ref_dir, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
-    ref = _run({"out": ref_dir, "mode": "stock", "steps": 10, "save_at": 5}, {})["rows"]
-    first = _run({"out": out, "mode": "snap", "steps": 10, "save_at": 5, "mem": True, "exit_at": 8,
-                  "opts": {"flush_on_crash": False}}, snap_env.env)
+    # the stock run to its end first, in the same process as the snapckpt run that vanishes after step 8
+    first, ref = _run({"out": out, "mode": "snap", "steps": 10, "save_at": 5, "mem": True, "exit_at": 8,
+                       "opts": {"flush_on_crash": False}}, snap_env.env,
+                      ref={"out": ref_dir, "mode": "stock", "steps": 10, "save_at": 5})
+    ref = ref["rows"]
     _same(first["rows"], ref, range(1, 9))
     mine, theirs = os.path.join(out, "checkpoint_5"), os.path.join(ref_dir, "checkpoint_5")
     names = sorted(n for n in os.listdir(mine) if n != ".snapckpt")
@@ -67,10 +79,10 @@ def test_F1_F2_E2_E3_accelerate_folders_and_resume(snap_env, tmp_path):
         assert_equal_state(_load(os.path.join(mine, n)), _load(os.path.join(theirs, n)), n)
     assert _modes(mine) == _modes(theirs)
     # The stock loader resumes from snapckpt's folder (F1), bitwise (E2/E3).
-    stock = _run({"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5}, snap_env.env)
+    # snapckpt's own load after it, in the same process: the newest snapshot is step 8, in memory only.
+    again, stock = _run({"out": out, "mode": "snap", "steps": 10, "opts": {"flush_on_crash": False}}, snap_env.env,
+                        ref={"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5})
     _same(stock["rows"], ref, range(6, 11))
-    # snapckpt's own load: the newest snapshot is step 8, in memory only.
-    again = _run({"out": out, "mode": "snap", "steps": 10, "opts": {"flush_on_crash": False}}, snap_env.env)
     assert again["resumed"] == os.path.join(out, "checkpoint_8")
     assert _modes(os.path.join(out, "checkpoint_8")) == _modes(theirs)  # written out of memory
     _same(again["rows"], ref, range(9, 11))
@@ -87,8 +99,9 @@ def test_resume_at_another_world_size_as_stock_load_state(snap_env):
                                    "--master_addr", "127.0.0.1", "--master_port", str(port), WORKER, json.dumps(cfg)],
                      env={**os.environ, **snap_env.env, "OMP_NUM_THREADS": "1"}, timeout=240)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    stock = _run({"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5}, snap_env.env)
-    snap = _run({"out": out, "mode": "snap", "steps": 10}, snap_env.env)
+    # the stock load first, then snapckpt's, in one process
+    snap, stock = _run({"out": out, "mode": "snap", "steps": 10}, snap_env.env,
+                       ref={"out": out, "mode": "stock_resume", "steps": 10, "resume_from": 5})
     assert snap["resumed"] == os.path.join(out, "checkpoint_5")
     assert sorted(snap["rows"]) == list(range(6, 11)), snap["rows"]
     _same(snap["rows"], stock["rows"], range(6, 11))

@@ -60,8 +60,8 @@ def test_F1_F2_native_layout_every_zero_stage(snap_env):
             assert len(conv) == 1 and conv[0]["diff"] is None and "head.weight" in conv[0]["keys"], (cfg, conv)
 
 
-def _losses(outs, rank):
-    return {r["step"]: r["loss"] for r in map(json.loads, result_lines(outs[rank]))}
+def _losses(outs, rank, tag="RESULT"):
+    return {r["step"]: r["loss"] for r in map(json.loads, result_lines(outs[rank], tag))}
 
 
 def _resumed(out):
@@ -92,7 +92,6 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier, request):
     lost whole (its directory deleted) and a restart there downloads global_step4 before the stock
     ``engine.load_checkpoint`` reads it: steps 5-8 again equal the uninterrupted run's."""
     stage = "2" if tier == "memory" else "3"
-    ref = run_ranks("ds_resume_worker.py", 2, ["-", stage, "fp32", "8", "0", "0", "0", "0"], ENV, timeout=300)
     ckpt = snap_env.ckpt_dir
     mem, disk, wait = ("1", "0", "0") if tier == "memory" else ("0", "2", "1")
     snap_env.leftover_ok = tier == "disk"
@@ -100,9 +99,14 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier, request):
     if tier == "disk":
         bucket = request.getfixturevalue("s3_bucket")
         remote = [bucket.url("ds")]
-    killed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "4", mem, disk, wait] + remote, ENV,
-                       timeout=300, check=False)
+    # the uninterrupted 8 steps (stock engine) first, in the same processes as the run killed after step 5
+    killed = run_ranks("ds_resume_worker.py", 2, [ckpt, stage, "fp32", "8", "4", mem, disk, wait] + remote,
+                       {**ENV, "DS_REF_TOTAL": "8"}, timeout=300, check=False)
     assert all("RESULT" in o for o in killed) and max(_losses(killed, 0)) == 5, killed
+    ref = [_losses(killed, r, "REFLOSS") for r in (0, 1)]
+    assert all(sorted(ref[r]) == list(range(1, 9)) for r in (0, 1)), killed
+    for rank in (0, 1):  # the killed run's own steps 1-5 are the reference's
+        assert all(_losses(killed, rank)[s] == ref[rank][s] for s in range(1, 6)), rank
     if tier == "disk":
         # (commits run in parallel: step 2's may end after step 4's, and its upload then follows step 4's)
         manifests = [f"ds/{tag}/.snapckpt/manifest.json" for tag in ("global_step2", "global_step4")]
@@ -133,7 +137,7 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier, request):
         assert sorted(os.listdir(snap_env.ckpt_dir)) == original
     for rank in (0, 1):
         assert _resumed(resumed[rank]) == [["4", tier]], resumed[rank]
-        got, want = _losses(resumed, rank), _losses(ref, rank)
+        got, want = _losses(resumed, rank), ref[rank]
         assert sorted(got) == [5, 6, 7, 8]
         assert all(got[s] == want[s] for s in got), (rank, got, want)
     if tier == "disk":
@@ -146,7 +150,7 @@ def test_resume_fidelity_after_kill9_config_entry(snap_env, tier, request):
                           + remote, ENV, timeout=300)
         for rank in (0, 1):
             assert _resumed(fresh[rank]) == [["4", "disk"]], fresh[rank][-3000:]
-            got, want = _losses(fresh, rank), _losses(ref, rank)
+            got, want = _losses(fresh, rank), ref[rank]
             assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got), (rank, got, want)
 
 

@@ -39,10 +39,13 @@ WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 STEPS = 12
 
 
-def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240, log=None):
+def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240, log=None, ref=None):
     """Run the worker (``nprocs`` > 1: under torchrun); return rank 0's facts (all ranks' for DDP). ``log``:
-    a list that gets the run's stderr."""
+    a list that gets the run's stderr. ``ref``: a config the same processes run first, to its end (a stock
+    reference: one start fewer); then returns ``(facts, ref_facts)``."""
     cfg = dict(cfg, result=cfg["out"] + ".result")
+    if ref is not None:
+        cfg["ref"] = dict(ref, result=ref["out"] + ".result")
     base = [WORKER, json.dumps(cfg)]
     run_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if nprocs > 1:
@@ -54,11 +57,14 @@ def _run(cfg, env, nprocs=1, expect_rc=0, timeout=240, log=None):
     assert p.returncode == expect_rc, f"rc {p.returncode} != {expect_rc}:\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
     if log is not None:
         log.append(p.stderr)
-    facts = []
-    for r in range(nprocs):
-        with open(f"{cfg['result']}.{r}") as f:
-            facts.append(json.load(f))
-    return facts if nprocs > 1 else facts[0]
+    got = []
+    for c in ([cfg, cfg["ref"]] if ref is not None else [cfg]):
+        facts = []
+        for r in range(nprocs):
+            with open(f"{c['result']}.{r}") as f:
+                facts.append(json.load(f))
+        got.append(facts if nprocs > 1 else facts[0])
+    return tuple(got) if ref is not None else got[0]
 
 
 def _rows(facts):
@@ -151,14 +157,23 @@ def test_F1_callback_resumes_a_trainer_written_folder(snap_env, stock):
     assert not os.path.exists(os.path.join(out, "checkpoint-5", ".snapckpt"))  # the Trainer's folder untouched
 
 
-def test_memory_tier_resume_after_kill9(snap_env, stock):
+def test_memory_tier_resume_after_kill9_then_B3_damaged_folder_of_the_newest_memory_step(snap_env, stock):
     """A memory snapshot every step with the copy overlapped (``overlap=True``: it runs during the next
     forward and backward, fenced in ``on_pre_optimizer_step``); kill -9 at the end of step 8, before step
     8's snapshot was fenced: that snapshot is lost (as documented) and the newest held one is step 7's,
     copied while step 8 computed. The next Trainer writes step 7 out of memory and the stock resume
     continues with bitwise-equal losses from step 8 on, so the overlapped snapshot held exactly step 7's
     state (A1 with overlap on). No "rewind" warning: memory holding a newer step than the disk is the
-    ordinary case."""
+    ordinary case.
+
+    Then B3 against the memory tier (in the same runs: one start fewer). Fault: that resumed training is
+    killed -9 at the end of step 11, the persister lives on and commits ``checkpoint-10``, then a byte of its
+    ``model.safetensors`` flips; memory still holds step 10, intact. Wrong behaviour (found by a trial): the
+    folder was set aside and the Trainer resumed from ``checkpoint-5``, five steps lost although a complete
+    step 10 was held. Right behaviour: the damaged folder is moved aside (kept), step 10 is written out of
+    memory in its place and the stock resume continues from it with bitwise-equal losses from step 11 on."""
+    from faults import verify_all
+
     _, ref = stock
     out = os.path.join(snap_env.tmp, "run")
     cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False, "overlap": True}}
@@ -167,33 +182,20 @@ def test_memory_tier_resume_after_kill9(snap_env, stock):
     assert wait_until(lambda: os.path.isdir(os.path.join(out, "checkpoint-5")), 30)  # the persister lives on
     assert not os.path.exists(os.path.join(out, "checkpoint-8"))
     log = []
-    second = _run({**cfg, "resume": True}, snap_env.env, log=log)
+    second = _run({**cfg, "resume": True, "kill_at": 11, "die": "kill", "wait_for": "checkpoint-10"}, snap_env.env,
+                  expect_rc=-signal.SIGKILL, log=log)
     assert second["materialized"] == [7, "memory"]
-    _same_steps(_rows(second), ref, range(8, STEPS + 1))
+    _same_steps(_rows(second), ref, range(8, 12))
     # the ordinary resume from memory is no rewind: checkpoint-5, older and saved earlier, was reported as
     # "saved after" step 7 (found by a review helper)
     assert "a rewind?" not in log[0], log[0][-3000:]
 
-
-def test_B3_damaged_folder_of_the_newest_memory_step_is_rewritten_from_memory(snap_env, stock):
-    """B3 against the memory tier. Fault: training is killed -9 at the end of step 11, the persister lives
-    on and commits ``checkpoint-10``, then a byte of its ``model.safetensors`` flips; memory still holds
-    step 10, intact. Wrong behaviour (found by a trial): the folder was set aside and the Trainer resumed
-    from ``checkpoint-5``, five steps lost although a complete step 10 was held. Right behaviour: the
-    damaged folder is moved aside (kept), step 10 is written out of memory in its place and the stock
-    resume continues from it with bitwise-equal losses from step 11 on."""
-    from faults import verify_all
-
-    _, ref = stock
-    out = os.path.join(snap_env.tmp, "run")
-    cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False, "overlap": True}}
-    _run({**cfg, "kill_at": 11, "die": "kill", "wait_for": "checkpoint-10"}, snap_env.env,
-         expect_rc=-signal.SIGKILL)
+    # B3: checkpoint-10 committed by the persister that outlived the second kill, then damaged
     assert snap_env.persisters(), "the persister (and its memory tier) must outlive the killed training"
     _flip(os.path.join(out, "checkpoint-10", "model.safetensors"))
-    second = _run({**cfg, "resume": True}, snap_env.env)
-    assert second["materialized"] == [10, "memory"], second.get("materialized")
-    _same_steps(_rows(second), ref, range(11, STEPS + 1))
+    third = _run({**cfg, "resume": True}, snap_env.env)
+    assert third["materialized"] == [10, "memory"], third.get("materialized")
+    _same_steps(_rows(third), ref, range(11, STEPS + 1))
     assert any(n.startswith(".checkpoint-10.damaged-") for n in os.listdir(out)), os.listdir(out)
     assert verify_all(out) == [], verify_all(out)
 
@@ -210,8 +212,9 @@ def _timeless_state(folder, out):
 def test_rotation_best_model_E5_sharded(snap_env, tmp_path):
     cfg = {"steps": 8, "save_steps": 2, "eval_best": True, "limit": 2, "tok": True}
     stock_out, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
-    ref = _run({**cfg, "out": stock_out}, {})
-    mine = _run({**cfg, "out": out, "snap": True, "subclass_args": True, "shard": "40KB"}, snap_env.env)
+    # the stock run first, in the same process (the Trainer seeds model and data again)
+    mine, ref = _run({**cfg, "out": out, "snap": True, "subclass_args": True, "shard": "40KB"}, snap_env.env,
+                     ref={**cfg, "out": stock_out})
     _same_steps(_rows(mine), _rows(ref), range(1, 9))
     assert sorted(os.listdir(out)) == sorted(os.listdir(stock_out))  # same folders rotated away and kept
     assert ref["best"] and os.path.basename(mine["best"]) == os.path.basename(ref["best"])
@@ -236,9 +239,10 @@ def test_rotation_best_model_E5_sharded(snap_env, tmp_path):
 
 def test_ddp_two_ranks_native_folder_and_memory_resume(snap_env, tmp_path):
     ref_out, out = str(tmp_path / "stock"), os.path.join(snap_env.tmp, "run")
-    ref = _run({"out": ref_out, "steps": STEPS}, {}, nprocs=2)
     cfg = {"out": out, "steps": STEPS, "snap": True, "mem": 1, "opts": {"flush_on_crash": False}}
-    first = _run({**cfg, "kill_at": 8, "die": "exit", "wait_for": "checkpoint-5"}, snap_env.env, nprocs=2)
+    # the stock run to the end first, in the same two ranks (the Trainer seeds model and data again)
+    first, ref = _run({**cfg, "kill_at": 8, "die": "exit", "wait_for": "checkpoint-5"}, snap_env.env, nprocs=2,
+                      ref={"out": ref_out, "steps": STEPS})
     for r in range(2):
         _same_steps(_rows(first[r]), _rows(ref[0]), range(1, 9))
     mine, theirs = os.path.join(out, "checkpoint-5"), os.path.join(ref_out, "checkpoint-5")
@@ -303,6 +307,21 @@ def _flip(path):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+def _tree(top):
+    """{relative path: (size in bytes, sha256 hex)} of every file under ``top`` (and every directory: None)."""
+    import hashlib
+
+    got = {}
+    for root, dirs, files in os.walk(top):
+        for d in dirs:
+            got[os.path.relpath(os.path.join(root, d), top)] = None
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                got[os.path.relpath(path, top)] = (os.path.getsize(path), hashlib.sha256(f.read()).hexdigest())
+    return got
+
+
 def _start_raises(cfg, env):
     """Start the worker once; it must fail at Trainer construction. Returns its stderr."""
     cmd = [sys.executable, WORKER, json.dumps(dict(cfg, result=cfg["out"] + ".result"))]
@@ -325,7 +344,8 @@ def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_eve
     naming the damaged file, and the run resumes from checkpoint-10.
 
     Every folder damaged: each start raises ``CheckpointCorruptError`` naming every folder and ``snapckpt
-    verify``, and moves nothing aside, so that a second start raises too instead of training from step 0.
+    verify``, and moves nothing aside and writes nothing, so that the next start meets the same files and raises too
+    instead of training from step 0 (the folder's every file, byte for byte, is the same after the start).
 
     Changed in place is not damage: checkpoint-5's weights were re-sharded by the user (``save_pretrained``
     with a small ``max_shard_size``, then ``model.safetensors`` deleted), so its set of files is no longer its
@@ -376,13 +396,13 @@ def test_B3_damaged_newest_set_aside_at_any_process_count_all_damaged_raises_eve
     victims[5] = os.path.join(five, "optimizer.pt")
     for path in victims.values():
         _flip(path)
-    before = sorted(os.listdir(out))
-    for _ in range(2):
-        err = _start_raises({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
-        assert "CheckpointCorruptError" in err and "snapckpt verify" in err, err[-4000:]
-        for path in victims.values():
-            assert path in err, err[-4000:]
-        assert sorted(os.listdir(out)) == before  # nothing moved aside: the next start raises too
+    before = _tree(out)
+    err = _start_raises({"out": out, "steps": STEPS, "snap": True, "resume": True}, snap_env.env)
+    assert "CheckpointCorruptError" in err and "snapckpt verify" in err, err[-4000:]
+    for path in victims.values():
+        assert path in err, err[-4000:]
+    # nothing moved aside, nothing written: the next start meets the very same files, so it raises too
+    assert _tree(out) == before
 
 
 def test_H4_fresh_node_resumes_a_trainer_from_the_remote_tier(snap_env, stock, s3_bucket):

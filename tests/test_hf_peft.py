@@ -35,22 +35,16 @@ ADAPTER_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors"
                  "scheduler.pt", "trainer_state.json", "training_args.bin"]
 
 
-@pytest.fixture(scope="module")
-def stock_lora(tmp_path_factory):
-    """The stock Trainer on the LoRA model, no callback: 12 steps, saves at 5, 10 and 12."""
-    out = str(tmp_path_factory.mktemp("stock-lora") / "run")
-    facts = _run({"out": out, "steps": STEPS, "lora": True}, {})
-    assert facts["adapter_logits_equal"]  # the reference itself round-trips through from_pretrained
-    return out, _rows(facts)
-
-
-def test_F1_F2_E2_lora_adapter_only_folders_and_memory_resume_after_kill9(snap_env, stock_lora):
-    ref_dir, ref = stock_lora
-    out = os.path.join(snap_env.tmp, "run")
+def test_F1_F2_E2_lora_adapter_only_folders_and_memory_resume_after_kill9(snap_env, tmp_path):
+    ref_dir, out = str(tmp_path / "stock-lora"), os.path.join(snap_env.tmp, "run")
     cfg = {"out": out, "steps": STEPS, "lora": True, "snap": True, "mem": 1, "opts": {"flush_on_crash": False}}
-    # 1. Train to step 8 (checkpoint-5 committed, step 8 held in memory), then kill -9 the training process.
-    first = _run({**cfg, "kill_at": 8, "die": "kill", "wait_for": "checkpoint-5"}, snap_env.env,
-                 expect_rc=-signal.SIGKILL)
+    # 1. The stock Trainer on the LoRA model, no callback (12 steps, saves at 5, 10 and 12), run to its end
+    # first in the same process; then train to step 8 (checkpoint-5 committed, step 8 held in memory) and
+    # kill -9 the training process.
+    first, stock = _run({**cfg, "kill_at": 8, "die": "kill", "wait_for": "checkpoint-5"}, snap_env.env,
+                        expect_rc=-signal.SIGKILL, ref={"out": ref_dir, "steps": STEPS, "lora": True})
+    assert stock["adapter_logits_equal"]  # the reference itself round-trips through from_pretrained
+    ref = _rows(stock)
     _same_steps(_rows(first), ref, range(1, 9))
     assert _files(os.path.join(out, "checkpoint-5")) == ADAPTER_FILES
     _assert_same_folder(os.path.join(out, "checkpoint-5"), os.path.join(ref_dir, "checkpoint-5"))  # F2

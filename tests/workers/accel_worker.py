@@ -7,6 +7,8 @@ Usage: accel_worker.py '<json config>'. Keys: out (checkpoint dir), steps, save_
     "stock_resume": ``accelerator.load_state(out/checkpoint_<resume_from>)`` (stock loader), then train.
 exit_at: after that step, ``os._exit(0)`` (no close). Writes ``result`` (json: per-step losses and lrs,
 ``resumed`` folder; ``result.<process index>`` under torchrun with several processes).
+ref: a whole config (its own result) run first in the same process, to its end (a stock run of the same
+test: one process start fewer; ``setup`` gives the same initial state again).
 """
 import json
 import os
@@ -36,6 +38,13 @@ def setup():
 
 def main():
     cfg = json.loads(sys.argv[1])
+    if cfg.get("ref"):
+        train(cfg["ref"])
+    train(cfg)
+
+
+def train(cfg):
+    """One run of ``cfg`` (the keys above); writes its facts to ``cfg["result"]``."""
     acc, model, opt, loader, sched = setup()
     ck = None
     start, resumed = 0, None

@@ -7,6 +7,9 @@ backward, and DeepSpeed's pre-optimizer-step call fences it). ``CKPT=-`` trains 
 SIGKILLs itself at the end of step KILL_AT+1 (the policy snapshot of step KILL_AT was taken at that step's
 forward and fenced by its ``engine.step()``; with WAIT=1 after waiting for its commit). Prints ``RESULT {"step", "loss"}``
 per step and ``RESUMED <step> <tier>``. REMOTE_DIR (an ``s3://`` URL) goes into the section as ``remote_dir``.
+``DS_REF_TOTAL=N`` in the environment: first train a stock engine (as ``CKPT=-``) N steps in the same process,
+printing ``REFLOSS {"step", "loss"}`` per step (the uninterrupted reference without a launch of its own; every
+engine is built from the same seed and every batch is a function of its step and rank).
 """
 import json
 import os
@@ -24,6 +27,12 @@ def main():
     ckpt, stage, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     total, kill_at, mem, disk, wait = (int(a) for a in sys.argv[4:9])
     deepspeed.init_distributed(dist_backend="gloo")
+    if os.environ.get("DS_REF_TOTAL"):
+        ref = ds_common.build(stage, dtype)
+        for step in range(1, int(os.environ["DS_REF_TOTAL"]) + 1):
+            print("REFLOSS " + json.dumps({"step": step, "loss": ds_common.train_step(ref, step)}), flush=True)
+        ref.destroy()
+        del ref
     stock = ckpt.startswith("stock:")
     if ckpt == "-":
         engine = ds_common.build(stage, dtype)

@@ -12,7 +12,9 @@ Usage: hf_worker.py '<json config>' (single process, or every rank under torchru
     lora: wrap the model in a ``peft.PeftModel`` (LoRA r=4 on c_attn, lora_dropout 0.1); at the end the
     newest checkpoint is loaded with ``PeftModel.from_pretrained`` on a fresh base model and its logits are
     compared with the trained model's (fact ``adapter_logits_equal``);
-    result: file (per rank: RESULT json lines) with per-step losses, lrs and final facts.
+    result: file (per rank: RESULT json lines) with per-step losses, lrs and final facts;
+    ref: a whole config (its own out and result) run first in the same process, to its end (the stock
+    reference of the same test: one process start fewer; the Trainer seeds the model and the data again).
 """
 import dataclasses
 import json
@@ -94,6 +96,7 @@ class Recorder(TrainerCallback):
     def __init__(self, cfg, snap):
         self.cfg, self.snap = cfg, snap
         self.rows = []
+        self.facts = {}  # known before training (``materialized``): in the result of a run killed early too
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
@@ -104,7 +107,7 @@ class Recorder(TrainerCallback):
         kill_at = self.cfg.get("kill_at")
         if kill_at is None or state.global_step != kill_at:
             return
-        dump(self.cfg, {"rows": self.rows})
+        dump(self.cfg, {**self.facts, "rows": self.rows})
         how = self.cfg["die"]
         if self.cfg.get("wait_for"):
             wait_for = os.path.join(args.output_dir, self.cfg["wait_for"])
@@ -126,6 +129,22 @@ def dump(cfg, facts):
 
 def main():
     cfg = json.loads(sys.argv[1])
+    if cfg.get("ref"):
+        train(cfg["ref"])
+    train(cfg)
+    if torch.distributed.is_initialized():
+        # Under torchrun the process sometimes aborts at its very end ("terminate called without an active
+        # exception", SIGABRT, so torchrun exits 1): seen with the stock Trainer without snapckpt too (CI, stops 5
+        # and 6), with and without destroy_process_group(), in torch's C++ teardown. snapckpt was closed by
+        # on_train_end and every result is written: meet the other ranks, then leave without that teardown.
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def train(cfg):
+    """One Trainer run of ``cfg`` (the keys above); writes its facts to ``cfg["result"]``."""
     from snapckpt.hf import SnapckptCallback
 
     cls = MyArgs if cfg.get("subclass_args") else TrainingArguments
@@ -156,6 +175,7 @@ def main():
     facts = {}
     if snap is not None and snap.resumed_from is not None:
         facts["materialized"] = [snap.resumed_from[0], snap.resumed_from[1].value]
+    rec.facts = dict(facts)
     trainer.train(resume_from_checkpoint=True if cfg.get("resume") else None)
     facts.update(rows=rec.rows, best=trainer.state.best_model_checkpoint,
                  stall=snap.stall_secs if snap else None)
@@ -168,15 +188,6 @@ def main():
         facts["args_class"] = type(loaded).__name__
         facts["my_flag"] = loaded.my_flag
     dump(cfg, facts)
-    if torch.distributed.is_initialized():
-        # Under torchrun the process sometimes aborts at its very end ("terminate called without an active
-        # exception", SIGABRT, so torchrun exits 1): seen with the stock Trainer without snapckpt too (CI, stops 5
-        # and 6), with and without destroy_process_group(), in torch's C++ teardown. snapckpt was closed by
-        # on_train_end and every result is written: meet the other ranks, then leave without that teardown.
-        torch.distributed.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":
