@@ -14,6 +14,14 @@ import torch
 from snapckpt.cli.inspect import _inspect_file
 
 
+class TrainingArguments:
+    """A pickled object of the test's own class, as transformers' TrainingArguments in training_args.bin: never
+    among torch's safe globals (``argparse.Namespace`` was: another test in the same worker registered it)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
 def _rec(path: str) -> dict:
     return {"name": os.path.basename(path), "rank": 0, "bytes": os.path.getsize(path), "kind": None,
             "status": "ok", "error": None, "keys": []}
@@ -24,7 +32,7 @@ def test_raw_bytes_torch_archives_are_inspected_and_other_raw_files_are_not(tmp_
     sched = tmp_path / "scheduler.pt"
     torch.save({"last_epoch": 3, "base_lrs": [0.1], "t": torch.zeros(2, 3)}, sched)
     targs = tmp_path / "training_args.bin"
-    torch.save(argparse.Namespace(lr=0.5), targs)
+    torch.save(TrainingArguments(lr=0.5), targs)
     buf = io.BytesIO()
     torch.save({"x": torch.ones(3)}, buf)
     distcp = tmp_path / "__0_0.distcp"
